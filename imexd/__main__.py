@@ -1,0 +1,7 @@
+"""`python -m imexd`: the same entry point as the `imexd` console script."""
+
+import sys
+
+from imexd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""The `imexd` command line: argument parsing and dispatch, nothing else.
+
+Each subcommand is a function `(args) -> exit code` in the module that owns the
+concern, imported only when that subcommand runs (the simulator and the control plane
+do not pay for the agent's imports). Exit codes: 0 success, 1 failure or not ready,
+2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+from imexd import __version__
+from imexd.errors import ConfigError
+from imexd.settings import DEFAULT_CONFIG_PATH
+
+
+class _Command(Protocol):
+    def __call__(self, args: argparse.Namespace) -> int: ...
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-c",
+        "--config",
+        default=None,
+        help=f"settings file (TOML); default {DEFAULT_CONFIG_PATH}, absent = defaults",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="imexd", description="Node-local supervisor for the NVIDIA IMEX daemon."
+    )
+    parser.add_argument("--version", action="version", version=f"imexd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the agent (systemd service, container)")
+    _config_arg(p)
+    p.set_defaults(handler="imexd.agent:cli_run")
+
+    p = sub.add_parser("config", help="validate settings and print the effective values")
+    _config_arg(p)
+    p.set_defaults(handler="imexd.cli:cli_config")
+
+    p = sub.add_parser("render", help="dry run: print the files the agent would write")
+    _config_arg(p)
+    p.add_argument("--members", required=True, help="JSON file: a list of MemberRecords")
+    p.add_argument("--out", default=None, help="write the files into this folder instead")
+    p.set_defaults(handler="imexd.render:cli_render")
+
+    p = sub.add_parser("discover", help="discover the GPU fabric clique through NVML")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds for the NVML child")
+    p.set_defaults(handler="imexd.fabric:cli_discover")
+
+    p = sub.add_parser("check", help="exec probe: exit 0 when the local agent is ready")
+    _config_arg(p)
+    p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
+    p.add_argument("--live", action="store_true", help="check /healthz instead of /readyz")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.set_defaults(handler="imexd.probes_cli:cli_check")
+
+    p = sub.add_parser("status", help="the local agent's state, for a person")
+    _config_arg(p)
+    p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
+    p.add_argument("--json", action="store_true", help="print the HealthReport JSON")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.set_defaults(handler="imexd.probes_cli:cli_status")
+
+    p = sub.add_parser("domain", help="control plane: create, delete, list, status")
+    dsub = p.add_subparsers(dest="domain_command", required=True, metavar="ACTION")
+    q = dsub.add_parser("create", help="publish a DomainSpec (and assignments)")
+    _config_arg(q)
+    q.add_argument("name")
+    q.add_argument("--nodes", default=None, help="comma-separated node names, in slot order")
+    q.add_argument("--max-nodes", type=int, default=None, help="slots per clique")
+    q.set_defaults(handler="imexd.control:cli_domain_create")
+    q = dsub.add_parser("delete", help="delete a domain: agents stop their daemons")
+    _config_arg(q)
+    q.add_argument("name")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for agents")
+    q.set_defaults(handler="imexd.control:cli_domain_delete")
+    q = dsub.add_parser("list", help="list domains with a spec or members")
+    _config_arg(q)
+    q.set_defaults(handler="imexd.control:cli_domain_list")
+    q = dsub.add_parser("status", help="one table from the members' HealthReports")
+    _config_arg(q)
+    q.add_argument("name")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--watch", action="store_true", help="redraw on every change")
+    q.add_argument("--wait", type=float, default=2.0, help="seconds to collect reports")
+    q.set_defaults(handler="imexd.control:cli_domain_status")
+
+    p = sub.add_parser("node", help="control plane: assign nodes to domains")
+    nsub = p.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    q = nsub.add_parser("assign", help="assign NODE to DOMAIN")
+    _config_arg(q)
+    q.add_argument("node")
+    q.add_argument("domain")
+    q.set_defaults(handler="imexd.control:cli_node_assign")
+    q = nsub.add_parser("unassign", help="take NODE out of its domain")
+    _config_arg(q)
+    q.add_argument("node")
+    q.set_defaults(handler="imexd.control:cli_node_unassign")
+
+    p = sub.add_parser("demo", help="form a domain of simulated nodes on this machine")
+    p.add_argument("--nodes", type=int, default=4, help="how many simulated nodes")
+    p.add_argument("--broker", default=None, help="use this broker instead of an embedded one")
+    p.set_defaults(handler="imexd.demo:cli_demo")
+    return parser
+
+
+def cli_config(args: argparse.Namespace) -> int:
+    """Print the effective settings (file + environment) as TOML-like lines."""
+    from imexd.settings import iter_settings, load_settings  # noqa: PLC0415
+
+    settings = load_settings(args.config)
+    for info in iter_settings():
+        value = getattr(getattr(settings, info.section), info.key)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif info.kind == "table":
+            value = dict(value)
+        print(f"{info.section}.{info.key} = {value!r}")
+    return 0
+
+
+def _resolve(target: str) -> _Command:
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    command: _Command = getattr(module, attr)
+    return command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _resolve(args.handler)(args)
+    except ConfigError as exc:
+        print(f"imexd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
