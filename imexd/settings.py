@@ -348,8 +348,12 @@ class BusSettings:
 class ImexSettings:
     """[imex]: the IMEX daemon, its tools and its files."""
 
-    binary: str = _setting("nvidia-imex", "The IMEX daemon binary (path or name on PATH).", _nonempty)
-    ctl: str = _setting("nvidia-imex-ctl", "The IMEX control tool (path or name on PATH).", _nonempty)
+    binary: str = _setting(
+        "nvidia-imex", "The IMEX daemon binary (path or name on PATH).", _nonempty
+    )
+    ctl: str = _setting(
+        "nvidia-imex-ctl", "The IMEX control tool (path or name on PATH).", _nonempty
+    )
     run_dir: str = _setting(
         "/run/imexd", "Where config.cfg and nodes_config.cfg are written.", _abs_path
     )
@@ -401,9 +405,7 @@ class DaemonSettings:
     stop_timeout_s: float = _setting(
         10.0, "Seconds between SIGTERM and SIGKILL when stopping the daemon.", _positive
     )
-    probe_interval_s: float = _setting(
-        5.0, "Seconds between local probes (`ctl -q`).", _positive
-    )
+    probe_interval_s: float = _setting(5.0, "Seconds between local probes (`ctl -q`).", _positive)
     domain_probe_interval_s: float = _setting(
         15.0, "Seconds between domain probes (`ctl -N -j`).", _positive
     )
@@ -430,9 +432,7 @@ class HealthSettings:
 class LogSettings:
     """[log]: the agent's own logs."""
 
-    level: str = _setting(
-        "info", "debug, info, warning, error or critical.", _one_of(*LEVELS)
-    )
+    level: str = _setting("info", "debug, info, warning, error or critical.", _one_of(*LEVELS))
     format: str = _setting(
         "auto",
         '"auto": JSON lines unless the output is a terminal; "json"; "console".',
@@ -498,7 +498,9 @@ def iter_settings() -> Iterator[SettingInfo]:
     for section, cls in SECTIONS.items():
         hints = get_type_hints(cls)
         for f in fields(cls):
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            default: Any = f.default
+            if default is MISSING:
+                default = f.default_factory()  # type: ignore[operator]
             yield SettingInfo(section, f.name, _kind(hints[f.name]), default, f.metadata["doc"])
 
 
@@ -574,7 +576,6 @@ def _env_value(kind: str, text: str) -> Any:
         return text
 
 
-
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -593,7 +594,7 @@ def load_settings(
         with open(source, "rb") as fh:
             raw = tomllib.load(fh)
     except FileNotFoundError:
-        if required or path is not None and str(path) != DEFAULT_CONFIG_PATH:
+        if required or (path is not None and str(path) != DEFAULT_CONFIG_PATH):
             raise ConfigError([f"{source}: file not found"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
@@ -616,8 +617,7 @@ def settings_from_mapping(
     for section, table in raw.items():
         if section not in SECTIONS:
             problems.append(
-                f"[{section}]: unknown section in {source}; expected one of "
-                + ", ".join(SECTIONS)
+                f"[{section}]: unknown section in {source}; expected one of " + ", ".join(SECTIONS)
             )
             continue
         if not isinstance(table, dict):
@@ -629,12 +629,12 @@ def settings_from_mapping(
         if not name.startswith(ENV_PREFIX):
             continue
         rest = name[len(ENV_PREFIX) :].lower()
-        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
-        if section is None:
+        env_section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if env_section is None:
             continue  # IMEXD_SIM_* and other tools' variables
-        key = rest[len(section) + 1 :]
-        kind = kinds.get((section, key), "str")
-        merged.setdefault(section, {})[key] = (_env_value(kind, text), name)
+        key = rest[len(env_section) + 1 :]
+        kind = kinds.get((env_section, key), "str")
+        merged.setdefault(env_section, {})[key] = (_env_value(kind, text), name)
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values: dict[str, Any] = {}
@@ -700,8 +700,7 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     daemon: DaemonSettings = built["daemon"]
     if daemon.backoff_max_s < daemon.backoff_initial_s:
         problems.append(
-            f"daemon.backoff_max_s = {daemon.backoff_max_s}: expected >= "
-            "daemon.backoff_initial_s"
+            f"daemon.backoff_max_s = {daemon.backoff_max_s}: expected >= daemon.backoff_initial_s"
         )
     if domain.assigned and domain.name:
         problems.append(
