@@ -1,0 +1,343 @@
+"""The bus contract: topics and payload types, strictly decoded.
+
+Every payload is a UTF-8 JSON object of at most 16 KiB with `"v": 1`. Unknown fields
+are ignored (forward compatibility); anything else that is wrong is a `Dropped` with a
+reason from a small fixed set, which the bus counts in `imexd_bus_dropped_total{reason}`
+and logs once per sender and reason. These types are also the source of the JSON
+Schemas shipped in docs/schemas/ (`imexd.wire.json_schemas`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+
+MAX_PAYLOAD: Final = 16 * 1024
+VERSION: Final = 1
+NO_CLIQUE_TOPIC: Final = "none"
+"""The topic level standing for an empty clique (nodes without multi-node NVLink)."""
+
+NodeName = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="DNS-1123 subdomain",
+    ),
+]
+DomainName = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="DNS-1123 label",
+    ),
+]
+CliqueId = Annotated[
+    str,
+    msgspec.Meta(
+        max_length=128,
+        pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]*)?$",
+        description='"<cluster-uuid>.<clique-id>", or "" without multi-node NVLink',
+    ),
+]
+Slot = Annotated[int, msgspec.Meta(ge=0, le=2047)]
+MaxNodes = Annotated[int, msgspec.Meta(ge=1, le=2048)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Mode = Literal["names", "addresses"]
+
+
+class MemberState(StrEnum):
+    """Where a node stands in its (domain, clique)."""
+
+    CLAIMING = "claiming"
+    MEMBER = "member"
+    STANDBY = "standby"
+    LEAVING = "leaving"
+
+
+class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's retained record on `{p}/domains/{domain}/members/{clique}/{node}`."""
+
+    v: Literal[1] = 1
+    node: NodeName
+    domain: DomainName
+    clique: CliqueId
+    address: Annotated[str, msgspec.Meta(max_length=64, description="IPv4 or IPv6 address")]
+    slot: Slot | None
+    incarnation: Count
+    state: MemberState
+    max_nodes: MaxNodes
+    mode: Mode
+    driver: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+    def __post_init__(self) -> None:
+        try:
+            ipaddress.ip_address(self.address)
+        except ValueError:
+            raise ValueError(f"address {self.address!r} is not an IP address") from None
+        if self.slot is not None and self.slot >= self.max_nodes:
+            raise ValueError(f"slot {self.slot} is not below max_nodes {self.max_nodes}")
+        if self.state in (MemberState.CLAIMING, MemberState.MEMBER) and self.slot is None:
+            raise ValueError(f"a {self.state.value} record needs a slot")
+
+
+class Condition(msgspec.Struct, frozen=True, kw_only=True):
+    """One fact about the node, Kubernetes-style: status "True", "False" or "Unknown"."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    since: float
+
+
+class DaemonInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The supervised IMEX daemon as the agent sees it."""
+
+    state: str
+    pid: int | None = None
+    restarts: Count = 0
+    last_exit: str | None = None
+    imex_status: str | None = None
+
+
+class SlotView(msgspec.Struct, frozen=True, kw_only=True):
+    """One member slot as the node's own `ctl -N -j` saw it."""
+
+    node: str
+    status: str
+    connected: bool
+
+
+class DomainView(msgspec.Struct, frozen=True, kw_only=True):
+    """The domain as judged by this node over the members only."""
+
+    status: str
+    nodes: dict[str, SlotView] = msgspec.field(default_factory=dict)
+
+
+class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's retained report on `{p}/domains/{domain}/health/{node}` and at /status."""
+
+    v: Literal[1] = 1
+    node: NodeName
+    domain: DomainName | None
+    clique: CliqueId
+    slot: Slot | None
+    incarnation: Count
+    at: float
+    ready: bool
+    conditions: list[Condition]
+    daemon: DaemonInfo
+    domain_view: DomainView | None = None
+    address: str = ""
+    driver: str = ""
+
+
+class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The control plane's retained spec on `{p}/domains/{domain}/spec`."""
+
+    v: Literal[1] = 1
+    domain: DomainName
+    nodes: list[NodeName] | None = None
+    max_nodes: MaxNodes = 18
+    state: Literal["active", "deleting"] = "active"
+    generation: Count = 0
+
+
+class Assignment(msgspec.Struct, frozen=True, kw_only=True):
+    """The control plane's retained assignment on `{p}/nodes/{node}/assignment`."""
+
+    v: Literal[1] = 1
+    domain: DomainName | None
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True):
+    """A round trip through the broker on `{p}/nodes/{node}/ping` that proves the link."""
+
+    v: Literal[1] = 1
+    node: NodeName
+    seq: Count
+    sent: float
+
+
+Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping
+P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping)
+
+
+class DropReason(StrEnum):
+    """Why a message was dropped: the `reason` label of imexd_bus_dropped_total."""
+
+    OVERSIZED = "oversized"
+    NOT_JSON = "not_json"
+    NOT_OBJECT = "not_object"
+    VERSION = "version"
+    SCHEMA = "schema"
+    TOPIC_MISMATCH = "topic_mismatch"
+    UNKNOWN_TOPIC = "unknown_topic"
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A message that failed decoding, with why."""
+
+    reason: DropReason
+    detail: str
+
+
+_json_decoder = msgspec.json.Decoder()
+_json_encoder = msgspec.json.Encoder()
+
+
+def decode(payload: bytes, kind: type[P]) -> P | Dropped:
+    """Decode and validate one payload; never raises for bad input."""
+    if len(payload) > MAX_PAYLOAD:
+        return Dropped(DropReason.OVERSIZED, f"{len(payload)} bytes > {MAX_PAYLOAD}")
+    try:
+        obj: Any = _json_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        return Dropped(DropReason.NOT_JSON, str(exc))
+    if not isinstance(obj, dict):
+        return Dropped(DropReason.NOT_OBJECT, f"a JSON {type(obj).__name__}, not an object")
+    if obj.get("v") != VERSION:
+        return Dropped(DropReason.VERSION, f"v = {obj.get('v')!r}, expected {VERSION}")
+    try:
+        return msgspec.convert(obj, kind)
+    except msgspec.ValidationError as exc:
+        return Dropped(DropReason.SCHEMA, str(exc))
+
+
+def encode(payload: Payload) -> bytes:
+    """Encode a payload as compact JSON."""
+    return _json_encoder.encode(payload)
+
+
+def to_builtins(payload: Payload) -> Any:
+    """The payload as plain dicts and lists (for HTTP responses and tests)."""
+    return msgspec.to_builtins(payload)
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
+    schemas: dict[str, Any] = {}
+    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment):
+        schema = msgspec.json.schema(cls)
+        body = schema["$defs"][cls.__name__]
+        # `v` has a default for the producers' convenience, but the wire requires it.
+        body["required"] = sorted({"v", *body.get("required", [])})
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schemas[cls.__name__] = schema
+    return schemas
+
+
+def now() -> float:
+    """Wall-clock time for `at` and `since` fields (seconds since the epoch)."""
+    return round(time.time(), 3)
+
+
+# Topics
+
+
+def clique_level(clique: str) -> str:
+    """The topic level for a clique id (`none` for the empty clique)."""
+    return clique or NO_CLIQUE_TOPIC
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """Builds and parses every topic under one prefix."""
+
+    prefix: str
+
+    def member(self, domain: str, clique: str, node: str) -> str:
+        return f"{self.prefix}/domains/{domain}/members/{clique_level(clique)}/{node}"
+
+    def members_filter(self, domain: str, clique: str) -> str:
+        return f"{self.prefix}/domains/{domain}/members/{clique_level(clique)}/+"
+
+    def all_members_filter(self, domain: str) -> str:
+        return f"{self.prefix}/domains/{domain}/members/+/+"
+
+    def health(self, domain: str, node: str) -> str:
+        return f"{self.prefix}/domains/{domain}/health/{node}"
+
+    def health_filter(self, domain: str) -> str:
+        return f"{self.prefix}/domains/{domain}/health/+"
+
+    def spec(self, domain: str) -> str:
+        return f"{self.prefix}/domains/{domain}/spec"
+
+    def specs_filter(self) -> str:
+        return f"{self.prefix}/domains/+/spec"
+
+    def assignment(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/assignment"
+
+    def assignments_filter(self) -> str:
+        return f"{self.prefix}/nodes/+/assignment"
+
+    def ping(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/ping"
+
+    def parse(self, topic: str) -> TopicRef | None:
+        """What a topic under this prefix addresses, or None for a foreign topic."""
+        head = self.prefix + "/"
+        if not topic.startswith(head):
+            return None
+        parts = topic[len(head) :].split("/")
+        match parts:
+            case ["domains", domain, "members", clique, node]:
+                c = "" if clique == NO_CLIQUE_TOPIC else clique
+                return TopicRef("member", domain=domain, clique=c, node=node)
+            case ["domains", domain, "health", node]:
+                return TopicRef("health", domain=domain, node=node)
+            case ["domains", domain, "spec"]:
+                return TopicRef("spec", domain=domain)
+            case ["nodes", node, "assignment"]:
+                return TopicRef("assignment", node=node)
+            case ["nodes", node, "ping"]:
+                return TopicRef("ping", node=node)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRef:
+    """The parts of a parsed topic."""
+
+    kind: Literal["member", "health", "spec", "assignment", "ping"]
+    domain: str = ""
+    clique: str = ""
+    node: str = ""
+
+
+def check_topic(ref: TopicRef, payload: Payload) -> str | None:
+    """None when the payload may be published on its topic, else why not.
+
+    A node can only speak for itself: the record's node, domain and clique must be the
+    ones its topic names (with broker ACLs on `%u` this makes spoofing impossible).
+    """
+    if isinstance(payload, MemberRecord):
+        if (payload.node, payload.domain, payload.clique) != (ref.node, ref.domain, ref.clique):
+            return (
+                f"record says {payload.node}@{payload.domain}/{clique_level(payload.clique)}, "
+                f"topic says {ref.node}@{ref.domain}/{clique_level(ref.clique)}"
+            )
+    elif isinstance(payload, HealthReport):
+        if payload.node != ref.node or (payload.domain or "") != ref.domain:
+            return (
+                f"report says {payload.node}@{payload.domain}, topic says {ref.node}@{ref.domain}"
+            )
+    elif isinstance(payload, DomainSpec):
+        if payload.domain != ref.domain:
+            return f"spec says {payload.domain}, topic says {ref.domain}"
+    elif isinstance(payload, Ping) and payload.node != ref.node:
+        return f"ping says {payload.node}, topic says {ref.node}"
+    return None
