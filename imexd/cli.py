@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="validate settings and print the effective values")
     _config_arg(p)
+    p.add_argument(
+        "--example", action="store_true", help="print the commented example file instead"
+    )
     p.set_defaults(handler="imexd.cli:cli_config")
 
     p = sub.add_parser("render", help="dry run: print the files the agent would write")
@@ -116,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_config(args: argparse.Namespace) -> int:
     """Print the effective settings (file + environment) as TOML-like lines."""
-    from imexd.settings import iter_settings, load_settings  # noqa: PLC0415
+    from imexd.settings import example_toml, iter_settings, load_settings  # noqa: PLC0415
 
+    if args.example:
+        print(example_toml(), end="")
+        return 0
     settings = load_settings(args.config)
     for info in iter_settings():
         value = getattr(getattr(settings, info.section), info.key)

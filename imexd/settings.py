@@ -717,3 +717,78 @@ def default_address() -> str:
             if addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return str(addr.address)
     return "127.0.0.1"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    items = ", ".join(f"{k} = {_toml_value(v)}" for k, v in dict(value).items())
+    return "{" + (f" {items} " if items else "") + "}"
+
+
+HOST_SPECIFIC = {("node", "name"), ("node", "address")}
+"""Keys whose default depends on the host: the example shows them commented out."""
+
+
+def example_toml() -> str:
+    """The shipped config/imexd.toml: every key at its default, with a comment each."""
+    lines = [
+        "# imexd settings. Every key is shown at its default; delete what you keep as is.",
+        "# Each key can also be set by the environment: IMEXD_<SECTION>_<KEY>",
+        "# (e.g. IMEXD_NODE_NAME=gpu-01), which wins over this file.",
+        "# Durations are seconds (integer or float).",
+    ]
+    section = ""
+    for info in iter_settings():
+        if info.section != section:
+            section = info.section
+            doc = (SECTIONS[section].__doc__ or "").strip()
+            lines += ["", f"# {doc}", f"[{section}]"]
+        lines += [f"# {line}" for line in _wrap(info.doc, 86)]
+        if (info.section, info.key) in HOST_SPECIFIC:
+            example = "gpu-node-01" if info.key == "name" else "10.0.0.11"
+            lines.append(f"# {info.key} = {_toml_value(example)}")
+        else:
+            lines.append(f"{info.key} = {_toml_value(info.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    out: list[str] = []
+    line = ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            out.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    if line:
+        out.append(line)
+    return out
+
+
+def reference_markdown() -> str:
+    """The settings reference table of docs/configuration.md, generated from the code."""
+    out: list[str] = []
+    section = ""
+    for info in iter_settings():
+        if info.section != section:
+            section = info.section
+            out += ["", f"### [{section}]", "", "| key | environment | default | meaning |"]
+            out.append("| --- | --- | --- | --- |")
+        default = (
+            "host name"
+            if (info.section, info.key) == ("node", "name")
+            else "auto"
+            if (info.section, info.key) == ("node", "address")
+            else _toml_value(info.default)
+        )
+        doc = info.doc.replace("|", "\\|")
+        out.append(f"| `{info.key}` | `{info.env}` | `{default}` | {doc} |")
+    return "\n".join(out).strip() + "\n"

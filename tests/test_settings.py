@@ -1,0 +1,269 @@
+"""Settings: defaults, the file, environment overrides and every kind of wrong value."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from imexd.errors import ConfigError
+from imexd.settings import (
+    example_toml,
+    is_dns1123_label,
+    is_dns1123_subdomain,
+    iter_settings,
+    load_settings,
+    parse_broker_url,
+    reference_markdown,
+    settings_from_mapping,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = {"node": {"name": "n1", "address": "127.0.0.1"}}
+
+
+def problems_of(raw: Mapping[str, object], env: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        settings_from_mapping(raw, environ=env or {})
+    return info.value.problems
+
+
+def test_defaults_load_without_a_file(tmp_path: Path) -> None:
+    """An absent default file gives the documented defaults."""
+    settings = load_settings(None, environ={"IMEXD_NODE_NAME": "gpu-01"})
+    assert settings.node.name == "gpu-01"
+    assert settings.domain.max_nodes == 18
+    assert settings.domain.mode == "names"
+    assert settings.bus.topic_prefix == "imex/v1"
+    assert settings.imex.reload_min_interval_s == 6.0
+    assert settings.imex.server_port == 50000
+    assert settings.health.listen == "127.0.0.1:9440"
+    assert settings.config_path == Path("/run/imexd/config.cfg")
+    assert settings.node.address  # auto-detected
+
+
+def test_named_file_must_exist(tmp_path: Path) -> None:
+    """A --config path that does not exist is an error, not silent defaults."""
+    with pytest.raises(ConfigError, match="file not found"):
+        load_settings(tmp_path / "missing.toml", environ={})
+
+
+def test_file_values_and_env_override(tmp_path: Path) -> None:
+    """The environment wins over the file and is parsed as the setting's type."""
+    path = tmp_path / "imexd.toml"
+    path.write_text(
+        '[node]\nname = "a.b-c"\naddress = "10.0.0.1"\n'
+        '[domain]\nname = "job-1"\nmax_nodes = 4\n'
+        '[daemon]\nstop_timeout_s = 3\n[imex.extra]\nIMEX_WAIT_FOR_QUORUM = "NONE"\n'
+    )
+    env = {
+        "IMEXD_DOMAIN_MAX_NODES": "8",
+        "IMEXD_BUS_URL": "mqtt://a:1884, unix:///run/mqtt.sock",
+        "IMEXD_DOMAIN_ASSIGNED": "no",
+        "IMEXD_IMEX_ENV": '{ FOO = "bar" }',
+        "IMEXD_SIM_HOSTS_FILE": "/ignored",  # the simulator's variable, not a section
+    }
+    s = load_settings(path, environ=env)
+    assert s.node.name == "a.b-c"
+    assert s.domain.max_nodes == 8
+    assert s.daemon.stop_timeout_s == 3.0
+    assert s.bus.url == ("mqtt://a:1884", "unix:///run/mqtt.sock")
+    assert [str(b) for b in s.brokers] == ["mqtt://a:1884", "unix:///run/mqtt.sock"]
+    assert dict(s.imex.extra) == {"IMEX_WAIT_FOR_QUORUM": "NONE"}
+    assert dict(s.imex.env) == {"FOO": "bar"}
+
+
+def test_every_wrong_key_is_reported_at_once() -> None:
+    """One error lists each wrong key with its value and what was expected."""
+    problems = problems_of(
+        {
+            "node": {"name": "Bad_Name", "naem": "x"},
+            "imex": {"server_port": 70000},
+            "daemon": {"stop_timeout_s": -1},
+            "bus": {"url": "http://broker"},
+            "domain": {"name": "a.b", "mode": "ips"},
+            "nope": {},
+        },
+        env={"IMEXD_LOG_LEVEL": "loud"},
+    )
+    text = "\n".join(problems)
+    assert "node.name = 'Bad_Name': expected a DNS-1123 subdomain" in text
+    assert "node.naem: unknown setting" in text
+    assert "imex.server_port = 70000: expected a TCP port 1..65535" in text
+    assert "daemon.stop_timeout_s = -1: expected a duration in seconds > 0" in text
+    assert "bus.url = 'http://broker': expected mqtt://" in text
+    assert "domain.name = 'a.b': expected empty or a DNS-1123 label" in text
+    assert 'domain.mode = \'ips\': expected one of "names", "addresses"' in text
+    assert "[nope]: unknown section" in text
+    assert "IMEXD_LOG_LEVEL = 'loud': expected one of" in text
+    assert len(problems) == 9
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"domain": {"max_nodes": "18"}}, "domain.max_nodes = '18': expected an integer"),
+        ({"domain": {"max_nodes": 0}}, "domain.max_nodes = 0: expected an integer 1..2048"),
+        ({"domain": {"assigned": 1}}, "domain.assigned = 1: expected true or false"),
+        ({"daemon": {"start_s": True}}, "daemon.start_s = True: expected a number of seconds"),
+        ({"daemon": {"start_s": float("nan")}}, "expected a number of seconds"),
+        ({"node": {"address": "10.0.0.300"}}, "expected empty (auto) or an IPv4/IPv6 address"),
+        ({"node": {"clique": "a/b"}}, "node.clique = 'a/b': expected"),
+        ({"node": {"state_dir": "var/lib"}}, "expected an absolute path"),
+        ({"health": {"listen": "9440"}}, "health.listen = '9440': expected HOST:PORT"),
+        ({"bus": {"topic_prefix": "imex/#"}}, "expected topic levels without wildcards"),
+        ({"bus": {"url": []}}, "expected at least one broker URL"),
+        ({"bus": {"url": "mqtt://h:0"}}, "bus.url = 'mqtt://h:0'"),
+        ({"imex": {"extra": {"lower": "1"}}}, "expected a table of UPPER_CASE"),
+        ({"imex": {"extra": {"A": {"b": 1}}}}, "expected a table of KEY = value"),
+        ({"imex": {"cmd_port": 50000}}, "imex.cmd_port = 50000: expected a port other"),
+        ({"bus": {"cert_file": "/c.pem"}}, "bus.cert_file / bus.key_file"),
+        ({"domain": {"assigned": True, "name": "d"}}, "expected empty when domain.assigned"),
+        ({"daemon": {"backoff_initial_s": 9, "backoff_max_s": 1}}, "daemon.backoff_max_s"),
+        ({"node": []}, "node = []: expected a table [node]"),
+    ],
+)
+def test_wrong_values_name_key_value_and_expectation(raw: dict[str, object], expected: str) -> None:
+    """Each kind of wrong value gets a message naming it."""
+    merged = {**BASE, **raw}
+    if "node" in raw and isinstance(raw["node"], dict):
+        merged["node"] = {**BASE["node"], **raw["node"]}
+    assert any(expected in p for p in problems_of(merged))
+
+
+def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
+    """A file that is not TOML is one clear error naming the file."""
+    path = tmp_path / "bad.toml"
+    path.write_text("[node\nname=")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
+        load_settings(path, environ={})
+
+
+def test_broker_urls() -> None:
+    """Broker URLs get default ports per scheme; other schemes are refused."""
+    assert str(parse_broker_url("mqtt://broker")) == "mqtt://broker:1883"
+    assert str(parse_broker_url("mqtts://broker")) == "mqtts://broker:8883"
+    assert str(parse_broker_url("mqtt://[::1]:1999")) == "mqtt://[::1]:1999"
+    assert parse_broker_url("unix:///run/m.sock").path == "/run/m.sock"
+    for bad in ("ws://h", "mqtt://", "unix://rel/path", "mqtt://u@h", "mqtt://h/x", "mqtt://h:x"):
+        with pytest.raises(ValueError):
+            parse_broker_url(bad)
+
+
+def test_shipped_example_lists_every_key_and_loads() -> None:
+    """config/imexd.toml is the generated example, and it loads as the defaults."""
+    shipped = (ROOT / "config" / "imexd.toml").read_text()
+    assert shipped == example_toml()
+    for info in iter_settings():
+        assert f"{info.key} = " in shipped, info.key
+    settings = load_settings(ROOT / "config" / "imexd.toml", environ={"IMEXD_NODE_NAME": "x"})
+    assert settings.domain.max_nodes == 18
+
+
+def test_configuration_doc_lists_every_setting() -> None:
+    """docs/configuration.md carries the generated reference, so no setting is missing."""
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert reference_markdown() in doc
+    for info in iter_settings():
+        assert info.env in doc
+
+
+def test_run_exits_2_on_invalid_config(tmp_path: Path) -> None:
+    """`imexd run` with a wrong key exits 2 and names the key on stderr."""
+    path = tmp_path / "imexd.toml"
+    path.write_text('[imex]\nserver_port = 0\n[node]\nname = "n1"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "imexd", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "imex.server_port = 0: expected a TCP port" in proc.stderr
+
+
+label = st.from_regex(r"\A[a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?\Z")
+
+
+@given(st.lists(label, min_size=1, max_size=4).map(".".join))
+def test_valid_node_names_are_accepted(name: str) -> None:
+    """Every DNS-1123 subdomain is a valid node name."""
+    settings = settings_from_mapping({"node": {"name": name, "address": "127.0.0.1"}}, environ={})
+    assert settings.node.name == name
+
+
+@given(st.text(max_size=30))
+def test_node_name_validation_matches_the_rule(name: str) -> None:
+    """A node name is accepted exactly when it is a DNS-1123 subdomain, else named."""
+    raw = {"node": {"name": name, "address": "127.0.0.1"}}
+    if is_dns1123_subdomain(name):
+        assert settings_from_mapping(raw, environ={}).node.name == name
+    else:
+        assert any(p.startswith("node.name = ") for p in problems_of(raw))
+
+
+@given(st.text(max_size=70))
+def test_domain_name_validation_matches_the_rule(name: str) -> None:
+    """A domain name is accepted exactly when empty or a DNS-1123 label."""
+    raw = {**BASE, "domain": {"name": name}}
+    if name == "" or is_dns1123_label(name):
+        assert settings_from_mapping(raw, environ={}).domain.name == name
+    else:
+        assert any(p.startswith("domain.name = ") for p in problems_of(raw))
+
+
+@given(st.integers(min_value=-(10**6), max_value=10**6))
+def test_ports_in_range_only(port: int) -> None:
+    """Ports are accepted exactly in 1..65535."""
+    raw = {**BASE, "imex": {"server_port": port, "cmd_port": 1 if port != 1 else 2}}
+    if 1 <= port <= 65535:
+        assert settings_from_mapping(raw, environ={}).imex.server_port == port
+    else:
+        assert any(p.startswith("imex.server_port = ") for p in problems_of(raw))
+
+
+@given(
+    st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-1000, 1000),
+        st.text(max_size=5),
+        st.booleans(),
+        st.none(),
+    )
+)
+def test_durations_are_non_negative_numbers(value: object) -> None:
+    """A duration is any finite number >= 0; anything else is named with its key."""
+    if value is None:
+        return  # TOML has no null
+    raw = {**BASE, "domain": {"settle_s": value}}
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+    if ok:
+        assert settings_from_mapping(raw, environ={}).domain.settle_s == float(value)  # type: ignore[arg-type]
+    else:
+        assert any(p.startswith("domain.settle_s = ") for p in problems_of(raw))
+
+
+def test_cli_config_prints_effective_values(tmp_path: Path) -> None:
+    """`imexd config` shows the file and environment merged."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "imexd", "config", "--config", str(ROOT / "config/imexd.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={"IMEXD_NODE_NAME": "gpu-7", "PATH": "/usr/bin:/bin"},
+    )
+    assert "node.name = 'gpu-7'" in proc.stdout
+    assert "domain.max_nodes = 18" in proc.stdout
