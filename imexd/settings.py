@@ -680,6 +680,14 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     imex: ImexSettings = built["imex"]
     bus: BusSettings = built["bus"]
     domain: DomainSettings = built["domain"]
+    from imexd.render import EMPTY_SLOT_ADDRESS, check_extra  # noqa: PLC0415 (cycle)
+
+    problems.extend(check_extra(imex.extra))
+    if node.address == EMPTY_SLOT_ADDRESS:
+        problems.append(
+            f"node.address = {node.address!r}: expected an address other than the "
+            "empty-slot sentinel"
+        )
     if _node_name(node.name) is not None:
         problems.append(
             f"node.name = {node.name!r}: expected a DNS-1123 subdomain (the host name is "

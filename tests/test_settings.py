@@ -127,6 +127,8 @@ def test_every_wrong_key_is_reported_at_once() -> None:
         ({"domain": {"assigned": True, "name": "d"}}, "expected empty when domain.assigned"),
         ({"daemon": {"backoff_initial_s": 9, "backoff_max_s": 1}}, "daemon.backoff_max_s"),
         ({"node": []}, "node = []: expected a table [node]"),
+        ({"imex": {"extra": {"DAEMONIZE": 1}}}, "imex.extra.DAEMONIZE = '1': the agent owns"),
+        ({"node": {"address": "127.0.0.2"}}, "expected an address other than the empty-slot"),
     ],
 )
 def test_wrong_values_name_key_value_and_expectation(raw: dict[str, object], expected: str) -> None:
