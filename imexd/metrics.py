@@ -1,0 +1,172 @@
+"""Prometheus metrics of one agent, in a registry of its own.
+
+Most values are a view of the facts the agent already keeps (daemon state and restarts,
+bus link, members, slot, domain state, readiness): they are read from the last
+`update_from` snapshot when Prometheus scrapes, so no code path has to remember to bump
+a gauge. Events that facts do not carry (a reconcile's duration, a file write, a failed
+probe) are counted as they happen. A private `CollectorRegistry` keeps tests and several
+agents in one process (the demo, scenario tests) from sharing series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from imexd import __version__, health
+from imexd.health import Facts
+from imexd.wire import Condition, DropReason
+
+CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
+"""The Content-Type of `render()`: the Prometheus text format 0.0.4."""
+
+FILES: Final = ("config.cfg", "nodes_config.cfg", "hosts", "state")
+"""The `file` label values pre-created at zero, so rates work from the first write."""
+PROBE_KINDS: Final = ("local", "domain", "ping")
+"""The `kind` label values of probe failures: `ctl -q`, `ctl -N -j`, bus round trip."""
+RECONCILE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """The agent's metrics; `render()` is what `/metrics` serves."""
+
+    def __init__(self, *, version: str = __version__) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._version = version
+        self._facts: Facts | None = None
+        self._ready = False
+        self.registry.register(_FactsCollector(self))
+        self._reconcile = Histogram(
+            "imexd_reconcile_seconds",
+            "Seconds one reconcile took (membership change to files written and daemon signalled).",
+            buckets=RECONCILE_BUCKETS,
+            registry=self.registry,
+        )
+        self._writes = Counter(
+            "imexd_file_writes",
+            "Files written (config.cfg, nodes_config.cfg, hosts, state).",
+            ["file"],
+            registry=self.registry,
+        )
+        self._write_failures = Counter(
+            "imexd_file_write_failures",
+            "File writes that failed (the previous file was left intact).",
+            ["file"],
+            registry=self.registry,
+        )
+        self._probe_failures = Counter(
+            "imexd_probe_failures",
+            "Probes that failed or timed out, by kind (local: ctl -q, domain: ctl -N -j, "
+            "ping: bus round trip).",
+            ["kind"],
+            registry=self.registry,
+        )
+        for name in FILES:
+            self._writes.labels(file=name)
+            self._write_failures.labels(file=name)
+        for kind in PROBE_KINDS:
+            self._probe_failures.labels(kind=kind)
+
+    def update_from(self, facts: Facts, conds: Sequence[Condition]) -> None:
+        """Take the snapshot that the fact-derived series show from now on."""
+        self._facts = facts
+        self._ready = health.ready(conds)
+
+    def observe_reconcile(self, seconds: float) -> None:
+        self._reconcile.observe(seconds)
+
+    def count_write(self, file: str, *, ok: bool) -> None:
+        """Count one write of `file` (a base name such as "hosts"), failed or not."""
+        self._writes.labels(file=file).inc()
+        if not ok:
+            self._write_failures.labels(file=file).inc()
+
+    def count_probe_failure(self, kind: str) -> None:
+        """Count one failed probe of `kind` (see PROBE_KINDS)."""
+        self._probe_failures.labels(kind=kind).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series (content type CONTENT_TYPE)."""
+        return generate_latest(self.registry)
+
+    def _collect_facts(self) -> Iterable[Metric]:
+        f = self._facts
+        if f is None:
+            return
+        d, bus = f.daemon, f.bus
+
+        state = GaugeMetricFamily(
+            "imexd_daemon_state",
+            "1 for the supervisor's current state of the IMEX daemon, 0 for the others.",
+            labels=["state"],
+        )
+        for name in health.DAEMON_STATES:
+            state.add_metric([name], 1.0 if d.state == name else 0.0)
+        yield state
+        yield CounterMetricFamily(
+            "imexd_daemon_restarts", "IMEX daemon restarts since the agent started.", d.restarts
+        )
+        yield CounterMetricFamily(
+            "imexd_daemon_reloads", "SIGUSR1 reloads sent to the IMEX daemon.", d.reloads
+        )
+        yield GaugeMetricFamily(
+            "imexd_bus_connected", "1 while connected to a broker.", 1.0 if bus.connected else 0.0
+        )
+        yield CounterMetricFamily(
+            "imexd_bus_reconnects", "Reconnections to the broker.", bus.reconnects
+        )
+        dropped = CounterMetricFamily(
+            "imexd_bus_dropped",
+            "Bus messages dropped as invalid, by reason.",
+            labels=["reason"],
+        )
+        for reason in _drop_reasons(bus.dropped):
+            dropped.add_metric([reason], bus.dropped.get(reason, 0))
+        yield dropped
+        yield GaugeMetricFamily(
+            "imexd_domain_members",
+            "Settled members of the node's (domain, clique).",
+            len(f.membership.members),
+        )
+        yield GaugeMetricFamily(
+            "imexd_slot", "The node's slot; -1 without one.", -1 if f.slot is None else f.slot
+        )
+        judged = health.domain_state(f)
+        domain = GaugeMetricFamily(
+            "imexd_domain_state",
+            "1 for the domain's state as this node judges it over the members; all 0 "
+            "when there is nothing to judge.",
+            labels=["state"],
+        )
+        for name in health.DOMAIN_STATES:
+            domain.add_metric([name], 1.0 if judged == name else 0.0)
+        yield domain
+        yield GaugeMetricFamily(
+            "imexd_ready", "1 when /readyz answers 200.", 1.0 if self._ready else 0.0
+        )
+        info = GaugeMetricFamily(
+            "imexd_info",
+            "Constant 1, labelled with who this agent is.",
+            labels=["node", "domain", "clique", "version"],
+        )
+        info.add_metric([f.node, f.domain or "", f.clique, self._version], 1.0)
+        yield info
+
+
+def _drop_reasons(counts: Mapping[str, int]) -> list[str]:
+    return sorted({r.value for r in DropReason} | set(counts))
+
+
+class _FactsCollector(Collector):
+    """Reads the fact-derived series from a Metrics at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._metrics._collect_facts())

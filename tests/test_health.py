@@ -1,0 +1,547 @@
+"""The pure health model: every condition reason, readiness, reports and heartbeats."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+import msgspec
+import pytest
+
+from imexd import health, wire
+from imexd.health import (
+    BusFacts,
+    DaemonFacts,
+    DomainProbe,
+    FabricFacts,
+    Facts,
+    Health,
+    Heartbeats,
+    Member,
+    MembershipFacts,
+    SlotProbe,
+)
+from imexd.wire import Condition, HealthReport
+
+T0 = 1_000.0
+
+
+def working(**changes: Any) -> Facts:
+    """A member of d1 with a READY daemon and a healthy three-node domain."""
+    members = {
+        0: Member("n1", "10.0.0.1"),
+        1: Member("n2", "10.0.0.2"),
+        2: Member("n3", "10.0.0.3"),
+    }
+    base = Facts(
+        node="n1",
+        domain="d1",
+        clique="c0ffee.1",
+        address="10.0.0.1",
+        slot=0,
+        incarnation=4,
+        driver="570.86",
+        bus=BusFacts(connected=True, synced=True, broker="mqtt://10.0.0.9:1883"),
+        membership=MembershipFacts(state="member", max_nodes=18, members=members),
+        daemon=DaemonFacts(state="RUNNING", pid=4242, restarts=1, imex_status="READY"),
+        domain_probe=DomainProbe(
+            slots={s: SlotProbe(m.node, "READY", True) for s, m in members.items()}
+        ),
+        fabric=FabricFacts(source="nvml"),
+    )
+    return replace(base, **changes)
+
+
+def judge(facts: Facts) -> dict[str, Condition]:
+    return {c.type: c for c in health.conditions(facts, [], T0)}
+
+
+def cond(facts: Facts, kind: str) -> Condition:
+    return judge(facts)[kind]
+
+
+def daemon(**changes: Any) -> Facts:
+    return working(daemon=replace(working().daemon, **changes))
+
+
+def membership(**changes: Any) -> Facts:
+    return working(membership=replace(working().membership, **changes))
+
+
+def probe(**changes: Any) -> Facts:
+    base = working().domain_probe
+    assert base is not None
+    return working(domain_probe=replace(base, **changes))
+
+
+# Readiness
+
+
+def test_working_member_is_ready_with_every_condition_true() -> None:
+    """A settled member with a READY daemon and a connected domain is ready on all counts."""
+    conds = health.conditions(working(), [], T0)
+    assert [(c.type, c.status, c.reason) for c in conds] == [
+        ("BusConnected", "True", "Connected"),
+        ("SlotSettled", "True", "Settled"),
+        ("DaemonReady", "True", "Ready"),
+        ("DomainUp", "True", "Up"),
+        ("FabricReady", "True", "Ready"),
+    ]
+    assert health.ready(conds)
+    assert health.reason_line(conds) == ""
+
+
+def test_idle_node_is_ready_and_says_it_has_no_domain() -> None:
+    """A node without a domain has nothing to do, so it is ready and says why."""
+    facts = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
+    conds = judge(facts)
+    assert (conds["SlotSettled"].status, conds["SlotSettled"].reason) == ("True", "NoDomain")
+    assert (conds["DaemonReady"].status, conds["DaemonReady"].reason) == ("True", "NotApplicable")
+    assert (conds["DomainUp"].status, conds["DomainUp"].reason) == ("Unknown", "NoDomain")
+    assert health.ready(list(conds.values()))
+
+
+def test_domain_up_is_not_part_of_readiness() -> None:
+    """A peer being down must not take this node out of service."""
+    facts = probe(unreachable=("n2",))
+    conds = health.conditions(facts, [], T0)
+    assert cond(facts, "DomainUp").status == "False"
+    assert health.ready(conds)
+
+
+def test_missing_readiness_condition_is_not_ready() -> None:
+    """A condition list without one of the readiness types is not ready."""
+    conds = [c for c in health.conditions(working(), [], T0) if c.type != "BusConnected"]
+    assert not health.ready(conds)
+    assert health.failing(conds)[0].reason == "Missing"
+
+
+# BusConnected
+
+
+def test_bus_disconnected_names_broker_and_last_error() -> None:
+    """A lost broker link says where it tried and what went wrong."""
+    facts = working(bus=BusFacts(broker="mqtt://b:1883", last_error="connection refused"))
+    c = cond(facts, "BusConnected")
+    assert (c.status, c.reason) == ("False", "Disconnected")
+    assert "mqtt://b:1883" in c.message
+    assert "connection refused" in c.message
+    assert not health.ready(health.conditions(facts, [], T0))
+
+
+def test_bus_connected_but_not_synced_is_not_ready() -> None:
+    """Until the retained snapshot is seen, the member records mean nothing."""
+    facts = working(bus=BusFacts(connected=True, synced=False))
+    assert cond(facts, "BusConnected").reason == "Syncing"
+    assert cond(facts, "BusConnected").status == "False"
+
+
+def test_bus_publish_refused_names_the_topics() -> None:
+    """A retained publish that never came back is reported as a likely ACL refusal."""
+    topic = "imex/v1/domains/d1/members/c0ffee.1/n1"
+    facts = working(bus=BusFacts(connected=True, synced=True, refused=(topic,)))
+    c = cond(facts, "BusConnected")
+    assert (c.status, c.reason) == ("False", "PublishRefused")
+    assert topic in c.message
+    assert "ACL" in c.message
+
+
+# SlotSettled
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        ("claiming", "Claiming"),
+        ("none", "Joining"),
+        ("leaving", "Leaving"),
+        ("standby", "NoSlot"),
+        ("out", "NoSlot"),
+    ],
+)
+def test_slot_not_settled_states(state: Any, reason: str) -> None:
+    """Each unsettled membership state has its own reason."""
+    c = cond(membership(state=state), "SlotSettled")
+    assert (c.status, c.reason) == ("False", reason)
+
+
+def test_slot_claiming_names_the_slot() -> None:
+    """A pending claim says which slot it wants."""
+    facts = replace(membership(state="claiming"), slot=5)
+    assert "slot 5" in cond(facts, "SlotSettled").message
+
+
+def test_slot_domain_full() -> None:
+    """A node that found every slot taken says how many slots the domain has."""
+    facts = membership(state="standby", reason="DomainFull", max_nodes=2)
+    c = cond(replace(facts, slot=None), "SlotSettled")
+    assert (c.status, c.reason) == ("False", "DomainFull")
+    assert "all 2 slots of d1/c0ffee.1" in c.message
+
+
+def test_slot_not_in_spec() -> None:
+    """A node left out of the spec's node list says so, with the spec's detail."""
+    facts = membership(state="out", reason="NotInSpec", detail="the spec lists n2, n3")
+    c = cond(facts, "SlotSettled")
+    assert (c.status, c.reason) == ("False", "NotInSpec")
+    assert "n1" in c.message
+    assert "n2, n3" in c.message
+
+
+def test_slot_node_map_mismatch_names_offending_members() -> None:
+    """A member with another max_nodes or mode blocks the daemon, and is named."""
+    facts = membership(reason="NodeMapMismatch", offending=("n7", "n9"))
+    c = cond(facts, "SlotSettled")
+    assert (c.status, c.reason) == ("False", "NodeMapMismatch")
+    assert "n7, n9" in c.message
+    assert not health.ready(health.conditions(facts, [], T0))
+
+
+def test_slot_settled_counts_members() -> None:
+    """A settled slot says where it is and how full the domain is."""
+    c = cond(working(), "SlotSettled")
+    assert c.message == "slot 0 of d1/c0ffee.1 (3 of 18 slots taken)"
+
+
+def test_empty_clique_topic_level_is_none() -> None:
+    """The empty clique reads as `none` in messages, as on the bus."""
+    facts = replace(membership(state="claiming"), clique="")
+    assert "d1/none" in cond(facts, "SlotSettled").message
+
+
+# DaemonReady
+
+
+def test_daemon_starting() -> None:
+    """A daemon within its start seconds is Starting."""
+    c = cond(daemon(state="STARTING", imex_status=""), "DaemonReady")
+    assert (c.status, c.reason) == ("False", "Starting")
+
+
+def test_daemon_running_before_first_probe_is_starting() -> None:
+    """RUNNING without a probe answer yet is still Starting, with its pid."""
+    c = cond(daemon(imex_status=""), "DaemonReady")
+    assert (c.status, c.reason) == ("False", "Starting")
+    assert "4242" in c.message
+
+
+def test_daemon_backoff_has_exit_and_last_line() -> None:
+    """A restart pending after a crash says how the daemon exited and what it said."""
+    facts = daemon(
+        state="BACKOFF", pid=None, restarts=3, last_exit="exit 3", last_line="bind failed"
+    )
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "Backoff")
+    assert c.message == "restart 3 pending after exit 3: bind failed"
+
+
+def test_daemon_crash_loop_uses_supervisor_message() -> None:
+    """FATAL after too many failed starts carries the supervisor's exit and last line."""
+    facts = daemon(
+        state="FATAL", reason="DaemonCrashLoop", message="exit 3: cannot bind 10.0.0.1:50000"
+    )
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "DaemonCrashLoop")
+    assert c.message == "exit 3: cannot bind 10.0.0.1:50000"
+    line = health.reason_line(health.conditions(facts, [], T0))
+    assert line == "DaemonReady=False DaemonCrashLoop: exit 3: cannot bind 10.0.0.1:50000"
+
+
+def test_daemon_fatal_without_message_builds_it_from_the_exit() -> None:
+    """FATAL without a supervisor message falls back to the last exit and line."""
+    facts = daemon(state="FATAL", last_exit="signal SIGSEGV", last_line="oops")
+    c = cond(facts, "DaemonReady")
+    assert (c.reason, c.message) == ("DaemonCrashLoop", "signal SIGSEGV: oops")
+
+
+def test_daemon_conflicting() -> None:
+    """Another IMEX daemon on our config or ports is reported, not fought."""
+    facts = daemon(
+        state="STOPPED",
+        pid=None,
+        reason="ConflictingDaemon",
+        message="pid 77 runs /etc/nvidia-imex/config.cfg",
+    )
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "ConflictingDaemon")
+    assert "pid 77" in c.message
+
+
+def test_daemon_config_write_failed_says_which_file_and_how() -> None:
+    """A failed file write names the file, the method and the error."""
+    facts = daemon(write_error="read-only file system", write_path="/etc/hosts")
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "ConfigWriteFailed")
+    assert c.message == "cannot write /etc/hosts (by rename): read-only file system"
+    facts = daemon(write_error="EBUSY", write_path="/etc/hosts", write_method="in_place")
+    assert "(in place)" in cond(facts, "DaemonReady").message
+
+
+def test_daemon_ready_mentions_in_place_writes() -> None:
+    """Files written in place (bind-mounted hosts) are visible in the Ready message."""
+    c = cond(daemon(write_method="in_place"), "DaemonReady")
+    assert (c.status, c.reason) == ("True", "Ready")
+    assert "in place" in c.message
+
+
+def test_daemon_not_applicable_for_empty_clique_is_ready() -> None:
+    """A member without multi-node NVLink runs no daemon and is still ready."""
+    facts = working(clique="", daemon=DaemonFacts(), domain_probe=None)
+    conds = health.conditions(facts, [], T0)
+    c = {x.type: x for x in conds}
+    assert (c["DaemonReady"].status, c["DaemonReady"].reason) == ("True", "NotApplicable")
+    assert (c["FabricReady"].status, c["FabricReady"].reason) == ("True", "NotApplicable")
+    assert (c["DomainUp"].status, c["DomainUp"].reason) == ("Unknown", "NotApplicable")
+    assert health.ready(conds)
+
+
+def test_daemon_probe_failed() -> None:
+    """A failing `ctl -q` is ProbeFailed with the error, not a guess at the state."""
+    c = cond(daemon(probe_error="timed out after 5 s"), "DaemonReady")
+    assert (c.status, c.reason) == ("False", "ProbeFailed")
+    assert "timed out after 5 s" in c.message
+
+
+def test_daemon_not_ready_gives_the_imex_state_word() -> None:
+    """A running daemon that is not READY says which IMEX state it is in."""
+    c = cond(daemon(imex_status="WAITING_FOR_PEERS"), "DaemonReady")
+    assert (c.status, c.reason, c.message) == (
+        "False",
+        "NotReady",
+        "IMEX state WAITING_FOR_PEERS",
+    )
+
+
+def test_daemon_not_started_while_slot_unsettled() -> None:
+    """A stopped daemon waiting for its slot says it waits for the slot."""
+    facts = replace(membership(state="claiming"), daemon=DaemonFacts())
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "NotStarted")
+    assert "slot" in c.message
+
+
+def test_daemon_stopping_and_other_supervisor_reasons() -> None:
+    """STOPPING has its own reason and an unknown supervisor reason passes through."""
+    assert cond(daemon(state="STOPPING"), "DaemonReady").reason == "Stopping"
+    c = cond(daemon(state="STOPPED", reason="SpawnFailed", message="no such file"), "DaemonReady")
+    assert (c.status, c.reason, c.message) == ("False", "SpawnFailed", "no such file")
+
+
+def test_split_reason() -> None:
+    """A supervisor's "Word: text" reason splits into the reason and the message."""
+    assert health.split_reason("DaemonCrashLoop: exit 3: bind: failed") == (
+        "DaemonCrashLoop",
+        "exit 3: bind: failed",
+    )
+    assert health.split_reason("exit 3: boom") == ("", "exit 3: boom")
+    assert health.split_reason("") == ("", "")
+
+
+# DomainUp
+
+
+def test_domain_up_judged_over_members_only() -> None:
+    """Empty slots (15 of 18 here) do not make the domain look degraded."""
+    c = cond(working(), "DomainUp")
+    assert (c.status, c.reason) == ("True", "Up")
+    assert health.domain_state(working()) == "UP"
+
+
+def test_domain_peers_unreachable_names_them() -> None:
+    """Members that are unreachable or not connected are named in the message."""
+    base = working().domain_probe
+    assert base is not None
+    slots = dict(base.slots)
+    slots[2] = SlotProbe("n3", "READY", False)
+    facts = probe(slots=MappingProxyType(slots), unreachable=("n2",))
+    c = cond(facts, "DomainUp")
+    assert (c.status, c.reason) == ("False", "PeersUnreachable")
+    assert "n2, n3" in c.message
+    assert health.domain_state(facts) == "DOWN"
+
+
+def test_domain_degraded_when_some_peers_are_fine() -> None:
+    """One of two peers unreachable is DEGRADED, not DOWN."""
+    facts = probe(unreachable=("n3",))
+    assert health.domain_state(facts) == "DEGRADED"
+    assert "n3" in cond(facts, "DomainUp").message
+
+
+def test_domain_member_missing_from_probe_is_unreachable() -> None:
+    """A member the probe did not show at all is counted as not connected."""
+    facts = probe(slots=MappingProxyType({0: SlotProbe("n1", "READY", True)}))
+    assert "n2, n3" in cond(facts, "DomainUp").message
+
+
+def test_domain_version_mismatch() -> None:
+    """`!V!` cells become VersionMismatch naming the nodes."""
+    c = cond(probe(version_mismatch=("n2",)), "DomainUp")
+    assert (c.status, c.reason) == ("False", "VersionMismatch")
+    assert "n2" in c.message
+
+
+def test_domain_forming_before_the_first_probe() -> None:
+    """Without a domain probe yet, or a daemon not READY, the domain is Forming."""
+    assert cond(working(domain_probe=None), "DomainUp").reason == "Forming"
+    assert cond(daemon(imex_status="WAITING_FOR_PEERS"), "DomainUp").reason == "Forming"
+    assert health.domain_state(working(domain_probe=None)) == "FORMING"
+
+
+def test_domain_not_judged_while_the_local_daemon_is_down() -> None:
+    """A crash-looping local daemon makes DomainUp point at DaemonReady, not at peers."""
+    facts = daemon(state="FATAL", reason="DaemonCrashLoop", message="exit 3")
+    c = cond(facts, "DomainUp")
+    assert (c.status, c.reason) == ("False", "DaemonDown")
+    assert "FATAL" in c.message
+    assert health.domain_state(facts) is None
+    assert health.report(facts, [], T0).domain_view is None
+
+
+def test_domain_probe_failed_is_unknown() -> None:
+    """A failing `ctl -N -j` makes the domain unknown, not down."""
+    c = cond(probe(error="exit 1"), "DomainUp")
+    assert (c.status, c.reason) == ("Unknown", "ProbeFailed")
+    assert health.domain_state(probe(error="exit 1")) is None
+
+
+def test_long_name_lists_are_shortened() -> None:
+    """A message names a few nodes and counts the rest, to keep reports small."""
+    names = tuple(f"n{i}" for i in range(2, 20))
+    c = cond(probe(unreachable=names), "DomainUp")
+    assert "and 10 more" in c.message
+
+
+# FabricReady
+
+
+def test_fabric_discovery_failed() -> None:
+    """NVML discovery failure says what failed and what to set instead."""
+    facts = working(fabric=FabricFacts(source="nvml", error="NVML: GPUs disagree; set clique"))
+    c = cond(facts, "FabricReady")
+    assert (c.status, c.reason) == ("False", "DiscoveryFailed")
+    assert "set clique" in c.message
+
+
+def test_fabric_ready_says_where_the_clique_came_from() -> None:
+    """A clique from the settings and one from NVML read differently."""
+    assert "NVML" in cond(working(), "FabricReady").message
+    assert "configuration" in cond(working(fabric=FabricFacts()), "FabricReady").message
+
+
+# since, messages, reports
+
+
+def test_since_is_kept_while_status_and_reason_hold() -> None:
+    """A changed message keeps `since`; a changed reason resets it."""
+    first = health.conditions(probe(unreachable=("n2",)), [], T0)
+    second = health.conditions(probe(unreachable=("n2", "n3")), first, T0 + 10)
+    third = health.conditions(working(), second, T0 + 20)
+    up = {c.type: c for c in second}["DomainUp"]
+    assert up.since == T0
+    assert "n3" in up.message
+    assert {c.type: c for c in third}["DomainUp"].since == T0 + 20
+    assert {c.type: c for c in third}["BusConnected"].since == T0
+
+
+def test_messages_are_one_clipped_line() -> None:
+    """Daemon output with newlines and great length becomes one short line."""
+    facts = daemon(state="FATAL", message="exit 3:\n" + "x" * 1000)
+    c = cond(facts, "DaemonReady")
+    assert "\n" not in c.message
+    assert len(c.message) == health.MESSAGE_MAX
+
+
+def test_report_validates_against_the_payload_type() -> None:
+    """The report round-trips through strict decoding and shows the members only."""
+    facts = working()
+    rep = health.report(facts, health.conditions(facts, [], T0), T0 + 1)
+    decoded = wire.decode(wire.encode(rep), HealthReport)
+    assert decoded == rep
+    assert rep.ready
+    assert rep.at == T0 + 1
+    assert rep.daemon.imex_status == "READY"
+    assert rep.domain_view is not None
+    assert rep.domain_view.status == "UP"
+    assert sorted(rep.domain_view.nodes) == ["0", "1", "2"]
+    schema = wire.json_schemas()["HealthReport"]
+    assert set(schema["$defs"]["HealthReport"]["required"]) <= set(msgspec.to_builtins(rep))
+
+
+def test_idle_report_has_no_domain_view() -> None:
+    """An idle node reports no domain, no slot and no domain view."""
+    facts = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
+    rep = health.report(facts, health.conditions(facts, [], T0), T0)
+    assert (rep.domain, rep.slot, rep.domain_view, rep.ready) == (None, None, None, True)
+    assert isinstance(wire.decode(wire.encode(rep), HealthReport), HealthReport)
+
+
+def test_summary_lines() -> None:
+    """The systemd STATUS line says what the node does, or why it is not ready."""
+    ok = working()
+    assert health.summary(ok, health.conditions(ok, [], T0)) == (
+        "ready: d1 slot 0, IMEX READY, domain UP"
+    )
+    idle = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
+    assert health.summary(idle, health.conditions(idle, [], T0)) == "ready: idle (no domain)"
+    bad = daemon(state="FATAL", message="exit 3: boom")
+    assert health.summary(bad, health.conditions(bad, [], T0)) == (
+        "not ready: DaemonReady=False DaemonCrashLoop: exit 3: boom"
+    )
+
+
+def test_health_update_reports_changes_only() -> None:
+    """Health.update is True when the report changed and keeps `since` across updates."""
+    now = [T0]
+    h = Health(working(), clock=lambda: now[0])
+    now[0] = T0 + 5
+    assert not h.update(working())
+    assert h.update(daemon(imex_status="WAITING_FOR_PEERS"))
+    assert not h.is_ready
+    assert {c.type: c for c in h.conditions}["DaemonReady"].since == T0 + 5
+    assert h.report().at == T0 + 5
+    assert h.summary().startswith("not ready: DaemonReady=False NotReady")
+
+
+# Heartbeats
+
+
+class FakeClock:
+    """A monotonic clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_heartbeat_goes_stale_after_three_of_its_own_intervals() -> None:
+    """Each task is judged by its own interval, and a beat makes it fresh again."""
+    clock = FakeClock()
+    hb = Heartbeats(clock=clock)
+    hb.register("bus", 10.0)
+    hb.register("main", 1.0)
+    clock.t += 3.5
+    assert hb.stale() == [("main", 3.5)]
+    hb.beat("main")
+    clock.t += 27.0
+    assert [name for name, _ in hb.stale()] == ["bus", "main"]
+    assert "task bus silent for 30.5 s (interval 10 s)" in hb.describe(hb.stale())
+    hb.beat("bus")
+    hb.beat("main")
+    assert hb.stale() == []
+
+
+def test_heartbeat_unregister_and_unknown_names() -> None:
+    """An unregistered task no longer counts; beating an unknown task is a bug."""
+    clock = FakeClock()
+    hb = Heartbeats(clock=clock)
+    hb.register("once", 1.0)
+    hb.unregister("once")
+    clock.t += 100
+    assert hb.stale() == []
+    with pytest.raises(KeyError):
+        hb.beat("nobody")
+    with pytest.raises(ValueError, match="must be > 0"):
+        hb.register("bad", 0)

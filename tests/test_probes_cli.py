@@ -1,0 +1,231 @@
+"""`imexd check` and `imexd status` as subprocesses against a real agent endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from imexd.health import (
+    BusFacts,
+    DaemonFacts,
+    Facts,
+    Health,
+    Heartbeats,
+    Member,
+    MembershipFacts,
+)
+from imexd.http import HealthServer
+from imexd.metrics import Metrics
+from imexd.wire import HealthReport
+from tests.support import free_port
+
+IMEXD = str(Path(sys.executable).with_name("imexd"))
+READY = Facts(
+    node="n1",
+    domain="d1",
+    clique="c0ffee.1",
+    address="127.0.0.1",
+    slot=3,
+    bus=BusFacts(connected=True, synced=True),
+    membership=MembershipFacts(state="member", members={3: Member("n1", "127.0.0.1")}),
+    daemon=DaemonFacts(state="RUNNING", pid=77, restarts=4, imex_status="READY"),
+)
+CRASHING = replace(
+    READY,
+    daemon=DaemonFacts(
+        state="FATAL",
+        restarts=5,
+        last_exit="exit 3",
+        reason="DaemonCrashLoop",
+        message="exit 3: cannot bind 127.0.0.1:50000",
+    ),
+)
+
+
+class Clock:
+    """A monotonic clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.t = 10.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Endpoint:
+    """A served agent state that the test can change."""
+
+    def __init__(self, server: HealthServer, health: Health, clock: Clock) -> None:
+        self.server = server
+        self.health = health
+        self.clock = clock
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@contextlib.asynccontextmanager
+async def serving(facts: Facts, listen: str = "127.0.0.1:0") -> AsyncIterator[Endpoint]:
+    clock = Clock()
+    beats = Heartbeats(clock=clock)
+    beats.register("main", 1.0)
+    state = Health(facts)
+    server = HealthServer(listen, heartbeats=beats, health=state, metrics=Metrics())
+    async with server:
+        yield Endpoint(server, state, clock)
+
+
+@pytest.fixture
+async def ready_agent() -> AsyncIterator[Endpoint]:
+    """A ready agent on a free port."""
+    async with serving(READY) as e:
+        yield e
+
+
+async def imexd(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run the installed `imexd` script; return its exit code, stdout and stderr."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    proc = await asyncio.create_subprocess_exec(
+        IMEXD,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**base, **(env or {})},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+# check
+
+
+async def test_check_ready_exits_0(ready_agent: Endpoint) -> None:
+    """A ready agent makes the exec probe succeed."""
+    assert await imexd("check", "--url", ready_agent.url) == (0, "ready\n", "")
+
+
+async def test_check_not_ready_prints_one_line_reason() -> None:
+    """An unready agent fails the probe with the failing condition on one line."""
+    async with serving(CRASHING) as e:
+        code, out, _ = await imexd("check", "--url", e.url)
+    assert code == 1
+    assert out == (
+        "not ready: DaemonReady=False DaemonCrashLoop: exit 3: cannot bind 127.0.0.1:50000\n"
+    )
+
+
+async def test_check_live_ignores_readiness_but_not_wedged_tasks() -> None:
+    """--live passes while unready, and fails naming a wedged task."""
+    async with serving(CRASHING) as e:
+        assert (await imexd("check", "--live", "--url", e.url))[:2] == (0, "live\n")
+        e.clock.t += 10
+        code, out, _ = await imexd("check", "--live", "--url", e.url)
+    assert code == 1
+    assert out == "not live: task main silent for 10.0 s (interval 1 s)\n"
+
+
+async def test_check_unreachable_agent() -> None:
+    """Nothing listening is a failed probe that names the URL."""
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out, _ = await imexd("check", "--url", url)
+    assert code == 1
+    assert out.startswith(f"agent unreachable at {url}: ")
+    assert "refused" in out
+    assert out.count("\n") == 1
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections (in the backlog) and never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]
+
+
+async def test_check_times_out(silent_port: int) -> None:
+    """An agent that does not answer in --timeout seconds fails the probe."""
+    code, out, _ = await imexd("check", "--timeout", "0.5", "--url", f"127.0.0.1:{silent_port}")
+    assert code == 1
+    assert out.startswith(f"agent unreachable at http://127.0.0.1:{silent_port}: ")
+    assert out.endswith(": no answer within 0.5 s\n")
+
+
+async def test_check_reports_foreign_http_answers(ready_agent: Endpoint) -> None:
+    """A URL that is not an imexd endpoint gives the HTTP status it got."""
+    code, out, _ = await imexd("check", "--url", ready_agent.url + "/elsewhere")
+    assert code == 1
+    assert out == f"not ready: HTTP 404 from {ready_agent.url}/elsewhere/readyz\n"
+
+
+async def test_check_ignores_proxy_variables(ready_agent: Endpoint) -> None:
+    """HTTP_PROXY in the environment does not redirect a probe of the local agent."""
+    proxy = {"HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
+    assert (await imexd("check", "--url", ready_agent.url, env=proxy))[0] == 0
+
+
+async def test_check_default_url_from_settings(tmp_path: Path) -> None:
+    """Without --url the probe asks `[health] listen`, wildcard hosts as loopback."""
+    port = free_port()
+    config = tmp_path / "imexd.toml"
+    config.write_text(f'[node]\nname = "n1"\n[health]\nlisten = "0.0.0.0:{port}"\n')
+    async with serving(READY, listen=f"127.0.0.1:{port}"):
+        assert await imexd("check", "--config", str(config)) == (0, "ready\n", "")
+
+
+async def test_check_with_port_zero_needs_url(tmp_path: Path) -> None:
+    """A listen port of 0 cannot be probed without --url: a configuration error."""
+    config = tmp_path / "imexd.toml"
+    config.write_text('[node]\nname = "n1"\n[health]\nlisten = "127.0.0.1:0"\n')
+    code, _, err = await imexd("check", "--config", str(config))
+    assert code == 2
+    assert "pass --url" in err
+
+
+# status
+
+
+async def test_status_shows_the_agent_for_a_person() -> None:
+    """The human view names node, domain, slot, daemon, IMEX state and each condition."""
+    async with serving(CRASHING) as e:
+        code, out, _ = await imexd("status", "--url", e.url)
+    assert code == 0
+    assert "n1 (127.0.0.1)" in out
+    assert "d1, clique c0ffee.1, slot 3" in out
+    assert "FATAL, 5 restarts, last exit: exit 3" in out
+    for kind in ("BusConnected", "SlotSettled", "DaemonReady", "DomainUp", "FabricReady"):
+        assert kind in out
+    assert "DaemonCrashLoop  exit 3: cannot bind 127.0.0.1:50000" in out
+
+
+async def test_status_json_is_the_health_report(ready_agent: Endpoint) -> None:
+    """--json prints the HealthReport, which decodes strictly."""
+    code, out, _ = await imexd("status", "--json", "--url", ready_agent.url)
+    assert code == 0
+    rep = msgspec.convert(json.loads(out), HealthReport)
+    assert (rep.node, rep.slot, rep.ready, rep.daemon.imex_status) == ("n1", 3, True, "READY")
+
+
+async def test_status_unreachable_agent() -> None:
+    """status fails with exit 1 and says where it looked."""
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out, err = await imexd("status", "--url", url)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"agent unreachable at {url}: ")
