@@ -1,0 +1,1419 @@
+"""The IMEX daemon supervisor: one explicit state machine around one `nvidia-imex`.
+
+States follow supervisord's model (`DaemonState`), and every change of state is one
+structured log event, `daemon.state` with `from`, `to` and `reason`:
+
+    STOPPED --ensure_started--> STARTING --start_s alive--> RUNNING
+    STARTING/RUNNING --exit--> BACKOFF --delay--> STARTING ...
+    BACKOFF --crash_loop_starts failures in crash_loop_window_s--> FATAL
+    FATAL --fatal_cooldown_s--> STARTING (one more try: a failure goes straight back)
+    any running state --stop/restart/leave--> STOPPING --> STOPPED
+
+Why it looks the way it does:
+- IMEX reads its files only at start and a restart makes it a "new instance" whose
+  peers tear down memory imported from it, so the supervisor never restarts a healthy
+  daemon on its own: only crashes (with capped, jittered exponential backoff, reset
+  after `stable_s` alive) and explicit `restart()` calls (config.cfg or the node's
+  identity changed) start a new one.
+- SIGUSR1 (re-resolve host names, reconnect) is honoured at most once per 5 s and
+  silently dropped inside that window, so `request_reload()` paces signals at least
+  `reload_min_interval_s` apart and coalesces every request that arrives inside the
+  window into one signal sent when the window ends: the last change always arrives.
+  The window is taken to start when the daemon starts (or is adopted), because the
+  daemon has just read every file then, and an early SIGUSR1 could reach a process
+  that has not installed its handler yet (the default action kills it).
+- An agent restart (upgrade, crash) must not restart IMEX: at start the supervisor
+  looks for a daemon already running our config path (`find_imex_processes`,
+  `classify_processes`) and, when the agent says the files on disk are what it would
+  write now, adopts it instead of starting a new one. It cannot read an adopted
+  daemon's output (the pipes belonged to the previous agent) and watches its exit
+  with a pidfd, since it is not our child.
+- The daemon runs in its own process group (session); stopping it is SIGTERM to the
+  group, SIGKILL after `stop_timeout_s`, and whatever is left of the group is killed
+  and waited for, so nothing is left behind, never waiting forever.
+
+The supervisor is an async context manager: leaving it stops the daemon, unless
+`detach()` was called (hand over for an upgrade), in which case the daemon keeps
+running and a small drainer process keeps reading its output pipes, so that the
+daemon's next log line does not kill it with SIGPIPE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import random
+import re
+import select
+import shlex
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Any, Self
+
+import psutil
+
+from imexd.logs import get_logger
+from imexd.settings import DaemonSettings, Settings
+
+PACKAGE_CONFIG = "/etc/nvidia-imex/config.cfg"
+"""The config of the distribution's `nvidia-imex.service`: a daemon using it conflicts."""
+
+OUTPUT_SOURCE = "nvidia-imex"
+"""The `source` field of every log event made from a line of the daemon's output."""
+
+LAST_LINES = 50
+"""How many lines of the daemon's output are kept for status and error reasons."""
+
+MAX_LINE_BYTES = 16 * 1024
+"""A longer line is cut there: one runaway line must not grow the agent's memory."""
+
+KILL_WAIT_S = 5.0
+"""How long to wait for a SIGKILLed process to disappear before reporting it."""
+
+STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+"""systemd's variables for the agent itself: the daemon must not notify on our behalf."""
+
+DEFAULT_IMEX_PORTS = {"SERVER_PORT": 50000, "IMEX_CMD_PORT": 50005}
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+class DaemonState(enum.Enum):
+    """Where the daemon process is in its life (supervisord's process states)."""
+
+    STOPPED = "STOPPED"
+    """Not running and not about to run: not asked to, stopped, or blocked (see reason)."""
+    STARTING = "STARTING"
+    """Started less than `start_s` ago."""
+    RUNNING = "RUNNING"
+    """Alive for at least `start_s`, or adopted."""
+    BACKOFF = "BACKOFF"
+    """Exited unexpectedly; waiting for the backoff delay before the next start."""
+    STOPPING = "STOPPING"
+    """SIGTERM sent; SIGKILL follows after `stop_timeout_s`."""
+    FATAL = "FATAL"
+    """Crash loop: waiting `fatal_cooldown_s` before one more start."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStatus:
+    """A snapshot of the supervisor, for health reports and readiness.
+
+    `reason` is None only while RUNNING; otherwise it starts with a machine-readable
+    code (`DaemonStopped`, `DaemonStarting`, `DaemonStopping`, `DaemonCrashed`,
+    `DaemonCrashLoop`, `ConflictingDaemon`) followed by ": " and the details, e.g.
+    `DaemonCrashLoop: exit 3: <the daemon's last stderr line>`.
+    """
+
+    state: DaemonState
+    pid: int | None
+    adopted: bool
+    """The daemon was started by a previous agent: exit code and output are unknown."""
+    restarts: int
+    """Starts (spawned or adopted) after the first one, whatever the cause."""
+    crashes: int
+    """Unexpected exits (including failures to execute the binary)."""
+    last_exit: str | None
+    """How the last daemon ended: `exit 3`, `SIGKILL`, `unknown (adopted)`, ..."""
+    reason: str | None
+    since: float
+    """Wall-clock time (Unix seconds) of the last change of state."""
+    next_start_at: float | None
+    """Wall-clock time of the next start attempt (BACKOFF, FATAL, blocked), else None."""
+    reloads_sent: int
+    reload_pending: bool
+    """A SIGUSR1 is owed to the daemon and will be sent when its window ends."""
+    last_lines: tuple[str, ...]
+    """The last `LAST_LINES` lines of the daemon's stdout and stderr, oldest first."""
+
+    @property
+    def running(self) -> bool:
+        return self.state is DaemonState.RUNNING
+
+    @property
+    def reason_code(self) -> str | None:
+        """The machine-readable part of `reason` (before the first ': ')."""
+        return None if self.reason is None else self.reason.partition(": ")[0]
+
+
+# ---------------------------------------------------------------------------------
+# Pure helpers: output lines, environment, backoff, exit status
+
+
+@dataclass(frozen=True, slots=True)
+class ImexLine:
+    """One line of daemon output, split into structlog level and message."""
+
+    level: str
+    """debug, info, warning, error or critical."""
+    message: str
+    imex_time: str | None = None
+    tid: int | None = None
+
+
+_IMEX_LINE = re.compile(
+    r"^\[(?P<time>[A-Z][a-z]{2} +\d{1,2} \d{4} \d{2}:\d{2}:\d{2}(?:\.\d+)?)\] "
+    r"\[(?P<level>[A-Za-z]+)\] \[tid (?P<tid>\d+)\] ?(?P<message>.*)$"
+)
+_PREFIXED_LINE = re.compile(
+    r"^(?P<level>INFO|WARNING|WARN|ERROR|DEBUG|FATAL|CRITICAL|NOTICE): ?(?P<message>.*)$"
+)
+_LEVELS = {
+    "TRACE": "debug",
+    "VERBOSE": "debug",
+    "DEBUG": "debug",
+    "INFO": "info",
+    "NOTICE": "info",
+    "WARN": "warning",
+    "WARNING": "warning",
+    "ERROR": "error",
+    "FATAL": "critical",
+    "CRITICAL": "critical",
+}
+
+
+def parse_imex_line(line: str) -> ImexLine:
+    """Read IMEX's `[Sep 18 2026 06:40:33] [INFO] [tid 77] message` format.
+
+    Also `WARNING: ...`-prefixed lines (printed before logging is set up); anything
+    else is an info-level message as it is.
+    """
+    m = _IMEX_LINE.match(line)
+    if m is not None:
+        return ImexLine(
+            _LEVELS.get(m["level"].upper(), "info"), m["message"], m["time"], int(m["tid"])
+        )
+    m = _PREFIXED_LINE.match(line)
+    if m is not None:
+        return ImexLine(_LEVELS[m["level"]], m["message"])
+    return ImexLine("info", line)
+
+
+def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The daemon's environment: ours plus `[imex] env`, without systemd's notify variables.
+
+    NOTIFY_SOCKET and the watchdog variables belong to the agent's unit; a daemon that
+    inherited them could send READY/WATCHDOG messages on the agent's behalf.
+    """
+    env = {**base, **extra}
+    for name in STRIPPED_ENV:
+        env.pop(name, None)
+    return env
+
+
+def backoff_delay(
+    failures: int, initial_s: float, max_s: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Delay before restart number `failures` (0-based): doubling, capped, with jitter.
+
+    The jitter draws from the upper half of the capped delay ("equal jitter"), so that
+    the delay still grows while daemons restarted at the same moment spread out.
+    """
+    base = min(max_s, initial_s * 2.0 ** min(failures, 62))
+    return base / 2.0 + base / 2.0 * rand()
+
+
+def describe_exit(returncode: int) -> str:
+    """`exit N` for an exit code, the signal's name (`SIGKILL`) for a negative one."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+# ---------------------------------------------------------------------------------
+# Finding other IMEX daemons (psutil) and judging them (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class ImexProcess:
+    """An IMEX daemon process found on this host."""
+
+    pid: int
+    cmdline: tuple[str, ...]
+    config_path: str
+    """Absolute path of its `-c` argument; the package config when it has none."""
+    create_time: float
+    """psutil's creation time: tells a process from a later one with the same pid."""
+
+    @property
+    def command(self) -> str:
+        text = shlex.join(self.cmdline)
+        return text if len(text) <= 200 else text[:197] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A TCP endpoint an IMEX daemon listens on, per its config.cfg."""
+
+    host: str
+    """The bind address; "" for every interface."""
+    port: int
+    key: str
+    """The config key of the port (SERVER_PORT, IMEX_CMD_PORT)."""
+
+    def __str__(self) -> str:
+        host = self.host or "*"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Survey:
+    """The IMEX daemons that matter to a start: ours to adopt or end, and conflicts."""
+
+    ours: tuple[ImexProcess, ...]
+    """Running our config path: adopted (when the files match) or ended as strays."""
+    conflicts: tuple[tuple[ImexProcess, str], ...]
+    """Other daemons in our way, each with why (`uses the package config ...`)."""
+
+
+_INTERPRETERS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*)$")
+_OPTIONS_WITH_VALUE = frozenset({"-X", "-W", "-Q"})
+_NOT_A_DAEMON = frozenset({"--version", "-v", "-h", "--help"})
+
+
+def _program_index(cmdline: Sequence[str]) -> int:
+    """Index of the program in `cmdline`: the script or module after a Python interpreter."""
+    if not cmdline or not _INTERPRETERS.match(os.path.basename(cmdline[0])):
+        return 0
+    i = 1
+    while i < len(cmdline):
+        arg = cmdline[i]
+        if arg == "-m":
+            return i + 1 if i + 1 < len(cmdline) else 0
+        if arg in _OPTIONS_WITH_VALUE:
+            i += 2
+            continue
+        if arg == "-c" or not arg.startswith("-"):
+            break
+        i += 1
+    if i < len(cmdline) and cmdline[i] != "-c":
+        return i
+    return 0
+
+
+def is_imex_daemon(cmdline: Sequence[str], name: str = "") -> bool:
+    """An IMEX daemon (or its simulator) by program name: not the ctl, not other tools.
+
+    The simulator runs as `python .../imexd-sim-daemon` or `python -m
+    imexd.sim.daemon`, so the program after an interpreter counts.
+    """
+    program = os.path.basename(cmdline[_program_index(cmdline)]) if cmdline else name
+    if "imexd-sim-daemon" in program or program == "imexd.sim.daemon":
+        return True
+    return "nvidia-imex" in program and "nvidia-imex-ctl" not in program
+
+
+def config_argument(cmdline: Sequence[str]) -> str | None:
+    """The `-c`/`--config` argument given to the program in `cmdline`, if any."""
+    args = list(cmdline[_program_index(cmdline) + 1 :])
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config"):
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+        if arg.startswith("-c") and len(arg) > 2 and not arg.startswith("--"):
+            return arg[2:]
+    return None
+
+
+def read_imex_config(path: str) -> dict[str, str] | None:
+    """The `KEY=value` lines of an IMEX config.cfg; None when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(1 << 20)
+    except OSError:
+        return None
+    values: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def daemon_endpoints(config: Mapping[str, str]) -> tuple[Endpoint, ...]:
+    """What a daemon with this config listens on: SERVER_PORT and, if enabled, the cmd port.
+
+    An empty BIND_INTERFACE_IP makes the real daemon pick the node-list entry of a
+    local interface, which we cannot know: it is taken as every interface, on the
+    safe side. An unparsable port is left out.
+    """
+    endpoints: list[Endpoint] = []
+    for host_key, port_key in (
+        ("BIND_INTERFACE_IP", "SERVER_PORT"),
+        ("IMEX_CMD_BIND_INTERFACE_IP", "IMEX_CMD_PORT"),
+    ):
+        if port_key == "IMEX_CMD_PORT" and config.get("IMEX_CMD_ENABLED", "1").strip() == "0":
+            continue
+        text = config.get(port_key, "").strip()
+        try:
+            port = int(text) if text else DEFAULT_IMEX_PORTS[port_key]
+        except ValueError:
+            continue
+        host = config.get(host_key, "").strip()
+        endpoints.append(Endpoint("" if host in WILDCARD_HOSTS else host, port, port_key))
+    return tuple(endpoints)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
+
+
+def _overlap(a: Endpoint, b: Endpoint) -> bool:
+    return a.port == b.port and (a.host == b.host or not a.host or not b.host)
+
+
+def classify_processes(
+    processes: Iterable[ImexProcess],
+    *,
+    config_path: str,
+    read_config: Callable[[str], Mapping[str, str] | None] = read_imex_config,
+    package_config: str = PACKAGE_CONFIG,
+) -> Survey:
+    """Sort IMEX daemons into ours (same config path) and conflicts.
+
+    A conflict uses the package config (the distribution's service is running) or
+    listens where our daemon must (same address, or every interface, and same port,
+    per both config files). Daemons of simulated nodes on other loopback addresses
+    are neither. When our own config cannot be read, only the package config counts.
+    """
+    own_config = read_config(config_path)
+    own = daemon_endpoints(own_config) if own_config is not None else ()
+    ours: list[ImexProcess] = []
+    conflicts: list[tuple[ImexProcess, str]] = []
+    for proc in processes:
+        if _same_path(proc.config_path, config_path):
+            ours.append(proc)
+            continue
+        if _same_path(proc.config_path, package_config):
+            conflicts.append(
+                (proc, f"runs the package config {package_config} (nvidia-imex.service?)")
+            )
+            continue
+        theirs = read_config(proc.config_path)
+        if theirs is None:
+            continue
+        clash = next(
+            ((t, o) for t in daemon_endpoints(theirs) for o in own if _overlap(t, o)), None
+        )
+        if clash is not None:
+            t, o = clash
+            conflicts.append(
+                (proc, f"uses {t} ({t.key} in {proc.config_path}), which our {o.key} {o} needs")
+            )
+    return Survey(tuple(ours), tuple(conflicts))
+
+
+def find_imex_processes(*, exclude: Collection[int] = ()) -> list[ImexProcess]:
+    """Every live IMEX daemon (or simulator) on this host, with its absolute config path."""
+    found: list[ImexProcess] = []
+    attrs = ["pid", "name", "cmdline", "create_time", "status"]
+    for proc in psutil.process_iter(attrs, ad_value=None):
+        info = proc.info
+        if info["pid"] in exclude or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        cmdline = tuple(info["cmdline"] or ())
+        if not is_imex_daemon(cmdline, info["name"] or ""):
+            continue
+        config = config_argument(cmdline)
+        if config is None:
+            if any(arg in _NOT_A_DAEMON for arg in cmdline[1:]):
+                continue
+            config = PACKAGE_CONFIG
+        elif not os.path.isabs(config):
+            with contextlib.suppress(psutil.Error):
+                config = os.path.join(proc.cwd(), config)
+        found.append(
+            ImexProcess(info["pid"], cmdline, os.path.normpath(config), info["create_time"] or 0.0)
+        )
+    return found
+
+
+def survey_processes(config_path: str, *, exclude: Collection[int] = ()) -> Survey:
+    """`classify_processes` over `find_imex_processes` (blocking: run it in a thread)."""
+    return classify_processes(find_imex_processes(exclude=exclude), config_path=config_path)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid` (blocking: run it in a thread)."""
+    members: list[int] = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (OSError, psutil.Error):
+            continue
+        members.append(pid)
+    return members
+
+
+# ---------------------------------------------------------------------------------
+# The supervisor
+
+_DRAINER = """\
+import os, selectors, sys
+if os.fork():
+    os._exit(0)
+sel = selectors.DefaultSelector()
+for fd in map(int, sys.argv[1:]):
+    sel.register(fd, selectors.EVENT_READ)
+while sel.get_map():
+    for key, _ in sel.select():
+        data = os.read(key.fd, 65536)
+        if not data:
+            sel.unregister(key.fd)
+            continue
+        try:
+            os.write(2, data)
+        except OSError:
+            pass
+"""
+"""Keeps reading a handed-over daemon's pipes until it exits, copying them to stderr.
+
+It forks once so that it is nobody's zombie, and never stops reading (even when its
+own stderr is gone): a pipe without a reader would kill the daemon with SIGPIPE.
+"""
+
+
+class _Pipe:
+    """The read end of one of our daemon's output pipes, split into lines."""
+
+    def __init__(self, fd: int, stream: str) -> None:
+        self.fd = fd
+        self.stream = stream
+        self.buf = bytearray()
+        self.open = True
+
+
+class _Child:
+    """One daemon process being watched: spawned by us, or adopted from a previous agent."""
+
+    def __init__(
+        self,
+        *,
+        pid: int,
+        pidfd: int,
+        pgid: int | None,
+        adopted: bool,
+        started: float,
+        pipes: list[_Pipe],
+    ) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.pgid = pgid
+        """Its process group when it leads one (signals go to the group), else None."""
+        self.adopted = adopted
+        self.started = started
+        """time.monotonic() of its start (estimated from its age when adopted)."""
+        self.pipes = pipes
+        self.exited = asyncio.Event()
+        self.stable = False
+        self.last_stderr: str | None = None
+        self.released = False
+
+
+class Supervisor:
+    """Runs, watches and signals one IMEX daemon; see the module docstring.
+
+    Drive it from the agent's reconcile step, asking for exactly what a change needs:
+    `ensure_started(adopt=...)` when the daemon should run, `restart(reason)` when
+    config.cfg or the node's identity changed, `request_reload(reason)` when only host
+    names moved (names mode), `stop()` when the node leaves its domain, `detach()`
+    before leaving for a hand over. State is read from `status` (a frozen snapshot),
+    awaited with `wait_for`, or pushed through `on_change`.
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str,
+        config_path: str | os.PathLike[str],
+        env: Mapping[str, str],
+        settings: DaemonSettings,
+        reload_min_interval_s: float,
+        conflict_recheck_s: float = 5.0,
+        on_change: Callable[[DaemonStatus], None] | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        """Validate and store; nothing runs until the supervisor is entered.
+
+        `config_path` must be absolute: it is the daemon's `-c` argument and how the
+        daemon is recognised after an agent restart. `on_change` is called (in the
+        event loop, must not block) with a new snapshot after every change of state,
+        pid or reload bookkeeping. `rand` feeds the backoff jitter (tests pin it).
+        """
+        path = os.fspath(config_path)
+        if not os.path.isabs(path):
+            raise ValueError(f"config_path = {path!r}: expected an absolute path")
+        if not binary.strip():
+            raise ValueError("binary: expected a program name or path")
+        if reload_min_interval_s < 0 or conflict_recheck_s <= 0:
+            raise ValueError("reload_min_interval_s >= 0 and conflict_recheck_s > 0 expected")
+        self._binary = binary
+        self._config_path = os.path.normpath(path)
+        self._env = daemon_environment(os.environ, env)
+        self._settings = settings
+        self._reload_interval = reload_min_interval_s
+        self._conflict_recheck = conflict_recheck_s
+        self._on_change = on_change
+        self._rand = rand
+        self._log = get_logger("daemon")
+
+        self._state = DaemonState.STOPPED
+        self._reason: str | None = "DaemonStopped: not started yet"
+        self._since = time.time()
+        self._child: _Child | None = None
+        self._want_running = False
+        self._adopt_ok = False
+        self._restart_reason: str | None = None
+        self._stop_reason = "stopped by the agent"
+        self._next_start: float | None = None
+        self._failures: deque[float] = deque()
+        self._backoff_step = 0
+        self._probation = False
+        self._starts = 0
+        self._crashes = 0
+        self._last_exit: str | None = None
+        self._reloads_sent = 0
+        self._reload_pending: str | None = None
+        self._reload_requests = 0
+        self._last_reload: float | None = None
+        self._lines: deque[str] = deque(maxlen=LAST_LINES)
+        self._conflict: str | None = None
+        self._detached = False
+        self._closed = False
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._kick = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._acks: list[asyncio.Future[DaemonStatus]] = []
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kwargs: Any) -> Supervisor:
+        """A supervisor for the agent's settings: `[imex]` binary, env and pacing, `[daemon]`."""
+        return cls(
+            binary=settings.imex.binary,
+            config_path=settings.config_path,
+            env=settings.imex.env,
+            settings=settings.daemon,
+            reload_min_interval_s=settings.imex.reload_min_interval_s,
+            **kwargs,
+        )
+
+    # -- observation ------------------------------------------------------------
+
+    @property
+    def state(self) -> DaemonState:
+        return self._state
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self._starts - 1)
+
+    @property
+    def last_exit(self) -> str | None:
+        return self._last_exit
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def last_lines(self) -> tuple[str, ...]:
+        return tuple(self._lines)
+
+    @property
+    def reloads_sent(self) -> int:
+        return self._reloads_sent
+
+    @property
+    def config_path(self) -> str:
+        return self._config_path
+
+    @property
+    def environment(self) -> Mapping[str, str]:
+        """The daemon's environment: the ctl probes must run with the same one."""
+        return MappingProxyType(self._env)
+
+    @property
+    def status(self) -> DaemonStatus:
+        """A consistent snapshot of everything a health model needs."""
+        child = self._child
+        next_start = None
+        if child is None and self._want_running and self._next_start is not None:
+            next_start = time.time() + max(0.0, self._next_start - time.monotonic())
+        return DaemonStatus(
+            state=self._state,
+            pid=child.pid if child is not None else None,
+            adopted=child.adopted if child is not None else False,
+            restarts=self.restarts,
+            crashes=self._crashes,
+            last_exit=self._last_exit,
+            reason=self._reason,
+            since=self._since,
+            next_start_at=next_start,
+            reloads_sent=self._reloads_sent,
+            reload_pending=self._reload_pending is not None,
+            last_lines=tuple(self._lines),
+        )
+
+    async def wait_for(self, predicate: Callable[[DaemonStatus], bool]) -> DaemonStatus:
+        """Wait until `predicate(status)` holds (bound it with `asyncio.timeout`)."""
+        while True:
+            status = self.status
+            if predicate(status):
+                return status
+            self._check_open()
+            await self._changed.wait()
+
+    # -- commands ---------------------------------------------------------------
+
+    async def ensure_started(self, *, adopt: bool = False) -> DaemonStatus:
+        """Make the daemon run; returns once the attempt is decided (not after `start_s`).
+
+        `adopt`: the files on disk are exactly what the agent would write now, so a
+        daemon already running our config path may be kept (adopted) instead of
+        ended as a stray. Idempotent: while a daemon runs nothing happens; in BACKOFF
+        or FATAL the pending delay is kept (use `restart` when the files changed).
+        """
+        self._check_open()
+        self._want_running = True
+        if self._child is None:
+            self._adopt_ok = adopt
+        return await self._command()
+
+    async def restart(self, reason: str) -> DaemonStatus:
+        """Replace the daemon now (config.cfg or the node's identity changed).
+
+        Stops the running daemon (if any) and starts a new one at once: a requested
+        restart skips the crash backoff and the FATAL cool-down, since the new files
+        may cure the crash. Returns once the new daemon is started (or blocked).
+        """
+        self._check_open()
+        self._want_running = True
+        self._restart_reason = reason
+        self._adopt_ok = False
+        return await self._command()
+
+    async def stop(self, reason: str = "stopped by the agent") -> DaemonStatus:
+        """Stop the daemon (SIGTERM to its group, SIGKILL after `stop_timeout_s`); bounded."""
+        self._check_open()
+        self._want_running = False
+        self._restart_reason = None
+        self._stop_reason = reason
+        return await self._command()
+
+    def request_reload(self, reason: str) -> bool:
+        """Ask for one SIGUSR1 (host names changed); False when it is dropped.
+
+        RUNNING: sent at once when the last signal (or the start) is at least
+        `reload_min_interval_s` ago, else sent when that window ends; requests that
+        arrive meanwhile ride on that one signal, so the last one always arrives.
+        STARTING: deferred the same way (the window starts at the daemon's start).
+        Any other state: dropped, because the next daemon to start reads the files
+        on disk, which already hold the change.
+        """
+        self._check_open()
+        child = self._child
+        if (
+            child is None
+            or child.exited.is_set()
+            or self._state not in (DaemonState.STARTING, DaemonState.RUNNING)
+            or not self._want_running
+            or self._restart_reason is not None
+        ):
+            self._log.info(
+                "daemon.reload_dropped",
+                reason=reason,
+                state=self._state.value,
+                why="not running: the next start reads the current files",
+            )
+            return False
+        self._reload_pending = reason
+        self._reload_requests += 1
+        self._log.debug("daemon.reload_requested", reason=reason, pending=self._reload_requests)
+        self._kick.set()
+        self._notify()
+        return True
+
+    def detach(self) -> None:
+        """Hand over: leaving the context keeps the daemon running for the next agent."""
+        self._detached = True
+        self._log.info("daemon.detach", pid=self.pid)
+
+    # -- context manager --------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._task is not None:
+            raise RuntimeError("a Supervisor can be entered only once")
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="daemon-supervisor")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        """Stop the loop, then stop or hand over the daemon; never leaves a process behind.
+
+        If this is cancelled midway, the `finally` kills what is left (SIGKILL).
+        """
+        self._closed = True
+        task = self._task
+        failure: BaseException | None = None
+        try:
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    failure = task.exception()
+            self._fail_acks()
+            child = self._child
+            if child is not None:
+                if self._detached:
+                    await self._hand_over(child)
+                else:
+                    await self._terminate(child, self._stop_reason_on_exit())
+        finally:
+            self._last_resort()
+            self._notify()
+        if failure is not None:
+            raise RuntimeError("the daemon supervisor loop failed") from failure
+
+    def _stop_reason_on_exit(self) -> str:
+        return "the agent is leaving" if self._want_running else self._stop_reason
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._task is None:
+            raise RuntimeError("enter the Supervisor (async with) before using it")
+        if self._closed or self._task.done():
+            raise RuntimeError("the daemon supervisor is closed")
+
+    async def _command(self) -> DaemonStatus:
+        """Wake the loop and wait until it has acted on everything asked so far."""
+        assert self._loop is not None  # noqa: S101 - _check_open ran
+        fut: asyncio.Future[DaemonStatus] = self._loop.create_future()
+        self._acks.append(fut)
+        self._kick.set()
+        return await fut
+
+    def _fail_acks(self) -> None:
+        for fut in self._acks:
+            if not fut.done():
+                fut.set_exception(RuntimeError("the daemon supervisor is closed"))
+        self._acks.clear()
+
+    async def _run(self) -> None:
+        """The state machine's one task: act, acknowledge, sleep until a kick or a timer."""
+        try:
+            while True:
+                self._kick.clear()
+                n = len(self._acks)
+                await self._step()
+                status = self.status
+                for fut in self._acks[:n]:
+                    if not fut.done():
+                        fut.set_result(status)
+                del self._acks[:n]
+                if not self._kick.is_set():
+                    await self._sleep(self._deadline())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._log.exception("daemon.loop_failed")
+            self._fail_acks()
+            raise
+        finally:
+            self._notify()
+
+    async def _sleep(self, deadline: float | None) -> None:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout):
+                await self._kick.wait()
+        except TimeoutError:
+            pass
+
+    def _deadline(self) -> float | None:
+        """The next moment a timer matters: start_s, stable_s, a reload window, a start."""
+        child = self._child
+        s = self._settings
+        if not self._want_running:
+            return None
+        if child is None:
+            return self._next_start
+        if child.exited.is_set():
+            return None
+        deadlines: list[float] = []
+        if self._state is DaemonState.STARTING:
+            deadlines.append(child.started + s.start_s)
+        elif not child.stable:
+            deadlines.append(child.started + s.stable_s)
+        if self._reload_pending is not None and self._state is DaemonState.RUNNING:
+            deadlines.append(self._reload_due())
+        return min(deadlines, default=None)
+
+    def _reload_due(self) -> float:
+        last = self._last_reload
+        return time.monotonic() if last is None else last + self._reload_interval
+
+    async def _step(self) -> None:
+        """Do what the current state and the agent's wishes call for, once."""
+        child = self._child
+        if child is not None and child.exited.is_set():
+            await self._on_exit(child)
+            child = None
+        if not self._want_running:
+            self._next_start = None
+            self._reload_pending = None
+            if child is not None:
+                await self._terminate(child, self._stop_reason)
+            elif self._state is not DaemonState.STOPPED or self._conflict is not None:
+                self._conflict = None
+                self._set(DaemonState.STOPPED, f"DaemonStopped: {self._stop_reason}")
+            return
+        if self._restart_reason is not None:
+            reason, self._restart_reason = self._restart_reason, None
+            if child is not None:
+                await self._terminate(child, f"restart: {reason}")
+                child = None
+            self._next_start = None
+        if child is not None:
+            self._tick(child)
+            return
+        if self._next_start is not None and time.monotonic() < self._next_start:
+            return
+        await self._start()
+
+    def _tick(self, child: _Child) -> None:
+        """Timers of a live daemon: STARTING -> RUNNING, stability, a due reload."""
+        now = time.monotonic()
+        s = self._settings
+        age = now - child.started
+        if self._state is DaemonState.STARTING and age >= s.start_s:
+            self._set(DaemonState.RUNNING, f"alive for {s.start_s:g} s")
+        if self._state is DaemonState.RUNNING and not child.stable and age >= s.stable_s:
+            child.stable = True
+            if self._failures or self._backoff_step or self._probation:
+                self._log.info("daemon.stable", pid=child.pid, alive_s=round(age, 1))
+            self._failures.clear()
+            self._backoff_step = 0
+            self._probation = False
+        if (
+            self._state is DaemonState.RUNNING
+            and self._reload_pending is not None
+            and now >= self._reload_due()
+        ):
+            self._send_reload(child)
+
+    # -- starting ---------------------------------------------------------------
+
+    async def _start(self) -> None:
+        """One start attempt: look around (adopt, end strays, or stop at a conflict), then run."""
+        self._next_start = None
+        if self._state is DaemonState.FATAL:
+            self._probation = True
+        try:
+            found = await asyncio.to_thread(
+                survey_processes, self._config_path, exclude={os.getpid()}
+            )
+        except (OSError, psutil.Error) as exc:
+            self._log.warning("daemon.survey_failed", error=str(exc))
+            found = Survey((), ())
+        if found.conflicts:
+            proc, why = found.conflicts[0]
+            reason = f"ConflictingDaemon: pid {proc.pid} ({proc.command}) {why}"
+            if reason != self._conflict:
+                self._log.warning("daemon.conflict", reason=reason, pid=proc.pid)
+            self._conflict = reason
+            self._next_start = time.monotonic() + self._conflict_recheck
+            self._set(DaemonState.STOPPED, reason)
+            return
+        if self._conflict is not None:
+            self._log.info("daemon.conflict_gone", reason=self._conflict)
+            self._conflict = None
+        adopted: _Child | None = None
+        for proc in sorted(found.ours, key=lambda p: p.create_time):
+            if adopted is None and self._adopt_ok:
+                adopted = self._adopt(proc)
+                if adopted is not None:
+                    continue
+            why = (
+                "another daemon was adopted"
+                if adopted is not None
+                else "its files may differ from what the agent writes now"
+            )
+            await self._end_stray(proc, why)
+        self._adopt_ok = False
+        if adopted is not None:
+            self._begin(adopted)
+            self._log.info(
+                "daemon.adopted",
+                pid=adopted.pid,
+                output="not streamed: its stdout/stderr belong to the agent that started it",
+            )
+            self._set(DaemonState.RUNNING, f"adopted pid {adopted.pid}")
+        else:
+            self._spawn()
+
+    def _begin(self, child: _Child) -> None:
+        """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
+        assert self._loop is not None  # noqa: S101 - set in __aenter__
+        self._child = child
+        self._starts += 1
+        self._last_reload = time.monotonic()
+        self._reload_pending = None
+        self._reload_requests = 0
+        self._loop.add_reader(child.pidfd, self._on_pidfd, child)
+        for pipe in child.pipes:
+            os.set_blocking(pipe.fd, False)
+            self._loop.add_reader(pipe.fd, self._on_pipe, child, pipe)
+
+    def _spawn(self) -> None:
+        """Start `binary -c config` in a new session, stdout/stderr into our pipes."""
+        argv = [self._binary, "-c", self._config_path]
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        try:
+            pid = os.posix_spawnp(
+                self._binary,
+                argv,
+                self._env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, w_out, 1),
+                    (os.POSIX_SPAWN_DUP2, w_err, 2),
+                ],
+                setsid=True,
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
+                setsigmask=(),
+            )
+        except OSError as exc:
+            os.close(r_out)
+            os.close(r_err)
+            self._starts += 1
+            self._crashed(
+                f"cannot run {self._binary}: {exc.strerror or exc}", "not started", uptime=0.0
+            )
+            return
+        finally:
+            os.close(w_out)
+            os.close(w_err)
+        pidfd = os.pidfd_open(pid)  # our unreaped child: cannot be gone yet
+        child = _Child(
+            pid=pid,
+            pidfd=pidfd,
+            pgid=pid,
+            adopted=False,
+            started=time.monotonic(),
+            pipes=[_Pipe(r_out, "stdout"), _Pipe(r_err, "stderr")],
+        )
+        self._begin(child)
+        self._set(
+            DaemonState.STARTING,
+            f"DaemonStarting: pid {pid}, RUNNING after {self._settings.start_s:g} s alive",
+        )
+        self._tick(child)
+
+    def _adopt(self, proc: ImexProcess) -> _Child | None:
+        """Watch a daemon a previous agent started; None when it is gone (or its pid reused)."""
+        opened = self._open_pidfd(proc)
+        if opened is None:
+            return None
+        pidfd, pgid = opened
+        age = max(0.0, time.time() - proc.create_time)
+        child = _Child(
+            pid=proc.pid,
+            pidfd=pidfd,
+            pgid=pgid,
+            adopted=True,
+            started=time.monotonic() - age,
+            pipes=[],
+        )
+        child.stable = age >= self._settings.stable_s
+        return child
+
+    @staticmethod
+    def _open_pidfd(proc: ImexProcess) -> tuple[int, int | None] | None:
+        """A pidfd for `proc` if it is still the same process, and its group if it leads one."""
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            return None
+        try:
+            same = psutil.Process(proc.pid).create_time() == proc.create_time
+            pgid = os.getpgid(proc.pid)
+        except (OSError, psutil.Error):
+            same = False
+            pgid = -1
+        if not same:
+            os.close(pidfd)
+            return None
+        return pidfd, (pgid if pgid == proc.pid else None)
+
+    async def _end_stray(self, proc: ImexProcess, why: str) -> None:
+        """End a daemon running our config path that we will not adopt (TERM, then KILL)."""
+        self._log.warning("daemon.stray", pid=proc.pid, command=proc.command, why=why)
+        opened = self._open_pidfd(proc)
+        if opened is None:
+            return
+        pidfd, pgid = opened
+        try:
+            self._send(pidfd, pgid, signal.SIGTERM)
+            if not await self._readable(pidfd, self._settings.stop_timeout_s):
+                self._log.warning("daemon.kill", pid=proc.pid, why="stray ignored SIGTERM")
+                self._send(pidfd, pgid, signal.SIGKILL)
+                if not await self._readable(pidfd, KILL_WAIT_S):
+                    self._log.error("daemon.unkillable", pid=proc.pid)
+            if pgid is not None:
+                await self._kill_group(pgid)
+        finally:
+            os.close(pidfd)
+
+    # -- running ----------------------------------------------------------------
+
+    def _on_pidfd(self, child: _Child) -> None:
+        """The pidfd became readable: the process has exited."""
+        assert self._loop is not None  # noqa: S101 - readers exist only after __aenter__
+        self._loop.remove_reader(child.pidfd)
+        child.exited.set()
+        self._kick.set()
+
+    def _on_pipe(self, child: _Child, pipe: _Pipe) -> None:
+        self._read_pipe(child, pipe, once=True)
+
+    def _read_pipe(self, child: _Child, pipe: _Pipe, *, once: bool) -> None:
+        """Read what is there, log whole lines; at EOF log the rest and close."""
+        while pipe.open:
+            try:
+                data = os.read(pipe.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                if pipe.buf:
+                    self._emit(child, pipe.stream, bytes(pipe.buf))
+                    pipe.buf.clear()
+                self._close_pipe(pipe)
+                return
+            pipe.buf += data
+            while (nl := pipe.buf.find(b"\n")) >= 0:
+                line = bytes(pipe.buf[:nl])
+                del pipe.buf[: nl + 1]
+                self._emit(child, pipe.stream, line)
+            if len(pipe.buf) > MAX_LINE_BYTES:
+                self._emit(child, pipe.stream, bytes(pipe.buf[:MAX_LINE_BYTES]) + b" [cut]")
+                pipe.buf.clear()
+            if once:
+                return
+
+    def _emit(self, child: _Child, stream: str, raw: bytes) -> None:
+        """One line of daemon output: kept for reasons and logged as a structured event."""
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not line.strip():
+            return
+        self._lines.append(line)
+        if stream == "stderr":
+            child.last_stderr = line
+        parsed = parse_imex_line(line)
+        extra: dict[str, Any] = {}
+        if parsed.tid is not None:
+            extra["tid"] = parsed.tid
+            extra["imex_time"] = parsed.imex_time
+        log = getattr(self._log, parsed.level)
+        log(parsed.message, source=OUTPUT_SOURCE, stream=stream, pid=child.pid, **extra)
+
+    def _close_pipe(self, pipe: _Pipe) -> None:
+        if pipe.open:
+            pipe.open = False
+            if self._loop is not None:
+                self._loop.remove_reader(pipe.fd)
+            os.close(pipe.fd)
+
+    def _send_reload(self, child: _Child) -> None:
+        """SIGUSR1 to the daemon itself (not its group), carrying every pending request."""
+        reason, requests = self._reload_pending, self._reload_requests
+        self._reload_pending = None
+        self._reload_requests = 0
+        try:
+            signal.pidfd_send_signal(child.pidfd, signal.SIGUSR1)
+        except ProcessLookupError:
+            return  # it just exited: the exit is handled next, the next start reads the files
+        self._last_reload = time.monotonic()
+        self._reloads_sent += 1
+        self._log.info("daemon.reload", pid=child.pid, reason=reason, requests=requests)
+        self._notify()
+
+    # -- exits and stopping -----------------------------------------------------
+
+    async def _on_exit(self, child: _Child) -> None:
+        """The daemon exited on its own: a crash, whatever the code (IMEX never exits by itself)."""
+        uptime = time.monotonic() - child.started
+        exit_desc = await self._finish(child)
+        detail = exit_desc if child.last_stderr is None else f"{exit_desc}: {child.last_stderr}"
+        if child.adopted:
+            detail = f"adopted daemon pid {child.pid} exited (status unknown: not our child)"
+        self._crashed(detail, exit_desc, uptime=uptime)
+
+    def _crashed(self, detail: str, exit_desc: str, *, uptime: float) -> None:
+        """Count a failure; BACKOFF with a growing delay, or FATAL in a crash loop.
+
+        Failures count since the last stable run (`stable_s` alive clears them),
+        inside `crash_loop_window_s`: a crash in RUNNING counts like one in STARTING,
+        since a daemon dying every minute is looping too. The one try after FATAL is on
+        probation: failing again goes straight back to FATAL.
+        """
+        s = self._settings
+        now = time.monotonic()
+        self._crashes += 1
+        self._last_exit = exit_desc
+        while self._failures and now - self._failures[0] > s.crash_loop_window_s:
+            self._failures.popleft()
+        self._failures.append(now)
+        if self._probation or len(self._failures) >= s.crash_loop_starts:
+            self._next_start = now + s.fatal_cooldown_s
+            self._log.error(
+                "daemon.crash_loop",
+                failures=len(self._failures),
+                window_s=s.crash_loop_window_s,
+                retry_in_s=s.fatal_cooldown_s,
+                last_lines=list(self._lines)[-5:],
+            )
+            self._set(DaemonState.FATAL, f"DaemonCrashLoop: {detail}")
+        else:
+            delay = backoff_delay(
+                self._backoff_step, s.backoff_initial_s, s.backoff_max_s, self._rand
+            )
+            self._backoff_step += 1
+            self._next_start = now + delay
+            self._log.warning(
+                "daemon.crashed",
+                exit=exit_desc,
+                uptime_s=round(uptime, 2),
+                retry_in_s=round(delay, 2),
+            )
+            self._set(DaemonState.BACKOFF, f"DaemonCrashed: {detail}")
+
+    async def _terminate(self, child: _Child, why: str) -> None:
+        """SIGTERM to the group, SIGKILL after `stop_timeout_s`, then clean up; bounded."""
+        self._set(DaemonState.STOPPING, f"DaemonStopping: {why}")
+        if not child.exited.is_set():
+            self._send(child.pidfd, child.pgid, signal.SIGTERM)
+            if not await self._wait_exit(child, self._settings.stop_timeout_s):
+                self._log.warning(
+                    "daemon.kill",
+                    pid=child.pid,
+                    why=f"still running {self._settings.stop_timeout_s:g} s after SIGTERM",
+                )
+                self._send(child.pidfd, child.pgid, signal.SIGKILL)
+                if not await self._wait_exit(child, KILL_WAIT_S):
+                    self._log.error("daemon.unkillable", pid=child.pid)
+        self._last_exit = await self._finish(child)
+        self._set(DaemonState.STOPPED, f"DaemonStopped: {why}")
+
+    async def _wait_exit(self, child: _Child, seconds: float) -> bool:
+        try:
+            async with asyncio.timeout(seconds):
+                await child.exited.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _finish(self, child: _Child) -> str:
+        """After the daemon's exit: read its last lines, kill what is left of its group, reap it."""
+        for pipe in child.pipes:
+            self._read_pipe(child, pipe, once=False)
+        if child.pgid is not None:
+            await self._kill_group(child.pgid)
+        exit_desc = "unknown (adopted)"
+        if not child.adopted:
+            exit_desc = "unknown"
+            try:
+                # WNOHANG: the pidfd said it exited, so this never blocks
+                res = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222
+            except ChildProcessError:
+                res = None
+            if res is not None:
+                code = res.si_status if res.si_code == os.CLD_EXITED else -res.si_status
+                exit_desc = describe_exit(code)
+        self._release(child)
+        if self._child is child:
+            self._child = None
+            self._reload_pending = None
+        return exit_desc
+
+    async def _kill_group(self, pgid: int) -> None:
+        """SIGKILL whatever is left of the daemon's process group, and wait until it is gone.
+
+        For our own child this runs before the leader is reaped, so the group id cannot
+        have been reused. An adopted or stray leader is reaped by its own parent; the
+        group id then lives on only while members remain (a reuse in the moment between
+        would need the whole pid space to wrap around).
+        """
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        except PermissionError as exc:
+            self._log.error("daemon.orphans", pgid=pgid, error=str(exc))
+            return
+        left = await asyncio.to_thread(group_members, pgid)
+        if left:
+            await asyncio.gather(*(self._gone(pid, KILL_WAIT_S) for pid in left))
+            left = await asyncio.to_thread(group_members, pgid)
+        if left:
+            self._log.error("daemon.orphans", pgid=pgid, pids=left)
+
+    async def _gone(self, pid: int, seconds: float) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            await self._readable(pidfd, seconds)
+        finally:
+            os.close(pidfd)
+
+    async def _readable(self, fd: int, seconds: float) -> bool:
+        """Wait until `fd` (a pidfd: the process exited) is readable; False on timeout."""
+        assert self._loop is not None  # noqa: S101 - set in __aenter__
+        ready = self._loop.create_future()
+
+        def on_ready() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self._loop.add_reader(fd, on_ready)
+        try:
+            async with asyncio.timeout(seconds):
+                await ready
+        except TimeoutError:
+            return False
+        finally:
+            self._loop.remove_reader(fd)
+        return True
+
+    @staticmethod
+    def _send(pidfd: int, pgid: int | None, sig: signal.Signals) -> None:
+        """Signal the daemon's whole group when it leads one, else the process (by pidfd)."""
+        try:
+            if pgid is not None:
+                os.killpg(pgid, sig)
+            else:
+                signal.pidfd_send_signal(pidfd, sig)
+        except ProcessLookupError:
+            pass
+
+    def _release(self, child: _Child) -> None:
+        """Close the pidfd and the pipes of `child` (idempotent)."""
+        if child.released:
+            return
+        child.released = True
+        for pipe in child.pipes:
+            self._close_pipe(pipe)
+        if self._loop is not None and not child.exited.is_set():
+            self._loop.remove_reader(child.pidfd)
+        os.close(child.pidfd)
+
+    async def _hand_over(self, child: _Child) -> None:
+        """Leave the daemon running: pass its pipes to a drainer and forget it."""
+        for pipe in child.pipes:
+            self._read_pipe(child, pipe, once=False)
+        fds = [pipe.fd for pipe in child.pipes if pipe.open]
+        if fds:
+            for fd in fds:
+                os.set_blocking(fd, True)
+                if self._loop is not None:
+                    self._loop.remove_reader(fd)
+            try:
+                drainer = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-c",
+                    _DRAINER,
+                    *map(str, fds),
+                    pass_fds=fds,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                async with asyncio.timeout(10.0):
+                    await drainer.wait()
+            except (OSError, TimeoutError) as exc:
+                self._log.error(
+                    "daemon.drainer_failed",
+                    error=str(exc),
+                    consequence="the daemon may die of SIGPIPE on its next output line",
+                )
+        self._log.info("daemon.handed_over", pid=child.pid, state=self._state.value)
+        self._release(child)
+
+    def _last_resort(self) -> None:
+        """Shutdown was interrupted: SIGKILL the daemon's group, reap it, close everything."""
+        child = self._child
+        if child is None or child.released:
+            return  # stopped, or handed over (the snapshot keeps the running daemon's pid)
+        if not self._detached and not child.exited.is_set():
+            self._log.error("daemon.killed_on_exit", pid=child.pid)
+            self._send(child.pidfd, child.pgid, signal.SIGKILL)
+            select.select([child.pidfd], [], [], KILL_WAIT_S)
+            if not child.adopted:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOHANG)
+        self._release(child)
+        self._child = None
+
+    # -- bookkeeping ------------------------------------------------------------
+
+    def _set(self, to: DaemonState, reason: str) -> None:
+        """Enter state `to`: one `daemon.state` log event per change of state."""
+        old = self._state
+        status_reason = None if to is DaemonState.RUNNING else reason
+        if old is to and status_reason == self._reason:
+            return
+        self._state = to
+        self._reason = status_reason
+        if old is not to:
+            self._since = time.time()
+            level = {DaemonState.FATAL: "error", DaemonState.BACKOFF: "warning"}.get(to, "info")
+            getattr(self._log, level)(
+                "daemon.state",
+                **{"from": old.value, "to": to.value},
+                reason=reason,
+                pid=self.pid,
+                restarts=self.restarts,
+            )
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake `wait_for` callers and call `on_change` with a fresh snapshot."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        if self._on_change is not None:
+            try:
+                self._on_change(self.status)
+            except Exception:
+                self._log.exception("daemon.on_change_failed")

@@ -1,0 +1,901 @@
+"""The daemon supervisor: pure helpers, then real processes (a fake `nvidia-imex`).
+
+Every daemon here is a real child process on 127.0.0.0/8 settings; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+from structlog.testing import capture_logs
+
+from imexd.daemon import (
+    PACKAGE_CONFIG,
+    DaemonState,
+    DaemonStatus,
+    Endpoint,
+    ImexProcess,
+    Supervisor,
+    backoff_delay,
+    classify_processes,
+    config_argument,
+    daemon_endpoints,
+    daemon_environment,
+    describe_exit,
+    find_imex_processes,
+    group_members,
+    is_imex_daemon,
+    parse_imex_line,
+    read_imex_config,
+)
+from imexd.settings import DaemonSettings, ImexSettings
+from tests.support import free_port, loopback_address
+
+FAKE_SOURCE = Path(__file__).with_name("fake_daemon.py")
+SIM_BINARY = Path(sys.executable).with_name("imexd-sim-daemon")
+SIM_CTL = Path(sys.executable).with_name("imexd-sim-ctl")
+
+FAST = DaemonSettings(
+    start_s=0.3,
+    stable_s=2.0,
+    backoff_initial_s=0.1,
+    backoff_max_s=0.5,
+    crash_loop_starts=3,
+    crash_loop_window_s=10.0,
+    fatal_cooldown_s=1.0,
+    stop_timeout_s=0.5,
+)
+
+# ---------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_imex_log_lines_are_split_into_level_and_message() -> None:
+    """IMEX's bracketed format and its `LEVEL:` prefix lines map to structlog levels."""
+    line = parse_imex_line(
+        "[Sep 18 2026 06:40:33] [INFO] [tid 77] IMEX library communication bind port = 50000"
+    )
+    assert (line.level, line.message, line.tid) == (
+        "info",
+        "IMEX library communication bind port = 50000",
+        77,
+    )
+    assert line.imex_time == "Sep 18 2026 06:40:33"
+    assert parse_imex_line("[Sep  8 2026 06:40:33] [ERROR] [tid 1] boom").level == "error"
+    assert parse_imex_line("[Sep 18 2026 06:40:33] [WARNING] [tid 1] hm").level == "warning"
+    warn = parse_imex_line(
+        "WARNING: failed to open IMEX log file errno = No such file or directory"
+    )
+    assert (warn.level, warn.message) == (
+        "warning",
+        "failed to open IMEX log file errno = No such file or directory",
+    )
+    assert parse_imex_line("INFO: using stderr for IMEX logging").level == "info"
+    plain = parse_imex_line("IMEX Log initializing at: 9/18/2026 06:40:33.561")
+    assert (plain.level, plain.message, plain.tid) == (
+        "info",
+        "IMEX Log initializing at: 9/18/2026 06:40:33.561",
+        None,
+    )
+
+
+def test_daemon_environment_adds_imex_env_and_drops_systemd_notify_variables() -> None:
+    """The daemon gets our environment plus `[imex] env`, never NOTIFY_SOCKET or WATCHDOG_*."""
+    env = daemon_environment(
+        {"PATH": "/bin", "NOTIFY_SOCKET": "/run/n", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2"},
+        {"IMEX_X": "1", "PATH": "/opt/bin", "NOTIFY_SOCKET": "/x"},
+    )
+    assert env == {"PATH": "/opt/bin", "IMEX_X": "1"}
+
+
+def test_backoff_doubles_up_to_the_cap_with_jitter_in_the_upper_half() -> None:
+    """Delays double from the initial value, stop at the cap, and jitter within [d/2, d]."""
+    top = [backoff_delay(n, 1.0, 60.0, lambda: 1.0) for n in range(9)]
+    assert top == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert backoff_delay(3, 1.0, 60.0, lambda: 0.0) == 4.0
+    assert backoff_delay(10_000, 1.0, 60.0, lambda: 0.5) == 45.0
+
+
+def test_exit_descriptions_name_the_code_or_the_signal() -> None:
+    """A returncode reads as `exit N` or as the signal's name."""
+    assert describe_exit(0) == "exit 0"
+    assert describe_exit(3) == "exit 3"
+    assert describe_exit(-9) == "SIGKILL"
+    assert describe_exit(-11) == "SIGSEGV"
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "daemon", "config"),
+    [
+        (["/usr/bin/nvidia-imex", "-c", PACKAGE_CONFIG], True, PACKAGE_CONFIG),
+        (["nvidia-imex"], True, None),
+        (["/usr/bin/nvidia-imex-ctl", "-c", "/run/imexd/config.cfg", "-q"], False, None),
+        (
+            ["/v/bin/python3.11", "/v/bin/imexd-sim-daemon", "-c", "/run/a/config.cfg"],
+            True,
+            "/run/a/config.cfg",
+        ),
+        (["python", "-u", "-X", "dev", "/x/nvidia-imex", "--config=/a.cfg"], True, "/a.cfg"),
+        (["python3", "-m", "imexd.sim.daemon", "-c/b.cfg"], True, "/b.cfg"),
+        (["python", "-c", "print('nvidia-imex')", "-c", "/x"], False, None),
+        (["vim", "nvidia-imex.cfg"], False, None),
+        (["/usr/bin/imexd", "run", "-c", "/etc/imexd/imexd.toml"], False, None),
+        ([], False, None),
+    ],
+)
+def test_imex_daemons_are_recognised_by_program_and_config_argument(
+    cmdline: list[str], daemon: bool, config: str | None
+) -> None:
+    """The program (after a Python interpreter) decides; the ctl and other tools are not daemons."""
+    assert is_imex_daemon(cmdline) is daemon
+    if daemon:
+        assert config_argument(cmdline) == config
+
+
+def test_daemon_config_is_read_into_endpoints(tmp_path: Path) -> None:
+    """config.cfg keys give the listening endpoints, with IMEX's defaults and wildcards."""
+    cfg = tmp_path / "config.cfg"
+    cfg.write_text("# c\nBIND_INTERFACE_IP=10.0.0.1\nSERVER_PORT=51000\n\nIMEX_CMD_PORT=51005\n")
+    values = read_imex_config(str(cfg))
+    assert values == {
+        "BIND_INTERFACE_IP": "10.0.0.1",
+        "SERVER_PORT": "51000",
+        "IMEX_CMD_PORT": "51005",
+    }
+    assert daemon_endpoints(values) == (
+        Endpoint("10.0.0.1", 51000, "SERVER_PORT"),
+        Endpoint("", 51005, "IMEX_CMD_PORT"),
+    )
+    assert daemon_endpoints({}) == (
+        Endpoint("", 50000, "SERVER_PORT"),
+        Endpoint("", 50005, "IMEX_CMD_PORT"),
+    )
+    assert daemon_endpoints({"IMEX_CMD_ENABLED": "0", "SERVER_PORT": "x"}) == ()
+    assert read_imex_config(str(tmp_path / "missing.cfg")) is None
+
+
+def _proc(pid: int, config: str) -> ImexProcess:
+    return ImexProcess(pid, ("nvidia-imex", "-c", config), config, 1.0)
+
+
+def test_classify_finds_ours_and_conflicts_but_not_other_simulated_nodes() -> None:
+    """Ours = same config path; conflicts = package config or our address and port."""
+    configs: dict[str, Mapping[str, str]] = {
+        "/run/a/config.cfg": {
+            "BIND_INTERFACE_IP": "127.0.0.2",
+            "SERVER_PORT": "50000",
+            "IMEX_CMD_BIND_INTERFACE_IP": "127.0.0.2",
+            "IMEX_CMD_PORT": "50005",
+        },
+        "/run/b/config.cfg": {  # another simulated node: other address, same ports
+            "BIND_INTERFACE_IP": "127.0.0.3",
+            "SERVER_PORT": "50000",
+            "IMEX_CMD_BIND_INTERFACE_IP": "127.0.0.3",
+            "IMEX_CMD_PORT": "50005",
+        },
+        "/run/c/config.cfg": {  # same address and server port
+            "BIND_INTERFACE_IP": "127.0.0.2",
+            "SERVER_PORT": "50000",
+            "IMEX_CMD_BIND_INTERFACE_IP": "127.0.0.2",
+            "IMEX_CMD_PORT": "51005",
+        },
+        "/run/d/config.cfg": {  # command port on every interface: takes ours
+            "BIND_INTERFACE_IP": "127.0.0.4",
+            "SERVER_PORT": "52000",
+            "IMEX_CMD_PORT": "50005",
+        },
+    }
+    survey = classify_processes(
+        [
+            _proc(1, "/run/a/config.cfg"),
+            _proc(2, "/run/b/config.cfg"),
+            _proc(3, "/run/c/config.cfg"),
+            _proc(4, "/run/d/config.cfg"),
+            _proc(5, PACKAGE_CONFIG),
+            _proc(6, "/run/unreadable/config.cfg"),
+            _proc(7, "/run/a/../a/config.cfg"),
+        ],
+        config_path="/run/a/config.cfg",
+        read_config=configs.get,
+    )
+    assert [p.pid for p in survey.ours] == [1, 7]
+    why = {p.pid: reason for p, reason in survey.conflicts}
+    assert sorted(why) == [3, 4, 5]
+    assert why[3] == (
+        "uses 127.0.0.2:50000 (SERVER_PORT in /run/c/config.cfg), "
+        "which our SERVER_PORT 127.0.0.2:50000 needs"
+    )
+    assert why[4].startswith("uses *:50005 (IMEX_CMD_PORT")
+    assert why[5].startswith(f"runs the package config {PACKAGE_CONFIG}")
+
+
+def test_without_our_own_config_only_the_package_config_conflicts() -> None:
+    """When our config.cfg cannot be read, ports cannot be compared: only the package counts."""
+    survey = classify_processes(
+        [_proc(3, "/run/c/config.cfg"), _proc(5, PACKAGE_CONFIG)],
+        config_path="/run/a/config.cfg",
+        read_config={"/run/c/config.cfg": {}}.get,
+    )
+    assert [p.pid for p, _ in survey.conflicts] == [5]
+
+
+# ---------------------------------------------------------------------------------
+# Real processes
+
+
+@dataclass
+class Node:
+    """One simulated node's files: a fake `nvidia-imex` and its config on a loopback address."""
+
+    root: Path
+    binary: Path
+    config: Path
+    address: str
+    server_port: int
+    cmd_port: int
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def path(self, name: str) -> str:
+        return str(self.root / name)
+
+    def write_config(self, path: Path, *, address: str, server_port: int, cmd_port: int) -> None:
+        nodes = path.with_name("nodes_config.cfg")
+        nodes.write_text(address + "\n")
+        path.write_text(
+            f"BIND_INTERFACE_IP={address}\nSERVER_PORT={server_port}\n"
+            f"IMEX_CMD_PORT={cmd_port}\nIMEX_CMD_BIND_INTERFACE_IP={address}\n"
+            f"IMEX_NODE_CONFIG_FILE={nodes}\nLOG_FILE_NAME=\nDAEMONIZE=0\n"
+        )
+
+    def supervisor(
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        settings: DaemonSettings = FAST,
+        reload_min_interval_s: float = 0.5,
+        binary: str | None = None,
+        on_change: list[DaemonStatus] | None = None,
+    ) -> Supervisor:
+        return Supervisor(
+            binary=binary or str(self.binary),
+            config_path=self.config,
+            env=dict(env or {}),
+            settings=settings,
+            reload_min_interval_s=reload_min_interval_s,
+            conflict_recheck_s=0.2,
+            on_change=on_change.append if on_change is not None else None,
+            rand=lambda: 1.0,
+        )
+
+    def run_outside(self, config: Path, env: Mapping[str, str] | None = None) -> psutil.Process:
+        """Start a daemon that no supervisor owns (a previous agent's, or a stranger's).
+
+        Returns once it is up: the fake wrote its pidfile, the simulator listens.
+        """
+        pidfile = self.root / f"outside-{len(self.children)}.pid"
+        values = read_imex_config(str(config)) or {}
+        address, port = values["BIND_INTERFACE_IP"], int(values["SERVER_PORT"])
+        proc = subprocess.Popen(
+            [str(self.binary), "-c", str(config)],
+            env={**os.environ, "FAKE_IMEX_PIDFILE": str(pidfile), **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.children.append(proc)
+        if self.binary == SIM_BINARY:
+            wait_until(lambda: listening(address, port))
+        else:
+            wait_until(pidfile.exists)
+        return psutil.Process(proc.pid)
+
+
+def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    """Block until `predicate()` is true (for a child to come up before the test goes on)."""
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {predicate}"
+        time.sleep(0.02)
+
+
+async def until(sup: Supervisor, predicate: Callable[[DaemonStatus], bool]) -> DaemonStatus:
+    """The supervisor's status once `predicate` holds; TimeoutError after 5 s."""
+    async with asyncio.timeout(5.0):
+        return await sup.wait_for(predicate)
+
+
+def read_pids(path: Path) -> list[int]:
+    """The pids a fake daemon wrote to its pidfile, once it has written them."""
+    wait_until(path.exists)
+    return [int(word) for word in path.read_text().split()]
+
+
+def signal_log(path: Path) -> list[tuple[float, str, str]]:
+    """The simulator's signal log: (unix time in s, signal name, honoured|ignored) per line."""
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        stamp, name, verdict = line.split()
+        at = float(stamp)
+        entries.append((at / 1000 if at > 1e11 else at, name, verdict))
+    return entries
+
+
+def reloads(path: Path) -> list[tuple[float, str, str]]:
+    """The SIGUSR1 entries of a simulator's signal log."""
+    return [entry for entry in signal_log(path) if entry[1] == "SIGUSR1"]
+
+
+def reap(pid: int) -> None:
+    """Kill (if needed) and reap a daemon that is this test process's own child."""
+    if not gone(pid):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def listening(address: str, port: int) -> bool:
+    """True when something accepts TCP connections on address:port."""
+    try:
+        with socket.create_connection((address, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def gone(pid: int) -> bool:
+    """True when `pid` no longer runs (gone, or a zombie waiting for its parent)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def make_node(tmp_path: Path, binary: Path) -> Iterator[Node]:
+    """Files of one node on a fresh loopback address; kills what the test left running."""
+    run = tmp_path / "run"
+    run.mkdir()
+    n = Node(
+        root=tmp_path,
+        binary=binary,
+        config=run / "config.cfg",
+        address=loopback_address(),
+        server_port=free_port(),
+        cmd_port=free_port(),
+    )
+    n.write_config(n.config, address=n.address, server_port=n.server_port, cmd_port=n.cmd_port)
+    try:
+        yield n
+    finally:
+        for proc in n.children:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    """A fake daemon binary named nvidia-imex and a config.cfg on a fresh loopback address."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    binary = bindir / "nvidia-imex"
+    binary.write_text(f"#!{sys.executable}\n" + FAKE_SOURCE.read_text())
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    yield from make_node(tmp_path, binary)
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[Node]:
+    """The simulator (`imexd-sim-daemon`) with a config.cfg on a fresh loopback address."""
+    assert SIM_BINARY.exists(), f"{SIM_BINARY} is missing: pip install -e . in the venv"
+    yield from make_node(tmp_path, SIM_BINARY)
+
+
+def states(changes: list[DaemonStatus]) -> list[str]:
+    """The sequence of distinct states seen by an on_change recorder."""
+    seen: list[str] = []
+    for status in changes:
+        if not seen or seen[-1] != status.state.value:
+            seen.append(status.state.value)
+    return seen
+
+
+async def test_start_runs_the_daemon_in_its_own_group_and_streams_its_output(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start reaches RUNNING after start_s; output becomes log events; leaving stops it."""
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    with capture_logs() as logs:
+        async with node.supervisor({"IMEX_TEST_VAR": "yes"}) as sup:
+            status = await sup.ensure_started()
+            assert status.state is DaemonState.STARTING
+            assert status.pid is not None
+            pid = status.pid
+            status = await until(sup, lambda s: s.running)
+            assert status.reason is None
+            assert status.pid == pid
+            proc = psutil.Process(pid)
+            assert proc.cmdline()[-2:] == ["-c", str(node.config)]
+            assert os.getpgid(pid) == pid
+            environ = proc.environ()
+            assert environ["IMEX_TEST_VAR"] == "yes"
+            assert "NOTIFY_SOCKET" not in environ
+            assert sup.environment["IMEX_TEST_VAR"] == "yes"
+            await until(sup, lambda s: any("IMEX version" in line for line in s.last_lines))
+        assert sup.state is DaemonState.STOPPED
+        assert sup.last_exit == "exit 0"
+        assert gone(pid)
+    transitions = [(e["from"], e["to"]) for e in logs if e["event"] == "daemon.state"]
+    assert transitions == [
+        ("STOPPED", "STARTING"),
+        ("STARTING", "RUNNING"),
+        ("RUNNING", "STOPPING"),
+        ("STOPPING", "STOPPED"),
+    ]
+    output = [e for e in logs if e.get("source") == "nvidia-imex"]
+    version = next(e for e in output if e["event"].startswith("IMEX version"))
+    assert (version["log_level"], version["stream"], version["tid"]) == ("info", "stderr", pid)
+    assert any(e["event"].startswith("IMEX Log initializing") for e in output)
+    assert any(e["event"] == "Shutting down" for e in output)
+
+
+async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Node) -> None:
+    """An exit while RUNNING => BACKOFF, then a new daemon after the delay, counted."""
+    changes: list[DaemonStatus] = []
+    env = {"FAKE_IMEX_EXIT_AFTER_S": "0.6", "FAKE_IMEX_EXIT_ONCE": node.path("once")}
+    async with node.supervisor(env, on_change=changes) as sup:
+        first = (await sup.ensure_started()).pid
+        await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert sup.reason is not None
+        assert sup.reason.startswith("DaemonCrashed: exit 3: ")
+        assert sup.reason.endswith("Lost the GPU, exiting")
+        status = await until(sup, lambda s: s.running and s.pid != first)
+        assert (status.restarts, status.crashes, status.last_exit) == (1, 1, "exit 3")
+    assert states(changes)[:6] == [
+        "STARTING",
+        "RUNNING",
+        "BACKOFF",
+        "STARTING",
+        "RUNNING",
+        "STOPPING",
+    ]
+
+
+async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: Node) -> None:
+    """crash_loop_starts quick failures => FATAL with exit code and last stderr line; retried."""
+    broken = node.root / "broken"
+    broken.write_bytes(b"")
+    changes: list[DaemonStatus] = []
+    async with node.supervisor({"FAKE_IMEX_FAIL_IF_EXISTS": str(broken)}, on_change=changes) as sup:
+        await sup.ensure_started()
+        fatal = await until(sup, lambda s: s.state is DaemonState.FATAL)
+        fatal_at = time.monotonic()
+        assert fatal.reason == "DaemonCrashLoop: exit 3: fatal: no usable node configuration"
+        assert fatal.reason_code == "DaemonCrashLoop"
+        assert (fatal.crashes, fatal.restarts, fatal.pid) == (3, 2, None)
+        assert fatal.last_lines[-1] == "fatal: no usable node configuration"
+        assert fatal.next_start_at is not None
+        assert fatal.next_start_at - time.time() == pytest.approx(1.0, abs=0.3)
+        again = await sup.ensure_started()
+        assert (again.state, again.restarts) == (DaemonState.FATAL, 2)
+        os.unlink(broken)
+        status = await until(sup, lambda s: s.running)
+        assert time.monotonic() - fatal_at >= 0.8
+        assert status.restarts == 3
+    assert states(changes)[:8] == [
+        "STARTING",
+        "BACKOFF",
+        "STARTING",
+        "BACKOFF",
+        "STARTING",
+        "FATAL",
+        "STARTING",
+        "RUNNING",
+    ]
+
+
+async def test_a_daemon_that_cannot_be_executed_ends_fatal_with_the_reason(node: Node) -> None:
+    """A missing binary is a failed start: backoff, then FATAL naming the error."""
+    async with node.supervisor(binary=node.path("no-such-nvidia-imex")) as sup:
+        await sup.ensure_started()
+        status = await until(sup, lambda s: s.state is DaemonState.FATAL)
+    assert status.reason is not None
+    assert status.reason.startswith("DaemonCrashLoop: cannot run ")
+    assert status.reason.endswith("No such file or directory")
+
+
+async def test_a_daemon_ignoring_sigterm_is_killed_with_its_whole_group(node: Node) -> None:
+    """stop() sends SIGTERM to the group, SIGKILL after stop_timeout_s; nothing is left."""
+    pidfile = Path(node.path("pids"))
+    env = {
+        "FAKE_IMEX_IGNORE_TERM": "1",
+        "FAKE_IMEX_CHILD": "1",
+        "FAKE_IMEX_PIDFILE": str(pidfile),
+    }
+    async with node.supervisor(env) as sup:
+        await sup.ensure_started()
+        await until(sup, lambda s: s.running)
+        leader, child = await asyncio.to_thread(read_pids, pidfile)
+        assert os.getpgid(child) == leader
+        began = time.monotonic()
+        status = await sup.stop()
+        took = time.monotonic() - began
+    assert status.state is DaemonState.STOPPED
+    assert status.last_exit == "SIGKILL"
+    assert FAST.stop_timeout_s <= took < FAST.stop_timeout_s + 3.0
+    assert gone(leader)
+    assert gone(child)
+    assert group_members(leader) == []
+
+
+async def test_a_crashed_daemons_leftover_children_are_killed(node: Node) -> None:
+    """When the daemon dies, whatever is left of its process group is killed too."""
+    pidfile = Path(node.path("pids"))
+    env = {
+        "FAKE_IMEX_CHILD": "1",
+        "FAKE_IMEX_PIDFILE": str(pidfile),
+        "FAKE_IMEX_EXIT_AFTER_S": "0.4",
+        "FAKE_IMEX_EXIT_ONCE": node.path("once"),
+    }
+    async with node.supervisor(env) as sup:
+        await sup.ensure_started()
+        leader, child = await asyncio.to_thread(read_pids, pidfile)
+        await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert gone(child)
+        assert group_members(leader) == []
+
+
+async def test_reloads_are_dropped_while_the_daemon_is_down(node: Node) -> None:
+    """In BACKOFF there is nothing to signal: the next start reads the files anyway."""
+    env = {"FAKE_IMEX_EXIT_AFTER_S": "0.1", "FAKE_IMEX_EXIT_CODE": "1"}
+    settings = DaemonSettings(
+        start_s=0.3, backoff_initial_s=2.0, backoff_max_s=2.0, stop_timeout_s=0.5
+    )
+    async with node.supervisor(env, settings=settings) as sup:
+        await sup.ensure_started()
+        await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert sup.request_reload("hosts changed") is False
+        assert sup.status.reload_pending is False
+        assert sup.reloads_sent == 0
+
+
+async def test_restart_replaces_the_daemon_only_when_told(node: Node) -> None:
+    """restart() stops the daemon and starts a new one at once; nothing else restarts it."""
+    changes: list[DaemonStatus] = []
+    async with node.supervisor(on_change=changes) as sup:
+        first = (await sup.ensure_started()).pid
+        assert first is not None
+        await until(sup, lambda s: s.running)
+        again = await sup.ensure_started()
+        assert again.pid == first
+        status = await sup.restart("config.cfg changed")
+        assert status.state is DaemonState.STARTING
+        assert status.pid not in (None, first)
+        assert (status.restarts, status.crashes) == (1, 0)
+        assert gone(first)
+    assert states(changes)[:5] == ["STARTING", "RUNNING", "STOPPING", "STOPPED", "STARTING"]
+
+
+async def test_a_matching_running_daemon_is_adopted_and_its_death_noticed(node: Node) -> None:
+    """With adopt=True a daemon on our config keeps running (same pid) and is watched by pidfd."""
+    outside = node.run_outside(node.config)
+    with capture_logs() as logs:
+        async with node.supervisor() as sup:
+            status = await sup.ensure_started(adopt=True)
+            assert (status.state, status.pid, status.adopted) == (
+                DaemonState.RUNNING,
+                outside.pid,
+                True,
+            )
+            assert status.restarts == 0
+            outside.kill()
+            crashed = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+            assert crashed.reason == (
+                f"DaemonCrashed: adopted daemon pid {outside.pid} exited "
+                "(status unknown: not our child)"
+            )
+            status = await until(sup, lambda s: s.running)
+            assert status.pid != outside.pid
+            assert (status.adopted, status.restarts) == (False, 1)
+    adopted = next(e for e in logs if e["event"] == "daemon.adopted")
+    assert "not streamed" in adopted["output"]
+
+
+async def test_a_daemon_on_our_config_is_ended_as_a_stray_when_files_changed(
+    node: Node,
+) -> None:
+    """Without adopt, a daemon running our config path is ended and ours started."""
+    outside = node.run_outside(node.config)
+    async with node.supervisor() as sup:
+        status = await sup.ensure_started(adopt=False)
+        assert status.state is DaemonState.STARTING
+        assert status.pid != outside.pid
+        assert outside.wait(timeout=5) == 0
+
+
+async def test_a_conflicting_daemon_blocks_the_start_until_it_exits(node: Node) -> None:
+    """A daemon on our address and port => STOPPED with ConflictingDaemon; start once it is gone."""
+    other = node.root / "other" / "config.cfg"
+    other.parent.mkdir()
+    node.write_config(
+        other, address=node.address, server_port=node.server_port, cmd_port=free_port()
+    )
+    outside = node.run_outside(other)
+    async with node.supervisor() as sup:
+        status = await sup.ensure_started()
+        assert status.state is DaemonState.STOPPED
+        assert status.pid is None
+        assert status.reason is not None
+        assert status.reason.startswith(f"ConflictingDaemon: pid {outside.pid} (")
+        assert f"uses {node.address}:{node.server_port} (SERVER_PORT in {other})" in status.reason
+        assert status.next_start_at is not None
+        await asyncio.sleep(0.5)
+        assert sup.state is DaemonState.STOPPED
+        assert sup.pid is None
+        outside.terminate()
+        status = await until(sup, lambda s: s.running)
+        assert status.reason is None
+
+
+async def test_simulated_nodes_on_other_addresses_do_not_conflict(node: Node) -> None:
+    """A daemon with the same ports on another loopback address is not in our way."""
+    other = node.root / "other" / "config.cfg"
+    other.parent.mkdir()
+    node.write_config(
+        other, address=loopback_address(), server_port=node.server_port, cmd_port=node.cmd_port
+    )
+    outside = node.run_outside(other)
+    async with node.supervisor() as sup:
+        status = await sup.ensure_started()
+        assert status.state is DaemonState.STARTING
+        assert outside.is_running()
+    found = {p.pid: p for p in find_imex_processes()}
+    assert found[outside.pid].config_path == str(other)
+
+
+async def test_a_handed_over_daemon_survives_and_is_adopted_by_the_next_supervisor(
+    node: Node,
+) -> None:
+    """detach() leaves the daemon running (its output still drained) for the next agent."""
+    env = {"FAKE_IMEX_LOG_EVERY_S": "0.05"}
+    async with node.supervisor(env) as sup:
+        await sup.ensure_started()
+        pid = (await until(sup, lambda s: s.running)).pid
+        assert pid is not None
+        sup.detach()
+    assert (sup.state, sup.pid) == (DaemonState.RUNNING, pid)
+    try:
+        await asyncio.sleep(0.5)
+        assert not gone(pid)
+        async with node.supervisor() as nxt:
+            status = await nxt.ensure_started(adopt=True)
+            assert (status.state, status.pid, status.adopted) == (DaemonState.RUNNING, pid, True)
+        assert nxt.state is DaemonState.STOPPED
+        assert nxt.last_exit == "unknown (adopted)"
+    finally:
+        reap(pid)  # spawned by the first supervisor: still this test process's child
+
+
+async def test_cancelling_the_owner_stops_the_daemon_and_the_cancel_propagates(
+    node: Node,
+) -> None:
+    """A cancelled agent task leaves the context: the daemon is stopped, CancelledError kept."""
+    started = asyncio.Event()
+    pids: list[int] = []
+
+    async def agent() -> None:
+        async with node.supervisor() as sup:
+            status = await sup.ensure_started()
+            assert status.pid is not None
+            pids.append(status.pid)
+            started.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(agent())
+    async with asyncio.timeout(5.0):
+        await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gone(pids[0])
+
+
+async def test_commands_need_an_entered_supervisor(node: Node) -> None:
+    """Using the supervisor outside its context is a clear error, not a hang."""
+    sup = node.supervisor()
+    with pytest.raises(RuntimeError, match="enter the Supervisor"):
+        await sup.ensure_started()
+    async with sup:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        sup.request_reload("late")
+
+
+def test_relative_config_paths_are_refused(node: Node) -> None:
+    """The config path identifies our daemon among all processes, so it must be absolute."""
+    with pytest.raises(ValueError, match="absolute"):
+        Supervisor(
+            binary="nvidia-imex",
+            config_path="run/config.cfg",
+            env={},
+            settings=FAST,
+            reload_min_interval_s=6.0,
+        )
+
+
+# ---------------------------------------------------------------------------------
+# The same behaviours against the simulator, the reference stand-in for nvidia-imex
+
+
+def ctl_query(node: Node) -> str:
+    """What `imexd-sim-ctl -c CONFIG -q` prints (the local daemon's state word)."""
+    done = subprocess.run(
+        [str(SIM_CTL), "-c", str(node.config), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=5,
+        check=False,
+    )
+    return done.stdout
+
+
+async def test_sim_starts_to_ready_and_stops_gracefully(sim: Node) -> None:
+    """The simulator started by the supervisor answers READY and exits 0 on SIGTERM."""
+    async with sim.supervisor() as sup:
+        await sup.ensure_started()
+        pid = (await until(sup, lambda s: s.running)).pid
+        assert pid is not None
+        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
+        assert any("IMEX version" in line for line in sup.last_lines)
+    assert (sup.state, sup.last_exit) == (DaemonState.STOPPED, "exit 0")
+    assert gone(pid)
+
+
+async def test_sim_crash_backs_off_and_restarts_with_the_restart_counted(sim: Node) -> None:
+    """A simulated crash (IMEXD_SIM_EXIT_AFTER_S) => BACKOFF, then a counted restart."""
+    env = {"IMEXD_SIM_EXIT_AFTER_S": "0.8", "IMEXD_SIM_EXIT_CODE": "7"}
+    async with sim.supervisor(env) as sup:
+        first = (await sup.ensure_started()).pid
+        status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert status.reason is not None
+        assert status.reason.startswith("DaemonCrashed: exit 7: ")
+        assert status.last_exit == "exit 7"
+        status = await until(sup, lambda s: s.pid not in (None, first))
+        assert (status.restarts, status.crashes) == (1, 1)
+
+
+async def test_sim_crash_loop_is_fatal_with_exit_code_and_last_stderr_line(sim: Node) -> None:
+    """A simulator failing at start => FATAL; the reason holds `exit 3` and its last line."""
+    env = {"IMEXD_SIM_EXIT_AFTER_S": "0", "IMEXD_SIM_EXIT_CODE": "3"}
+    async with sim.supervisor(env) as sup:
+        await sup.ensure_started()
+        status = await until(sup, lambda s: s.state is DaemonState.FATAL)
+    assert status.crashes == FAST.crash_loop_starts
+    last = status.last_lines[-1]
+    assert "Simulated failure at start: exiting with code 3" in last
+    assert status.reason == f"DaemonCrashLoop: exit 3: {last}"
+
+
+async def test_sim_ignoring_sigterm_is_killed_after_the_stop_timeout(sim: Node) -> None:
+    """IMEXD_SIM_IGNORE_SIGTERM=1: stop() kills it with SIGKILL after stop_timeout_s."""
+    async with sim.supervisor({"IMEXD_SIM_IGNORE_SIGTERM": "1"}) as sup:
+        await sup.ensure_started()
+        pid = (await until(sup, lambda s: s.running)).pid
+        assert pid is not None
+        began = time.monotonic()
+        status = await sup.stop()
+        took = time.monotonic() - began
+    assert status.last_exit == "SIGKILL"
+    assert FAST.stop_timeout_s <= took < FAST.stop_timeout_s + 3.0
+    assert gone(pid)
+    assert group_members(pid) == []
+
+
+async def test_sim_reload_burst_at_the_default_window_is_never_ignored(sim: Node) -> None:
+    """10 requests over 2 s => at most 2 SIGUSR1, all honoured by IMEX's 5 s window, last after."""
+    siglog = sim.root / "signals"
+    interval = ImexSettings().reload_min_interval_s
+    assert interval == 6.0
+    env = {"IMEXD_SIM_SIGNAL_LOG": str(siglog)}
+    async with sim.supervisor(env, reload_min_interval_s=interval) as sup:
+        await sup.ensure_started()
+        await until(sup, lambda s: s.running)
+        for i in range(10):
+            assert sup.request_reload(f"hosts changed {i}")
+            await asyncio.sleep(0.2)
+        last_request = time.time()
+        assert sup.status.reload_pending
+        async with asyncio.timeout(interval + 3.0):
+            status = await sup.wait_for(lambda s: not s.reload_pending)
+        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == status.reloads_sent)
+    sent = reloads(siglog)
+    assert 1 <= len(sent) <= 2
+    assert [verdict for _, _, verdict in sent] == ["honoured"] * len(sent)
+    assert sent[-1][0] >= last_request - 0.01
+
+
+async def test_sim_reloads_keep_their_distance_and_the_last_change_arrives(sim: Node) -> None:
+    """With a 1 s IMEX window and 1.2 s pacing, a 2 s burst gives spaced, honoured signals."""
+    siglog = sim.root / "signals"
+    env = {"IMEXD_SIM_SIGNAL_LOG": str(siglog), "IMEXD_SIM_RELOAD_WINDOW_S": "1"}
+    async with sim.supervisor(env, reload_min_interval_s=1.2) as sup:
+        await sup.ensure_started()
+        await until(sup, lambda s: s.running)
+        for i in range(10):
+            assert sup.request_reload(f"hosts changed {i}")
+            await asyncio.sleep(0.2)
+        last_request = time.time()
+        async with asyncio.timeout(5.0):
+            status = await sup.wait_for(lambda s: not s.reload_pending)
+        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == status.reloads_sent)
+    sent = reloads(siglog)
+    assert len(sent) >= 2
+    assert all(verdict == "honoured" for _, _, verdict in sent)
+    times = [at for at, _, _ in sent]
+    assert all(b - a >= 1.1 for a, b in itertools.pairwise(times))
+    assert times[-1] >= last_request - 0.01
+
+
+async def test_sim_matching_daemon_is_adopted_signalled_and_its_death_noticed(sim: Node) -> None:
+    """A running simulator on our config is adopted (same pid), reloaded, and replaced on death."""
+    siglog = sim.root / "signals"
+    outside = sim.run_outside(sim.config, {"IMEXD_SIM_SIGNAL_LOG": str(siglog)})
+    async with sim.supervisor(reload_min_interval_s=0.5) as sup:
+        status = await sup.ensure_started(adopt=True)
+        assert (status.state, status.pid, status.adopted) == (
+            DaemonState.RUNNING,
+            outside.pid,
+            True,
+        )
+        assert sup.request_reload("hosts changed")
+        await until(sup, lambda s: s.reloads_sent == 1)
+        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == 1)
+        assert reloads(siglog)[0][2] == "honoured"
+        outside.kill()
+        status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert status.last_exit == "unknown (adopted)"
+        status = await until(sup, lambda s: s.running)
+        assert status.pid != outside.pid
+        assert (status.adopted, status.restarts) == (False, 1)
+
+
+async def test_sim_stray_on_our_config_is_ended(sim: Node) -> None:
+    """A simulator on our config whose files changed (adopt=False) is ended; ours runs."""
+    outside = sim.run_outside(sim.config)
+    async with sim.supervisor() as sup:
+        status = await sup.ensure_started(adopt=False)
+        assert status.pid not in (None, outside.pid)
+        assert outside.wait(timeout=5) == 0
+        await until(sup, lambda s: s.running)
+
+
+async def test_sim_conflicting_daemon_blocks_the_start_until_it_is_gone(sim: Node) -> None:
+    """A simulator on our address and SERVER_PORT blocks ours with ConflictingDaemon."""
+    other = sim.root / "other" / "config.cfg"
+    other.parent.mkdir()
+    sim.write_config(other, address=sim.address, server_port=sim.server_port, cmd_port=free_port())
+    outside = sim.run_outside(other)
+    async with sim.supervisor() as sup:
+        status = await sup.ensure_started()
+        assert status.state is DaemonState.STOPPED
+        assert status.reason is not None
+        assert status.reason.startswith(f"ConflictingDaemon: pid {outside.pid} (")
+        assert "SERVER_PORT" in status.reason
+        outside.terminate()
+        status = await until(sup, lambda s: s.running)
+        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
