@@ -1,0 +1,386 @@
+"""What both simulated tools read: config.cfg, nodes_config.cfg, names and the environment.
+
+The daemon and the ctl must agree on every rule here (the real ctl resolves names
+exactly as the daemon does), so the rules live in one module: `KEY=value` parsing
+with IMEX's defaults, the node list and its digest, host name resolution through the
+system resolver or a per-node hosts file, the node's own identity, and the
+`IMEXD_SIM_*` knobs. Every failure is an `ImexConfigError` whose message is the exact
+line the real tool prints, so the CLI layer only prints it and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import math
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from imexd.errors import ImexdError
+
+DEFAULT_CONFIG_PATH = "/etc/nvidia-imex/config.cfg"
+DEFAULT_NODES_PATH = "/etc/nvidia-imex/nodes_config.cfg"
+DEFAULT_LOG_FILE = "/var/log/nvidia-imex.log"
+SENTINEL_ADDRESS = "127.0.0.2"
+"""Where imexd points empty slots; the simulator never dials it (see `dialable`)."""
+
+DEFAULT_VERSION = "570.172"
+NO_GPU_VERSION = "NO_GPU"
+STATE_FILE_NAME = "imexd-sim-persist.json"
+"""The stand-in for /var/run/nvidia-imex/persist.dat, kept in IMEXD_SIM_STATE_DIR."""
+
+USAGE = (
+    "Usage: nvidia-imex-ctl [-i <IP> <PORT>|-u <unix domain socket path>|"
+    "-c <nvidia-imex config.cfg path>] <-n|-N|-q|-s|-d|-m> [-t <timeout>]"
+)
+
+
+class ImexConfigError(ImexdError):
+    """A file or setting the simulated tools cannot use; the message is printed as is."""
+
+
+# config.cfg
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImexConfig:
+    """The config.cfg keys the simulator acts on, with nvidia-imex's defaults."""
+
+    path: str
+    """Where the file was read; its folder is the default state dir."""
+    values: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Every key as written, for the start-up configuration block of the log."""
+    log_level: int = 4
+    """0 off, 1 fatal, 2 error, 3 warning, 4 info."""
+    log_file_name: str = DEFAULT_LOG_FILE
+    """Empty or unopenable: log to stderr."""
+    log_append: bool = True
+    daemonize: bool = True
+    """1 = fork into the background like the packaged service; imexd writes 0."""
+    bind_interface_ip: str = ""
+    """Empty: the node list entry that is an address of a local interface."""
+    server_port: int = 50000
+    node_config_file: str = DEFAULT_NODES_PATH
+    wait_for_quorum: str = "RECOVERY"
+    """RECOVERY: wait for former peers after an unclean exit; NONE: never wait."""
+    auth_encryption: bool = False
+    """Accepted, not modelled: peer links are plain TCP."""
+    cmd_enabled: bool = True
+    cmd_bind_interface_ip: str = ""
+    """Empty: all interfaces."""
+    cmd_port: int = 50005
+    cmd_unix_domain_path: str = ""
+    """Non-empty: the command service listens on this Unix socket instead of TCP."""
+    disconnected_grace_time: int = -1
+    """Seconds a lost peer stays RECOVERING before cleanup (DISCONNECTED); -1 never."""
+
+
+_BOOL_KEYS = {
+    "LOG_APPEND_TO_LOG": "log_append",
+    "DAEMONIZE": "daemonize",
+    "IMEX_ENABLE_AUTH_ENCRYPTION": "auth_encryption",
+    "IMEX_CMD_ENABLED": "cmd_enabled",
+}
+_PORT_KEYS = {"SERVER_PORT": "server_port", "IMEX_CMD_PORT": "cmd_port"}
+_STR_KEYS = {
+    "LOG_FILE_NAME": "log_file_name",
+    "BIND_INTERFACE_IP": "bind_interface_ip",
+    "IMEX_NODE_CONFIG_FILE": "node_config_file",
+    "IMEX_CMD_BIND_INTERFACE_IP": "cmd_bind_interface_ip",
+    "IMEX_CMD_UNIX_DOMAIN_PATH": "cmd_unix_domain_path",
+}
+
+
+def parse_config_text(text: str, path: str) -> dict[str, str]:
+    """`KEY=value` lines; `#` comments and blank lines are skipped; the last key wins."""
+    values: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ImexConfigError(f"Invalid line {number} in configuration file {path}: {raw}")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def config_from_values(values: Mapping[str, str], path: str) -> ImexConfig:
+    """Validate the keys the simulator uses; unknown keys are kept but ignored."""
+    kwargs: dict[str, Any] = {}
+
+    def bad(key: str, expected: str) -> ImexConfigError:
+        return ImexConfigError(
+            f"Invalid value '{values[key]}' for {key} in configuration file {path}: "
+            f"expected {expected}"
+        )
+
+    for key, value in values.items():
+        if key in _BOOL_KEYS:
+            if value not in ("0", "1"):
+                raise bad(key, "0 or 1")
+            kwargs[_BOOL_KEYS[key]] = value == "1"
+        elif key in _PORT_KEYS:
+            if not value.isdigit() or not 1 <= int(value) <= 65535:
+                raise bad(key, "a port 1..65535")
+            kwargs[_PORT_KEYS[key]] = int(value)
+        elif key in _STR_KEYS:
+            kwargs[_STR_KEYS[key]] = value
+        elif key == "LOG_LEVEL":
+            if value not in ("0", "1", "2", "3", "4"):
+                raise bad(key, "0..4")
+            kwargs["log_level"] = int(value)
+        elif key == "IMEX_WAIT_FOR_QUORUM":
+            if value not in ("RECOVERY", "NONE"):
+                raise bad(key, "RECOVERY or NONE")
+            kwargs["wait_for_quorum"] = value
+        elif key == "IMEX_NODE_DISCONNECTED_GRACE_TIME":
+            try:
+                grace = int(value)
+            except ValueError:
+                raise bad(key, "-1, 0 or a number of seconds") from None
+            if grace < -1:
+                raise bad(key, "-1, 0 or a number of seconds")
+            kwargs["disconnected_grace_time"] = grace
+    for key in ("BIND_INTERFACE_IP", "IMEX_CMD_BIND_INTERFACE_IP"):
+        if values.get(key) and not is_ip(values[key]):
+            raise bad(key, "an IPv4 or IPv6 address, or empty")
+    return ImexConfig(path=path, values=MappingProxyType(dict(values)), **kwargs)
+
+
+def load_config(path: str) -> ImexConfig:
+    """Read and validate config.cfg; a missing file fails like `nvidia-imex-ctl` does."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise ImexConfigError(f"Unable to open configuration file at {path}") from None
+    return config_from_values(parse_config_text(text, path), path)
+
+
+# nodes_config.cfg
+
+
+def read_node_list(path: str) -> list[str]:
+    """One address or host name per line; blank and `#` lines are skipped.
+
+    The index of an entry among the others is its IMEX node id. The real file format
+    documents neither comments nor blank lines; imexd never writes them.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise ImexConfigError(f"Failed to read node configuration file {path}") from None
+    entries = [line.strip() for line in text.splitlines()]
+    entries = [e for e in entries if e and not e.startswith("#")]
+    if not entries:
+        raise ImexConfigError(f"Failed to read node configuration file {path}")
+    return entries
+
+
+def node_list_digest(entries: Iterable[str]) -> str:
+    """Equal on two nodes exactly when their node lists are equal, in the same order."""
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+# Names
+
+
+def is_ip(text: str) -> bool:
+    """An IPv4 or IPv6 literal, as nodes_config.cfg and config.cfg may hold."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def same_address(a: str, b: str) -> bool:
+    """Addresses compared as addresses (`::1` equals `0:0:0:0:0:0:0:1`)."""
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+def dialable(address: str | None) -> bool:
+    """Whether a daemon should ever connect to, or a ctl query, this address.
+
+    The real daemon dials the sentinel too and is refused forever; skipping it gives
+    the same NEVER_CONNECTED cell without 17 refused connections per node every 3 s.
+    """
+    return address is not None and not same_address(address, SENTINEL_ADDRESS)
+
+
+def parse_hosts(text: str) -> dict[str, str]:
+    """/etc/hosts format: `address name [alias...]`; the first address for a name wins."""
+    table: dict[str, str] = {}
+    for raw in text.splitlines():
+        words = raw.split("#", 1)[0].split()
+        if len(words) < 2 or not is_ip(words[0]):
+            continue
+        for name in words[1:]:
+            table.setdefault(name.lower(), words[0])
+    return table
+
+
+def read_hosts(path: str) -> dict[str, str]:
+    """The table of a hosts file; unreadable = empty (every name unresolved).
+
+    Read synchronously even from the event loop: a local file of a few hundred bytes
+    costs less than a hop to a thread.
+    """
+    try:
+        return parse_hosts(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return {}
+
+
+class Resolver:
+    """Host names to addresses: the hosts file in IMEXD_SIM_HOSTS_FILE, else the system.
+
+    With a hosts file nothing else is asked (no DNS), so each simulated node sees only
+    its own /etc/hosts stand-in; the file is read again at every `resolve` so that a
+    SIGUSR1 picks up what the agent rewrote.
+    """
+
+    def __init__(self, hosts_file: str | None) -> None:
+        self.hosts_file = hosts_file
+
+    async def resolve(self, entries: Iterable[str]) -> list[str | None]:
+        """The address of each entry (itself when it is one), or None when unknown."""
+        entries = list(entries)
+        if self.hosts_file is not None:
+            table = read_hosts(self.hosts_file)
+            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
+        return list(await asyncio.gather(*(self._system(e) for e in entries)))
+
+    @staticmethod
+    async def _system(entry: str) -> str | None:
+        if is_ip(entry):
+            return entry
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                entry, None, type=socket.SOCK_STREAM
+            )
+        except (OSError, UnicodeError):
+            return None
+        return str(infos[0][4][0]) if infos else None
+
+
+def local_addresses() -> set[str]:
+    """Addresses of this host's interfaces (psutil), for an empty BIND_INTERFACE_IP."""
+    import psutil  # noqa: PLC0415 - only needed when BIND_INTERFACE_IP is empty
+
+    found: set[str] = set()
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family in (socket.AF_INET, socket.AF_INET6):
+                found.add(addr.address.split("%", 1)[0])
+    return found
+
+
+def find_identity(
+    addresses: list[str | None], bind_ip: str, local: Iterable[str] = ()
+) -> int | None:
+    """The first entry that resolves to BIND_INTERFACE_IP, or to a local address."""
+    wanted = [bind_ip] if bind_ip else list(local)
+    for index, address in enumerate(addresses):
+        if address is not None and any(same_address(address, w) for w in wanted):
+            return index
+    return None
+
+
+# The environment
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimEnv:
+    """The `IMEXD_SIM_*` knobs: test speed-ups and fault injection (docs/simulator.md)."""
+
+    version: str = DEFAULT_VERSION
+    """IMEXD_SIM_VERSION: what `--version`, the log and `-N` report."""
+    hosts_file: str | None = None
+    """IMEXD_SIM_HOSTS_FILE: resolve names only through this hosts file."""
+    state_dir: str | None = None
+    """IMEXD_SIM_STATE_DIR: folder of the recovery state; default the config's folder."""
+    signal_log: str | None = None
+    """IMEXD_SIM_SIGNAL_LOG: append `<time> <SIGNAME> honoured|ignored` per signal."""
+    reload_window_s: float = 5.0
+    """IMEXD_SIM_RELOAD_WINDOW_S: SIGUSR1 is honoured at most once per this window."""
+    start_delay_s: float = 0.0
+    """IMEXD_SIM_START_DELAY_S: seconds spent INITIALIZING."""
+    recovery_timeout_s: float = 10.0
+    """IMEXD_SIM_RECOVERY_TIMEOUT_S: longest WAITING_FOR_RECOVERY."""
+    exit_after_s: float | None = None
+    """IMEXD_SIM_EXIT_AFTER_S: exit (like a crash) after this long; 0 = at start."""
+    exit_code: int = 1
+    """IMEXD_SIM_EXIT_CODE: the code of that exit."""
+    abort_after_s: float | None = None
+    """IMEXD_SIM_ABORT_AFTER_S: die by SIGABRT after this long."""
+    ignore_sigterm: bool = False
+    """IMEXD_SIM_IGNORE_SIGTERM=1: SIGTERM, SIGINT and SIGQUIT are ignored."""
+    cmd_hang: bool = False
+    """IMEXD_SIM_CMD_HANG=1: the command service accepts and never answers."""
+    heartbeat_s: float = 0.5
+    """IMEXD_SIM_HEARTBEAT_S: interval of peer heartbeats."""
+    peer_timeout_s: float = 1.5
+    """IMEXD_SIM_PEER_TIMEOUT_S: silence after which a peer counts as lost."""
+    retry_max_s: float = 3.0
+    """IMEXD_SIM_RETRY_MAX_S: cap of the reconnect backoff (it starts at 0.5 s)."""
+
+    @staticmethod
+    def hosts_file_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
+        """The one knob the ctl reads: it must resolve names exactly as the daemon."""
+        env = os.environ if environ is None else environ
+        return env.get("IMEXD_SIM_HOSTS_FILE", "").strip() or None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SimEnv:
+        """Read and check every knob; a bad one is an error naming it."""
+        env = os.environ if environ is None else environ
+
+        def text(name: str) -> str | None:
+            value = env.get(f"IMEXD_SIM_{name}", "").strip()
+            return value or None
+
+        def seconds(name: str, default: float | None) -> float | None:
+            value = text(name)
+            if value is None:
+                return default
+            try:
+                number = float(value)
+            except ValueError:
+                number = -1.0
+            if not math.isfinite(number) or number < 0:
+                raise ImexConfigError(f"IMEXD_SIM_{name}={value}: expected seconds >= 0")
+            return number
+
+        def flag(name: str) -> bool:
+            return text(name) in ("1", "true", "yes")
+
+        code_text = text("EXIT_CODE") or "1"
+        if not code_text.isdigit() or int(code_text) > 255:
+            raise ImexConfigError(f"IMEXD_SIM_EXIT_CODE={code_text}: expected 0..255")
+        return cls(
+            version=text("VERSION") or DEFAULT_VERSION,
+            hosts_file=text("HOSTS_FILE"),
+            state_dir=text("STATE_DIR"),
+            signal_log=text("SIGNAL_LOG"),
+            reload_window_s=seconds("RELOAD_WINDOW_S", 5.0) or 0.0,
+            start_delay_s=seconds("START_DELAY_S", 0.0) or 0.0,
+            recovery_timeout_s=seconds("RECOVERY_TIMEOUT_S", 10.0) or 0.0,
+            exit_after_s=seconds("EXIT_AFTER_S", None),
+            exit_code=int(code_text),
+            abort_after_s=seconds("ABORT_AFTER_S", None),
+            ignore_sigterm=flag("IGNORE_SIGTERM"),
+            cmd_hang=flag("CMD_HANG"),
+            heartbeat_s=max(0.05, seconds("HEARTBEAT_S", 0.5) or 0.0),
+            peer_timeout_s=max(0.1, seconds("PEER_TIMEOUT_S", 1.5) or 0.0),
+            retry_max_s=max(0.5, seconds("RETRY_MAX_S", 3.0) or 0.0),
+        )

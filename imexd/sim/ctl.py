@@ -1,0 +1,252 @@
+"""`imexd-sim-ctl`: a stand-in for `nvidia-imex-ctl`, with its flags, words and formats.
+
+`-q` asks the local daemon for its state word. `-N` asks the local daemon for its node
+list and its own row of the matrix, resolves the entries exactly as the daemon does
+(IMEXD_SIM_HOSTS_FILE or the system resolver) and asks every peer's command service
+for its row, as the real tool does; an unreachable peer is UNAVAILABLE with a row of
+`I`. `-n` repeats `-N` every second until interrupted. Exit codes: 0 when the local
+daemon answered (whatever the domain state), 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from imexd.sim.config import (
+    DEFAULT_CONFIG_PATH,
+    USAGE,
+    ImexConfigError,
+    Resolver,
+    SimEnv,
+    dialable,
+    load_config,
+)
+from imexd.sim.table import DomainView, build_view, render_json, render_text
+from imexd.sim.wire import (
+    CmdTarget,
+    CommandError,
+    NodeState,
+    QueryReply,
+    QueryRequest,
+    StatusReply,
+    StatusRequest,
+    ask,
+)
+
+DEFAULT_TIMEOUT_MS = 5000
+MONITOR_INTERVAL_S = 1.0
+
+
+class UsageError(Exception):
+    """The command line is wrong; the message (if any) is printed before the usage."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CtlArgs:
+    """The parsed command line."""
+
+    mode: str
+    """One of q, N, n (and s, d, m, which the simulator does not model)."""
+    config: str = DEFAULT_CONFIG_PATH
+    target: CmdTarget | None = None
+    """From -i or -u; None = from the command service keys of `config`."""
+    json: bool = False
+    host_names: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+
+
+def parse_args(argv: Sequence[str]) -> CtlArgs | None:
+    """The real tool's flags; None for -h. Hand-written to print the real usage line."""
+    args = list(argv)
+    mode: str | None = None
+    config = DEFAULT_CONFIG_PATH
+    target: CmdTarget | None = None
+    as_json = host_names = False
+    timeout_ms = DEFAULT_TIMEOUT_MS
+
+    def value(count: int = 1) -> list[str]:
+        if len(args) < count:
+            raise UsageError(f"Option {flag} needs {count} argument(s)")
+        taken = args[:count]
+        del args[:count]
+        return taken
+
+    while args:
+        flag = args.pop(0)
+        if flag in ("-h", "--help"):
+            return None
+        if flag in ("-q", "-N", "-n", "-s", "-d", "-m"):
+            if mode is not None and mode != flag[1]:
+                raise UsageError("Only one of -n, -N, -q, -s, -d, -m may be given")
+            mode = flag[1]
+        elif flag == "-c":
+            (config,) = value()
+        elif flag == "-i":
+            host, port = value(2)
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise UsageError(f"Invalid port {port}")
+            target = CmdTarget(host=host, port=int(port))
+        elif flag == "-u":
+            (path,) = value()
+            target = CmdTarget(path=path)
+        elif flag == "-t":
+            (text,) = value()
+            if not text.isdigit() or int(text) == 0:
+                raise UsageError(f"Invalid timeout {text}: expected milliseconds > 0")
+            timeout_ms = int(text)
+        elif flag == "-j":
+            as_json = True
+        elif flag == "-H":
+            host_names = True
+        else:
+            raise UsageError(f"Unknown option {flag}")
+    if mode is None:
+        raise UsageError("")
+    return CtlArgs(
+        mode=mode,
+        config=config,
+        target=target,
+        json=as_json,
+        host_names=host_names,
+        timeout_s=timeout_ms / 1000,
+    )
+
+
+def target_from_config(path: str) -> CmdTarget:
+    """Where the daemon of config.cfg at `path` serves commands."""
+    cfg = load_config(path)
+    if not cfg.cmd_enabled:
+        raise CommandError(f"IMEX_CMD_ENABLED=0 in {path}: the command service is disabled")
+    if cfg.cmd_unix_domain_path:
+        return CmdTarget(path=cfg.cmd_unix_domain_path)
+    host = cfg.cmd_bind_interface_ip or cfg.bind_interface_ip or "127.0.0.1"
+    return CmdTarget(host=host, port=cfg.cmd_port)
+
+
+async def query(target: CmdTarget, timeout_s: float) -> NodeState:
+    """`-q`: the local daemon's state word."""
+    reply = await ask(target, QueryRequest(), timeout_s=timeout_s)
+    if not isinstance(reply, QueryReply):
+        raise CommandError(f"{target} answered a query with {type(reply).__name__}")
+    return reply.state
+
+
+async def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> DomainView:
+    """`-N`: the local node's answer, then every peer's, asked all at once."""
+    local = await ask(target, StatusRequest(), timeout_s=timeout_s)
+    if not isinstance(local, StatusReply):
+        raise CommandError(f"{target} answered a status request with {type(local).__name__}")
+    addresses = await Resolver(hosts_file).resolve(local.nodes)
+
+    async def peer(address: str | None) -> StatusReply | None:
+        if address is None or not dialable(address):
+            return None
+        try:
+            reply = await ask(
+                CmdTarget(host=address, port=local.cmd_port), StatusRequest(), timeout_s=timeout_s
+            )
+        except CommandError:
+            return None
+        return reply if isinstance(reply, StatusReply) else None
+
+    others = [j for j in range(len(local.nodes)) if j != local.node]
+    replies = await asyncio.gather(*(peer(addresses[j]) for j in others))
+    return build_view(
+        local=local,
+        addresses=addresses,
+        peers=dict(zip(others, replies, strict=True)),
+        at=time.time(),
+    )
+
+
+def _render(view: DomainView, args: CtlArgs) -> str:
+    return render_json(view) if args.json else render_text(view, host_names=args.host_names)
+
+
+async def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
+    """Carry out one invocation; returns the exit code."""
+    if args.mode == "q":
+        try:
+            state = await query(target, args.timeout_s)
+        except CommandError as exc:
+            return unavailable(args, exc)
+        print(state)
+        return 0
+    if args.mode == "N":
+        try:
+            view = await domain_view(target, args.timeout_s, hosts_file)
+        except CommandError as exc:
+            return unavailable(args, exc)
+        sys.stdout.write(_render(view, args))
+        return 0
+    if args.mode == "n":
+        return await monitor(args, target, hosts_file)
+    print(f"Option -{args.mode} is not modelled by the IMEX simulator", file=sys.stderr)
+    return 1
+
+
+def unavailable(args: CtlArgs, exc: CommandError) -> int:
+    """The local daemon did not answer: `-q` still prints its word; exit 1."""
+    if args.mode == "q":
+        print(NodeState.UNAVAILABLE)
+    print(f"Unable to query the IMEX daemon: {exc}", file=sys.stderr)
+    return 1
+
+
+async def monitor(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
+    """`-n`: `-N` once a second until SIGINT or SIGTERM; each round bounded by -t."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            view = await domain_view(target, args.timeout_s, hosts_file)
+        except CommandError as exc:
+            print(f"Unable to query the IMEX daemon: {exc}", file=sys.stderr)
+        else:
+            sys.stdout.write(_render(view, args) + ("" if args.json else "\n"))
+            sys.stdout.flush()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(MONITOR_INTERVAL_S):
+                await stop.wait()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`imexd-sim-ctl [-c CONFIG | -i IP PORT | -u PATH] (-q | -N [-j] [-H] | -n) [-t MS]`."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        if str(exc):
+            print(exc, file=sys.stderr)
+        print(USAGE, file=sys.stderr)
+        return 1
+    if args is None:
+        print(USAGE)
+        return 0
+    target = args.target
+    if target is None:
+        try:
+            target = target_from_config(args.config)
+        except ImexConfigError as exc:
+            print(exc, file=sys.stderr)
+            print(USAGE, file=sys.stderr)
+            return 1
+        except CommandError as exc:
+            return unavailable(args, exc)
+    hosts_file = SimEnv.hosts_file_from_environ()
+    try:
+        return asyncio.run(run(args, target, hosts_file))
+    except KeyboardInterrupt:  # pragma: no cover - only outside monitor mode
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

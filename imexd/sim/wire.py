@@ -1,0 +1,206 @@
+"""The simulator's two protocols: daemon to daemon, and ctl to daemon.
+
+Both are one JSON object per line, decoded strictly with msgspec: a frame of the
+wrong shape ends the connection instead of confusing the state machine. The real
+IMEX protocols are private (gRPC inside NVIDIA's binaries); these only carry what the
+observable behaviour needs.
+
+Peer links (TCP to SERVER_PORT): the dialling node sends `hello`, the listening node
+answers with its own `hello` and then a `hb` every heartbeat interval, so the dialler,
+whose view is its row of the `-N` matrix, notices a silent peer within the peer
+timeout. Either side sends `bye` before a graceful exit.
+
+Command service (IMEX_CMD_PORT or IMEX_CMD_UNIX_DOMAIN_PATH): one request per
+connection, `query` (the `-q` word) or `status` (this node's row and node list, from
+which `-N` is assembled), answered by one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from enum import StrEnum
+
+import msgspec
+
+from imexd.errors import ImexdError
+
+MAX_LINE = 64 * 1024
+"""Longest frame accepted; a status reply for 2048 nodes stays well below."""
+
+
+class NodeState(StrEnum):
+    """The words `nvidia-imex-ctl -q` prints."""
+
+    INITIALIZING = "INITIALIZING"
+    STARTING_AUTH_SERVER = "STARTING_AUTH_SERVER"
+    WAITING_FOR_PEERS = "WAITING_FOR_PEERS"
+    WAITING_FOR_RECOVERY = "WAITING_FOR_RECOVERY"
+    INIT_GPU = "INIT_GPU"
+    READY = "READY"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class LinkStatus(StrEnum):
+    """A cell of the connectivity matrix; the value is the `-N -j` status word.
+
+    CONNECTED, NEVER_CONNECTED and INVALID are seen in real output; the other words
+    are the simulator's spelling of the remaining legend entries.
+    """
+
+    CONNECTED = "CONNECTED"
+    NEVER_CONNECTED = "NEVER_CONNECTED"
+    INVALID = "INVALID"
+    RECOVERING = "RECOVERING"
+    DISCONNECTED = "DISCONNECTED"
+    AUTHENTICATING = "AUTHENTICATING"
+    VERSION_MISMATCH = "VERSION_MISMATCH"
+    NODE_MAP_MISMATCH = "NODE_MAP_MISMATCH"
+
+    @property
+    def letter(self) -> str:
+        """The cell as the `-N` text matrix prints it."""
+        return _LETTERS[self]
+
+
+_LETTERS = {
+    LinkStatus.CONNECTED: "C",
+    LinkStatus.NEVER_CONNECTED: "N",
+    LinkStatus.INVALID: "I",
+    LinkStatus.RECOVERING: "R",
+    LinkStatus.DISCONNECTED: "D",
+    LinkStatus.AUTHENTICATING: "A",
+    LinkStatus.VERSION_MISMATCH: "!V!",
+    LinkStatus.NODE_MAP_MISMATCH: "!M!",
+}
+
+
+# Peer frames
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Who is at the other end, and whether we may talk to it at all."""
+
+    node: int
+    """Its IMEX node id (line index in its node list)."""
+    digest: str
+    """Digest of its node list; different from ours = node map mismatch."""
+    instance: str
+    """New at every start: a change tells peers to clean up imports from the old one."""
+    version: str
+    state: NodeState
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="hb"):
+    """Proof of life from the listening side, every heartbeat interval."""
+
+
+class Bye(msgspec.Struct, frozen=True, tag="bye"):
+    """Sent before a graceful exit, so peers clean up at once instead of waiting."""
+
+
+PeerFrame = Hello | Heartbeat | Bye
+
+
+# Command service
+
+
+class QueryRequest(msgspec.Struct, frozen=True, tag="query"):
+    """`-q`: the local state word."""
+
+
+class StatusRequest(msgspec.Struct, frozen=True, tag="status"):
+    """`-N`: everything one node knows about itself and its outgoing links."""
+
+
+Request = QueryRequest | StatusRequest
+
+
+class QueryReply(msgspec.Struct, frozen=True, tag="query"):
+    state: NodeState
+
+
+class Link(msgspec.Struct, frozen=True):
+    """This node's view of its connection to one node of the list."""
+
+    status: LinkStatus
+    changed: bool
+    """Whether the cell ever left its initial NEVER_CONNECTED (the JSON `changed`)."""
+
+
+class StatusReply(msgspec.Struct, frozen=True, tag="status"):
+    node: int
+    state: NodeState
+    version: str
+    instance: str
+    pid: int
+    digest: str
+    server_port: int
+    cmd_port: int
+    nodes: list[str]
+    """The node list as read at start (entries, not addresses)."""
+    links: list[Link]
+    """One per entry of `nodes`; its own entry is CONNECTED."""
+
+
+Reply = QueryReply | StatusReply
+
+PEER_DECODER = msgspec.json.Decoder(PeerFrame)
+REQUEST_DECODER = msgspec.json.Decoder(Request)
+REPLY_DECODER = msgspec.json.Decoder(Reply)
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """One frame: the JSON object and a newline."""
+    return _ENCODER.encode(message) + b"\n"
+
+
+class CommandError(ImexdError):
+    """The command service could not be reached, timed out or answered nonsense."""
+
+
+@dataclass(frozen=True)
+class CmdTarget:
+    """Where a command service listens: `host` and `port`, or a Unix socket `path`."""
+
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    def __str__(self) -> str:
+        if self.path:
+            return self.path
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+async def ask(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
+    """Send one request and read its reply, all within `timeout_s` seconds."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            if target.path:
+                reader, writer = await asyncio.open_unix_connection(target.path, limit=MAX_LINE)
+            else:
+                reader, writer = await asyncio.open_connection(
+                    target.host, target.port, limit=MAX_LINE
+                )
+            writer.write(encode(request))
+            await writer.drain()
+            line = await reader.readline()
+        if not line:
+            raise CommandError(f"{target} closed the connection without answering")
+        return REPLY_DECODER.decode(line)
+    except TimeoutError:
+        raise CommandError(f"no answer from {target} within {timeout_s * 1000:.0f} ms") from None
+    except msgspec.DecodeError as exc:
+        raise CommandError(f"{target} answered something unreadable: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot talk to {target}: {exc}") from exc
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()

@@ -1,0 +1,80 @@
+"""The simulated ctl's command line: the real flags, and where it finds the daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from imexd.sim.config import DEFAULT_CONFIG_PATH
+from imexd.sim.ctl import UsageError, main, parse_args, target_from_config
+from imexd.sim.wire import CmdTarget, CommandError
+
+
+def test_flags_of_the_real_tool() -> None:
+    """`-i IP PORT`, `-u PATH`, `-c CFG`, `-N -j -H`, `-t MS`; `-c` has the package default."""
+    args = parse_args(["-N", "-j", "-H", "-t", "250", "-i", "10.0.0.1", "50005"])
+    assert args is not None
+    assert (args.mode, args.json, args.host_names, args.timeout_s) == ("N", True, True, 0.25)
+    assert args.target == CmdTarget(host="10.0.0.1", port=50005)
+    query = parse_args(["-q"])
+    assert query is not None
+    assert (query.config, query.target, query.timeout_s) == (DEFAULT_CONFIG_PATH, None, 5.0)
+    unix = parse_args(["-u", "/run/imex.sock", "-n"])
+    assert unix is not None
+    assert unix.target == CmdTarget(path="/run/imex.sock")
+    assert parse_args(["-h"]) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["-q", "-N"], ["-q", "-t", "0"], ["-q", "-t", "soon"], ["-i", "10.0.0.1"], ["-z"]],
+)
+def test_wrong_command_lines_are_usage_errors(argv: list[str]) -> None:
+    """No mode, two modes, a bad timeout, a missing value or an unknown flag."""
+    with pytest.raises(UsageError):
+        parse_args(argv)
+
+
+def test_help_prints_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """`-h` prints the real usage line on stdout and succeeds."""
+    assert main(["-h"]) == 0
+    assert capsys.readouterr().out.startswith("Usage: nvidia-imex-ctl [-i <IP> <PORT>|")
+
+
+def test_unmodelled_modes_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`-s`, `-d` and `-m` exist in the real tool; the simulator says it lacks them."""
+    assert main(["-i", "127.0.0.1", "1", "-s"]) == 1
+    assert "not modelled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ("IMEX_CMD_BIND_INTERFACE_IP=10.0.0.7\nIMEX_CMD_PORT=6000\n", CmdTarget("10.0.0.7", 6000)),
+        ("BIND_INTERFACE_IP=10.0.0.8\n", CmdTarget("10.0.0.8", 50005)),
+        ("", CmdTarget("127.0.0.1", 50005)),
+        ("IMEX_CMD_UNIX_DOMAIN_PATH=/run/x.sock\n", CmdTarget(path="/run/x.sock")),
+    ],
+)
+def test_the_command_service_is_found_from_config(
+    tmp_path: Path, lines: str, expected: CmdTarget
+) -> None:
+    """The command bind address, else the bind address, else localhost; or the socket."""
+    cfg = tmp_path / "config.cfg"
+    cfg.write_text(lines)
+    assert target_from_config(str(cfg)) == expected
+
+
+def test_a_disabled_command_service_is_unavailable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """IMEX_CMD_ENABLED=0: nothing to ask; `-q` says UNAVAILABLE and why, exit 1."""
+    cfg = tmp_path / "config.cfg"
+    cfg.write_text("IMEX_CMD_ENABLED=0\n")
+    with pytest.raises(CommandError, match="IMEX_CMD_ENABLED=0"):
+        target_from_config(str(cfg))
+    assert main(["-c", str(cfg), "-q"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "UNAVAILABLE\n"
+    assert "IMEX_CMD_ENABLED=0" in out.err
