@@ -1,0 +1,892 @@
+"""Membership: the conflict rule, slot preference, the claim state machine, a whole group."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from imexd.membership import (
+    ClaimState,
+    Decision,
+    Phase,
+    Reason,
+    compatible,
+    desired_addresses,
+    desired_hosts,
+    echoed,
+    mismatches,
+    newer,
+    preferred_slot,
+    resolve,
+    step,
+)
+from imexd.wire import DomainSpec, MemberRecord, MemberState, Mode
+
+CLAIMING = MemberState.CLAIMING
+MEMBER = MemberState.MEMBER
+STANDBY = MemberState.STANDBY
+LEAVING = MemberState.LEAVING
+
+
+def rec(
+    node: str,
+    slot: int | None,
+    state: MemberState = CLAIMING,
+    *,
+    inc: int = 1,
+    max_nodes: int = 8,
+    mode: Mode = "names",
+    address: str = "",
+) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain="d1",
+        clique="c.1",
+        address=address or f"10.0.0.{sum(map(ord, node)) % 250 + 1}",
+        slot=slot,
+        incarnation=inc,
+        state=state,
+        max_nodes=max_nodes,
+        mode=mode,
+    )
+
+
+def spec_of(*nodes: str) -> DomainSpec:
+    return DomainSpec(domain="d1", nodes=list(nodes))
+
+
+def own(me: ClaimState, *, max_nodes: int = 8) -> MemberRecord:
+    """The record `me` published, as the broker echoes it."""
+    state = me.record_state
+    assert state is not None
+    return rec(me.node, me.slot, state, inc=me.incarnation, max_nodes=max_nodes)
+
+
+def run(
+    me: ClaimState,
+    records: Iterable[MemberRecord],
+    *,
+    now: float = 0.0,
+    max_nodes: int = 8,
+    spec: DomainSpec | None = None,
+    previous_slot: int | None = None,
+) -> Decision:
+    return step(
+        me,
+        list(records),
+        now=now,
+        settle_s=1.0,
+        max_nodes=max_nodes,
+        spec=spec,
+        previous_slot=previous_slot,
+    )
+
+
+# The conflict rule
+
+
+def test_member_beats_claim() -> None:
+    """A member keeps its slot against a claim, even one with a lower name."""
+    m = resolve([rec("a", 0, CLAIMING), rec("b", 0, MEMBER)], max_nodes=8)
+    assert m.nodes == {0: "b"}
+    assert m.losers == {"a"}
+    assert m.members == {0: rec("b", 0, MEMBER)}
+
+
+def test_lower_name_wins_between_claims() -> None:
+    """Between two claims on one slot the lower node name wins."""
+    m = resolve([rec("n2", 3), rec("n10", 3), rec("n3", 4)], max_nodes=8)
+    assert m.nodes == {3: "n10", 4: "n3"}
+    assert m.slots == {"n10": 3, "n3": 4}
+    assert m.losers == {"n2"}
+    assert m.members == {}
+
+
+def test_lower_name_wins_between_members() -> None:
+    """Two members on one slot (a healed partition): the lower name keeps it."""
+    m = resolve([rec("b", 1, MEMBER), rec("a", 1, MEMBER)], max_nodes=8)
+    assert m.nodes == {1: "a"}
+    assert m.losers == {"b"}
+
+
+def test_only_claims_and_members_compete() -> None:
+    """Standby and leaving records, and slots beyond max_nodes, hold nothing."""
+    m = resolve(
+        [rec("a", None, STANDBY), rec("b", 0, LEAVING), rec("c", 5, MEMBER, max_nodes=8)],
+        max_nodes=4,
+    )
+    assert m.winners == {}
+    assert m.standby == {"a"}
+    assert m.losers == frozenset()
+
+
+def test_newer_prefers_higher_incarnation() -> None:
+    """The higher incarnation wins; a tie goes to the later arrival."""
+    old, new = rec("a", 0, MEMBER, inc=1), rec("a", 2, CLAIMING, inc=2)
+    assert newer(old, new) is new
+    assert newer(new, old) is new
+    same = rec("a", 3, CLAIMING, inc=2)
+    assert newer(new, same) is same
+    with pytest.raises(ValueError, match="different nodes"):
+        newer(old, rec("b", 0))
+
+
+def test_resolve_keeps_the_newest_record_of_a_node() -> None:
+    """An older incarnation's record of the same node takes no part."""
+    m = resolve([rec("a", 0, MEMBER, inc=1), rec("a", 2, CLAIMING, inc=2)], max_nodes=8)
+    assert m.nodes == {2: "a"}
+
+
+def test_spec_is_an_allow_list() -> None:
+    """Records of nodes outside the spec's list are ignored, even members."""
+    m = resolve([rec("a", 0, MEMBER), rec("x", 1, MEMBER)], max_nodes=8, spec=spec_of("a", "b"))
+    assert m.nodes == {0: "a"}
+    assert m.ignored == {"x"}
+    assert resolve([rec("x", 1)], max_nodes=8, spec=DomainSpec(domain="d1")).nodes == {1: "x"}
+
+
+# Preferred slot
+
+
+def test_spec_position_is_preferred() -> None:
+    """With a listed spec a node claims its list position, whatever else is free."""
+    spec = spec_of("c", "b", "a")
+    assert preferred_slot("a", [], max_nodes=8, spec=spec, previous_slot=5) == 2
+    assert preferred_slot("x", [], max_nodes=8, spec=spec) is None
+
+
+def test_spec_position_beyond_max_nodes_waits() -> None:
+    """A listed node whose position is not a slot waits: the other slots are reserved."""
+    spec = spec_of("a", "b", "c")
+    assert preferred_slot("c", [], max_nodes=2, spec=spec) is None
+
+
+def test_spec_position_preempts_higher_claims_only() -> None:
+    """A list position is taken from a higher-named claim, never from a member."""
+    spec = spec_of("z", "b", "c", "a")
+    assert preferred_slot("b", [rec("c", 1)], max_nodes=4, spec=spec) == 1
+    # Held by a member (the list was edited): fall back to a slot no listed node awaits.
+    held = [rec("c", 1, MEMBER), rec("z", 0, MEMBER)]
+    assert preferred_slot("b", held, max_nodes=4, spec=spec) == 2
+    # Slot 0 awaits z and slot 2 awaits c; a holds slot 1, so its position 3 is free.
+    assert preferred_slot("b", [rec("a", 1)], max_nodes=4, spec=spec) == 3
+
+
+def test_reserved_positions_are_not_free_to_others() -> None:
+    """A listed node that holds nothing yet keeps its position free of other nodes."""
+    spec = spec_of("a", "b", "c", "z")
+    # z holds c's position 2 (the list was edited); slots 0 and 1 await a and b.
+    records = [rec("z", 2, MEMBER)]
+    assert preferred_slot("c", records, max_nodes=4, spec=spec) == 3
+    assert preferred_slot("c", records, max_nodes=3, spec=spec) is None
+    # Once a holds another slot, its position 0 is free to others.
+    records = [rec("a", 5, MEMBER), rec("z", 2, MEMBER)]
+    assert preferred_slot("c", records, max_nodes=6, spec=spec) == 0
+
+
+def test_previous_slot_is_reused_when_free() -> None:
+    """A restarted node gets its previous slot back unless a winner would beat it."""
+    assert preferred_slot("b", [rec("a", 0, MEMBER)], max_nodes=8, previous_slot=3) == 3
+    assert preferred_slot("b", [rec("c", 3)], max_nodes=8, previous_slot=3) == 3
+    assert preferred_slot("b", [rec("a", 3)], max_nodes=8, previous_slot=3) == 0
+    assert preferred_slot("b", [rec("c", 3, MEMBER)], max_nodes=8, previous_slot=3) == 0
+    assert preferred_slot("b", [], max_nodes=2, previous_slot=3) == 0
+
+
+def test_smallest_free_slot() -> None:
+    """Without a position or previous slot a node takes the smallest slot nobody holds."""
+    records = [rec("a", 0, MEMBER), rec("z", 1), rec("c", 3, MEMBER)]
+    assert preferred_slot("b", records, max_nodes=8) == 2
+    assert preferred_slot("b", [], max_nodes=8) == 0
+
+
+def test_own_record_does_not_block() -> None:
+    """Our own old claim or member record never counts as another holder."""
+    assert preferred_slot("b", [rec("b", 0, MEMBER, inc=1)], max_nodes=8) == 0
+
+
+def test_losers_pick_distinct_free_slots() -> None:
+    """Losers that see the same records take the free slots in name order."""
+    records = [rec(n, 0) for n in ("a", "b", "c", "d")] + [rec("e", 2, MEMBER)]
+    picks = {n: preferred_slot(n, records, max_nodes=8) for n in ("b", "c", "d")}
+    assert picks == {"b": 1, "c": 3, "d": 4}
+
+
+def test_full_domain_gives_no_slot() -> None:
+    """When every slot is held the domain is full: no slot (standby)."""
+    records = [rec("a", 0, MEMBER), rec("b", 1)]
+    assert preferred_slot("c", records, max_nodes=2) is None
+
+
+# The claim state machine
+
+
+def test_first_step_claims_and_wakes_at_the_end_of_the_window() -> None:
+    """A fresh node claims its preferred slot and asks to be woken after settle_s."""
+    d = run(ClaimState(node="b", incarnation=1), [rec("a", 0, MEMBER)], now=10.0)
+    assert d.publish
+    assert d.claim == ClaimState(node="b", incarnation=1, phase=Phase.CLAIMING, slot=1, since=10.0)
+    assert d.claim.record_state is CLAIMING
+    assert d.reason is Reason.CLAIMED
+    assert d.wake_at == 11.0
+    assert not d.settled
+
+
+def test_settle_requires_echo_and_window() -> None:
+    """A claim becomes member only once its record came back AND settle_s passed."""
+    me = ClaimState(node="a", incarnation=4, phase=Phase.CLAIMING, slot=0, since=10.0)
+    no_echo = run(me, [], now=12.0)
+    assert no_echo.claim == me
+    assert (no_echo.reason, no_echo.publish, no_echo.wake_at) == (
+        Reason.WAITING_FOR_ECHO,
+        False,
+        None,
+    )
+    early = run(me, [own(me)], now=10.5)
+    assert (early.claim.phase, early.reason, early.wake_at) == (
+        Phase.CLAIMING,
+        Reason.SETTLE_WINDOW,
+        11.0,
+    )
+    stale = run(me, [rec("a", 0, CLAIMING, inc=3)], now=12.0)
+    assert stale.reason is Reason.WAITING_FOR_ECHO
+    done = run(me, [own(me)], now=11.0)
+    assert done.settled
+    assert done.publish
+    assert done.claim.phase is Phase.MEMBER
+    assert done.claim.record_state is MEMBER
+    assert done.reason is Reason.SETTLED
+    assert echoed(me, [own(me)])
+
+
+def test_settled_member_is_quiet() -> None:
+    """A member that sees nothing new publishes nothing and asks for no timer."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.MEMBER, slot=0, since=1.0)
+    d = run(me, [own(me), rec("b", 1, MEMBER)], now=50.0)
+    assert (d.claim, d.publish, d.settled, d.wake_at) == (me, False, True, None)
+
+
+def test_claim_lost_to_a_member_claims_again() -> None:
+    """A claim beaten by a member moves to another slot at once."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    d = run(me, [own(me), rec("b", 0, MEMBER)], now=0.5)
+    assert d.reason is Reason.LOST_CONFLICT
+    assert (d.claim.phase, d.claim.slot, d.claim.since, d.publish) == (
+        Phase.CLAIMING,
+        1,
+        0.5,
+        True,
+    )
+
+
+def test_claim_lost_to_a_lower_claim_but_not_a_higher_one() -> None:
+    """Between claims the lower name stays and the higher one moves."""
+    me = ClaimState(node="b", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    assert run(me, [own(me), rec("a", 0)], now=0.5).claim.slot == 1
+    kept = run(me, [own(me), rec("c", 0)], now=1.0)
+    assert (kept.claim.phase, kept.claim.slot) == (Phase.MEMBER, 0)
+
+
+def test_member_never_yields_to_a_claim() -> None:
+    """A settled member keeps its slot against any claim, lower names included."""
+    me = ClaimState(node="m", incarnation=1, phase=Phase.MEMBER, slot=2, since=0.0)
+    d = run(me, [own(me), rec("a", 2), rec("b", 2)], now=9.0)
+    assert (d.claim, d.publish) == (me, False)
+
+
+def test_partition_heal_lower_member_keeps_the_slot() -> None:
+    """Two members on one slot: the higher name claims again, the lower stays."""
+    hi = ClaimState(node="b", incarnation=1, phase=Phase.MEMBER, slot=0, since=0.0)
+    lo = ClaimState(node="a", incarnation=1, phase=Phase.MEMBER, slot=0, since=0.0)
+    records = [own(hi), own(lo)]
+    d = run(hi, records, now=5.0)
+    assert d.reason is Reason.PARTITION_HEALED
+    assert (d.claim.phase, d.claim.slot, d.settled) == (Phase.CLAIMING, 1, False)
+    assert run(lo, records, now=5.0).claim == lo
+
+
+def test_full_domain_waits_as_standby() -> None:
+    """More nodes than slots: the extra node publishes standby, once."""
+    records = [rec("a", 0, MEMBER), rec("b", 1, MEMBER)]
+    d = run(ClaimState(node="c", incarnation=1), records, max_nodes=2, now=1.0)
+    assert (d.claim.phase, d.claim.slot, d.publish, d.reason) == (
+        Phase.STANDBY,
+        None,
+        True,
+        Reason.DOMAIN_FULL,
+    )
+    assert d.claim.record_state is STANDBY
+    again = run(d.claim, [*records, own(d.claim, max_nodes=2)], max_nodes=2, now=2.0)
+    assert (again.claim, again.publish) == (d.claim, False)
+
+
+def test_standby_takes_a_freed_slot() -> None:
+    """When a member leaves, the lowest-named standby node claims its slot."""
+    c = ClaimState(node="c", incarnation=1, phase=Phase.STANDBY, since=1.0)
+    d_ = ClaimState(node="d", incarnation=1, phase=Phase.STANDBY, since=1.0)
+    records = [rec("a", 0, MEMBER), own(c, max_nodes=2), own(d_, max_nodes=2)]
+    took = run(c, records, max_nodes=2, now=3.0)
+    assert (took.claim.phase, took.claim.slot, took.publish) == (Phase.CLAIMING, 1, True)
+    waits = run(d_, records, max_nodes=2, now=3.0)
+    assert (waits.claim, waits.publish) == (d_, False)
+
+
+def test_spec_edit_never_moves_a_member() -> None:
+    """A member keeps its slot when the list order changes; new claims use positions."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.MEMBER, slot=0, since=0.0)
+    spec = spec_of("b", "a")
+    d = run(me, [own(me)], spec=spec, now=3.0)
+    assert (d.claim, d.publish) == (me, False)
+    b = run(ClaimState(node="b", incarnation=1), [own(me)], spec=spec, now=3.0)
+    # b's position 0 is held by member a, and a holds a slot, so a's position 1 is free.
+    assert b.claim.slot == 1
+
+
+def test_claiming_node_moves_to_its_spec_position() -> None:
+    """A spec that arrives while a node claims moves the claim to the list position."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    d = run(me, [own(me)], spec=spec_of("b", "a"), now=0.5)
+    assert (d.claim.phase, d.claim.slot, d.publish) == (Phase.CLAIMING, 1, True)
+
+
+def test_node_outside_the_spec_clears_its_record() -> None:
+    """A node dropped from the list leaves (record cleared once) with NotInSpec."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.MEMBER, slot=0, since=0.0)
+    d = run(me, [own(me)], spec=spec_of("b"), now=1.0)
+    assert (d.claim.phase, d.publish, d.settled, d.reason) == (
+        Phase.OUT,
+        True,
+        False,
+        Reason.NOT_IN_SPEC,
+    )
+    assert d.claim.record_state is None
+    again = run(d.claim, [], spec=spec_of("b"), now=2.0)
+    assert not again.publish
+    back = run(again.claim, [], spec=spec_of("b", "a"), now=3.0)
+    assert (back.claim.phase, back.claim.slot) == (Phase.CLAIMING, 1)
+
+
+def test_restart_resumes_a_retained_member_record() -> None:
+    """An agent restarted inside the will delay keeps its member slot without a claim."""
+    old = rec("b", 5, MEMBER, inc=3)
+    d = run(ClaimState(node="b", incarnation=4), [old, rec("a", 0, MEMBER)], now=1.0)
+    assert (d.claim.phase, d.claim.slot, d.publish, d.settled, d.reason) == (
+        Phase.MEMBER,
+        5,
+        True,
+        True,
+        Reason.RESUMED,
+    )
+    lost = run(ClaimState(node="b", incarnation=4), [old, rec("a", 5, MEMBER)], now=1.0)
+    assert lost.claim.phase is Phase.CLAIMING
+    assert lost.claim.slot == 0
+
+
+def test_restart_after_the_will_reclaims_the_previous_slot() -> None:
+    """Once the record is gone a restarted node claims its previous slot again."""
+    d = run(ClaimState(node="b", incarnation=2), [rec("a", 0, MEMBER)], previous_slot=4)
+    assert (d.claim.phase, d.claim.slot) == (Phase.CLAIMING, 4)
+
+
+# Compatibility and files
+
+
+def test_mismatched_max_nodes_or_mode_are_reported() -> None:
+    """Nodes whose node list would differ are named; leaving and unlisted ones are not."""
+    records = [
+        rec("a", 0, MEMBER),
+        rec("b", 1, MEMBER, max_nodes=4),
+        rec("c", 2, mode="addresses"),
+        rec("d", None, LEAVING, max_nodes=2),
+        rec("x", None, STANDBY, max_nodes=2),
+    ]
+    assert compatible(records[0], max_nodes=8, mode="names")
+    assert not compatible(records[1], max_nodes=8, mode="names")
+    assert mismatches(records, max_nodes=8, mode="names") == ["b", "c", "x"]
+    allow = spec_of("a", "b", "c", "d")
+    assert mismatches(records, max_nodes=8, mode="names", spec=allow) == ["b", "c"]
+
+
+def test_desired_files_list_members_only() -> None:
+    """Hosts and addresses list members in slot order; claims are not in the files yet."""
+    records = [
+        rec("b", 2, MEMBER, address="10.0.0.2"),
+        rec("a", 0, MEMBER, address="10.0.0.1"),
+        rec("c", 1, CLAIMING, address="10.0.0.3"),
+    ]
+    m = resolve(records, max_nodes=4)
+    assert desired_hosts(m) == {0: "10.0.0.1", 1: None, 2: "10.0.0.2", 3: None}
+    assert desired_addresses(m) == ["10.0.0.1", "10.0.0.2"]
+
+
+# Properties of the conflict rule
+
+NAMES = [f"n{i:02d}" for i in range(25)] + ["a.b", "z-1"]
+
+records_st = st.lists(
+    st.builds(
+        lambda node, slot, state, inc: rec(
+            node, slot if state in (CLAIMING, MEMBER) else None, state, inc=inc
+        ),
+        st.sampled_from(NAMES),
+        st.integers(0, 7),
+        st.sampled_from(list(MemberState)),
+        st.integers(0, 3),
+    ),
+    max_size=30,
+)
+one_per_node_st = records_st.map(lambda rs: list({r.node: r for r in rs}.values()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=records_st, data=st.data(), max_nodes=st.integers(1, 8))
+def test_every_order_gives_the_same_map(
+    records: list[MemberRecord], data: st.DataObject, max_nodes: int
+) -> None:
+    """Every node computes the same map from the same records, in any order."""
+    shuffled = data.draw(st.permutations(records))
+    assert resolve(shuffled, max_nodes=max_nodes) == resolve(records, max_nodes=max_nodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=one_per_node_st, max_nodes=st.integers(1, 8))
+def test_winners_are_unique_and_beat_every_rival(
+    records: list[MemberRecord], max_nodes: int
+) -> None:
+    """No node wins two slots, and each winner beats every other record on its slot."""
+    m = resolve(records, max_nodes=max_nodes)
+    assert len(set(m.nodes.values())) == len(m.nodes)
+    assert not (m.losers & set(m.slots))
+    for r in records:
+        if r.state in (CLAIMING, MEMBER) and r.slot is not None and r.slot < max_nodes:
+            w = m.winners[r.slot]
+            assert w == r or (w.state is not MEMBER, w.node) < (r.state is not MEMBER, r.node)
+            assert w == r or r.node in m.losers
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=records_st, max_nodes=st.integers(1, 8))
+def test_seekers_that_see_the_same_records_pick_distinct_free_slots(
+    records: list[MemberRecord], max_nodes: int
+) -> None:
+    """Losers and standby nodes never pick the same slot, nor one that is held."""
+    m = resolve(records, max_nodes=max_nodes)
+    picks = [preferred_slot(n, records, max_nodes=max_nodes) for n in m.losers | m.standby]
+    taken = [p for p in picks if p is not None]
+    assert len(taken) == len(set(taken))
+    assert not set(taken) & set(m.winners)
+
+
+# A whole group, simulated
+
+SETTLE = 5
+"""Settle window in ticks."""
+DELAY = 2
+"""Largest delivery delay in ticks: the protocol assumes SETTLE > 2 * DELAY."""
+WILL = 4
+"""Will delay in ticks."""
+
+EVENTS = ("join", "leave", "crash", "flap")
+
+
+@dataclass
+class Agent:
+    """One simulated agent: its claim, its view of the retained records, its timers."""
+
+    name: str
+    conn: int
+    claim: ClaimState
+    previous_slot: int | None
+    synced_at: int
+    view: dict[str, MemberRecord] = field(default_factory=dict)
+    dirty: bool = True
+    wake_at: float | None = None
+    settled_slot: int | None = None
+
+
+@dataclass(order=True)
+class Delivery:
+    at: int
+    seq: int
+    to: str = field(compare=False)
+    conn: int = field(compare=False)
+    node: str = field(compare=False)
+    record: MemberRecord | None = field(compare=False)
+
+
+class Group:
+    """One broker and its agents: retained records, bounded in-order delays, wills."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        max_nodes: int,
+        spec: DomainSpec | None = None,
+        *,
+        delay: int = DELAY,
+        strict: bool = True,
+    ) -> None:
+        self.rng = rng
+        self.max_nodes = max_nodes
+        self.spec = spec
+        self.delay = delay
+        self.strict = strict
+        self.t = 0
+        self.seq = 0
+        self.conns = 0
+        self.retained: dict[str, MemberRecord] = {}
+        self.agents: dict[str, Agent] = {}
+        self.state_dir: dict[str, tuple[int, int | None]] = {}
+        self.inflight: list[Delivery] = []
+        self.last: dict[tuple[str, str], int] = {}
+        self.wills: dict[str, int] = {}
+
+    # Broker
+
+    def publish(self, node: str, record: MemberRecord | None) -> None:
+        if record is None:
+            self.retained.pop(node, None)
+        else:
+            self.retained[node] = record
+        for to in self.agents:
+            self.send(to, node, record)
+
+    def send(self, to: str, node: str, record: MemberRecord | None) -> None:
+        agent = self.agents[to]
+        key = (to, node)
+        at = max(self.t + self.rng.randint(1, self.delay), self.last.get(key, 0))
+        self.last[key] = at
+        self.seq += 1
+        heapq.heappush(self.inflight, Delivery(at, self.seq, to, agent.conn, node, record))
+
+    def subscribe(self, agent: Agent) -> None:
+        """A (re)connect: a fresh view, the retained snapshot, steps after the snapshot."""
+        self.conns += 1
+        agent.conn = self.conns
+        agent.view = {}
+        agent.dirty = True
+        agent.synced_at = self.t + self.delay
+        self.wills.pop(agent.name, None)
+        for node, record in list(self.retained.items()):
+            self.send(agent.name, node, record)
+
+    # Events
+
+    def join(self, name: str) -> None:
+        if name in self.agents:
+            return
+        incarnation, previous = self.state_dir.get(name, (0, None))
+        self.state_dir[name] = (incarnation + 1, previous)
+        agent = Agent(
+            name=name,
+            conn=0,
+            claim=ClaimState(node=name, incarnation=incarnation + 1),
+            previous_slot=previous,
+            synced_at=0,
+        )
+        self.agents[name] = agent
+        self.subscribe(agent)
+
+    def leave(self, name: str) -> None:
+        if self.agents.pop(name, None) is not None:
+            self.publish(name, None)
+
+    def crash(self, name: str) -> None:
+        if self.agents.pop(name, None) is not None:
+            self.wills[name] = self.t + WILL
+
+    def flap(self, name: str) -> None:
+        """The link drops and comes back inside the will delay: re-subscribe, re-publish."""
+        agent = self.agents.get(name)
+        if agent is None:
+            return
+        self.subscribe(agent)
+        self.publish(name, self.record(agent.claim))
+
+    def apply(self, kind: str, name: str) -> None:
+        {"join": self.join, "leave": self.leave, "crash": self.crash, "flap": self.flap}[kind](name)
+
+    # Time
+
+    def record(self, claim: ClaimState) -> MemberRecord | None:
+        state = claim.record_state
+        if state is None:
+            return None
+        return rec(claim.node, claim.slot, state, inc=claim.incarnation, max_nodes=self.max_nodes)
+
+    def tick(self) -> None:
+        self.t += 1
+        for name, at in list(self.wills.items()):
+            if at <= self.t:
+                del self.wills[name]
+                self.publish(name, None)
+        while self.inflight and self.inflight[0].at <= self.t:
+            d = heapq.heappop(self.inflight)
+            agent = self.agents.get(d.to)
+            if agent is None or agent.conn != d.conn:
+                continue  # sent to a connection that is gone
+            if d.record is None:
+                agent.view.pop(d.node, None)
+            else:
+                agent.view[d.node] = d.record
+            agent.dirty = True
+        order = list(self.agents.values())
+        self.rng.shuffle(order)
+        for agent in order:
+            due = agent.wake_at is not None and agent.wake_at <= self.t
+            if self.t >= agent.synced_at and (agent.dirty or due):
+                self.step(agent)
+        self.check()
+
+    def step(self, agent: Agent) -> None:
+        agent.dirty = False
+        d = step(
+            agent.claim,
+            agent.view.values(),
+            now=float(self.t),
+            settle_s=SETTLE,
+            max_nodes=self.max_nodes,
+            spec=self.spec,
+            previous_slot=agent.previous_slot,
+        )
+        if self.strict and agent.settled_slot is not None:
+            assert (d.claim.phase, d.claim.slot) == (Phase.MEMBER, agent.settled_slot), (
+                f"t={self.t}: settled member {agent.name} moved: {d}"
+            )
+        if d.settled:
+            agent.settled_slot = d.claim.slot
+            self.state_dir[agent.name] = (agent.claim.incarnation, d.claim.slot)
+        if d.publish:
+            self.publish(agent.name, self.record(d.claim))
+        agent.claim = d.claim
+        agent.wake_at = d.wake_at
+
+    def check(self) -> None:
+        """Safety at every tick: no two live members share a slot."""
+        if not self.strict:
+            return
+        slots = [a.claim.slot for a in self.agents.values() if a.claim.phase is Phase.MEMBER]
+        assert len(slots) == len(set(slots)), f"t={self.t}: a slot is shared: {slots}"
+
+    def quiet(self) -> bool:
+        return (
+            not self.inflight
+            and not self.wills
+            and all(
+                self.t >= a.synced_at
+                and not a.dirty
+                and a.wake_at is None
+                and a.claim.phase in (Phase.MEMBER, Phase.STANDBY, Phase.OUT)
+                for a in self.agents.values()
+            )
+        )
+
+    def settle(self, limit: int) -> int:
+        """Run until nothing moves; return the ticks it took (fails past `limit`)."""
+        start = self.t
+        while not self.quiet():
+            assert self.t - start <= limit, f"no convergence in {limit} ticks: {self.agents}"
+            self.tick()
+        return self.t - start
+
+
+ROUND = SETTLE + 2 * DELAY + 1
+"""Ticks of one claim round: see the records, claim, get the echo, wait out the window."""
+CONVERGED = WILL + DELAY + 4 * ROUND
+"""Ticks allowed after the last event: the last will fires, then a few claim rounds.
+
+It does not grow with the group: losers that see the same records pick distinct slots.
+"""
+
+
+def check_final(group: Group) -> None:
+    """A quiet group: unique member slots, records as published, standby only when full."""
+    agents = group.agents.values()
+    members = {a.name: a.claim.slot for a in agents if a.claim.phase is Phase.MEMBER}
+    assert len(set(members.values())) == len(members)
+    assert group.retained == {a.name: r for a in agents if (r := group.record(a.claim)) is not None}
+    if group.spec is None:
+        assert len(members) == min(len(group.agents), group.max_nodes)
+    m = resolve(group.retained.values(), max_nodes=group.max_nodes, spec=group.spec)
+    assert m.slots == members
+    assert m.losers == frozenset()
+
+
+schedule_st = st.lists(
+    st.tuples(st.integers(0, 12), st.sampled_from(EVENTS), st.integers(0, 24)), max_size=25
+)
+
+
+def simulate(
+    *,
+    nodes: int,
+    max_nodes: int,
+    start: int,
+    schedule: Sequence[tuple[int, str, int]],
+    seed: int,
+    spec: DomainSpec | None = None,
+    delay: int = DELAY,
+    strict: bool = True,
+) -> Group:
+    """Start `start` nodes at once, play the schedule, then require convergence."""
+    names = [f"n{i:02d}" for i in range(nodes)]
+    group = Group(random.Random(seed), max_nodes, spec, delay=delay, strict=strict)
+    for name in names[:start]:
+        group.join(name)
+    for gap, kind, index in schedule:
+        for _ in range(gap):
+            group.tick()
+        group.apply(kind, names[index % nodes])
+    group.settle(CONVERGED if strict else 50 * ROUND)
+    check_final(group)
+    return group
+
+
+def check_spec_positions(group: Group, order: Sequence[str]) -> None:
+    """Listed nodes hold their positions, unlisted ones are out, the extra ones wait."""
+    for agent in group.agents.values():
+        if agent.name not in order:
+            assert agent.claim.phase is Phase.OUT
+        elif order.index(agent.name) < group.max_nodes:
+            assert (agent.claim.phase, agent.claim.slot) == (
+                Phase.MEMBER,
+                order.index(agent.name),
+            )
+        else:
+            assert agent.claim.phase is Phase.STANDBY
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.integers(1, 25),
+    max_nodes=st.integers(1, 8),
+    start=st.integers(0, 25),
+    schedule=schedule_st,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_converges_with_stable_slots(
+    nodes: int, max_nodes: int, start: int, schedule: list[tuple[int, str, int]], seed: int
+) -> None:
+    """Joins, leaves, crashes and flaps: unique slots, sticky members, bounded convergence."""
+    simulate(
+        nodes=nodes, max_nodes=max_nodes, start=min(start, nodes), schedule=schedule, seed=seed
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nodes=st.integers(1, 25),
+    max_nodes=st.integers(1, 8),
+    listed=st.integers(0, 25),
+    schedule=schedule_st,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_with_a_spec_ends_on_list_positions(
+    nodes: int, max_nodes: int, listed: int, schedule: list[tuple[int, str, int]], seed: int
+) -> None:
+    """With a listed spec every node ends on its list position; others stay out or wait."""
+    names = [f"n{i:02d}" for i in range(nodes)]
+    order = random.Random(seed).sample(names, min(listed, nodes))
+    group = simulate(
+        nodes=nodes,
+        max_nodes=max_nodes,
+        start=nodes,
+        schedule=schedule,
+        seed=seed,
+        spec=spec_of(*order),
+    )
+    check_spec_positions(group, order)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    nodes=st.integers(2, 25),
+    max_nodes=st.integers(1, 8),
+    schedule=schedule_st,
+    seed=st.integers(0, 2**32 - 1),
+    delay=st.integers(SETTLE + 1, 4 * SETTLE),
+)
+def test_group_converges_even_when_the_broker_is_slower_than_the_window(
+    nodes: int, max_nodes: int, schedule: list[tuple[int, str, int]], seed: int, delay: int
+) -> None:
+    """Delays beyond the settle window may let two members meet, yet the map converges."""
+    simulate(
+        nodes=nodes,
+        max_nodes=max_nodes,
+        start=nodes,
+        schedule=schedule,
+        seed=seed,
+        delay=delay,
+        strict=False,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_large_groups_converge(seed: int) -> None:
+    """Twenty-five nodes, eight slots, thirty random events: the invariants still hold."""
+    rng = random.Random(seed)
+    names = [f"n{i:02d}" for i in range(25)]
+    schedule = [(rng.randint(0, 6), rng.choice(EVENTS), rng.randint(0, 24)) for _ in range(30)]
+    order = rng.sample(names, 20) if seed % 2 else None
+    spec = spec_of(*order) if order else None
+    group = simulate(nodes=25, max_nodes=8, start=25, schedule=schedule, seed=seed, spec=spec)
+    if order:
+        check_spec_positions(group, order)
+
+
+def test_simultaneous_start_needs_two_rounds() -> None:
+    """Eighteen nodes started at once settle in two claim rounds, not eighteen."""
+    group = Group(random.Random(7), 18)
+    for i in range(18):
+        group.join(f"n{i:02d}")
+    assert group.settle(100) <= DELAY + 2 * ROUND
+    assert all(a.claim.phase is Phase.MEMBER for a in group.agents.values())
+    assert sorted(a.claim.slot or 0 for a in group.agents.values()) == list(range(18))
+
+
+def test_the_settle_window_must_outlast_twice_the_delivery_delay() -> None:
+    """With deliveries slower than the window, two nodes settle one slot: the bound matters."""
+    group = Group(random.Random(0), 4, delay=3 * SETTLE)
+    for i in range(6):
+        group.join(f"n{i}")
+    with pytest.raises(AssertionError, match="a slot is shared"):
+        group.settle(500)
+
+
+def test_standby_nodes_take_freed_slots_in_a_group() -> None:
+    """Four nodes on two slots: when members leave or crash, standby nodes fill in."""
+    group = Group(random.Random(1), 2)
+    for name in ("a", "b", "c", "d"):
+        group.join(name)
+    group.settle(100)
+    members = sorted(a.name for a in group.agents.values() if a.claim.phase is Phase.MEMBER)
+    standby = sorted(a.name for a in group.agents.values() if a.claim.phase is Phase.STANDBY)
+    assert (len(members), len(standby)) == (2, 2)
+    group.leave(members[0])
+    group.crash(members[1])
+    group.settle(100)
+    assert sorted(a.name for a in group.agents.values()) == standby
+    assert all(a.claim.phase is Phase.MEMBER for a in group.agents.values())
+
+
+def test_restarted_member_resumes_its_slot_without_a_claim() -> None:
+    """A member restarted inside the will delay keeps its slot; peers see no claim."""
+    group = Group(random.Random(3), 4)
+    for name in ("a", "b", "c"):
+        group.join(name)
+    group.settle(100)
+    slot = group.agents["b"].claim.slot
+    group.crash("b")
+    group.tick()
+    group.join("b")
+    group.settle(100)
+    assert group.agents["b"].claim == ClaimState(
+        node="b", incarnation=2, phase=Phase.MEMBER, slot=slot, since=group.agents["b"].claim.since
+    )
+    assert group.retained["b"].state is MEMBER
