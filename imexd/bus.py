@@ -1,0 +1,1056 @@
+"""The MQTT bus connection: one resilient link for the agent and the control plane.
+
+A `Bus` owns one named task that keeps one connection to one of the configured brokers
+(`[bus] url`, tried in turn) and replays the caller's *desired state* onto every new
+connection: its subscriptions, its retained records and its Last Will. The caller never
+reconnects, re-subscribes or re-publishes itself; it declares what it wants and reads
+typed events:
+
+    async with Bus(settings.bus, node=node, client_id=f"imexd-{node}", will=will) as bus:
+        await bus.subscribe(bus.topics.members_filter(domain, clique))
+        await bus.retain(bus.topics.member(domain, clique, node), record)
+        async for event in bus.events():
+            ...
+
+Why it is built this way:
+- Brokers restart and may lose (persistence off) or keep stale (persistence on) retained
+  state, so after every connect the bus re-subscribes, then re-publishes its records, then
+  proves the retained snapshot was delivered (a ping through its own topic comes back
+  after every retained message of the subscriptions: `Synced`).
+- Links die silently (a frozen broker, a dropped NAT entry): a periodic round trip through
+  the broker proves the link, and a missing echo tears it down *without* DISCONNECT, so
+  the broker publishes our will if we stay away. A clean close sends DISCONNECT, which
+  suppresses the will (hand-over keeps the record; a leave clears it first).
+- aiomqtt 2.x drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
+  an ACL is only visible as "our own retained record did not come back": the bus tracks
+  that per topic (`refused_topics`, `Refused`).
+- Anything wrong on the wire is dropped, counted per reason (`dropped`, exported by the
+  health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
+  and reason; it never ends or stalls the connection.
+
+aiomqtt and paho types stay inside this module: callers see `imexd.wire` payloads, the
+event classes below and `imexd.errors.BusError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Final, Literal, Self
+
+import aiomqtt
+import paho.mqtt.client as paho
+from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from imexd.errors import BusError
+from imexd.logs import get_logger
+from imexd.settings import (
+    BrokerURL,
+    BusSettings,
+    is_clique_id,
+    is_dns1123_label,
+    is_dns1123_subdomain,
+    parse_broker_url,
+)
+from imexd.wire import (
+    MAX_PAYLOAD,
+    Assignment,
+    DomainSpec,
+    Dropped,
+    DropReason,
+    HealthReport,
+    MemberRecord,
+    Payload,
+    Ping,
+    TopicRef,
+    Topics,
+    check_topic,
+    decode,
+    encode,
+    now,
+)
+
+QOS: Final = 1
+"""Every imexd message is QoS 1: records must arrive, duplicates are harmless."""
+
+_UNSUPPORTED_PROTOCOL: Final = frozenset({1, 0x84})
+"""CONNACK codes meaning "not this protocol version" (3.1.1's 1, MQTT 5's 0x84)."""
+
+_MAX_PACKET: Final = 4 * MAX_PAYLOAD
+"""MQTT 5 Maximum Packet Size we accept: a payload of 16 KiB plus a long topic and
+properties; oversized payloads up to this size still arrive and are counted."""
+
+_STABLE_S: Final = 10.0
+"""A link that lasted this long resets the reconnect backoff."""
+
+_MAX_DROP_LOG_KEYS: Final = 4096
+"""Distinct (topic, reason) pairs remembered for log-once; a flood cannot grow memory."""
+
+Protocol = Literal["5", "3.1.1"]
+
+
+# Events: what the caller reads from `Bus.events()`.
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """The link is up (CONNACK received); subscriptions and records are being replayed."""
+
+    broker: str
+    protocol: Protocol
+    will_delay: bool
+    """Whether the will is delayed (MQTT 5); with 3.1.1 it fires at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The link is down; the bus reconnects by itself."""
+
+    broker: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectFailed:
+    """An attempt to connect failed (also `last_error`); the bus tries again by itself.
+
+    Lets the agent say why BusConnected is False without polling.
+    """
+
+    broker: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """Every retained message of the current subscriptions was delivered before this.
+
+    Emitted after each connect, and after each `subscribe()` while connected.
+    """
+
+    at: float
+    """time.monotonic() when the snapshot was complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A valid payload on a topic of the contract (our own publications included)."""
+
+    topic: str
+    ref: TopicRef
+    payload: Payload
+    retained: bool
+    """True when it comes from the broker's retained store (a snapshot), not live."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """An empty payload on a member, health, spec or assignment topic: the record is gone."""
+
+    topic: str
+    ref: TopicRef
+    retained: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Our retained publication did not come back in time: the broker refused it (ACL)."""
+
+    topic: str
+    detail: str
+
+
+Event = Connected | Disconnected | ConnectFailed | Synced | Received | Deleted | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class WillSpec:
+    """The Last Will: an empty retained payload (QoS 1) on `topic`, the node's member topic.
+
+    The broker publishes it when the link ends without DISCONNECT, after `delay_s`
+    (MQTT 5 Will Delay; None: `BusSettings.will_delay_s`) so that a quick reconnect does not
+    flap membership.
+    """
+
+    topic: str
+    delay_s: float | None = None
+
+
+# Pure helpers.
+
+
+def backoff_delay(attempt: int, initial: float, maximum: float, rand: float) -> float:
+    """Capped exponential backoff with "equal jitter": in [d/2, d], d = initial * 2**attempt.
+
+    Jitter spreads the reconnects of a whole fleet after a broker restart; keeping half
+    of the delay fixed still guarantees the backoff grows.
+    """
+    base = min(maximum, initial * 2.0 ** min(attempt, 62))
+    return base * (0.5 + 0.5 * rand)
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """Whether an MQTT topic filter (with `+` and `#`) matches a topic name."""
+    levels = topic.split("/")
+    parts = topic_filter.split("/")
+    for i, part in enumerate(parts):
+        if part == "#":
+            return True
+        if i >= len(levels) or part not in ("+", levels[i]):
+            return False
+    return len(parts) == len(levels)
+
+
+def _topic_problem(ref: TopicRef) -> str | None:
+    """None when every name in a parsed topic is valid, else what is wrong."""
+    if ref.node and not is_dns1123_subdomain(ref.node):
+        return f"node {ref.node!r} in the topic is not a DNS-1123 subdomain"
+    if ref.kind in ("member", "health", "spec") and not is_dns1123_label(ref.domain):
+        return f"domain {ref.domain!r} in the topic is not a DNS-1123 label"
+    if ref.kind == "member" and ref.clique and not is_clique_id(ref.clique):
+        return f"clique {ref.clique!r} in the topic is not a clique id"
+    return None
+
+
+def decode_message(
+    topics: Topics, topic: str, payload: bytes, *, retained: bool
+) -> Received | Deleted | Dropped:
+    """Turn one MQTT message into an event, or say why it is dropped; never raises.
+
+    A record must agree with its topic (`check_topic`): a node can only speak for itself.
+    """
+    ref = topics.parse(topic)
+    if ref is None:
+        return Dropped(DropReason.UNKNOWN_TOPIC, "not a topic of the imexd contract")
+    problem = _topic_problem(ref)
+    if problem is not None:
+        return Dropped(DropReason.UNKNOWN_TOPIC, problem)
+    if not payload:
+        if ref.kind == "ping":
+            return Dropped(DropReason.NOT_JSON, "empty payload")
+        return Deleted(topic, ref, retained)
+    result: Payload | Dropped
+    match ref.kind:
+        case "member":
+            result = decode(payload, MemberRecord)
+        case "health":
+            result = decode(payload, HealthReport)
+        case "spec":
+            result = decode(payload, DomainSpec)
+        case "assignment":
+            result = decode(payload, Assignment)
+        case "ping":
+            result = decode(payload, Ping)
+    if isinstance(result, Dropped):
+        return result
+    mismatch = check_topic(ref, result)
+    if mismatch is not None:
+        return Dropped(DropReason.TOPIC_MISMATCH, mismatch)
+    return Received(topic, ref, result, retained)
+
+
+def refuses_protocol(exc: BaseException) -> bool:
+    """Whether a failed connect means "the broker does not speak this MQTT version"."""
+    if not isinstance(exc, MqttConnectError):
+        return False
+    rc = exc.rc
+    value = rc.value if isinstance(rc, ReasonCode) else rc
+    return value in _UNSUPPORTED_PROTOCOL
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
+    parts: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(parts) < 4:
+        text = str(current) or type(current).__name__
+        if text not in parts:
+            parts.append(text)
+        current = current.__cause__
+    return ": ".join(parts)
+
+
+def _check_topic_name(topic: str) -> None:
+    if not topic or "+" in topic or "#" in topic or "\0" in topic:
+        raise ValueError(f"{topic!r} is not a topic name (empty or with wildcards)")
+
+
+def _check_filter(topic_filter: str) -> None:
+    levels = topic_filter.split("/")
+    if not topic_filter or "#" in levels[:-1] or "\0" in topic_filter:
+        raise ValueError(f"{topic_filter!r} is not a topic filter")
+    if any(("+" in lv and lv != "+") or ("#" in lv and lv != "#") for lv in levels):
+        raise ValueError(f"{topic_filter!r} is not a topic filter")
+
+
+def _read_secret(path: str) -> str:
+    return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(0, math.ceil(seconds))
+
+
+def _properties(packet_type: int) -> Properties:
+    return Properties(packet_type)  # type: ignore[no-untyped-call] # paho leaves it untyped
+
+
+def _abort(client: aiomqtt.Client) -> None:
+    """Drop the connection at once, without DISCONNECT.
+
+    Without DISCONNECT the broker publishes our will (after its delay) if we do not come
+    back: right for a dead link, where a DISCONNECT that slips through late would keep a
+    stale record alive. Shutting the socket down wakes aiomqtt's reader, which then
+    closes it and ends its own tasks.
+    """
+    # aiomqtt has no abort; its paho client owns the socket.
+    sock = client._client.socket()
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _discard(client: aiomqtt.Client) -> None:
+    """Close the socket of a client whose connect was cancelled, without callbacks.
+
+    Cancelling aiomqtt's connect cancels its internal CONNACK future, after which its
+    disconnect callback would fail; closing the socket through paho directly avoids
+    that callback and still ends aiomqtt's reader and housekeeping task.
+    """
+    client._client._sock_close()
+
+
+class _LinkLostError(BusError):
+    """The current connection failed; the reconnect loop replaces it."""
+
+
+class _ProtocolRefusedError(BusError):
+    """The broker refused MQTT 5; the next attempt on it uses 3.1.1."""
+
+
+@dataclass(slots=True)
+class _Retained:
+    payload: bytes
+    """b"": delete the retained record once, then forget the entry."""
+    expiry_s: float | None
+
+
+class EventStream:
+    """`async for event in bus.events()`: ends after the bus is closed."""
+
+    def __init__(self, queue: asyncio.Queue[Event | None]) -> None:
+        self._queue = queue
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Event:
+        event = await self._queue.get()
+        if event is None:
+            self._queue.put_nowait(None)  # every other reader ends too
+            raise StopAsyncIteration
+        return event
+
+
+class _Echoes:
+    """Which retained publications still wait to come back, and which never did.
+
+    A publication counts as accepted when the same payload arrives on its topic within
+    `timeout` seconds (live, or from a snapshot); otherwise it is refused until a later
+    publication on that topic comes back.
+    """
+
+    def __init__(self, timeout: float, on_refused: Callable[[str], None]) -> None:
+        self._timeout = timeout
+        self._on_refused = on_refused
+        self._pending: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
+        self.refused: set[str] = set()
+
+    def expect(self, topic: str, payload: bytes) -> None:
+        self._cancel(topic)
+        handle = asyncio.get_running_loop().call_later(self._timeout, self._expired, topic)
+        self._pending[topic] = (payload, handle)
+
+    def seen(self, topic: str, payload: bytes) -> None:
+        waiting = self._pending.get(topic)
+        if waiting is not None and waiting[0] == payload:
+            self._cancel(topic)
+            self.refused.discard(topic)
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Stop tracking topics no longer covered by our subscriptions."""
+        for topic in [t for t in self._pending if not keep(t)]:
+            self._cancel(topic)
+        self.refused = {t for t in self.refused if keep(t)}
+
+    def reset(self) -> None:
+        """The link is gone: every publication is redone on the next one."""
+        for topic in list(self._pending):
+            self._cancel(topic)
+
+    def _cancel(self, topic: str) -> None:
+        waiting = self._pending.pop(topic, None)
+        if waiting is not None:
+            waiting[1].cancel()
+
+    def _expired(self, topic: str) -> None:
+        self._pending.pop(topic, None)
+        self.refused.add(topic)
+        self._on_refused(topic)
+
+
+class Bus:
+    """One resilient MQTT connection that replays the caller's desired state.
+
+    Construct it inside a running event loop and enter it (`async with`): entering only
+    starts the connection task, so the caller works (and its /healthz stays up) while no
+    broker is reachable. Methods that change desired state (`subscribe`, `unsubscribe`,
+    `retain`, `set_will`) never fail because the broker is away: they apply now when
+    connected, else on the next connect. Only `publish` (one-off messages) raises
+    `BusError` when the message cannot be sent.
+    """
+
+    def __init__(
+        self,
+        settings: BusSettings,
+        *,
+        node: str,
+        client_id: str,
+        will: WillSpec | None = None,
+        timeout_s: float = 10.0,
+        ping_timeout_s: float | None = None,
+        echo_timeout_s: float = 5.0,
+        close_timeout_s: float = 5.0,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        """Validate everything up front; connect nothing yet.
+
+        node: the name on our ping topic `{p}/nodes/{node}/ping` (DNS-1123 subdomain).
+        client_id: the MQTT client identifier; the broker ends an older connection with
+            the same id (session take-over), which is what makes a quick restart keep
+            the record: the delayed will of the old connection is dropped.
+        timeout_s: bound on connecting and on every broker round trip (SUBACK, PUBACK).
+        ping_timeout_s: how long a liveness ping may take; default max(2, ping interval).
+        echo_timeout_s: how long a retained publication may take to come back before it
+            counts as refused.
+        close_timeout_s: bound on the clean DISCONNECT at close.
+        rand: source of jitter in [0, 1).
+        """
+        if not is_dns1123_subdomain(node):
+            raise ValueError(f"node {node!r} is not a DNS-1123 subdomain")
+        if not client_id or len(client_id.encode()) > 65535:
+            raise ValueError("client_id must be a non-empty string")
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("echo_timeout_s", echo_timeout_s),
+            ("close_timeout_s", close_timeout_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, not {value!r}")
+        if will is not None:
+            _check_topic_name(will.topic)
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.node = node
+        self.client_id = client_id
+        self.brokers: tuple[BrokerURL, ...] = tuple(parse_broker_url(u) for u in settings.url)
+        if not self.brokers:
+            raise ValueError("settings.url names no broker")
+        self._will = will
+        self._timeout_s = timeout_s
+        self._ping_interval_s = settings.ping_interval_s
+        self._ping_timeout_s = (
+            ping_timeout_s if ping_timeout_s is not None else max(2.0, settings.ping_interval_s)
+        )
+        self._close_timeout_s = close_timeout_s
+        self._rand = rand
+        self._ping_topic = self.topics.ping(node)
+        self._log = get_logger("bus", client_id=client_id)
+
+        # Desired state, replayed on every connection.
+        self._filters: dict[str, None] = {}
+        self._retained: dict[str, _Retained] = {}
+
+        # Link state.
+        self._lock = asyncio.Lock()
+        self._client: aiomqtt.Client | None = None
+        self._leave: asyncio.Event | None = None
+        self._wake = asyncio.Event()
+        self._synced = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._v311: set[int] = set()
+        self._seq = itertools.count()
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._dead_reason: str | None = None
+        self._ever_connected = False
+        self._link_since = 0.0
+        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._echoes = _Echoes(echo_timeout_s, self._refused)
+        self._drop_logged: set[tuple[str, str]] = set()
+
+        self._connected = False
+        self._broker: str | None = None
+        self._protocol: Protocol | None = None
+        self.reconnects = 0
+        """Connections established after the first one."""
+        self.last_error: str | None = None
+        """Why the last connection attempt or link failed (never holds secrets)."""
+        self.synced_at: float | None = None
+        """time.monotonic() of the last `Synced` on the current link; None while down."""
+        self.rtt_s: float | None = None
+        """The last liveness round trip through the broker, in seconds."""
+        self.dropped: Counter[str] = Counter({reason.value: 0 for reason in DropReason})
+        """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
+
+    # Public state.
+
+    @property
+    def connected(self) -> bool:
+        """Whether a broker link is up (CONNACK received, not yet lost)."""
+        return self._connected
+
+    @property
+    def broker(self) -> str | None:
+        """The URL of the broker we are connected to."""
+        return self._broker
+
+    @property
+    def protocol(self) -> Protocol | None:
+        """The MQTT version of the current link."""
+        return self._protocol
+
+    @property
+    def will(self) -> WillSpec | None:
+        return self._will
+
+    @property
+    def refused_topics(self) -> frozenset[str]:
+        """Retained publications the broker did not give back in time (PublishRefused).
+
+        Only topics covered by our own subscriptions are checked: the agent's member
+        filter covers its member record. A broker ACL must let a node read what it writes.
+        """
+        return frozenset(self._echoes.refused)
+
+    # Lifecycle.
+
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        """Start the connection task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"bus:{self.client_id}")
+
+    async def close(self) -> None:
+        """Disconnect cleanly (DISCONNECT suppresses the will); bounded in time.
+
+        A leave clears its record with `retain(topic, None)` before; a hand-over just
+        closes. The DISCONNECT gets close_timeout_s; a task still busy after that (a
+        connect that hangs) is cancelled and its link dropped. The bus cannot be reused.
+        """
+        self._closing = True
+        self._wake.set()
+        if self._leave is not None:
+            self._leave.set()
+        task = self._task
+        if task is not None:
+            try:
+                done, _ = await asyncio.wait({task}, timeout=self._close_timeout_s + 1.0)
+                if not done:
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=self._close_timeout_s)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                self._log.error("bus_task_failed", exc_info=task.exception())
+        self._echoes.reset()
+        self._queue.put_nowait(None)
+
+    def events(self) -> EventStream:
+        """The events, in arrival order; the iteration ends when the bus is closed."""
+        return EventStream(self._queue)
+
+    async def wait_synced(self) -> float:
+        """Wait until the current link's retained snapshot was delivered; its synced_at."""
+        await self._synced.wait()
+        return self.synced_at if self.synced_at is not None else time.monotonic()
+
+    # Desired state.
+
+    async def subscribe(self, topic_filter: str) -> None:
+        """Add a filter (QoS 1), kept across reconnects; `Synced` follows its snapshot."""
+        _check_filter(topic_filter)
+        async with self._lock:
+            if topic_filter in self._filters:
+                return
+            self._filters[topic_filter] = None
+            client = self._client
+            if client is None:
+                return
+            try:
+                await self._subscribe(client, [topic_filter])
+            except aiomqtt.MqttError as exc:
+                self._declare_dead(client, f"subscribe failed: {_describe(exc)}")
+                return
+        await self._resync(client)
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        """Remove a filter now and from later connections."""
+        async with self._lock:
+            if topic_filter not in self._filters:
+                return
+            del self._filters[topic_filter]
+            self._echoes.forget(self._covered)
+            client = self._client
+            if client is None:
+                return
+            try:
+                await client.unsubscribe(topic_filter)
+            except aiomqtt.MqttError as exc:
+                self._declare_dead(client, f"unsubscribe failed: {_describe(exc)}")
+
+    async def retain(
+        self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
+    ) -> None:
+        """Set (or with None: clear) our retained record on `topic`.
+
+        A record is published now when connected and again after every reconnect, with
+        `message_expiry_s` (MQTT 5) so that a report of a vanished node ages out. None
+        publishes an empty retained payload once (deleting the record on the broker) and
+        then forgets the topic. Returns once the broker acknowledged it, or at once when
+        no link is up (it is then published on the next connect).
+        """
+        _check_topic_name(topic)
+        entry = _Retained(b"" if payload is None else encode(payload), message_expiry_s)
+        async with self._lock:
+            self._retained[topic] = entry
+            client = self._client
+            if client is None:
+                return
+            try:
+                await self._put_retained(client, topic, entry)
+            except aiomqtt.MqttError as exc:
+                self._declare_dead(client, f"publish to {topic} failed: {_describe(exc)}")
+
+    async def publish(
+        self,
+        topic: str,
+        payload: Payload,
+        *,
+        qos: int = QOS,
+        message_expiry_s: float | None = None,
+    ) -> None:
+        """Publish a one-off message (not retained, not replayed); BusError if it fails."""
+        _check_topic_name(topic)
+        if qos not in (0, 1, 2):
+            raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+        client = self._client
+        if client is None:
+            raise BusError(f"cannot publish to {topic}: not connected to a broker")
+        try:
+            await client.publish(
+                topic,
+                encode(payload),
+                qos=qos,
+                properties=self._publish_properties(message_expiry_s),
+            )
+        except aiomqtt.MqttError as exc:
+            raise BusError(f"cannot publish to {topic}: {_describe(exc)}") from exc
+
+    def set_will(self, will: WillSpec | None) -> None:
+        """Change the Last Will (a domain switch moves the member topic).
+
+        The will is part of CONNECT, so a change reconnects cleanly: the DISCONNECT
+        suppresses the old will, so clear the old record yourself first.
+        """
+        if will == self._will:
+            return
+        if will is not None:
+            _check_topic_name(will.topic)
+        self._will = will
+        if self._leave is not None:
+            self._leave.set()
+
+    # The connection loop.
+
+    async def _run(self) -> None:
+        """Connect, serve, and reconnect with capped jittered backoff until closed.
+
+        Brokers are tried in turn: after a failed connect the next one is tried at once
+        until each was tried in this round; then the bus waits, doubling the wait per
+        failed round. A link that ends (even one that worked) is followed by one jittered
+        wait, so that a fleet does not reconnect to a restarted broker at the same instant,
+        and the next attempt goes to the next broker.
+        """
+        index = 0
+        rounds = 0
+        left = len(self.brokers)
+        while not self._closing:
+            try:
+                await self._session(index)
+            except _ProtocolRefusedError:
+                continue  # the same broker again, now with MQTT 3.1.1
+            except _LinkLostError:
+                # _link_down logged why. Only a link that held resets the backoff, so a
+                # broker that drops us right after each connect is not hammered.
+                if time.monotonic() - self._link_since >= _STABLE_S:
+                    rounds = 0
+                left = 1
+            except BusError as exc:
+                self._connect_failed(self.brokers[index], str(exc))
+            except Exception as exc:  # a bug: log it, keep the agent on the bus
+                self._log.exception("bus_session_crashed", broker=str(self.brokers[index]))
+                self._connect_failed(self.brokers[index], _describe(exc))
+            else:
+                rounds, left = 0, len(self.brokers)
+                continue  # a clean leave (new will, or close): reconnect at once, or stop
+            index = (index + 1) % len(self.brokers)
+            left -= 1
+            if left > 0:
+                continue
+            delay = backoff_delay(
+                rounds,
+                self.settings.reconnect_initial_s,
+                self.settings.reconnect_max_s,
+                self._rand(),
+            )
+            rounds += 1
+            left = len(self.brokers)
+            self._log.info(
+                "bus_reconnect_wait", delay_s=round(delay, 3), next=str(self.brokers[index])
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+
+    async def _session(self, index: int) -> None:
+        """One connection: connect, replay, serve until a clean leave or a failure.
+
+        Returns after a clean leave (DISCONNECT sent). Raises `_LinkLostError` when an
+        established link failed (it was dropped without DISCONNECT), another BusError
+        when connecting failed.
+        """
+        broker = self.brokers[index]
+        v5 = index not in self._v311
+        leave = self._leave = asyncio.Event()
+        if self._closing:
+            return
+        will = self._will
+        client = await self._new_client(broker, v5=v5, will=will)
+        try:
+            await client.__aenter__()
+        except aiomqtt.MqttError as exc:
+            _abort(client)
+            if v5 and refuses_protocol(exc):
+                self._v311.add(index)
+                self._log.warning(
+                    "bus_protocol_fallback",
+                    broker=str(broker),
+                    protocol="3.1.1",
+                    message="the broker refused MQTT 5: no Will Delay, the will fires at once",
+                )
+                raise _ProtocolRefusedError(str(exc)) from None
+            raise BusError(f"cannot connect to {broker}: {_describe(exc)}") from None
+        except BaseException:
+            _discard(client)
+            raise
+        self._link_up(broker, v5=v5, will=will)
+        reason = "closed" if self._closing else "will changed"
+        clean = False
+        try:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    reader = tg.create_task(self._read(client), name=f"bus-read:{self.client_id}")
+                    tg.create_task(
+                        self._serve(client, leave, reader), name=f"bus-link:{self.client_id}"
+                    )
+                clean = True
+            except* _LinkLostError as group:
+                reason = self._dead_reason or str(group.exceptions[0])
+                raise _LinkLostError(reason) from None
+        except BaseException as exc:
+            # A failed link gets no DISCONNECT: the broker then publishes our will if we
+            # stay away, and a DISCONNECT arriving late cannot keep a stale record alive.
+            _abort(client)
+            if not isinstance(exc, _LinkLostError):
+                reason = _describe(exc)
+            raise
+        finally:
+            if clean:
+                reason = "closed" if self._closing else "will changed"
+                await self._disconnect(client)
+            self._link_down(broker, reason)
+
+    async def _new_client(
+        self, broker: BrokerURL, *, v5: bool, will: WillSpec | None
+    ) -> aiomqtt.Client:
+        """An aiomqtt client for one attempt; the password is read anew for each."""
+        s = self.settings
+        password: str | None = None
+        if s.username and s.password_file:
+            try:
+                password = await asyncio.to_thread(_read_secret, s.password_file)
+            except (OSError, UnicodeError) as exc:
+                reason = getattr(exc, "strerror", None) or type(exc).__name__
+                raise BusError(
+                    f"cannot read bus.password_file {s.password_file}: {reason}"
+                ) from None
+        aio_will: aiomqtt.Will | None = None
+        connect_properties: Properties | None = None
+        if v5:
+            connect_properties = _properties(PacketTypes.CONNECT)
+            # The broker discards larger messages instead of making us buffer them.
+            connect_properties.MaximumPacketSize = _MAX_PACKET
+        if will is not None:
+            delay = _whole_seconds(s.will_delay_s if will.delay_s is None else will.delay_s)
+            will_properties: Properties | None = None
+            if connect_properties is not None:
+                will_properties = _properties(PacketTypes.WILLMESSAGE)
+                will_properties.WillDelayInterval = delay
+                # The will is delayed only while the session lives: it must outlive the delay.
+                connect_properties.SessionExpiryInterval = delay
+            aio_will = aiomqtt.Will(
+                will.topic, payload=None, qos=QOS, retain=True, properties=will_properties
+            )
+        tls = None
+        if broker.tls:
+            tls = aiomqtt.TLSParameters(
+                ca_certs=s.ca_file or None, certfile=s.cert_file or None, keyfile=s.key_file or None
+            )
+        unix = broker.scheme == "unix"
+        return aiomqtt.Client(
+            broker.path if unix else broker.host,
+            broker.port or 1883,
+            transport="unix" if unix else "tcp",
+            username=s.username or None,
+            password=password,
+            identifier=self.client_id,
+            protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
+            will=aio_will,
+            # Every connection starts a fresh session: the bus replays its state anyway.
+            clean_session=None if v5 else True,
+            clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
+            properties=connect_properties,
+            keepalive=max(1, round(s.keepalive_s)),
+            timeout=self._timeout_s,
+            tls_params=tls,
+        )
+
+    async def _read(self, client: aiomqtt.Client) -> None:
+        """Deliver every incoming message; ends the link when aiomqtt reports it lost."""
+        try:
+            async for message in client.messages:
+                self._dispatch(message.topic.value, message.payload, retained=message.retain)
+        except aiomqtt.MqttError as exc:
+            raise _LinkLostError(_describe(exc)) from None
+
+    async def _serve(
+        self, client: aiomqtt.Client, leave: asyncio.Event, reader: asyncio.Task[None]
+    ) -> None:
+        """Replay the desired state, prove the snapshot, then prove the link periodically."""
+        try:
+            if not leave.is_set():
+                async with self._lock:
+                    self._client = client
+                    await self._subscribe(client, [self._ping_topic, *self._filters])
+                    for topic, entry in list(self._retained.items()):
+                        await self._put_retained(client, topic, entry)
+                await self._round_trip(client)
+                self._mark_synced()
+            while not leave.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._ping_interval_s):
+                        await leave.wait()
+                if not leave.is_set():
+                    self.rtt_s = await self._round_trip(client)
+        except (aiomqtt.MqttError, _LinkLostError) as exc:
+            # Drop the link and let the reader end the session: it takes aiomqtt's
+            # disconnect result, which would otherwise be left unread.
+            self._kill(client, _describe(exc))
+            await asyncio.wait({reader}, timeout=self._timeout_s)
+            raise _LinkLostError(_describe(exc)) from None
+        reader.cancel()
+
+    async def _subscribe(self, client: aiomqtt.Client, filters: Iterable[str]) -> None:
+        wanted = list(filters)
+        codes: list[int | ReasonCode] = list(await client.subscribe([(f, QOS) for f in wanted]))
+        for topic_filter, code in zip(wanted, codes, strict=False):
+            failed = code.is_failure if isinstance(code, ReasonCode) else code >= 0x80
+            if failed:
+                self._log.warning("bus_subscribe_refused", filter=topic_filter, code=str(code))
+
+    async def _put_retained(self, client: aiomqtt.Client, topic: str, entry: _Retained) -> None:
+        if self._covered(topic):
+            self._echoes.expect(topic, entry.payload)
+        properties = self._publish_properties(entry.expiry_s) if entry.payload else None
+        await client.publish(topic, entry.payload, qos=QOS, retain=True, properties=properties)
+        if not entry.payload and self._retained.get(topic) is entry:
+            del self._retained[topic]
+
+    def _publish_properties(self, expiry_s: float | None) -> Properties | None:
+        if expiry_s is None or self._protocol != "5":
+            return None
+        properties = _properties(PacketTypes.PUBLISH)
+        properties.MessageExpiryInterval = max(1, _whole_seconds(expiry_s))
+        return properties
+
+    async def _round_trip(self, client: aiomqtt.Client) -> float:
+        """Publish a Ping to our own topic and wait for it; the seconds it took.
+
+        The broker sends every retained message of a subscription before anything we
+        publish after its SUBACK, so the echo also marks the end of the snapshot.
+        """
+        seq = next(self._seq)
+        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pings[seq] = echo
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self._ping_timeout_s):
+                ping = Ping(node=self.node, seq=seq, sent=now())
+                await client.publish(self._ping_topic, encode(ping), qos=QOS)
+                await echo
+        except TimeoutError:
+            reason = f"no ping echo within {self._ping_timeout_s:g} s: the link is dead"
+            raise _LinkLostError(reason) from None
+        finally:
+            self._pings.pop(seq, None)
+        return time.monotonic() - started
+
+    async def _resync(self, client: aiomqtt.Client) -> None:
+        """After a new subscription: prove its snapshot arrived, or replace the link."""
+        try:
+            await self._round_trip(client)
+        except (_LinkLostError, aiomqtt.MqttError) as exc:
+            self._declare_dead(client, str(exc))
+            return
+        if self._client is client:
+            self._mark_synced()
+
+    async def _disconnect(self, client: aiomqtt.Client) -> None:
+        """Clean DISCONNECT (the broker drops our will), bounded in time."""
+        try:
+            async with asyncio.timeout(self._close_timeout_s):
+                await client.__aexit__(None, None, None)
+        except (aiomqtt.MqttError, TimeoutError) as exc:
+            self._log.warning("bus_disconnect_unclean", error=_describe(exc))
+            _abort(client)
+
+    # State changes and incoming messages.
+
+    def _covered(self, topic: str) -> bool:
+        return any(topic_matches(f, topic) for f in self._filters)
+
+    def _declare_dead(self, client: aiomqtt.Client, reason: str) -> None:
+        """A caller's operation found the link dead: drop it; the loop reconnects."""
+        if self._client is client:
+            self._kill(client, reason)
+
+    def _kill(self, client: aiomqtt.Client, reason: str) -> None:
+        """Drop the link without DISCONNECT; the first reason given is the one reported."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        _abort(client)
+
+    def _link_up(self, broker: BrokerURL, *, v5: bool, will: WillSpec | None) -> None:
+        if self._ever_connected:
+            self.reconnects += 1
+        self._ever_connected = True
+        self._link_since = time.monotonic()
+        self._dead_reason = None
+        self._connected = True
+        self._broker = str(broker)
+        self._protocol = "5" if v5 else "3.1.1"
+        self._log.info(
+            "bus_connected",
+            broker=self._broker,
+            protocol=self._protocol,
+            will=will.topic if will else None,
+            reconnects=self.reconnects,
+        )
+        self._emit(Connected(self._broker, self._protocol, will_delay=v5))
+
+    def _link_down(self, broker: BrokerURL, reason: str) -> None:
+        self._client = None
+        self._connected = False
+        self._broker = None
+        self._protocol = None
+        self.synced_at = None
+        self._synced.clear()
+        self._echoes.reset()
+        for echo in self._pings.values():
+            echo.cancel()
+        self._pings.clear()
+        if reason not in ("closed", "will changed"):
+            self.last_error = reason
+        self._log.info("bus_disconnected", broker=str(broker), reason=reason)
+        self._emit(Disconnected(str(broker), reason))
+
+    def _connect_failed(self, broker: BrokerURL, error: str) -> None:
+        self.last_error = error
+        self._log.warning("bus_connect_failed", broker=str(broker), error=error)
+        self._emit(ConnectFailed(str(broker), error))
+
+    def _mark_synced(self) -> None:
+        self.synced_at = time.monotonic()
+        self._synced.set()
+        self._emit(Synced(self.synced_at))
+
+    def _emit(self, event: Event) -> None:
+        self._queue.put_nowait(event)
+
+    def _refused(self, topic: str) -> None:
+        detail = "our retained publication did not come back: the broker refused it (ACL?)"
+        self._log.warning("bus_publish_refused", topic=topic, detail=detail)
+        self._emit(Refused(topic, detail))
+
+    def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
+        """Decode one message into an event; drop, count and log-once anything wrong."""
+        self._echoes.seen(topic, payload)
+        result = decode_message(self.topics, topic, payload, retained=retained)
+        if isinstance(result, Dropped):
+            self._drop(topic, result)
+        elif isinstance(result, Received) and isinstance(result.payload, Ping):
+            # Only our own pings reach us (our ping topic); other pings are ignored.
+            echo = self._pings.get(result.payload.seq) if topic == self._ping_topic else None
+            if echo is not None and not echo.done():
+                echo.set_result(None)
+        else:
+            self._emit(result)
+
+    def _drop(self, topic: str, dropped: Dropped) -> None:
+        self.dropped[dropped.reason.value] += 1
+        key = (topic, dropped.reason.value)
+        if key in self._drop_logged or len(self._drop_logged) >= _MAX_DROP_LOG_KEYS:
+            return
+        self._drop_logged.add(key)
+        self._log.warning(
+            "bus_message_dropped",
+            topic=topic[:300],
+            reason=dropped.reason.value,
+            detail=dropped.detail[:300],
+        )

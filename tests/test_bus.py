@@ -1,0 +1,853 @@
+"""The bus client against a real Mosquitto: replay, failover, will, drops, dead links.
+
+Every wait is bounded (asyncio.timeout); everything listens on loopback only. Brokers
+that misbehave on purpose (frozen, MQTT 3.1.1 only) are a small TCP relay in front of a
+real Mosquitto (`Relay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+import aiomqtt
+import msgspec
+import pytest
+import trustme
+from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+from structlog.testing import capture_logs
+
+from imexd.bus import (
+    Bus,
+    Connected,
+    ConnectFailed,
+    Deleted,
+    Disconnected,
+    Event,
+    Received,
+    Refused,
+    Synced,
+    WillSpec,
+    backoff_delay,
+    decode_message,
+    refuses_protocol,
+    topic_matches,
+)
+from imexd.errors import BusError
+from imexd.settings import BusSettings
+from imexd.wire import (
+    Assignment,
+    DaemonInfo,
+    Dropped,
+    DropReason,
+    HealthReport,
+    MemberRecord,
+    MemberState,
+    Topics,
+    encode,
+)
+from tests.support import Broker, free_port
+
+E = TypeVar("E", bound=Event)
+TOPICS = Topics("imex/v1")
+REPO = Path(__file__).resolve().parent.parent
+AS_ROOT = "user root"
+"""Mosquitto started as root drops to user mosquitto, which cannot read the test's files
+(ACL, passwords, certificates) or bind its Unix socket; this keeps it root. Ignored when
+the tests do not run as root."""
+
+
+def fast_settings(*urls: str, **overrides: object) -> BusSettings:
+    """Settings that make reconnects and pings quick enough for tests."""
+    values: dict[str, object] = {
+        "url": urls,
+        "reconnect_initial_s": 0.05,
+        "reconnect_max_s": 0.4,
+        "ping_interval_s": 5.0,
+        "will_delay_s": 1.0,
+    }
+    values.update(overrides)
+    return BusSettings(**values)  # type: ignore[arg-type]
+
+
+def record(node: str = "n1", *, slot: int = 0, domain: str = "d1") -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain=domain,
+        clique="",
+        address="127.0.0.1",
+        slot=slot,
+        incarnation=1,
+        state=MemberState.MEMBER,
+        max_nodes=18,
+        mode="names",
+    )
+
+
+def bus_for(settings: BusSettings, node: str, **kwargs: object) -> Bus:
+    kwargs.setdefault("timeout_s", 2.0)
+    return Bus(settings, node=node, client_id=f"imexd-{node}", **kwargs)  # type: ignore[arg-type]
+
+
+async def next_event(
+    bus: Bus,
+    kind: type[E],
+    where: Callable[[E], bool] = lambda _: True,
+    *,
+    within: float = 5.0,
+    seen: list[Event] | None = None,
+) -> E:
+    """The next event of `kind` (matching `where`); earlier ones go to `seen`."""
+    async with asyncio.timeout(within):
+        async for event in bus.events():
+            if isinstance(event, kind) and where(event):
+                return event
+            if seen is not None:
+                seen.append(event)
+    raise AssertionError(f"the bus closed before a {kind.__name__} event")
+
+
+async def no_event(bus: Bus, kind: type[E], where: Callable[[E], bool], seconds: float) -> None:
+    """Assert that no matching event arrives within `seconds`."""
+    with contextlib.suppress(TimeoutError):
+        event = await next_event(bus, kind, where, within=seconds)
+        raise AssertionError(f"unexpected {event}")
+
+
+def member_topic(node: str = "n1") -> str:
+    return TOPICS.member("d1", "", node)
+
+
+MEMBERS = TOPICS.members_filter("d1", "")
+
+
+# Pure functions.
+
+
+def test_backoff_grows_is_capped_and_jittered() -> None:
+    """The delay doubles per attempt, never exceeds the cap, and jitter keeps half of it."""
+    assert backoff_delay(0, 0.5, 30.0, 1.0) == 0.5
+    assert backoff_delay(0, 0.5, 30.0, 0.0) == 0.25
+    assert backoff_delay(3, 0.5, 30.0, 1.0) == 4.0
+    assert backoff_delay(1000, 0.5, 30.0, 1.0) == 30.0
+    assert 15.0 <= backoff_delay(20, 0.5, 30.0, 0.37) <= 30.0
+
+
+def test_topic_filters_match_like_mqtt() -> None:
+    """`+` matches one level, `#` the rest, and levels must line up exactly otherwise."""
+    assert topic_matches("a/+/c", "a/b/c")
+    assert topic_matches("a/#", "a/b/c")
+    assert topic_matches("a/#", "a")
+    assert not topic_matches("a/+", "a/b/c")
+    assert not topic_matches("a/b", "a/b/c")
+    assert not topic_matches("a/b/c", "a/b")
+
+
+@pytest.mark.parametrize(
+    ("topic", "payload", "reason"),
+    [
+        (member_topic(), b"x" * (16 * 1024 + 1), DropReason.OVERSIZED),
+        (member_topic(), b"{nope", DropReason.NOT_JSON),
+        (member_topic(), b"[1, 2]", DropReason.NOT_OBJECT),
+        (member_topic(), b'{"v": 2, "node": "n1"}', DropReason.VERSION),
+        (member_topic(), b'{"v": 1, "node": "n1"}', DropReason.SCHEMA),
+        (member_topic("n2"), encode(record("n1")), DropReason.TOPIC_MISMATCH),
+        ("imex/v1/domains/d1/members/none/n1/x", encode(record()), DropReason.UNKNOWN_TOPIC),
+        ("imex/v1/domains/d1/members/none/N_1", b"", DropReason.UNKNOWN_TOPIC),
+        ("imex/v1/domains/D1/health/n1", b"", DropReason.UNKNOWN_TOPIC),
+        ("other/prefix", b"{}", DropReason.UNKNOWN_TOPIC),
+        (TOPICS.ping("n1"), b"", DropReason.NOT_JSON),
+    ],
+)
+def test_wrong_messages_are_dropped_with_a_reason(
+    topic: str, payload: bytes, reason: DropReason
+) -> None:
+    """Each kind of wrong message maps to its DropReason; decoding never raises."""
+    result = decode_message(TOPICS, topic, payload, retained=False)
+    assert isinstance(result, Dropped)
+    assert result.reason is reason
+
+
+def test_messages_decode_into_typed_events() -> None:
+    """Valid payloads become Received with the right type; empty ones become Deleted."""
+    got = decode_message(TOPICS, member_topic(), encode(record()), retained=True)
+    assert isinstance(got, Received)
+    assert got.payload == record()
+    assert got.retained
+    assert got.ref.kind == "member"
+    assigned = decode_message(
+        TOPICS, TOPICS.assignment("n1"), encode(Assignment(domain=None)), retained=True
+    )
+    assert isinstance(assigned, Received)
+    assert isinstance(assigned.payload, Assignment)
+    gone = decode_message(TOPICS, TOPICS.health("d1", "n1"), b"", retained=False)
+    assert isinstance(gone, Deleted)
+    assert gone.ref.kind == "health"
+    assert gone.ref.node == "n1"
+
+
+def test_only_an_unsupported_protocol_answer_triggers_the_fallback() -> None:
+    """MQTT 5's 0x84 and 3.1.1's code 1 mean "speak 3.1.1"; other refusals do not."""
+    unsupported = ReasonCode(PacketTypes.CONNACK, "Unsupported protocol version")
+    assert refuses_protocol(MqttConnectError(unsupported))
+    assert refuses_protocol(MqttConnectError(1))
+    assert not refuses_protocol(MqttConnectError(ReasonCode(PacketTypes.CONNACK, "Not authorized")))
+    assert not refuses_protocol(MqttConnectError(5))
+    assert not refuses_protocol(aiomqtt.MqttError("timed out"))
+
+
+def test_bad_arguments_are_refused_up_front() -> None:
+    """A wrong node name, client id or will topic fails at construction, not later."""
+    settings = fast_settings("mqtt://127.0.0.1:1")
+    with pytest.raises(ValueError, match="DNS-1123"):
+        Bus(settings, node="Bad_Name", client_id="x")
+    with pytest.raises(ValueError, match="client_id"):
+        Bus(settings, node="n1", client_id="")
+    with pytest.raises(ValueError, match="wildcards"):
+        Bus(settings, node="n1", client_id="x", will=WillSpec("a/+/b"))
+
+
+# Against a real broker.
+
+
+async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker: Broker) -> None:
+    """A record retained by one bus arrives typed in another's snapshot; None deletes it."""
+    settings = fast_settings(broker.url)
+    async with bus_for(settings, "n1") as a:
+        await a.subscribe(MEMBERS)
+        async with asyncio.timeout(5):
+            await a.wait_synced()
+        await a.retain(member_topic(), record())
+        async with bus_for(settings, "n2") as b:
+            await b.subscribe(MEMBERS)
+            connected = await next_event(b, Connected)
+            assert connected.protocol == "5"
+            assert connected.broker == broker.url
+            got = await next_event(b, Received)
+            assert got.payload == record()
+            assert got.retained
+            await next_event(b, Synced)
+            assert b.synced_at is not None
+            await a.retain(member_topic(), None)
+            gone = await next_event(b, Deleted)
+            assert gone.topic == member_topic()
+            assert gone.ref.node == "n1"
+        assert a.refused_topics == frozenset()
+        assert a.connected
+        assert a.broker == broker.url
+        assert a.protocol == "5"
+
+
+async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Broker) -> None:
+    """subscribe() on a live link is followed by the retained records, then Synced."""
+    settings = fast_settings(broker.url)
+    async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
+        async with asyncio.timeout(5):
+            await a.wait_synced()
+            await b.wait_synced()
+        for n in range(3):
+            await a.retain(member_topic(f"m{n}"), record(f"m{n}", slot=n))
+        await next_event(b, Synced)
+        await b.subscribe(MEMBERS)
+        seen: list[Event] = []
+        await next_event(b, Synced, seen=seen)
+        nodes = {e.ref.node for e in seen if isinstance(e, Received)}
+        assert nodes == {"m0", "m1", "m2"}
+
+        await b.unsubscribe(MEMBERS)
+        await a.retain(member_topic("m3"), record("m3", slot=3))
+        await b.subscribe(TOPICS.specs_filter())  # one more round trip: Synced
+        seen.clear()
+        await next_event(b, Synced, seen=seen)
+        assert not [e for e in seen if isinstance(e, Received)]
+
+
+async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Broker) -> None:
+    """After a restart that lost every retained record, the record is back for the peer."""
+    settings = fast_settings(broker.url)
+    async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
+        await a.subscribe(MEMBERS)
+        await b.subscribe(MEMBERS)
+        await a.retain(member_topic(), record())
+        await next_event(b, Received)
+        broker.restart()  # persistence false: the broker forgets the record
+        lost = await next_event(b, Disconnected)
+        assert lost.broker == broker.url
+        await next_event(b, Connected)
+        again = await next_event(b, Received, lambda e: e.topic == member_topic())
+        assert again.payload == record()
+        async with asyncio.timeout(5):
+            await a.wait_synced()
+            await b.wait_synced()
+        assert a.reconnects == 1
+        assert b.reconnects == 1
+        assert a.last_error is not None
+        assert a.refused_topics == frozenset()
+
+
+async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Broker) -> None:
+    """With [dead, live] it connects to the live one; when that dies, to the next again."""
+    dead = f"mqtt://127.0.0.1:{free_port()}"
+    second = Broker(tmp_path / "second")
+    second.start()
+    try:
+        settings = fast_settings(dead, broker.url, second.url)
+        with capture_logs() as logs:
+            async with bus_for(settings, "n1") as bus:
+                first = await next_event(bus, Connected)
+                assert first.broker == broker.url
+                assert bus.broker == broker.url
+                broker.stop()
+                await next_event(bus, Disconnected)
+                then = await next_event(bus, Connected)
+                assert then.broker == second.url
+                async with asyncio.timeout(5):
+                    await bus.wait_synced()
+        failed = [e for e in logs if e["event"] == "bus_connect_failed"]
+        assert failed
+        assert failed[0]["broker"] == dead
+    finally:
+        second.stop()
+
+
+async def test_unix_socket_broker(tmp_path: Path) -> None:
+    """unix:// URLs connect through the broker's Unix socket listener."""
+    broker = Broker(tmp_path / "unix", unix_socket=True, extra_config=AS_ROOT)
+    broker.start()
+    try:
+        async with bus_for(fast_settings(broker.unix_url), "n1") as bus:
+            await bus.subscribe(MEMBERS)
+            await bus.retain(member_topic(), record())
+            got = await next_event(bus, Received)
+            assert got.payload == record()
+            assert bus.broker == broker.unix_url
+    finally:
+        broker.stop()
+
+
+async def test_not_connected_publish_fails_and_close_is_bounded() -> None:
+    """With no broker, publish raises BusError, and close() returns promptly."""
+    bus = bus_for(fast_settings(f"mqtt://127.0.0.1:{free_port()}"), "n1")
+    async with bus:
+        await bus.subscribe(MEMBERS)  # desired state only: no error while away
+        await bus.retain(member_topic(), record())
+        with pytest.raises(BusError, match="not connected"):
+            await bus.publish(TOPICS.assignment("n1"), Assignment(domain=None))
+        await asyncio.sleep(0.2)
+        assert bus.last_error is not None
+        assert "cannot connect" in bus.last_error
+        started = time.monotonic()
+    assert time.monotonic() - started < 1.0
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("bus")]
+    async with asyncio.timeout(1):
+        assert {type(e) for e in [e async for e in bus.events()]} == {ConnectFailed}
+
+
+async def test_close_while_connecting_to_a_frozen_broker_is_bounded(broker: Broker) -> None:
+    """A connect that hangs (no CONNACK) does not hold close() beyond its bound."""
+    async with Relay(broker.port) as relay:
+        relay.freeze()
+        bus = bus_for(fast_settings(relay.url), "n1", timeout_s=10.0, close_timeout_s=0.3)
+        async with bus:
+            await asyncio.sleep(0.3)  # the connect now waits for a CONNACK
+            assert not bus.connected
+            started = time.monotonic()
+        assert time.monotonic() - started < 2.0
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("bus")]
+
+
+async def test_publish_with_message_expiry(broker: Broker) -> None:
+    """A one-off and a retained report with message expiry both reach a subscriber."""
+    settings = fast_settings(broker.url)
+    report = HealthReport(
+        node="n1",
+        domain="d1",
+        clique="",
+        slot=0,
+        incarnation=1,
+        at=1.0,
+        ready=True,
+        conditions=[],
+        daemon=DaemonInfo(state="RUNNING"),
+    )
+    async with bus_for(settings, "n1") as bus:
+        await bus.subscribe(TOPICS.health_filter("d1"))
+        async with asyncio.timeout(5):
+            await bus.wait_synced()
+        await bus.retain(TOPICS.health("d1", "n1"), report, message_expiry_s=30)
+        got = await next_event(bus, Received)
+        assert got.payload == report
+        await bus.publish(
+            TOPICS.health("d1", "n1"), msgspec.structs.replace(report, at=2.0), message_expiry_s=5
+        )
+        got = await next_event(bus, Received)
+        assert isinstance(got.payload, HealthReport)
+        assert got.payload.at == 2.0
+
+
+# Last Will.
+
+_AGENT = """
+import asyncio, sys
+from imexd.bus import Bus, WillSpec
+from imexd.logs import configure_logging
+from imexd.settings import BusSettings
+from imexd.wire import MemberRecord, MemberState, Topics
+
+async def main(url: str) -> None:
+    configure_logging("warning", "json", stream=sys.stderr)
+    topic = Topics("imex/v1").member("d1", "", "n1")
+    settings = BusSettings(url=(url,), will_delay_s=1.0, ping_interval_s=5.0)
+    rec = MemberRecord(node="n1", domain="d1", clique="", address="127.0.0.1", slot=0,
+                       incarnation=1, state=MemberState.MEMBER, max_nodes=18, mode="names")
+    async with Bus(settings, node="n1", client_id="imexd-n1", will=WillSpec(topic)) as bus:
+        await bus.subscribe(Topics("imex/v1").members_filter("d1", ""))
+        await bus.retain(topic, rec)
+        await bus.wait_synced()
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@contextlib.asynccontextmanager
+async def agent_process(url: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A real agent-like process holding the n1 record, with a will; killed at the end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _AGENT, url, stdout=subprocess.PIPE, env=env, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(10):
+            line = await proc.stdout.readline()
+        assert line == b"ready\n"
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def test_will_clears_the_record_after_the_delay_when_killed(broker: Broker) -> None:
+    """SIGKILL: no DISCONNECT, so after will_delay_s the empty retained payload arrives."""
+    async with bus_for(fast_settings(broker.url), "obs") as observer:
+        await observer.subscribe(MEMBERS)
+        async with agent_process(broker.url) as proc:
+            await next_event(observer, Received, lambda e: e.topic == member_topic())
+            proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            gone = await next_event(observer, Deleted, within=5)
+            waited = time.monotonic() - killed
+        assert gone.topic == member_topic()
+        assert 0.8 <= waited <= 3.5, waited
+    async with bus_for(fast_settings(broker.url), "late") as late:
+        await late.subscribe(MEMBERS)
+        seen: list[Event] = []
+        await next_event(late, Synced, seen=seen)
+        assert not [e for e in seen if isinstance(e, Received)]
+
+
+async def test_a_quick_reconnect_keeps_the_record(broker: Broker) -> None:
+    """Killed, then the same client id back within the will delay: the will never fires."""
+    settings = fast_settings(broker.url, will_delay_s=1.0)
+    async with bus_for(settings, "obs") as observer:
+        await observer.subscribe(MEMBERS)
+        async with agent_process(broker.url) as proc:
+            await next_event(observer, Received, lambda e: e.topic == member_topic())
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+        # The restarted agent does not republish: the record must still be the old one.
+        async with bus_for(settings, "n1", will=WillSpec(member_topic())) as back:
+            await next_event(back, Connected, within=2)
+            await no_event(observer, Deleted, lambda _: True, 2.0)
+    async with bus_for(settings, "late") as late:
+        await late.subscribe(MEMBERS)
+        got = await next_event(late, Received)
+        assert got.payload == record()
+
+
+async def test_clean_close_suppresses_the_will(broker: Broker) -> None:
+    """close() sends DISCONNECT: the record outlives the will delay (hand-over)."""
+    settings = fast_settings(broker.url, will_delay_s=0.5)
+    async with bus_for(settings, "obs") as observer:
+        await observer.subscribe(MEMBERS)
+        async with bus_for(settings, "n1", will=WillSpec(member_topic())) as bus:
+            await bus.retain(member_topic(), record())
+            await next_event(observer, Received)
+        await no_event(observer, Deleted, lambda _: True, 1.5)
+
+
+async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: Broker) -> None:
+    """A changed will reconnects at once; the clean DISCONNECT keeps the old will quiet."""
+    settings = fast_settings(broker.url, will_delay_s=0.5)
+    old, new = member_topic(), TOPICS.member("d2", "", "n1")
+    async with bus_for(settings, "obs") as observer:
+        await observer.subscribe(TOPICS.all_members_filter("d1"))
+        await observer.subscribe(TOPICS.all_members_filter("d2"))
+        async with bus_for(settings, "n1", will=WillSpec(old)) as bus:
+            await bus.retain(old, record())
+            await next_event(observer, Received)
+            bus.set_will(WillSpec(new))
+            assert bus.will == WillSpec(new)
+            lost = await next_event(bus, Disconnected)
+            assert lost.reason == "will changed"
+            await next_event(bus, Connected)
+            assert bus.reconnects == 1
+            bus.set_will(WillSpec(new))  # unchanged: no reconnect
+            await no_event(observer, Deleted, lambda _: True, 1.2)
+            assert bus.reconnects == 1
+
+
+# Wrong messages on the wire.
+
+
+async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Broker) -> None:
+    """Garbage, oversized, wrong v and spoofed records are dropped; the bus keeps working."""
+    bad = [
+        (member_topic("n9"), b"not json"),
+        (member_topic("n9"), b"not json"),  # the same sender and reason again: logged once
+        (member_topic("n9"), b"{" + b" " * (17 * 1024) + b"}"),
+        (member_topic("n9"), b"x" * (256 * 1024)),  # over our Maximum Packet Size: never sent
+        (member_topic("n9"), b'"a string"'),
+        (member_topic("n9"), b'{"v": 7, "node": "n9"}'),
+        (member_topic("n9"), encode(record("n8"))),  # spoofed: n8 speaking on n9's topic
+        (member_topic("n9"), encode(record("n9")).replace(b"127.0.0.1", b"not-an-ip")),
+        ("imex/v1/domains/d1/whatever", b"{}"),
+    ]
+    with capture_logs() as logs:
+        async with bus_for(fast_settings(broker.url), "n1") as bus:
+            await bus.subscribe("imex/v1/#")
+            async with asyncio.timeout(5):
+                await bus.wait_synced()
+            async with aiomqtt.Client(broker.host, broker.port, identifier="raw") as raw:
+                for topic, payload in bad:
+                    await raw.publish(topic, payload, qos=1)
+                await raw.publish(member_topic("n7"), encode(record("n7")), qos=1)
+            got = await next_event(bus, Received)
+            assert got.topic == member_topic("n7")
+            assert bus.connected
+    assert bus.dropped == {
+        "not_json": 2,
+        "oversized": 1,
+        "not_object": 1,
+        "version": 1,
+        "topic_mismatch": 1,
+        "schema": 1,
+        "unknown_topic": 1,
+    }
+    dropped = [e for e in logs if e["event"] == "bus_message_dropped"]
+    assert sorted(e["reason"] for e in dropped) == sorted(
+        [
+            "not_json",
+            "oversized",
+            "not_object",
+            "version",
+            "topic_mismatch",
+            "schema",
+            "unknown_topic",
+        ]
+    )
+    assert all(e["log_level"] == "warning" for e in dropped)
+
+
+# Misbehaving brokers: a relay in front of a real one.
+
+
+@dataclass(eq=False)
+class _Pipe:
+    client: asyncio.StreamWriter
+    upstream: asyncio.StreamWriter
+    broken: bool = False
+
+
+class Relay:
+    """A TCP relay to a broker that can go silent (frozen) or refuse MQTT 5 like a
+    3.1.1-only broker. Thawing breaks every connection that lived through the freeze,
+    as a long network partition would."""
+
+    def __init__(self, target_port: int, *, refuse_v5: bool = False) -> None:
+        self.target_port = target_port
+        self.refuse_v5 = refuse_v5
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.pipes: set[_Pipe] = set()
+        self.handlers: set[asyncio.Task[None]] = set()
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.refused = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> Relay:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.thaw()  # every handler and pump then ends on its own
+        for writer in self.writers:
+            writer.transport.abort()
+        if self.handlers:
+            await asyncio.wait(self.handlers, timeout=2)
+        await self._server.wait_closed()
+
+    def freeze(self) -> None:
+        self.flowing.clear()
+
+    def thaw(self) -> None:
+        for pipe in self.pipes:
+            pipe.broken = True
+            pipe.client.transport.abort()
+            pipe.upstream.transport.abort()
+        self.flowing.set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        self.writers.add(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
+            self.writers.add(upstream)
+            pipe = _Pipe(writer, upstream)
+            self.pipes.add(pipe)
+            if self.refuse_v5:
+                connect = await _read_packet(reader)
+                if connect[0] >> 4 == 1 and _protocol_level(connect) == 5:
+                    self.refused += 1
+                    writer.write(b"\x20\x02\x00\x01")  # 3.1.1 CONNACK: unacceptable version
+                    await writer.drain()
+                    return
+                upstream.write(connect)
+            pumps = {
+                asyncio.create_task(self._pump(reader, upstream, pipe)),
+                asyncio.create_task(self._pump(up_reader, writer, pipe)),
+            }
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+            self.pipes.discard(pipe)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.transport.abort()
+            self.writers.discard(writer)
+            if upstream is not None:
+                upstream.transport.abort()
+                self.writers.discard(upstream)
+            self.handlers.discard(task)
+
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, pipe: _Pipe
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                await self.flowing.wait()
+                if pipe.broken:
+                    return
+                dst.write(data)
+                await dst.drain()
+
+
+async def _read_packet(reader: asyncio.StreamReader) -> bytes:
+    raw = bytearray(await reader.readexactly(1))
+    length, shift = 0, 0
+    while True:
+        byte = (await reader.readexactly(1))[0]
+        raw.append(byte)
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    raw += await reader.readexactly(length)
+    return bytes(raw)
+
+
+def _protocol_level(connect: bytes) -> int:
+    # fixed header (1 + length bytes), then protocol name (2 + 4 bytes "MQTT"), then level
+    i = 1
+    while connect[i] & 0x80:
+        i += 1
+    return connect[i + 1 + 6]
+
+
+async def test_a_silently_dead_link_is_replaced(broker: Broker) -> None:
+    """A frozen link (no RST, no FIN) is noticed by the ping and replaced when it thaws;
+    the record survives because the reconnect comes within the will delay."""
+    settings = fast_settings(ping_interval_s=0.3, will_delay_s=2.0)
+    async with Relay(broker.port) as relay:
+        settings = replace(settings, url=(relay.url,))
+        async with (
+            bus_for(fast_settings(broker.url), "obs") as observer,
+            bus_for(
+                settings, "n1", ping_timeout_s=0.5, timeout_s=1.0, will=WillSpec(member_topic())
+            ) as bus,
+        ):
+            await observer.subscribe(MEMBERS)
+            await bus.subscribe(MEMBERS)
+            await bus.retain(member_topic(), record())
+            await next_event(observer, Received)
+            await next_event(bus, Synced)
+            await asyncio.sleep(0.4)
+            assert bus.rtt_s is not None
+            assert bus.rtt_s < 0.3
+
+            relay.freeze()
+            frozen = time.monotonic()
+            lost = await next_event(bus, Disconnected, within=3)
+            assert time.monotonic() - frozen < 2 * (0.3 + 0.5)
+            assert "no ping echo" in lost.reason
+            assert bus.last_error == lost.reason
+            assert not bus.connected
+            assert bus.synced_at is None
+            await asyncio.sleep(0.5)  # a few connects hang on the frozen relay meanwhile
+
+            relay.thaw()
+            await next_event(bus, Connected, within=5)
+            await next_event(bus, Synced, within=3)
+            assert bus.reconnects == 1
+            await no_event(observer, Deleted, lambda _: True, 1.5)
+
+
+async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Broker) -> None:
+    """A broker answering MQTT 5 with "unsupported version" gets 3.1.1, said in a log."""
+    async with Relay(broker.port, refuse_v5=True) as relay:
+        with capture_logs() as logs:
+            async with bus_for(
+                fast_settings(relay.url), "n1", will=WillSpec(member_topic())
+            ) as bus:
+                up = await next_event(bus, Connected)
+                assert up.protocol == "3.1.1"
+                assert not up.will_delay
+                await bus.subscribe(MEMBERS)
+                await bus.retain(member_topic(), record())
+                got = await next_event(bus, Received)
+                assert got.payload == record()
+                await bus.retain(TOPICS.health("d1", "n1"), None, message_expiry_s=5)
+        assert relay.refused == 1
+    fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
+    assert len(fallback) == 1
+    assert "no Will Delay" in fallback[0]["message"]
+
+
+# Broker security: ACLs, passwords, TLS.
+
+
+async def test_a_publish_refused_by_the_acl_is_reported(tmp_path: Path) -> None:
+    """The broker silently drops a forbidden publish; the missing echo reports it."""
+    acl = tmp_path / "acl"
+    acl.write_text(
+        "topic read imex/#\n"
+        "topic readwrite imex/v1/nodes/n1/ping\n"
+        f"topic write {member_topic('n1')}\n"
+    )
+    broker = Broker(tmp_path / "acl-broker", extra_config=f"acl_file {acl}\n{AS_ROOT}")
+    broker.start()
+    try:
+        with capture_logs() as logs:
+            async with bus_for(fast_settings(broker.url), "n1", echo_timeout_s=0.5) as bus:
+                await bus.subscribe(MEMBERS)
+                await bus.retain(member_topic("n1"), record("n1"))
+                await bus.retain(member_topic("n2"), record("n2", slot=1))
+                refused = await next_event(bus, Refused)
+                assert refused.topic == member_topic("n2")
+                assert bus.refused_topics == {member_topic("n2")}
+        assert [e["topic"] for e in logs if e["event"] == "bus_publish_refused"] == [
+            member_topic("n2")
+        ]
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def auth_broker(tmp_path: Path) -> Iterator[Broker]:
+    """A broker that admits only user `agent` with password `right-secret`."""
+    passwd = tmp_path / "mosquitto.passwd"
+    subprocess.run(
+        ["mosquitto_passwd", "-b", "-c", str(passwd), "agent", "right-secret"],
+        check=True,
+        capture_output=True,
+    )
+    broker = Broker(
+        tmp_path / "auth", extra_config=f"password_file {passwd}\nallow_anonymous false\n{AS_ROOT}"
+    )
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+async def test_password_is_read_at_each_connect_and_never_logged(
+    tmp_path: Path, auth_broker: Broker
+) -> None:
+    """A wrong password fails (and retries); fixing the file lets the next attempt in."""
+    secret = tmp_path / "bus.password"
+    secret.write_text("wrong-secret\n")
+    settings = fast_settings(auth_broker.url, username="agent", password_file=str(secret))
+    with capture_logs() as logs:
+        async with bus_for(settings, "n1") as bus:
+            failed = await next_event(bus, ConnectFailed)
+            assert "authori" in failed.error.lower()
+            assert bus.last_error == failed.error
+            secret.write_text("right-secret\n")
+            await next_event(bus, Connected)
+    assert "secret" not in repr(logs)
+
+
+async def test_mqtts_with_a_client_certificate(tmp_path: Path) -> None:
+    """mqtts:// verifies the broker against ca_file and presents cert_file/key_file."""
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    client = ca.issue_cert("n1")
+    files = {name: tmp_path / name for name in ("ca.pem", "srv.pem", "srv.key", "cl.pem", "cl.key")}
+    ca.cert_pem.write_to_path(str(files["ca.pem"]))
+    server.cert_chain_pems[0].write_to_path(str(files["srv.pem"]))
+    server.private_key_pem.write_to_path(str(files["srv.key"]))
+    client.cert_chain_pems[0].write_to_path(str(files["cl.pem"]))
+    client.private_key_pem.write_to_path(str(files["cl.key"]))
+    tls_port = free_port()
+    broker = Broker(
+        tmp_path / "tls",
+        extra_config=(
+            f"listener {tls_port} 127.0.0.1\n"
+            f"cafile {files['ca.pem']}\ncertfile {files['srv.pem']}\n"
+            f"keyfile {files['srv.key']}\nrequire_certificate true\n{AS_ROOT}"
+        ),
+    )
+    broker.start()
+    settings = fast_settings(
+        f"mqtts://127.0.0.1:{tls_port}",
+        ca_file=str(files["ca.pem"]),
+        cert_file=str(files["cl.pem"]),
+        key_file=str(files["cl.key"]),
+    )
+    try:
+        async with bus_for(settings, "n1") as bus:
+            await bus.subscribe(MEMBERS)
+            await bus.retain(member_topic(), record())
+            got = await next_event(bus, Received)
+            assert got.payload == record()
+            assert bus.broker == f"mqtts://127.0.0.1:{tls_port}"
+    finally:
+        broker.stop()
