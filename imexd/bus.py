@@ -42,11 +42,11 @@ import random
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Literal, Self
+from typing import Any, Final, Literal, Self
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -296,6 +296,24 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError(f"{topic_filter!r} is not a topic filter")
 
 
+async def _unless(leave: asyncio.Event, operation: Coroutine[Any, Any, object]) -> bool:
+    """Run one broker operation unless its link is left first; True when it completed."""
+    task: asyncio.Task[object] = asyncio.ensure_future(operation)
+    left = asyncio.ensure_future(leave.wait())
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()  # re-raises the operation's error
+    return True
+
+
 def _read_secret(path: str) -> str:
     return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
 
@@ -488,6 +506,8 @@ class Bus:
         self._lock = asyncio.Lock()
         self._client: aiomqtt.Client | None = None
         self._leave: asyncio.Event | None = None
+        self._gone = asyncio.Event()
+        """Set as soon as the current link is being left or was found dead."""
         self._wake = asyncio.Event()
         self._synced = asyncio.Event()
         self._closing = False
@@ -609,15 +629,17 @@ class Bus:
             if topic_filter in self._filters:
                 return
             self._filters[topic_filter] = None
-            client = self._client
-            if client is None:
+            live = self._live()
+            if live is None:
                 return
+            client, leave = live
             try:
-                await self._subscribe(client, [topic_filter])
+                if not await _unless(leave, self._subscribe(client, [topic_filter])):
+                    return
             except aiomqtt.MqttError as exc:
                 self._declare_dead(client, f"subscribe failed: {_describe(exc)}")
                 return
-        await self._resync(client)
+        await _unless(leave, self._resync(client))
 
     async def unsubscribe(self, topic_filter: str) -> None:
         """Remove a filter now and from later connections."""
@@ -626,11 +648,12 @@ class Bus:
                 return
             del self._filters[topic_filter]
             self._echoes.forget(self._covered)
-            client = self._client
-            if client is None:
+            live = self._live()
+            if live is None:
                 return
+            client, leave = live
             try:
-                await client.unsubscribe(topic_filter)
+                await _unless(leave, client.unsubscribe(topic_filter))
             except aiomqtt.MqttError as exc:
                 self._declare_dead(client, f"unsubscribe failed: {_describe(exc)}")
 
@@ -649,11 +672,12 @@ class Bus:
         entry = _Retained(b"" if payload is None else encode(payload), message_expiry_s)
         async with self._lock:
             self._retained[topic] = entry
-            client = self._client
-            if client is None:
+            live = self._live()
+            if live is None:
                 return
+            client, leave = live
             try:
-                await self._put_retained(client, topic, entry)
+                await _unless(leave, self._put_retained(client, topic, entry))
             except aiomqtt.MqttError as exc:
                 self._declare_dead(client, f"publish to {topic} failed: {_describe(exc)}")
 
@@ -693,8 +717,21 @@ class Bus:
         if will is not None:
             _check_topic_name(will.topic)
         self._will = will
+        self._gone.set()
         if self._leave is not None:
             self._leave.set()
+
+    def _live(self) -> tuple[aiomqtt.Client, asyncio.Event] | None:
+        """The current link and its leave event, unless it is already being left.
+
+        An operation on a link that is being left (new will, close) or lost would wait
+        for an acknowledgement that never comes while holding the lock that the next
+        link needs for its replay; the desired state is replayed there anyway.
+        """
+        client, gone = self._client, self._gone
+        if client is None or gone.is_set():
+            return None
+        return client, gone
 
     # The connection loop.
 
@@ -758,6 +795,7 @@ class Bus:
         broker = self.brokers[index]
         v5 = index not in self._v311
         leave = self._leave = asyncio.Event()
+        self._gone = asyncio.Event()
         if self._closing:
             return
         will = self._will
@@ -974,6 +1012,7 @@ class Bus:
         """Drop the link without DISCONNECT; the first reason given is the one reported."""
         if self._dead_reason is None:
             self._dead_reason = reason
+        self._gone.set()
         _abort(client)
 
     def _link_up(self, broker: BrokerURL, *, v5: bool, will: WillSpec | None) -> None:
@@ -995,6 +1034,7 @@ class Bus:
         self._emit(Connected(self._broker, self._protocol, will_delay=v5))
 
     def _link_down(self, broker: BrokerURL, reason: str) -> None:
+        self._gone.set()
         self._client = None
         self._connected = False
         self._broker = None

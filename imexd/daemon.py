@@ -752,6 +752,19 @@ class Supervisor:
         self._notify()
         return True
 
+    async def end_strays(self, why: str) -> int:
+        """End every daemon running our config path that this supervisor did not start.
+
+        For an agent that has nothing to run (no domain any more) while a previous agent
+        left a daemon behind; returns how many were ended.
+        """
+        self._check_open()
+        own = {self.pid} if self.pid is not None else set()
+        survey = await asyncio.to_thread(survey_processes, str(self.config_path), exclude=own)
+        for proc in survey.ours:
+            await self._end_stray(proc, why)
+        return len(survey.ours)
+
     def detach(self) -> None:
         """Hand over: leaving the context keeps the daemon running for the next agent."""
         self._detached = True

@@ -1,0 +1,950 @@
+"""The agent: one root coroutine that keeps this node's IMEX daemon in its domain.
+
+`run(settings, stop=..., handover=...)` wires the pieces together and owns their
+lifecycle. Named long-lived tasks, each with a heartbeat that /healthz watches:
+
+- `events`: reads the bus (member records of our shard, the domain's spec, our
+  assignment, link state) and wakes `membership`;
+- `membership`: follows the target (domain, clique), claims a slot with the pure rules
+  of `imexd.membership`, publishes our record, and derives what should run (`Desired`);
+- `reconcile`: coalesces bursts (`[domain] settle_s`), writes the files and asks the
+  supervisor for exactly what the change needs: start, SIGUSR1, restart, or nothing;
+- `probe`: `ctl -q` and `ctl -N -j` against the running daemon;
+- `report`: turns the facts into conditions, publishes the HealthReport, tells systemd;
+- `discover`: NVML fabric discovery when `[node] clique = "auto"`;
+- `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
+
+Signals are handled in the CLI layer only: SIGTERM/SIGINT set `stop` (leave: clear our
+record, stop the daemon, exit 0), SIGUSR2 sets `handover` too (exit 75 with the daemon
+running and the record in place, for the next agent to adopt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from imexd import health as hl
+from imexd import membership as mb
+from imexd.bus import (
+    Bus,
+    Connected,
+    ConnectFailed,
+    Deleted,
+    Disconnected,
+    Event,
+    Received,
+    Refused,
+    Synced,
+    WillSpec,
+)
+from imexd.daemon import DaemonState, DaemonStatus, Supervisor
+from imexd.errors import DiscoveryError, FileWriteError
+from imexd.fabric import discover
+from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, write_file
+from imexd.health import Facts, Health, Heartbeats
+from imexd.http import HealthServer
+from imexd.logs import LogFormat, configure_logging, get_logger
+from imexd.metrics import Metrics
+from imexd.probe import ConnectionState, DomainStatus, ImexState, Prober
+from imexd.render import remove_hosts_block, render_files
+from imexd.sdnotify import Notifier
+from imexd.settings import Settings, load_settings
+from imexd.state import NodeState, StateStore
+from imexd.wire import (
+    Assignment,
+    DomainSpec,
+    HealthReport,
+    MemberRecord,
+    Mode,
+    Topics,
+)
+
+EXIT_HANDOVER: Final = 75
+"""Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
+BEAT_S: Final = 1.0
+"""Longest sleep of every loop: each beats its heartbeat at least this often."""
+DISCOVERY_TIMEOUT_S: Final = 20.0
+DISCOVERY_RETRY_S: Final = 30.0
+"""Retry delay after a failed discovery (shorter than discover_interval_s)."""
+WRITE_RETRY_INITIAL_S: Final = 0.5
+WRITE_RETRY_MAX_S: Final = 30.0
+SHUTDOWN_MARGIN_S: Final = 5.0
+"""Added to [daemon] stop_timeout_s to bound the whole shutdown."""
+
+
+_NO_MEMBERS: Final[MappingProxyType[int, str]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Desired:
+    """What should run on this node, derived from membership."""
+
+    domain: str | None = None
+    clique: str = ""
+    slot: int | None = None
+    run: bool = False
+    """Whether the IMEX daemon should run (a settled member with a clique, no mismatch)."""
+    members: MappingProxyType[int, str] = field(default_factory=lambda: _NO_MEMBERS)
+    """slot -> address of the settled members (the hosts block / node list)."""
+    cleanup: bool = False
+    """Not in a domain: remove our hosts block and IMEX files."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Applied:
+    """What the running daemon was started (or last reloaded) with."""
+
+    config: str
+    nodes_config: str
+    identity: tuple[str, str, int]
+    members: MappingProxyType[int, str]
+
+
+class Agent:
+    """The agent's state and tasks; see the module docstring."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.node = settings.node.name
+        self.topics = Topics(settings.bus.topic_prefix)
+        self.log = get_logger("agent", node=self.node)
+        self.state_store = StateStore(settings.node.state_dir)
+        self.saved = NodeState()
+        self.incarnation = 0
+        self.heartbeats = Heartbeats()
+        self.metrics = Metrics()
+        self.notifier = Notifier.from_env()
+        self.health = Health(Facts(node=self.node, address=settings.node.address))
+        self.prober = Prober.from_settings(settings)
+        self.bus: Bus | None = None
+        self.supervisor: Supervisor | None = None
+
+        # Inputs of membership.
+        self.static_domain = settings.domain.name or None
+        self.assigned_domain: str | None = None
+        configured = settings.node.clique
+        self.clique: str | None = None if configured == "auto" else configured
+        self.driver = ""
+        self.fabric = hl.FabricFacts(source="nvml" if configured == "auto" else "config")
+
+        # Membership state of the current (domain, clique) shard.
+        self.current: tuple[str, str] | None = None
+        self.records: dict[str, MemberRecord] = {}
+        self.spec: DomainSpec | None = None
+        self.claim = mb.ClaimState(node=self.node, incarnation=0)
+        self.decision: mb.Decision | None = None
+        self.synced = False
+        self.sync_after = 0.0
+        self.mismatch: tuple[str, ...] = ()
+        self.mismatch_detail = ""
+        self.wake = asyncio.Event()
+        self.wake_at: float | None = None
+
+        # Reconcile state.
+        self.desired = Desired()
+        self.dirty = asyncio.Event()
+        self.applied: Applied | None = None
+        self.first_reconcile = True
+        self.write_error = ""
+        self.write_path = ""
+        self.write_method: hl.WriteMethod = "rename"
+        self.write_failures = 0
+
+        # Probes and reports.
+        self.imex_status = ""
+        self.probe_error = ""
+        self.domain_probe: hl.DomainProbe | None = None
+        self.probe_now = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.bus_facts = hl.BusFacts()
+
+    @property
+    def _mode(self) -> Mode:
+        return "addresses" if self.settings.domain.mode == "addresses" else "names"
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def run(self, *, stop: asyncio.Event, handover: asyncio.Event) -> int:
+        """Run until `stop`; leave (0) or hand over (EXIT_HANDOVER) when it is set."""
+        s = self.settings
+        remove_stale_temps(s.config_path)
+        remove_stale_temps(s.nodes_config_path)
+        remove_stale_temps(s.imex.hosts_file)
+        self.saved = self._load_state()
+        self.incarnation = self.saved.incarnation
+        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.log.info(
+            "agent.start",
+            incarnation=self.incarnation,
+            previous_domain=self.saved.domain,
+            previous_slot=self.saved.slot,
+            mode="assigned" if s.domain.assigned else "static",
+        )
+        bus = Bus(s.bus, node=self.node, client_id=f"imexd-{self.node}")
+        supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
+        self.bus, self.supervisor = bus, supervisor
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(
+                HealthServer(
+                    s.health.listen,
+                    heartbeats=self.heartbeats,
+                    health=self.health,
+                    metrics=self.metrics,
+                )
+            )
+            await stack.enter_async_context(supervisor)
+            await stack.enter_async_context(bus)
+            if s.domain.assigned:
+                await bus.subscribe(self.topics.assignment(self.node))
+            self.notifier.ready()
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    running = [
+                        self._task(tasks, "events", self._events_loop(bus), BEAT_S),
+                        self._task(tasks, "membership", self._membership_loop(), BEAT_S),
+                        self._task(tasks, "reconcile", self._reconcile_loop(), BEAT_S),
+                        self._task(tasks, "probe", self._probe_loop(), BEAT_S),
+                        self._task(tasks, "report", self._report_loop(), BEAT_S),
+                        self._task(tasks, "watchdog", self._watchdog_loop(), BEAT_S),
+                    ]
+                    if s.node.clique == "auto":
+                        running.append(self._task(tasks, "discover", self._discover_loop(), BEAT_S))
+                    await stop.wait()
+                    for task in running:
+                        task.cancel()
+            finally:
+                self.notifier.stopping()
+            code = await self._shutdown(handover=handover.is_set())
+        self.log.info("agent.exit", code=code)
+        return code
+
+    def _task(
+        self,
+        group: asyncio.TaskGroup,
+        name: str,
+        coro: Coroutine[Any, Any, None],
+        interval: float,
+    ) -> asyncio.Task[None]:
+        self.heartbeats.register(name, interval)
+        return group.create_task(coro, name=name)
+
+    async def _shutdown(self, *, handover: bool) -> int:
+        """Leave or hand over, bounded by stop_timeout_s + a margin."""
+        bus, supervisor = self._parts()
+        budget = self.settings.daemon.stop_timeout_s + SHUTDOWN_MARGIN_S
+        try:
+            async with asyncio.timeout(budget):
+                if handover:
+                    self.log.info("agent.handover", pid=supervisor.pid)
+                    supervisor.detach()
+                    return EXIT_HANDOVER
+                self.log.info("agent.leave", domain=self.current)
+                if self.current is not None:
+                    domain, clique = self.current
+                    await bus.retain(self.topics.member(domain, clique, self.node), None)
+                    await bus.retain(self.topics.health(domain, self.node), None)
+                await supervisor.stop("the agent is leaving")
+                await asyncio.to_thread(self._remove_files)
+        except TimeoutError:
+            self.log.error("agent.shutdown_timeout", budget_s=budget)
+        except FileWriteError as exc:
+            self.log.warning("agent.cleanup_failed", error=str(exc))
+        return 0
+
+    def _parts(self) -> tuple[Bus, Supervisor]:
+        assert self.bus is not None  # noqa: S101 - set in run
+        assert self.supervisor is not None  # noqa: S101 - set in run
+        return self.bus, self.supervisor
+
+    def _load_state(self) -> NodeState:
+        try:
+            return self.state_store.load_and_bump()
+        except FileWriteError as exc:
+            self.log.error("state.unwritable", error=str(exc))
+            return self.state_store.current
+
+    def _save_state(self, state: NodeState) -> None:
+        if state == self.state_store.current:
+            return
+        try:
+            self.state_store.save(state)
+        except FileWriteError as exc:
+            self.log.error("state.unwritable", error=str(exc))
+
+    # -- bus events -----------------------------------------------------------------
+
+    async def _events_loop(self, bus: Bus) -> None:
+        events = aiter(bus.events())
+        while True:
+            self.heartbeats.beat("events")
+            try:
+                async with asyncio.timeout(BEAT_S):
+                    event = await anext(events)
+            except TimeoutError:
+                continue
+            except StopAsyncIteration:
+                await asyncio.Event().wait()  # the bus closed: shutting down
+                return
+            self._on_event(event, bus)
+
+    def _on_event(self, event: Event, bus: Bus) -> None:
+        if isinstance(event, Connected):
+            self.records.clear()
+            self.synced = False
+            self.log.info("bus.connected", broker=event.broker, protocol=event.protocol)
+        elif isinstance(event, Disconnected | ConnectFailed):
+            self.synced = False
+        elif isinstance(event, Synced):
+            if event.at >= self.sync_after:
+                self.synced = True
+        elif isinstance(event, Received):
+            self._on_received(event)
+        elif isinstance(event, Deleted):
+            ref = event.ref
+            if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
+                self.records.pop(ref.node, None)
+            elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
+                self.spec = None
+            elif ref.kind == "assignment" and ref.node == self.node:
+                self.assigned_domain = None
+        elif isinstance(event, Refused):
+            self.log.warning("bus.publish_refused", topic=event.topic, detail=event.detail)
+        self.bus_facts = replace(
+            self.bus_facts,
+            connected=bus.connected,
+            synced=bus.connected and self.synced,
+            broker=bus.broker or self.bus_facts.broker,
+            last_error=bus.last_error or "",
+            refused=tuple(sorted(bus.refused_topics)),
+            reconnects=bus.reconnects,
+            dropped=MappingProxyType(dict(bus.dropped)),
+        )
+        self.wake.set()
+        self.changed.set()
+
+    def _on_received(self, event: Received) -> None:
+        ref, payload = event.ref, event.payload
+        if ref.kind == "member" and isinstance(payload, MemberRecord):
+            if (ref.domain, ref.clique) == self.current:
+                self.records[ref.node] = payload
+        elif ref.kind == "spec" and isinstance(payload, DomainSpec):
+            if self.current is not None and ref.domain == self.current[0]:
+                self.spec = payload
+        elif ref.kind == "assignment" and isinstance(payload, Assignment) and ref.node == self.node:
+            self.assigned_domain = payload.domain
+
+    # -- membership -----------------------------------------------------------------
+
+    def _target(self) -> tuple[str, str] | None:
+        domain = self.assigned_domain if self.settings.domain.assigned else self.static_domain
+        if domain is None or self.clique is None:
+            return None
+        return domain, self.clique
+
+    async def _membership_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.heartbeats.beat("membership")
+            timeout = BEAT_S
+            if self.wake_at is not None:
+                timeout = max(0.0, min(timeout, self.wake_at - loop.time()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
+            self.wake.clear()
+            await self._retarget()
+            await self._step(loop.time())
+
+    async def _retarget(self) -> None:
+        """Leave the current shard and join the target one when they differ."""
+        target = self._target()
+        if target == self.current:
+            return
+        bus, _ = self._parts()
+        old = self.current
+        if old is not None:
+            domain, clique = old
+            self.log.info("membership.leave", domain=domain, clique=clique)
+            await bus.retain(self.topics.member(domain, clique, self.node), None)
+            await bus.retain(self.topics.health(domain, self.node), None)
+            await bus.unsubscribe(self.topics.members_filter(domain, clique))
+            await bus.unsubscribe(self.topics.spec(domain))
+        self.current = target
+        self.records.clear()
+        self.spec = None
+        self.synced = False
+        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.decision = None
+        self.wake_at = None
+        if target is None:
+            bus.set_will(None)
+            self._set_desired(Desired(cleanup=True))
+            return
+        domain, clique = target
+        self.log.info("membership.join", domain=domain, clique=clique or "none")
+        # Only a snapshot completed after this point covers the new subscriptions. The
+        # will moves to the new member topic, which reconnects (a fresh snapshot).
+        self.sync_after = time.monotonic()
+        await bus.subscribe(self.topics.spec(domain))
+        await bus.subscribe(self.topics.members_filter(domain, clique))
+        bus.set_will(WillSpec(self.topics.member(domain, clique, self.node)))
+
+    async def _step(self, now: float) -> None:
+        """One membership step: claim, publish, and derive what should run."""
+        if self.current is None:
+            self.wake_at = None
+            return
+        if not self.synced:
+            return
+        s = self.settings
+        domain, clique = self.current
+        if self.spec is not None and self.spec.state == "deleting":
+            await self._leave_deleted(domain, clique)
+            return
+        own = self.records.get(self.node)
+        if (
+            self.claim.phase is mb.Phase.NONE
+            and own is not None
+            and own.incarnation >= self.incarnation
+        ):
+            # A record of ours from a run whose incarnation we never saved: outbid it.
+            self.incarnation = own.incarnation + 1
+            self.claim = replace(self.claim, incarnation=self.incarnation)
+            self._save_state(replace(self.state_store.current, incarnation=self.incarnation))
+        previous = (
+            self.saved.slot if (self.saved.domain, self.saved.clique) == self.current else None
+        )
+        decision = mb.step(
+            self.claim,
+            self.records.values(),
+            now=now,
+            settle_s=s.domain.settle_s,
+            max_nodes=s.domain.max_nodes,
+            spec=self.spec,
+            previous_slot=previous,
+        )
+        if decision.publish:
+            await self._publish_claim(decision.claim)
+        if self.decision is None or (decision.reason, decision.settled) != (
+            self.decision.reason,
+            self.decision.settled,
+        ):
+            self.log.info(
+                "membership.step",
+                phase=decision.claim.phase.value,
+                slot=decision.claim.slot,
+                reason=decision.reason.value,
+                detail=decision.message,
+            )
+        self.claim = decision.claim
+        self.decision = decision
+        self.wake_at = decision.wake_at
+        if decision.settled and decision.claim.slot is not None:
+            self._save_state(
+                NodeState(
+                    domain=domain,
+                    clique=clique,
+                    slot=decision.claim.slot,
+                    incarnation=self.incarnation,
+                )
+            )
+        self.mismatch = tuple(
+            mb.mismatches(
+                self.records.values(),
+                max_nodes=s.domain.max_nodes,
+                mode=self._mode,
+                spec=self.spec,
+            )
+        )
+        self.mismatch_detail = ""
+        if self.spec is not None and self.spec.max_nodes != s.domain.max_nodes:
+            self.mismatch_detail = (
+                f"the domain spec says max_nodes {self.spec.max_nodes}, "
+                f"this node {s.domain.max_nodes}"
+            )
+        records = dict(self.records)
+        mine = self._own_record(self.claim)
+        if mine is not None:
+            records[self.node] = mine
+        else:
+            records.pop(self.node, None)
+        slot_map = mb.resolve(records.values(), max_nodes=s.domain.max_nodes, spec=self.spec)
+        members = MappingProxyType({slot: r.address for slot, r in slot_map.members.items()})
+        run = decision.settled and clique != "" and not self.mismatch and not self.mismatch_detail
+        self._set_desired(
+            Desired(
+                domain=domain,
+                clique=clique,
+                slot=decision.claim.slot if decision.settled else None,
+                run=run,
+                members=members,
+            )
+        )
+        self.changed.set()
+
+    async def _leave_deleted(self, domain: str, clique: str) -> None:
+        """The control plane deletes the domain: clear our record and stop the daemon."""
+        if self.claim.phase is not mb.Phase.OUT:
+            self.log.info("membership.domain_deleted", domain=domain)
+            bus, _ = self._parts()
+            await bus.retain(self.topics.member(domain, clique, self.node), None)
+            await bus.retain(self.topics.health(domain, self.node), None)
+            self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
+            self.decision = None
+        self._set_desired(Desired(domain=domain, clique=clique, cleanup=True))
+        self.changed.set()
+
+    def _own_record(self, claim: mb.ClaimState) -> MemberRecord | None:
+        state = claim.record_state
+        if state is None or self.current is None:
+            return None
+        domain, clique = self.current
+        s = self.settings
+        return MemberRecord(
+            node=self.node,
+            domain=domain,
+            clique=clique,
+            address=s.node.address,
+            slot=claim.slot,
+            incarnation=self.incarnation,
+            state=state,
+            max_nodes=s.domain.max_nodes,
+            mode=self._mode,
+            driver=self.driver,
+        )
+
+    async def _publish_claim(self, claim: mb.ClaimState) -> None:
+        bus, _ = self._parts()
+        assert self.current is not None  # noqa: S101 - only called inside a shard
+        domain, clique = self.current
+        await bus.retain(self.topics.member(domain, clique, self.node), self._own_record(claim))
+
+    def _set_desired(self, desired: Desired) -> None:
+        if desired != self.desired:
+            self.desired = desired
+            self.dirty.set()
+
+    # -- reconcile ------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        s = self.settings
+        retry_at: float | None = None
+        delay = WRITE_RETRY_INITIAL_S
+        while True:
+            self.heartbeats.beat("reconcile")
+            timeout = BEAT_S if retry_at is None else max(0.0, retry_at - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(timeout, BEAT_S)):
+                    await self.dirty.wait()
+            due = retry_at is not None and time.monotonic() >= retry_at
+            if not self.dirty.is_set() and not due:
+                continue
+            # Coalesce a burst of membership changes into one write and one signal.
+            await asyncio.sleep(s.domain.settle_s)
+            self.dirty.clear()
+            started = time.monotonic()
+            try:
+                await self._reconcile(self.desired)
+            except FileWriteError as exc:
+                self.write_failures += 1
+                retry_at = time.monotonic() + delay
+                self.log.warning(
+                    "reconcile.write_failed", error=str(exc), retry_in_s=round(delay, 2)
+                )
+                delay = min(WRITE_RETRY_MAX_S, delay * 2)
+            else:
+                retry_at, delay = None, WRITE_RETRY_INITIAL_S
+                self.write_error = self.write_path = ""
+            self.metrics.observe_reconcile(time.monotonic() - started)
+            self.changed.set()
+
+    async def _reconcile(self, desired: Desired) -> None:
+        """Write the files `desired` implies and bring the daemon in line with them."""
+        _, supervisor = self._parts()
+        first, self.first_reconcile = self.first_reconcile, False
+        if not desired.run or desired.domain is None or desired.slot is None:
+            if self.applied is not None or supervisor.state is not DaemonState.STOPPED:
+                await supervisor.stop("not a settled member" if not desired.cleanup else "left")
+            elif first and desired.cleanup:
+                await supervisor.end_strays("this node is in no domain")
+            self.applied = None
+            if desired.cleanup:
+                await asyncio.to_thread(self._remove_files)
+            self.probe_now.set()
+            return
+        s = self.settings
+        hosts_path = s.imex.hosts_file
+        current_hosts = await asyncio.to_thread(read_text_or_empty, hosts_path)
+        files = render_files(
+            s,
+            domain=desired.domain,
+            clique=desired.clique,
+            slots=dict(desired.members),
+            hosts_current=current_hosts,
+        )
+        config_changed = await self._write(s.config_path, files.config)
+        nodes_changed = await self._write(s.nodes_config_path, files.nodes_config)
+        await self._write(Path(hosts_path), files.hosts, in_place_ok=True)
+        identity = (desired.domain, desired.clique, desired.slot)
+        applied = Applied(
+            config=files.config,
+            nodes_config=files.nodes_config,
+            identity=identity,
+            members=desired.members,
+        )
+        previous, self.applied = self.applied, applied
+        if previous is None:
+            saved = (self.saved.domain, self.saved.clique, self.saved.slot)
+            adopt = not config_changed and not nodes_changed and saved == identity
+            self.log.info("reconcile.start", slot=desired.slot, adopt_allowed=adopt)
+            await supervisor.ensure_started(adopt=adopt)
+        elif (
+            previous.config != applied.config
+            or previous.identity != identity
+            or (s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config)
+        ):
+            why = "config.cfg changed" if previous.config != applied.config else "identity"
+            if s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config:
+                why = "member addresses changed (addresses mode)"
+            self.log.info("reconcile.restart", why=why)
+            await supervisor.restart(why)
+        elif previous.members != applied.members:
+            self.log.info("reconcile.reload", members=len(applied.members))
+            supervisor.request_reload("members changed")
+        else:
+            await supervisor.ensure_started()
+        self.probe_now.set()
+
+    async def _write(self, path: Path, content: str, *, in_place_ok: bool = False) -> bool:
+        """Write one file (retried by the caller on FileWriteError); True if it changed."""
+        name = path.name
+        try:
+            if in_place_ok:
+                result = await asyncio.to_thread(
+                    write_file, path, content, backup_dir=self.settings.node.state_dir
+                )
+                changed = result.changed
+                if result.method != "unchanged":
+                    self.write_method = result.method
+            else:
+                changed = await asyncio.to_thread(write_atomic, path, content)
+        except FileWriteError as exc:
+            self.metrics.count_write(name, ok=False)
+            self.write_error, self.write_path = exc.reason, str(path)
+            raise
+        if changed:
+            self.metrics.count_write(name, ok=True)
+            self.log.info("file.written", path=str(path))
+        return changed
+
+    def _remove_files(self) -> None:
+        """Remove our hosts block and the IMEX files (left the domain)."""
+        s = self.settings
+        current = read_text_or_empty(s.imex.hosts_file)
+        cleaned = remove_hosts_block(current)
+        if cleaned != current:
+            write_file(s.imex.hosts_file, cleaned, backup_dir=s.node.state_dir)
+        for path in (s.config_path, s.nodes_config_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    # -- daemon and probes ----------------------------------------------------------
+
+    def _on_daemon_change(self, status: DaemonStatus) -> None:
+        if status.state is DaemonState.RUNNING:
+            self.probe_now.set()
+        self.changed.set()
+
+    async def _probe_loop(self) -> None:
+        s = self.settings
+        next_local = 0.0
+        next_domain = 0.0
+        while True:
+            self.heartbeats.beat("probe")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(BEAT_S):
+                    await self.probe_now.wait()
+            now = time.monotonic()
+            if self.probe_now.is_set():
+                self.probe_now.clear()
+                next_local = next_domain = now
+            _, supervisor = self._parts()
+            if not self.desired.run or supervisor.state not in (
+                DaemonState.RUNNING,
+                DaemonState.STARTING,
+            ):
+                if self.imex_status or self.probe_error or self.domain_probe:
+                    self.imex_status, self.probe_error, self.domain_probe = "", "", None
+                    self.changed.set()
+                continue
+            if now >= next_local:
+                next_local = now + s.daemon.probe_interval_s
+                await self._probe_local()
+            if now >= next_domain:
+                next_domain = now + s.daemon.domain_probe_interval_s
+                await self._probe_domain()
+
+    async def _probe_local(self) -> None:
+        result = await self.prober.local()
+        status = result.state.value if result.state is not None else ""
+        error = "" if result.ready or result.state is not None else result.reason
+        if not result.ready and result.state is None:
+            self.metrics.count_probe_failure("local")
+        if (status, error) != (self.imex_status, self.probe_error):
+            self.imex_status, self.probe_error = status, error
+            self.log.info("probe.local", imex_state=status or None, error=error or None)
+            self.changed.set()
+
+    async def _probe_domain(self) -> None:
+        result = await self.prober.domain()
+        if result.status is None:
+            self.metrics.count_probe_failure("domain")
+            view = hl.DomainProbe(error=result.reason)
+        else:
+            view = self._judge_domain(result.status)
+        if view != self.domain_probe:
+            self.domain_probe = view
+            self.changed.set()
+
+    def _judge_domain(self, status: DomainStatus) -> hl.DomainProbe:
+        """Per member slot: its IMEX state and whether it reaches every other member."""
+        members = dict(self.desired.members)
+        if self.settings.domain.mode == "addresses":
+            index_of = {slot: i for i, slot in enumerate(sorted(members))}
+        else:
+            index_of = {slot: slot for slot in members}
+        names = {slot: self._member_name(slot) for slot in members}
+        slots: dict[int, hl.SlotProbe] = {}
+        unreachable: list[str] = []
+        mismatch: list[str] = []
+        for slot, index in index_of.items():
+            node = status.nodes.get(index)
+            word = _word(node.state) if node is not None else ImexState.UNAVAILABLE.value
+            connected = node is not None and all(
+                node.connections.get(other) is ConnectionState.CONNECTED
+                for other_slot, other in index_of.items()
+                if other_slot != slot
+            )
+            for other_slot, other in index_of.items():
+                if other_slot == slot or node is None:
+                    continue
+                if node.connections.get(other) is ConnectionState.VERSION_MISMATCH:
+                    mismatch.append(names[other_slot])
+            if word != ImexState.READY.value or not connected:
+                unreachable.append(names[slot])
+            slots[slot] = hl.SlotProbe(node=names[slot], status=word, connected=connected)
+        return hl.DomainProbe(
+            slots=MappingProxyType(slots),
+            unreachable=tuple(sorted(set(unreachable))),
+            version_mismatch=tuple(sorted(set(mismatch))),
+        )
+
+    def _member_name(self, slot: int) -> str:
+        for record in self.records.values():
+            if record.slot == slot:
+                return record.node
+        return self.node if slot == self.claim.slot else f"slot-{slot}"
+
+    # -- facts, reports, discovery, watchdog -------------------------------------------
+
+    def facts(self) -> Facts:
+        """One snapshot of everything health depends on."""
+        _, supervisor = self._parts()
+        status = supervisor.status
+        decision = self.decision
+        domain = self.current[0] if self.current else None
+        membership = self._membership_facts(decision)
+        reason, message = hl.split_reason(status.reason or "")
+        last_line = status.last_lines[-1] if status.last_lines else ""
+        return Facts(
+            node=self.node,
+            domain=domain if not self.desired.cleanup else None,
+            clique=self.current[1] if self.current else (self.clique or ""),
+            address=self.settings.node.address,
+            slot=self.claim.slot,
+            incarnation=self.incarnation,
+            driver=self.driver,
+            bus=self.bus_facts,
+            membership=membership,
+            daemon=hl.DaemonFacts(
+                state=status.state.value,
+                pid=status.pid,
+                restarts=status.restarts,
+                reloads=status.reloads_sent,
+                last_exit=status.last_exit,
+                reason=reason if status.state is not DaemonState.RUNNING else "",
+                message=message if status.state is not DaemonState.RUNNING else "",
+                last_line=last_line,
+                write_error=self.write_error,
+                write_path=self.write_path,
+                write_method=self.write_method,
+                imex_status=self.imex_status,
+                probe_error=self.probe_error,
+            ),
+            domain_probe=self.domain_probe,
+            fabric=self.fabric,
+        )
+
+    def _membership_facts(self, decision: mb.Decision | None) -> hl.MembershipFacts:
+        s = self.settings
+        members = MappingProxyType(
+            {
+                slot: hl.Member(self._member_name(slot), address)
+                for slot, address in self.desired.members.items()
+            }
+        )
+        base = hl.MembershipFacts(max_nodes=s.domain.max_nodes, members=members)
+        if self.mismatch or self.mismatch_detail:
+            detail = self.mismatch_detail or (
+                f"max_nodes or mode differ from this node's ({s.domain.max_nodes}, {s.domain.mode})"
+            )
+            return replace(
+                base,
+                state="member" if decision and decision.settled else "claiming",
+                reason="NodeMapMismatch",
+                detail=detail,
+                offending=self.mismatch,
+            )
+        phase = self.claim.phase
+        if phase is mb.Phase.OUT:
+            if self.desired.cleanup:
+                return replace(base, state="leaving", detail="the domain is being deleted")
+            return replace(base, state="out", reason="NotInSpec", detail="not in the spec's list")
+        if phase is mb.Phase.STANDBY:
+            return replace(
+                base,
+                state="standby",
+                reason="DomainFull",
+                detail=f"all {s.domain.max_nodes} slots are held",
+            )
+        state: hl.MembershipState = (
+            "member"
+            if decision is not None and decision.settled
+            else "claiming"
+            if phase is mb.Phase.CLAIMING
+            else "none"
+        )
+        return replace(base, state=state, detail=decision.message if decision else "")
+
+    async def _report_loop(self) -> None:
+        s = self.settings
+        next_report = 0.0
+        while True:
+            self.heartbeats.beat("report")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(BEAT_S):
+                    await self.changed.wait()
+            self.changed.clear()
+            changed = self.health.update(self.facts())
+            self.notifier.status(self.health.summary())
+            now = time.monotonic()
+            if changed or now >= next_report:
+                next_report = now + s.health.report_interval_s
+                await self._publish_report(self.health.report())
+
+    async def _publish_report(self, report: HealthReport) -> None:
+        if self.current is None or self.desired.cleanup:
+            return
+        bus, _ = self._parts()
+        await bus.retain(
+            self.topics.health(self.current[0], self.node),
+            report,
+            message_expiry_s=3 * self.settings.health.report_interval_s,
+        )
+
+    async def _discover_loop(self) -> None:
+        s = self.settings
+        next_at = 0.0
+        while True:
+            self.heartbeats.beat("discover")
+            if time.monotonic() < next_at:
+                await asyncio.sleep(min(BEAT_S, next_at - time.monotonic()))
+                continue
+            try:
+                found = await discover(DISCOVERY_TIMEOUT_S)
+            except DiscoveryError as exc:
+                self.fabric = hl.FabricFacts(source="nvml", error=str(exc))
+                self.log.error("fabric.discovery_failed", error=str(exc))
+                next_at = time.monotonic() + min(DISCOVERY_RETRY_S, s.node.discover_interval_s)
+            else:
+                self.fabric = hl.FabricFacts(source="nvml")
+                self.driver = found.report.driver_version or ""
+                if found.clique != self.clique:
+                    self.log.info("fabric.clique", clique=found.clique, reason=found.reason)
+                self.clique = found.clique
+                next_at = time.monotonic() + s.node.discover_interval_s
+            self.wake.set()
+            self.changed.set()
+
+    async def _watchdog_loop(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        while True:
+            self.heartbeats.beat("watchdog")
+            if interval is not None and not self.heartbeats.stale():
+                self.notifier.watchdog()
+            await asyncio.sleep(min(BEAT_S, interval or BEAT_S))
+
+
+def _word(state: ImexState | str) -> str:
+    return state.value if isinstance(state, ImexState) else state
+
+
+async def run(settings: Settings, *, stop: asyncio.Event, handover: asyncio.Event) -> int:
+    """The root coroutine: run the agent until `stop` (tests drive these events)."""
+    return await Agent(settings).run(stop=stop, handover=handover)
+
+
+def _install_signals(stop: asyncio.Event, handover: asyncio.Event) -> Callable[[], None]:
+    loop = asyncio.get_running_loop()
+    log = get_logger("agent")
+
+    def on_stop(signame: str) -> None:
+        log.info("agent.signal", signal=signame)
+        stop.set()
+
+    def on_handover() -> None:
+        log.info("agent.signal", signal="SIGUSR2")
+        handover.set()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop, sig.name)
+    loop.add_signal_handler(signal.SIGUSR2, on_handover)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            loop.remove_signal_handler(sig)
+
+    return remove
+
+
+async def _main(settings: Settings) -> int:
+    stop, handover = asyncio.Event(), asyncio.Event()
+    remove = _install_signals(stop, handover)
+    try:
+        return await run(settings, stop=stop, handover=handover)
+    finally:
+        remove()
+
+
+def _log_format(value: str) -> LogFormat:
+    return "json" if value == "json" else "console" if value == "console" else "auto"
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    """`imexd run`: validate the settings (exit 2 when wrong), then run the agent."""
+    settings = load_settings(args.config)
+    configure_logging(settings.log.level, _log_format(settings.log.format))
+    if os.geteuid() != 0:
+        get_logger("agent").info("agent.unprivileged", uid=os.geteuid())
+    return asyncio.run(_main(settings))
