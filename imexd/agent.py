@@ -629,6 +629,10 @@ class Agent:
         """Write one file (retried by the caller on FileWriteError); True if it changed."""
         name = path.name
         try:
+            try:
+                await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise FileWriteError(str(path.parent), exc.strerror or str(exc)) from exc
             if in_place_ok:
                 result = await asyncio.to_thread(
                     write_file, path, content, backup_dir=self.settings.node.state_dir

@@ -99,6 +99,9 @@ class Broker:
             "log_type warning",
             "log_type notice",
             "max_keepalive 65535",
+            # As root Mosquitto drops to the mosquitto user, which cannot read files in
+            # pytest's private tmp dirs (sockets, ACLs, certificates); ignored otherwise.
+            "user root",
         ]
         if self.socket_path:
             lines += [f"listener 0 {self.socket_path}", "allow_anonymous true"]

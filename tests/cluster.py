@@ -1,0 +1,352 @@
+"""A cluster of real agents for scenario tests: one `imexd run` process per node.
+
+Each node gets its own loopback address, state dir, run dir, hosts file, signal log and
+health port; its IMEX daemon is the simulator, pointed at the node's hosts file. Timings
+are shortened (settle, probes, reload window, will delay) so scenarios run in seconds;
+everything else is the agent exactly as shipped. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from imexd.render import parse_hosts_block
+from tests.support import Broker, free_port, loopback_address, wait_for
+
+VENV_BIN = Path(sys.executable).parent
+
+FAST: dict[str, dict[str, Any]] = {
+    "domain": {"settle_s": 0.2},
+    "bus": {
+        "ping_interval_s": 1.0,
+        "will_delay_s": 2.0,
+        "reconnect_initial_s": 0.2,
+        "reconnect_max_s": 1.0,
+        "keepalive_s": 5.0,
+    },
+    "imex": {"reload_min_interval_s": 1.2},
+    "daemon": {
+        "start_s": 0.3,
+        "stable_s": 5.0,
+        "backoff_initial_s": 0.2,
+        "backoff_max_s": 1.0,
+        "crash_loop_starts": 3,
+        "crash_loop_window_s": 30.0,
+        "fatal_cooldown_s": 60.0,
+        "stop_timeout_s": 3.0,
+        "probe_interval_s": 0.3,
+        "domain_probe_interval_s": 0.5,
+        "probe_timeout_s": 3.0,
+    },
+    "health": {"report_interval_s": 2.0},
+}
+"""Shortened timings for scenarios (the simulator's SIGUSR1 window is set to 1 s)."""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def render_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """A settings file from nested dicts (tables one level deep: [imex.env])."""
+    lines: list[str] = []
+    for section, table in sections.items():
+        lines.append(f"[{section}]")
+        subtables: dict[str, Mapping[str, Any]] = {}
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                subtables[key] = value
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for name, sub in subtables.items():
+            lines.append(f"[{section}.{name}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in sub.items())
+    return "\n".join(lines) + "\n"
+
+
+def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any]]) -> None:
+    for section, table in extra.items():
+        target = base.setdefault(section, {})
+        for key, value in table.items():
+            if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+                target[key] = {**target[key], **value}
+            else:
+                target[key] = value
+
+
+class Node:
+    """One simulated GPU node: an agent process and, through it, a simulated daemon."""
+
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        broker_urls: list[str],
+        *,
+        domain: str | None,
+        clique: str,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.name = name
+        self.address = loopback_address()
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.hosts_file = self.dir / "hosts"
+        self.hosts_file.write_text("127.0.0.1 localhost\n")
+        self.signal_log = self.dir / "signals.log"
+        self.health_port = free_port()
+        self.config_path = self.dir / "imexd.toml"
+        self.log_path = self.dir / "agent.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sections: dict[str, dict[str, Any]] = {
+            "node": {
+                "name": name,
+                "address": self.address,
+                "clique": clique,
+                "state_dir": str(self.dir / "state"),
+            },
+            "domain": {"max_nodes": 8},
+            "bus": {"url": broker_urls},
+            "imex": {
+                "binary": str(VENV_BIN / "imexd-sim-daemon"),
+                "ctl": str(VENV_BIN / "imexd-sim-ctl"),
+                "run_dir": str(self.dir / "run"),
+                "hosts_file": str(self.hosts_file),
+                "env": {
+                    "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
+                    "IMEXD_SIM_RELOAD_WINDOW_S": "1",
+                    "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
+                },
+            },
+            "health": {"listen": f"127.0.0.1:{self.health_port}"},
+            "log": {"level": "info", "format": "json"},
+        }
+        _merge(self.sections, FAST)
+        if domain is not None:
+            self.sections["domain"]["name"] = domain
+        else:
+            self.sections["domain"]["assigned"] = True
+        if overrides:
+            _merge(self.sections, overrides)
+        self.write_config()
+
+    # Settings and process.
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.health_port}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.sections["imex"]["run_dir"])
+
+    def write_config(self) -> None:
+        self.config_path.write_text(render_toml(self.sections))
+
+    def start(self) -> None:
+        """Start the agent (a new process; the previous one must have ended)."""
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} still runs"
+        log = self.log_path.open("ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "imexd", "run", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 20.0) -> int:
+        """Wait for the agent to exit; its exit status."""
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM: leave the domain; the exit status."""
+        self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the agent alone (its daemon survives, as under KillMode=process)."""
+        self.signal(signal.SIGKILL)
+        self.wait_exit(10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # Observations.
+
+    def get(self, path: str, timeout: float = 2.0) -> tuple[int, Any]:
+        """GET a health endpoint: (status code, JSON or text); (0, None) if unreachable."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:  # noqa: S310
+                body = resp.read()
+                code = resp.status
+        except urllib.error.HTTPError as exc:
+            body, code = exc.read(), exc.code
+        except OSError:
+            return 0, None
+        try:
+            return code, json.loads(body)
+        except ValueError:
+            return code, body.decode()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.get("/status")
+        return body if code == 200 and isinstance(body, dict) else {}
+
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def daemon_pid(self) -> int | None:
+        pid = self.status().get("daemon", {}).get("pid")
+        return pid if isinstance(pid, int) else None
+
+    def slot(self) -> int | None:
+        slot = self.status().get("slot")
+        return slot if isinstance(slot, int) else None
+
+    def hosts_slots(self) -> dict[int, str | None]:
+        """The hosts block's slot -> address (None for the sentinel); {} without a block."""
+        parsed = parse_hosts_block(self.hosts_file.read_text())
+        return {} if parsed is None else parsed[1]
+
+    def signals(self) -> list[str]:
+        """The simulator's signal log lines (`<time> <SIGNAME> honoured|ignored`)."""
+        if not self.signal_log.exists():
+            return []
+        return self.signal_log.read_text().splitlines()
+
+    def ctl(self, *args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
+        """Run imexd-sim-ctl against this node's daemon, resolving names as it does."""
+        env = {**os.environ, "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file)}
+        return subprocess.run(
+            [str(VENV_BIN / "imexd-sim-ctl"), "-c", str(self.run_dir / "config.cfg"), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            check=False,
+        )
+
+    def domain_json(self) -> dict[str, Any]:
+        proc = self.ctl("-N", "-j")
+        if proc.returncode != 0:
+            return {}
+        data: dict[str, Any] = json.loads(proc.stdout)
+        return data
+
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        """The agent's JSON log events named `event`."""
+        found = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if f'"{event}"' not in line:
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if data.get("event") == event:
+                found.append(data)
+        return found
+
+    def daemon_pids_on_host(self) -> list[int]:
+        """Simulated daemons running this node's config path (adopted or not)."""
+        needle = str(self.run_dir / "config.cfg")
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(b"imexd-sim-daemon" in part for part in cmdline) and needle.encode() in cmdline:
+                pids.append(int(entry.name))
+        return pids
+
+
+class Cluster:
+    """A broker and some nodes; `close()` ends every process it started."""
+
+    def __init__(self, root: Path, *, broker: Broker | None = None) -> None:
+        self.root = root
+        self.broker = broker or Broker(root / "broker", persistence=False)
+        if broker is None:
+            self.broker.start()
+        self.nodes: dict[str, Node] = {}
+
+    def add(
+        self,
+        name: str,
+        *,
+        domain: str | None = "d1",
+        clique: str = "c1",
+        start: bool = True,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Node:
+        node = Node(
+            self.root, name, [self.broker.url], domain=domain, clique=clique, overrides=overrides
+        )
+        self.nodes[name] = node
+        if start:
+            node.start()
+        return node
+
+    def wait(self, predicate: Callable[[], object], timeout: float = 30.0) -> None:
+        wait_for(predicate, timeout=timeout, interval=0.1)
+
+    def all_ready(self, names: list[str] | None = None) -> bool:
+        chosen = [self.nodes[n] for n in names] if names else list(self.nodes.values())
+        return all(node.ready() for node in chosen)
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.alive():
+                node.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for node in self.nodes.values():
+            if node.proc is not None:
+                try:
+                    node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    node.proc.kill()
+                    node.proc.wait(timeout=5)
+        for node in self.nodes.values():
+            for pid in node.daemon_pids_on_host():
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.broker.stop()
+
+
+@contextmanager
+def cluster(root: Path) -> Iterator[Cluster]:
+    c = Cluster(root)
+    try:
+        yield c
+    finally:
+        c.close()
