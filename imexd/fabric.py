@@ -24,8 +24,8 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
 
@@ -384,6 +384,8 @@ async def discover(
     """Collect the fabric info in a child and apply the clique rule; DiscoveryError on
     any failure (the agent keeps running and retries at `discover_interval_s`)."""
     report = await collect_fabric(timeout, child_cmd=child_cmd)
+    if child_cmd is None and not os.environ.get(CHILD_CMD_ENV, "").strip():
+        report = with_health(report, await collect_health(timeout))
     result = clique_from_fabric(report.gpus)
     return Discovery(report=report, clique=result.clique, reason=result.reason)
 
@@ -564,8 +566,85 @@ def child_main() -> int:
     return code
 
 
+def _child_health() -> dict[str, Any]:
+    """Per GPU index, the health mask from the versioned fabric call (None if absent)."""
+    import pynvml  # noqa: PLC0415 - confined to the child on purpose
+
+    pynvml.nvmlInit()
+    try:
+        versioned = getattr(pynvml, VERSIONED_API, None)
+        health: dict[str, int | None] = {}
+        for index in range(int(pynvml.nvmlDeviceGetCount())):
+            mask: int | None = None
+            if versioned is not None:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                info = _FabricInfoV2(version=_FABRIC_INFO_V2_VERSION)
+                with contextlib.suppress(pynvml.NVMLError):
+                    versioned(handle, ctypes.byref(info))
+                    mask = int(info.healthMask)
+            health[str(index)] = mask
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return {"v": 1, "health": health}
+
+
+def child_health_main() -> int:
+    """Entry point of the health child: `{"v": 1, "health": {index: mask}}`, or exit 3.
+
+    A separate process from the main child: the versioned call is the one that has
+    crashed a process on a real H200, so it must never cost the clique result.
+    """
+    try:
+        doc, code = _child_health(), 0
+    except Exception as exc:  # the child reports, the parent decides
+        doc, code = {"v": 1, "error": "child_error", "message": f"{type(exc).__name__}: {exc}"}, 3
+    print(json.dumps(doc), flush=True)
+    return code
+
+
+async def collect_health(
+    timeout: float,  # noqa: ASYNC109 - the child's kill deadline
+    *,
+    child_cmd: Sequence[str] | None = None,
+) -> dict[int, int]:
+    """Health masks by GPU index from the health child; {} when it fails in any way.
+
+    Health is informative (`imexd discover` shows it); the clique never depends on it.
+    """
+    argv = list(child_cmd) if child_cmd is not None else [*child_command(), "--health"]
+    try:
+        result = await run_bounded(argv, timeout=timeout)
+        doc = json.loads(result.stdout) if result.rc == 0 else None
+    except (TimeoutError, OSError, ValueError):
+        return {}
+    health = doc.get("health") if isinstance(doc, dict) else None
+    if not isinstance(health, dict):
+        return {}
+    return {
+        int(k): v
+        for k, v in health.items()
+        if isinstance(k, str) and k.isdigit() and isinstance(v, int) and not isinstance(v, bool)
+    }
+
+
+def with_health(report: FabricReport, health: Mapping[int, int]) -> FabricReport:
+    """The report with health masks filled in where the plain call left them unknown."""
+    if not health:
+        return report
+    gpus = tuple(
+        replace(g, health_mask=health[g.index])
+        if g.health_mask is None and g.index in health
+        else g
+        for g in report.gpus
+    )
+    return replace(report, gpus=gpus)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--child"]:
         sys.exit(child_main())
+    if sys.argv[1:] == ["--child", "--health"]:
+        sys.exit(child_health_main())
     # `python -m imexd.fabric [TIMEOUT]`: the discover command without the CLI's imports.
     sys.exit(cli_discover(argparse.Namespace(timeout=float(sys.argv[1]) if sys.argv[1:] else 20)))

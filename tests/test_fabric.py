@@ -39,9 +39,11 @@ from imexd.fabric import (
     cli_discover,
     clique_from_fabric,
     collect_fabric,
+    collect_health,
     discover,
     discover_sync,
     report_from_json,
+    with_health,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fabric"
@@ -541,3 +543,37 @@ def test_cli_refuses_a_non_positive_timeout(capsys: pytest.CaptureFixture[str]) 
     """`--timeout 0` is a usage error (exit 2), not a discovery that can never finish."""
     assert cli_discover(argparse.Namespace(timeout=0.0)) == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+# The health child: the versioned call, isolated so a crash never costs the clique.
+
+
+async def test_health_child_masks_are_merged(tmp_path: Path) -> None:
+    """Masks from the health child fill the GPUs whose plain call had none."""
+    body = 'import json\nprint(json.dumps({"v": 1, "health": {"0": 5, "1": None}}))\n'
+    health = await collect_health(10, child_cmd=_child(tmp_path, body))
+    assert health == {0: 5}
+    report = report_from_json(json.loads((FIXTURES / "h200_child.json").read_text()))
+    merged = with_health(report, health)
+    assert merged.gpus[0].health_mask == 5
+    assert with_health(report, {}) is report
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+        "print('not json')\n",
+        'import sys\nprint(\'{"v": 1, "health": [1]}\')\nsys.exit(0)\n',
+        "import sys\nsys.exit(3)\n",
+    ],
+)
+async def test_health_child_failure_loses_only_health(tmp_path: Path, body: str) -> None:
+    """A health child that crashes or prints garbage yields no masks, never an error."""
+    assert await collect_health(10, child_cmd=_child(tmp_path, body)) == {}
+
+
+async def test_health_child_timeout_yields_nothing(tmp_path: Path) -> None:
+    """A hung health child is killed at its deadline and yields no masks."""
+    body = "import time\ntime.sleep(60)\n"
+    assert await collect_health(0.5, child_cmd=_child(tmp_path, body)) == {}
