@@ -271,6 +271,11 @@ def refuses_protocol(exc: BaseException) -> bool:
     return value in _UNSUPPORTED_PROTOCOL
 
 
+def _silent(exc: BaseException) -> bool:
+    """Whether a failed connect got no answer at all (no CONNACK before the timeout)."""
+    return not isinstance(exc, MqttConnectError) and "timed out" in str(exc)
+
+
 def _describe(exc: BaseException) -> str:
     """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
     parts: list[str] = []
@@ -513,6 +518,8 @@ class Bus:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._v311: set[int] = set()
+        self._try_v311: set[int] = set()
+        """Brokers that stayed silent to an MQTT 5 CONNECT: the next attempt is 3.1.1."""
         self._seq = itertools.count()
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._dead_reason: str | None = None
@@ -793,7 +800,7 @@ class Bus:
         when connecting failed.
         """
         broker = self.brokers[index]
-        v5 = index not in self._v311
+        v5 = index not in self._v311 and index not in self._try_v311
         leave = self._leave = asyncio.Event()
         self._gone = asyncio.Event()
         if self._closing:
@@ -813,10 +820,25 @@ class Bus:
                     message="the broker refused MQTT 5: no Will Delay, the will fires at once",
                 )
                 raise _ProtocolRefusedError(str(exc)) from None
+            if v5 and _silent(exc):
+                # Some 3.1.1-only brokers never answer an MQTT 5 CONNECT instead of
+                # refusing it: try 3.1.1 once; only its success makes the fallback stick.
+                self._try_v311.add(index)
+                raise _ProtocolRefusedError(str(exc)) from None
+            self._try_v311.discard(index)
             raise BusError(f"cannot connect to {broker}: {_describe(exc)}") from None
         except BaseException:
             _discard(client)
             raise
+        if index in self._try_v311:
+            self._try_v311.discard(index)
+            self._v311.add(index)
+            self._log.warning(
+                "bus_protocol_fallback",
+                broker=str(broker),
+                protocol="3.1.1",
+                message="the broker did not answer MQTT 5 but accepted 3.1.1: no Will Delay",
+            )
         self._link_up(broker, v5=v5, will=will)
         reason = "closed" if self._closing else "will changed"
         clean = False

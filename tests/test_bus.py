@@ -578,9 +578,12 @@ class Relay:
     3.1.1-only broker. Thawing breaks every connection that lived through the freeze,
     as a long network partition would."""
 
-    def __init__(self, target_port: int, *, refuse_v5: bool = False) -> None:
+    def __init__(
+        self, target_port: int, *, refuse_v5: bool = False, ignore_v5: bool = False
+    ) -> None:
         self.target_port = target_port
-        self.refuse_v5 = refuse_v5
+        self.refuse_v5 = refuse_v5 or ignore_v5
+        self.ignore_v5 = ignore_v5
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.pipes: set[_Pipe] = set()
@@ -634,6 +637,9 @@ class Relay:
                 connect = await _read_packet(reader)
                 if connect[0] >> 4 == 1 and _protocol_level(connect) == 5:
                     self.refused += 1
+                    if self.ignore_v5:  # some 3.1.1-only brokers never answer at all
+                        await reader.read()
+                        return
                     writer.write(b"\x20\x02\x00\x01")  # 3.1.1 CONNACK: unacceptable version
                     await writer.drain()
                     return
@@ -750,6 +756,45 @@ async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Broker) -> None:
     fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
     assert len(fallback) == 1
     assert "no Will Delay" in fallback[0]["message"]
+
+
+async def test_falls_back_to_mqtt_311_when_5_gets_no_answer(broker: Broker) -> None:
+    """A broker that never answers an MQTT 5 CONNECT gets 3.1.1, which then sticks."""
+    async with Relay(broker.port, ignore_v5=True) as relay:
+        with capture_logs() as logs:
+            async with bus_for(fast_settings(relay.url), "n1", timeout_s=1.0) as bus:
+                up = await next_event(bus, Connected, within=10)
+                assert up.protocol == "3.1.1"
+                await bus.subscribe(MEMBERS)
+                await bus.retain(member_topic(), record())
+                got = await next_event(bus, Received)
+                assert got.payload == record()
+        assert relay.refused == 1
+    fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
+    assert len(fallback) == 1
+    assert "did not answer MQTT 5" in fallback[0]["message"]
+
+
+async def test_a_silent_dead_broker_does_not_stick_to_311() -> None:
+    """Silence from a broker that also ignores 3.1.1 is an outage, not a protocol verdict."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with bus_for(fast_settings(f"mqtt://127.0.0.1:{port}"), "n1", timeout_s=0.5) as bus:
+            failed = await next_event(bus, ConnectFailed, within=10)
+            assert "timed out" in failed.error
+            assert not bus._v311
+    finally:
+        for writer in writers:
+            writer.transport.abort()
+        server.close()
+        await server.wait_closed()
 
 
 # Broker security: ACLs, passwords, TLS.
