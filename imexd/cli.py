@@ -9,13 +9,15 @@ do not pay for the agent's imports). Exit codes: 0 success, 1 failure or not rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol
 
 from imexd import __version__
-from imexd.errors import ConfigError
+from imexd.errors import ConfigError, ImexdError
 from imexd.settings import DEFAULT_CONFIG_PATH
 
 
@@ -149,5 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"imexd: {exc}", file=sys.stderr)
         return 2
+    except ImexdError as exc:
+        print(f"imexd: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`imexd status | head`): nothing left to say.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the exit flush
+        return 141
