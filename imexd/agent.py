@@ -80,6 +80,11 @@ WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
 SHUTDOWN_MARGIN_S: Final = 5.0
 """Added to [daemon] stop_timeout_s to bound the whole shutdown."""
+DOUBT_S: Final = 1.0
+"""Member deletions this recent when the link drops are taken back (a broker that shuts
+down publishes every will at once, then closes the connections)."""
+CONFIRM_MARGIN_S: Final = 2.0
+"""Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
 
 
 _NO_MEMBERS: Final[MappingProxyType[int, str]] = MappingProxyType({})
@@ -145,6 +150,15 @@ class Agent:
         self.decision: mb.Decision | None = None
         self.synced = False
         self.sync_after = 0.0
+        self.view_ready = asyncio.Event()
+        """Set once membership stepped on the current synced snapshot, cleared when the
+        link goes: only then does `desired` say what the broker says."""
+        self.unconfirmed: set[str] = set()
+        """Nodes whose records come from a previous link and were not seen again yet."""
+        self.confirm_by: float | None = None
+        """time.monotonic() after which the unconfirmed records are dropped."""
+        self.deleted: dict[str, tuple[MemberRecord, float]] = {}
+        """Peers' records deleted lately, with time.monotonic() of the deletion."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
         self.wake = asyncio.Event()
@@ -166,6 +180,9 @@ class Agent:
         self.domain_probe: hl.DomainProbe | None = None
         self.probe_now = asyncio.Event()
         self.changed = asyncio.Event()
+        self.report_lock = asyncio.Lock()
+        """Held while a report is published and while our records are cleared, so that
+        no report follows a clear."""
         self.bus_facts = hl.BusFacts()
 
     @property
@@ -299,26 +316,49 @@ class Agent:
 
     def _on_event(self, event: Event, bus: Bus) -> None:
         if isinstance(event, Connected):
-            self.records.clear()
-            self.synced = False
+            # Keep the records of the previous link until the new one confirms them: a
+            # broker that restarted without its retained state gets them back only as
+            # the peers reconnect, and dropping them meanwhile would rewrite the hosts
+            # block and send SIGUSR1 twice for a membership that never changed.
+            self.unconfirmed = set(self.records)
+            self.confirm_by = None
+            self._unsync()
             self.log.info("bus.connected", broker=event.broker, protocol=event.protocol)
-        elif isinstance(event, Disconnected | ConnectFailed):
-            self.synced = False
+        elif isinstance(event, Disconnected):
+            self._unsync()
+            self._doubt_recent_deletions()
+        elif isinstance(event, ConnectFailed):
+            self._unsync()
         elif isinstance(event, Synced):
             if event.at >= self.sync_after:
                 self.synced = True
+                if self.unconfirmed and self.confirm_by is None:
+                    self.confirm_by = time.monotonic() + self._confirm_grace_s
         elif isinstance(event, Received):
             self._on_received(event)
         elif isinstance(event, Deleted):
             ref = event.ref
             if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
-                self.records.pop(ref.node, None)
+                record = self.records.pop(ref.node, None)
+                self.unconfirmed.discard(ref.node)
+                if record is not None and ref.node != self.node:
+                    self._remember_deletion(record)
             elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
                 self.spec = None
             elif ref.kind == "assignment" and ref.node == self.node:
                 self.assigned_domain = None
         elif isinstance(event, Refused):
             self.log.warning("bus.publish_refused", topic=event.topic, detail=event.detail)
+        self._refresh_bus_facts(bus)
+        self.wake.set()
+        self.changed.set()
+
+    def _unsync(self) -> None:
+        self.synced = False
+        self.view_ready.clear()
+
+    def _refresh_bus_facts(self, bus: Bus) -> hl.BusFacts:
+        """The bus facts as of now (drop counters move without any event)."""
         self.bus_facts = replace(
             self.bus_facts,
             connected=bus.connected,
@@ -329,14 +369,54 @@ class Agent:
             reconnects=bus.reconnects,
             dropped=MappingProxyType(dict(bus.dropped)),
         )
-        self.wake.set()
-        self.changed.set()
+        return self.bus_facts
+
+    def _remember_deletion(self, record: MemberRecord) -> None:
+        now = time.monotonic()
+        self.deleted = {
+            node: (r, at) for node, (r, at) in self.deleted.items() if now - at <= DOUBT_S
+        }
+        self.deleted[record.node] = (record, now)
+
+    def _doubt_recent_deletions(self) -> None:
+        """The link dropped: take back the deletions that arrived just before.
+
+        A broker that shuts down publishes every client's will at once, ignoring the
+        Will Delay, and then drops the link: those empty records say nothing about the
+        peers, which come back with the broker. The records return unconfirmed.
+        """
+        now = time.monotonic()
+        doubted = sorted(
+            node
+            for node, (_, at) in self.deleted.items()
+            if now - at <= DOUBT_S and node not in self.records
+        )
+        for node in doubted:
+            self.records[node] = self.deleted[node][0]
+            self.unconfirmed.add(node)
+        self.deleted.clear()
+        if doubted:
+            self.log.info(
+                "membership.deletions_doubted",
+                nodes=doubted,
+                why="they came just before the link dropped (a broker shutting down)",
+            )
+
+    @property
+    def _confirm_grace_s(self) -> float:
+        """How long a record missing from a new link's snapshot is kept.
+
+        After a broker restart every live peer reconnects within its capped reconnect
+        backoff and re-publishes its record; a record still missing after that is gone.
+        """
+        return self.settings.bus.reconnect_max_s + CONFIRM_MARGIN_S
 
     def _on_received(self, event: Received) -> None:
         ref, payload = event.ref, event.payload
         if ref.kind == "member" and isinstance(payload, MemberRecord):
             if (ref.domain, ref.clique) == self.current:
                 self.records[ref.node] = payload
+                self.unconfirmed.discard(ref.node)
         elif ref.kind == "spec" and isinstance(payload, DomainSpec):
             if self.current is not None and ref.domain == self.current[0]:
                 self.spec = payload
@@ -345,8 +425,13 @@ class Agent:
 
     # -- membership -----------------------------------------------------------------
 
+    @property
+    def _wanted_domain(self) -> str | None:
+        """The domain this node should be in: static, or as the control plane assigned."""
+        return self.assigned_domain if self.settings.domain.assigned else self.static_domain
+
     def _target(self) -> tuple[str, str] | None:
-        domain = self.assigned_domain if self.settings.domain.assigned else self.static_domain
+        domain = self._wanted_domain
         if domain is None or self.clique is None:
             return None
         return domain, self.clique
@@ -358,6 +443,8 @@ class Agent:
             timeout = BEAT_S
             if self.wake_at is not None:
                 timeout = max(0.0, min(timeout, self.wake_at - loop.time()))
+            if self.confirm_by is not None:
+                timeout = max(0.0, min(timeout, self.confirm_by - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self.wake.wait()
@@ -375,20 +462,27 @@ class Agent:
         if old is not None:
             domain, clique = old
             self.log.info("membership.leave", domain=domain, clique=clique)
-            await bus.retain(self.topics.member(domain, clique, self.node), None)
-            await bus.retain(self.topics.health(domain, self.node), None)
+            async with self.report_lock:
+                self.current = None  # no report for the old shard after the clears
+                await bus.retain(self.topics.member(domain, clique, self.node), None)
+                await bus.retain(self.topics.health(domain, self.node), None)
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
         self.current = target
         self.records.clear()
+        self.unconfirmed.clear()
+        self.confirm_by = None
+        self.deleted.clear()
         self.spec = None
-        self.synced = False
+        self._unsync()
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
         self.decision = None
         self.wake_at = None
         if target is None:
             bus.set_will(None)
-            self._set_desired(Desired(cleanup=True))
+            # No domain: clean up. A domain but no clique yet (discovery pending or
+            # failing): nothing to run and nothing to remove; the node is not ready.
+            self._set_desired(Desired(cleanup=self._wanted_domain is None))
             return
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
@@ -406,6 +500,7 @@ class Agent:
             return
         if not self.synced:
             return
+        self._drop_unconfirmed()
         s = self.settings
         domain, clique = self.current
         if self.spec is not None and self.spec.state == "deleting":
@@ -480,7 +575,12 @@ class Agent:
             records.pop(self.node, None)
         slot_map = mb.resolve(records.values(), max_nodes=s.domain.max_nodes, spec=self.spec)
         members = MappingProxyType({slot: r.address for slot, r in slot_map.members.items()})
-        run = decision.settled and clique != "" and not self.mismatch and not self.mismatch_detail
+        # A mismatch keeps the daemon from starting but never stops a running one: its
+        # node list is fixed already, and the peers that agree with it would lose it
+        # (and the jobs using it) because of one misconfigured newcomer.
+        mismatched = bool(self.mismatch or self.mismatch_detail)
+        running = self.desired.run and (self.desired.domain, self.desired.clique) == self.current
+        run = decision.settled and clique != "" and (not mismatched or running)
         self._set_desired(
             Desired(
                 domain=domain,
@@ -490,18 +590,51 @@ class Agent:
                 members=members,
             )
         )
+        self._view_stepped()
         self.changed.set()
+
+    def _drop_unconfirmed(self) -> None:
+        """Forget the records a new link did not confirm in time, or whose slot moved on.
+
+        A confirmed record on the slot of an unconfirmed one supersedes it at once: the
+        slot was freed and taken while this node was away.
+        """
+        if not self.unconfirmed:
+            self.confirm_by = None
+            return
+        expired = self.confirm_by is not None and time.monotonic() >= self.confirm_by
+        taken = {
+            r.slot
+            for node, r in self.records.items()
+            if node not in self.unconfirmed and r.slot is not None
+        }
+        gone = sorted(
+            node for node in self.unconfirmed if expired or self.records[node].slot in taken
+        )
+        if not gone:
+            return
+        self.log.info(
+            "membership.records_gone", nodes=gone, why="not re-published after a reconnect"
+        )
+        for node in gone:
+            self.records.pop(node, None)
+            self.unconfirmed.discard(node)
+        if not self.unconfirmed:
+            self.confirm_by = None
 
     async def _leave_deleted(self, domain: str, clique: str) -> None:
         """The control plane deletes the domain: clear our record and stop the daemon."""
+        # Cleanup first: it stops the reports, so none follows the clears.
+        self._set_desired(Desired(domain=domain, clique=clique, cleanup=True))
         if self.claim.phase is not mb.Phase.OUT:
             self.log.info("membership.domain_deleted", domain=domain)
             bus, _ = self._parts()
-            await bus.retain(self.topics.member(domain, clique, self.node), None)
-            await bus.retain(self.topics.health(domain, self.node), None)
+            async with self.report_lock:
+                await bus.retain(self.topics.member(domain, clique, self.node), None)
+                await bus.retain(self.topics.health(domain, self.node), None)
             self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
             self.decision = None
-        self._set_desired(Desired(domain=domain, clique=clique, cleanup=True))
+        self._view_stepped()
         self.changed.set()
 
     def _own_record(self, claim: mb.ClaimState) -> MemberRecord | None:
@@ -529,6 +662,11 @@ class Agent:
         domain, clique = self.current
         await bus.retain(self.topics.member(domain, clique, self.node), self._own_record(claim))
 
+    def _view_stepped(self) -> None:
+        """`desired` now follows the synced snapshot (unless the link went meanwhile)."""
+        if self.synced:
+            self.view_ready.set()
+
     def _set_desired(self, desired: Desired) -> None:
         if desired != self.desired:
             self.desired = desired
@@ -551,6 +689,14 @@ class Agent:
                 continue
             # Coalesce a burst of membership changes into one write and one signal.
             await asyncio.sleep(s.domain.settle_s)
+            if self.current is not None and not self.view_ready.is_set():
+                # The link dropped meanwhile: what membership saw just before may be a
+                # broker's shutdown (it publishes every will first). Apply what it says
+                # once it has stepped on the resynced snapshot instead.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(BEAT_S):
+                        await self.view_ready.wait()
+                continue
             self.dirty.clear()
             started = time.monotonic()
             try:
@@ -772,13 +918,13 @@ class Agent:
         last_line = status.last_lines[-1] if status.last_lines else ""
         return Facts(
             node=self.node,
-            domain=domain if not self.desired.cleanup else None,
+            domain=None if self.desired.cleanup else domain or self._wanted_domain,
             clique=self.current[1] if self.current else (self.clique or ""),
             address=self.settings.node.address,
             slot=self.claim.slot,
             incarnation=self.incarnation,
             driver=self.driver,
-            bus=self.bus_facts,
+            bus=self._refresh_bus_facts(self._parts()[0]),
             membership=membership,
             daemon=hl.DaemonFacts(
                 state=status.state.value,
@@ -857,14 +1003,16 @@ class Agent:
                 await self._publish_report(self.health.report())
 
     async def _publish_report(self, report: HealthReport) -> None:
-        if self.current is None or self.desired.cleanup:
-            return
-        bus, _ = self._parts()
-        await bus.retain(
-            self.topics.health(self.current[0], self.node),
-            report,
-            message_expiry_s=3 * self.settings.health.report_interval_s,
-        )
+        """Publish our report, unless we are leaving (under the lock the leaves take)."""
+        async with self.report_lock:
+            if self.current is None or self.desired.cleanup:
+                return
+            bus, _ = self._parts()
+            await bus.retain(
+                self.topics.health(self.current[0], self.node),
+                report,
+                message_expiry_s=3 * self.settings.health.report_interval_s,
+            )
 
     async def _discover_loop(self) -> None:
         s = self.settings

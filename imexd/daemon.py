@@ -54,6 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, Self
 
@@ -79,6 +80,9 @@ KILL_WAIT_S = 5.0
 
 STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 """systemd's variables for the agent itself: the daemon must not notify on our behalf."""
+
+HANDLER_RECHECK_S = 0.1
+"""How soon to look again when a due SIGUSR1 would still kill the daemon."""
 
 DEFAULT_IMEX_PORTS = {"SERVER_PORT": 50000, "IMEX_CMD_PORT": 50005}
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
@@ -193,6 +197,31 @@ def parse_imex_line(line: str) -> ImexLine:
     if m is not None:
         return ImexLine(_LEVELS[m["level"]], m["message"])
     return ImexLine("info", line)
+
+
+def survives_signal(status: str, sig: signal.Signals) -> bool:
+    """Whether a process whose /proc/<pid>/status is `status` survives `sig`.
+
+    True when it catches, blocks or ignores it, and when the masks are missing.
+    """
+    bit = 1 << (sig - 1)
+    masks = 0
+    found = False
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigCgt", "SigBlk", "SigIgn"):
+            found = True
+            with contextlib.suppress(ValueError):
+                masks |= int(value.strip(), 16)
+    return not found or bool(masks & bit)
+
+
+def _survives_sigusr1(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return True  # gone (the exit is handled next) or unreadable: do not hold it back
+    return survives_signal(status, signal.SIGUSR1)
 
 
 def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
@@ -589,6 +618,7 @@ class Supervisor:
         self._reload_pending: str | None = None
         self._reload_requests = 0
         self._last_reload: float | None = None
+        self._reload_held_until = 0.0
         self._lines: deque[str] = deque(maxlen=LAST_LINES)
         self._conflict: str | None = None
         self._detached = False
@@ -891,7 +921,8 @@ class Supervisor:
 
     def _reload_due(self) -> float:
         last = self._last_reload
-        return time.monotonic() if last is None else last + self._reload_interval
+        due = time.monotonic() if last is None else last + self._reload_interval
+        return max(due, self._reload_held_until)
 
     async def _step(self) -> None:
         """Do what the current state and the agent's wishes call for, once."""
@@ -940,7 +971,13 @@ class Supervisor:
             and self._reload_pending is not None
             and now >= self._reload_due()
         ):
-            self._send_reload(child)
+            if _survives_sigusr1(child.pid):
+                self._send_reload(child)
+            else:
+                # Still starting up (no handler yet): SIGUSR1 would kill it. Its files
+                # are read at start anyway, but the change may have come after that.
+                self._reload_held_until = now + HANDLER_RECHECK_S
+                self._log.debug("daemon.reload_held", pid=child.pid, why="no SIGUSR1 handler yet")
 
     # -- starting ---------------------------------------------------------------
 
@@ -1021,7 +1058,11 @@ class Supervisor:
                     (os.POSIX_SPAWN_DUP2, w_err, 2),
                 ],
                 setsid=True,
-                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
+                # SIGPIPE stays ignored (inherited from Python, as systemd's
+                # IgnoreSIGPIPE=yes does): if the agent dies, the daemon's stderr pipe
+                # has no reader, and a default SIGPIPE would kill IMEX at its next log
+                # line, tearing down the memory that running jobs import.
+                setsigdef=(signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
                 setsigmask=(),
             )
         except OSError as exc:

@@ -8,18 +8,25 @@ everything else is the agent exactly as shipped. Every wait is bounded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.render import parse_hosts_block
 from tests.support import Broker, free_port, loopback_address, wait_for
@@ -45,13 +52,17 @@ FAST: dict[str, dict[str, Any]] = {
         "crash_loop_window_s": 30.0,
         "fatal_cooldown_s": 60.0,
         "stop_timeout_s": 3.0,
-        "probe_interval_s": 0.3,
-        "domain_probe_interval_s": 0.5,
+        "probe_interval_s": 1.0,
+        "domain_probe_interval_s": 1.0,
         "probe_timeout_s": 3.0,
     },
     "health": {"report_interval_s": 2.0},
 }
-"""Shortened timings for scenarios (the simulator's SIGUSR1 window is set to 1 s)."""
+"""Shortened timings for scenarios (the simulator's SIGUSR1 window is set to 1 s).
+
+Probes stay at one a second: each is a Python process (~0.1 s of CPU), and faster ones
+from several nodes would starve a two-core machine; a change triggers a probe at once.
+"""
 
 
 def _toml_value(value: Any) -> str:
@@ -195,6 +206,13 @@ class Node:
         self.signal(signal.SIGKILL)
         self.wait_exit(10)
 
+    def crash(self) -> None:
+        """The whole node dies: SIGKILL the agent and its daemon."""
+        self.kill()
+        for pid in self.daemon_pids_on_host():
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -226,6 +244,42 @@ class Node:
         pid = self.status().get("daemon", {}).get("pid")
         return pid if isinstance(pid, int) else None
 
+    def domain_view(self) -> dict[str, Any]:
+        """/status domain_view: {"status": UP|DEGRADED|..., "nodes": {slot: ...}}."""
+        view = self.status().get("domain_view")
+        return view if isinstance(view, dict) else {}
+
+    def up_with(self, count: int) -> bool:
+        """Whether this node judges the domain UP with exactly `count` members."""
+        view = self.domain_view()
+        return view.get("status") == "UP" and len(view.get("nodes", {})) == count
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        """The /status condition of type `kind` ({} when absent)."""
+        for cond in self.status().get("conditions", []):
+            if cond.get("type") == kind:
+                return dict(cond)
+        return {}
+
+    def dropped(self) -> dict[str, float]:
+        """imexd_bus_dropped_total per reason, from /metrics."""
+        code, body = self.get("/metrics")
+        assert code == 200, (code, body)
+        assert isinstance(body, str), body
+        return {
+            sample.labels["reason"]: sample.value
+            for family in text_string_to_metric_families(body)
+            if family.name == "imexd_bus_dropped"
+            for sample in family.samples
+            if sample.name == "imexd_bus_dropped_total"
+        }
+
+    def slot_from_state(self) -> int | None:
+        """The slot the agent saved in its state dir."""
+        data = json.loads((self.dir / "state" / "state.json").read_text())
+        slot = data.get("slot")
+        return slot if isinstance(slot, int) else None
+
     def slot(self) -> int | None:
         slot = self.status().get("slot")
         return slot if isinstance(slot, int) else None
@@ -240,6 +294,10 @@ class Node:
         if not self.signal_log.exists():
             return []
         return self.signal_log.read_text().splitlines()
+
+    def reloads(self) -> list[str]:
+        """The daemon's fate of every SIGUSR1 it got: `honoured` or `ignored`."""
+        return [line.split()[2] for line in self.signals() if line.split()[1:2] == ["SIGUSR1"]]
 
     def ctl(self, *args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
         """Run imexd-sim-ctl against this node's daemon, resolving names as it does."""
@@ -274,6 +332,23 @@ class Node:
                 found.append(data)
         return found
 
+    def daemon_starts(self) -> int:
+        """How many daemons the agents of this node spawned (not adopted), from their logs."""
+        return sum(1 for e in self.log_events("daemon.state") if e.get("to") == "STARTING")
+
+    def log_problems(self) -> list[str]:
+        """Log lines that show a bug: a traceback or an event logged with an exception."""
+        problems = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "Traceback" in line:
+                problems.append(line)
+                continue
+            with suppress(ValueError):
+                data = json.loads(line)
+                if isinstance(data, dict) and ("exception" in data or "exc_info" in data):
+                    problems.append(line)
+        return problems
+
     def daemon_pids_on_host(self) -> list[int]:
         """Simulated daemons running this node's config path (adopted or not)."""
         needle = str(self.run_dir / "config.cfg")
@@ -290,6 +365,79 @@ class Node:
         return pids
 
 
+class BusClient:
+    """A plain MQTT 5 client for tests: publish anything, read the retained snapshot."""
+
+    _ids = itertools.count()
+
+    def __init__(self, broker: Broker, timeout: float = 10.0) -> None:
+        self.timeout = timeout
+        self._client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"test-{os.getpid()}-{next(self._ids)}",
+            protocol=paho.MQTTv5,
+        )
+        self._lock = threading.Lock()
+        self._messages: list[tuple[str, bytes]] = []
+        self._subacks: set[int] = set()
+        self._client.on_message = self._on_message
+        self._client.on_subscribe = self._on_subscribe
+        self._client.connect(broker.host, broker.port)
+        self._client.loop_start()
+
+    def _on_message(self, _client: Any, _userdata: Any, message: paho.MQTTMessage) -> None:
+        with self._lock:
+            self._messages.append((message.topic, bytes(message.payload)))
+
+    def _on_subscribe(self, _client: Any, _userdata: Any, mid: int, *_rest: Any) -> None:
+        with self._lock:
+            self._subacks.add(mid)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Publish at QoS 1 and wait for the broker's acknowledgement."""
+        info = self._client.publish(topic, payload, qos=1, retain=retain)
+        info.wait_for_publish(self.timeout)
+        assert info.is_published(), topic
+
+    def retained(self, topic_filter: str) -> dict[str, bytes]:
+        """topic -> payload of every retained record under `topic_filter` right now.
+
+        A marker published after the SUBACK comes back after the whole snapshot.
+        """
+        marker = f"test/marker/{os.getpid()}/{next(self._ids)}"
+        with self._lock:
+            self._messages.clear()
+        result, mid = self._client.subscribe([(topic_filter, 1), (marker, 1)])
+        assert result == paho.MQTT_ERR_SUCCESS
+        assert mid is not None
+        wait_for(lambda: self._has_suback(mid), timeout=self.timeout)
+        self.publish(marker, b"end")
+        wait_for(lambda: self._has_message(marker), timeout=self.timeout)
+        self._client.unsubscribe([topic_filter, marker])
+        with self._lock:
+            return {t: p for t, p in self._messages if t != marker and p}
+
+    def _has_suback(self, mid: int) -> bool:
+        with self._lock:
+            return mid in self._subacks
+
+    def _has_message(self, topic: str) -> bool:
+        with self._lock:
+            return any(t == topic for t, _ in self._messages)
+
+
 class Cluster:
     """A broker and some nodes; `close()` ends every process it started."""
 
@@ -299,6 +447,8 @@ class Cluster:
         if broker is None:
             self.broker.start()
         self.nodes: dict[str, Node] = {}
+        self.forced: list[str] = []
+        """What `close()` had to kill because the agents did not end it themselves."""
 
     def add(
         self,
@@ -324,7 +474,15 @@ class Cluster:
         chosen = [self.nodes[n] for n in names] if names else list(self.nodes.values())
         return all(node.ready() for node in chosen)
 
+    def client(self) -> BusClient:
+        """A test MQTT client on the cluster's broker (use it as a context manager)."""
+        return BusClient(self.broker)
+
     def close(self) -> None:
+        """SIGTERM every agent (they leave), then kill whatever they left behind.
+
+        Anything killed here is recorded in `forced`: after a clean run it stays empty.
+        """
         for node in self.nodes.values():
             if node.alive():
                 node.signal(signal.SIGTERM)
@@ -334,10 +492,12 @@ class Cluster:
                 try:
                     node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    self.forced.append(f"agent {node.name} (pid {node.proc.pid})")
                     node.proc.kill()
                     node.proc.wait(timeout=5)
         for node in self.nodes.values():
             for pid in node.daemon_pids_on_host():
+                self.forced.append(f"daemon of {node.name} (pid {pid})")
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.broker.stop()

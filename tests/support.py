@@ -99,10 +99,12 @@ class Broker:
             "log_type warning",
             "log_type notice",
             "max_keepalive 65535",
+        ]
+        if not any(line.split()[:1] == ["user"] for line in self.extra_config.splitlines()):
             # As root Mosquitto drops to the mosquitto user, which cannot read files in
             # pytest's private tmp dirs (sockets, ACLs, certificates); ignored otherwise.
-            "user root",
-        ]
+            # Mosquitto refuses a second `user` line, so an extra config may set its own.
+            lines.append("user root")
         if self.socket_path:
             lines += [f"listener 0 {self.socket_path}", "allow_anonymous true"]
         if self.extra_config:

@@ -40,6 +40,7 @@ from imexd.daemon import (
     is_imex_daemon,
     parse_imex_line,
     read_imex_config,
+    survives_signal,
 )
 from imexd.settings import DaemonSettings, ImexSettings
 from tests.support import free_port, loopback_address
@@ -115,6 +116,41 @@ def test_exit_descriptions_name_the_code_or_the_signal() -> None:
     assert describe_exit(3) == "exit 3"
     assert describe_exit(-9) == "SIGKILL"
     assert describe_exit(-11) == "SIGSEGV"
+
+
+def test_a_signal_is_survived_when_caught_blocked_or_ignored() -> None:
+    """/proc status masks tell whether SIGUSR1 (bit 9) would kill a process still starting."""
+    usr1 = f"{1 << 9:016x}"
+    base = "Name:\tnvidia-imex\nSigBlk:\t{blk}\nSigIgn:\t{ign}\nSigCgt:\t{cgt}\n"
+    zero = "0" * 16
+    assert not survives_signal(base.format(blk=zero, ign=zero, cgt=zero), signal.SIGUSR1)
+    for masks in ({"blk": usr1}, {"ign": usr1}, {"cgt": usr1}):
+        text = base.format(**({"blk": zero, "ign": zero, "cgt": zero} | masks))
+        assert survives_signal(text, signal.SIGUSR1), masks
+    assert not survives_signal(base.format(blk=zero, ign=zero, cgt=usr1), signal.SIGUSR2)
+    assert survives_signal("Name:\tgone\n", signal.SIGUSR1)
+
+
+def test_a_real_process_survives_sigusr1_only_once_its_handler_is_installed() -> None:
+    """The masks of a live child change when it installs its handler."""
+    code = (
+        "import signal, sys, time; sys.stdin.readline(); "
+        "signal.signal(signal.SIGUSR1, lambda *a: None); print('ok', flush=True); time.sleep(30)"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            status = Path(f"/proc/{proc.pid}/status")
+            assert not survives_signal(status.read_text(), signal.SIGUSR1)
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "ok\n"
+            assert survives_signal(status.read_text(), signal.SIGUSR1)
+        finally:
+            proc.kill()
 
 
 @pytest.mark.parametrize(
@@ -474,6 +510,19 @@ async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Nod
         "RUNNING",
         "STOPPING",
     ]
+
+
+async def test_the_daemon_outlives_its_log_reader(node: Node, tmp_path: Path) -> None:
+    """The daemon starts with SIGPIPE ignored, so a dead agent's pipe cannot kill it."""
+    script = tmp_path / "plain-daemon"
+    script.write_text("#!/bin/sh\nexec sleep 30\n")  # sh and sleep keep the disposition
+    script.chmod(0o755)
+    async with node.supervisor(binary=str(script)) as sup:
+        pid = (await sup.ensure_started()).pid
+        assert pid is not None
+        status = await asyncio.to_thread(Path(f"/proc/{pid}/status").read_text)
+        ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+        assert int(ignored.split()[1], 16) & (1 << (signal.SIGPIPE - 1))
 
 
 async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: Node) -> None:
