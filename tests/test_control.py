@@ -1,0 +1,866 @@
+"""The control plane: pure judgements of a domain, and every command against a real Mosquitto.
+
+Pure tier: `judge` and the renderers over HealthReports built by the real health model.
+Component tier: the commands run in-process (`imexd.cli.main` in a worker thread, so a
+fake agent can answer on the test's loop) or as `imexd` subprocesses for exit codes, and
+what they leave on the broker is read back with a raw client and validated against the
+shipped JSON Schemas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import msgspec
+import pytest
+from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
+
+from imexd import health as hl
+from imexd.cli import main
+from imexd.control import (
+    STALE_INTERVALS,
+    DomainStatus,
+    Link,
+    SeenReport,
+    Store,
+    judge,
+    outdated_schemas,
+    render_list,
+    render_status,
+    schema_texts,
+    summarize,
+)
+from imexd.errors import BusError
+from imexd.settings import BusSettings
+from imexd.wire import (
+    Assignment,
+    DomainSpec,
+    HealthReport,
+    MemberRecord,
+    MemberState,
+    Topics,
+    encode,
+    json_schemas,
+)
+from tests.support import Broker, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMAS = REPO / "docs" / "schemas"
+IMEXD = str(Path(sys.executable).with_name("imexd"))
+T = Topics("imex/v1")
+NOW = 1_800_000_000.0
+INTERVAL = 2.0
+WAIT_S = 10.0
+
+
+# Building payloads with the real health model.
+
+
+def member_record(
+    node: str, slot: int | None, *, domain: str = "d1", clique: str = "c1", driver: str = ""
+) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain=domain,
+        clique=clique,
+        address=f"127.0.0.{(slot or 0) + 10}",
+        slot=slot,
+        incarnation=1,
+        state=MemberState.MEMBER,
+        max_nodes=8,
+        mode="names",
+        driver=driver,
+    )
+
+
+def report(
+    node: str,
+    slot: int,
+    members: Mapping[int, str],
+    *,
+    at: float = NOW,
+    domain: str = "d1",
+    clique: str = "c1",
+    daemon: hl.DaemonFacts | None = None,
+    down: tuple[str, ...] = (),
+    skew: tuple[str, ...] = (),
+    probed: bool = True,
+    membership: hl.MembershipState = "member",
+    driver: str = "",
+    since: float | None = None,
+) -> HealthReport:
+    """A HealthReport as an agent builds it: `down` are members its probe sees not READY."""
+    daemon = daemon or hl.DaemonFacts(state="RUNNING", pid=100 + slot, imex_status="READY")
+    running = daemon.state == "RUNNING"
+    probe = None
+    if probed and running:
+        probe = hl.DomainProbe(
+            slots={
+                s: hl.SlotProbe(
+                    n, "UNAVAILABLE" if n in down else "READY", n not in down and not down
+                )
+                for s, n in members.items()
+            },
+            unreachable=tuple(sorted(down)),
+            version_mismatch=skew,
+        )
+    facts = hl.Facts(
+        node=node,
+        domain=domain,
+        clique=clique,
+        address=f"127.0.0.{slot + 10}",
+        slot=slot,
+        incarnation=1,
+        driver=driver,
+        bus=hl.BusFacts(connected=True, synced=True, broker="mqtt://127.0.0.1:1883"),
+        membership=hl.MembershipFacts(
+            state=membership,
+            max_nodes=8,
+            members={s: hl.Member(n, f"127.0.0.{s + 10}") for s, n in members.items()},
+        ),
+        daemon=daemon,
+        domain_probe=probe,
+    )
+    return hl.report(facts, hl.conditions(facts, [], at if since is None else since), at)
+
+
+THREE = {0: "n1", 1: "n2", 2: "n3"}
+SPEC = DomainSpec(domain="d1", nodes=["n1", "n2", "n3"], max_nodes=8, generation=1)
+CRASH = hl.DaemonFacts(
+    state="FATAL",
+    restarts=3,
+    last_exit="signal SIGKILL",
+    reason="DaemonCrashLoop",
+    message="signal SIGKILL: 3 failed starts in 30 s",
+)
+
+
+def records(members: Mapping[int, str] = THREE) -> list[MemberRecord]:
+    return [member_record(n, s) for s, n in members.items()]
+
+
+def judged(
+    reports: Sequence[HealthReport | SeenReport],
+    *,
+    spec: DomainSpec | None = SPEC,
+    recs: list[MemberRecord] | None = None,
+    now: float = NOW + 1,
+) -> DomainStatus:
+    return judge(
+        "d1",
+        spec=spec,
+        records=records() if recs is None else recs,
+        reports=reports,
+        now=now,
+        report_interval_s=INTERVAL,
+    )
+
+
+def row(status: DomainStatus, node: str) -> Any:
+    return next(r for r in status.nodes if r.node == node)
+
+
+# Pure: the overall state.
+
+
+def test_every_member_ready_and_connected_is_up() -> None:
+    """Three ready members whose views see each other READY and connected make UP."""
+    status = judged([report(n, s, THREE) for s, n in THREE.items()])
+    assert status.state == "UP"
+    assert (status.ready, status.members) == (3, 3)
+    assert status.reasons == []
+    assert [r.slot for r in status.nodes] == [0, 1, 2]
+
+
+def test_a_crash_looping_member_makes_the_domain_degraded() -> None:
+    """A FATAL member fails with DaemonCrashLoop while the others stay ready: DEGRADED."""
+    reports = [
+        report("n1", 0, THREE, down=("n2",)),
+        report("n2", 1, THREE, daemon=CRASH),
+        report("n3", 2, THREE, down=("n2",)),
+    ]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    assert status.ready == 2
+    n2 = row(status, "n2")
+    assert n2.reasons == ["DaemonCrashLoop"]
+    assert n2.failed
+    assert not n2.ready
+    assert any("signal SIGKILL" in d for d in n2.details)
+    assert status.reasons[0] == "DaemonCrashLoop: n2"
+    assert row(status, "n1").reasons == ["PeersUnreachable"]
+    assert not row(status, "n1").failed, "a peer that is down explains n1's complaint"
+
+
+def test_no_member_ready_with_failures_is_down() -> None:
+    """Every member crash looping is DOWN."""
+    status = judged([report(n, s, THREE, daemon=CRASH) for s, n in THREE.items()])
+    assert status.state == "DOWN"
+    assert status.ready == 0
+
+
+def test_a_domain_without_reports_or_with_joining_members_is_forming() -> None:
+    """Listed nodes that have not reported, or only start, make FORMING, not a failure."""
+    assert judged([], recs=[]).state == "FORMING"
+    starting = hl.DaemonFacts(state="STARTING", pid=7)
+    reports = [
+        report("n1", 0, THREE, down=("n2", "n3")),
+        report("n2", 1, THREE, daemon=starting),
+    ]
+    status = judged(reports)
+    assert status.state == "FORMING"
+    assert row(status, "n2").pending
+    assert row(status, "n3").reasons == ["NoReport"]
+    waiting = hl.DaemonFacts(state="RUNNING", pid=7, imex_status="WAITING_FOR_PEERS")
+    status = judged([report("n1", 0, THREE), report("n2", 1, THREE, daemon=waiting)])
+    assert status.state == "FORMING"
+
+
+def test_views_not_probed_yet_or_missing_a_member_keep_it_forming() -> None:
+    """All ready is not UP until every view has been probed and lists every member."""
+    reports = [report(n, s, THREE, probed=s != 1) for s, n in THREE.items()]
+    assert judged(reports).state == "FORMING"
+    two = {0: "n1", 1: "n2"}
+    reports = [report(n, s, two if s == 0 else THREE) for s, n in THREE.items()]
+    assert judged(reports).state == "FORMING"
+
+
+def test_a_restarted_daemon_that_is_not_ready_is_a_failure() -> None:
+    """Starting again after a crash is not joining: the domain is DEGRADED."""
+    backoff = hl.DaemonFacts(state="STARTING", pid=9, restarts=1, last_exit="exit 1")
+    reports = [
+        report("n1", 0, THREE, down=("n2",)),
+        report("n2", 1, THREE, daemon=backoff),
+        report("n3", 2, THREE, down=("n2",)),
+    ]
+    assert judged(reports).state == "DEGRADED"
+
+
+def test_a_stale_report_counts_as_not_ready() -> None:
+    """A report older than three intervals, or past its expiry, is stale and failed."""
+    old = NOW - STALE_INTERVALS * INTERVAL - 1
+    reports: list[HealthReport | SeenReport] = [
+        report("n1", 0, THREE),
+        report("n2", 1, THREE),
+        report("n3", 2, THREE, at=old),
+    ]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    n3 = row(status, "n3")
+    assert (n3.report, n3.ready, n3.reasons) == ("stale", False, ["Stale"])
+    expired = SeenReport(report("n3", 2, THREE), expires_at=NOW)
+    status = judged([report("n1", 0, THREE), report("n2", 1, THREE), expired])
+    assert row(status, "n3").report == "stale"
+    assert status.state == "DEGRADED"
+    assert "stale" in render_status(status)
+
+
+def test_a_version_skew_seen_by_a_member_is_reported() -> None:
+    """A `!V!` cell (DomainUp reason VersionMismatch) keeps the domain from UP."""
+    reports = [report(n, s, THREE, skew=("n3",) if s == 0 else ()) for s, n in THREE.items()]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    assert any(r.startswith("VersionMismatch: n1 reports") for r in status.reasons)
+    assert "VersionMismatch" in row(status, "n1").reasons
+    assert "VersionMismatch" in render_status(status)
+
+
+def test_differing_drivers_are_a_version_mismatch() -> None:
+    """Members whose driver fields differ are DEGRADED, the odd one named."""
+    drivers = {"n1": "570.86", "n2": "570.86", "n3": "565.57"}
+    reports = [report(n, s, THREE, driver=drivers[n]) for s, n in THREE.items()]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    assert "VersionMismatch: driver 565.57 on n3; 570.86 on n1, n2" in status.reasons
+    assert row(status, "n3").reasons == ["VersionMismatch"]
+    assert row(status, "n1").reasons == []
+
+
+def test_ready_members_that_cannot_reach_each_other_are_degraded() -> None:
+    """A ready member's view that says a long-ready peer is disconnected is a failure."""
+    n3 = report("n3", 2, THREE, since=NOW - 100)
+    reports = [report("n1", 0, THREE, down=("n3",)), report("n2", 1, THREE), n3]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    assert row(status, "n1").failed
+    assert "PeersUnreachable" in row(status, "n1").reasons
+    fresh_n3 = report("n3", 2, THREE, since=NOW - 0.5)
+    late = judged([report("n1", 0, THREE, down=("n3",)), report("n2", 1, THREE), fresh_n3])
+    assert late.state == "FORMING", "n3 became ready after n1 reported: late news"
+
+
+def test_a_static_domain_without_spec_takes_members_from_reports() -> None:
+    """Without a spec the members are whoever reports; nothing listed is missing."""
+    two = {0: "n1", 1: "n2"}
+    status = judged([report(n, s, two) for s, n in two.items()], spec=None, recs=[])
+    assert status.state == "UP"
+    assert status.members == 2
+    assert "no spec" in render_status(status)
+
+
+def test_a_node_outside_the_spec_list_does_not_count() -> None:
+    """A reporting node the spec does not list is shown as NotInSpec and not counted."""
+    spec = DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8)
+    two = {0: "n1", 1: "n2"}
+    out = report("n3", 2, THREE, membership="out", daemon=hl.DaemonFacts())
+    status = judged([*(report(n, s, two) for s, n in two.items()), out], spec=spec, recs=[])
+    assert status.state == "UP"
+    assert status.members == 2
+    assert row(status, "n3").reasons[0] == "NotInSpec"
+
+
+def test_members_without_multi_node_nvlink_are_up_without_a_view() -> None:
+    """Nodes with an empty clique run no daemon; ready is all they need to be UP."""
+    recs = [member_record("n1", 0, clique=""), member_record("n2", 1, clique="")]
+    reports = [
+        report("n1", 0, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
+        report("n2", 1, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
+    ]
+    assert judged(reports, spec=None, recs=recs).state == "UP"
+
+
+def test_the_status_table_lists_each_node_with_its_reasons() -> None:
+    """The table has one row per node and the reasons' messages below it."""
+    reports = [report("n1", 0, THREE), report("n2", 1, THREE, daemon=CRASH), report("n3", 2, THREE)]
+    text = render_status(judged(reports))
+    lines = text.splitlines()
+    assert lines[0].startswith("domain d1: DEGRADED, 2 of 3 members ready (spec generation 1")
+    assert lines[1].split() == ["SLOT", "NODE", "ADDRESS", "DAEMON", "IMEX", "READY", "REASONS"]
+    assert lines[3].split() == ["1", "n2", "127.0.0.11", "FATAL", "-", "no", "DaemonCrashLoop"]
+    assert "  n2: DaemonReady=False DaemonCrashLoop: signal SIGKILL" in text
+
+
+def test_the_json_document_round_trips() -> None:
+    """`--json` output decodes back into the same DomainStatus."""
+    status = judged([report(n, s, THREE) for s, n in THREE.items()])
+    doc = msgspec.json.encode(status)
+    assert msgspec.json.decode(doc, type=DomainStatus) == status
+
+
+# Real broker helpers.
+
+
+@contextlib.asynccontextmanager
+async def raw_client(broker: Broker) -> AsyncIterator[aiomqtt.Client]:
+    """A plain MQTT 5 client, as a control plane in another language would use."""
+    async with asyncio.timeout(WAIT_S):
+        c = aiomqtt.Client(
+            broker.host,
+            broker.port,
+            identifier=f"test-{uuid.uuid4().hex[:8]}",
+            protocol=aiomqtt.ProtocolVersion.V5,
+            timeout=WAIT_S,
+        )
+        await c.__aenter__()
+    try:
+        yield c
+    finally:
+        async with asyncio.timeout(WAIT_S):
+            await c.__aexit__(None, None, None)
+
+
+async def put(broker: Broker, items: Mapping[str, bytes | None]) -> None:
+    """Retained QoS 1 publishes (None or b"": delete), as agents write their records."""
+    async with raw_client(broker) as c:
+        for topic, payload in items.items():
+            await c.publish(topic, payload or None, qos=1, retain=True)
+
+
+async def retained(broker: Broker, topic_filter: str = "imex/v1/#") -> dict[str, bytes]:
+    """Every retained message under `topic_filter` now, by topic."""
+    barrier = f"test/barrier/{uuid.uuid4().hex}"
+    found: dict[str, bytes] = {}
+    async with raw_client(broker) as c, asyncio.timeout(WAIT_S):
+        await c.subscribe([(topic_filter, 1), (barrier, 1)])
+        await c.publish(barrier, b"x", qos=1)
+        async for message in c.messages:
+            if message.topic.value == barrier:
+                return found
+            if message.retain:
+                assert isinstance(message.payload, bytes)
+                found[message.topic.value] = message.payload
+    raise AssertionError("unreachable: the message iterator ended")
+
+
+def validator(kind: str) -> Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{kind}.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def valid(kind: str, payload: bytes) -> dict[str, Any]:
+    """The payload as JSON, after checking it against the shipped schema of `kind`."""
+    doc: dict[str, Any] = json.loads(payload)
+    validator(kind).validate(doc)
+    return doc
+
+
+@pytest.fixture
+def env(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment of a control plane that reaches `broker` with no settings file."""
+    for name in list(os.environ):
+        if name.startswith("IMEXD_"):
+            monkeypatch.delenv(name)
+    values = {
+        "IMEXD_BUS_URL": broker.url,
+        "IMEXD_DOMAIN_MAX_NODES": "8",
+        "IMEXD_HEALTH_REPORT_INTERVAL_S": "30",
+    }
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    return values
+
+
+def control(*args: str) -> int:
+    """Run `imexd ARGS` in-process (a fresh event loop); its exit status."""
+    return main(list(args))
+
+
+async def control_async(*args: str) -> int:
+    """`control` in a worker thread, so fake agents keep running on the test's loop."""
+    return await asyncio.to_thread(main, list(args))
+
+
+def run_imexd(
+    env: Mapping[str, str], *args: str, timeout: float = 30.0
+) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS` as a subprocess with only `env`'s IMEXD_* settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    return subprocess.run(
+        [IMEXD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **env},
+        check=False,
+    )
+
+
+# Components: each command against a real broker.
+
+
+async def test_create_publishes_exactly_the_spec_and_the_assignments(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`domain create` leaves one spec and one assignment per listed node, all valid."""
+    assert await control_async("domain", "create", "d1", "--nodes", "n1,n2,n3") == 0
+    got = await retained(broker)
+    assert sorted(got) == sorted([T.spec("d1"), *(T.assignment(n) for n in ("n1", "n2", "n3"))])
+    assert valid("DomainSpec", got[T.spec("d1")]) == {
+        "v": 1,
+        "domain": "d1",
+        "nodes": ["n1", "n2", "n3"],
+        "max_nodes": 8,
+        "state": "active",
+        "generation": 1,
+    }
+    for node in ("n1", "n2", "n3"):
+        assert valid("Assignment", got[T.assignment(node)]) == {"v": 1, "domain": "d1"}
+    assert (
+        "domain d1: created (generation 1, max_nodes 8, nodes n1,n2,n3)" in capsys.readouterr().out
+    )
+
+
+async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second create is an update: generation + 1, the spec's max_nodes kept."""
+    assert await control_async("domain", "create", "d1", "--max-nodes", "4") == 0
+    assert await control_async("domain", "create", "d1", "--nodes", "n2") == 0
+    got = await retained(broker)
+    spec = valid("DomainSpec", got[T.spec("d1")])
+    assert (spec["generation"], spec["max_nodes"], spec["nodes"]) == (2, 4, ["n2"])
+    assert "domain d1: updated (generation 2" in capsys.readouterr().out
+
+
+async def test_create_says_when_a_node_moves_from_another_domain(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Assigning a node that belongs elsewhere moves it, and says so."""
+    await put(broker, {T.assignment("n1"): encode(Assignment(domain="d0"))})
+    assert await control_async("domain", "create", "d1", "--nodes", "n1") == 0
+    assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["domain", "create", "D1"], "not a DNS-1123 label"),
+        (["domain", "create", "d1-"], "not a DNS-1123 label"),
+        (["domain", "create", "d" * 64], "not a DNS-1123 label"),
+        (["domain", "create", "d1", "--nodes", "n1,N2"], "'N2' is not a DNS-1123 subdomain"),
+        (["domain", "create", "d1", "--nodes", "n1,n1"], "lists n1 more than once"),
+        (["domain", "create", "d1", "--nodes", "n1,,n2"], "has an empty name"),
+        (["domain", "create", "d1", "--max-nodes", "0"], "expected 1 to 2048"),
+        (["domain", "delete", "d_1"], "not a DNS-1123 label"),
+        (["domain", "delete", "d1", "--timeout", "-1"], "expected seconds >= 0"),
+        (["domain", "status", "D"], "not a DNS-1123 label"),
+        (["node", "assign", "n_1", "d1"], "not a DNS-1123 subdomain"),
+        (["node", "assign", "n1", "d.1"], "not a DNS-1123 label"),
+        (["node", "unassign", "N1"], "not a DNS-1123 subdomain"),
+    ],
+)
+def test_bad_names_exit_2_with_a_clear_error(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Names that are not DNS-1123 are refused before any broker is contacted."""
+    assert control(*args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("imexd ")
+
+
+async def test_assign_and_unassign_write_and_clear_the_retained_assignment(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`node assign` retains {"v":1,"domain":D}; `node unassign` leaves nothing retained."""
+    assert await control_async("node", "assign", "gpu-01.example.com", "d2") == 0
+    got = await retained(broker)
+    assert valid("Assignment", got[T.assignment("gpu-01.example.com")]) == {"v": 1, "domain": "d2"}
+    assert await control_async("node", "unassign", "gpu-01.example.com") == 0
+    assert await retained(broker) == {}
+    out = capsys.readouterr().out
+    assert "node gpu-01.example.com: assigned to d2" in out
+    assert "node gpu-01.example.com: unassigned (was d2)" in out
+
+
+async def test_assign_warns_when_the_spec_keeps_the_node_out(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Assigning a node that the spec's list leaves out warns about NotInSpec."""
+    await put(broker, {T.spec("d1"): encode(SPEC)})
+    assert await control_async("node", "assign", "n9", "d1") == 0
+    assert "n9 stays out (NotInSpec)" in capsys.readouterr().err
+
+
+@contextlib.asynccontextmanager
+async def fake_agents(
+    broker: Broker, nodes: list[str], domain: str = "d1"
+) -> AsyncIterator[list[str]]:
+    """Agents that clear their member record and health report when the spec says deleting.
+
+    Yields the nodes that have left, in order.
+    """
+    left: list[str] = []
+
+    async def agent(node: str) -> None:
+        async with raw_client(broker) as c:
+            await c.subscribe(T.spec(domain), qos=1)
+            async for message in c.messages:
+                raw = message.payload
+                if isinstance(raw, bytes) and raw and json.loads(raw)["state"] == "deleting":
+                    await c.publish(T.member(domain, "c1", node), None, qos=1, retain=True)
+                    await c.publish(T.health(domain, node), None, qos=1, retain=True)
+                    left.append(node)
+                    return
+
+    tasks = [asyncio.create_task(agent(n), name=f"fake-{n}") for n in nodes]
+    await asyncio.sleep(0.3)  # let them subscribe: a deleting spec is then delivered live
+    try:
+        yield left
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def domain_state(domain: str, nodes: list[str], assigned: bool = True) -> dict[str, bytes | None]:
+    members = {n: s for s, n in enumerate(nodes)}
+    out: dict[str, bytes | None] = {T.spec(domain): encode(SPEC)}
+    for node, slot in members.items():
+        out[T.member(domain, "c1", node)] = encode(member_record(node, slot, domain=domain))
+        out[T.health(domain, node)] = encode(
+            report(node, slot, dict(enumerate(nodes)), at=time.time())
+        )
+        if assigned:
+            out[T.assignment(node)] = encode(Assignment(domain=domain))
+    return out
+
+
+async def test_delete_waits_for_the_members_then_clears_everything(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Members leave on `deleting`; then assignments, spec and leftovers are cleared."""
+    await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
+    ghost = {T.health("d1", "n9"): encode(report("n9", 5, {5: "n9"}, at=time.time()))}
+    other = {T.assignment("m1"): encode(Assignment(domain="d2"))}
+    await put(broker, ghost | other)
+    async with fake_agents(broker, ["n1", "n2", "n3"]) as left:
+        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+        assert sorted(left) == ["n1", "n2", "n3"]
+    assert await retained(broker) == other
+    out = capsys.readouterr().out
+    assert "domain d1: deleting (generation 2); waiting up to 20 s for 3 member(s)" in out
+    assert (
+        "domain d1: deleted (cleared the spec, 3 assignment(s), 1 leftover health report(s))" in out
+    )
+
+
+async def test_delete_times_out_when_members_stay_and_keeps_a_deleting_spec(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Members that never leave: exit 1 naming them; the spec stays deleting, records stay."""
+    await put(broker, domain_state("d1", ["n1", "n2"]))
+    assert await control_async("domain", "delete", "d1", "--timeout", "0.5") == 1
+    got = await retained(broker)
+    assert valid("DomainSpec", got[T.spec("d1")])["state"] == "deleting"
+    assert T.assignment("n1") not in got
+    assert T.member("d1", "c1", "n1") in got
+    assert T.health("d1", "n1") in got
+    err = capsys.readouterr().err
+    assert "2 member(s) still hold records after 0.5 s: n1 (record member, last report" in err
+    assert "Run `imexd domain delete d1` again" in err
+
+
+async def test_delete_keeps_a_tombstone_for_static_members(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Members with no assignment (static) would rejoin: the deleting spec is kept."""
+    await put(broker, domain_state("d1", ["n1"], assigned=False))
+    async with fake_agents(broker, ["n1"]):
+        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+    got = await retained(broker)
+    assert list(got) == [T.spec("d1")]
+    assert valid("DomainSpec", got[T.spec("d1")])["state"] == "deleting"
+    assert "n1 name this domain in their settings" in capsys.readouterr().out
+
+
+async def test_delete_of_an_unknown_domain_changes_nothing(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Deleting what does not exist is a no-op that succeeds."""
+    assert await control_async("domain", "delete", "nope") == 0
+    assert await retained(broker) == {}
+    assert "nothing to delete" in capsys.readouterr().out
+
+
+async def test_list_shows_every_known_domain(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Domains with a spec, with members only (static), or with assignments only are listed."""
+    await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
+    static = {
+        T.member("s1", "c1", "m1"): encode(member_record("m1", 0, domain="s1")),
+        T.health("s1", "m1"): encode(report("m1", 0, {0: "m1"}, domain="s1", at=time.time())),
+        T.assignment("x1"): encode(Assignment(domain="later")),
+    }
+    await put(broker, static)
+    assert await control_async("domain", "list") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "DOMAIN",
+        "SPEC",
+        "GENERATION",
+        "MAX_NODES",
+        "LISTED",
+        "ASSIGNED",
+        "MEMBERS",
+        "READY",
+        "STATE",
+    ]
+    assert lines[1].split() == ["d1", "active", "1", "8", "3", "3", "3", "3", "UP"]
+    assert lines[2].split() == ["later", "-", "-", "-", "any", "1", "0", "0", "FORMING"]
+    assert lines[3].split() == ["s1", "-", "-", "8", "any", "0", "1", "1", "UP"]
+
+
+def test_list_of_an_empty_bus_says_so() -> None:
+    """With nothing on the bus, `domain list` says there is nothing."""
+    assert "no domains" in render_list(summarize(Store(), now=NOW, report_interval_s=INTERVAL))
+
+
+async def test_status_exits_0_only_when_up(broker: Broker, env: dict[str, str]) -> None:
+    """`imexd domain status` prints the table and exits 0 for UP, 1 for DEGRADED."""
+    await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
+    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("domain d1: UP, 3 of 3 members ready")
+    crashed = report("n2", 1, THREE, daemon=CRASH, at=time.time())
+    await put(broker, {T.health("d1", "n2"): encode(crashed)})
+    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("domain d1: DEGRADED, 2 of 3 members ready")
+    assert "DaemonCrashLoop" in proc.stdout
+    proc = await asyncio.to_thread(
+        run_imexd, env, "domain", "status", "d1", "--json", "--wait", "0"
+    )
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "DEGRADED"
+    assert [n["node"] for n in doc["nodes"] if not n["ready"]] == ["n2"]
+
+
+async def test_status_waits_for_up_within_its_wait(broker: Broker, env: dict[str, str]) -> None:
+    """With --wait, a domain that becomes UP meanwhile exits 0 as soon as it is UP."""
+    state = domain_state("d1", ["n1", "n2", "n3"])
+    starting = report("n3", 2, THREE, daemon=hl.DaemonFacts(state="STARTING"), at=time.time())
+    await put(broker, state | {T.health("d1", "n3"): encode(starting)})
+    proc = asyncio.create_task(
+        asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "20")
+    )
+    await asyncio.sleep(1.5)
+    await put(broker, {T.health("d1", "n3"): state[T.health("d1", "n3")]})
+    started = time.monotonic()
+    done = await proc
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert time.monotonic() - started < 15
+
+
+async def test_status_of_an_unknown_domain_exits_1(broker: Broker, env: dict[str, str]) -> None:
+    """A domain nothing is known about is an error, not an empty table."""
+    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "ghost", "--wait", "0")
+    assert proc.returncode == 1
+    assert "domain ghost: nothing on the bus" in proc.stderr
+
+
+async def test_malformed_reports_are_ignored(broker: Broker, env: dict[str, str]) -> None:
+    """Garbage on a health topic neither crashes status nor counts as a member."""
+    await put(broker, domain_state("d1", ["n1"]))
+    await put(broker, {T.health("d1", "n2"): b"{not json", T.health("d1", "n3"): b'{"v":2}'})
+    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    assert proc.returncode == 1  # the spec lists n2 and n3, which never reported
+    assert "NoReport" in proc.stdout
+
+
+async def test_watch_redraws_on_change_and_stops_on_sigint(
+    broker: Broker, env: dict[str, str]
+) -> None:
+    """`--watch --json` prints a document per change; SIGINT ends it with UP's status."""
+    state = domain_state("d1", ["n1", "n2", "n3"])
+    crashed = report("n2", 1, THREE, daemon=CRASH, at=time.time())
+    await put(broker, state | {T.health("d1", "n2"): encode(crashed)})
+    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    proc = await asyncio.create_subprocess_exec(
+        IMEXD,
+        "domain",
+        "status",
+        "d1",
+        "--watch",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**base, **env},
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            first = json.loads(await proc.stdout.readline())
+            assert first["state"] == "DEGRADED"
+            await put(broker, {T.health("d1", "n2"): state[T.health("d1", "n2")]})
+            second = json.loads(await proc.stdout.readline())
+            assert second["state"] == "UP"
+            proc.send_signal(signal.SIGINT)
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+# Errors at the broker.
+
+
+def test_an_unreachable_broker_exits_1_with_a_clear_message() -> None:
+    """A refused connection ends the command at once with exit 1 and names the broker."""
+    url = f"mqtt://127.0.0.1:{free_port()}"
+    proc = run_imexd({"IMEXD_BUS_URL": url}, "domain", "list")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"imexd: cannot connect to {url}: ")
+    assert "refused" in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+
+
+async def test_a_broker_that_never_answers_times_out() -> None:
+    """A listener that accepts but never sends CONNACK fails within the connect timeout."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"mqtt://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(BusError, match=r"no answer within 0\.5 s"):
+            async with Link(BusSettings(url=(url,)), connect_timeout_s=0.5):
+                pass
+        assert time.monotonic() - started < 5
+
+
+async def test_every_broker_is_tried_in_turn(broker: Broker) -> None:
+    """With several URLs the first that answers is used."""
+    dead = f"mqtt://127.0.0.1:{free_port()}"
+    async with Link(BusSettings(url=(dead, broker.url))) as link:
+        assert link.broker == broker.url
+
+
+async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
+    """A spec the broker silently drops (ACL) makes create exit 1 and name the topic."""
+    acl = tmp_path / "acl"
+    acl.write_text(
+        "topic read imex/v1/#\n"
+        "topic readwrite imex/v1/domains/_control/#\n"
+        "topic readwrite imex/v1/nodes/+/assignment\n"
+    )
+    b = Broker(tmp_path / "broker", extra_config=f"acl_file {acl}")
+    b.start()
+    try:
+        proc = await asyncio.to_thread(
+            run_imexd, {"IMEXD_BUS_URL": b.url}, "domain", "create", "d1", "--nodes", "n1"
+        )
+    finally:
+        b.stop()
+    assert proc.returncode == 1
+    assert "did not keep our write to imex/v1/domains/d1/spec" in proc.stderr
+
+
+# Schemas.
+
+
+def test_the_shipped_schemas_are_the_generated_ones() -> None:
+    """docs/schemas/ holds exactly what imexd.wire.json_schemas() generates."""
+    assert outdated_schemas(SCHEMAS) == []
+    assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(schema_texts())
+    for name, schema in json_schemas().items():
+        assert json.loads((SCHEMAS / f"{name}.json").read_text()) == schema
+
+
+def test_the_schema_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
+    """`python -m imexd.control --check-schemas` exits 1 when a file differs."""
+    gen = subprocess.run(
+        [sys.executable, "-m", "imexd.control", "--write-schemas", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert gen.returncode == 0, gen.stderr
+    (tmp_path / "DomainSpec.json").write_text("{}\n")
+    check = subprocess.run(
+        [sys.executable, "-m", "imexd.control", "--check-schemas", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert check.returncode == 1
+    assert "DomainSpec.json" in check.stderr
+
+
+def test_the_payload_types_and_the_schemas_agree() -> None:
+    """What the wire types encode validates, and what the schemas reject does not decode."""
+    spec = json.loads(encode(SPEC))
+    validator("DomainSpec").validate(spec)
+    validator("MemberRecord").validate(json.loads(encode(member_record("n1", 0))))
+    validator("HealthReport").validate(json.loads(encode(report("n1", 0, THREE))))
+    validator("Assignment").validate({"v": 1, "domain": None})
+    assert not validator("DomainSpec").is_valid({**spec, "state": "gone"})
+    assert not validator("Assignment").is_valid({"domain": "d1"})
