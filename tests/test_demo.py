@@ -1,0 +1,400 @@
+"""`imexd demo`: the pure pieces it shows, and whole runs as a newcomer starts them.
+
+Whole runs start `python -m imexd demo` as a subprocess (no terminal, so the table is
+appended as snapshots) with TMPDIR inside the test's folder: every process the demo
+starts names that folder on its command line, so the test can prove none is left, and
+kill any that is (after a failed run) so that nothing leaks into other tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from imexd import demo
+from imexd.cli import main
+from imexd.wire import Condition, DaemonInfo, DomainView, HealthReport, SlotView
+
+RUN_TIMEOUT_S = 90.0
+"""A 3-node run takes 15-50 s on a busy 2-core machine; a hung one is stopped here."""
+STOP_TIMEOUT_S = 40.0
+"""Ctrl-C to exit: the demo's cleanup is bounded well below this."""
+SLOW_TEST_TIMEOUT_S = RUN_TIMEOUT_S + STOP_TIMEOUT_S + 20
+"""pytest-timeout for whole runs: above our own bounded waits, so those report first."""
+
+has_broker = pytest.mark.skipif(
+    demo.find_mosquitto() is None and importlib.util.find_spec("amqtt") is None,
+    reason="neither Mosquitto nor the demo extra (amqtt) is installed",
+)
+
+
+# Pure pieces.
+
+
+def _report(
+    node: str,
+    *,
+    ready: bool = True,
+    sees: str | None = "UP",
+    members: tuple[str, ...] = ("n1", "n2"),
+    not_ready: tuple[str, ...] = (),
+) -> HealthReport:
+    conds = [
+        Condition(type="BusConnected", status="True", reason="Connected", message="", since=0),
+        Condition(type="SlotSettled", status="True", reason="Settled", message="", since=0),
+        Condition(
+            type="DaemonReady",
+            status="True" if ready else "False",
+            reason="Ready" if ready else "DaemonCrashed",
+            message="" if ready else "SIGKILL",
+            since=0,
+        ),
+    ]
+    view = None
+    if sees is not None:
+        nodes = {
+            str(i): SlotView(
+                node=m, status="UNAVAILABLE" if m in not_ready else "READY", connected=True
+            )
+            for i, m in enumerate(members)
+        }
+        view = DomainView(status=sees, nodes=nodes)
+    return HealthReport(
+        node=node,
+        domain="demo",
+        clique="sim.0",
+        slot=members.index(node) if node in members else None,
+        incarnation=1,
+        at=0.0,
+        ready=ready,
+        conditions=conds,
+        daemon=DaemonInfo(state="RUNNING", pid=4242, restarts=1, imex_status="READY"),
+        domain_view=view,
+    )
+
+
+def _view(node: str, **kwargs: object) -> demo.NodeView:
+    parsed = demo.parse_status(msgspec.to_builtins(_report(node, **kwargs)))  # type: ignore[arg-type]
+    assert parsed is not None
+    return parsed
+
+
+def test_parse_status_reads_a_health_report() -> None:
+    """A real HealthReport, as /status serves it, gives the table's facts."""
+    view = _view("n2", ready=False, not_ready=("n2",))
+    assert (view.slot, view.ready, view.daemon, view.pid, view.restarts) == (
+        1,
+        False,
+        "RUNNING",
+        4242,
+        1,
+    )
+    assert (view.imex, view.sees, view.members) == ("READY", "UP", ("n1", "n2"))
+    assert (view.not_ready, view.reason, view.message) == (("n2",), "DaemonCrashed", "SIGKILL")
+    assert demo.parse_status({"not": "a report"}) is None
+
+
+def test_judge_domain_is_up_only_when_every_node_sees_every_member() -> None:
+    """UP needs every node answering, ready and seeing all members; before that it is FORMING."""
+    up = {"n1": _view("n1"), "n2": _view("n2")}
+    assert demo.judge_domain(up, formed=False).state == "UP"
+    forming = {"n1": _view("n1"), "n2": None}
+    assert demo.judge_domain(forming, formed=False) == demo.Verdict("FORMING", "1 of 2 nodes ready")
+
+
+def test_judge_domain_names_the_node_in_trouble_first() -> None:
+    """After formation a gone agent makes the domain DEGRADED, named before the peers' views."""
+    views = {"n1": _view("n1", members=("n1",)), "n2": None}
+    verdict = demo.judge_domain(views, formed=True)
+    assert verdict == demo.Verdict("DEGRADED", "n2: agent not answering; n1 sees UP without n2")
+
+
+def test_table_lines_align_and_fit_the_terminal() -> None:
+    """Columns line up under the header, and a width cuts lines instead of wrapping them."""
+    rows = [
+        demo.Row("n1", "127.1.1.10", "up", _view("n1")),
+        demo.Row("n2", "127.1.1.11", "down", None, orphan_pid=77),
+    ]
+    lines = demo.table_lines(rows)
+    assert lines[0].split()[:9] == list(demo.HEADER)
+    assert lines[1].index("127.1.1.10") == lines[0].index("ADDRESS")
+    assert "running alone" in lines[2]
+    assert "IMEX keeps running without its agent" in lines[2]
+    assert all(len(line) <= 40 for line in demo.table_lines(rows, width=40))
+
+
+def test_render_toml_is_read_back_by_tomllib() -> None:
+    """The agents' settings files parse to what the demo meant, sub-tables included."""
+    text = demo.render_toml(
+        {"bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0}, "imex": {"env": {"A": "b"}}}
+    )
+    assert tomllib.loads(text) == {
+        "bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0},
+        "imex": {"env": {"A": "b"}},
+    }
+
+
+def test_choose_broker_prefers_mosquitto_and_falls_back_to_amqtt(tmp_path: Path) -> None:
+    """Mosquitto when installed, amqtt without it or when forced; a bad choice names itself."""
+    mosquitto = "/usr/sbin/mosquitto"
+    assert isinstance(demo.choose_broker({}, tmp_path, mosquitto), demo.MosquittoBroker)
+    assert isinstance(demo.choose_broker({}, tmp_path, None), demo.AmqttBroker)
+    forced = {demo.BROKER_ENV: "amqtt"}
+    assert isinstance(demo.choose_broker(forced, tmp_path, mosquitto), demo.AmqttBroker)
+    with pytest.raises(demo.DemoError, match="no mosquitto binary"):
+        demo.choose_broker({demo.BROKER_ENV: "mosquitto"}, tmp_path, None)
+    with pytest.raises(demo.DemoError, match="IMEXD_DEMO_BROKER=rabbit"):
+        demo.choose_broker({demo.BROKER_ENV: "rabbit"}, tmp_path, mosquitto)
+
+
+def test_bad_node_count_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes outside 2..32 exits 2 before anything starts."""
+    assert main(["demo", "--nodes", "1"]) == 2
+    assert "--nodes 1: expected 2..32" in capsys.readouterr().err
+
+
+# Whole runs.
+
+
+def _leftovers(root: Path) -> list[tuple[int, str]]:
+    """Processes whose command line names `root` (agents, daemons, probes, Mosquitto)."""
+    needle = str(root).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if needle in cmdline and state != "Z":
+            found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def _kill_leftovers(root: Path) -> None:
+    for pid, _ in _leftovers(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class DemoRun:
+    """`python -m imexd demo` in the background, its output collected line by line."""
+
+    def __init__(self, root: Path, *args: str, broker: str | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+        env["TMPDIR"] = str(root)
+        if broker is not None:
+            env[demo.BROKER_ENV] = broker
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "imexd", "demo", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append(line.rstrip("\n"))
+                self._new_line.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while not any(text in line for line in self.lines):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no line with {text!r}:\n{self.output}")
+                self._new_line.wait(min(left, 0.5))
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        """The exit status; a demo still running after `timeout` is stopped (AssertionError)."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(
+                f"demo still running after {timeout:g} s:\n{self.output}"
+            ) from None
+        self._finish()
+        return code
+
+    def stop(self) -> None:
+        """Ctrl-C, as a user would; SIGKILL if the demo does not end in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._reader.join(timeout=5)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+class Demos:
+    """Starts demo runs with TMPDIR in one folder; `close` ends whatever is left of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: list[DemoRun] = []
+
+    def start(self, *args: str, broker: str | None = None) -> DemoRun:
+        run = DemoRun(self.root, *args, broker=broker)
+        self.runs.append(run)
+        return run
+
+    def close(self) -> None:
+        for run in self.runs:
+            if run.proc.poll() is None:
+                run.stop()
+        _kill_leftovers(self.root)
+
+
+@pytest.fixture
+def demos(tmp_path: Path) -> Iterator[Demos]:
+    """Demo runs whose processes are all ended after the test, even when it fails."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    runner = Demos(root)
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def _assert_nothing_left(root: Path) -> None:
+    assert _leftovers(root) == []
+    assert list(root.iterdir()) == [], "the demo's folder is still there"
+
+
+def _assert_full_story(out: str) -> None:
+    for expected in (
+        "SLOT  NODE",
+        "domain UP: ",
+        "crash 1: SIGKILL the IMEX daemon of node-",
+        "noticed after",
+        "domain UP again",
+        "crash 2: SIGKILL the agent of node-",
+        "its peers dropped it from the domain",
+        "adopted its running daemon",
+        "agents left the domain and stopped their daemons",
+        "Summary",
+        "formation ",
+        "cleanup          nothing left running, folder removed",
+    ):
+        assert expected in out, f"{expected!r} missing from:\n{out}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
+@has_broker
+def test_demo_forms_crashes_recovers_and_leaves_nothing(demos: Demos) -> None:
+    """Three nodes form the domain, survive a daemon and an agent crash, and leave nothing."""
+    run = demos.start("--nodes", "3")
+    code = run.wait()
+    assert code == 0, run.output
+    _assert_full_story(run.output)
+    _assert_nothing_left(demos.root)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
+@pytest.mark.skipif(importlib.util.find_spec("amqtt") is None, reason="the demo extra is missing")
+def test_demo_runs_on_the_builtin_amqtt_broker(demos: Demos) -> None:
+    """Without Mosquitto the in-process amqtt broker (MQTT 3.1.1) carries the whole story."""
+    run = demos.start("--nodes", "2", broker="amqtt")
+    code = run.wait()
+    assert code == 0, run.output
+    assert "amqtt (Python, in this process)" in run.output
+    assert "MQTT 3.1.1" in run.output
+    _assert_full_story(run.output)
+    _assert_nothing_left(demos.root)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
+@has_broker
+def test_ctrl_c_during_formation_cleans_up(demos: Demos) -> None:
+    """SIGINT while the agents start ends every process, removes the folder and exits 130."""
+    run = demos.start("--nodes", "3")
+    run.wait_for_line("started 3 agents", timeout=RUN_TIMEOUT_S)
+    assert _leftovers(demos.root), "the agents should be running now"
+    run.proc.send_signal(signal.SIGINT)
+    code = run.wait(timeout=STOP_TIMEOUT_S)
+    assert code == 130, run.output
+    assert "interrupted by SIGINT: cleaning up" in run.output
+    assert "cleaned up: nothing left running, folder removed" in run.output
+    _assert_nothing_left(demos.root)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
+    """Cleanup ends what names the folder, SIGKILL for what ignores SIGTERM, then removes it."""
+    screen = demo.Screen(io.StringIO(), tty=False, color=False)
+    run = demo.Demo(demo.Options(nodes=2, broker=None), screen, parent=tmp_path)
+    codes = (
+        "import time; time.sleep(60)",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    )
+    procs = [
+        await asyncio.to_thread(
+            subprocess.Popen, [sys.executable, "-c", code, str(run.folder / "node-1")]
+        )
+        for code in codes
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while not _ignores_sigterm(procs[1].pid):  # else SIGTERM ends it before it can refuse
+            assert time.monotonic() < deadline, "the stubborn child never ignored SIGTERM"
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await run.close()
+        assert all(proc.poll() is not None for proc in procs)
+        assert time.monotonic() - started >= demo.KILL_WAIT_S  # SIGTERM, a wait, SIGKILL
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert run.cleanup.stray_processes == 2
+    assert not run.folder.exists()
+    assert demo.cleanup_text(run.cleanup) == (
+        "nothing left running, folder removed (had to end 2 process(es))"
+    )
