@@ -867,36 +867,56 @@ class Agent:
             self.changed.set()
 
     def _judge_domain(self, status: DomainStatus) -> hl.DomainProbe:
-        """Per member slot: its IMEX state and whether it reaches every other member."""
+        """Per member slot: its IMEX state and whether it is connected to the others.
+
+        A member that is not READY is unreachable. A READY member is connected when its
+        links with every other READY member are CONNECTED both ways: a dead daemon is
+        named alone instead of making every member look disconnected from it, and a
+        broken link between two live members names both ends.
+        """
         members = dict(self.desired.members)
         if self.settings.domain.mode == "addresses":
             index_of = {slot: i for i, slot in enumerate(sorted(members))}
         else:
             index_of = {slot: slot for slot in members}
         names = {slot: self._member_name(slot) for slot in members}
+        nodes = {slot: status.nodes.get(index) for slot, index in index_of.items()}
+        words = {
+            slot: _word(node.state) if node is not None else ImexState.UNAVAILABLE.value
+            for slot, node in nodes.items()
+        }
+        ready = {slot for slot, word in words.items() if word == ImexState.READY.value}
+
+        def linked(a: int, b: int) -> bool:
+            node_a, node_b = nodes[a], nodes[b]
+            return (
+                node_a is not None
+                and node_b is not None
+                and node_a.connections.get(index_of[b]) is ConnectionState.CONNECTED
+                and node_b.connections.get(index_of[a]) is ConnectionState.CONNECTED
+            )
+
         slots: dict[int, hl.SlotProbe] = {}
         unreachable: list[str] = []
-        mismatch: list[str] = []
-        for slot, index in index_of.items():
-            node = status.nodes.get(index)
-            word = _word(node.state) if node is not None else ImexState.UNAVAILABLE.value
-            connected = node is not None and all(
-                node.connections.get(other) is ConnectionState.CONNECTED
-                for other_slot, other in index_of.items()
-                if other_slot != slot
-            )
+        mismatch: set[str] = set()
+        for slot in index_of:
+            node = nodes[slot]
             for other_slot, other in index_of.items():
-                if other_slot == slot or node is None:
-                    continue
-                if node.connections.get(other) is ConnectionState.VERSION_MISMATCH:
-                    mismatch.append(names[other_slot])
-            if word != ImexState.READY.value or not connected:
+                if (
+                    other_slot != slot
+                    and node is not None
+                    and node.connections.get(other) is ConnectionState.VERSION_MISMATCH
+                ):
+                    mismatch.add(names[other_slot])
+            peers = [o for o in ready if o != slot]
+            connected = slot in ready and all(linked(slot, o) for o in peers)
+            if not connected:
                 unreachable.append(names[slot])
-            slots[slot] = hl.SlotProbe(node=names[slot], status=word, connected=connected)
+            slots[slot] = hl.SlotProbe(node=names[slot], status=words[slot], connected=connected)
         return hl.DomainProbe(
             slots=MappingProxyType(slots),
             unreachable=tuple(sorted(set(unreachable))),
-            version_mismatch=tuple(sorted(set(mismatch))),
+            version_mismatch=tuple(sorted(mismatch)),
         )
 
     def _member_name(self, slot: int) -> str:
@@ -932,7 +952,8 @@ class Agent:
                 restarts=status.restarts,
                 reloads=status.reloads_sent,
                 last_exit=status.last_exit,
-                reason=reason if status.state is not DaemonState.RUNNING else "",
+                # Only problems are reasons; health names the ordinary states itself.
+                reason=reason if reason in ("DaemonCrashLoop", "ConflictingDaemon") else "",
                 message=message if status.state is not DaemonState.RUNNING else "",
                 last_line=last_line,
                 write_error=self.write_error,
@@ -943,6 +964,7 @@ class Agent:
             ),
             domain_probe=self.domain_probe,
             fabric=self.fabric,
+            clique_known=self.clique is not None or self.current is not None,
         )
 
     def _membership_facts(self, decision: mb.Decision | None) -> hl.MembershipFacts:

@@ -219,11 +219,13 @@ class Facts:
     domain_probe: DomainProbe | None = None
     """None before the first domain probe of the current daemon."""
     fabric: FabricFacts = FabricFacts()
+    clique_known: bool = True
+    """False while `[node] clique = "auto"` and no discovery has succeeded yet."""
 
     @property
     def daemon_applicable(self) -> bool:
-        """A node in a domain runs a daemon unless its clique is empty."""
-        return self.domain is not None and self.clique != ""
+        """A node in a domain runs a daemon unless its clique is known to be empty."""
+        return self.domain is not None and (not self.clique_known or self.clique != "")
 
 
 # Conditions
@@ -299,12 +301,14 @@ def _slot(f: Facts) -> _Verdict:
             "False", "NotInSpec", f"the spec of {f.domain} does not list {f.node}{detail}"
         )
     if m.reason == "NodeMapMismatch":
-        return _Verdict(
-            "False",
-            "NodeMapMismatch",
-            f"members {_names(m.offending)} of {where} use a different max_nodes or mode; "
-            f"the daemon is not started{detail}",
+        who = (
+            f"members {_names(m.offending)} of {where} use a different max_nodes or mode"
+            if m.offending
+            else f"the node list of {where} would differ"
         )
+        running = f.daemon.state == "RUNNING"
+        effect = "a running daemon is kept" if running else "the daemon is not started"
+        return _Verdict("False", "NodeMapMismatch", f"{who}; {effect}{detail}")
     if m.state == "member":
         return _Verdict(
             "True",
@@ -327,6 +331,17 @@ def _daemon(f: Facts) -> _Verdict:
     if not f.daemon_applicable:
         return _Verdict(
             "True", "NotApplicable", "empty clique (no multi-node NVLink): member without a daemon"
+        )
+    if not f.clique_known:
+        return _Verdict(
+            "False", "NotStarted", "waiting for the clique: NVML fabric discovery has not succeeded"
+        )
+    if f.membership.reason == "NodeMapMismatch" and d.state != "RUNNING":
+        return _Verdict(
+            "False",
+            "NodeMapMismatch",
+            "refusing to start: members would write different node lists "
+            f"({f.membership.detail or 'max_nodes or mode differ'})",
         )
     if d.reason == "ConflictingDaemon":
         return _Verdict("False", "ConflictingDaemon", d.message or "another IMEX daemon runs")

@@ -545,3 +545,34 @@ def test_heartbeat_unregister_and_unknown_names() -> None:
         hb.beat("nobody")
     with pytest.raises(ValueError, match="must be > 0"):
         hb.register("bad", 0)
+
+
+def test_daemon_waits_for_an_unknown_clique() -> None:
+    """Before NVML discovery succeeds the daemon is not applicable-by-default: it waits."""
+    facts = working(clique="", clique_known=False, daemon=DaemonFacts(state="STOPPED"))
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "NotStarted")
+    assert "waiting for the clique" in c.message
+    assert not health.ready(list(judge(facts).values()))
+
+
+def test_a_mismatch_keeps_the_daemon_from_starting_and_says_so() -> None:
+    """A node refusing to start over NodeMapMismatch says that, not just "not started"."""
+    facts = working(
+        membership=replace(working().membership, reason="NodeMapMismatch", offending=("n9",)),
+        daemon=DaemonFacts(state="STOPPED"),
+    )
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "NodeMapMismatch")
+    assert "refusing to start" in c.message
+    assert "not started" in cond(facts, "SlotSettled").message
+
+
+def test_a_mismatch_with_a_running_daemon_keeps_it() -> None:
+    """A running daemon is kept through a mismatch, and the message says so."""
+    facts = membership(reason="NodeMapMismatch", offending=(), detail="")
+    slot = cond(facts, "SlotSettled")
+    assert slot.reason == "NodeMapMismatch"
+    assert "a running daemon is kept" in slot.message
+    assert "members  of" not in slot.message
+    assert cond(facts, "DaemonReady").reason == "Ready"
