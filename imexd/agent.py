@@ -296,7 +296,10 @@ class Agent:
         try:
             self.state_store.save(state)
         except FileWriteError as exc:
+            self.metrics.count_write("state", ok=False)
             self.log.error("state.unwritable", error=str(exc))
+        else:
+            self.metrics.count_write("state", ok=True)
 
     # -- bus events -----------------------------------------------------------------
 
@@ -740,7 +743,7 @@ class Agent:
         )
         config_changed = await self._write(s.config_path, files.config)
         nodes_changed = await self._write(s.nodes_config_path, files.nodes_config)
-        await self._write(Path(hosts_path), files.hosts, in_place_ok=True)
+        await self._write(Path(hosts_path), files.hosts, in_place_ok=True, label="hosts")
         identity = (desired.domain, desired.clique, desired.slot)
         applied = Applied(
             config=files.config,
@@ -771,9 +774,11 @@ class Agent:
             await supervisor.ensure_started()
         self.probe_now.set()
 
-    async def _write(self, path: Path, content: str, *, in_place_ok: bool = False) -> bool:
+    async def _write(
+        self, path: Path, content: str, *, in_place_ok: bool = False, label: str | None = None
+    ) -> bool:
         """Write one file (retried by the caller on FileWriteError); True if it changed."""
-        name = path.name
+        name = label or path.name
         try:
             try:
                 await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 
 FILES: Final = ("config.cfg", "nodes_config.cfg", "hosts", "state")
 """The `file` label values pre-created at zero, so rates work from the first write."""
-PROBE_KINDS: Final = ("local", "domain", "ping")
+PROBE_KINDS: Final = ("local", "domain")
 """The `kind` label values of probe failures: `ctl -q`, `ctl -N -j`, bus round trip."""
 RECONCILE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
