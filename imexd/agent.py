@@ -43,7 +43,6 @@ from imexd.bus import (
     Disconnected,
     Event,
     Received,
-    Refused,
     Synced,
     WillSpec,
 )
@@ -326,7 +325,6 @@ class Agent:
             self.unconfirmed = set(self.records)
             self.confirm_by = None
             self._unsync()
-            self.log.info("bus.connected", broker=event.broker, protocol=event.protocol)
         elif isinstance(event, Disconnected):
             self._unsync()
             self._doubt_recent_deletions()
@@ -350,8 +348,7 @@ class Agent:
                 self.spec = None
             elif ref.kind == "assignment" and ref.node == self.node:
                 self.assigned_domain = None
-        elif isinstance(event, Refused):
-            self.log.warning("bus.publish_refused", topic=event.topic, detail=event.detail)
+        # Refused: the bus logged it (bus_publish_refused); the facts carry it below.
         self._refresh_bus_facts(bus)
         self.wake.set()
         self.changed.set()
