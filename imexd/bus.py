@@ -276,7 +276,7 @@ def _silent(exc: BaseException) -> bool:
     return not isinstance(exc, MqttConnectError) and "timed out" in str(exc)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
     parts: list[str] = []
     current: BaseException | None = exc
@@ -319,8 +319,62 @@ async def _unless(leave: asyncio.Event, operation: Coroutine[Any, Any, object]) 
     return True
 
 
-def _read_secret(path: str) -> str:
-    return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+def read_password(settings: BusSettings) -> str | None:
+    """The password from `password_file` (blocking), or None without a user name.
+
+    Read anew for every connection, so a rotated secret is picked up; never logged.
+    """
+    if not (settings.username and settings.password_file):
+        return None
+    try:
+        return Path(settings.password_file).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise BusError(
+            f"cannot read bus.password_file {settings.password_file}: {reason}"
+        ) from None
+
+
+def mqtt_client(
+    settings: BusSettings,
+    broker: BrokerURL,
+    *,
+    client_id: str,
+    v5: bool,
+    password: str | None,
+    timeout_s: float,
+    will: aiomqtt.Will | None = None,
+    properties: Properties | None = None,
+) -> aiomqtt.Client:
+    """An aiomqtt client for one connection attempt to `broker` (TLS, Unix socket, auth).
+
+    Every connection starts a fresh session: the agent's bus replays its state anyway,
+    and the control plane's links are short-lived.
+    """
+    tls = None
+    if broker.tls:
+        tls = aiomqtt.TLSParameters(
+            ca_certs=settings.ca_file or None,
+            certfile=settings.cert_file or None,
+            keyfile=settings.key_file or None,
+        )
+    unix = broker.scheme == "unix"
+    return aiomqtt.Client(
+        broker.path if unix else broker.host,
+        broker.port or 1883,
+        transport="unix" if unix else "tcp",
+        username=settings.username or None,
+        password=password,
+        identifier=client_id,
+        protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
+        will=will,
+        clean_session=None if v5 else True,
+        clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
+        properties=properties,
+        keepalive=max(1, round(settings.keepalive_s)),
+        timeout=timeout_s,
+        tls_params=tls,
+    )
 
 
 def _whole_seconds(seconds: float) -> int:
@@ -331,7 +385,7 @@ def _properties(packet_type: int) -> Properties:
     return Properties(packet_type)  # type: ignore[no-untyped-call] # paho leaves it untyped
 
 
-def _abort(client: aiomqtt.Client) -> None:
+def abort_client(client: aiomqtt.Client) -> None:
     """Drop the connection at once, without DISCONNECT.
 
     Without DISCONNECT the broker publishes our will (after its delay) if we do not come
@@ -346,7 +400,7 @@ def _abort(client: aiomqtt.Client) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-def _discard(client: aiomqtt.Client) -> None:
+def discard_client(client: aiomqtt.Client) -> None:
     """Close the socket of a client whose connect was cancelled, without callbacks.
 
     Cancelling aiomqtt's connect cancels its internal CONNACK future, after which its
@@ -644,7 +698,7 @@ class Bus:
                 if not await _unless(leave, self._subscribe(client, [topic_filter])):
                     return
             except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"subscribe failed: {_describe(exc)}")
+                self._declare_dead(client, f"subscribe failed: {describe_error(exc)}")
                 return
         await _unless(leave, self._resync(client))
 
@@ -662,7 +716,7 @@ class Bus:
             try:
                 await _unless(leave, client.unsubscribe(topic_filter))
             except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"unsubscribe failed: {_describe(exc)}")
+                self._declare_dead(client, f"unsubscribe failed: {describe_error(exc)}")
 
     async def retain(
         self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
@@ -686,7 +740,7 @@ class Bus:
             try:
                 await _unless(leave, self._put_retained(client, topic, entry))
             except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"publish to {topic} failed: {_describe(exc)}")
+                self._declare_dead(client, f"publish to {topic} failed: {describe_error(exc)}")
 
     async def publish(
         self,
@@ -711,7 +765,7 @@ class Bus:
                 properties=self._publish_properties(message_expiry_s),
             )
         except aiomqtt.MqttError as exc:
-            raise BusError(f"cannot publish to {topic}: {_describe(exc)}") from exc
+            raise BusError(f"cannot publish to {topic}: {describe_error(exc)}") from exc
 
     def set_will(self, will: WillSpec | None) -> None:
         """Change the Last Will (a domain switch moves the member topic).
@@ -769,7 +823,7 @@ class Bus:
                 self._connect_failed(self.brokers[index], str(exc))
             except Exception as exc:  # a bug: log it, keep the agent on the bus
                 self._log.exception("bus_session_crashed", broker=str(self.brokers[index]))
-                self._connect_failed(self.brokers[index], _describe(exc))
+                self._connect_failed(self.brokers[index], describe_error(exc))
             else:
                 rounds, left = 0, len(self.brokers)
                 continue  # a clean leave (new will, or close): reconnect at once, or stop
@@ -810,7 +864,7 @@ class Bus:
         try:
             await client.__aenter__()
         except aiomqtt.MqttError as exc:
-            _abort(client)
+            abort_client(client)
             if v5 and refuses_protocol(exc):
                 self._v311.add(index)
                 self._log.warning(
@@ -826,9 +880,9 @@ class Bus:
                 self._try_v311.add(index)
                 raise _ProtocolRefusedError(str(exc)) from None
             self._try_v311.discard(index)
-            raise BusError(f"cannot connect to {broker}: {_describe(exc)}") from None
+            raise BusError(f"cannot connect to {broker}: {describe_error(exc)}") from None
         except BaseException:
-            _discard(client)
+            discard_client(client)
             raise
         if index in self._try_v311:
             self._try_v311.discard(index)
@@ -856,9 +910,9 @@ class Bus:
         except BaseException as exc:
             # A failed link gets no DISCONNECT: the broker then publishes our will if we
             # stay away, and a DISCONNECT arriving late cannot keep a stale record alive.
-            _abort(client)
+            abort_client(client)
             if not isinstance(exc, _LinkLostError):
-                reason = _describe(exc)
+                reason = describe_error(exc)
             raise
         finally:
             if clean:
@@ -871,15 +925,7 @@ class Bus:
     ) -> aiomqtt.Client:
         """An aiomqtt client for one attempt; the password is read anew for each."""
         s = self.settings
-        password: str | None = None
-        if s.username and s.password_file:
-            try:
-                password = await asyncio.to_thread(_read_secret, s.password_file)
-            except (OSError, UnicodeError) as exc:
-                reason = getattr(exc, "strerror", None) or type(exc).__name__
-                raise BusError(
-                    f"cannot read bus.password_file {s.password_file}: {reason}"
-                ) from None
+        password = await asyncio.to_thread(read_password, s)
         aio_will: aiomqtt.Will | None = None
         connect_properties: Properties | None = None
         if v5:
@@ -897,28 +943,15 @@ class Bus:
             aio_will = aiomqtt.Will(
                 will.topic, payload=None, qos=QOS, retain=True, properties=will_properties
             )
-        tls = None
-        if broker.tls:
-            tls = aiomqtt.TLSParameters(
-                ca_certs=s.ca_file or None, certfile=s.cert_file or None, keyfile=s.key_file or None
-            )
-        unix = broker.scheme == "unix"
-        return aiomqtt.Client(
-            broker.path if unix else broker.host,
-            broker.port or 1883,
-            transport="unix" if unix else "tcp",
-            username=s.username or None,
+        return mqtt_client(
+            s,
+            broker,
+            client_id=self.client_id,
+            v5=v5,
             password=password,
-            identifier=self.client_id,
-            protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
+            timeout_s=self._timeout_s,
             will=aio_will,
-            # Every connection starts a fresh session: the bus replays its state anyway.
-            clean_session=None if v5 else True,
-            clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
             properties=connect_properties,
-            keepalive=max(1, round(s.keepalive_s)),
-            timeout=self._timeout_s,
-            tls_params=tls,
         )
 
     async def _read(self, client: aiomqtt.Client) -> None:
@@ -927,7 +960,7 @@ class Bus:
             async for message in client.messages:
                 self._dispatch(message.topic.value, message.payload, retained=message.retain)
         except aiomqtt.MqttError as exc:
-            raise _LinkLostError(_describe(exc)) from None
+            raise _LinkLostError(describe_error(exc)) from None
 
     async def _serve(
         self, client: aiomqtt.Client, leave: asyncio.Event, reader: asyncio.Task[None]
@@ -951,9 +984,9 @@ class Bus:
         except (aiomqtt.MqttError, _LinkLostError) as exc:
             # Drop the link and let the reader end the session: it takes aiomqtt's
             # disconnect result, which would otherwise be left unread.
-            self._kill(client, _describe(exc))
+            self._kill(client, describe_error(exc))
             await asyncio.wait({reader}, timeout=self._timeout_s)
-            raise _LinkLostError(_describe(exc)) from None
+            raise _LinkLostError(describe_error(exc)) from None
         reader.cancel()
 
     async def _subscribe(self, client: aiomqtt.Client, filters: Iterable[str]) -> None:
@@ -1017,8 +1050,8 @@ class Bus:
             async with asyncio.timeout(self._close_timeout_s):
                 await client.__aexit__(None, None, None)
         except (aiomqtt.MqttError, TimeoutError) as exc:
-            self._log.warning("bus_disconnect_unclean", error=_describe(exc))
-            _abort(client)
+            self._log.warning("bus_disconnect_unclean", error=describe_error(exc))
+            abort_client(client)
 
     # State changes and incoming messages.
 
@@ -1035,7 +1068,7 @@ class Bus:
         if self._dead_reason is None:
             self._dead_reason = reason
         self._gone.set()
-        _abort(client)
+        abort_client(client)
 
     def _link_up(self, broker: BrokerURL, *, v5: bool, will: WillSpec | None) -> None:
         if self._ever_connected:

@@ -44,7 +44,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -56,11 +55,21 @@ from typing import Any, Final, Literal, Self, TextIO
 
 import aiomqtt
 import msgspec
-import paho.mqtt.client as paho
 from paho.mqtt.reasoncodes import ReasonCode
 
 from imexd import health as hl
-from imexd.bus import Deleted, Received, decode_message, refuses_protocol, topic_matches
+from imexd.bus import (
+    Deleted,
+    Received,
+    abort_client,
+    decode_message,
+    describe_error,
+    discard_client,
+    mqtt_client,
+    read_password,
+    refuses_protocol,
+    topic_matches,
+)
 from imexd.errors import BusError
 from imexd.settings import (
     BrokerURL,
@@ -759,32 +768,6 @@ def default_client_id() -> str:
     return f"imexd-control-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _why(exc: BaseException) -> str:
-    """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
-    parts: list[str] = []
-    current: BaseException | None = exc
-    while current is not None and len(parts) < 4:
-        text = str(current) or type(current).__name__
-        if text not in parts:
-            parts.append(text)
-        current = current.__cause__
-    return ": ".join(parts)
-
-
-def _abort(client: aiomqtt.Client) -> None:
-    """Drop a connection at once (no DISCONNECT): shutting the socket wakes aiomqtt's reader."""
-    sock = client._client.socket()
-    if isinstance(sock, socket.socket):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
-def _discard(client: aiomqtt.Client) -> None:
-    """Close the socket of a client whose connect was cancelled, without its callbacks
-    (as `imexd.bus` does: aiomqtt's disconnect callback fails after a cancelled connect)."""
-    client._client._sock_close()
-
-
 class Link:
     """One short-lived MQTT connection of the control plane (an async context manager).
 
@@ -863,7 +846,7 @@ class Link:
                 async with asyncio.timeout(self.timeout_s):
                     await client.__aexit__(None, None, None)
             except (aiomqtt.MqttError, TimeoutError):
-                _abort(client)
+                abort_client(client)
         self._client = None
 
     async def _connect(self, broker: BrokerURL) -> aiomqtt.Client:
@@ -874,52 +857,32 @@ class Link:
                 async with asyncio.timeout(self.connect_timeout_s):
                     await client.__aenter__()
             except TimeoutError:
-                _discard(client)
+                discard_client(client)
                 raise BusError(
                     f"cannot connect to {broker}: no answer within {self.connect_timeout_s:g} s"
                 ) from None
             except aiomqtt.MqttError as exc:
-                _abort(client)
+                abort_client(client)
                 if v5 and refuses_protocol(exc):
                     continue
-                raise BusError(f"cannot connect to {broker}: {_why(exc)}") from None
+                raise BusError(f"cannot connect to {broker}: {describe_error(exc)}") from None
             except BaseException:
-                _discard(client)
+                discard_client(client)
                 raise
             return client
         raise BusError(f"cannot connect to {broker}: it refuses MQTT 5 and 3.1.1")
 
     def _password(self) -> str | None:
-        s = self.settings
-        if not (s.username and s.password_file):
-            return None
-        try:
-            return Path(s.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-        except (OSError, UnicodeError) as exc:
-            reason = getattr(exc, "strerror", None) or type(exc).__name__
-            raise BusError(f"cannot read bus.password_file {s.password_file}: {reason}") from None
+        return read_password(self.settings)
 
     def _new_client(self, broker: BrokerURL, *, v5: bool, password: str | None) -> aiomqtt.Client:
-        s = self.settings
-        tls = None
-        if broker.tls:
-            tls = aiomqtt.TLSParameters(
-                ca_certs=s.ca_file or None, certfile=s.cert_file or None, keyfile=s.key_file or None
-            )
-        unix = broker.scheme == "unix"
-        return aiomqtt.Client(
-            broker.path if unix else broker.host,
-            broker.port or 1883,
-            transport="unix" if unix else "tcp",
-            username=s.username or None,
+        return mqtt_client(
+            self.settings,
+            broker,
+            client_id=self.client_id,
+            v5=v5,
             password=password,
-            identifier=self.client_id,
-            protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
-            clean_session=None if v5 else True,
-            clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
-            keepalive=max(1, round(s.keepalive_s)),
-            timeout=self.timeout_s,
-            tls_params=tls,
+            timeout_s=self.timeout_s,
         )
 
     # Incoming messages.
@@ -938,7 +901,7 @@ class Link:
                 )
             self.lost = "the broker closed the connection"
         except aiomqtt.MqttError as exc:
-            self.lost = _why(exc)
+            self.lost = describe_error(exc)
         for echo in self._echoes.values():
             if not echo.done():
                 echo.set_exception(BusError(f"lost the broker {self.broker}: {self.lost}"))
@@ -980,7 +943,7 @@ class Link:
                 await client.subscribe([(f, 1) for f in filters], timeout=self.timeout_s)
             )
         except aiomqtt.MqttError as exc:
-            raise BusError(f"cannot subscribe at {self.broker}: {_why(exc)}") from None
+            raise BusError(f"cannot subscribe at {self.broker}: {describe_error(exc)}") from None
         for topic_filter, code in zip(filters, codes, strict=False):
             value = code.value if isinstance(code, ReasonCode) else code
             if value >= 0x80:
@@ -1014,7 +977,7 @@ class Link:
                 "the broker must let the control plane read and write it (ACL)"
             ) from None
         except aiomqtt.MqttError as exc:
-            raise BusError(f"cannot publish to {self.broker}: {_why(exc)}") from None
+            raise BusError(f"cannot publish to {self.broker}: {describe_error(exc)}") from None
         finally:
             self._echoes.pop(seq, None)
 
@@ -1029,7 +992,7 @@ class Link:
         try:
             await client.publish(topic, payload, qos=1, retain=True, timeout=self.timeout_s)
         except aiomqtt.MqttError as exc:
-            raise BusError(f"cannot publish to {topic}: {_why(exc)}") from None
+            raise BusError(f"cannot publish to {topic}: {describe_error(exc)}") from None
 
     async def verify(self, written: Mapping[str, bytes]) -> list[str]:
         """The topics of `written` whose last message is not what we put there.
