@@ -446,18 +446,22 @@ class _Echoes:
     """Which retained publications still wait to come back, and which never did.
 
     A publication counts as accepted when the same payload arrives on its topic within
-    `timeout` seconds (live, or from a snapshot); otherwise it is refused until a later
-    publication on that topic comes back.
+    `timeout` seconds (live, or from a snapshot); otherwise it is refused until it, or a
+    later publication on that topic, comes back: a slow broker or a loaded node only
+    delays the echo, and the late echo clears the verdict.
     """
 
     def __init__(self, timeout: float, on_refused: Callable[[str], None]) -> None:
         self._timeout = timeout
         self._on_refused = on_refused
         self._pending: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
+        self._late: dict[str, bytes] = {}
+        """Payloads that timed out: their echo may still arrive and clear `refused`."""
         self.refused: set[str] = set()
 
     def expect(self, topic: str, payload: bytes) -> None:
         self._cancel(topic)
+        self._late.pop(topic, None)
         handle = asyncio.get_running_loop().call_later(self._timeout, self._expired, topic)
         self._pending[topic] = (payload, handle)
 
@@ -466,11 +470,15 @@ class _Echoes:
         if waiting is not None and waiting[0] == payload:
             self._cancel(topic)
             self.refused.discard(topic)
+        elif self._late.get(topic) == payload:
+            del self._late[topic]
+            self.refused.discard(topic)
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Stop tracking topics no longer covered by our subscriptions."""
         for topic in [t for t in self._pending if not keep(t)]:
             self._cancel(topic)
+        self._late = {t: p for t, p in self._late.items() if keep(t)}
         self.refused = {t for t in self.refused if keep(t)}
 
     def reset(self) -> None:
@@ -484,7 +492,9 @@ class _Echoes:
             waiting[1].cancel()
 
     def _expired(self, topic: str) -> None:
-        self._pending.pop(topic, None)
+        waiting = self._pending.pop(topic, None)
+        if waiting is not None:
+            self._late[topic] = waiting[0]
         self.refused.add(topic)
         self._on_refused(topic)
 

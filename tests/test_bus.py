@@ -39,6 +39,7 @@ from imexd.bus import (
     Refused,
     Synced,
     WillSpec,
+    _Echoes,
     backoff_delay,
     decode_message,
     refuses_protocol,
@@ -896,3 +897,17 @@ async def test_mqtts_with_a_client_certificate(tmp_path: Path) -> None:
             assert bus.broker == f"mqtts://127.0.0.1:{tls_port}"
     finally:
         broker.stop()
+
+
+async def test_a_late_echo_clears_the_refused_verdict() -> None:
+    """An echo that arrives after the timeout takes the PublishRefused verdict back."""
+    refused: list[str] = []
+    echoes = _Echoes(0.05, refused.append)
+    echoes.expect("t", b"A")
+    await asyncio.sleep(0.15)
+    assert echoes.refused == {"t"}
+    assert refused == ["t"]
+    echoes.seen("t", b"other")
+    assert echoes.refused == {"t"}
+    echoes.seen("t", b"A")
+    assert echoes.refused == set()
