@@ -77,6 +77,8 @@ DISCOVERY_RETRY_S: Final = 30.0
 """Retry delay after a failed discovery (shorter than discover_interval_s)."""
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
+DOMAIN_PROBE_AFTER_CHANGE_S: Final = 1.0
+"""Delay of the extra domain probe after a change of members."""
 SHUTDOWN_MARGIN_S: Final = 5.0
 """Added to [daemon] stop_timeout_s to bound the whole shutdown."""
 DOUBT_S: Final = 1.0
@@ -178,6 +180,7 @@ class Agent:
         self.probe_error = ""
         self.domain_probe: hl.DomainProbe | None = None
         self.probe_now = asyncio.Event()
+        self.domain_probe_at: float | None = None
         self.changed = asyncio.Event()
         self.report_lock = asyncio.Lock()
         """Held while a report is published and while our records are cleared, so that
@@ -769,7 +772,11 @@ class Agent:
             supervisor.request_reload("members changed")
         else:
             await supervisor.ensure_started()
-        self.probe_now.set()
+        # A new daemon is probed when it turns RUNNING (_on_daemon_change). For a change
+        # of members, one domain probe a little later sees the links come and go: probing
+        # at once would only make every node spawn ctl processes (and -N asks every peer)
+        # at the same instant, before the paced SIGUSR1 even reached the daemon.
+        self.domain_probe_at = time.monotonic() + DOMAIN_PROBE_AFTER_CHANGE_S
 
     async def _write(
         self, path: Path, content: str, *, in_place_ok: bool = False, label: str | None = None
@@ -842,6 +849,9 @@ class Agent:
             if now >= next_local:
                 next_local = now + s.daemon.probe_interval_s
                 await self._probe_local()
+            if self.domain_probe_at is not None and now >= self.domain_probe_at:
+                self.domain_probe_at = None
+                next_domain = now
             if now >= next_domain:
                 next_domain = now + s.daemon.domain_probe_interval_s
                 await self._probe_domain()
