@@ -662,6 +662,15 @@ class Result:
     error: str = ""
     load: str = ""
 
+    @property
+    def anomalous(self) -> bool:
+        """A failure the logs should explain (kept even without --keep): an error, a
+        daemon started more than once, or a node never ready."""
+        return bool(self.error) or any(
+            f.ok is False and f.name.startswith(("daemon starts", "formation: nodes never"))
+            for f in self.figures
+        )
+
     def add(
         self,
         name: str,
@@ -1214,6 +1223,9 @@ class Run:
         if proc is None:
             raise BenchError("idle: the agent process is gone")
         me = psutil.Process()
+        # The loop-lag probe wakes 100 times a second: not while this process's CPU counts.
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         counts0 = await self.monitor.snapshot()
         busy = cpu_busy()
         t0 = time.monotonic()
@@ -1273,6 +1285,7 @@ class Run:
             f"{d.packets_in / elapsed:.2f} /s (pings, reports, keep-alives)",
         )
         r.add("idle: machine CPU busy", busy(), "cores", note="daemons, probes, broker, agents")
+        self._lag_task = asyncio.create_task(self.lag.run(), name="loop-lag")
 
     # Teardown.
 
@@ -1397,7 +1410,9 @@ async def bench(opts: Options, base: Path, log_out: TextIO) -> list[Result]:
                     await run.close()
                 print_result(run.result)
                 capture_runs.append(run.result)
-                if not opts.keep:
+                if run.result.anomalous:
+                    print(f"  kept {root} and {base / 'agents.log'} to investigate")
+                elif not opts.keep:
                     shutil.rmtree(root, ignore_errors=True)
     return capture_runs
 
@@ -1510,10 +1525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         sweep(base)
-        if not opts.keep:
-            shutil.rmtree(base, ignore_errors=True)
-        else:
+        if opts.keep or any(r.anomalous for r in results):
             print(f"kept {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     print_summary(results)
     if opts.json_out is not None:
         data = [
