@@ -745,6 +745,13 @@ class Agent:
         nodes_changed = await self._write(s.nodes_config_path, files.nodes_config)
         await self._write(Path(hosts_path), files.hosts, in_place_ok=True, label="hosts")
         identity = (desired.domain, desired.clique, desired.slot)
+        now_desired = self.desired
+        if self.applied is None and (now_desired.run, now_desired.slot) != (True, desired.slot):
+            # Membership moved our slot (or called the start off) while the files were
+            # written: never start a daemon on a slot we may no longer hold. The change
+            # set `dirty`, so the next round writes and starts on the current view.
+            self.log.info("reconcile.superseded", slot=desired.slot, now=now_desired.slot)
+            return
         applied = Applied(
             config=files.config,
             nodes_config=files.nodes_config,
