@@ -297,7 +297,8 @@ class DomainSettings:
     settle_s: float = _setting(
         0.2,
         "Seconds a slot claim must stand unchallenged, and the window that coalesces a "
-        "burst of membership changes before files are rewritten.",
+        "burst of membership changes before files are rewritten. Keep it above twice the "
+        "broker's delivery time, or two nodes may settle one slot.",
         _nonneg,
     )
 
