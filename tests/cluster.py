@@ -429,6 +429,19 @@ class BusClient:
         with self._lock:
             return {t: p for t, p in self._messages if t != marker and p}
 
+    def record(self, topic_filter: str) -> Self:
+        """Keep every message on `topic_filter` from now on, in arrival order (`seen`)."""
+        result, mid = self._client.subscribe([(topic_filter, 1)])
+        assert result == paho.MQTT_ERR_SUCCESS
+        assert mid is not None
+        wait_for(lambda: self._has_suback(mid), timeout=self.timeout)
+        return self
+
+    def seen(self) -> list[tuple[str, bytes]]:
+        """Every message received so far (since the last `retained`)."""
+        with self._lock:
+            return list(self._messages)
+
     def _has_suback(self, mid: int) -> bool:
         with self._lock:
             return mid in self._subacks

@@ -11,25 +11,20 @@ upper bound; each test takes well under 40 s on an idle machine.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
-import paho.mqtt.client as paho
 import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
-from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import FAST, Cluster, Node
+from tests.cluster import FAST, BusClient, Cluster, Node
 from tests.support import wait_for
 from tests.test_control import IMEXD
 
@@ -223,48 +218,6 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
     assert up.returncode == 0, up.stdout + up.stderr
 
 
-class Recorder:
-    """Every message on a topic filter, in arrival order (a paho client on its own thread)."""
-
-    _ids = itertools.count()
-
-    def __init__(self, c: Cluster, topic_filter: str) -> None:
-        self.messages: list[tuple[str, bytes]] = []
-        self._lock = threading.Lock()
-        self._subscribed = threading.Event()
-        self._client = paho.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=f"recorder-{os.getpid()}-{next(self._ids)}",
-            protocol=paho.MQTTv5,
-        )
-        self._client.on_message = self._on_message
-        self._client.on_subscribe = lambda *_: self._subscribed.set()
-        self._client.connect(c.broker.host, c.broker.port)
-        self._client.loop_start()
-        self._client.subscribe(topic_filter, qos=1)
-        assert self._subscribed.wait(10), "no SUBACK"
-
-    def _on_message(self, _client: Any, _userdata: Any, message: paho.MQTTMessage) -> None:
-        with self._lock:
-            self.messages.append((message.topic, bytes(message.payload)))
-
-    def seen(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            return list(self.messages)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._client.disconnect()
-        self._client.loop_stop()
-
-
 def reports_after_leaving(seen: list[tuple[str, bytes]], names: list[str]) -> list[str]:
     """Health reports of `names` published after their member record was cleared."""
     late = []
@@ -292,7 +245,7 @@ def test_an_agent_publishes_no_report_after_it_left_a_deleted_domain(c: Cluster)
     # publishing it again after a reconnect. Fixed by stopping reports before the clears.
     nodes = form_d1(c)
     assert len(nodes) == 3
-    with Recorder(c, "imex/v1/domains/d1/#") as recorder:
+    with BusClient(c.broker).record("imex/v1/domains/d1/#") as recorder:
         # Mark d1 as deleting without clearing anything afterwards: only the agents act.
         deleting = json.loads(retained(c, "imex/v1/domains/d1/spec")["imex/v1/domains/d1/spec"])
         deleting |= {"state": "deleting", "generation": deleting["generation"] + 1}
@@ -314,7 +267,7 @@ def test_an_agent_publishes_no_report_after_it_left_a_deleted_domain(c: Cluster)
 def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) -> None:
     """`node unassign` makes the agent leave d1 for good: no report of it in d1 follows."""
     form_d1(c)
-    with Recorder(c, "imex/v1/domains/d1/#") as recorder:
+    with BusClient(c.broker).record("imex/v1/domains/d1/#") as recorder:
         done = imexd(c, "node", "unassign", "n1")
         assert done.returncode == 0, done.stderr
         assert "node n1: unassigned (was d1)" in done.stdout
