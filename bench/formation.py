@@ -87,7 +87,7 @@ import structlog
 
 from imexd.agent import Agent
 from imexd.render import parse_hosts_block
-from imexd.settings import Settings, settings_from_mapping
+from imexd.settings import Settings, render_toml, settings_from_mapping
 
 VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"
@@ -383,29 +383,6 @@ class LoopLag:
 
 
 # Nodes ---------------------------------------------------------------------------------
-
-
-def render_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int | float):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(v)
-
-    lines: list[str] = []
-    for name, table in sections.items():
-        lines.append(f"[{name}]")
-        subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
-        lines += [f"{k} = {value(v)}" for k, v in table.items() if not isinstance(v, Mapping)]
-        for sub, entries in subtables.items():
-            lines.append(f"[{name}.{sub}]")
-            lines += [f"{k} = {value(v)}" for k, v in entries.items()]
-    return "\n".join(lines) + "\n"
 
 
 class Node:

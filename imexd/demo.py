@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -49,7 +48,7 @@ import aiohttp
 import psutil
 
 from imexd.errors import ConfigError, ImexdError
-from imexd.settings import load_settings, parse_broker_url
+from imexd.settings import load_settings, parse_broker_url, render_toml
 
 DOMAIN: Final = "demo"
 """The one static domain every simulated node joins."""
@@ -333,32 +332,6 @@ def table_lines(rows: Sequence[Row], *, color: bool = False, width: int = 0) -> 
 
 
 # Small pieces of plumbing.
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-def render_toml(sections: Mapping[str, Mapping[str, object]]) -> str:
-    """A settings file from nested mappings (sub-tables one level deep: [imex.env])."""
-    lines: list[str] = []
-    for section, table in sections.items():
-        lines.append(f"[{section}]")
-        subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if k not in subtables]
-        for name, sub in subtables.items():
-            lines.append(f"[{section}.{name}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
-        lines.append("")
-    return "\n".join(lines)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,6 +10,7 @@ shipped `config/imexd.toml` and `docs/configuration.md` list every one of them.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import os
 import re
@@ -728,17 +729,35 @@ def default_address() -> str:
     return "127.0.0.1"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One TOML value: booleans, numbers, strings, lists and (inline) tables."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, tuple | list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    items = ", ".join(f"{k} = {_toml_value(v)}" for k, v in dict(value).items())
-    return "{" + (f" {items} " if items else "") + "}"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
+        return "{" + (f" {items} " if items else "") + "}"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def render_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """A settings file from nested mappings; a mapping inside a section becomes a
+    sub-table such as [imex.env]. For the demo, the benchmark and the tests."""
+    lines: list[str] = []
+    for section, table in sections.items():
+        lines.append(f"[{section}]")
+        subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if k not in subtables]
+        for name, sub in subtables.items():
+            lines.append(f"[{section}.{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in sub.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 HOST_SPECIFIC = {("node", "name"), ("node", "address")}
@@ -762,9 +781,9 @@ def example_toml() -> str:
         lines += [f"# {line}" for line in _wrap(info.doc, 86)]
         if (info.section, info.key) in HOST_SPECIFIC:
             example = "gpu-node-01" if info.key == "name" else "10.0.0.11"
-            lines.append(f"# {info.key} = {_toml_value(example)}")
+            lines.append(f"# {info.key} = {toml_value(example)}")
         else:
-            lines.append(f"{info.key} = {_toml_value(info.default)}")
+            lines.append(f"{info.key} = {toml_value(info.default)}")
     return "\n".join(lines) + "\n"
 
 
@@ -796,7 +815,7 @@ def reference_markdown() -> str:
             if (info.section, info.key) == ("node", "name")
             else "auto"
             if (info.section, info.key) == ("node", "address")
-            else _toml_value(info.default)
+            else toml_value(info.default)
         )
         doc = info.doc.replace("|", "\\|")
         out.append(f"| `{info.key}` | `{info.env}` | `{default}` | {doc} |")

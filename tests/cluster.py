@@ -29,6 +29,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.render import parse_hosts_block
+from imexd.settings import render_toml
 from tests.support import Broker, free_port, loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
@@ -63,35 +64,6 @@ FAST: dict[str, dict[str, Any]] = {
 Probes stay at one a second: each is a Python process (~0.1 s of CPU), and faster ones
 from several nodes would starve a two-core machine; a change triggers a probe at once.
 """
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(value)
-
-
-def render_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """A settings file from nested dicts (tables one level deep: [imex.env])."""
-    lines: list[str] = []
-    for section, table in sections.items():
-        lines.append(f"[{section}]")
-        subtables: dict[str, Mapping[str, Any]] = {}
-        for key, value in table.items():
-            if isinstance(value, Mapping):
-                subtables[key] = value
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        for name, sub in subtables.items():
-            lines.append(f"[{section}.{name}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in sub.items())
-    return "\n".join(lines) + "\n"
 
 
 def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any]]) -> None:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,17 +134,6 @@ def test_table_lines_align_and_fit_the_terminal() -> None:
     assert "running alone" in lines[2]
     assert "IMEX keeps running without its agent" in lines[2]
     assert all(len(line) <= 40 for line in demo.table_lines(rows, width=40))
-
-
-def test_render_toml_is_read_back_by_tomllib() -> None:
-    """The agents' settings files parse to what the demo meant, sub-tables included."""
-    text = demo.render_toml(
-        {"bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0}, "imex": {"env": {"A": "b"}}}
-    )
-    assert tomllib.loads(text) == {
-        "bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0},
-        "imex": {"env": {"A": "b"}},
-    }
 
 
 def test_choose_broker_prefers_mosquitto_and_falls_back_to_amqtt(tmp_path: Path) -> None:

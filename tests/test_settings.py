@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from imexd.settings import (
     load_settings,
     parse_broker_url,
     reference_markdown,
+    render_toml,
     settings_from_mapping,
 )
 
@@ -269,3 +271,14 @@ def test_cli_config_prints_effective_values(tmp_path: Path) -> None:
     )
     assert "node.name = 'gpu-7'" in proc.stdout
     assert "domain.max_nodes = 18" in proc.stdout
+
+
+def test_render_toml_is_read_back_by_tomllib() -> None:
+    """Generated settings files parse back to the mappings they came from, sub-tables included."""
+    text = render_toml(
+        {"bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0}, "imex": {"env": {"A": "b"}}}
+    )
+    assert tomllib.loads(text) == {
+        "bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0},
+        "imex": {"env": {"A": "b"}},
+    }
