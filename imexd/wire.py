@@ -21,6 +21,13 @@ MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
 NO_CLIQUE_TOPIC: Final = "none"
 """The topic level standing for an empty clique (nodes without multi-node NVLink)."""
+EMPTY_SLOT_ADDRESS: Final = "127.0.0.2"
+"""Where the host name of an empty slot points (render.py writes it), never a node's address.
+
+An unresolvable name makes IMEX retry DNS for it forever; a loopback address nothing
+listens on fails fast and locally instead. It lives here, the leaf both the wire check
+and the renderer import, so that no record can carry it.
+"""
 
 NodeName = Annotated[
     str,
@@ -54,6 +61,36 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Mode = Literal["names", "addresses"]
 
 
+def address_problem(address: str) -> str | None:
+    """None when `address` may be a node's address on the bus and in files, else why not.
+
+    Allowed: an IPv4 address, or an IPv6 address without a zone id, written exactly as
+    `str(ipaddress.ip_address(address))` prints it, so that one address has one spelling
+    and a hosts line holds nothing but it. Refused: anything else, the unspecified and
+    multicast addresses (no peer can reach a node there), IPv4-mapped IPv6 addresses (use
+    the IPv4 address; Python versions print them differently) and EMPTY_SLOT_ADDRESS.
+    The texts quote the address with repr(), so a hostile one cannot forge log lines.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return f"address {address!r} is not an IP address"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id is not None:
+            return f"address {address!r} has a zone id"
+        if ip.ipv4_mapped is not None:
+            return f"address {address!r} is IPv4-mapped: use {str(ip.ipv4_mapped)!r}"
+    if str(ip) != address:
+        return f"address {address!r} is not canonical: write {str(ip)!r}"
+    if ip.is_unspecified:
+        return f"address {address!r} is unspecified"
+    if ip.is_multicast:
+        return f"address {address!r} is multicast"
+    if address == EMPTY_SLOT_ADDRESS:
+        return f"address {address!r} is the empty-slot sentinel"
+    return None
+
+
 class MemberState(StrEnum):
     """Where a node stands in its (domain, clique)."""
 
@@ -77,12 +114,15 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     max_nodes: MaxNodes
     mode: Mode
     driver: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    settled: float | None = None
+    """Wall-clock seconds when this node's claim settled into `member`, kept unchanged
+    while it stays a member (also across agent restarts); None for claims, standby and
+    agents that predate the field. Earlier wins a slot two members hold (membership.py)."""
 
     def __post_init__(self) -> None:
-        try:
-            ipaddress.ip_address(self.address)
-        except ValueError:
-            raise ValueError(f"address {self.address!r} is not an IP address") from None
+        problem = address_problem(self.address)
+        if problem is not None:
+            raise ValueError(problem)
         if self.slot is not None and self.slot >= self.max_nodes:
             raise ValueError(f"slot {self.slot} is not below max_nodes {self.max_nodes}")
         if self.state in (MemberState.CLAIMING, MemberState.MEMBER) and self.slot is None:
@@ -139,7 +179,13 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
     daemon: DaemonInfo
     domain_view: DomainView | None = None
     address: str = ""
+    """The node's address, or "" when unknown; checked like MemberRecord.address."""
     driver: str = ""
+
+    def __post_init__(self) -> None:
+        problem = address_problem(self.address) if self.address else None
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,8 +215,30 @@ class Ping(msgspec.Struct, frozen=True, kw_only=True):
     sent: float
 
 
-Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping
-P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping)
+class Presence(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent's retained word on `{p}/nodes/{node}/presence` that it runs on `node`.
+
+    Written whatever the node does (also while it is in no domain), so the control plane
+    can tell a node that an agent reported from a typo; `at` says when.
+    """
+
+    v: Literal[1] = 1
+    node: NodeName
+    incarnation: Count
+    at: float
+    """Wall-clock seconds when the agent wrote this."""
+    domain: DomainName | None
+    """The domain the agent is in, None when it is in none."""
+    address: Annotated[str, msgspec.Meta(max_length=64, description="IPv4 or IPv6 address")]
+
+    def __post_init__(self) -> None:
+        problem = address_problem(self.address)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence
+P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence)
 
 
 class DropReason(StrEnum):
@@ -181,6 +249,8 @@ class DropReason(StrEnum):
     NOT_OBJECT = "not_object"
     VERSION = "version"
     SCHEMA = "schema"
+    ADDRESS = "address"
+    """A well-formed payload whose address is refused (`address_problem`)."""
     TOPIC_MISMATCH = "topic_mismatch"
     UNKNOWN_TOPIC = "unknown_topic"
 
@@ -209,6 +279,11 @@ def decode(payload: bytes, kind: type[P]) -> P | Dropped:
         return Dropped(DropReason.NOT_OBJECT, f"a JSON {type(obj).__name__}, not an object")
     if obj.get("v") != VERSION:
         return Dropped(DropReason.VERSION, f"v = {obj.get('v')!r}, expected {VERSION}")
+    address = obj.get("address")
+    if "address" in kind.__struct_fields__ and isinstance(address, str) and address:
+        problem = address_problem(address)
+        if problem is not None:
+            return Dropped(DropReason.ADDRESS, problem)
     try:
         return msgspec.convert(obj, kind)
     except msgspec.ValidationError as exc:
@@ -228,7 +303,7 @@ def to_builtins(payload: Payload) -> Any:
 def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
-    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment):
+    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence):
         schema = msgspec.json.schema(cls)
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
@@ -287,6 +362,12 @@ class Topics:
     def ping(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/ping"
 
+    def presence(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/presence"
+
+    def presences_filter(self) -> str:
+        return f"{self.prefix}/nodes/+/presence"
+
     def parse(self, topic: str) -> TopicRef | None:
         """What a topic under this prefix addresses, or None for a foreign topic."""
         head = self.prefix + "/"
@@ -305,6 +386,8 @@ class Topics:
                 return TopicRef("assignment", node=node)
             case ["nodes", node, "ping"]:
                 return TopicRef("ping", node=node)
+            case ["nodes", node, "presence"]:
+                return TopicRef("presence", node=node)
         return None
 
 
@@ -312,7 +395,7 @@ class Topics:
 class TopicRef:
     """The parts of a parsed topic."""
 
-    kind: Literal["member", "health", "spec", "assignment", "ping"]
+    kind: Literal["member", "health", "spec", "assignment", "ping", "presence"]
     domain: str = ""
     clique: str = ""
     node: str = ""
@@ -340,4 +423,6 @@ def check_topic(ref: TopicRef, payload: Payload) -> str | None:
             return f"spec says {payload.domain}, topic says {ref.domain}"
     elif isinstance(payload, Ping) and payload.node != ref.node:
         return f"ping says {payload.node}, topic says {ref.node}"
+    elif isinstance(payload, Presence) and payload.node != ref.node:
+        return f"presence says {payload.node}, topic says {ref.node}"
     return None

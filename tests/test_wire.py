@@ -1,0 +1,231 @@
+"""The wire contract: addresses checked at the boundary, the presence record, topics."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from imexd.wire import (
+    EMPTY_SLOT_ADDRESS,
+    Dropped,
+    DropReason,
+    HealthReport,
+    MemberRecord,
+    Presence,
+    TopicRef,
+    Topics,
+    address_problem,
+    check_topic,
+    decode,
+    encode,
+    json_schemas,
+)
+
+TOPICS = Topics("imex/v1")
+INJECTED = "fe80::1%x\n10.66.6.6 imex-00000000-0000 login-node"
+
+
+def member(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "node": "n1",
+        "domain": "d1",
+        "clique": "c.1",
+        "address": "10.0.0.1",
+        "slot": 0,
+        "incarnation": 1,
+        "state": "member",
+        "max_nodes": 8,
+        "mode": "names",
+    }
+    body.update(fields)
+    return body
+
+
+def health(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "node": "n1",
+        "domain": "d1",
+        "clique": "c.1",
+        "slot": 0,
+        "incarnation": 1,
+        "at": 1.0,
+        "ready": True,
+        "conditions": [],
+        "daemon": {"state": "RUNNING"},
+    }
+    body.update(fields)
+    return body
+
+
+def raw(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode()
+
+
+BAD_ADDRESSES = [
+    (EMPTY_SLOT_ADDRESS, "sentinel"),
+    (INJECTED, "zone id"),
+    ("fe80::1%eth0", "zone id"),
+    ("0.0.0.0", "unspecified"),
+    ("::", "unspecified"),
+    ("224.0.0.1", "multicast"),
+    ("ff02::1", "multicast"),
+    ("2001:DB8::1", "not canonical"),
+    ("2001:db8:0::1", "not canonical"),
+    ("::ffff:10.0.0.1", "IPv4-mapped"),
+    ("10.0.0.1 ", "not an IP address"),
+    ("10.0.0.1\n", "not an IP address"),
+    ("host.example", "not an IP address"),
+]
+
+
+@pytest.mark.parametrize(("address", "why"), BAD_ADDRESSES)
+def test_a_member_record_with_a_refused_address_is_dropped(address: str, why: str) -> None:
+    """A member record whose address is refused decodes to a Dropped naming the problem."""
+    got = decode(raw(member(address=address)), MemberRecord)
+    assert isinstance(got, Dropped)
+    assert got.reason is DropReason.ADDRESS
+    assert why in got.detail
+    assert "\n" not in got.detail
+
+
+@pytest.mark.parametrize(("address", "why"), BAD_ADDRESSES)
+def test_a_health_report_with_a_refused_address_is_dropped(address: str, why: str) -> None:
+    """A health report's non-empty address is held to the member record's rule."""
+    got = decode(raw(health(address=address)), HealthReport)
+    assert isinstance(got, Dropped)
+    assert (got.reason, why in got.detail) == (DropReason.ADDRESS, True)
+
+
+def test_a_health_report_without_an_address_is_fine() -> None:
+    """An empty HealthReport.address means "unknown" and is accepted."""
+    got = decode(raw(health()), HealthReport)
+    assert isinstance(got, HealthReport)
+    assert got.address == ""
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", "127.0.0.5", "2001:db8::1", "fe80::1", "::1"])
+def test_canonical_unicast_addresses_pass(address: str) -> None:
+    """Canonical IPv4 and zone-less IPv6 addresses decode (loopback: the simulator)."""
+    got = decode(raw(member(address=address)), MemberRecord)
+    assert isinstance(got, MemberRecord)
+    assert got.address == address
+
+
+@pytest.mark.parametrize(("address", "_"), BAD_ADDRESSES)
+def test_a_refused_address_cannot_be_built_either(address: str, _: str) -> None:
+    """The same rule holds for records built in code, not only for decoded ones."""
+    with pytest.raises(ValueError, match="address"):
+        MemberRecord(**{k: v for k, v in member(address=address).items() if k != "v"})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.ip_addresses())
+def test_every_accepted_address_is_its_own_canonical_form(ip: Any) -> None:
+    """An accepted address is exactly what ipaddress prints and one token."""
+    text = str(ip)
+    problem = address_problem(text)
+    if problem is None:
+        assert str(ipaddress.ip_address(text)) == text
+        assert text.split() == [text]
+        assert not ip.is_multicast
+        assert not ip.is_unspecified
+    else:
+        assert (
+            ip.is_multicast
+            or ip.is_unspecified
+            or text == EMPTY_SLOT_ADDRESS
+            or (ip.version == 6 and ip.ipv4_mapped is not None)
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=64))
+def test_decoding_any_address_never_raises(address: str) -> None:
+    """Whatever the address text, decode returns a record or a Dropped."""
+    got = decode(raw(member(address=address)), MemberRecord)
+    if isinstance(got, MemberRecord):
+        assert address_problem(got.address) is None
+    else:
+        assert got.reason in (DropReason.ADDRESS, DropReason.SCHEMA)
+
+
+def test_settled_round_trips_and_defaults_to_none() -> None:
+    """`settled` is optional on the wire (old agents) and kept when present."""
+    old = decode(raw(member()), MemberRecord)
+    assert isinstance(old, MemberRecord)
+    assert old.settled is None
+    new = decode(raw(member(settled=1700000000.5)), MemberRecord)
+    assert isinstance(new, MemberRecord)
+    assert new.settled == 1700000000.5
+    assert decode(encode(new), MemberRecord) == new
+
+
+# Presence
+
+
+def presence(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "node": "n1",
+        "incarnation": 3,
+        "at": 1700000000.0,
+        "domain": None,
+        "address": "10.0.0.1",
+    }
+    body.update(fields)
+    return body
+
+
+def test_presence_topic_round_trip() -> None:
+    """The presence topic is built and parsed back; its filter matches every node."""
+    topic = TOPICS.presence("ip-10-0-1-2.ec2.internal")
+    assert topic == "imex/v1/nodes/ip-10-0-1-2.ec2.internal/presence"
+    assert TOPICS.parse(topic) == TopicRef("presence", node="ip-10-0-1-2.ec2.internal")
+    assert TOPICS.presences_filter() == "imex/v1/nodes/+/presence"
+
+
+def test_presence_decodes_and_must_match_its_topic() -> None:
+    """A presence decodes strictly and may only speak for the node its topic names."""
+    got = decode(raw(presence(domain="d1")), Presence)
+    assert got == Presence(
+        node="n1", incarnation=3, at=1700000000.0, domain="d1", address="10.0.0.1"
+    )
+    assert isinstance(got, Presence)
+    assert check_topic(TopicRef("presence", node="n1"), got) is None
+    assert check_topic(TopicRef("presence", node="n2"), got) == "presence says n1, topic says n2"
+    assert decode(encode(got), Presence) == got
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"address": EMPTY_SLOT_ADDRESS}, DropReason.ADDRESS),
+        ({"address": INJECTED}, DropReason.ADDRESS),
+        ({"address": ""}, DropReason.SCHEMA),
+        ({"node": "Not_A_Node"}, DropReason.SCHEMA),
+        ({"domain": "D1"}, DropReason.SCHEMA),
+        ({"at": "yesterday"}, DropReason.SCHEMA),
+        ({"v": 2}, DropReason.VERSION),
+    ],
+)
+def test_a_wrong_presence_is_dropped(fields: dict[str, Any], reason: DropReason) -> None:
+    """Each wrong presence maps to its DropReason."""
+    got = decode(raw(presence(**fields)), Presence)
+    assert isinstance(got, Dropped)
+    assert got.reason is reason
+
+
+def test_presence_has_a_schema_that_requires_every_field() -> None:
+    """Presence ships a JSON Schema like the other retained payloads."""
+    schema = json_schemas()["Presence"]["$defs"]["Presence"]
+    assert schema["required"] == ["address", "at", "domain", "incarnation", "node", "v"]
+    member_schema = json_schemas()["MemberRecord"]["$defs"]["MemberRecord"]
+    assert "settled" in member_schema["properties"]
+    assert "settled" not in member_schema["required"]
