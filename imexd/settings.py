@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 import psutil
@@ -302,6 +302,13 @@ class DomainSettings:
         "broker's delivery time, or two nodes may settle one slot.",
         _nonneg,
     )
+    claim_stale_s: float = _setting(
+        30.0,
+        "Seconds after which a claiming record that has not changed stops counting, so a "
+        "left-over or bogus claim cannot hold a slot forever. Must exceed 4 x settle_s: a "
+        "live claim settles (or yields) well within that.",
+        _positive,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -343,6 +350,14 @@ class BusSettings:
         10.0,
         "Seconds between round trips through the broker that prove the link is alive.",
         _positive,
+    )
+    protocol: Literal["auto", "5", "3.1.1"] = _setting(
+        "auto",
+        '"auto": MQTT 5 at every connect, 3.1.1 for that connect only when the broker '
+        'refuses 5 (CONNACK "unsupported protocol version") or closes before CONNACK; a '
+        'timeout is an outage, not a verdict. "5": never 3.1.1 (keeps the Will Delay). '
+        '"3.1.1": never 5.',
+        _one_of("auto", "5", "3.1.1"),
     )
 
 
@@ -413,6 +428,13 @@ class DaemonSettings:
     )
     probe_timeout_s: float = _setting(
         5.0, "Seconds before a hung ctl is killed and the probe counted as failed.", _positive
+    )
+    release_after_s: float = _setting(
+        300.0,
+        "Seconds a FATAL daemon's node keeps its slot while a standby node waits; then it "
+        "releases the slot (its record becomes standby) and claims again once healthy. "
+        "0: never release.",
+        _nonneg,
     )
 
 
@@ -514,6 +536,8 @@ def _kind(tp: Any) -> str:
     if tp is float:
         return "duration"
     if tp is str:
+        return "str"
+    if get_origin(tp) is Literal and all(isinstance(a, str) for a in get_args(tp)):
         return "str"
     if getattr(tp, "__origin__", None) is tuple:
         return "list"
@@ -711,6 +735,11 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     if daemon.backoff_max_s < daemon.backoff_initial_s:
         problems.append(
             f"daemon.backoff_max_s = {daemon.backoff_max_s}: expected >= daemon.backoff_initial_s"
+        )
+    if domain.claim_stale_s <= 4 * domain.settle_s:
+        problems.append(
+            f"domain.claim_stale_s = {domain.claim_stale_s}: expected more than 4 x "
+            f"domain.settle_s ({4 * domain.settle_s}), or live claims would go stale"
         )
     if domain.assigned and domain.name:
         problems.append(

@@ -131,6 +131,14 @@ def test_every_wrong_key_is_reported_at_once() -> None:
         ({"node": []}, "node = []: expected a table [node]"),
         ({"imex": {"extra": {"DAEMONIZE": 1}}}, "imex.extra.DAEMONIZE = '1': the agent owns"),
         ({"node": {"address": "127.0.0.2"}}, "expected an address other than the empty-slot"),
+        ({"bus": {"protocol": "4"}}, 'bus.protocol = \'4\': expected one of "auto", "5", "3.1.1"'),
+        ({"bus": {"protocol": 5}}, "bus.protocol = 5: expected a string"),
+        ({"daemon": {"release_after_s": -1}}, "daemon.release_after_s = -1: expected a duration"),
+        ({"domain": {"claim_stale_s": 0}}, "domain.claim_stale_s = 0: expected a duration"),
+        (
+            {"domain": {"settle_s": 2, "claim_stale_s": 8}},
+            "domain.claim_stale_s = 8.0: expected more than 4 x domain.settle_s (8.0)",
+        ),
     ],
 )
 def test_wrong_values_name_key_value_and_expectation(raw: dict[str, object], expected: str) -> None:
@@ -139,6 +147,26 @@ def test_wrong_values_name_key_value_and_expectation(raw: dict[str, object], exp
     if "node" in raw and isinstance(raw["node"], dict):
         merged["node"] = {**BASE["node"], **raw["node"]}
     assert any(expected in p for p in problems_of(merged))
+
+
+def test_new_keys_default_and_load_from_file_and_environment(tmp_path: Path) -> None:
+    """bus.protocol, daemon.release_after_s and domain.claim_stale_s have their documented
+    defaults and are read from the file and the environment like every other key."""
+    defaults = settings_from_mapping(BASE, environ={})
+    assert defaults.bus.protocol == "auto"
+    assert defaults.daemon.release_after_s == 300.0
+    assert defaults.domain.claim_stale_s == 30.0
+    path = tmp_path / "imexd.toml"
+    path.write_text(
+        '[node]\nname = "n1"\naddress = "127.0.0.1"\n[bus]\nprotocol = "3.1.1"\n'
+        "[daemon]\nrelease_after_s = 0\n"
+    )
+    s = load_settings(path, environ={"IMEXD_BUS_PROTOCOL": "5", "IMEXD_DOMAIN_CLAIM_STALE_S": "12"})
+    assert s.bus.protocol == "5"
+    assert s.daemon.release_after_s == 0.0
+    assert s.domain.claim_stale_s == 12.0
+    kinds = {(i.section, i.key): i.kind for i in iter_settings()}
+    assert kinds[("bus", "protocol")] == "str"
 
 
 def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
@@ -235,7 +263,9 @@ def test_ports_in_range_only(port: int) -> None:
 
 @given(
     st.one_of(
-        st.floats(allow_nan=True, allow_infinity=True),
+        st.floats(allow_nan=True, allow_infinity=True).filter(
+            lambda f: not math.isfinite(f) or abs(f) < 1e300  # 4 x settle_s must be finite
+        ),
         st.integers(-1000, 1000),
         st.text(max_size=5),
         st.booleans(),
@@ -246,7 +276,9 @@ def test_durations_are_non_negative_numbers(value: object) -> None:
     """A duration is any finite number >= 0; anything else is named with its key."""
     if value is None:
         return  # TOML has no null
-    raw = {**BASE, "domain": {"settle_s": value}}
+    finite = isinstance(value, int | float) and math.isfinite(value)
+    stale = 8 * value + 1 if finite else 30  # type: ignore[operator]
+    raw = {**BASE, "domain": {"settle_s": value, "claim_stale_s": stale}}
     ok = (
         isinstance(value, int | float)
         and not isinstance(value, bool)
