@@ -47,7 +47,9 @@ NAMES_MAX: Final = 8
 """Node names a message lists before it says "and N more"."""
 
 MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
-MembershipReason = Literal["", "DomainFull", "NotInSpec", "NodeMapMismatch"]
+MembershipReason = Literal[
+    "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
+]
 WriteMethod = Literal["rename", "in_place"]
 FabricSource = Literal["config", "nvml"]
 
@@ -300,6 +302,15 @@ def _slot(f: Facts) -> _Verdict:
         return _Verdict(
             "False", "NotInSpec", f"the spec of {f.domain} does not list {f.node}{detail}"
         )
+    if m.reason == "DuplicateNode":
+        return _Verdict(
+            "False",
+            "DuplicateNode",
+            f"another live agent runs as {f.node}{detail}; this one publishes nothing and "
+            "runs no daemon until that one leaves",
+        )
+    if m.reason == "Released":
+        return _Verdict("False", "Released", f"slot of {where} given up{detail}")
     if m.reason == "NodeMapMismatch":
         who = (
             f"members {_names(m.offending)} of {where} use a different max_nodes or mode"
@@ -335,6 +346,10 @@ def _daemon(f: Facts) -> _Verdict:
     if not f.clique_known:
         return _Verdict(
             "False", "NotStarted", "waiting for the clique: NVML fabric discovery has not succeeded"
+        )
+    if f.membership.reason == "DuplicateNode":
+        return _Verdict(
+            "False", "NotStarted", f"another agent runs as {f.node}: this one runs no daemon"
         )
     if f.membership.reason == "NodeMapMismatch" and d.state != "RUNNING":
         return _Verdict(
@@ -396,6 +411,17 @@ def _judge_domain(f: Facts) -> _DomainJudgement:
     if not f.daemon_applicable:
         return _DomainJudgement(
             _Verdict("Unknown", "NotApplicable", "empty clique: no IMEX domain to join"), None
+        )
+    if not f.bus.synced:
+        # Without the bus the member records may be stale: what this node last saw of
+        # its domain is no judgement of it now (the condition's `since` says how long).
+        why = f": {f.bus.last_error}" if f.bus.last_error and not f.bus.connected else ""
+        link = "down" if not f.bus.connected else "up but not yet synced"
+        return _DomainJudgement(
+            _Verdict(
+                "Unknown", "BusDown", f"the bus link is {link}{why}; the domain view is stale"
+            ),
+            None,
         )
     forming = _DomainJudgement(
         _Verdict("False", "Forming", "waiting for the daemon and the first domain probe"),

@@ -160,6 +160,10 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
             for slot, v in sorted(view.nodes.items(), key=lambda item: int(item[0]))
         )
         lines.append(("domain state", f"{view.status}" + (f" [{members}]" if members else "")))
+    else:
+        up = next((c for c in rep.conditions if c.type == health.DOMAIN_UP), None)
+        if rep.domain and up is not None and up.status == "Unknown":
+            lines.append(("domain state", f"UNKNOWN ({up.reason})"))
     if rep.driver:
         lines.append(("driver", rep.driver))
     width = max(len(k) for k, _ in lines)

@@ -576,3 +576,66 @@ def test_a_mismatch_with_a_running_daemon_keeps_it() -> None:
     assert "a running daemon is kept" in slot.message
     assert "members  of" not in slot.message
     assert cond(facts, "DaemonReady").reason == "Ready"
+
+
+# Honest status without the bus (issue 9, defect 10)
+
+
+def test_domain_view_is_unknown_while_the_bus_is_down() -> None:
+    """With the link down the member records may be stale: DomainUp Unknown BusDown, no state."""
+    facts = working(bus=BusFacts(broker="mqtt://b:1883", last_error="connection refused"))
+    c = cond(facts, "DomainUp")
+    assert (c.status, c.reason) == ("Unknown", "BusDown")
+    assert "connection refused" in c.message
+    assert health.domain_state(facts) is None
+    assert health.domain_view(facts) is None
+    assert "domain UP" not in health.summary(facts, health.conditions(facts, [], T0))
+
+
+def test_domain_view_is_unknown_until_the_snapshot_is_synced() -> None:
+    """Connected but not yet synced is no fresher than disconnected."""
+    facts = working(bus=BusFacts(connected=True, synced=False))
+    c = cond(facts, "DomainUp")
+    assert (c.status, c.reason) == ("Unknown", "BusDown")
+    assert "not yet synced" in c.message
+    assert health.report(facts, health.conditions(facts, [], T0), T0).domain_view is None
+
+
+def test_bus_down_keeps_its_since_while_it_lasts() -> None:
+    """The condition's since says how long the view has been stale."""
+    facts = working(bus=BusFacts())
+    first = health.conditions(facts, [], T0)
+    later = {c.type: c for c in health.conditions(facts, first, T0 + 60)}
+    assert later["DomainUp"].since == T0
+
+
+# Duplicate node names and released slots (issue 9, defects 6 and 12)
+
+
+def test_duplicate_node_is_not_ready_and_says_why() -> None:
+    """A second agent with our name: SlotSettled False DuplicateNode, no daemon, not ready."""
+    facts = working(
+        membership=MembershipFacts(
+            state="out", reason="DuplicateNode", detail="incarnation 7 from 10.0.0.9"
+        ),
+        daemon=DaemonFacts(),
+        slot=None,
+    )
+    conds = health.conditions(facts, [], T0)
+    by_type = {c.type: c for c in conds}
+    assert (by_type["SlotSettled"].status, by_type["SlotSettled"].reason) == (
+        "False",
+        "DuplicateNode",
+    )
+    assert "10.0.0.9" in by_type["SlotSettled"].message
+    assert by_type["DaemonReady"].status == "False"
+    assert "another agent" in by_type["DaemonReady"].message
+    assert not health.ready(conds)
+
+
+def test_released_slot_says_why() -> None:
+    """A node that gave its slot up (FATAL daemon, standby waiting) says Released."""
+    facts = membership(state="standby", reason="Released", detail="daemon FATAL for 300 s")
+    c = cond(facts, "SlotSettled")
+    assert (c.status, c.reason) == ("False", "Released")
+    assert "FATAL" in c.message

@@ -229,3 +229,13 @@ async def test_status_unreachable_agent() -> None:
     code, out, err = await imexd("status", "--url", url)
     assert (code, out) == (1, "")
     assert err.startswith(f"agent unreachable at {url}: ")
+
+
+async def test_status_says_unknown_not_up_while_the_bus_is_down() -> None:
+    """With the broker gone, `imexd status` shows the domain as UNKNOWN (BusDown), never UP."""
+    down = replace(READY, bus=BusFacts(broker="mqtt://127.0.0.1:1", last_error="refused"))
+    async with serving(down) as e:
+        code, out, _ = await imexd("status", "--url", e.url)
+    assert code == 0
+    assert "domain state  UNKNOWN (BusDown)" in out
+    assert "UP" not in out.split("conditions:")[0]
