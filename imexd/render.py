@@ -30,16 +30,23 @@ import msgspec
 
 from imexd.errors import ConfigError, FileWriteError, ParseError
 from imexd.settings import Settings
-from imexd.wire import MemberRecord, MemberState
+from imexd.wire import EMPTY_SLOT_ADDRESS, MemberRecord, MemberState, address_problem
+
+__all__ = ["EMPTY_SLOT_ADDRESS", "RenderError"]
 
 CONFIG_HEADER: Final = "# Written by imexd from its settings; edits are overwritten."
 
-EMPTY_SLOT_ADDRESS: Final = "127.0.0.2"
-"""Where the host name of an empty slot points.
 
-An unresolvable name makes IMEX retry DNS for it forever; a loopback address nothing
-listens on fails fast and locally instead.
-"""
+class RenderError(ValueError):
+    """The renderer refuses its input or its own output; nothing is written.
+
+    Raised for an address that could not stand alone on a line (the wire refuses such
+    records already; this is the second line of defence, so that no bug upstream can put
+    a line into a hosts file), and when a rendered hosts block does not parse back to
+    exactly the slots asked for. A ValueError, so callers that catch ValueError keep
+    working.
+    """
+
 
 BEGIN_PREFIX: Final = "# BEGIN imexd "
 END_MARKER: Final = "# END imexd"
@@ -127,6 +134,8 @@ def render_config(settings: Settings, *, address: str | None = None) -> str:
     if problems:
         raise ConfigError(problems)
     node_address = settings.node.address if address is None else address
+    if node_address:
+        _check_address(node_address)
     values = dict(IMEX_DEFAULTS)
     values.update(
         {
@@ -182,7 +191,15 @@ def render_nodes_config_addresses(slots: Mapping[int, str]) -> str:
     this mode any change of the list restarts the daemon anyway. Every node renders
     the same list from the same members, so line numbers (IMEX node ids) still agree.
     """
-    return "".join(f"{slots[slot]}\n" for slot in sorted(slots))
+    lines = []
+    for slot in sorted(slots):
+        address = slots[slot]
+        _check_address(address)
+        line = f"{address}\n"
+        if line.split() != [address] or line.count("\n") != 1:
+            raise RenderError(f"the node list line of slot {slot} does not hold one address")
+        lines.append(line)
+    return "".join(lines)
 
 
 def render_nodes_config(
@@ -313,14 +330,40 @@ def _split_blocks(text: str) -> tuple[str, int | None, list[_Block], list[str]]:
 
 
 def _check_address(address: str) -> None:
-    try:
-        ipaddress.ip_address(address)
-    except ValueError:
-        raise ValueError(f"address {address!r} is not an IP address") from None
-    if address == EMPTY_SLOT_ADDRESS:
-        raise ValueError(
-            f"address {address} is the empty-slot sentinel and cannot be a member's address"
+    """RenderError unless `address` may be a node's address (wire.address_problem)."""
+    problem = address_problem(address)
+    if problem is not None:
+        raise RenderError(f"refusing to render: {problem}")
+
+
+def verify_hosts_block(
+    block: str, domain: str, clique: str, slots: Mapping[int, str | None], max_nodes: int
+) -> None:
+    """RenderError unless `block` is exactly the hosts block asked for, line by line.
+
+    Each line must parse back, by whitespace, to exactly one canonical address and the
+    slot's name, in slot order between the two markers, and nothing else: the last check
+    before a text reaches every peer's hosts file, whatever built it.
+    """
+    lines = block.split("\n")
+    if lines[-1] != "" or len(lines) != max_nodes + 3:
+        raise RenderError(
+            f"hosts block has {len(lines) - 1} lines, expected {max_nodes + 2}: refusing it"
         )
+    if (m := _BEGIN_RE.match(lines[0])) is None or m.group(1) != domain:
+        raise RenderError(f"hosts block begins with {lines[0]!r}, not the {domain} marker")
+    if lines[-2] != END_MARKER:
+        raise RenderError(f"hosts block ends with {lines[-2]!r}, not {END_MARKER!r}")
+    for slot, line in enumerate(lines[1:-2]):
+        address = slots.get(slot) or EMPTY_SLOT_ADDRESS
+        expected = [address, slot_name(domain, clique, slot)]
+        fields = line.split()
+        if fields != expected or line != " ".join(expected):
+            raise RenderError(
+                f"hosts block line {line!r} does not parse back to {' '.join(expected)!r}"
+            )
+        if str(ipaddress.ip_address(fields[0])) != fields[0]:
+            raise RenderError(f"hosts block line {line!r} holds a non-canonical address")
 
 
 def render_hosts_block(
@@ -329,7 +372,8 @@ def render_hosts_block(
     """The block alone: markers and one `<address> <slot name>` line per slot.
 
     Every slot 0..max_nodes-1 gets a line; empty ones point at EMPTY_SLOT_ADDRESS.
-    Raises ValueError for a slot outside the range, a bad address, or a bad domain.
+    Raises ValueError for a slot outside the range or a bad domain, RenderError (a
+    ValueError) for a bad address or a block that does not verify.
     """
     if not domain or any(c.isspace() for c in domain):
         raise ValueError(f"domain {domain!r} is not a non-empty name without spaces")
@@ -345,7 +389,9 @@ def render_hosts_block(
         address = slots.get(slot) or EMPTY_SLOT_ADDRESS
         lines.append(f"{address} {slot_name(domain, clique, slot)}\n")
     lines.append(f"{END_MARKER}\n")
-    return "".join(lines)
+    block = "".join(lines)
+    verify_hosts_block(block, domain, clique, slots, max_nodes)
+    return block
 
 
 def _insert(outside: str, position: int, block: str) -> str:

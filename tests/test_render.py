@@ -18,6 +18,7 @@ from imexd.cli import main
 from imexd.errors import ConfigError
 from imexd.render import (
     EMPTY_SLOT_ADDRESS,
+    RenderError,
     check_extra,
     member_slots,
     merge_hosts,
@@ -29,9 +30,10 @@ from imexd.render import (
     render_nodes_config_addresses,
     render_nodes_config_names,
     slot_name,
+    verify_hosts_block,
 )
 from imexd.settings import ImexSettings, NodeSettings, Settings
-from imexd.wire import MemberRecord, MemberState
+from imexd.wire import MemberRecord, MemberState, address_problem
 
 # Every config.cfg key IMEX.md lists, copied here so that a key dropped from the
 # renderer fails a test.
@@ -296,7 +298,7 @@ surrounding = st.builds(
 ).filter(lambda t: not _has_marker(t))
 domains = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?", fullmatch=True)
 cliques = st.from_regex(r"([A-Za-z0-9][A-Za-z0-9._-]{0,12})?", fullmatch=True)
-addresses = st.ip_addresses().map(str).filter(lambda a: a != EMPTY_SLOT_ADDRESS)
+addresses = st.ip_addresses().map(str).filter(lambda a: address_problem(a) is None)
 
 
 @st.composite
@@ -506,6 +508,77 @@ def test_merge_refuses_a_bad_domain() -> None:
     """A domain name with spaces could not be parsed back from its marker: ValueError."""
     with pytest.raises(ValueError, match="domain"):
         merge_hosts("", "a b", "c", {}, 1)
+
+
+HOSTILE_ADDRESSES = [
+    ("fe80::1%x\n10.66.6.6 imex-00000000-0000 login-node", "zone id"),
+    ("fe80::1%eth0", "zone id"),
+    ("10.0.0.1 evil-name", "not an IP address"),
+    ("10.0.0.1\n10.66.6.6 login-node", "not an IP address"),
+    ("0.0.0.0", "unspecified"),
+    ("ff02::1", "multicast"),
+    ("2001:DB8::1", "not canonical"),
+    (EMPTY_SLOT_ADDRESS, "sentinel"),
+]
+
+
+@pytest.mark.parametrize(("address", "why"), HOSTILE_ADDRESSES)
+def test_the_hosts_block_refuses_hostile_addresses(address: str, why: str) -> None:
+    """An address that could not stand alone on a hosts line is a RenderError, no text."""
+    with pytest.raises(RenderError, match=why):
+        merge_hosts("127.0.0.1 localhost\n", "d", "c", {0: "10.0.0.1", 1: address}, 4)
+
+
+@pytest.mark.parametrize(("address", "why"), HOSTILE_ADDRESSES)
+def test_the_address_list_refuses_hostile_addresses(address: str, why: str) -> None:
+    """Addresses mode holds the same line to the same rule."""
+    with pytest.raises(RenderError, match=why):
+        render_nodes_config_addresses({0: "10.0.0.1", 1: address})
+
+
+@pytest.mark.parametrize(("address", "why"), HOSTILE_ADDRESSES[:-1])
+def test_config_refuses_a_hostile_bind_address(address: str, why: str) -> None:
+    """config.cfg binds the node address: a hostile one would inject keys."""
+    with pytest.raises(RenderError, match=why):
+        render_config(_settings(), address=address)
+
+
+def test_a_forged_block_does_not_verify() -> None:
+    """The parse-back check refuses a block whose lines say more or less than asked."""
+    slots: dict[int, str | None] = {0: "10.0.0.1"}
+    good = render_hosts_block("d", "c", slots, 2)
+    verify_hosts_block(good, "d", "c", slots, 2)
+    name0, name1 = slot_name("d", "c", 0), slot_name("d", "c", 1)
+    forged = {
+        "an extra name": good.replace(f"10.0.0.1 {name0}\n", f"10.0.0.1 {name0} login-node\n"),
+        "an extra line": good.replace(f"10.0.0.1 {name0}\n", f"10.0.0.1 {name0}\n10.6.6.6 x\n"),
+        "another address": good.replace("10.0.0.1", "10.0.0.9"),
+        "a lost slot": good.replace(f"{EMPTY_SLOT_ADDRESS} {name1}\n", ""),
+        "a carriage return": good.replace(f"{name0}\n", f"{name0}\r\n"),
+        "another domain": good.replace("# BEGIN imexd d", "# BEGIN imexd e"),
+        "no end marker": good.replace("# END imexd\n", ""),
+    }
+    for what, text in forged.items():
+        with pytest.raises(RenderError, match="hosts block"):
+            verify_hosts_block(text, "d", "c", slots, 2)
+        assert text != good, what
+
+
+@given(slot_maps(), domains, cliques)
+def test_every_rendered_block_verifies(
+    slot_map: tuple[int, dict[int, str | None]], domain: str, clique: str
+) -> None:
+    """Whatever valid members render, each line parses back to one address and one name."""
+    max_nodes, slots = slot_map
+    block = render_hosts_block(domain, clique, slots, max_nodes)
+    verify_hosts_block(block, domain, clique, slots, max_nodes)
+    lines = block.split("\n")[1:-2]
+    assert len(lines) == max_nodes
+    for slot, line in enumerate(lines):
+        assert line.split() == [
+            slots.get(slot) or EMPTY_SLOT_ADDRESS,
+            slot_name(domain, clique, slot),
+        ]
 
 
 # imexd render
