@@ -10,7 +10,7 @@ they publish (`MemberRecord`s and `HealthReport`s):
   record of NAME is left, then the assignments pointing at NAME, the spec and leftover
   health reports are cleared (see `delete` for what happens at the timeout);
 - `domain list`, `domain status NAME [--json] [--watch] [--wait S]`: tables judged by the
-  pure `judge` (UP / DEGRADED / DOWN / FORMING, see there);
+  pure `judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
 - `node assign NODE DOMAIN`, `node unassign NODE`.
 
 Exit codes: 0 success (for `status`: the domain is UP), 1 failure (broker unreachable, a
@@ -102,6 +102,9 @@ OPERATION_TIMEOUT_S: Final = 5.0
 """Bound on each broker round trip (SUBACK, PUBACK, the sync echo)."""
 STALE_INTERVALS: Final = 3
 """A report older than this many `[health] report_interval_s` (by its `at`) is stale."""
+FUTURE_SKEW_S: Final = 30.0
+"""A report stamped more than this many seconds ahead of our clock is not fresh: the
+node's clock (or ours) is wrong, and its age would read as fresh for that long."""
 HEALTH_GRACE_S: Final = 2.0
 """After the members left, how long `delete` waits for their own health report clears
 before it clears what is left itself (bounded by what is left of --timeout)."""
@@ -110,10 +113,10 @@ SYNC_LEVEL: Final = "_control"
 CONTROL_NAME: Final = "imexd-control"
 """Placeholder `[node] name` while loading settings: the control plane has no node, and a
 host name that is not DNS-1123 must not make its settings invalid."""
-SCHEMA_NAMES: Final = ("MemberRecord", "HealthReport", "DomainSpec", "Assignment")
+SCHEMA_NAMES: Final = ("MemberRecord", "HealthReport", "DomainSpec", "Assignment", "Presence")
 
-DomainState = Literal["UP", "DEGRADED", "DOWN", "FORMING"]
-ReportState = Literal["fresh", "stale", "missing"]
+DomainState = Literal["UP", "DEGRADED", "DOWN", "FORMING", "UNKNOWN"]
+ReportState = Literal["fresh", "stale", "future", "missing"]
 
 FORMING_REASONS: Final = frozenset({"Syncing", "Joining", "Claiming", "NotStarted", "Starting"})
 """Readiness reasons of a node that is still joining for the first time."""
@@ -122,6 +125,11 @@ START_WORDS: Final = frozenset(
 )
 """IMEX states of a daemon on its way to READY (NotReady with these counts as forming)."""
 VERSION_MISMATCH: Final = "VersionMismatch"
+CLOCK_SKEW: Final = "ClockSkew"
+BUS_DOWN: Final = "BusDown"
+"""The DomainUp reason of an agent whose link to the broker is down or not synced yet."""
+UNKNOWN_REASONS: Final = ("NoSpec", "NoMembers", "Partial", BUS_DOWN)
+"""Domain-level reasons that say what the bus does not tell (never a failure)."""
 
 
 # Names.
@@ -287,10 +295,13 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     ready: bool
     """A fresh report that says ready."""
     report: ReportState
+    """fresh, stale (too old or expired), future (stamped more than FUTURE_SKEW_S ahead:
+    clock skew) or missing."""
     age_s: float | None
-    """Seconds since the report's `at`."""
+    """Seconds since the report's `at` (negative when stamped ahead of our clock)."""
     expected: bool
-    """Counts towards the domain's state: listed by the spec, or seen when it lists none."""
+    """Counts towards the domain's state: listed by the spec (or `--nodes`), or holding a
+    member record when nothing lists the nodes. A report alone never makes a node count."""
     pending: bool
     """Not ready, but only because it has not joined yet (no failure)."""
     failed: bool
@@ -333,17 +344,33 @@ class _Node:
 
     name: str
     expected: bool
+    unlisted: bool = False
+    """A node list exists (spec or `expect`) and does not name this node."""
     record: MemberRecord | None = None
     seen: SeenReport | None = None
     fresh: HealthReport | None = None
-    """The report when it is neither too old nor expired."""
+    """The report when it is neither too old, expired, nor from the future."""
+    future: bool = False
+    """The report is stamped more than FUTURE_SKEW_S ahead of our clock (clock skew)."""
     notes: list[tuple[str, str]] = field(default_factory=list)
     """(reason, text) found by looking at the other members (links, driver skew)."""
     failed_by_peers: bool = False
 
     @property
     def ready(self) -> bool:
-        return self.fresh is not None and self.fresh.ready
+        """A fresh report that says ready, of a node that holds a member record."""
+        return self.record is not None and self.fresh is not None and self.fresh.ready
+
+    @property
+    def bus_down(self) -> bool:
+        """The fresh report says the agent's link to the broker is down or not synced:
+        what it says of its peers (its domain view) is stale."""
+        if self.fresh is None:
+            return False
+        return any(
+            c.type == hl.DOMAIN_UP and c.status == "Unknown" and c.reason == BUS_DOWN
+            for c in self.fresh.conditions
+        )
 
     @property
     def clique(self) -> str | None:
@@ -381,19 +408,19 @@ def _ready_since(report: HealthReport) -> float:
 
 
 def _gather(
-    spec: DomainSpec | None,
+    listed: Sequence[str] | None,
     records: Iterable[MemberRecord],
     reports: Iterable[SeenReport | HealthReport],
     *,
     now: float,
     stale_after: float,
 ) -> dict[str, _Node]:
-    listed = spec.nodes if spec is not None else None
     nodes: dict[str, _Node] = {}
 
     def entry(name: str) -> _Node:
         if name not in nodes:
-            nodes[name] = _Node(name, expected=listed is None or name in listed)
+            inside = listed is not None and name in listed
+            nodes[name] = _Node(name, expected=inside, unlisted=listed is not None and not inside)
         return nodes[name]
 
     for name in listed or ():
@@ -402,13 +429,16 @@ def _gather(
         e = entry(record.node)
         if e.record is None or record.incarnation >= e.record.incarnation:
             e.record = record
+        if listed is None:
+            e.expected = True
     for item in reports:
         seen = item if isinstance(item, SeenReport) else SeenReport(item)
         e = entry(seen.report.node)
         e.seen = seen
         old = now - seen.report.at > stale_after
         expired = seen.expires_at is not None and now >= seen.expires_at
-        e.fresh = None if old or expired else seen.report
+        e.future = seen.report.at - now > FUTURE_SKEW_S
+        e.fresh = None if old or expired or e.future else seen.report
     return nodes
 
 
@@ -418,7 +448,7 @@ def _links(nodes: Mapping[str, _Node], report_interval_s: float) -> bool:
     pending = False
     for e in nodes.values():
         report = e.fresh
-        if report is None or not report.ready or not report.clique or not e.expected:
+        if not e.ready or report is None or not report.clique or not e.expected or e.bus_down:
             continue
         view = report.domain_view
         if view is None or view.status == "FORMING":
@@ -456,9 +486,55 @@ def _links(nodes: Mapping[str, _Node], report_interval_s: float) -> bool:
     return pending
 
 
-def _skew(nodes: Mapping[str, _Node]) -> list[str]:
-    """VersionMismatch lines: `!V!` cells a member reports, or differing driver fields."""
+def _unknowns(nodes: Mapping[str, _Node], *, listed: bool) -> list[str]:
+    """What keeps the bus from telling the whole domain: no spec (NoSpec), a member
+    view naming nodes that hold no record here (Partial: the broker lost retained state,
+    or records are still on their way), members whose bus link is down (BusDown)."""
     lines: list[str] = []
+    if not listed and any(e.expected for e in nodes.values()):
+        lines.append(
+            "NoSpec: no spec on the bus (a static domain, or the broker lost its retained "
+            "state): whether every member has reported cannot be told; create the spec again "
+            "(`imexd domain create NAME --nodes ...`) or give `domain status --nodes`"
+        )
+    for e in nodes.values():
+        if not e.expected or not e.ready or e.bus_down or e.fresh is None:
+            continue
+        view = e.fresh.domain_view
+        named = sorted({v.node for v in view.nodes.values()}) if view is not None else []
+        missing = [n for n in named if n not in nodes or nodes[n].record is None]
+        if missing:
+            lines.append(
+                f"Partial: {e.name}'s domain view names {', '.join(missing)}, which hold no "
+                "member record"
+            )
+    for e in nodes.values():
+        if e.expected and e.bus_down and e.fresh is not None:
+            since = next(
+                (c.since for c in e.fresh.conditions if c.type == hl.DOMAIN_UP), e.fresh.at
+            )
+            lines.append(
+                f"{BUS_DOWN}: {e.name}'s link to the broker is down or not synced "
+                f"(for {max(0.0, e.fresh.at - since):.0f} s when it reported): its domain view "
+                "is stale"
+            )
+            e.notes.append(
+                (BUS_DOWN, "its link to the broker is down or not synced: its view is stale")
+            )
+    return lines
+
+
+def _skew(nodes: Mapping[str, _Node], now: float) -> list[str]:
+    """Failures between members: VersionMismatch (`!V!` cells a member reports, or
+    differing driver fields) and ClockSkew (a report stamped ahead of our clock)."""
+    lines: list[str] = []
+    for e in nodes.values():
+        if e.future and e.expected and e.seen is not None:
+            ahead = e.seen.report.at - now
+            lines.append(
+                f"{CLOCK_SKEW}: {e.name}'s report is stamped {ahead:.0f} s ahead of this host's "
+                "clock: check the clocks (NTP) of both"
+            )
     for e in nodes.values():
         if e.fresh is None or not e.expected:
             continue
@@ -492,32 +568,48 @@ def judge(
     reports: Iterable[SeenReport | HealthReport],
     now: float,
     report_interval_s: float,
+    expect: Sequence[str] | None = None,
 ) -> DomainStatus:
     """The domain's state from its spec, member records and health reports.
 
-    Members are the spec's listed nodes, or without a list (or without a spec: a static
-    domain) every node with a record or a report. A report is *stale* when its `at` is
-    older than STALE_INTERVALS report intervals or its message expiry passed. A member is
-    *ready* with a fresh report that says ready; *pending* without a report, or when it
-    fails readiness only with joining reasons (Syncing, Joining, Claiming, NotStarted,
-    Starting, NotReady in a start-up IMEX state) and its daemon never restarted; *failed*
-    otherwise (DaemonCrashLoop, Stale, ...). Also failures: a ready member whose domain
-    view says a ready peer is not READY or not connected (PeersUnreachable; unless that
-    peer became ready less than one report interval before the view was reported: late
-    news), and a driver skew (VersionMismatch: a `!V!` cell in a member's view, or members
-    whose `driver` fields differ).
+    Members are the nodes of `expect` (`domain status --nodes`) when given, else the spec's
+    listed nodes, else (a spec without a list, or no spec: a static domain, or a spec the
+    broker lost) every node with a member record. A report of a node without a member
+    record is shown (NoRecord) but never counted: it may be a leftover, or the report of
+    a node that is not in the domain. A report is *stale* when its `at` is older than
+    STALE_INTERVALS report intervals or its message expiry passed, and *from the future*
+    when its `at` is more than FUTURE_SKEW_S ahead of our clock (ClockSkew, a failure).
+    A member is *ready* with a record and a fresh report that says ready; *pending*
+    without a report or a record, or when it fails readiness only with joining reasons
+    (Syncing, Joining, Claiming, NotStarted, Starting, NotReady in a start-up IMEX state)
+    and its daemon never restarted; *failed* otherwise (DaemonCrashLoop, Stale, ...). Also
+    failures: a ready member whose domain view says a ready peer is not READY or not
+    connected (PeersUnreachable; unless that peer became ready less than one report
+    interval before the view was reported: late news), and a skew between members
+    (VersionMismatch: a `!V!` cell in a member's view, or members whose `driver` fields
+    differ; ClockSkew).
 
-    - UP: every member ready, nothing failed, and every ready member with a daemon sees
-      every member of its clique READY and connected (domain view UP);
-    - FORMING: not UP and nothing failed (joining, views not probed yet, no members yet);
+    What the bus cannot tell is never UP: no spec and no `expect` (NoSpec: 1 of 1 and 1
+    of 3 look alike; a spec that lists no nodes is the operator's choice of "any"), no
+    member at all (NoMembers), a member view naming nodes without a record (Partial), a
+    member whose bus link is down or not synced (BusDown: its view is stale).
+
+    - UP: every member ready, nothing failed, every ready member with a daemon sees every
+      member of its clique READY and connected (domain view UP), and nothing unknown;
+    - FORMING: not UP, nothing failed, and something is joining (pending members, views
+      not probed yet);
+    - UNKNOWN: not UP, nothing failed or joining, but the bus does not tell the whole
+      domain (the reasons above);
     - DOWN: something failed and no member is ready;
     - DEGRADED: something failed and some member is ready.
     """
+    listed = list(expect) if expect is not None else spec.nodes if spec is not None else None
     nodes = _gather(
-        spec, records, reports, now=now, stale_after=STALE_INTERVALS * report_interval_s
+        listed, records, reports, now=now, stale_after=STALE_INTERVALS * report_interval_s
     )
     views_pending = _links(nodes, report_interval_s)
-    reasons = _skew(nodes)
+    unknowns = _unknowns(nodes, listed=listed is not None or spec is not None)
+    reasons = _skew(nodes, now)
     rows = sorted(
         (_row(e, now) for e in nodes.values()),
         key=lambda r: (r.clique or "", r.slot is None, r.slot or 0, r.node),
@@ -525,23 +617,27 @@ def judge(
     members = [r for r in rows if r.expected]
     ready = sum(1 for r in members if r.ready)
     failures = any(r.failed for r in members) or bool(reasons)
+    joining = views_pending or any(r.pending for r in members)
     state: DomainState
     if not members:
-        state = "FORMING"
-        reasons.append("NoMembers: no node has joined yet")
-    elif ready == len(members) and not failures and not views_pending:
+        state = "UNKNOWN"
+        unknowns = [
+            "NoMembers: no spec lists nodes and no node holds a member record of the domain"
+        ]
+    elif ready == len(members) and not failures and not views_pending and not unknowns:
         state = "UP"
-    elif not failures:
+    elif failures:
+        state = "DOWN" if ready == 0 else "DEGRADED"
+    elif joining:
         state = "FORMING"
-    elif ready == 0:
-        state = "DOWN"
     else:
-        state = "DEGRADED"
+        state = "UNKNOWN"
     reasons[:0] = [
         f"{r.reasons[0]}: {r.node}" for r in members if (r.failed or r.pending) and r.reasons
     ]
     if state == "FORMING" and views_pending:
         reasons.append("Forming: a member's domain view has not seen every member yet")
+    reasons.extend(unknowns)
     if spec is not None and spec.state == "deleting":
         reasons.insert(0, "Deleting: the spec is in state deleting")
     return DomainStatus(
@@ -561,25 +657,52 @@ def _row(e: _Node, now: float) -> NodeRow:
     record, report = e.record, e.fresh
     reasons: list[str] = []
     details: list[str] = []
-    if not e.expected:
+    if e.unlisted:
         reasons.append("NotInSpec")
         details.append("NotInSpec: the spec's node list does not include this node")
+    if seen is not None and record is None:
+        reasons.append("NoRecord")
+        details.append(
+            "NoRecord: a health report but no member record (not joined, left, or the broker "
+            "lost the record): the report is not counted"
+        )
     if seen is None:
         reasons.append("NoReport")
         details.append("NoReport: no health report on the bus (not joined yet, or gone)")
+    elif e.future:
+        reasons.append(CLOCK_SKEW)
+        details.append(
+            f"{CLOCK_SKEW}: report stamped {seen.at - now:.0f} s ahead of this host's clock"
+        )
     elif report is None:
         reasons.append("Stale")
         details.append(f"Stale: last report {now - seen.at:.0f} s ago (too old, or expired)")
-    else:
+    elif record is not None:
         for cond in _failing(report):
             reasons.append(cond.reason)
             details.append(hl.describe(cond))
     for reason, text in e.notes:
         reasons.append(reason)
         details.append(f"{reason}: {text}")
-    pending = not e.ready and (seen is None or (report is not None and _forming(report)))
-    failed = (not e.ready and not pending) or bool(e.notes) or e.failed_by_peers
-    state: ReportState = "missing" if seen is None else "stale" if report is None else "fresh"
+    pending = not e.ready and (
+        seen is None
+        or (report is not None and (record is None or _forming(report)))
+        or (record is None and not e.future)
+    )
+    failed = (
+        (not e.ready and not pending)
+        or any(reason != BUS_DOWN for reason, _ in e.notes)
+        or e.failed_by_peers
+    )
+    state: ReportState = (
+        "missing"
+        if seen is None
+        else "future"
+        if e.future
+        else "stale"
+        if report is None
+        else "fresh"
+    )
     slot = record.slot if record is not None and record.slot is not None else None
     if slot is None and seen is not None:
         slot = seen.slot
@@ -619,8 +742,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def _yes(row: NodeRow) -> str:
     if row.report == "missing":
         return "-"
-    if row.report == "stale":
-        return "stale"
+    if row.report in ("stale", "future"):
+        return row.report
     return "yes" if row.ready else "no"
 
 
@@ -628,7 +751,7 @@ def render_status(status: DomainStatus) -> str:
     """The `domain status` table: a headline, one row per node, then each reason's text."""
     spec = status.spec
     if spec is None:
-        about = "no spec: members taken from their reports"
+        about = "no spec: members taken from their records"
     else:
         listed = f"{len(spec.nodes)} nodes listed" if spec.nodes is not None else "any node"
         about = (
@@ -665,7 +788,7 @@ def render_status(status: DomainStatus) -> str:
     skew = [
         line
         for line in status.reasons
-        if line.startswith(("Deleting", "NoMembers", "Forming", VERSION_MISMATCH))
+        if line.startswith(("Deleting", "Forming", VERSION_MISMATCH, CLOCK_SKEW, *UNKNOWN_REASONS))
     ]
     lines.extend(f"  {line}" for line in skew)
     return "\n".join(lines) + "\n"
@@ -1269,16 +1392,19 @@ async def status(
     wait: float,
     out: TextIO,
     err: TextIO,
+    nodes: Sequence[str] | None = None,
 ) -> int:
     """Print the domain's state once: after the retained snapshot, wait up to `wait`
-    seconds more for it to become UP (changes in flight), then print and exit 0 if UP."""
+    seconds more for it to become UP (changes in flight), then print and exit 0 if UP.
+
+    `nodes` (`--nodes`) are the members to judge, instead of the spec's list."""
     interval = settings.health.report_interval_s
     async with Link(settings.bus) as link:
         t = link.topics
         store = await link.read(t.spec(name), t.all_members_filter(name), t.health_filter(name))
 
         def judged() -> DomainStatus:
-            return _judge_store(store, name, interval)
+            return _judge_store(store, name, interval, nodes)
 
         await link.wait_until(lambda: judged().state == "UP", wait)
         result = judged()
@@ -1295,7 +1421,9 @@ async def status(
     return EXIT_OK if result.state == "UP" else EXIT_FAILED
 
 
-def _judge_store(store: Store, name: str, report_interval_s: float) -> DomainStatus:
+def _judge_store(
+    store: Store, name: str, report_interval_s: float, nodes: Sequence[str] | None = None
+) -> DomainStatus:
     return judge(
         name,
         spec=store.specs.get(name),
@@ -1303,6 +1431,7 @@ def _judge_store(store: Store, name: str, report_interval_s: float) -> DomainSta
         reports=store.reports_of(name),
         now=time.time(),
         report_interval_s=report_interval_s,
+        expect=nodes,
     )
 
 
@@ -1325,6 +1454,7 @@ async def watch(
     out: TextIO,
     err: TextIO,
     retry_s: float = 2.0,
+    nodes: Sequence[str] | None = None,
 ) -> int:
     """Redraw the status on every change (and as reports age) until `stop`.
 
@@ -1347,7 +1477,7 @@ async def watch(
                 connected_once = True
                 while not stop.is_set():
                     link.changed.clear()
-                    result = _judge_store(store, name, interval)
+                    result = _judge_store(store, name, interval, nodes)
                     key = _fingerprint(result)
                     if key != last:
                         last, state = key, result.state
@@ -1438,8 +1568,9 @@ def cli_domain_list(args: argparse.Namespace) -> int:
 
 
 def cli_domain_status(args: argparse.Namespace) -> int:
-    """`imexd domain status NAME [--json] [--watch] [--wait S]`."""
-    problems = [p for p in (domain_problem(args.name),) if p]
+    """`imexd domain status NAME [--nodes a,b] [--json] [--watch] [--wait S]`."""
+    nodes, problems = parse_nodes(getattr(args, "nodes", None))
+    problems = [p for p in (domain_problem(args.name),) if p] + problems
     if not args.wait >= 0:
         problems.append(f"--wait {args.wait}: expected seconds >= 0")
     if problems:
@@ -1454,6 +1585,7 @@ def cli_domain_status(args: argparse.Namespace) -> int:
                 wait=args.wait,
                 out=sys.stdout,
                 err=sys.stderr,
+                nodes=nodes,
             )
         )
 
@@ -1467,7 +1599,13 @@ def cli_domain_status(args: argparse.Namespace) -> int:
                 handled.append(sig)
         try:
             return await watch(
-                settings, args.name, as_json=args.json, stop=stop, out=sys.stdout, err=sys.stderr
+                settings,
+                args.name,
+                as_json=args.json,
+                stop=stop,
+                out=sys.stdout,
+                err=sys.stderr,
+                nodes=nodes,
             )
         finally:
             for sig in handled:

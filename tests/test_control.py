@@ -31,6 +31,7 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no
 from imexd import health as hl
 from imexd.cli import main
 from imexd.control import (
+    FUTURE_SKEW_S,
     STALE_INTERVALS,
     DomainStatus,
     Link,
@@ -302,13 +303,132 @@ def test_ready_members_that_cannot_reach_each_other_are_degraded() -> None:
     assert late.state == "FORMING", "n3 became ready after n1 reported: late news"
 
 
-def test_a_static_domain_without_spec_takes_members_from_reports() -> None:
-    """Without a spec the members are whoever reports; nothing listed is missing."""
+def test_without_a_spec_the_members_are_the_record_holders_and_never_up() -> None:
+    """Without a spec the members are the nodes with a record; all ready is still UNKNOWN."""
+    two = {0: "n1", 1: "n2"}
+    recs = records(two)
+    status = judged([report(n, s, two) for s, n in two.items()], spec=None, recs=recs)
+    assert status.state == "UNKNOWN", "1 of 1 and 3 of 3 look alike without a node list"
+    assert (status.ready, status.members) == (2, 2)
+    assert any(r.startswith("NoSpec: ") for r in status.reasons)
+    text = render_status(status)
+    assert "no spec" in text
+    assert "NoSpec: " in text
+
+
+def test_a_node_list_given_to_status_replaces_a_missing_spec() -> None:
+    """`--nodes` judges a spec-less (static) domain against that list: UP when all are."""
+    two = {0: "n1", 1: "n2"}
+    reports = [report(n, s, two) for s, n in two.items()]
+    status = judge(
+        "d1",
+        spec=None,
+        records=records(two),
+        reports=reports,
+        now=NOW + 1,
+        report_interval_s=INTERVAL,
+        expect=["n1", "n2"],
+    )
+    assert status.state == "UP"
+    assert (status.ready, status.members) == (2, 2)
+    more = judge(
+        "d1",
+        spec=None,
+        records=records(two),
+        reports=reports,
+        now=NOW + 1,
+        report_interval_s=INTERVAL,
+        expect=["n1", "n2", "n3"],
+    )
+    assert more.state == "FORMING"
+    assert row(more, "n3").reasons == ["NoReport"]
+
+
+def test_an_empty_view_is_unknown_not_up() -> None:
+    """No spec and no member record (at most reports) is UNKNOWN, never UP or FORMING."""
+    assert judged([], spec=None, recs=[]).state == "UNKNOWN"
     two = {0: "n1", 1: "n2"}
     status = judged([report(n, s, two) for s, n in two.items()], spec=None, recs=[])
+    assert status.state == "UNKNOWN"
+    assert status.members == 0
+    assert any(r.startswith("NoMembers: ") for r in status.reasons)
+
+
+def test_the_lost_retained_state_of_a_broker_restart_is_not_up() -> None:
+    """Spec lost and one record back whose view forgot its peers: not `UP, 1 of 1`."""
+    one = {0: "n1"}
+    status = judged([report("n1", 0, one)], spec=None, recs=records(one))
+    assert status.state != "UP"
+    assert status.state == "UNKNOWN"
+
+
+def test_a_view_naming_nodes_without_a_record_is_partial() -> None:
+    """A member's view that names nodes with no record here makes the domain UNKNOWN."""
+    spec = DomainSpec(domain="d1", nodes=None, max_nodes=8, generation=1)
+    status = judged(
+        [report(n, s, THREE) for s, n in THREE.items() if n == "n1"],
+        spec=spec,
+        recs=records({0: "n1"}),
+    )
+    assert status.state == "UNKNOWN"
+    assert "Partial: n1's domain view names n2, n3, which hold no member record" in (status.reasons)
+
+
+def test_reports_of_nodes_without_a_member_record_do_not_count() -> None:
+    """A report without a member record is shown as NoRecord and never counted as ready."""
+    one = {0: "n1"}
+    ghost = report("n9", 5, {5: "n9"})
+    spec = DomainSpec(domain="d1", nodes=None, max_nodes=8, generation=1)
+    status = judged([report("n1", 0, one), ghost], spec=spec, recs=records(one))
     assert status.state == "UP"
-    assert status.members == 2
-    assert "no spec" in render_status(status)
+    assert (status.ready, status.members) == (1, 1)
+    n9 = row(status, "n9")
+    assert (n9.expected, n9.ready, n9.reasons) == (False, False, ["NoRecord"])
+    listed = judged(
+        [report(n, s, THREE) for s, n in THREE.items()], recs=records({0: "n1", 1: "n2"})
+    )
+    assert listed.state != "UP", "n3 is listed and reports ready, but holds no record"
+    assert listed.ready == 2
+    assert row(listed, "n3").reasons == ["NoRecord"]
+
+
+def test_a_report_from_the_future_is_clock_skew() -> None:
+    """A report stamped more than 30 s ahead is not fresh: ClockSkew, not ready."""
+    reports = [
+        report("n1", 0, THREE),
+        report("n2", 1, THREE),
+        report("n3", 2, THREE, at=NOW + 1 + FUTURE_SKEW_S + 15),
+    ]
+    status = judged(reports)
+    assert status.state == "DEGRADED"
+    n3 = row(status, "n3")
+    assert (n3.report, n3.ready, n3.reasons) == ("future", False, ["ClockSkew"])
+    assert any(r.startswith("ClockSkew: n3's report is stamped 45 s ahead") for r in status.reasons)
+    assert "ClockSkew" in render_status(status)
+    near = [report(n, s, THREE, at=NOW + 20) for s, n in THREE.items()]
+    assert judged(near).state == "UP", "a few seconds of skew are tolerated"
+
+
+def bus_down(r: HealthReport) -> HealthReport:
+    """The report of an agent whose link to the broker is down: DomainUp Unknown BusDown."""
+    conds = [
+        msgspec.structs.replace(
+            c, status="Unknown", reason="BusDown", message="the bus link is down"
+        )
+        if c.type == hl.DOMAIN_UP
+        else c
+        for c in r.conditions
+    ]
+    return msgspec.structs.replace(r, conditions=conds)
+
+
+def test_a_node_whose_bus_is_down_has_a_stale_view() -> None:
+    """A view reported while the agent's bus is down or unsynced never counts for UP."""
+    reports = [report("n1", 0, THREE), report("n2", 1, THREE), bus_down(report("n3", 2, THREE))]
+    status = judged(reports)
+    assert status.state == "UNKNOWN"
+    assert "BusDown" in row(status, "n3").reasons
+    assert any(r.startswith("BusDown: n3") for r in status.reasons)
 
 
 def test_a_node_outside_the_spec_list_does_not_count() -> None:
@@ -316,7 +436,9 @@ def test_a_node_outside_the_spec_list_does_not_count() -> None:
     spec = DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8)
     two = {0: "n1", 1: "n2"}
     out = report("n3", 2, THREE, membership="out", daemon=hl.DaemonFacts())
-    status = judged([*(report(n, s, two) for s, n in two.items()), out], spec=spec, recs=[])
+    status = judged(
+        [*(report(n, s, two) for s, n in two.items()), out], spec=spec, recs=records(two)
+    )
     assert status.state == "UP"
     assert status.members == 2
     assert row(status, "n3").reasons[0] == "NotInSpec"
@@ -329,7 +451,8 @@ def test_members_without_multi_node_nvlink_are_up_without_a_view() -> None:
         report("n1", 0, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
         report("n2", 1, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
     ]
-    assert judged(reports, spec=None, recs=recs).state == "UP"
+    spec = DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8)
+    assert judged(reports, spec=spec, recs=recs).state == "UP"
 
 
 def test_the_status_table_lists_each_node_with_its_reasons() -> None:
@@ -672,8 +795,8 @@ async def test_list_shows_every_known_domain(
         "STATE",
     ]
     assert lines[1].split() == ["d1", "active", "1", "8", "3", "3", "3", "3", "UP"]
-    assert lines[2].split() == ["later", "-", "-", "-", "any", "1", "0", "0", "FORMING"]
-    assert lines[3].split() == ["s1", "-", "-", "8", "any", "0", "1", "1", "UP"]
+    assert lines[2].split() == ["later", "-", "-", "-", "any", "1", "0", "0", "UNKNOWN"]
+    assert lines[3].split() == ["s1", "-", "-", "8", "any", "0", "1", "1", "UNKNOWN"]
 
 
 def test_list_of_an_empty_bus_says_so() -> None:
