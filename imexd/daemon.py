@@ -120,9 +120,19 @@ class DaemonStatus:
     adopted: bool
     """The daemon was started by a previous agent: exit code and output are unknown."""
     restarts: int
-    """Starts (spawned or adopted) after the first one, whatever the cause."""
+    """New daemons (spawned or adopted) that replaced one that had reached RUNNING.
+
+    Whatever ended the previous one (a crash, a requested restart, a stop); a daemon
+    that never ran does not make its successor a restart: see `start_failures`.
+    """
     crashes: int
     """Unexpected exits (including failures to execute the binary)."""
+    start_failures: int
+    """Starts that never reached RUNNING: the binary could not run, or it exited in STARTING."""
+    fatal_since: float | None
+    """time.monotonic() since when the daemon is in a crash loop (FATAL, and the tries
+    after each cool-down that failed again); None once a daemon reaches RUNNING or is
+    stopped. How long the node has had no working daemon, e.g. to give up its slot."""
     last_exit: str | None
     """How the last daemon ended: `exit 3`, `SIGKILL`, `unknown (adopted)`, ..."""
     reason: str | None
@@ -548,6 +558,8 @@ class _Child:
         self.pipes = pipes
         self.exited = asyncio.Event()
         self.stable = False
+        self.ran = False
+        """It reached RUNNING (or was adopted): its successor is a restart."""
         self.last_stderr: str | None = None
         self.released = False
 
@@ -611,7 +623,10 @@ class Supervisor:
         self._failures: deque[float] = deque()
         self._backoff_step = 0
         self._probation = False
-        self._starts = 0
+        self._restarts = 0
+        self._last_ran = False
+        self._start_failures = 0
+        self._fatal_since: float | None = None
         self._crashes = 0
         self._last_exit: str | None = None
         self._reloads_sent = 0
@@ -654,7 +669,7 @@ class Supervisor:
 
     @property
     def restarts(self) -> int:
-        return max(0, self._starts - 1)
+        return self._restarts
 
     @property
     def last_exit(self) -> str | None:
@@ -694,6 +709,8 @@ class Supervisor:
             adopted=child.adopted if child is not None else False,
             restarts=self.restarts,
             crashes=self._crashes,
+            start_failures=self._start_failures,
+            fatal_since=self._fatal_since,
             last_exit=self._last_exit,
             reason=self._reason,
             since=self._since,
@@ -1033,7 +1050,9 @@ class Supervisor:
         """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
-        self._starts += 1
+        if self._last_ran:
+            self._restarts += 1
+            self._last_ran = False
         self._last_reload = time.monotonic()
         self._reload_pending = None
         self._reload_requests = 0
@@ -1068,9 +1087,11 @@ class Supervisor:
         except OSError as exc:
             os.close(r_out)
             os.close(r_err)
-            self._starts += 1
             self._crashed(
-                f"cannot run {self._binary}: {exc.strerror or exc}", "not started", uptime=0.0
+                f"cannot run {self._binary}: {exc.strerror or exc}",
+                "not started",
+                uptime=0.0,
+                ran=False,
             )
             return
         finally:
@@ -1231,9 +1252,9 @@ class Supervisor:
         detail = exit_desc if child.last_stderr is None else f"{exit_desc}: {child.last_stderr}"
         if child.adopted:
             detail = f"adopted daemon pid {child.pid} exited (status unknown: not our child)"
-        self._crashed(detail, exit_desc, uptime=uptime)
+        self._crashed(detail, exit_desc, uptime=uptime, ran=child.ran)
 
-    def _crashed(self, detail: str, exit_desc: str, *, uptime: float) -> None:
+    def _crashed(self, detail: str, exit_desc: str, *, uptime: float, ran: bool) -> None:
         """Count a failure; BACKOFF with a growing delay, or FATAL in a crash loop.
 
         Failures count since the last stable run (`stable_s` alive clears them),
@@ -1243,7 +1264,10 @@ class Supervisor:
         """
         s = self._settings
         now = time.monotonic()
+        before = (self._state, self._reason)
         self._crashes += 1
+        if not ran:
+            self._start_failures += 1
         self._last_exit = exit_desc
         while self._failures and now - self._failures[0] > s.crash_loop_window_s:
             self._failures.popleft()
@@ -1271,6 +1295,8 @@ class Supervisor:
                 retry_in_s=round(delay, 2),
             )
             self._set(DaemonState.BACKOFF, f"DaemonCrashed: {detail}")
+        if (self._state, self._reason) == before:
+            self._notify()  # same state and reason (a failed try after FATAL): new counters
 
     async def _terminate(self, child: _Child, why: str) -> None:
         """SIGTERM to the group, SIGKILL after `stop_timeout_s`, then clean up; bounded."""
@@ -1318,6 +1344,7 @@ class Supervisor:
         if self._child is child:
             self._child = None
             self._reload_pending = None
+            self._last_ran = child.ran
         return exit_desc
 
     async def _kill_group(self, pgid: int) -> None:
@@ -1450,6 +1477,12 @@ class Supervisor:
             return
         self._state = to
         self._reason = status_reason
+        if to is DaemonState.RUNNING and self._child is not None:
+            self._child.ran = True
+        if to is DaemonState.FATAL and self._fatal_since is None:
+            self._fatal_since = time.monotonic()
+        elif to in (DaemonState.RUNNING, DaemonState.STOPPED):
+            self._fatal_since = None
         if old is not to:
             self._since = time.time()
             level = {DaemonState.FATAL: "error", DaemonState.BACKOFF: "warning"}.get(to, "info")

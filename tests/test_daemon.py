@@ -6,6 +6,7 @@ Every daemon here is a real child process on 127.0.0.0/8 settings; every wait is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import signal
@@ -385,6 +386,11 @@ def reap(pid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """True once process `pid` has a handler for (or ignores) `sig`."""
+    return survives_signal(Path(f"/proc/{pid}/status").read_text(), sig)
+
+
 def listening(address: str, port: int) -> bool:
     """True when something accepts TCP connections on address:port."""
     try:
@@ -502,6 +508,7 @@ async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Nod
         assert sup.reason.endswith("Lost the GPU, exiting")
         status = await until(sup, lambda s: s.running and s.pid != first)
         assert (status.restarts, status.crashes, status.last_exit) == (1, 1, "exit 3")
+        assert (status.start_failures, status.fatal_since) == (0, None)
     assert states(changes)[:6] == [
         "STARTING",
         "RUNNING",
@@ -536,16 +543,17 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
         fatal_at = time.monotonic()
         assert fatal.reason == "DaemonCrashLoop: exit 3: fatal: no usable node configuration"
         assert fatal.reason_code == "DaemonCrashLoop"
-        assert (fatal.crashes, fatal.restarts, fatal.pid) == (3, 2, None)
+        assert (fatal.crashes, fatal.start_failures, fatal.restarts, fatal.pid) == (3, 3, 0, None)
+        assert fatal.fatal_since == pytest.approx(fatal_at, abs=0.3)
         assert fatal.last_lines[-1] == "fatal: no usable node configuration"
         assert fatal.next_start_at is not None
         assert fatal.next_start_at - time.time() == pytest.approx(1.0, abs=0.3)
         again = await sup.ensure_started()
-        assert (again.state, again.restarts) == (DaemonState.FATAL, 2)
+        assert (again.state, again.restarts) == (DaemonState.FATAL, 0)
         os.unlink(broken)
         status = await until(sup, lambda s: s.running)
         assert time.monotonic() - fatal_at >= 0.8
-        assert status.restarts == 3
+        assert (status.restarts, status.start_failures, status.fatal_since) == (0, 3, None)
     assert states(changes)[:8] == [
         "STARTING",
         "BACKOFF",
@@ -563,9 +571,25 @@ async def test_a_daemon_that_cannot_be_executed_ends_fatal_with_the_reason(node:
     async with node.supervisor(binary=node.path("no-such-nvidia-imex")) as sup:
         await sup.ensure_started()
         status = await until(sup, lambda s: s.state is DaemonState.FATAL)
+    assert (status.restarts, status.start_failures) == (0, FAST.crash_loop_starts)
     assert status.reason is not None
     assert status.reason.startswith("DaemonCrashLoop: cannot run ")
     assert status.reason.endswith("No such file or directory")
+
+
+async def test_fatal_since_holds_through_failed_probation_tries(node: Node) -> None:
+    """FATAL records since when; a failed try after the cool-down keeps it; stop clears it."""
+    async with node.supervisor(binary=node.path("no-such-nvidia-imex")) as sup:
+        await sup.ensure_started()
+        fatal = await until(sup, lambda s: s.state is DaemonState.FATAL)
+        assert fatal.fatal_since is not None
+        assert fatal.fatal_since <= time.monotonic()
+        retried = await until(sup, lambda s: s.start_failures > fatal.start_failures)
+        assert retried.state is DaemonState.FATAL
+        assert retried.fatal_since == fatal.fatal_since
+        assert retried.restarts == 0
+        stopped = await sup.stop()
+        assert (stopped.state, stopped.fatal_since) == (DaemonState.STOPPED, None)
 
 
 async def test_a_daemon_ignoring_sigterm_is_killed_with_its_whole_group(node: Node) -> None:
@@ -825,16 +849,18 @@ async def test_sim_crash_backs_off_and_restarts_with_the_restart_counted(sim: No
         assert status.reason.startswith("DaemonCrashed: exit 7: ")
         assert status.last_exit == "exit 7"
         status = await until(sup, lambda s: s.pid not in (None, first))
-        assert (status.restarts, status.crashes) == (1, 1)
+        assert (status.restarts, status.crashes, status.start_failures) == (1, 1, 0)
 
 
 async def test_sim_crash_loop_is_fatal_with_exit_code_and_last_stderr_line(sim: Node) -> None:
     """A simulator failing at start => FATAL; the reason holds `exit 3` and its last line."""
     env = {"IMEXD_SIM_EXIT_AFTER_S": "0", "IMEXD_SIM_EXIT_CODE": "3"}
-    async with sim.supervisor(env) as sup:
+    slow_start = dataclasses.replace(FAST, start_s=5.0)  # a loaded host is slow to even fail
+    async with sim.supervisor(env, settings=slow_start) as sup:
         await sup.ensure_started()
         status = await until(sup, lambda s: s.state is DaemonState.FATAL)
     assert status.crashes == FAST.crash_loop_starts
+    assert (status.start_failures, status.restarts) == (FAST.crash_loop_starts, 0)
     last = status.last_lines[-1]
     assert "Simulated failure at start: exiting with code 3" in last
     assert status.reason == f"DaemonCrashLoop: exit 3: {last}"
@@ -846,6 +872,8 @@ async def test_sim_ignoring_sigterm_is_killed_after_the_stop_timeout(sim: Node) 
         await sup.ensure_started()
         pid = (await until(sup, lambda s: s.running)).pid
         assert pid is not None
+        # On a loaded host the simulator can still be importing when start_s is over
+        await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGTERM))
         began = time.monotonic()
         status = await sup.stop()
         took = time.monotonic() - began
