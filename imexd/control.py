@@ -87,6 +87,7 @@ from imexd.wire import (
     Dropped,
     HealthReport,
     MemberRecord,
+    Presence,
     Topics,
     encode,
     json_schemas,
@@ -105,6 +106,8 @@ STALE_INTERVALS: Final = 3
 FUTURE_SKEW_S: Final = 30.0
 """A report stamped more than this many seconds ahead of our clock is not fresh: the
 node's clock (or ours) is wrong, and its age would read as fresh for that long."""
+SEEN_WITHIN_S: Final = 600.0
+"""`node assign --seen-within` default: an agent must have reported the node this recently."""
 HEALTH_GRACE_S: Final = 2.0
 """After the members left, how long `delete` waits for their own health report clears
 before it clears what is left itself (bounded by what is left of --timeout)."""
@@ -227,6 +230,8 @@ class Store:
     """(domain, node) -> report."""
     assignments: dict[str, str | None] = field(default_factory=dict)
     """node -> domain (None: an explicit null assignment)."""
+    presences: dict[str, Presence] = field(default_factory=dict)
+    """node -> the agent's retained presence record."""
     dropped: Counter[str] = field(default_factory=Counter)
     """Malformed messages ignored, by `wire.DropReason` value."""
 
@@ -256,6 +261,11 @@ class Store:
                     self.assignments[ref.node] = payload.domain
                 else:
                     self.assignments.pop(ref.node, None)
+            case "presence":
+                if isinstance(payload, Presence):
+                    self.presences[ref.node] = payload
+                else:
+                    self.presences.pop(ref.node, None)
             case "ping":
                 pass
 
@@ -267,6 +277,33 @@ class Store:
 
     def assigned_to(self, domain: str) -> list[str]:
         return sorted(n for n, d in self.assignments.items() if d == domain)
+
+    def elsewhere(self, node: str, domain: str) -> list[str]:
+        """Why `node` belongs to a live domain other than `domain`, one phrase each: an
+        assignment to a domain whose spec exists and is not deleting, or a member record
+        in another domain."""
+        out: list[str] = []
+        other = self.assignments.get(node)
+        spec = self.specs.get(other) if other is not None and other != domain else None
+        if spec is not None and spec.state != "deleting":
+            out.append(f"assigned to {other} (spec generation {spec.generation}, active)")
+        out.extend(
+            f"{record.state.value} record in {d}"
+            for (d, _, n), record in sorted(self.members.items())
+            if n == node and d != domain
+        )
+        return out
+
+    def last_seen(self, node: str) -> tuple[float | None, bool]:
+        """When an agent last reported `node` (its presence or a health report, by their
+        `at`; None: never), and whether it holds a member record anywhere (a live agent
+        keeps one; its will clears it when it dies)."""
+        times = [s.report.at for (_, n), s in self.reports.items() if n == node]
+        presence = self.presences.get(node)
+        if presence is not None:
+            times.append(presence.at)
+        recorded = any(n == node for _, _, n in self.members)
+        return (max(times) if times else None), recorded
 
     def domains(self) -> list[str]:
         """Every domain with a spec, a member record, a health report or an assignment."""
@@ -1155,6 +1192,20 @@ def _refused(refused: Sequence[str], err: TextIO) -> int:
     return EXIT_FAILED
 
 
+def _taken(store: Store, nodes: Iterable[str], domain: str, command: str, err: TextIO) -> int:
+    """EXIT_USAGE after naming each node of `nodes` that another live domain holds, else
+    EXIT_OK. Moving such a node stops the IMEX daemon a running job there may use."""
+    taken = {n: why for n in nodes if (why := store.elsewhere(n, domain))}
+    for node, why in taken.items():
+        print(
+            f"imexd {command}: node {node} is in another domain: {'; '.join(why)}. Moving it "
+            f"to {domain} stops its IMEX daemon there (a running job loses IMEX); give --steal "
+            "to move it anyway",
+            file=err,
+        )
+    return EXIT_USAGE if taken else EXIT_OK
+
+
 async def create(
     settings: Settings,
     name: str,
@@ -1163,12 +1214,21 @@ async def create(
     max_nodes: int | None,
     out: TextIO,
     err: TextIO,
+    steal: bool = False,
 ) -> int:
     """Write the domain's spec, then the listed nodes' assignments (so that an assigned
-    node already finds the spec, and its list position, when it joins)."""
+    node already finds the spec, and its list position, when it joins).
+
+    Refuses (EXIT_USAGE, writing nothing) when a listed node is in another live domain
+    (`Store.elsewhere`), unless `steal`."""
     async with Link(settings.bus) as link:
         t = link.topics
-        store = await link.read(t.spec(name), *(t.assignment(n) for n in nodes or ()))
+        filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
+        if nodes and not steal:
+            filters += [t.specs_filter(), t.all_members_filter("+")]
+        store = await link.read(*filters)
+        if not steal and _taken(store, nodes or (), name, "domain create", err):
+            return EXIT_USAGE
         previous = store.specs.get(name)
         before = {n: store.assignments.get(n) for n in nodes or ()}
         spec = next_spec(
@@ -1343,13 +1403,44 @@ async def list_domains(settings: Settings, *, out: TextIO) -> int:
 
 
 async def assign(
-    settings: Settings, node: str, domain: str | None, *, out: TextIO, err: TextIO
+    settings: Settings,
+    node: str,
+    domain: str | None,
+    *,
+    out: TextIO,
+    err: TextIO,
+    steal: bool = False,
+    force: bool = False,
+    seen_within_s: float = SEEN_WITHIN_S,
 ) -> int:
-    """Write (or with None: clear) a node's retained assignment."""
+    """Write (or with None: clear) a node's retained assignment.
+
+    Assigning refuses (EXIT_USAGE, writing nothing) a node in another live domain unless
+    `steal` (see `create`), and a node that no agent reported within `seen_within_s`
+    seconds (presence record or health report; a member record counts as seen) unless
+    `force`: a typo would otherwise create a phantom domain that never forms."""
     async with Link(settings.bus) as link:
         t = link.topics
         topic = t.assignment(node)
-        store = await link.read(topic, *([t.spec(domain)] if domain else []))
+        filters = [topic, *([t.spec(domain)] if domain else [])]
+        if domain is not None:
+            filters += [t.specs_filter(), t.all_members_filter("+")]
+            filters += [t.health_filter("+"), t.presence(node)]
+        store = await link.read(*filters)
+        if domain is not None and not steal and _taken(store, [node], domain, "node assign", err):
+            return EXIT_USAGE
+        if domain is not None and not force:
+            at, recorded = store.last_seen(node)
+            if not recorded and (at is None or time.time() - at > seen_within_s):
+                when = "never" if at is None else f"last {time.time() - at:.0f} s ago"
+                print(
+                    f"imexd node assign: no agent reported node {node} within "
+                    f"{seen_within_s:g} s ({when}): a typo, or a node without a running agent; "
+                    f"assigning it to {domain} would wait for it forever. Give --force to "
+                    "assign it anyway",
+                    file=err,
+                )
+                return EXIT_USAGE
         before = store.assignments.get(node)
         spec = store.specs.get(domain) if domain else None
         payload = encode(Assignment(domain=domain)) if domain else b""
@@ -1546,6 +1637,7 @@ def cli_domain_create(args: argparse.Namespace) -> int:
             max_nodes=args.max_nodes,
             out=sys.stdout,
             err=sys.stderr,
+            steal=bool(getattr(args, "steal", False)),
         )
     )
 
@@ -1615,12 +1707,26 @@ def cli_domain_status(args: argparse.Namespace) -> int:
 
 
 def cli_node_assign(args: argparse.Namespace) -> int:
-    """`imexd node assign NODE DOMAIN`."""
+    """`imexd node assign NODE DOMAIN [--steal] [--force] [--seen-within S]`."""
     problems = [p for p in (node_problem(args.node), domain_problem(args.domain)) if p]
+    seen_within = getattr(args, "seen_within", SEEN_WITHIN_S)
+    if not seen_within >= 0:
+        problems.append(f"--seen-within {seen_within}: expected seconds >= 0")
     if problems:
         return _usage("node assign", problems)
     settings = load_control_settings(args.config)
-    return _run(assign(settings, args.node, args.domain, out=sys.stdout, err=sys.stderr))
+    return _run(
+        assign(
+            settings,
+            args.node,
+            args.domain,
+            out=sys.stdout,
+            err=sys.stderr,
+            steal=bool(getattr(args, "steal", False)),
+            force=bool(getattr(args, "force", False)),
+            seen_within_s=float(seen_within),
+        )
+    )
 
 
 def cli_node_unassign(args: argparse.Namespace) -> int:

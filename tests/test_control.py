@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
@@ -37,7 +38,10 @@ from imexd.control import (
     Link,
     SeenReport,
     Store,
+    assign,
+    create,
     judge,
+    load_control_settings,
     outdated_schemas,
     render_list,
     render_status,
@@ -52,6 +56,7 @@ from imexd.wire import (
     HealthReport,
     MemberRecord,
     MemberState,
+    Presence,
     Topics,
     encode,
     json_schemas,
@@ -650,11 +655,12 @@ async def test_assign_and_unassign_write_and_clear_the_retained_assignment(
     broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`node assign` retains {"v":1,"domain":D}; `node unassign` leaves nothing retained."""
+    await put(broker, {T.presence("gpu-01.example.com"): presence("gpu-01.example.com")})
     assert await control_async("node", "assign", "gpu-01.example.com", "d2") == 0
-    got = await retained(broker)
+    got = await retained(broker, T.assignments_filter())
     assert valid("Assignment", got[T.assignment("gpu-01.example.com")]) == {"v": 1, "domain": "d2"}
     assert await control_async("node", "unassign", "gpu-01.example.com") == 0
-    assert await retained(broker) == {}
+    assert await retained(broker, T.assignments_filter()) == {}
     out = capsys.readouterr().out
     assert "node gpu-01.example.com: assigned to d2" in out
     assert "node gpu-01.example.com: unassigned (was d2)" in out
@@ -664,9 +670,135 @@ async def test_assign_warns_when_the_spec_keeps_the_node_out(
     broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Assigning a node that the spec's list leaves out warns about NotInSpec."""
-    await put(broker, {T.spec("d1"): encode(SPEC)})
+    await put(broker, {T.spec("d1"): encode(SPEC), T.presence("n9"): presence("n9")})
     assert await control_async("node", "assign", "n9", "d1") == 0
     assert "n9 stays out (NotInSpec)" in capsys.readouterr().err
+
+
+def presence(node: str, *, at: float | None = None) -> bytes:
+    """An agent's retained presence record, written `at` (default: now)."""
+    return encode(
+        Presence(
+            node=node,
+            incarnation=1,
+            at=time.time() if at is None else at,
+            domain=None,
+            address="127.0.0.20",
+        )
+    )
+
+
+LIVE_D0 = {
+    T.spec("d0"): encode(DomainSpec(domain="d0", nodes=["n1"], max_nodes=8, generation=3)),
+    T.assignment("n1"): encode(Assignment(domain="d0")),
+}
+
+
+async def test_create_refuses_a_node_assigned_to_another_live_domain(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A listed node assigned to an active domain: exit 2 naming both, nothing written."""
+    await put(broker, LIVE_D0)
+    assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 2
+    err = capsys.readouterr().err
+    assert (
+        "imexd domain create: node n1 is in another domain: assigned to d0 (spec generation 3, "
+        "active)" in err
+    )
+    assert "give --steal" in err
+    assert "n2" not in err
+    assert await retained(broker) == LIVE_D0, "nothing was written"
+
+
+async def test_create_refuses_a_node_with_a_record_in_another_domain(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A member record in another domain (a static node, say) holds the node too."""
+    await put(broker, {T.member("s0", "c1", "n2"): encode(member_record("n2", 0, domain="s0"))})
+    assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 2
+    assert "node n2 is in another domain: member record in s0" in capsys.readouterr().err
+    assert T.spec("d1") not in await retained(broker)
+
+
+async def test_create_with_steal_moves_the_node(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--steal` moves a node out of a live domain and says so."""
+    await put(broker, LIVE_D0)
+    settings = load_control_settings(None)
+    out, err = io.StringIO(), io.StringIO()
+    code = await create(settings, "d1", nodes=["n1"], max_nodes=None, out=out, err=err, steal=True)
+    assert code == 0, err.getvalue()
+    assert "node n1: assigned to d1 (moved from d0)" in out.getvalue()
+    got = await retained(broker)
+    assert valid("Assignment", got[T.assignment("n1")]) == {"v": 1, "domain": "d1"}
+
+
+async def test_a_deleting_or_missing_spec_holds_no_node(
+    broker: Broker, env: dict[str, str]
+) -> None:
+    """An assignment to a domain that is being deleted, or has no spec, is no conflict."""
+    deleting = DomainSpec(domain="d0", nodes=["n1"], max_nodes=8, state="deleting")
+    await put(
+        broker,
+        {
+            T.spec("d0"): encode(deleting),
+            T.assignment("n1"): encode(Assignment(domain="d0")),
+            T.assignment("n2"): encode(Assignment(domain="gone")),
+        },
+    )
+    assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 0
+
+
+async def test_assign_refuses_a_node_of_another_live_domain_unless_steal(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`node assign` guards like create: exit 2 naming node and domain; steal moves it."""
+    await put(broker, LIVE_D0 | {T.presence("n1"): presence("n1")})
+    assert await control_async("node", "assign", "n1", "d1") == 2
+    err = capsys.readouterr().err
+    assert "imexd node assign: node n1 is in another domain: assigned to d0" in err
+    assert valid("Assignment", (await retained(broker))[T.assignment("n1")])["domain"] == "d0"
+    out, errs = io.StringIO(), io.StringIO()
+    settings = load_control_settings(None)
+    assert await assign(settings, "n1", "d1", out=out, err=errs, steal=True) == 0
+    assert "node n1: assigned to d1 (moved from d0)" in out.getvalue()
+
+
+async def test_assign_refuses_a_node_no_agent_reported_unless_force(
+    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node never reported, or not within --seen-within, is refused; --force assigns it."""
+    assert await control_async("node", "assign", "typo-n1", "d1") == 2
+    err = capsys.readouterr().err
+    assert "imexd node assign: no agent reported node typo-n1 within 600 s (never)" in err
+    assert "--force" in err
+    assert await retained(broker) == {}
+    old = time.time() - 1000
+    await put(broker, {T.presence("n2"): presence("n2", at=old)})
+    assert await control_async("node", "assign", "n2", "d1") == 2
+    assert "within 600 s (last 1000 s ago)" in capsys.readouterr().err
+    settings = load_control_settings(None)
+    out, errs = io.StringIO(), io.StringIO()
+    assert await assign(settings, "n2", "d1", out=out, err=errs, seen_within_s=1200) == 0
+    assert await assign(settings, "typo-n1", "d1", out=out, err=errs, force=True) == 0
+    got = await retained(broker, T.assignments_filter())
+    assert sorted(got) == [T.assignment("n2"), T.assignment("typo-n1")]
+
+
+async def test_a_health_report_or_a_record_is_a_sighting(
+    broker: Broker, env: dict[str, str]
+) -> None:
+    """Agents that publish no presence record yet are seen by their report or record."""
+    await put(
+        broker,
+        {
+            T.health("d5", "n3"): encode(report("n3", 0, {0: "n3"}, domain="d5", at=time.time())),
+            T.member("s5", "c1", "n4"): encode(member_record("n4", 0, domain="s5")),
+        },
+    )
+    assert await control_async("node", "assign", "n3", "d5") == 0
+    assert await control_async("node", "assign", "n4", "s5") == 0
 
 
 @contextlib.asynccontextmanager

@@ -214,8 +214,40 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
         assert n.daemon_pids_on_host() == [pids[n.name]], n.name
     # The broker lost its retained state (no persistence): the agents published theirs again.
     c.wait(lambda: len(retained(c, "imex/v1/domains/d1/members/+/+")) == 3, timeout=10)
-    up = imexd(c, "domain", "status", "d1", "--wait", "20")
+    # The spec was lost with the rest: status cannot tell 3 of 3 from 3 of 4 any more.
+    lost = imexd(c, "domain", "status", "d1", "--wait", "0")
+    assert lost.returncode == 1, lost.stdout + lost.stderr
+    assert lost.stdout.startswith("domain d1: UNKNOWN, 3 of 3 members ready"), lost.stdout
+    assert "NoSpec: no spec on the bus" in lost.stdout
+
+
+def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> None:
+    """Broker restarted without persistence, one agent back: not `UP, 1 of 1`, exit 1."""
+    nodes = form_d1(c)
+    frozen = nodes[1:]
+    for n in frozen:
+        assert n.proc is not None
+        os.kill(n.proc.pid, signal.SIGSTOP)
+    try:
+        c.broker.stop()
+        c.broker.start()
+        members = "imex/v1/domains/d1/members/+/+"
+        c.wait(lambda: list(retained(c, members)) == ["imex/v1/domains/d1/members/c1/n1"])
+        c.wait(lambda: "imex/v1/domains/d1/health/n1" in retained(c, "imex/v1/domains/d1/#"))
+        partial = imexd(c, "domain", "status", "d1", "--wait", "0")
+        assert partial.returncode == 1, partial.stdout + partial.stderr
+        assert partial.stdout.startswith("domain d1: UNKNOWN, 1 of 1 members ready"), partial.stdout
+        assert "NoSpec: no spec on the bus" in partial.stdout
+    finally:
+        for n in frozen:
+            assert n.proc is not None
+            os.kill(n.proc.pid, signal.SIGCONT)
+    c.wait(lambda: len(retained(c, "imex/v1/domains/d1/members/+/+")) == 3, timeout=20)
+    again = imexd(c, "domain", "create", "d1", "--nodes", ",".join(NAMES))
+    assert again.returncode == 0, again.stdout + again.stderr
+    up = imexd(c, "domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
+    assert up.stdout.startswith("domain d1: UP, 3 of 3 members ready"), up.stdout
 
 
 def reports_after_leaving(seen: list[tuple[str, bytes]], names: list[str]) -> list[str]:
