@@ -89,6 +89,9 @@ QOS: Final = 1
 _UNSUPPORTED_PROTOCOL: Final = frozenset({1, 0x84})
 """CONNACK codes meaning "not this protocol version" (3.1.1's 1, MQTT 5's 0x84)."""
 
+SESSION_TAKEN_OVER: Final = 0x8E
+"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
+
 _MAX_PACKET: Final = 4 * MAX_PAYLOAD
 """MQTT 5 Maximum Packet Size we accept: a payload of 16 KiB plus a long topic and
 properties; oversized payloads up to this size still arrive and are counted."""
@@ -121,6 +124,15 @@ class Disconnected:
 
     broker: str
     reason: str
+    reason_code: int | None = None
+    """The reason code of the broker's DISCONNECT (MQTT 5 only), e.g. 0x8E; None when
+    the broker sent none (MQTT 3.1.1, a dead link, or our own clean leave)."""
+
+    @property
+    def taken_over(self) -> bool:
+        """Whether another client connected with our client id (a duplicate agent, or a
+        restarted one); only MQTT 5 brokers say so."""
+        return self.reason_code == SESSION_TAKEN_OVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +274,35 @@ def decode_message(
     return Received(topic, ref, result, retained)
 
 
+def protocol_versions(settings: BusSettings) -> tuple[bool, ...]:
+    """The MQTT versions one connect may try, in order: True for MQTT 5, False for 3.1.1.
+
+    "auto" asks for MQTT 5 at every connect (its Will Delay keeps a blip from dropping
+    the node) and falls back to 3.1.1 for that connect only when `refuses_protocol`.
+    """
+    match settings.protocol:
+        case "5":
+            return (True,)
+        case "3.1.1":
+            return (False,)
+        case _:
+            return (True, False)
+
+
+class _ClosedBeforeConnackError(aiomqtt.MqttError):
+    """The broker closed the connection after our CONNECT without a CONNACK."""
+
+
 def refuses_protocol(exc: BaseException) -> bool:
-    """Whether a failed connect means "the broker does not speak this MQTT version"."""
+    """Whether a failed connect means "the broker does not speak this MQTT version".
+
+    Only the broker's own word counts: a CONNACK "unsupported protocol version", or a
+    hang-up before any CONNACK (what some 3.1.1-only brokers do with an MQTT 5 CONNECT).
+    A connect that times out says nothing about the protocol: a partition healing
+    mid-connect looks just like that, and must not cost the Will Delay.
+    """
+    if isinstance(exc, _ClosedBeforeConnackError):
+        return True
     if not isinstance(exc, MqttConnectError):
         return False
     rc = exc.rc
@@ -271,9 +310,52 @@ def refuses_protocol(exc: BaseException) -> bool:
     return value in _UNSUPPORTED_PROTOCOL
 
 
-def _silent(exc: BaseException) -> bool:
-    """Whether a failed connect got no answer at all (no CONNACK before the timeout)."""
-    return not isinstance(exc, MqttConnectError) and "timed out" in str(exc)
+@dataclass(slots=True)
+class _Watch:
+    """What paho says about one connection that aiomqtt 2.x does not pass on."""
+
+    server_reason: ReasonCode | None = None
+    """The reason code of a DISCONNECT the broker sent (MQTT 5)."""
+
+
+def _watch(client: aiomqtt.Client) -> None:
+    """Hook paho's disconnect callback of `client`, in front of aiomqtt's own.
+
+    aiomqtt 2.x ignores a socket closed before CONNACK (the connect then waits for its
+    timeout) and drops whether a DISCONNECT came from the broker. The hook fails the
+    pending connect at once with `_ClosedBeforeConnackError` and keeps the broker's
+    DISCONNECT reason in a `_Watch`, stored as paho's user data (aiomqtt uses none).
+    """
+    watch = _Watch()
+    inner = client._client
+    forward = client._on_disconnect  # what aiomqtt installed on paho
+
+    def on_disconnect(
+        paho_client: paho.Client,
+        userdata: object,
+        flags: paho.DisconnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None = None,
+    ) -> None:
+        if flags.is_disconnect_packet_from_server:
+            watch.server_reason = reason_code
+        connecting = client._connected
+        if client._lock.locked() and not connecting.done():
+            connecting.set_exception(
+                _ClosedBeforeConnackError("the broker closed the connection before CONNACK")
+            )
+        forward(paho_client, userdata, flags, reason_code, properties)
+
+    inner.on_disconnect = on_disconnect
+    inner.user_data_set(watch)
+
+
+def disconnect_reason(client: aiomqtt.Client) -> int | None:
+    """The reason code of the DISCONNECT the broker sent on `client`'s link, if any."""
+    watch = client._client.user_data_get()
+    if isinstance(watch, _Watch) and watch.server_reason is not None:
+        return int(watch.server_reason.value)
+    return None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -291,6 +373,11 @@ def describe_error(exc: BaseException) -> str:
 def _check_topic_name(topic: str) -> None:
     if not topic or "+" in topic or "#" in topic or "\0" in topic:
         raise ValueError(f"{topic!r} is not a topic name (empty or with wildcards)")
+
+
+def _check_client_id(client_id: str) -> None:
+    if not client_id or len(client_id.encode()) > 65535 or "\0" in client_id:
+        raise ValueError(f"client_id must be a non-empty string, not {client_id!r}")
 
 
 def _check_filter(topic_filter: str) -> None:
@@ -349,7 +436,9 @@ def mqtt_client(
     """An aiomqtt client for one connection attempt to `broker` (TLS, Unix socket, auth).
 
     Every connection starts a fresh session: the agent's bus replays its state anyway,
-    and the control plane's links are short-lived.
+    and the control plane's links are short-lived. A broker hanging up before CONNACK
+    fails the connect at once (`refuses_protocol` is then true), and the reason of a
+    DISCONNECT from the broker is kept for `disconnect_reason`.
     """
     tls = None
     if broker.tls:
@@ -359,7 +448,7 @@ def mqtt_client(
             keyfile=settings.key_file or None,
         )
     unix = broker.scheme == "unix"
-    return aiomqtt.Client(
+    client = aiomqtt.Client(
         broker.path if unix else broker.host,
         broker.port or 1883,
         transport="unix" if unix else "tcp",
@@ -375,6 +464,8 @@ def mqtt_client(
         timeout=timeout_s,
         tls_params=tls,
     )
+    _watch(client)
+    return client
 
 
 def _whole_seconds(seconds: float) -> int:
@@ -412,10 +503,6 @@ def discard_client(client: aiomqtt.Client) -> None:
 
 class _LinkLostError(BusError):
     """The current connection failed; the reconnect loop replaces it."""
-
-
-class _ProtocolRefusedError(BusError):
-    """The broker refused MQTT 5; the next attempt on it uses 3.1.1."""
 
 
 @dataclass(slots=True)
@@ -538,8 +625,7 @@ class Bus:
         """
         if not is_dns1123_subdomain(node):
             raise ValueError(f"node {node!r} is not a DNS-1123 subdomain")
-        if not client_id or len(client_id.encode()) > 65535:
-            raise ValueError("client_id must be a non-empty string")
+        _check_client_id(client_id)
         for name, value in (
             ("timeout_s", timeout_s),
             ("echo_timeout_s", echo_timeout_s),
@@ -581,9 +667,10 @@ class Bus:
         self._synced = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._v311: set[int] = set()
-        self._try_v311: set[int] = set()
-        """Brokers that stayed silent to an MQTT 5 CONNECT: the next attempt is 3.1.1."""
+        self._leave_reason = "closed"
+        """Why the current link is left cleanly (set_will, set_client_id)."""
+        self._unplanned = False
+        """A link was lost or a connect failed since the last link came up."""
         self._seq = itertools.count()
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._dead_reason: str | None = None
@@ -597,7 +684,8 @@ class Bus:
         self._broker: str | None = None
         self._protocol: Protocol | None = None
         self.reconnects = 0
-        """Connections established after the first one."""
+        """Connections established after a lost link or a failed connect (after the first
+        one); the deliberate reconnects of `set_will` and `set_client_id` do not count."""
         self.last_error: str | None = None
         """Why the last connection attempt or link failed (never holds secrets)."""
         self.synced_at: float | None = None
@@ -788,6 +876,25 @@ class Bus:
         if will is not None:
             _check_topic_name(will.topic)
         self._will = will
+        self._leave_link("will changed")
+
+    def set_client_id(self, client_id: str) -> None:
+        """Use another MQTT client id from the next connection on (reconnecting now when
+        connected, cleanly: the DISCONNECT suppresses the will of the current link).
+
+        An agent that finds another live agent of its own node name uses it to stop the
+        two of them from taking the shared client id's session from each other.
+        """
+        _check_client_id(client_id)
+        if client_id == self.client_id:
+            return
+        self.client_id = client_id
+        self._log = get_logger("bus", client_id=client_id)
+        self._leave_link("client id changed")
+
+    def _leave_link(self, reason: str) -> None:
+        """Leave the current link cleanly; the loop reconnects with the new settings."""
+        self._leave_reason = reason
         self._gone.set()
         if self._leave is not None:
             self._leave.set()
@@ -821,17 +928,18 @@ class Bus:
         while not self._closing:
             try:
                 await self._session(index)
-            except _ProtocolRefusedError:
-                continue  # the same broker again, now with MQTT 3.1.1
             except _LinkLostError:
                 # _link_down logged why. Only a link that held resets the backoff, so a
                 # broker that drops us right after each connect is not hammered.
+                self._unplanned = True
                 if time.monotonic() - self._link_since >= _STABLE_S:
                     rounds = 0
                 left = 1
             except BusError as exc:
+                self._unplanned = True
                 self._connect_failed(self.brokers[index], str(exc))
             except Exception as exc:  # a bug: log it, keep the agent on the bus
+                self._unplanned = True
                 self._log.exception("bus_session_crashed", broker=str(self.brokers[index]))
                 self._connect_failed(self.brokers[index], describe_error(exc))
             else:
@@ -864,47 +972,14 @@ class Bus:
         when connecting failed.
         """
         broker = self.brokers[index]
-        v5 = index not in self._v311 and index not in self._try_v311
         leave = self._leave = asyncio.Event()
         self._gone = asyncio.Event()
         if self._closing:
             return
         will = self._will
-        client = await self._new_client(broker, v5=v5, will=will)
-        try:
-            await client.__aenter__()
-        except aiomqtt.MqttError as exc:
-            abort_client(client)
-            if v5 and refuses_protocol(exc):
-                self._v311.add(index)
-                self._log.warning(
-                    "bus_protocol_fallback",
-                    broker=str(broker),
-                    protocol="3.1.1",
-                    message="the broker refused MQTT 5: no Will Delay, the will fires at once",
-                )
-                raise _ProtocolRefusedError(str(exc)) from None
-            if v5 and _silent(exc):
-                # Some 3.1.1-only brokers never answer an MQTT 5 CONNECT instead of
-                # refusing it: try 3.1.1 once; only its success makes the fallback stick.
-                self._try_v311.add(index)
-                raise _ProtocolRefusedError(str(exc)) from None
-            self._try_v311.discard(index)
-            raise BusError(f"cannot connect to {broker}: {describe_error(exc)}") from None
-        except BaseException:
-            discard_client(client)
-            raise
-        if index in self._try_v311:
-            self._try_v311.discard(index)
-            self._v311.add(index)
-            self._log.warning(
-                "bus_protocol_fallback",
-                broker=str(broker),
-                protocol="3.1.1",
-                message="the broker did not answer MQTT 5 but accepted 3.1.1: no Will Delay",
-            )
+        client, v5 = await self._connect(broker, will)
         self._link_up(broker, v5=v5, will=will)
-        reason = "closed" if self._closing else "will changed"
+        reason = "closed"
         clean = False
         try:
             try:
@@ -925,10 +1000,54 @@ class Bus:
                 reason = describe_error(exc)
             raise
         finally:
+            reason_code = None
             if clean:
-                reason = "closed" if self._closing else "will changed"
+                reason = "closed" if self._closing else self._leave_reason
                 await self._disconnect(client)
-            self._link_down(broker, reason)
+            else:
+                reason_code = disconnect_reason(client)
+            self._link_down(broker, reason, reason_code)
+
+    async def _connect(
+        self, broker: BrokerURL, will: WillSpec | None
+    ) -> tuple[aiomqtt.Client, bool]:
+        """Connect to `broker` with the first MQTT version it accepts; (client, v5).
+
+        Every connect asks for MQTT 5 first (unless `[bus] protocol` says otherwise):
+        a fallback to 3.1.1 holds for this connect only, and only when the broker said
+        so. Raises BusError when the connect failed.
+        """
+        versions = protocol_versions(self.settings)
+        for attempt, v5 in enumerate(versions, start=1):
+            client = await self._new_client(broker, v5=v5, will=will)
+            try:
+                await client.__aenter__()
+            except aiomqtt.MqttError as exc:
+                abort_client(client)
+                refused = v5 and refuses_protocol(exc)
+                if refused and attempt < len(versions):
+                    self._log.warning(
+                        "bus_protocol_fallback",
+                        broker=str(broker),
+                        protocol="3.1.1",
+                        error=describe_error(exc),
+                        message=(
+                            "the broker closed the connection to MQTT 5 before CONNACK"
+                            if isinstance(exc, _ClosedBeforeConnackError)
+                            else "the broker refused MQTT 5"
+                        )
+                        + ": this link uses 3.1.1, no Will Delay (the will fires at once)",
+                    )
+                    continue
+                detail = describe_error(exc)
+                if refused:
+                    detail += ' (bus.protocol = "5": no fallback to 3.1.1)'
+                raise BusError(f"cannot connect to {broker}: {detail}") from None
+            except BaseException:
+                discard_client(client)
+                raise
+            return client, v5
+        raise AssertionError("protocol_versions() is never empty")  # pragma: no cover
 
     async def _new_client(
         self, broker: BrokerURL, *, v5: bool, will: WillSpec | None
@@ -1081,8 +1200,9 @@ class Bus:
         abort_client(client)
 
     def _link_up(self, broker: BrokerURL, *, v5: bool, will: WillSpec | None) -> None:
-        if self._ever_connected:
+        if self._ever_connected and self._unplanned:
             self.reconnects += 1
+        self._unplanned = False
         self._ever_connected = True
         self._link_since = time.monotonic()
         self._dead_reason = None
@@ -1098,7 +1218,7 @@ class Bus:
         )
         self._emit(Connected(self._broker, self._protocol, will_delay=v5))
 
-    def _link_down(self, broker: BrokerURL, reason: str) -> None:
+    def _link_down(self, broker: BrokerURL, reason: str, reason_code: int | None) -> None:
         self._gone.set()
         self._client = None
         self._connected = False
@@ -1110,10 +1230,18 @@ class Bus:
         for echo in self._pings.values():
             echo.cancel()
         self._pings.clear()
-        if reason not in ("closed", "will changed"):
+        event = Disconnected(str(broker), reason, reason_code)
+        if reason not in ("closed", "will changed", "client id changed"):
             self.last_error = reason
-        self._log.info("bus_disconnected", broker=str(broker), reason=reason)
-        self._emit(Disconnected(str(broker), reason))
+        log = self._log.warning if event.taken_over else self._log.info
+        log(
+            "bus_disconnected",
+            broker=str(broker),
+            reason=reason,
+            reason_code=reason_code,
+            taken_over=event.taken_over,
+        )
+        self._emit(event)
 
     def _connect_failed(self, broker: BrokerURL, error: str) -> None:
         self.last_error = error

@@ -42,6 +42,7 @@ from imexd.bus import (
     _Echoes,
     backoff_delay,
     decode_message,
+    protocol_versions,
     refuses_protocol,
     topic_matches,
 )
@@ -208,6 +209,20 @@ def test_only_an_unsupported_protocol_answer_triggers_the_fallback() -> None:
     assert not refuses_protocol(aiomqtt.MqttError("timed out"))
 
 
+def test_protocol_setting_chooses_the_versions_tried() -> None:
+    """ "auto" tries MQTT 5 then 3.1.1 at every connect; "5" and "3.1.1" try only theirs."""
+    assert protocol_versions(fast_settings("mqtt://h", protocol="auto")) == (True, False)
+    assert protocol_versions(fast_settings("mqtt://h", protocol="5")) == (True,)
+    assert protocol_versions(fast_settings("mqtt://h", protocol="3.1.1")) == (False,)
+
+
+def test_only_a_broker_disconnect_says_taken_over() -> None:
+    """`taken_over` is the broker's DISCONNECT 0x8E, not any lost link."""
+    assert Disconnected("b", "x", reason_code=0x8E).taken_over
+    assert not Disconnected("b", "x", reason_code=0x8D).taken_over
+    assert not Disconnected("b", "x").taken_over
+
+
 def test_bad_arguments_are_refused_up_front() -> None:
     """A wrong node name, client id or will topic fails at construction, not later."""
     settings = fast_settings("mqtt://127.0.0.1:1")
@@ -217,6 +232,8 @@ def test_bad_arguments_are_refused_up_front() -> None:
         Bus(settings, node="n1", client_id="")
     with pytest.raises(ValueError, match="wildcards"):
         Bus(settings, node="n1", client_id="x", will=WillSpec("a/+/b"))
+    with pytest.raises(ValueError, match="client_id"):
+        Bus(settings, node="n1", client_id="x").set_client_id("")
 
 
 # Against a real broker.
@@ -505,11 +522,91 @@ async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: B
             assert bus.will == WillSpec(new)
             lost = await next_event(bus, Disconnected)
             assert lost.reason == "will changed"
+            assert lost.reason_code is None
             await next_event(bus, Connected)
-            assert bus.reconnects == 1
+            assert bus.reconnects == 0  # deliberate: not a reconnect an alert should see
             bus.set_will(WillSpec(new))  # unchanged: no reconnect
             await no_event(observer, Deleted, lambda _: True, 1.2)
-            assert bus.reconnects == 1
+            assert bus.reconnects == 0
+
+
+async def test_a_session_take_over_ends_the_link_and_counts(broker: Broker) -> None:
+    """A second client with our client id ends our link; the event and the link-down log
+    carry the broker's DISCONNECT reason (0x8E from Mosquitto >= 2.0.12; older ones just
+    close, which shows as no reason code), and the reconnect counts."""
+    settings = fast_settings(broker.url, reconnect_initial_s=3.0, reconnect_max_s=3.0)
+    with capture_logs() as logs:
+        async with bus_for(settings, "n1") as bus:
+            await next_event(bus, Synced)
+            async with aiomqtt.Client(
+                "127.0.0.1",
+                broker.port,
+                identifier="imexd-n1",
+                protocol=aiomqtt.ProtocolVersion.V5,
+                timeout=2,
+            ):
+                lost = await next_event(bus, Disconnected)
+            assert lost.reason_code in (None, 0x8E)
+            assert bus.last_error == lost.reason
+            await next_event(bus, Connected, within=6)
+            assert bus.reconnects == 1  # a lost link: this one counts
+    down = [e for e in logs if e["event"] == "bus_disconnected"]
+    assert down[0]["reason_code"] == lost.reason_code
+    assert down[0]["taken_over"] is lost.taken_over
+
+
+async def test_the_brokers_disconnect_reason_is_reported(broker: Broker) -> None:
+    """An MQTT 5 DISCONNECT "Session taken over" (0x8E) from the broker is on the
+    Disconnected event and, as a warning, on the link-down log event."""
+    async with Relay(broker.port) as relay:
+        settings = fast_settings(relay.url, reconnect_initial_s=3.0, reconnect_max_s=3.0)
+        with capture_logs() as logs:
+            async with bus_for(settings, "n1") as bus:
+                await next_event(bus, Synced)
+                relay.disconnect_clients(0x8E)
+                lost = await next_event(bus, Disconnected)
+                assert lost.reason_code == 0x8E
+                assert lost.taken_over
+                assert "Session taken over" in lost.reason
+    down = [e for e in logs if e["event"] == "bus_disconnected"]
+    assert down[0]["reason_code"] == 0x8E
+    assert down[0]["taken_over"] is True
+    assert down[0]["log_level"] == "warning"
+
+
+async def test_set_client_id_stops_fighting_over_the_shared_id(broker: Broker) -> None:
+    """After set_client_id the bus reconnects under the new id at once; the old id's
+    owner can then connect without ending our link, and the switch is no reconnect."""
+    async with bus_for(fast_settings(broker.url), "n1") as bus:
+        bus.set_client_id("imexd-n1")  # unchanged: nothing happens
+        await next_event(bus, Synced)
+        bus.set_client_id("imexd-n1-duplicate")
+        assert bus.client_id == "imexd-n1-duplicate"
+        lost = await next_event(bus, Disconnected)
+        assert lost.reason == "client id changed"
+        await next_event(bus, Synced)
+        async with aiomqtt.Client(
+            "127.0.0.1",
+            broker.port,
+            identifier="imexd-n1",
+            protocol=aiomqtt.ProtocolVersion.V5,
+            timeout=2,
+        ):
+            await no_event(bus, Disconnected, lambda _: True, 1.0)
+        assert bus.connected
+        assert bus.reconnects == 0
+
+
+async def test_set_client_id_while_down_applies_at_the_next_connect(broker: Broker) -> None:
+    """Without a link the new id is simply used by the next connect."""
+    broker.stop()
+    async with bus_for(fast_settings(broker.url), "n1") as bus:
+        await next_event(bus, ConnectFailed)
+        bus.set_client_id("imexd-n1-b")
+        broker.start()
+        await next_event(bus, Synced, within=5)
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="imexd-n1", timeout=2):
+            await no_event(bus, Disconnected, lambda _: True, 1.0)
 
 
 # Wrong messages on the wire.
@@ -546,7 +643,8 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Broker
         "not_object": 1,
         "version": 1,
         "topic_mismatch": 1,
-        "schema": 1,
+        "schema": 0,
+        "address": 1,  # "not-an-ip"
         "unknown_topic": 1,
     }
     dropped = [e for e in logs if e["event"] == "bus_message_dropped"]
@@ -557,7 +655,7 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Broker
             "not_object",
             "version",
             "topic_mismatch",
-            "schema",
+            "address",
             "unknown_topic",
         ]
     )
@@ -576,15 +674,17 @@ class _Pipe:
 
 class Relay:
     """A TCP relay to a broker that can go silent (frozen) or refuse MQTT 5 like a
-    3.1.1-only broker. Thawing breaks every connection that lived through the freeze,
-    as a long network partition would."""
+    3.1.1-only broker (a CONNACK refusal, or a hang-up before CONNACK). Thawing breaks
+    every connection that lived through the freeze, as a long network partition would."""
 
     def __init__(
-        self, target_port: int, *, refuse_v5: bool = False, ignore_v5: bool = False
+        self, target_port: int, *, refuse_v5: bool = False, close_v5: bool = False
     ) -> None:
         self.target_port = target_port
-        self.refuse_v5 = refuse_v5 or ignore_v5
-        self.ignore_v5 = ignore_v5
+        self.refuse_v5 = refuse_v5 or close_v5
+        self.close_v5 = close_v5
+        self.levels: list[int] = []
+        """The protocol level of every CONNECT seen while refusing (5, or 4 = 3.1.1)."""
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.pipes: set[_Pipe] = set()
@@ -616,6 +716,14 @@ class Relay:
     def freeze(self) -> None:
         self.flowing.clear()
 
+    def disconnect_clients(self, reason_code: int) -> None:
+        """Send every client an MQTT 5 DISCONNECT with `reason_code`, then close."""
+        for pipe in self.pipes:
+            pipe.broken = True
+            pipe.client.write(bytes([0xE0, 2, reason_code, 0]))  # reason, no properties
+            pipe.client.close()
+            pipe.upstream.transport.abort()
+
     def thaw(self) -> None:
         for pipe in self.pipes:
             pipe.broken = True
@@ -636,10 +744,11 @@ class Relay:
             self.pipes.add(pipe)
             if self.refuse_v5:
                 connect = await _read_packet(reader)
+                if connect[0] >> 4 == 1:
+                    self.levels.append(_protocol_level(connect))
                 if connect[0] >> 4 == 1 and _protocol_level(connect) == 5:
                     self.refused += 1
-                    if self.ignore_v5:  # some 3.1.1-only brokers never answer at all
-                        await reader.read()
+                    if self.close_v5:  # some 3.1.1-only brokers hang up without CONNACK
                         return
                     writer.write(b"\x20\x02\x00\x01")  # 3.1.1 CONNACK: unacceptable version
                     await writer.drain()
@@ -759,12 +868,13 @@ async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Broker) -> None:
     assert "no Will Delay" in fallback[0]["message"]
 
 
-async def test_falls_back_to_mqtt_311_when_5_gets_no_answer(broker: Broker) -> None:
-    """A broker that never answers an MQTT 5 CONNECT gets 3.1.1, which then sticks."""
-    async with Relay(broker.port, ignore_v5=True) as relay:
+async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Broker) -> None:
+    """A broker that hangs up on an MQTT 5 CONNECT without CONNACK gets 3.1.1 at once,
+    without waiting for the connect timeout."""
+    async with Relay(broker.port, close_v5=True) as relay:
         with capture_logs() as logs:
-            async with bus_for(fast_settings(relay.url), "n1", timeout_s=1.0) as bus:
-                up = await next_event(bus, Connected, within=10)
+            async with bus_for(fast_settings(relay.url), "n1", timeout_s=5.0) as bus:
+                up = await next_event(bus, Connected, within=3)
                 assert up.protocol == "3.1.1"
                 await bus.subscribe(MEMBERS)
                 await bus.retain(member_topic(), record())
@@ -773,24 +883,64 @@ async def test_falls_back_to_mqtt_311_when_5_gets_no_answer(broker: Broker) -> N
         assert relay.refused == 1
     fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
     assert len(fallback) == 1
-    assert "did not answer MQTT 5" in fallback[0]["message"]
+    assert "closed" in fallback[0]["message"]
 
 
-async def test_a_silent_dead_broker_does_not_stick_to_311() -> None:
-    """Silence from a broker that also ignores 3.1.1 is an outage, not a protocol verdict."""
+async def test_every_connect_tries_mqtt_5_again(broker: Broker) -> None:
+    """The fallback is for one connect only: after a lost link MQTT 5 is asked again."""
+    async with Relay(broker.port, refuse_v5=True) as relay:
+        async with bus_for(fast_settings(relay.url), "n1") as bus:
+            assert (await next_event(bus, Connected)).protocol == "3.1.1"
+            relay.thaw()  # breaks the link
+            await next_event(bus, Disconnected)
+            assert (await next_event(bus, Connected)).protocol == "3.1.1"
+        assert relay.refused == 2
+
+
+async def test_protocol_5_never_falls_back(broker: Broker) -> None:
+    """With bus.protocol = "5" a broker refusing MQTT 5 is a failed connect, retried as 5."""
+    async with Relay(broker.port, refuse_v5=True) as relay:
+        async with bus_for(fast_settings(relay.url, protocol="5"), "n1") as bus:
+            failed = await next_event(bus, ConnectFailed)
+            assert 'bus.protocol = "5"' in failed.error
+            await next_event(bus, ConnectFailed)
+            assert not bus.connected
+        assert relay.refused >= 2
+        assert relay.levels == [5] * len(relay.levels)
+
+
+async def test_protocol_311_connects_with_311(broker: Broker) -> None:
+    """With bus.protocol = "3.1.1" the first CONNECT already speaks 3.1.1."""
+    async with Relay(broker.port, refuse_v5=True) as relay:
+        async with bus_for(fast_settings(relay.url, protocol="3.1.1"), "n1") as bus:
+            up = await next_event(bus, Connected)
+            assert up.protocol == "3.1.1"
+            assert not up.will_delay
+        assert relay.refused == 0
+        assert relay.levels == [4]
+
+
+async def test_a_connect_that_times_out_does_not_fall_back() -> None:
+    """Silence (a partition healing mid-connect) is a failed connect, not a protocol
+    verdict: every later connect still speaks MQTT 5."""
     writers: list[asyncio.StreamWriter] = []
+    levels: list[int] = []
 
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
-        await reader.read()
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            levels.append(_protocol_level(await _read_packet(reader)))
+            await reader.read()
 
     server = await asyncio.start_server(mute, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with bus_for(fast_settings(f"mqtt://127.0.0.1:{port}"), "n1", timeout_s=0.5) as bus:
-            failed = await next_event(bus, ConnectFailed, within=10)
-            assert "timed out" in failed.error
-            assert not bus._v311
+        async with bus_for(fast_settings(f"mqtt://127.0.0.1:{port}"), "n1", timeout_s=0.3) as bus:
+            for _ in range(3):
+                failed = await next_event(bus, ConnectFailed, within=10)
+                assert "timed out" in failed.error
+        assert len(levels) >= 3
+        assert levels == [5] * len(levels)
     finally:
         for writer in writers:
             writer.transport.abort()
