@@ -66,6 +66,7 @@ from imexd.bus import (
     describe_error,
     discard_client,
     mqtt_client,
+    protocol_versions,
     read_password,
     refuses_protocol,
     topic_matches,
@@ -932,10 +933,11 @@ class Link:
     """One short-lived MQTT connection of the control plane (an async context manager).
 
     Entering connects to the first broker of `[bus] url` that answers within
-    `connect_timeout_s` (MQTT 5, else 3.1.1), or raises BusError naming each broker and
-    why. `read` subscribes and returns once the retained snapshot is in `store`; `put`
-    publishes a retained message; `verify` proves the broker kept what was put (a refused
-    publish is otherwise invisible). A lost link raises BusError from the next call.
+    `connect_timeout_s` (the versions `[bus] protocol` allows, `bus.protocol_versions`:
+    with "auto" MQTT 5, else 3.1.1 only when the broker refuses 5), or raises BusError
+    naming each broker and why. `read` subscribes and returns once the retained snapshot
+    is in `store`; `put` publishes a retained message; `verify` proves the broker kept
+    what was put (a refused publish is otherwise invisible). A lost link raises BusError from the next call.
     """
 
     def __init__(
@@ -1011,7 +1013,8 @@ class Link:
 
     async def _connect(self, broker: BrokerURL) -> aiomqtt.Client:
         password = self._password()
-        for v5 in (True, False):
+        versions = protocol_versions(self.settings)
+        for v5 in versions:
             client = self._new_client(broker, v5=v5, password=password)
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
@@ -1023,14 +1026,17 @@ class Link:
                 ) from None
             except aiomqtt.MqttError as exc:
                 abort_client(client)
-                if v5 and refuses_protocol(exc):
+                if v5 and refuses_protocol(exc) and len(versions) > 1:
                     continue
                 raise BusError(f"cannot connect to {broker}: {describe_error(exc)}") from None
             except BaseException:
                 discard_client(client)
                 raise
             return client
-        raise BusError(f"cannot connect to {broker}: it refuses MQTT 5 and 3.1.1")
+        raise BusError(
+            f"cannot connect to {broker}: it refuses MQTT "
+            + " and ".join("5" if v5 else "3.1.1" for v5 in versions)
+        )
 
     def _password(self) -> str | None:
         return read_password(self.settings)

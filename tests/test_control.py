@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiomqtt
 import msgspec
@@ -49,7 +49,7 @@ from imexd.control import (
     summarize,
 )
 from imexd.errors import BusError
-from imexd.settings import BusSettings
+from imexd.settings import BrokerURL, BusSettings
 from imexd.wire import (
     Assignment,
     DomainSpec,
@@ -1055,6 +1055,26 @@ async def test_every_broker_is_tried_in_turn(broker: Broker) -> None:
     dead = f"mqtt://127.0.0.1:{free_port()}"
     async with Link(BusSettings(url=(dead, broker.url))) as link:
         assert link.broker == broker.url
+
+
+class CountingLink(Link):
+    """A Link that records which MQTT versions it asked for."""
+
+    asked: list[bool]
+
+    def _new_client(self, broker: BrokerURL, *, v5: bool, password: str | None) -> aiomqtt.Client:
+        self.asked = [*getattr(self, "asked", []), v5]
+        return super()._new_client(broker, v5=v5, password=password)
+
+
+@pytest.mark.parametrize(("protocol", "asked"), [("auto", [True]), ("3.1.1", [False])])
+async def test_the_link_asks_for_the_protocol_the_settings_allow(
+    broker: Broker, protocol: Literal["auto", "3.1.1"], asked: list[bool]
+) -> None:
+    """`[bus] protocol` decides the versions the control plane tries (bus.protocol_versions)."""
+    async with CountingLink(BusSettings(url=(broker.url,), protocol=protocol)) as link:
+        await link.read(T.specs_filter())
+    assert link.asked == asked
 
 
 async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
