@@ -937,7 +937,8 @@ class Link:
     with "auto" MQTT 5, else 3.1.1 only when the broker refuses 5), or raises BusError
     naming each broker and why. `read` subscribes and returns once the retained snapshot
     is in `store`; `put` publishes a retained message; `verify` proves the broker kept
-    what was put (a refused publish is otherwise invisible). A lost link raises BusError from the next call.
+    what was put (a refused publish is otherwise invisible). A lost link raises BusError
+    from the next call.
     """
 
     def __init__(
