@@ -21,6 +21,12 @@ Why it is built this way:
   the broker proves the link, and a missing echo tears it down *without* DISCONNECT, so
   the broker publishes our will if we stay away. A clean close sends DISCONNECT, which
   suppresses the will (hand-over keeps the record; a leave clears it first).
+- Every connect asks for MQTT 5 (its Will Delay keeps a link blip from dropping the node)
+  and falls back to 3.1.1 for that connect only when the broker says so (`[bus]
+  protocol`, `protocol_versions`, `refuses_protocol`): a timeout is an outage, not a
+  verdict. A paho hook gives what aiomqtt 2.x hides: a hang-up before CONNACK, and the
+  reason code of the broker's DISCONNECT (`Disconnected.reason_code`, e.g. a session
+  taken over by a second client with our id; `set_client_id` ends such a fight).
 - aiomqtt 2.x drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
