@@ -317,6 +317,18 @@ async def test_a_node_cannot_overwrite_or_clear_another_nodes_records(
     assert await retained(broker, T.member(DOMAIN, "none", "n2")) is None
 
 
+async def test_a_node_writes_only_its_own_presence_and_the_control_plane_reads_it(
+    broker: ShippedBroker,
+) -> None:
+    """n1's presence stands; its forgery of n2's is dropped; only the control plane reads them."""
+    async with client(broker, "n1") as n1:
+        await publish(n1, T.presence("n1"), b"n1-here")
+        await publish(n1, T.presence("n2"), b"forged-by-n1")
+    assert await retained(broker, T.presence("n1"), name=CONTROL_USER) == b"n1-here"
+    assert await retained(broker, T.presence("n2"), name=CONTROL_USER) is None
+    assert await retained(broker, T.presence("n1"), name="n2") is None
+
+
 async def test_a_node_cannot_write_specs_or_assignments(broker: ShippedBroker) -> None:
     """Specs and assignments written by a node are dropped; the control plane's stand."""
     async with client(broker, CONTROL_USER) as control:
