@@ -52,7 +52,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, Self
+from typing import Any, Final, Literal, Self, assert_never
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -81,6 +81,7 @@ from imexd.wire import (
     MemberRecord,
     Payload,
     Ping,
+    Presence,
     TopicRef,
     Topics,
     check_topic,
@@ -272,6 +273,10 @@ def decode_message(
             result = decode(payload, Assignment)
         case "ping":
             result = decode(payload, Ping)
+        case "presence":
+            result = decode(payload, Presence)
+        case _:
+            assert_never(ref.kind)
     if isinstance(result, Dropped):
         return result
     mismatch = check_topic(ref, result)

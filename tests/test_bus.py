@@ -56,6 +56,7 @@ from imexd.wire import (
     HealthReport,
     MemberRecord,
     MemberState,
+    Presence,
     Topics,
     encode,
 )
@@ -197,6 +198,17 @@ def test_messages_decode_into_typed_events() -> None:
     assert isinstance(gone, Deleted)
     assert gone.ref.kind == "health"
     assert gone.ref.node == "n1"
+
+
+def test_presence_records_decode_and_must_match_their_topic() -> None:
+    """A presence record decodes on its own node's topic and is dropped on another's."""
+    here = Presence(node="n1", incarnation=3, at=1.0, domain=None, address="10.0.0.1")
+    got = decode_message(TOPICS, TOPICS.presence("n1"), encode(here), retained=True)
+    assert isinstance(got, Received)
+    assert got.payload == here
+    forged = decode_message(TOPICS, TOPICS.presence("n2"), encode(here), retained=True)
+    assert isinstance(forged, Dropped)
+    assert forged.reason is DropReason.TOPIC_MISMATCH
 
 
 def test_only_an_unsupported_protocol_answer_triggers_the_fallback() -> None:
