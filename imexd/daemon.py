@@ -25,17 +25,25 @@ Why it looks the way it does:
 - An agent restart (upgrade, crash) must not restart IMEX: at start the supervisor
   looks for a daemon already running our config path (`find_imex_processes`,
   `classify_processes`) and, when the agent says the files on disk are what it would
-  write now, adopts it instead of starting a new one. It cannot read an adopted
-  daemon's output (the pipes belonged to the previous agent) and watches its exit
-  with a pidfd, since it is not our child.
+  write now, adopts it instead of starting a new one, watching its exit with a pidfd,
+  since it is not our child.
+- The daemon's stdout and stderr are files next to config.cfg (`nvidia-imex.out`,
+  `nvidia-imex.err`, opened O_APPEND), not pipes: whoever supervises the daemon, the
+  agent that started it or the one that adopted it after a hand-over, tails them and
+  logs each line as a `daemon.output` event, and no reader is needed for the daemon to
+  write (a pipe without one would kill it with SIGPIPE, or block it when full). A
+  spawn truncates them; when one grows past `output_max_bytes` it is truncated after it
+  was read to its end (the daemon's O_APPEND writes then start again at 0), so they
+  stay small even while no agent runs for long; a line written in the instant between
+  that last read and the truncation is lost. Regular files cannot be watched with
+  epoll, so they are read every `output_poll_s`.
 - The daemon runs in its own process group (session); stopping it is SIGTERM to the
   group, SIGKILL after `stop_timeout_s`, and whatever is left of the group is killed
   and waited for, so nothing is left behind, never waiting forever.
 
 The supervisor is an async context manager: leaving it stops the daemon, unless
 `detach()` was called (hand over for an upgrade), in which case the daemon keeps
-running and a small drainer process keeps reading its output pipes, so that the
-daemon's next log line does not kill it with SIGPIPE.
+running, writing to its output files for the next agent.
 """
 
 from __future__ import annotations
@@ -49,7 +57,6 @@ import re
 import select
 import shlex
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -67,7 +74,24 @@ PACKAGE_CONFIG = "/etc/nvidia-imex/config.cfg"
 """The config of the distribution's `nvidia-imex.service`: a daemon using it conflicts."""
 
 OUTPUT_SOURCE = "nvidia-imex"
-"""The `source` field of every log event made from a line of the daemon's output."""
+"""The `source` field of every `daemon.output` event (a line of the daemon's output)."""
+
+OUTPUT_FILES = {"stdout": "nvidia-imex.out", "stderr": "nvidia-imex.err"}
+"""The daemon's output files, by stream, in `output_dir` (config.cfg's folder by default)."""
+
+OUTPUT_MAX_BYTES = 4 * 1024 * 1024
+"""An output file read to its end is truncated once it is larger than this."""
+
+OUTPUT_POLL_S = 0.2
+"""How often the output files are read for new lines."""
+
+OUTPUT_MODE = 0o640
+"""The output files' permissions: the daemon's log is not for every local user."""
+
+ADOPT_SEED_BYTES = 16 * 1024
+"""How much of an adopted daemon's output files is read back into `last_lines`."""
+
+_STREAM_FDS = {"stdout": 1, "stderr": 2}
 
 LAST_LINES = 50
 """How many lines of the daemon's output are kept for status and error reasons."""
@@ -500,37 +524,14 @@ def group_members(pgid: int) -> list[int]:
 # ---------------------------------------------------------------------------------
 # The supervisor
 
-_DRAINER = """\
-import os, selectors, sys
-if os.fork():
-    os._exit(0)
-sel = selectors.DefaultSelector()
-for fd in map(int, sys.argv[1:]):
-    sel.register(fd, selectors.EVENT_READ)
-while sel.get_map():
-    for key, _ in sel.select():
-        data = os.read(key.fd, 65536)
-        if not data:
-            sel.unregister(key.fd)
-            continue
-        try:
-            os.write(2, data)
-        except OSError:
-            pass
-"""
-"""Keeps reading a handed-over daemon's pipes until it exits, copying them to stderr.
 
-It forks once so that it is nobody's zombie, and never stops reading (even when its
-own stderr is gone): a pipe without a reader would kill the daemon with SIGPIPE.
-"""
+class _Output:
+    """The read end of one of the daemon's output files, split into lines."""
 
-
-class _Pipe:
-    """The read end of one of our daemon's output pipes, split into lines."""
-
-    def __init__(self, fd: int, stream: str) -> None:
+    def __init__(self, fd: int, stream: str, path: str) -> None:
         self.fd = fd
         self.stream = stream
+        self.path = path
         self.buf = bytearray()
         self.open = True
 
@@ -546,7 +547,7 @@ class _Child:
         pgid: int | None,
         adopted: bool,
         started: float,
-        pipes: list[_Pipe],
+        outputs: list[_Output],
     ) -> None:
         self.pid = pid
         self.pidfd = pidfd
@@ -555,7 +556,8 @@ class _Child:
         self.adopted = adopted
         self.started = started
         """time.monotonic() of its start (estimated from its age when adopted)."""
-        self.pipes = pipes
+        self.outputs = outputs
+        """Its output files being tailed; empty when they are not ours (adopted)."""
         self.exited = asyncio.Event()
         self.stable = False
         self.ran = False
@@ -586,6 +588,9 @@ class Supervisor:
         conflict_recheck_s: float = 5.0,
         on_change: Callable[[DaemonStatus], None] | None = None,
         rand: Callable[[], float] = random.random,
+        output_dir: str | os.PathLike[str] | None = None,
+        output_max_bytes: int = OUTPUT_MAX_BYTES,
+        output_poll_s: float = OUTPUT_POLL_S,
     ) -> None:
         """Validate and store; nothing runs until the supervisor is entered.
 
@@ -593,6 +598,9 @@ class Supervisor:
         daemon is recognised after an agent restart. `on_change` is called (in the
         event loop, must not block) with a new snapshot after every change of state,
         pid or reload bookkeeping. `rand` feeds the backoff jitter (tests pin it).
+        `output_dir` holds the daemon's output files (`OUTPUT_FILES`; config.cfg's
+        folder by default: every agent of the node must find them there), truncated
+        past `output_max_bytes` and read every `output_poll_s` seconds.
         """
         path = os.fspath(config_path)
         if not os.path.isabs(path):
@@ -601,6 +609,14 @@ class Supervisor:
             raise ValueError("binary: expected a program name or path")
         if reload_min_interval_s < 0 or conflict_recheck_s <= 0:
             raise ValueError("reload_min_interval_s >= 0 and conflict_recheck_s > 0 expected")
+        if output_max_bytes <= 0 or output_poll_s <= 0:
+            raise ValueError("output_max_bytes > 0 and output_poll_s > 0 expected")
+        folder = os.path.dirname(path) if output_dir is None else os.fspath(output_dir)
+        self._output_paths = {
+            stream: os.path.join(folder, name) for stream, name in OUTPUT_FILES.items()
+        }
+        self._output_max = output_max_bytes
+        self._output_poll = output_poll_s
         self._binary = binary
         self._config_path = os.path.normpath(path)
         self._env = daemon_environment(os.environ, env)
@@ -635,12 +651,14 @@ class Supervisor:
         self._last_reload: float | None = None
         self._reload_held_until = 0.0
         self._lines: deque[str] = deque(maxlen=LAST_LINES)
+        self._output_lines = 0
         self._conflict: str | None = None
         self._detached = False
         self._closed = False
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._tail_task: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
         self._changed = asyncio.Event()
         self._acks: list[asyncio.Future[DaemonStatus]] = []
@@ -690,6 +708,11 @@ class Supervisor:
     @property
     def config_path(self) -> str:
         return self._config_path
+
+    @property
+    def output_paths(self) -> Mapping[str, str]:
+        """The daemon's output files by stream (`stdout`, `stderr`)."""
+        return MappingProxyType(self._output_paths)
 
     @property
     def environment(self) -> Mapping[str, str]:
@@ -824,6 +847,7 @@ class Supervisor:
             raise RuntimeError("a Supervisor can be entered only once")
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="daemon-supervisor")
+        self._tail_task = asyncio.create_task(self._tail(), name="daemon-output")
         return self
 
     async def __aexit__(
@@ -843,6 +867,9 @@ class Supervisor:
         task = self._task
         failure: BaseException | None = None
         try:
+            if self._tail_task is not None:
+                self._tail_task.cancel()
+                await asyncio.wait({self._tail_task})
             if task is not None:
                 task.cancel()
                 await asyncio.wait({task})
@@ -852,7 +879,7 @@ class Supervisor:
             child = self._child
             if child is not None:
                 if self._detached:
-                    await self._hand_over(child)
+                    self._hand_over(child)
                 else:
                     await self._terminate(child, self._stop_reason_on_exit())
         finally:
@@ -1037,11 +1064,14 @@ class Supervisor:
         self._adopt_ok = False
         if adopted is not None:
             self._begin(adopted)
-            self._log.info(
-                "daemon.adopted",
-                pid=adopted.pid,
-                output="not streamed: its stdout/stderr belong to the agent that started it",
-            )
+            output = "streamed"
+            if not adopted.outputs:
+                output = "not streamed: its stdout/stderr are not " + " and ".join(
+                    self._output_paths.values()
+                )
+            elif len(adopted.outputs) < len(self._output_paths):
+                output = f"streamed: only {adopted.outputs[0].stream}"
+            self._log.info("daemon.adopted", pid=adopted.pid, output=output)
             self._set(DaemonState.RUNNING, f"adopted pid {adopted.pid}")
         else:
             self._spawn()
@@ -1057,46 +1087,51 @@ class Supervisor:
         self._reload_pending = None
         self._reload_requests = 0
         self._loop.add_reader(child.pidfd, self._on_pidfd, child)
-        for pipe in child.pipes:
-            os.set_blocking(pipe.fd, False)
-            self._loop.add_reader(pipe.fd, self._on_pipe, child, pipe)
 
     def _spawn(self) -> None:
-        """Start `binary -c config` in a new session, stdout/stderr into our pipes."""
+        """Start `binary -c config` in a new session, stdout/stderr into fresh output files."""
         argv = [self._binary, "-c", self._config_path]
-        r_out, w_out = os.pipe()
-        r_err, w_err = os.pipe()
+        actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+        writers: list[int] = []
+        outputs: list[_Output] = []
         try:
-            pid = os.posix_spawnp(
-                self._binary,
-                argv,
-                self._env,
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_DUP2, w_out, 1),
-                    (os.POSIX_SPAWN_DUP2, w_err, 2),
-                ],
-                setsid=True,
-                # SIGPIPE stays ignored (inherited from Python, as systemd's
-                # IgnoreSIGPIPE=yes does): if the agent dies, the daemon's stderr pipe
-                # has no reader, and a default SIGPIPE would kill IMEX at its next log
-                # line, tearing down the memory that running jobs import.
-                setsigdef=(signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
-                setsigmask=(),
-            )
-        except OSError as exc:
-            os.close(r_out)
-            os.close(r_err)
-            self._crashed(
-                f"cannot run {self._binary}: {exc.strerror or exc}",
-                "not started",
-                uptime=0.0,
-                ran=False,
-            )
-            return
+            for stream, path in self._output_paths.items():
+                target = _STREAM_FDS[stream]
+                opened = self._open_output(stream, path)
+                if opened is None:
+                    actions.append((os.POSIX_SPAWN_OPEN, target, os.devnull, os.O_WRONLY, 0))
+                    continue
+                writer, output = opened
+                writers.append(writer)
+                outputs.append(output)
+                actions.append((os.POSIX_SPAWN_DUP2, writer, target))
+            try:
+                pid = os.posix_spawnp(
+                    self._binary,
+                    argv,
+                    self._env,
+                    file_actions=actions,
+                    setsid=True,
+                    # SIGPIPE stays ignored (inherited from Python, as systemd's
+                    # IgnoreSIGPIPE=yes does): the daemon writes to files, but whatever
+                    # it may write to a pipe or socket without a reader must not kill
+                    # IMEX and tear down the memory that running jobs import.
+                    setsigdef=(signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
+                    setsigmask=(),
+                )
+            except OSError as exc:
+                for output in outputs:
+                    self._close_output(output)
+                self._crashed(
+                    f"cannot run {self._binary}: {exc.strerror or exc}",
+                    "not started",
+                    uptime=0.0,
+                    ran=False,
+                )
+                return
         finally:
-            os.close(w_out)
-            os.close(w_err)
+            for writer in writers:
+                os.close(writer)
         pidfd = os.pidfd_open(pid)  # our unreaped child: cannot be gone yet
         child = _Child(
             pid=pid,
@@ -1104,7 +1139,7 @@ class Supervisor:
             pgid=pid,
             adopted=False,
             started=time.monotonic(),
-            pipes=[_Pipe(r_out, "stdout"), _Pipe(r_err, "stderr")],
+            outputs=outputs,
         )
         self._begin(child)
         self._set(
@@ -1112,6 +1147,38 @@ class Supervisor:
             f"DaemonStarting: pid {pid}, RUNNING after {self._settings.start_s:g} s alive",
         )
         self._tick(child)
+
+    def _open_output(self, stream: str, path: str) -> tuple[int, _Output] | None:
+        """Truncate `path` for a new daemon: (its write end, our reader), or None (logged).
+
+        Without its file the daemon's stream goes to /dev/null: a run dir we cannot
+        write to must not keep IMEX from starting, only its output from being read.
+        """
+        flags = os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            writer = os.open(path, os.O_WRONLY | flags, OUTPUT_MODE)
+        except OSError as exc:
+            self._log.error(
+                "daemon.output_unavailable",
+                stream=stream,
+                path=path,
+                error=str(exc),
+                consequence="this stream of the daemon goes to /dev/null",
+            )
+            return None
+        try:
+            reader = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            os.close(writer)
+            self._log.error(
+                "daemon.output_unavailable",
+                stream=stream,
+                path=path,
+                error=str(exc),
+                consequence="this stream of the daemon goes to /dev/null",
+            )
+            return None
+        return writer, _Output(reader, stream, path)
 
     def _adopt(self, proc: ImexProcess) -> _Child | None:
         """Watch a daemon a previous agent started; None when it is gone (or its pid reused)."""
@@ -1126,10 +1193,44 @@ class Supervisor:
             pgid=pgid,
             adopted=True,
             started=time.monotonic() - age,
-            pipes=[],
+            outputs=self._adopted_outputs(proc.pid),
         )
         child.stable = age >= self._settings.stable_s
         return child
+
+    def _adopted_outputs(self, pid: int) -> list[_Output]:
+        """Readers of our output files that daemon `pid` writes to, at their end.
+
+        A daemon started by an older agent, or by hand, writes elsewhere: nothing to
+        tail. The end of each file is read back into `last_lines` (not logged again).
+        """
+        outputs: list[_Output] = []
+        for stream, path in self._output_paths.items():
+            try:
+                theirs = os.stat(f"/proc/{pid}/fd/{_STREAM_FDS[stream]}")
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                ours = os.fstat(fd)
+                if (ours.st_dev, ours.st_ino) != (theirs.st_dev, theirs.st_ino):
+                    os.close(fd)
+                    continue
+                end = os.lseek(fd, 0, os.SEEK_END)
+                start = max(0, end - ADOPT_SEED_BYTES)
+                tail = os.pread(fd, end - start, start)
+            except OSError:
+                os.close(fd)
+                continue
+            lines = tail.split(b"\n")[:-1]  # the last one is unfinished (or empty)
+            if start > 0:
+                lines = lines[1:]  # the first one is cut
+            for raw in lines:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                if line.strip():
+                    self._lines.append(line)
+            outputs.append(_Output(fd, stream, path))
+        return outputs
 
     @staticmethod
     def _open_pidfd(proc: ImexProcess) -> tuple[int, int | None] | None:
@@ -1177,41 +1278,82 @@ class Supervisor:
         child.exited.set()
         self._kick.set()
 
-    def _on_pipe(self, child: _Child, pipe: _Pipe) -> None:
-        self._read_pipe(child, pipe, once=True)
+    async def _tail(self) -> None:
+        """Read the daemon's output files every `output_poll_s` (files cannot be awaited)."""
+        while True:
+            await asyncio.sleep(self._output_poll)
+            child = self._child
+            if child is None or child.released:
+                continue
+            for output in child.outputs:
+                try:
+                    self._read_output(child, output, final=False)
+                except Exception:  # a bug here must not end the daemon's supervision
+                    self._log.exception("daemon.output_failed", path=output.path)
 
-    def _read_pipe(self, child: _Child, pipe: _Pipe, *, once: bool) -> None:
-        """Read what is there, log whole lines; at EOF log the rest and close."""
-        while pipe.open:
-            try:
-                data = os.read(pipe.fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                if pipe.buf:
-                    self._emit(child, pipe.stream, bytes(pipe.buf))
-                    pipe.buf.clear()
-                self._close_pipe(pipe)
-                return
-            pipe.buf += data
-            while (nl := pipe.buf.find(b"\n")) >= 0:
-                line = bytes(pipe.buf[:nl])
-                del pipe.buf[: nl + 1]
-                self._emit(child, pipe.stream, line)
-            if len(pipe.buf) > MAX_LINE_BYTES:
-                self._emit(child, pipe.stream, bytes(pipe.buf[:MAX_LINE_BYTES]) + b" [cut]")
-                pipe.buf.clear()
-            if once:
-                return
+    def _read_output(self, child: _Child, output: _Output, *, final: bool) -> None:
+        """Log the whole lines written since the last read; truncate a file grown too big.
+
+        `final` (the daemon exited): also the last, unfinished line.
+        """
+        if not output.open:
+            return
+        try:
+            if os.fstat(output.fd).st_size < os.lseek(output.fd, 0, os.SEEK_CUR):
+                os.lseek(output.fd, 0, os.SEEK_SET)  # truncated by someone else
+            at_end = False
+            emitted = self._output_lines
+            for _ in range(64):  # at most 4 MiB at a time: the loop must not stall
+                data = os.read(output.fd, 65536)
+                if not data:
+                    at_end = True
+                    break
+                self._split(child, output, data)
+            if final and output.buf:
+                self._emit(child, output.stream, bytes(output.buf))
+                output.buf.clear()
+            if self._output_lines != emitted:
+                self._wake()
+            if at_end and not final:
+                pos = os.lseek(output.fd, 0, os.SEEK_CUR)
+                if pos > self._output_max:
+                    self._truncate(output, pos)
+        except OSError as exc:
+            self._log.error(
+                "daemon.output_unreadable", stream=output.stream, path=output.path, error=str(exc)
+            )
+            self._close_output(output)
+
+    def _split(self, child: _Child, output: _Output, data: bytes) -> None:
+        output.buf += data
+        while (nl := output.buf.find(b"\n")) >= 0:
+            line = bytes(output.buf[:nl])
+            del output.buf[: nl + 1]
+            self._emit(child, output.stream, line)
+        if len(output.buf) > MAX_LINE_BYTES:
+            self._emit(child, output.stream, bytes(output.buf[:MAX_LINE_BYTES]) + b" [cut]")
+            output.buf.clear()
+
+    def _truncate(self, output: _Output, size: int) -> None:
+        """Empty an output file read to its end; the daemon's O_APPEND writes restart at 0."""
+        ours = os.fstat(output.fd)
+        try:
+            there = os.stat(output.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
+            return  # replaced: not the daemon's file any more
+        os.truncate(output.path, 0)
+        os.lseek(output.fd, 0, os.SEEK_SET)
+        self._log.debug("daemon.output_truncated", path=output.path, size=size)
 
     def _emit(self, child: _Child, stream: str, raw: bytes) -> None:
-        """One line of daemon output: kept for reasons and logged as a structured event."""
+        """One line of daemon output: kept for reasons and logged as a `daemon.output` event."""
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if not line.strip():
             return
         self._lines.append(line)
+        self._output_lines += 1
         if stream == "stderr":
             child.last_stderr = line
         parsed = parse_imex_line(line)
@@ -1220,14 +1362,20 @@ class Supervisor:
             extra["tid"] = parsed.tid
             extra["imex_time"] = parsed.imex_time
         log = getattr(self._log, parsed.level)
-        log(parsed.message, source=OUTPUT_SOURCE, stream=stream, pid=child.pid, **extra)
+        log(
+            "daemon.output",
+            line=parsed.message,
+            source=OUTPUT_SOURCE,
+            stream=stream,
+            pid=child.pid,
+            **extra,
+        )
 
-    def _close_pipe(self, pipe: _Pipe) -> None:
-        if pipe.open:
-            pipe.open = False
-            if self._loop is not None:
-                self._loop.remove_reader(pipe.fd)
-            os.close(pipe.fd)
+    @staticmethod
+    def _close_output(output: _Output) -> None:
+        if output.open:
+            output.open = False
+            os.close(output.fd)
 
     def _send_reload(self, child: _Child) -> None:
         """SIGUSR1 to the daemon itself (not its group), carrying every pending request."""
@@ -1325,8 +1473,8 @@ class Supervisor:
 
     async def _finish(self, child: _Child) -> str:
         """After the daemon's exit: read its last lines, kill what is left of its group, reap it."""
-        for pipe in child.pipes:
-            self._read_pipe(child, pipe, once=False)
+        for output in child.outputs:
+            self._read_output(child, output, final=True)
         if child.pgid is not None:
             await self._kill_group(child.pgid)
         exit_desc = "unknown (adopted)"
@@ -1410,45 +1558,20 @@ class Supervisor:
             pass
 
     def _release(self, child: _Child) -> None:
-        """Close the pidfd and the pipes of `child` (idempotent)."""
+        """Close the pidfd and the output files of `child` (idempotent)."""
         if child.released:
             return
         child.released = True
-        for pipe in child.pipes:
-            self._close_pipe(pipe)
+        for output in child.outputs:
+            self._close_output(output)
         if self._loop is not None and not child.exited.is_set():
             self._loop.remove_reader(child.pidfd)
         os.close(child.pidfd)
 
-    async def _hand_over(self, child: _Child) -> None:
-        """Leave the daemon running: pass its pipes to a drainer and forget it."""
-        for pipe in child.pipes:
-            self._read_pipe(child, pipe, once=False)
-        fds = [pipe.fd for pipe in child.pipes if pipe.open]
-        if fds:
-            for fd in fds:
-                os.set_blocking(fd, True)
-                if self._loop is not None:
-                    self._loop.remove_reader(fd)
-            try:
-                drainer = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-c",
-                    _DRAINER,
-                    *map(str, fds),
-                    pass_fds=fds,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-                async with asyncio.timeout(10.0):
-                    await drainer.wait()
-            except (OSError, TimeoutError) as exc:
-                self._log.error(
-                    "daemon.drainer_failed",
-                    error=str(exc),
-                    consequence="the daemon may die of SIGPIPE on its next output line",
-                )
+    def _hand_over(self, child: _Child) -> None:
+        """Leave the daemon running, writing to its output files for the next agent."""
+        for output in child.outputs:
+            self._read_output(child, output, final=False)
         self._log.info("daemon.handed_over", pid=child.pid, state=self._state.value)
         self._release(child)
 
@@ -1495,10 +1618,14 @@ class Supervisor:
             )
         self._notify()
 
-    def _notify(self) -> None:
-        """Wake `wait_for` callers and call `on_change` with a fresh snapshot."""
+    def _wake(self) -> None:
+        """Wake `wait_for` callers only (new output lines: not worth an `on_change`)."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    def _notify(self) -> None:
+        """Wake `wait_for` callers and call `on_change` with a fresh snapshot."""
+        self._wake()
         if self._on_change is not None:
             try:
                 self._on_change(self.status)

@@ -15,9 +15,10 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -305,6 +306,7 @@ class Node:
         reload_min_interval_s: float = 0.5,
         binary: str | None = None,
         on_change: list[DaemonStatus] | None = None,
+        **kwargs: Any,
     ) -> Supervisor:
         return Supervisor(
             binary=binary or str(self.binary),
@@ -315,6 +317,7 @@ class Node:
             conflict_recheck_s=0.2,
             on_change=on_change.append if on_change is not None else None,
             rand=lambda: 1.0,
+            **kwargs,
         )
 
     def run_outside(self, config: Path, env: Mapping[str, str] | None = None) -> psutil.Process:
@@ -489,11 +492,13 @@ async def test_start_runs_the_daemon_in_its_own_group_and_streams_its_output(
         ("RUNNING", "STOPPING"),
         ("STOPPING", "STOPPED"),
     ]
-    output = [e for e in logs if e.get("source") == "nvidia-imex"]
-    version = next(e for e in output if e["event"].startswith("IMEX version"))
+    output = [e for e in logs if e["event"] == "daemon.output"]
+    assert all(e["source"] == "nvidia-imex" for e in output)
+    version = next(e for e in output if e["line"].startswith("IMEX version"))
     assert (version["log_level"], version["stream"], version["tid"]) == ("info", "stderr", pid)
-    assert any(e["event"].startswith("IMEX Log initializing") for e in output)
-    assert any(e["event"] == "Shutting down" for e in output)
+    init = next(e for e in output if e["line"].startswith("IMEX Log initializing"))
+    assert init["stream"] == "stdout"
+    assert any(e["line"] == "Shutting down" for e in output)
 
 
 async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Node) -> None:
@@ -537,7 +542,9 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
     broken = node.root / "broken"
     broken.write_bytes(b"")
     changes: list[DaemonStatus] = []
-    async with node.supervisor({"FAKE_IMEX_FAIL_IF_EXISTS": str(broken)}, on_change=changes) as sup:
+    env = {"FAKE_IMEX_FAIL_IF_EXISTS": str(broken)}
+    slow_start = dataclasses.replace(FAST, start_s=1.5)  # a loaded host is slow to even fail
+    async with node.supervisor(env, on_change=changes, settings=slow_start) as sup:
         await sup.ensure_started()
         fatal = await until(sup, lambda s: s.state is DaemonState.FATAL)
         fatal_at = time.monotonic()
@@ -686,7 +693,7 @@ async def test_a_matching_running_daemon_is_adopted_and_its_death_noticed(node: 
             assert status.pid != outside.pid
             assert (status.adopted, status.restarts) == (False, 1)
     adopted = next(e for e in logs if e["event"] == "daemon.adopted")
-    assert "not streamed" in adopted["output"]
+    assert adopted["output"].startswith("not streamed")
 
 
 async def test_a_daemon_on_our_config_is_ended_as_a_stray_when_files_changed(
@@ -762,6 +769,56 @@ async def test_a_handed_over_daemon_survives_and_is_adopted_by_the_next_supervis
         assert nxt.last_exit == "unknown (adopted)"
     finally:
         reap(pid)  # spawned by the first supervisor: still this test process's child
+
+
+async def test_output_files_are_fresh_at_each_spawn_and_stay_bounded(node: Node) -> None:
+    """A spawn truncates the output files; past output_max_bytes they are cut, lines still come."""
+    out, err = (node.config.with_name(n) for n in ("nvidia-imex.out", "nvidia-imex.err"))
+    err.write_text("[Jan 01 2026 00:00:00] [ERROR] [tid 1] old daemon line\n")
+    env = {"FAKE_IMEX_LOG_EVERY_S": "0.001"}
+    cap = 1024
+
+    def heartbeats() -> list[MutableMapping[str, Any]]:
+        return [e for e in logs if e["event"] == "daemon.output" and e["line"] == "heartbeat"]
+
+    with capture_logs() as logs:
+        async with node.supervisor(env, output_max_bytes=cap) as sup:
+            assert sup.output_paths == {"stdout": str(out), "stderr": str(err)}
+            await sup.ensure_started()
+            async with asyncio.timeout(10.0):
+                while len(heartbeats()) < 5 * cap // 60:  # five files' worth
+                    assert err.stat().st_size < cap + 16 * 1024
+                    await asyncio.sleep(0.05)
+    output = [e for e in logs if e["event"] == "daemon.output"]
+    assert "old daemon line" not in [e["line"] for e in output]
+    # never a line cut in two by a truncation: every stderr line parses whole
+    assert all("tid" in e for e in output if e["stream"] == "stderr")
+
+
+async def test_sim_output_is_still_logged_after_a_hand_over(sim: Node) -> None:
+    """The next supervisor tails an adopted daemon's output files: its lines stay events."""
+    async with sim.supervisor() as sup:
+        await sup.ensure_started()
+        pid = (await until(sup, lambda s: s.running)).pid
+        assert pid is not None
+        await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGHUP))
+        sup.detach()
+    try:
+        with capture_logs() as logs:
+            async with sim.supervisor() as nxt:
+                status = await nxt.ensure_started(adopt=True)
+                assert (status.pid, status.adopted) == (pid, True)
+                assert any("IMEX version" in line for line in status.last_lines)
+                os.kill(pid, signal.SIGHUP)
+                await until(nxt, lambda s: "Received SIGHUP" in s.last_lines[-1])
+        adopted = next(e for e in logs if e["event"] == "daemon.adopted")
+        assert adopted["output"] == "streamed"
+        output = [e for e in logs if e["event"] == "daemon.output"]
+        hup = next(e for e in output if e["line"].startswith("Received SIGHUP"))
+        assert (hup["stream"], hup["pid"], hup["source"]) == ("stderr", pid, "nvidia-imex")
+        assert not any(e["line"].startswith("IMEX version") for e in output)  # not replayed
+    finally:
+        reap(pid)
 
 
 async def test_cancelling_the_owner_stops_the_daemon_and_the_cancel_propagates(
@@ -858,7 +915,8 @@ async def test_sim_crash_loop_is_fatal_with_exit_code_and_last_stderr_line(sim: 
     slow_start = dataclasses.replace(FAST, start_s=5.0)  # a loaded host is slow to even fail
     async with sim.supervisor(env, settings=slow_start) as sup:
         await sup.ensure_started()
-        status = await until(sup, lambda s: s.state is DaemonState.FATAL)
+        async with asyncio.timeout(20.0):
+            status = await sup.wait_for(lambda s: s.state is DaemonState.FATAL)
     assert status.crashes == FAST.crash_loop_starts
     assert (status.start_failures, status.restarts) == (FAST.crash_loop_starts, 0)
     last = status.last_lines[-1]
