@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.render import parse_hosts_block
 from imexd.settings import render_toml
+from tests.faultproxy import FaultProxy
 from tests.support import Broker, free_port, loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
@@ -88,10 +89,16 @@ class Node:
         domain: str | None,
         clique: str,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        address: str | None = None,
+        dir_name: str | None = None,
+        netns: str | None = None,
     ) -> None:
         self.name = name
-        self.address = loopback_address()
-        self.dir = root / name
+        self.address = address or loopback_address()
+        self.dir = root / (dir_name or name)
+        self.netns = netns
+        """The network namespace the agent runs in (None: the test's own)."""
+        self.http_host = "127.0.0.1" if netns is None else self.address
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hosts_file = self.dir / "hosts"
         self.hosts_file.write_text("127.0.0.1 localhost\n")
@@ -100,6 +107,8 @@ class Node:
         self.config_path = self.dir / "imexd.toml"
         self.log_path = self.dir / "agent.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.proxy: FaultProxy | None = None
+        """The fault proxy on this node's bus link, when `Cluster.add(via_proxy=True)`."""
         self.sections: dict[str, dict[str, Any]] = {
             "node": {
                 "name": name,
@@ -120,7 +129,7 @@ class Node:
                     "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
                 },
             },
-            "health": {"listen": f"127.0.0.1:{self.health_port}"},
+            "health": {"listen": f"{self.http_host}:{self.health_port}"},
             "log": {"level": "info", "format": "json"},
         }
         _merge(self.sections, FAST)
@@ -136,7 +145,7 @@ class Node:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.health_port}"
+        return f"http://{self.http_host}:{self.health_port}"
 
     @property
     def run_dir(self) -> Path:
@@ -150,8 +159,9 @@ class Node:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} still runs"
         log = self.log_path.open("ab")
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+        prefix = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "imexd", "run", "--config", str(self.config_path)],
+            [*prefix, sys.executable, "-m", "imexd", "run", "--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -443,11 +453,34 @@ class Cluster:
         clique: str = "c1",
         start: bool = True,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        via_proxy: bool = False,
+        key: str | None = None,
+        address: str | None = None,
+        netns: str | None = None,
+        bus_url: str | None = None,
     ) -> Node:
+        """A new node (defaults: the cluster's broker, a fresh loopback address).
+
+        `via_proxy` routes its bus link through its own fault proxy (`node.proxy`); `key`
+        names it in `nodes` and names its folder (two agents with one node name); `netns`
+        runs the agent in that network namespace, at `address` and over `bus_url`, with
+        its health endpoint on `address`.
+        """
+        proxy = FaultProxy(self.broker.host, self.broker.port).start() if via_proxy else None
+        urls = [proxy.url] if proxy is not None else [bus_url or self.broker.url]
         node = Node(
-            self.root, name, [self.broker.url], domain=domain, clique=clique, overrides=overrides
+            self.root,
+            name,
+            urls,
+            domain=domain,
+            clique=clique,
+            overrides=overrides,
+            address=address,
+            dir_name=key,
+            netns=netns,
         )
-        self.nodes[name] = node
+        node.proxy = proxy
+        self.nodes[key or name] = node
         if start:
             node.start()
         return node
@@ -467,7 +500,11 @@ class Cluster:
         """SIGTERM every agent (they leave), then kill whatever they left behind.
 
         Anything killed here is recorded in `forced`: after a clean run it stays empty.
+        Fault proxies are healed first, so that every agent can leave over its link.
         """
+        for node in self.nodes.values():
+            if node.proxy is not None:
+                node.proxy.heal()
         for node in self.nodes.values():
             if node.alive():
                 node.signal(signal.SIGTERM)
@@ -485,6 +522,9 @@ class Cluster:
                 self.forced.append(f"daemon of {node.name} (pid {pid})")
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        for node in self.nodes.values():
+            if node.proxy is not None:
+                node.proxy.close()
         self.broker.stop()
 
 
