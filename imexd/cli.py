@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("name")
     q.add_argument("--nodes", default=None, help="comma-separated node names, in slot order")
     q.add_argument("--max-nodes", type=int, default=None, help="slots per clique")
+    q.add_argument(
+        "--steal",
+        action="store_true",
+        help="take listed nodes out of another live domain (stops their daemons there)",
+    )
     q.set_defaults(handler="imexd.control:cli_domain_create")
     q = dsub.add_parser("delete", help="delete a domain: agents stop their daemons")
     _config_arg(q)
@@ -98,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.add_argument("--watch", action="store_true", help="redraw on every change")
     q.add_argument("--wait", type=float, default=2.0, help="seconds to collect reports")
+    q.add_argument(
+        "--nodes",
+        default=None,
+        help="comma-separated nodes the domain must have (default: the spec's list)",
+    )
     q.set_defaults(handler="imexd.control:cli_domain_status")
 
     p = sub.add_parser("node", help="control plane: assign nodes to domains")
@@ -106,6 +116,21 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(q)
     q.add_argument("node")
     q.add_argument("domain")
+    q.add_argument(
+        "--steal",
+        action="store_true",
+        help="move the node out of another live domain (stops its daemon there)",
+    )
+    q.add_argument(
+        "--force", action="store_true", help="assign a node that no agent reported lately"
+    )
+    q.add_argument(
+        "--seen-within",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how recent the node's agent must have reported (default 600)",
+    )
     q.set_defaults(handler="imexd.control:cli_node_assign")
     q = nsub.add_parser("unassign", help="take NODE out of its domain")
     _config_arg(q)

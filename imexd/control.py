@@ -1644,7 +1644,7 @@ def cli_domain_create(args: argparse.Namespace) -> int:
             max_nodes=args.max_nodes,
             out=sys.stdout,
             err=sys.stderr,
-            steal=bool(getattr(args, "steal", False)),
+            steal=args.steal,
         )
     )
 
@@ -1668,7 +1668,7 @@ def cli_domain_list(args: argparse.Namespace) -> int:
 
 def cli_domain_status(args: argparse.Namespace) -> int:
     """`imexd domain status NAME [--nodes a,b] [--json] [--watch] [--wait S]`."""
-    nodes, problems = parse_nodes(getattr(args, "nodes", None))
+    nodes, problems = parse_nodes(args.nodes)
     problems = [p for p in (domain_problem(args.name),) if p] + problems
     if not args.wait >= 0:
         problems.append(f"--wait {args.wait}: expected seconds >= 0")
@@ -1716,7 +1716,7 @@ def cli_domain_status(args: argparse.Namespace) -> int:
 def cli_node_assign(args: argparse.Namespace) -> int:
     """`imexd node assign NODE DOMAIN [--steal] [--force] [--seen-within S]`."""
     problems = [p for p in (node_problem(args.node), domain_problem(args.domain)) if p]
-    seen_within = getattr(args, "seen_within", SEEN_WITHIN_S)
+    seen_within = SEEN_WITHIN_S if args.seen_within is None else args.seen_within
     if not seen_within >= 0:
         problems.append(f"--seen-within {seen_within}: expected seconds >= 0")
     if problems:
@@ -1729,8 +1729,8 @@ def cli_node_assign(args: argparse.Namespace) -> int:
             args.domain,
             out=sys.stdout,
             err=sys.stderr,
-            steal=bool(getattr(args, "steal", False)),
-            force=bool(getattr(args, "force", False)),
+            steal=args.steal,
+            force=args.force,
             seen_within_s=float(seen_within),
         )
     )

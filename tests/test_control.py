@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import os
 import signal
@@ -38,10 +37,7 @@ from imexd.control import (
     Link,
     SeenReport,
     Store,
-    assign,
-    create,
     judge,
-    load_control_settings,
     outdated_schemas,
     render_list,
     render_status,
@@ -725,11 +721,8 @@ async def test_create_with_steal_moves_the_node(
 ) -> None:
     """`--steal` moves a node out of a live domain and says so."""
     await put(broker, LIVE_D0)
-    settings = load_control_settings(None)
-    out, err = io.StringIO(), io.StringIO()
-    code = await create(settings, "d1", nodes=["n1"], max_nodes=None, out=out, err=err, steal=True)
-    assert code == 0, err.getvalue()
-    assert "node n1: assigned to d1 (moved from d0)" in out.getvalue()
+    assert await control_async("domain", "create", "d1", "--nodes", "n1", "--steal") == 0
+    assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
     got = await retained(broker)
     assert valid("Assignment", got[T.assignment("n1")]) == {"v": 1, "domain": "d1"}
 
@@ -759,10 +752,8 @@ async def test_assign_refuses_a_node_of_another_live_domain_unless_steal(
     err = capsys.readouterr().err
     assert "imexd node assign: node n1 is in another domain: assigned to d0" in err
     assert valid("Assignment", (await retained(broker))[T.assignment("n1")])["domain"] == "d0"
-    out, errs = io.StringIO(), io.StringIO()
-    settings = load_control_settings(None)
-    assert await assign(settings, "n1", "d1", out=out, err=errs, steal=True) == 0
-    assert "node n1: assigned to d1 (moved from d0)" in out.getvalue()
+    assert await control_async("node", "assign", "n1", "d1", "--steal") == 0
+    assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
 
 
 async def test_assign_refuses_a_node_no_agent_reported_unless_force(
@@ -778,10 +769,8 @@ async def test_assign_refuses_a_node_no_agent_reported_unless_force(
     await put(broker, {T.presence("n2"): presence("n2", at=old)})
     assert await control_async("node", "assign", "n2", "d1") == 2
     assert "within 600 s (last 1000 s ago)" in capsys.readouterr().err
-    settings = load_control_settings(None)
-    out, errs = io.StringIO(), io.StringIO()
-    assert await assign(settings, "n2", "d1", out=out, err=errs, seen_within_s=1200) == 0
-    assert await assign(settings, "typo-n1", "d1", out=out, err=errs, force=True) == 0
+    assert await control_async("node", "assign", "n2", "d1", "--seen-within", "1200") == 0
+    assert await control_async("node", "assign", "typo-n1", "d1", "--force") == 0
     got = await retained(broker, T.assignments_filter())
     assert sorted(got) == [T.assignment("n2"), T.assignment("typo-n1")]
 
