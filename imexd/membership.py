@@ -2,16 +2,23 @@
 
 Pure: no I/O, no asyncio, no clocks. The agent keeps the retained member records of
 its (domain, clique) shard, one per node, and calls these functions on every change and
-on the timer that `Decision.wake_at` asks for; time comes in as `now`.
+on the timer that `Decision.wake_at` asks for; time comes in as `now` (monotonic) and
+`wall_now` (wall clock, for settle stamps).
 
 The conflict rule (`resolve`)
     Only `claiming` and `member` records with a slot below max_nodes compete. On each
-    slot the winner is the record with the smallest key `(state is not member, node)`:
-    a member beats a claim, and between two claims, or two members after a partition
-    healed, the lower node name wins. The key is a total order over the records of
-    distinct nodes, so every node that holds the same records computes the same map,
-    whatever order they arrived in. A DomainSpec that lists nodes is an allow-list:
-    records of other nodes take no part.
+    slot the winner is the record with the smallest rank:
+      1. members with a believable settle stamp, earlier `settled` first;
+      2. members without one: no stamp (an agent older than the field), or a stamp
+         more than FUTURE_STAMP_S (30 s) ahead of the caller's wall clock;
+      3. claims;
+    and the node name breaks every tie. A member beats a claim; between two claims the
+    lower name wins. The rank is a total order over the records of distinct nodes, so
+    every node that holds the same records computes the same map, whatever order they
+    arrived in. A DomainSpec that lists nodes is an allow-list: records of other nodes
+    take no part; nor do standby and leaving records, nor claims the caller found stale
+    (`stale_claims`: a live claim settles or moves within a settle window, so one that
+    stands unchanged far longer belongs to a dead or broken agent, or to nobody).
 
 Claiming (`step`)
     After the retained snapshot a node publishes `claiming` for its preferred slot. The
@@ -20,7 +27,7 @@ Claiming (`step`)
     with no record on the slot that beats it. Only then does the agent start its daemon.
     A claim that is beaten is given up at once for another slot; a node that finds no
     slot waits as `standby` and claims again when a slot frees. A member never yields to
-    a claim: it yields only to a lower-named member on the same slot, which exists only
+    a claim: it yields only to a member that ranks first on the same slot, which exists only
     when both sides of a partition settled it.
 
 Which slot (`preferred_slot`)
@@ -53,20 +60,58 @@ Why a member never moves
     If every record reaches every subscriber within D seconds and `settle_s` > 2 D, a
     claim that would beat a settling claim is seen before the settle window ends, and a
     claim published after that sees the new member record before its own window ends,
-    and loses to it (a member beats a claim). Two members on one slot therefore need a
-    partition (or a broker that lost its retained state); then the lower name keeps the
-    slot and the other claims again, which is the only case where a member moves.
+    and loses to it (a member beats a claim). Two honest members therefore meet on one
+    slot only after a partition (or a broker that lost its retained state): each side
+    settled the slot while it could not see the other.
+
+Who survives a healed partition, and why both sides agree
+    Each member carries `settled`, its wall clock when its claim settled, unchanged for
+    as long as it stays a member (an agent restart resumes its retained record and keeps
+    the stamp). When the partition heals both sides hold both records, and the rank
+    above is a function of the records alone, up to the one clock test: a stamp is
+    disbelieved only when it lies more than 30 s in the reader's future, which honest
+    nodes with synchronised clocks (NTP, well under a second) never produce, so both
+    sides rank both members alike and agree that the one that settled first stays; the
+    other claims again (PartitionHealed). Keeping the earlier one keeps the node that
+    held the slot longest, usually the one whose daemon the running jobs use.
+
+Why an injected record cannot evict a settled incumbent
+    A record that appears directly as `member` on a held slot either carries no stamp,
+    or a future one (both rank after every stamped member, so it cannot win by declaring
+    itself), or a stamp later than the incumbent's (it loses to the earlier one), or a
+    stamp earlier than the incumbent's: the one way to win is to lie about when it
+    settled. Names no longer matter between stamped members. A record that lies about
+    its stamp looks exactly like the other side of a healed partition, and no rule over
+    the records can tell the two apart; what stops it is the broker's ACL
+    (`pattern write .../members/+/%u`, and the check that a record agrees with its
+    topic): only that node's credentials can write that record, so a node that lies
+    with its own credentials is attributable, and one without them cannot write at all.
+    A member without a stamp (an agent older than the field) still beats any claim, so
+    an upgrade in place never moves a slot; it stamps its record at its next resume.
+
+Releasing a slot (`step(release=True)`)
+    A member whose daemon cannot run gives its slot up only when a node waits as
+    standby for one: it publishes `standby` with `released` set (Phase.RELEASED,
+    reason Released), which peers leave out of the nodes waiting for a slot, so the
+    freed slot goes to a waiting node whatever the names. It claims nothing while the
+    release holds and claims afresh once it ends.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from imexd.wire import DomainSpec, MemberRecord, MemberState, Mode, encode
 
 _COMPETING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
+
+FUTURE_STAMP_S: Final = 30.0
+"""A member's `settled` more than this many seconds ahead of the reader's wall clock is
+not believed: that member ranks as if it carried no stamp."""
 
 
 class Phase(StrEnum):
@@ -77,6 +122,8 @@ class Phase(StrEnum):
     CLAIMING = "claiming"
     MEMBER = "member"
     STANDBY = "standby"
+    RELEASED = "released"
+    """Standby after giving our slot up (`step(release=True)`): no claim while it lasts."""
     OUT = "out"
     """Not in the spec's allow-list: the record is cleared and no daemon runs."""
 
@@ -94,6 +141,8 @@ class Reason(StrEnum):
     PARTITION_HEALED = "PartitionHealed"
     DOMAIN_FULL = "DomainFull"
     NOT_IN_SPEC = "NotInSpec"
+    RELEASED = "Released"
+    """We gave our slot up (`step(release=True)`) to a node waiting as standby."""
 
 
 _RECORD_STATE: Mapping[Phase, MemberState | None] = {
@@ -101,6 +150,7 @@ _RECORD_STATE: Mapping[Phase, MemberState | None] = {
     Phase.CLAIMING: MemberState.CLAIMING,
     Phase.MEMBER: MemberState.MEMBER,
     Phase.STANDBY: MemberState.STANDBY,
+    Phase.RELEASED: MemberState.STANDBY,
     Phase.OUT: None,
 }
 
@@ -116,11 +166,19 @@ class ClaimState:
     slot: int | None = None
     since: float = 0.0
     """`now` when the current phase and slot were published (the claim's start)."""
+    settled: float | None = None
+    """Wall-clock seconds when our claim settled into member (MemberRecord.settled);
+    None unless we are a member. Publish it in our record."""
 
     @property
     def record_state(self) -> MemberState | None:
         """The `state` of the record to publish; None: clear the record (empty payload)."""
         return _RECORD_STATE[self.phase]
+
+    @property
+    def record_released(self) -> bool:
+        """The `released` flag of the record to publish."""
+        return self.phase is Phase.RELEASED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,9 +207,11 @@ class SlotMap:
     losers: frozenset[str]
     """Nodes whose claim or member record lost its slot: they must claim again."""
     standby: frozenset[str]
-    """Allowed nodes waiting in state standby."""
+    """Allowed nodes waiting in state standby for a slot (released ones are not)."""
     ignored: frozenset[str]
     """Nodes outside the spec's allow-list, whose records take no part."""
+    stale: frozenset[str] = frozenset()
+    """Nodes whose stale claim took no part (`stale_claims`)."""
 
     @property
     def nodes(self) -> dict[int, str]:
@@ -196,43 +256,84 @@ def mismatches(
     max_nodes: int,
     mode: Mode,
     spec: DomainSpec | None = None,
+    stale: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Nodes whose max_nodes or mode differ from ours, sorted (NodeMapMismatch).
 
-    Leaving nodes and nodes outside the allow-list never enter the node list, so they
-    cannot make it differ and are not reported.
+    Only claims and members can enter the node list: standby and leaving nodes, nodes
+    outside the allow-list and stale claims cannot make it differ and are not reported.
     """
     return sorted(
         r.node
         for r in _latest(records).values()
-        if r.state is not MemberState.LEAVING
+        if r.state in _COMPETING
+        and not (r.state is MemberState.CLAIMING and r.node in stale)
         and allowed(r.node, spec)
         and not compatible(r, max_nodes=max_nodes, mode=mode)
     )
 
 
+def stale_claims(
+    records: Iterable[MemberRecord],
+    first_seen: Mapping[str, float],
+    *,
+    now: float,
+    stale_after_s: float,
+    me: str,
+) -> frozenset[str]:
+    """Nodes whose claim has stood unchanged for `stale_after_s` or more: dead claims.
+
+    `first_seen` maps a node to the (monotonic) time the agent first saw its current
+    claiming record, content and all; `now` is on the same clock. A live claim settles
+    or moves within a settle window and an echo, so one that stands far longer belongs to
+    an agent that is gone or broken (or to nobody: a record left behind or forged). Such
+    claims take no part in `resolve`, `preferred_slot` and `step`, so a real node can
+    take their slot. Our own claim (`me`) is never stale. Nodes disagree on this only
+    for the moments around `stale_after_s`, which should be many settle windows.
+    """
+    return frozenset(
+        r.node
+        for r in _latest(records).values()
+        if r.node != me
+        and r.state is MemberState.CLAIMING
+        and (seen := first_seen.get(r.node)) is not None
+        and now - seen >= stale_after_s
+    )
+
+
 def resolve(
-    records: Iterable[MemberRecord], *, max_nodes: int, spec: DomainSpec | None = None
+    records: Iterable[MemberRecord],
+    *,
+    max_nodes: int,
+    spec: DomainSpec | None = None,
+    wall_now: float | None = None,
+    stale: frozenset[str] = frozenset(),
 ) -> SlotMap:
     """Apply the conflict rule: the same records give the same map on every node.
 
     Several records of one node (the caller normally keeps one) are reduced to the
-    newest, ties broken by content, so the arrival order never matters.
+    newest, ties broken by content, so the arrival order never matters. `wall_now` is
+    the caller's wall clock, against which members' `settled` stamps are believed or
+    not (None: every stamp is believed); claims of nodes in `stale` take no part.
     """
     winners: dict[int, MemberRecord] = {}
     losers: set[str] = set()
     standby: set[str] = set()
     ignored: set[str] = set()
+    skipped: set[str] = set()
     for r in _latest(records).values():
         if not allowed(r.node, spec):
             ignored.add(r.node)
         elif r.state is MemberState.STANDBY:
-            standby.add(r.node)
+            if not r.released:
+                standby.add(r.node)
+        elif r.state is MemberState.CLAIMING and r.node in stale:
+            skipped.add(r.node)
         elif r.state in _COMPETING and r.slot is not None and r.slot < max_nodes:
             held = winners.get(r.slot)
             if held is None:
                 winners[r.slot] = r
-            elif _key(r) < _key(held):
+            elif _key(r, wall_now) < _key(held, wall_now):
                 losers.add(held.node)
                 winners[r.slot] = r
             else:
@@ -243,6 +344,7 @@ def resolve(
         losers=frozenset(losers),
         standby=frozenset(standby),
         ignored=frozenset(ignored),
+        stale=frozenset(skipped),
     )
 
 
@@ -253,6 +355,8 @@ def preferred_slot(
     max_nodes: int,
     spec: DomainSpec | None = None,
     previous_slot: int | None = None,
+    wall_now: float | None = None,
+    stale: frozenset[str] = frozenset(),
 ) -> int | None:
     """The slot `node` should claim now, or None (standby, or not in the spec's list).
 
@@ -264,7 +368,8 @@ def preferred_slot(
     if not allowed(node, spec):
         return None
     others = [r for r in records if r.node != node]
-    return _choose(node, resolve(others, max_nodes=max_nodes, spec=spec), spec, previous_slot)
+    view = resolve(others, max_nodes=max_nodes, spec=spec, wall_now=wall_now, stale=stale)
+    return _choose(node, view, spec, previous_slot)
 
 
 def echoed(me: ClaimState, records: Iterable[MemberRecord]) -> bool:
@@ -278,6 +383,7 @@ def echoed(me: ClaimState, records: Iterable[MemberRecord]) -> bool:
         and own.incarnation == me.incarnation
         and own.state == me.record_state
         and own.slot == me.slot
+        and own.released == me.record_released
     )
 
 
@@ -290,26 +396,63 @@ def step(
     max_nodes: int,
     spec: DomainSpec | None = None,
     previous_slot: int | None = None,
+    wall_now: float | None = None,
+    stale: frozenset[str] = frozenset(),
+    release: bool = False,
 ) -> Decision:
     """Advance our own claim by one step, from the records of our shard.
 
     Call it only once the retained snapshot was received, then on every record change
     and at `wake_at`. `records` may include our own record: it is how the echo is seen.
+    `now` is the agent's monotonic clock (settle windows); `wall_now` its wall clock,
+    which stamps a claim that settles (`ClaimState.settled`) and bounds the stamps of
+    others (None: no stamp is set and every stamp is believed). Claims of nodes in
+    `stale` take no part (ours never is). `release`: give our slot up to a node waiting
+    as standby, and stay standby while it holds (a daemon that cannot run).
     """
     latest = _latest(records)
     own = latest.pop(me.node, None)
-    view = resolve(latest.values(), max_nodes=max_nodes, spec=spec)
-    at = _Step(me=me, view=view, spec=spec, previous_slot=previous_slot, now=now, settle_s=settle_s)
+    view = resolve(
+        latest.values(),
+        max_nodes=max_nodes,
+        spec=spec,
+        wall_now=wall_now,
+        stale=stale - {me.node},
+    )
+    at = _Step(
+        me=me,
+        view=view,
+        spec=spec,
+        previous_slot=previous_slot,
+        now=now,
+        settle_s=settle_s,
+        wall_now=wall_now,
+    )
 
     if not allowed(me.node, spec):
         return at.hold(Phase.OUT, None, Reason.NOT_IN_SPEC, "not in the spec's node list")
 
     if me.phase is Phase.MEMBER and me.slot is not None:
         rival = view.winners.get(me.slot)
-        if rival is None or not _beats(rival, MemberState.MEMBER, me.node):
-            return at.hold(Phase.MEMBER, me.slot, Reason.SETTLED, f"slot {me.slot}")
-        return at.reclaim(
-            Reason.PARTITION_HEALED, f"member {rival.node} also holds slot {me.slot}, lower name"
+        if rival is not None and at.beats(rival, MemberState.MEMBER, me.settled):
+            return at.reclaim(
+                Reason.PARTITION_HEALED,
+                f"member {rival.node} also holds slot {me.slot} and ranks first "
+                "(earlier settle time, then lower name)",
+            )
+        if release and view.standby:
+            waiting = ", ".join(sorted(view.standby))
+            return at.hold(
+                Phase.RELEASED,
+                None,
+                Reason.RELEASED,
+                f"released slot {me.slot} to the standby node(s) {waiting}",
+            )
+        return at.hold(Phase.MEMBER, me.slot, Reason.SETTLED, f"slot {me.slot}")
+
+    if me.phase is Phase.RELEASED and release:
+        return at.hold(
+            Phase.RELEASED, None, Reason.RELEASED, "slot released; not claiming while released"
         )
 
     if me.phase is Phase.CLAIMING and me.slot is not None:
@@ -348,12 +491,18 @@ def step(
         and own.state is MemberState.MEMBER
         and own.slot is not None
         and own.slot < max_nodes
-        and not _beats(view.winners.get(own.slot), MemberState.MEMBER, me.node)
+        and not at.beats(view.winners.get(own.slot), MemberState.MEMBER, own.settled)
     ):
         # Our previous run's member record is still retained (restart or hand-over
-        # inside the will delay): keep the slot without a claim, so that peers see no
-        # change and the running daemon can be adopted.
-        return at.hold(Phase.MEMBER, own.slot, Reason.RESUMED, f"slot {own.slot} (resumed)")
+        # inside the will delay): keep the slot without a claim, and its settle stamp,
+        # so that peers see no change and the running daemon can be adopted.
+        return at.hold(
+            Phase.MEMBER,
+            own.slot,
+            Reason.RESUMED,
+            f"slot {own.slot} (resumed)",
+            stamp=own.settled,
+        )
 
     return at.reclaim(Reason.CLAIMED, "")
 
@@ -375,14 +524,38 @@ def desired_addresses(slot_map: SlotMap) -> list[str]:
 # Internals
 
 
-def _key(r: MemberRecord) -> tuple[bool, str]:
-    """Smaller wins a slot: members before claims, then the lower node name."""
-    return (r.state is not MemberState.MEMBER, r.node)
+def _rank(
+    state: MemberState, settled: float | None, node: str, wall_now: float | None
+) -> tuple[int, float, str]:
+    """Smaller wins a slot (the rule of the module docstring).
+
+    Stamped members first, by settle time; then members without a believable stamp;
+    then claims; the node name breaks every tie.
+    """
+    if state is not MemberState.MEMBER:
+        return (2, 0.0, node)
+    if (
+        settled is None
+        or not math.isfinite(settled)
+        or (wall_now is not None and settled > wall_now + FUTURE_STAMP_S)
+    ):
+        return (1, 0.0, node)
+    return (0, settled, node)
 
 
-def _beats(rival: MemberRecord | None, state: MemberState, node: str) -> bool:
-    """Whether `rival` wins a slot against a record of ours in `state`."""
-    return rival is not None and _key(rival) < (state is not MemberState.MEMBER, node)
+def _key(r: MemberRecord, wall_now: float | None) -> tuple[int, float, str]:
+    return _rank(r.state, r.settled, r.node, wall_now)
+
+
+def _beats(
+    rival: MemberRecord | None,
+    state: MemberState,
+    node: str,
+    settled: float | None = None,
+    wall_now: float | None = None,
+) -> bool:
+    """Whether `rival` wins a slot against a record of ours (`state`, `settled`)."""
+    return rival is not None and _key(rival, wall_now) < _rank(state, settled, node, wall_now)
 
 
 def _blocked(view: SlotMap, slot: int, node: str) -> bool:
@@ -457,6 +630,11 @@ class _Step:
     previous_slot: int | None
     now: float
     settle_s: float
+    wall_now: float | None
+
+    def beats(self, rival: MemberRecord | None, state: MemberState, settled: float | None) -> bool:
+        """Whether `rival` wins a slot against our record in `state` stamped `settled`."""
+        return _beats(rival, state, self.me.node, settled, self.wall_now)
 
     def hold(
         self,
@@ -466,16 +644,25 @@ class _Step:
         message: str,
         *,
         wake_at: float | None = None,
+        stamp: float | None = None,
     ) -> Decision:
-        """Hold (phase, slot): published only when it differs from what we hold now."""
+        """Hold (phase, slot): published only when it differs from what we hold now.
+
+        A member keeps its settle stamp; one that becomes a member now is stamped with
+        `stamp` (a resumed record's), else `wall_now`; anything else carries none.
+        """
         me = self.me
         changed = (phase, slot) != (me.phase, me.slot)
+        settled: float | None = None
+        if phase is Phase.MEMBER:
+            settled = me.settled if not changed else (stamp if stamp is not None else self.wall_now)
         claim = ClaimState(
             node=me.node,
             incarnation=me.incarnation,
             phase=phase,
             slot=slot,
             since=self.now if changed else me.since,
+            settled=settled,
         )
         return Decision(
             claim=claim,

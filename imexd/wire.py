@@ -118,6 +118,9 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock seconds when this node's claim settled into `member`, kept unchanged
     while it stays a member (also across agent restarts); None for claims, standby and
     agents that predate the field. Earlier wins a slot two members hold (membership.py)."""
+    released: bool = False
+    """Standby only: the node gave its slot up (its daemon cannot run) and seeks none
+    while that lasts, so peers do not rank it among the nodes waiting for a slot."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)
@@ -127,6 +130,8 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"slot {self.slot} is not below max_nodes {self.max_nodes}")
         if self.state in (MemberState.CLAIMING, MemberState.MEMBER) and self.slot is None:
             raise ValueError(f"a {self.state.value} record needs a slot")
+        if self.released and self.state is not MemberState.STANDBY:
+            raise ValueError(f"a {self.state.value} record cannot be released")
 
 
 class Condition(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,6 +24,7 @@ from imexd.membership import (
     newer,
     preferred_slot,
     resolve,
+    stale_claims,
     step,
 )
 from imexd.wire import DomainSpec, MemberRecord, MemberState, Mode
@@ -43,6 +44,8 @@ def rec(
     max_nodes: int = 8,
     mode: Mode = "names",
     address: str = "",
+    settled: float | None = None,
+    released: bool = False,
 ) -> MemberRecord:
     return MemberRecord(
         node=node,
@@ -54,6 +57,8 @@ def rec(
         state=state,
         max_nodes=max_nodes,
         mode=mode,
+        settled=settled,
+        released=released,
     )
 
 
@@ -65,7 +70,15 @@ def own(me: ClaimState, *, max_nodes: int = 8) -> MemberRecord:
     """The record `me` published, as the broker echoes it."""
     state = me.record_state
     assert state is not None
-    return rec(me.node, me.slot, state, inc=me.incarnation, max_nodes=max_nodes)
+    return rec(
+        me.node,
+        me.slot,
+        state,
+        inc=me.incarnation,
+        max_nodes=max_nodes,
+        settled=me.settled,
+        released=me.record_released,
+    )
 
 
 def run(
@@ -76,6 +89,9 @@ def run(
     max_nodes: int = 8,
     spec: DomainSpec | None = None,
     previous_slot: int | None = None,
+    wall_now: float | None = None,
+    stale: frozenset[str] = frozenset(),
+    release: bool = False,
 ) -> Decision:
     return step(
         me,
@@ -85,6 +101,9 @@ def run(
         max_nodes=max_nodes,
         spec=spec,
         previous_slot=previous_slot,
+        wall_now=wall_now,
+        stale=stale,
+        release=release,
     )
 
 
@@ -398,7 +417,7 @@ def test_restart_after_the_will_reclaims_the_previous_slot() -> None:
 
 
 def test_mismatched_max_nodes_or_mode_are_reported() -> None:
-    """Nodes whose node list would differ are named; leaving and unlisted ones are not."""
+    """Nodes whose node list would differ are named; standby, leaving, unlisted are not."""
     records = [
         rec("a", 0, MEMBER),
         rec("b", 1, MEMBER, max_nodes=4),
@@ -408,7 +427,7 @@ def test_mismatched_max_nodes_or_mode_are_reported() -> None:
     ]
     assert compatible(records[0], max_nodes=8, mode="names")
     assert not compatible(records[1], max_nodes=8, mode="names")
-    assert mismatches(records, max_nodes=8, mode="names") == ["b", "c", "x"]
+    assert mismatches(records, max_nodes=8, mode="names") == ["b", "c"]
     allow = spec_of("a", "b", "c", "d")
     assert mismatches(records, max_nodes=8, mode="names", spec=allow) == ["b", "c"]
 
@@ -425,22 +444,308 @@ def test_desired_files_list_members_only() -> None:
     assert desired_addresses(m) == ["10.0.0.1", "10.0.0.2"]
 
 
+def test_a_standby_record_never_causes_a_mismatch() -> None:
+    """A standby node with another max_nodes or mode is in no node list: no mismatch."""
+    records = [rec("a", 0, MEMBER), rec("s", None, STANDBY, max_nodes=4, mode="addresses")]
+    assert mismatches(records, max_nodes=8, mode="names") == []
+
+
+# Slot safety: settle stamps
+
+WALL = 1_700_000_000.0
+
+
+def test_the_earlier_settled_member_keeps_a_slot() -> None:
+    """Two members on one slot: the earlier settle time wins, whatever the names."""
+    early, late = rec("b", 1, MEMBER, settled=WALL - 50), rec("a", 1, MEMBER, settled=WALL - 5)
+    for order in ([early, late], [late, early]):
+        m = resolve(order, max_nodes=8, wall_now=WALL)
+        assert m.nodes == {1: "b"}
+        assert m.losers == {"a"}
+
+
+def test_names_break_a_tie_of_settle_times() -> None:
+    """Equal stamps, or two unstamped members (old agents): the lower name wins."""
+    same = [rec("b", 1, MEMBER, settled=WALL - 5), rec("a", 1, MEMBER, settled=WALL - 5)]
+    assert resolve(same, max_nodes=8, wall_now=WALL).nodes == {1: "a"}
+    old = [rec("b", 1, MEMBER), rec("a", 1, MEMBER)]
+    assert resolve(old, max_nodes=8, wall_now=WALL).nodes == {1: "a"}
+
+
+@pytest.mark.parametrize("settled", [None, WALL + 31, WALL + 3600])
+def test_a_member_without_a_believable_stamp_ranks_after_stamped_ones(
+    settled: float | None,
+) -> None:
+    """No stamp, or one more than 30 s ahead of our clock, loses to a stamped member."""
+    incumbent = rec("m", 2, MEMBER, settled=WALL - 3600)
+    upstart = rec("a", 2, MEMBER, settled=settled)
+    m = resolve([upstart, incumbent], max_nodes=8, wall_now=WALL)
+    assert (m.nodes, m.losers) == ({2: "m"}, frozenset({"a"}))
+
+
+def test_a_slightly_fast_clock_still_counts() -> None:
+    """A stamp up to 30 s ahead is a skewed clock, not a lie: it is compared as given."""
+    late = rec("a", 2, MEMBER, settled=WALL + 29)
+    unstamped = rec("0", 2, MEMBER)
+    assert resolve([late, unstamped], max_nodes=8, wall_now=WALL).nodes == {2: "a"}
+
+
+def test_any_member_still_beats_a_claim() -> None:
+    """An unstamped member (an old agent) keeps its slot against a lower-named claim."""
+    m = resolve([rec("b", 0, MEMBER), rec("a", 0, CLAIMING)], max_nodes=8, wall_now=WALL)
+    assert (m.nodes, m.losers) == ({0: "b"}, frozenset({"a"}))
+
+
+def test_a_settling_claim_is_stamped_and_keeps_its_stamp() -> None:
+    """A claim that settles carries wall_now as `settled`, unchanged at later steps."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    d = run(me, [own(me)], now=2.0, wall_now=WALL)
+    assert (d.claim.phase, d.claim.settled, d.publish) == (Phase.MEMBER, WALL, True)
+    later = run(d.claim, [own(d.claim)], now=50.0, wall_now=WALL + 48)
+    assert (later.claim, later.publish) == (d.claim, False)
+    assert own(later.claim).settled == WALL
+
+
+def test_a_claim_carries_no_stamp() -> None:
+    """Claims and standby records say nothing about settling."""
+    d = run(ClaimState(node="a", incarnation=1), [], wall_now=WALL)
+    assert (d.claim.phase, d.claim.settled) == (Phase.CLAIMING, None)
+    full = run(ClaimState(node="c", incarnation=1), [rec("a", 0, MEMBER)], max_nodes=1)
+    assert (full.claim.phase, full.claim.settled) == (Phase.STANDBY, None)
+
+
+def test_a_resumed_member_keeps_its_stamp() -> None:
+    """An agent restart keeps the settle time of its retained member record."""
+    old = rec("b", 5, MEMBER, inc=3, settled=WALL - 900)
+    d = run(ClaimState(node="b", incarnation=4), [old], wall_now=WALL)
+    assert (d.reason, d.claim.slot, d.claim.settled) == (Reason.RESUMED, 5, WALL - 900)
+
+
+def test_a_resumed_record_of_an_old_agent_is_stamped_now() -> None:
+    """A retained member record without a stamp (an upgrade) is stamped at resume."""
+    old = rec("b", 5, MEMBER, inc=3)
+    d = run(ClaimState(node="b", incarnation=4), [old], wall_now=WALL)
+    assert (d.reason, d.claim.settled, d.publish) == (Reason.RESUMED, WALL, True)
+
+
+@pytest.mark.parametrize("settled", [None, WALL + 31, WALL - 10])
+def test_an_injected_member_record_cannot_evict_a_settled_incumbent(
+    settled: float | None,
+) -> None:
+    """A record that appears as member with a lower name on a held slot changes nothing.
+
+    Unless it claims to have settled before the incumbent, which is the one lie the rule
+    cannot tell from a healed partition.
+    """
+    me = ClaimState(
+        node="m", incarnation=1, phase=Phase.MEMBER, slot=2, since=0.0, settled=WALL - 60
+    )
+    injected = rec("a", 2, MEMBER, settled=settled)
+    d = run(me, [own(me), injected], now=9.0, wall_now=WALL)
+    assert (d.claim, d.publish, d.settled) == (me, False, True)
+    # Every other node sees the incumbent as the slot's holder, so files do not change.
+    m = resolve([own(me), injected], max_nodes=8, wall_now=WALL)
+    assert (m.nodes, m.losers) == ({2: "m"}, frozenset({"a"}))
+
+
+def test_an_injected_record_that_lies_about_its_stamp_wins() -> None:
+    """Stamped before the incumbent, a record reads as a healed partition (ACLs attribute it)."""
+    me = ClaimState(
+        node="m", incarnation=1, phase=Phase.MEMBER, slot=2, since=0.0, settled=WALL - 60
+    )
+    d = run(me, [own(me), rec("z", 2, MEMBER, settled=WALL - 61)], wall_now=WALL)
+    assert d.reason is Reason.PARTITION_HEALED
+    assert d.claim.phase is Phase.CLAIMING
+
+
+def side(node: str, settled: float | None) -> ClaimState:
+    return ClaimState(
+        node=node, incarnation=1, phase=Phase.MEMBER, slot=0, since=0.0, settled=settled
+    )
+
+
+def test_a_healed_partition_keeps_the_earlier_member_on_both_sides() -> None:
+    """Both sides of a healed partition agree: the earlier one stays, the other claims."""
+    early, late = side("b", WALL - 100), side("a", WALL - 10)
+    records = [own(early), own(late)]
+    for order in (records, records[::-1]):
+        stays = run(early, order, now=5.0, wall_now=WALL)
+        moves = run(late, order, now=5.0, wall_now=WALL + 2)
+        assert (stays.claim, stays.publish) == (early, False)
+        assert moves.reason is Reason.PARTITION_HEALED
+        assert (moves.claim.phase, moves.claim.slot, moves.claim.settled) == (
+            Phase.CLAIMING,
+            1,
+            None,
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    names=st.lists(
+        st.sampled_from(["a", "b", "n1", "n2", "z.y"]), min_size=2, max_size=2, unique=True
+    ),
+    stamps=st.lists(
+        st.none() | st.sampled_from([WALL - 100, WALL - 10, WALL + 10, WALL + 40]),
+        min_size=2,
+        max_size=2,
+    ),
+    skew=st.floats(-5, 5),
+)
+def test_a_healed_partition_has_exactly_one_survivor(
+    names: list[str], stamps: list[float | None], skew: float
+) -> None:
+    """Whatever names and stamps, and clocks a little apart, exactly one member stays."""
+    x, y = side(names[0], stamps[0]), side(names[1], stamps[1])
+    records = [own(x), own(y)]
+    kept = [
+        run(x, records, wall_now=WALL).claim == x,
+        run(y, records[::-1], wall_now=WALL + skew).claim == y,
+    ]
+    assert kept.count(True) == 1
+    winner = resolve(records, max_nodes=8, wall_now=WALL).nodes[0]
+    assert winner == (x.node if kept[0] else y.node)
+
+
+# Stale claims
+
+
+def test_stale_claims_are_claims_seen_unchanged_for_too_long() -> None:
+    """Only other nodes' claims first seen at least stale_after_s ago are stale."""
+    records = [rec("old", 0), rec("new", 1), rec("m", 2, MEMBER), rec("me", 3), rec("u", 4)]
+    first_seen = {"old": 0.0, "new": 95.0, "m": 0.0, "me": 0.0}
+    got = stale_claims(records, first_seen, now=100.0, stale_after_s=30.0, me="me")
+    assert got == {"old"}
+
+
+def test_stale_claims_take_no_part() -> None:
+    """A stale claim neither wins nor loses, and frees its slot for others."""
+    m = resolve([rec("a", 0), rec("b", 0)], max_nodes=8, stale=frozenset({"a"}))
+    assert (m.nodes, m.losers) == ({0: "b"}, frozenset())
+    assert preferred_slot("c", [rec("a", 0)], max_nodes=1, stale=frozenset({"a"})) == 0
+    assert preferred_slot("c", [rec("a", 0)], max_nodes=1) is None
+
+
+def test_a_stale_member_name_is_not_dropped() -> None:
+    """Only claims can be stale: a member named in `stale` keeps its slot."""
+    m = resolve([rec("a", 0, MEMBER)], max_nodes=8, stale=frozenset({"a"}))
+    assert m.nodes == {0: "a"}
+
+
+def test_a_real_node_takes_a_slot_held_only_by_a_stale_claim() -> None:
+    """A node waiting in DomainFull beside a stale claim claims its slot and settles."""
+    records = [rec("a", 0, MEMBER), rec("b", 1)]
+    waiting = run(ClaimState(node="c", incarnation=1), records, max_nodes=2)
+    assert waiting.reason is Reason.DOMAIN_FULL
+    stale = frozenset({"b"})
+    d = run(waiting.claim, records, max_nodes=2, now=10.0, stale=stale)
+    assert (d.claim.phase, d.claim.slot) == (Phase.CLAIMING, 1)
+    done = run(d.claim, [*records, own(d.claim)], max_nodes=2, now=12.0, stale=stale)
+    assert (done.claim.phase, done.claim.slot, done.settled) == (Phase.MEMBER, 1, True)
+
+
+def test_our_own_claim_is_never_stale() -> None:
+    """Naming ourselves in `stale` changes nothing about our own claim."""
+    me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    d = run(me, [own(me)], now=2.0, stale=frozenset({"a"}))
+    assert (d.claim.phase, d.claim.slot) == (Phase.MEMBER, 0)
+
+
+# Release
+
+
+def member_of(node: str, slot: int) -> ClaimState:
+    return ClaimState(
+        node=node, incarnation=1, phase=Phase.MEMBER, slot=slot, since=0.0, settled=WALL
+    )
+
+
+def test_release_gives_the_slot_to_a_waiting_node() -> None:
+    """A member asked to release, with a standby node waiting, publishes standby."""
+    me = member_of("a", 0)
+    records = [own(me), rec("s", None, STANDBY)]
+    d = run(me, records, max_nodes=1, release=True)
+    assert (d.claim.phase, d.claim.slot, d.publish, d.settled) == (
+        Phase.RELEASED,
+        None,
+        True,
+        False,
+    )
+    assert (d.claim.record_state, own(d.claim).released) == (STANDBY, True)
+    assert d.reason is Reason.RELEASED
+    assert "s" in d.message
+    assert d.claim.settled is None
+    # The waiting node sees the slot free and claims it.
+    freed = run(
+        ClaimState(node="s", incarnation=1, phase=Phase.STANDBY), [own(d.claim)], max_nodes=1
+    )
+    assert (freed.claim.phase, freed.claim.slot) == (Phase.CLAIMING, 0)
+
+
+def test_release_without_a_waiting_node_keeps_the_slot() -> None:
+    """With nobody waiting (or only unlisted nodes) a released member stays a member."""
+    me = member_of("a", 0)
+    assert run(me, [own(me)], release=True).claim == me
+    spec = spec_of("a")
+    d = run(me, [own(me), rec("x", None, STANDBY)], spec=spec, release=True)
+    assert (d.claim, d.reason) == (me, Reason.SETTLED)
+
+
+def test_a_released_node_waits_until_the_release_ends() -> None:
+    """While release holds the node stays standby beside a free slot; then it claims."""
+    standby = ClaimState(node="a", incarnation=1, phase=Phase.RELEASED, since=1.0)
+    held = run(standby, [own(standby)], now=5.0, release=True, previous_slot=0)
+    assert (held.claim, held.publish, held.reason) == (standby, False, Reason.RELEASED)
+    back = run(standby, [own(standby)], now=6.0, previous_slot=0)
+    assert (back.claim.phase, back.claim.slot, back.publish) == (Phase.CLAIMING, 0, True)
+
+
+def test_release_does_not_hold_back_a_node_waiting_for_room() -> None:
+    """A standby node that released nothing claims a freed slot even while release holds."""
+    waiting = ClaimState(node="a", incarnation=1, phase=Phase.STANDBY, since=1.0)
+    d = run(waiting, [own(waiting)], now=5.0, release=True)
+    assert (d.claim.phase, d.claim.slot) == (Phase.CLAIMING, 0)
+
+
+def test_a_released_node_is_not_ranked_among_the_waiting() -> None:
+    """Peers leave a released standby record out of the nodes waiting for a slot."""
+    m = resolve([rec("a", None, STANDBY, released=True), rec("s", None, STANDBY)], max_nodes=1)
+    assert m.standby == {"s"}
+    assert preferred_slot("s", [rec("a", None, STANDBY, released=True)], max_nodes=1) == 0
+
+
 # Properties of the conflict rule
 
 NAMES = [f"n{i:02d}" for i in range(25)] + ["a.b", "z-1"]
 
 records_st = st.lists(
     st.builds(
-        lambda node, slot, state, inc: rec(
-            node, slot if state in (CLAIMING, MEMBER) else None, state, inc=inc
+        lambda node, slot, state, inc, stamp: rec(
+            node,
+            slot if state in (CLAIMING, MEMBER) else None,
+            state,
+            inc=inc,
+            settled=stamp if state is MEMBER else None,
         ),
         st.sampled_from(NAMES),
         st.integers(0, 7),
         st.sampled_from(list(MemberState)),
         st.integers(0, 3),
+        st.none() | st.sampled_from([WALL - 20, WALL - 10, WALL + 10, WALL + 40]),
     ),
     max_size=30,
 )
+
+
+def rank(r: MemberRecord) -> tuple[int, float, str]:
+    """The rule restated for the checks: believable stamps, unstamped members, claims."""
+    if r.state is not MEMBER:
+        return (2, 0.0, r.node)
+    if r.settled is None or r.settled > WALL + 30:
+        return (1, 0.0, r.node)
+    return (0, r.settled, r.node)
+
+
 one_per_node_st = records_st.map(lambda rs: list({r.node: r for r in rs}.values()))
 
 
@@ -451,7 +756,9 @@ def test_every_order_gives_the_same_map(
 ) -> None:
     """Every node computes the same map from the same records, in any order."""
     shuffled = data.draw(st.permutations(records))
-    assert resolve(shuffled, max_nodes=max_nodes) == resolve(records, max_nodes=max_nodes)
+    assert resolve(shuffled, max_nodes=max_nodes, wall_now=WALL) == resolve(
+        records, max_nodes=max_nodes, wall_now=WALL
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -460,13 +767,13 @@ def test_winners_are_unique_and_beat_every_rival(
     records: list[MemberRecord], max_nodes: int
 ) -> None:
     """No node wins two slots, and each winner beats every other record on its slot."""
-    m = resolve(records, max_nodes=max_nodes)
+    m = resolve(records, max_nodes=max_nodes, wall_now=WALL)
     assert len(set(m.nodes.values())) == len(m.nodes)
     assert not (m.losers & set(m.slots))
     for r in records:
         if r.state in (CLAIMING, MEMBER) and r.slot is not None and r.slot < max_nodes:
             w = m.winners[r.slot]
-            assert w == r or (w.state is not MEMBER, w.node) < (r.state is not MEMBER, r.node)
+            assert w == r or rank(w) < rank(r)
             assert w == r or r.node in m.losers
 
 
@@ -618,7 +925,15 @@ class Group:
         state = claim.record_state
         if state is None:
             return None
-        return rec(claim.node, claim.slot, state, inc=claim.incarnation, max_nodes=self.max_nodes)
+        return rec(
+            claim.node,
+            claim.slot,
+            state,
+            inc=claim.incarnation,
+            max_nodes=self.max_nodes,
+            settled=claim.settled,
+            released=claim.record_released,
+        )
 
     def tick(self) -> None:
         self.t += 1
@@ -654,6 +969,7 @@ class Group:
             max_nodes=self.max_nodes,
             spec=self.spec,
             previous_slot=agent.previous_slot,
+            wall_now=WALL + self.t,
         )
         if self.strict and agent.settled_slot is not None:
             assert (d.claim.phase, d.claim.slot) == (Phase.MEMBER, agent.settled_slot), (
@@ -882,11 +1198,18 @@ def test_restarted_member_resumes_its_slot_without_a_claim() -> None:
         group.join(name)
     group.settle(100)
     slot = group.agents["b"].claim.slot
+    stamp = group.agents["b"].claim.settled
+    assert stamp is not None
     group.crash("b")
     group.tick()
     group.join("b")
     group.settle(100)
     assert group.agents["b"].claim == ClaimState(
-        node="b", incarnation=2, phase=Phase.MEMBER, slot=slot, since=group.agents["b"].claim.since
+        node="b",
+        incarnation=2,
+        phase=Phase.MEMBER,
+        slot=slot,
+        since=group.agents["b"].claim.since,
+        settled=stamp,
     )
     assert group.retained["b"].state is MEMBER

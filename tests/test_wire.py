@@ -229,3 +229,14 @@ def test_presence_has_a_schema_that_requires_every_field() -> None:
     member_schema = json_schemas()["MemberRecord"]["$defs"]["MemberRecord"]
     assert "settled" in member_schema["properties"]
     assert "settled" not in member_schema["required"]
+
+
+@pytest.mark.parametrize("state", ["claiming", "member", "leaving"])
+def test_only_a_standby_record_can_be_released(state: str) -> None:
+    """`released` means "standby and seeking no slot": on other states it is refused."""
+    got = decode(raw(member(state=state, released=True)), MemberRecord)
+    assert isinstance(got, Dropped)
+    assert got.reason is DropReason.SCHEMA
+    ok = decode(raw(member(state="standby", slot=None, released=True)), MemberRecord)
+    assert isinstance(ok, MemberRecord)
+    assert ok.released
