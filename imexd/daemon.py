@@ -1343,7 +1343,11 @@ class Supervisor:
             return
         if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
             return  # replaced: not the daemon's file any more
-        os.truncate(output.path, 0)
+        try:
+            os.truncate(output.path, 0)
+        except OSError as exc:
+            self._log.warning("daemon.output_truncate_failed", path=output.path, error=str(exc))
+            return
         os.lseek(output.fd, 0, os.SEEK_SET)
         self._log.debug("daemon.output_truncated", path=output.path, size=size)
 
