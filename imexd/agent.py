@@ -25,13 +25,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from imexd import health as hl
 from imexd import membership as mb
@@ -45,6 +46,7 @@ from imexd.bus import (
     Received,
     Synced,
     WillSpec,
+    backoff_delay,
 )
 from imexd.daemon import DaemonState, DaemonStatus, Supervisor
 from imexd.errors import DiscoveryError, FileWriteError
@@ -52,7 +54,7 @@ from imexd.fabric import discover
 from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, write_file
 from imexd.health import Facts, Health, Heartbeats
 from imexd.http import HealthServer
-from imexd.logs import LogFormat, configure_logging, get_logger
+from imexd.logs import LogFormat, configure_logging, get_logger, install_loop_handler
 from imexd.metrics import Metrics
 from imexd.probe import ConnectionState, DomainStatus, ImexState, Prober
 from imexd.render import remove_hosts_block, render_files
@@ -64,9 +66,12 @@ from imexd.wire import (
     DomainSpec,
     HealthReport,
     MemberRecord,
+    MemberState,
     Mode,
+    Presence,
     Topics,
 )
+from imexd.wire import now as wire_now
 
 EXIT_HANDOVER: Final = 75
 """Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
@@ -86,6 +91,19 @@ DOUBT_S: Final = 1.0
 down publishes every will at once, then closes the connections)."""
 CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
+TASK_RESTART_INITIAL_S: Final = 0.5
+TASK_RESTART_MAX_S: Final = 30.0
+"""Backoff of a task restarted after an unexpected error (capped, jittered)."""
+TASK_STABLE_S: Final = 60.0
+"""A task that ran this long before failing starts its backoff afresh."""
+TASK_FAILURES_TO_EXIT: Final = 10
+TASK_FAILURE_WINDOW_S: Final = 300.0
+"""This many unexpected errors of one task within the window end the agent as a hand-over
+(exit 75, daemon left running, record kept) so that systemd starts a fresh agent."""
+WORK_MARGIN_S: Final = 10.0
+"""Beyond its own bound, how long a task's awaited work may keep its heartbeat alive."""
+
+_T = TypeVar("_T")
 
 
 _NO_MEMBERS: Final[MappingProxyType[int, str]] = MappingProxyType({})
@@ -162,6 +180,20 @@ class Agent:
         """Peers' records deleted lately, with time.monotonic() of the deletion."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
+        self.published = False
+        """We published a record of this incarnation in the current shard (ours to clear)."""
+        self.own_cleared = False
+        """Someone cleared our record (a duplicate's will, an operator): publish it again."""
+        self.claims_seen: dict[str, tuple[tuple[int, int | None], float]] = {}
+        """Peers' claiming records: (incarnation, slot) and the loop time first seen, so
+        that claims which never settle stop counting after [domain] claim_stale_s."""
+        self.duplicate = ""
+        """Set (the why) when another live agent runs as this node: we publish nothing."""
+        self.suspect_until: float | None = None
+        """Loop time until which a record of our name that we did not write is watched
+        for signs of a live agent before we claim over it."""
+        self.released_until = 0.0
+        """time.monotonic() until which our slot stays given up (FATAL daemon)."""
         self.wake = asyncio.Event()
         self.wake_at: float | None = None
 
@@ -186,6 +218,8 @@ class Agent:
         """Held while a report is published and while our records are cleared, so that
         no report follows a clear."""
         self.bus_facts = hl.BusFacts()
+        self.give_up = asyncio.Event()
+        """Set when a task keeps failing: the agent exits as in a hand-over."""
 
     @property
     def _mode(self) -> Mode:
@@ -209,7 +243,7 @@ class Agent:
             previous_slot=self.saved.slot,
             mode="assigned" if s.domain.assigned else "static",
         )
-        bus = Bus(s.bus, node=self.node, client_id=f"imexd-{self.node}")
+        bus = Bus(s.bus, node=self.node, client_id=self._client_id)
         supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
         self.bus, self.supervisor = bus, supervisor
         async with contextlib.AsyncExitStack() as stack:
@@ -226,24 +260,31 @@ class Agent:
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node))
             self.notifier.ready()
+            failed = False
             try:
                 async with asyncio.TaskGroup() as tasks:
                     running = [
-                        self._task(tasks, "events", self._events_loop(bus), BEAT_S),
-                        self._task(tasks, "membership", self._membership_loop(), BEAT_S),
-                        self._task(tasks, "reconcile", self._reconcile_loop(), BEAT_S),
-                        self._task(tasks, "probe", self._probe_loop(), BEAT_S),
-                        self._task(tasks, "report", self._report_loop(), BEAT_S),
-                        self._task(tasks, "watchdog", self._watchdog_loop(), BEAT_S),
+                        self._task(tasks, "events", lambda: self._events_loop(bus)),
+                        self._task(tasks, "membership", self._membership_loop),
+                        self._task(tasks, "reconcile", self._reconcile_loop),
+                        self._task(tasks, "probe", self._probe_loop),
+                        self._task(tasks, "report", self._report_loop),
+                        self._task(tasks, "watchdog", self._watchdog_loop),
                     ]
                     if s.node.clique == "auto":
-                        running.append(self._task(tasks, "discover", self._discover_loop(), BEAT_S))
-                    await stop.wait()
+                        running.append(self._task(tasks, "discover", self._discover_loop))
+                    await _first_of(stop, self.give_up)
                     for task in running:
                         task.cancel()
+            except Exception as exc:
+                failed = True
+                self.log.error("agent.failed", error=_describe(exc), exc_info=exc)
             finally:
                 self.notifier.stopping()
-            code = await self._shutdown(handover=handover.is_set())
+            # A bug (or a task failing again and again) ends the agent like a hand-over:
+            # the daemon keeps running and our record stays, for the next agent to adopt.
+            keep_imex = handover.is_set() or failed or self.give_up.is_set()
+            code = await self._shutdown(handover=keep_imex)
         self.log.info("agent.exit", code=code)
         return code
 
@@ -251,11 +292,83 @@ class Agent:
         self,
         group: asyncio.TaskGroup,
         name: str,
-        coro: Coroutine[Any, Any, None],
-        interval: float,
+        loop: Callable[[], Coroutine[Any, Any, None]],
     ) -> asyncio.Task[None]:
-        self.heartbeats.register(name, interval)
-        return group.create_task(coro, name=name)
+        self.heartbeats.register(name, BEAT_S)
+        return group.create_task(self._guarded(name, loop), name=name)
+
+    async def _guarded(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run one of the agent's loops; restart it with backoff after an unexpected error.
+
+        Containment: no input and no bug in one task may stop or restart the IMEX daemon.
+        The error is one `agent.task_failed` event with its traceback and a count in
+        imexd_task_failures_total; the other tasks go on. A task that fails
+        TASK_FAILURES_TO_EXIT times within TASK_FAILURE_WINDOW_S sets `give_up`, which
+        ends the agent as a hand-over.
+        """
+        failures: list[float] = []
+        attempt = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await loop()
+            except Exception as exc:
+                now = time.monotonic()
+                if now - started >= TASK_STABLE_S:
+                    attempt = 0
+                failures = [t for t in failures if now - t <= TASK_FAILURE_WINDOW_S]
+                failures.append(now)
+                delay = backoff_delay(
+                    attempt,
+                    TASK_RESTART_INITIAL_S,
+                    TASK_RESTART_MAX_S,
+                    random.random(),  # noqa: S311 - jitter
+                )
+                attempt += 1
+                self.metrics.count_task_failure(name)
+                self.log.error(
+                    "agent.task_failed",
+                    task=name,
+                    error=_describe(exc),
+                    failures=len(failures),
+                    restart_in_s=round(delay, 2),
+                    exc_info=exc,
+                )
+                if len(failures) >= TASK_FAILURES_TO_EXIT:
+                    self.log.error(
+                        "agent.giving_up",
+                        task=name,
+                        failures=len(failures),
+                        window_s=TASK_FAILURE_WINDOW_S,
+                        why="exiting as a hand-over: the daemon keeps running for the next agent",
+                    )
+                    self.give_up.set()
+                    await asyncio.Event().wait()  # cancelled by run()
+                await self._beating(name, asyncio.sleep(delay), limit=delay)
+            else:
+                return
+
+    async def _beating(self, name: str, work: Coroutine[Any, Any, _T], *, limit: float) -> _T:
+        """Await `work` while beating `name`'s heartbeat for at most `limit` + a margin.
+
+        A task waiting on bounded outside work (a ctl probe, a daemon stop) is not wedged:
+        /healthz must not fail because IMEX is slow. Past the bound the beats stop, so
+        work that never ends still shows as a wedged task.
+        """
+        job = asyncio.ensure_future(work)
+        deadline = time.monotonic() + limit + WORK_MARGIN_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({job}, timeout=BEAT_S)
+                if done:
+                    return job.result()
+                if time.monotonic() < deadline:
+                    self.heartbeats.beat(name)
+        finally:
+            if not job.done():
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
 
     async def _shutdown(self, *, handover: bool) -> int:
         """Leave or hand over, bounded by stop_timeout_s + a margin."""
@@ -268,16 +381,22 @@ class Agent:
                     supervisor.detach()
                     return EXIT_HANDOVER
                 self.log.info("agent.leave", domain=self.current)
-                if self.current is not None:
+                if self.current is not None and self.published:
+                    # Only records this agent wrote: a duplicate never clears the other's.
                     domain, clique = self.current
                     await bus.retain(self.topics.member(domain, clique, self.node), None)
                     await bus.retain(self.topics.health(domain, self.node), None)
                 await supervisor.stop("the agent is leaving")
-                await asyncio.to_thread(self._remove_files)
+                if self.published or self.current is None:
+                    await asyncio.to_thread(self._remove_files)
         except TimeoutError:
             self.log.error("agent.shutdown_timeout", budget_s=budget)
         except FileWriteError as exc:
             self.log.warning("agent.cleanup_failed", error=str(exc))
+        except Exception as exc:
+            self.log.error("agent.shutdown_failed", error=_describe(exc), exc_info=exc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(supervisor.stop("the agent is leaving"), budget)
         return 0
 
     def _parts(self) -> tuple[Bus, Supervisor]:
@@ -331,6 +450,8 @@ class Agent:
         elif isinstance(event, Disconnected):
             self._unsync()
             self._doubt_recent_deletions()
+            if event.taken_over:
+                self._on_taken_over()
         elif isinstance(event, ConnectFailed):
             self._unsync()
         elif isinstance(event, Synced):
@@ -345,8 +466,13 @@ class Agent:
             if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
                 record = self.records.pop(ref.node, None)
                 self.unconfirmed.discard(ref.node)
+                self.claims_seen.pop(ref.node, None)
                 if record is not None and ref.node != self.node:
                     self._remember_deletion(record)
+                if ref.node == self.node:
+                    self.own_cleared = self.published
+                    if self.duplicate:
+                        self._duplicate_gone(bus)
             elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
                 self.spec = None
             elif ref.kind == "assignment" and ref.node == self.node:
@@ -420,11 +546,88 @@ class Agent:
             if (ref.domain, ref.clique) == self.current:
                 self.records[ref.node] = payload
                 self.unconfirmed.discard(ref.node)
+                self._track_claim(payload)
+                if (
+                    ref.node == self.node
+                    and payload.incarnation != self.incarnation
+                    and not event.retained
+                    and not self.published
+                ):
+                    # A live publish of our name that we did not write: another agent
+                    # (re)connected and replayed its record.
+                    self._found_duplicate(
+                        f"incarnation {payload.incarnation} from {payload.address} "
+                        "published its record while this agent runs"
+                    )
         elif ref.kind == "spec" and isinstance(payload, DomainSpec):
             if self.current is not None and ref.domain == self.current[0]:
                 self.spec = payload
         elif ref.kind == "assignment" and isinstance(payload, Assignment) and ref.node == self.node:
             self.assigned_domain = payload.domain
+
+    def _track_claim(self, record: MemberRecord) -> None:
+        """Remember since when each peer's claim (incarnation, slot) has stood unchanged."""
+        if record.node == self.node or record.state is not MemberState.CLAIMING:
+            self.claims_seen.pop(record.node, None)
+            return
+        key = (record.incarnation, record.slot)
+        seen = self.claims_seen.get(record.node)
+        if seen is None or seen[0] != key:
+            self.claims_seen[record.node] = (key, asyncio.get_running_loop().time())
+
+    # -- duplicate node names -------------------------------------------------------
+
+    @property
+    def _client_id(self) -> str:
+        return f"imexd-{self.node}"
+
+    def _on_taken_over(self) -> None:
+        """The broker handed our session to another client with our client id."""
+        if self.duplicate:
+            return
+        if self.current is not None and not self.published:
+            # We have not written anything yet, so the other client is not our own past:
+            # another agent runs with this node's name and took the session back.
+            self._found_duplicate("the broker handed this node's session to another client")
+        else:
+            self.log.warning(
+                "bus.session_taken_over",
+                why="another client connected with this node's client id; "
+                "is a second agent running with this node name?",
+            )
+
+    def _found_duplicate(self, why: str) -> None:
+        """Another live agent runs as this node: stand aside without touching its state.
+
+        We publish nothing on its topics, run no daemon, drop our will (it would clear the
+        other's record) and take another client id so that the two stop taking the
+        broker session from each other. We come back once its record is gone.
+        """
+        if self.duplicate or self.published:
+            return
+        self.duplicate = why
+        self.suspect_until = None
+        bus, _ = self._parts()
+        self.log.error("membership.duplicate_node", node=self.node, why=why)
+        bus.set_will(None)
+        bus.set_client_id(f"{self._client_id}-duplicate-{self.incarnation}")
+        self.wake.set()
+        self.changed.set()
+
+    def _duplicate_gone(self, bus: Bus) -> None:
+        """The other agent's record is gone: claim as usual under our own client id."""
+        self.log.info("membership.duplicate_gone", node=self.node)
+        self.duplicate = ""
+        bus.set_client_id(self._client_id)
+        if self.current is not None:
+            domain, clique = self.current
+            bus.set_will(WillSpec(self.topics.member(domain, clique, self.node)))
+        self.wake.set()
+        self.changed.set()
+
+    def _foreign(self, own: MemberRecord) -> bool:
+        """Whether a record of our name may come from another agent, not our past run."""
+        return own.incarnation >= self.incarnation or own.address != self.settings.node.address
 
     # -- membership -----------------------------------------------------------------
 
@@ -467,11 +670,18 @@ class Agent:
             self.log.info("membership.leave", domain=domain, clique=clique)
             async with self.report_lock:
                 self.current = None  # no report for the old shard after the clears
-                await bus.retain(self.topics.member(domain, clique, self.node), None)
-                await bus.retain(self.topics.health(domain, self.node), None)
+                if self.published:
+                    await bus.retain(self.topics.member(domain, clique, self.node), None)
+                    await bus.retain(self.topics.health(domain, self.node), None)
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
         self.current = target
+        self.published = self.own_cleared = False
+        self.claims_seen.clear()
+        self.suspect_until = None
+        if self.duplicate:
+            self.duplicate = ""
+            bus.set_client_id(self._client_id)
         self.records.clear()
         self.unconfirmed.clear()
         self.confirm_by = None
@@ -510,28 +720,44 @@ class Agent:
             await self._leave_deleted(domain, clique)
             return
         own = self.records.get(self.node)
-        if (
-            self.claim.phase is mb.Phase.NONE
-            and own is not None
-            and own.incarnation >= self.incarnation
-        ):
-            # A record of ours from a run whose incarnation we never saved: outbid it.
-            self.incarnation = own.incarnation + 1
+        if self.duplicate or self._suspect(own, now):
+            # Another agent may run as this node: hold everything, publish nothing.
+            self.decision = None
+            self._set_desired(Desired(domain=domain, clique=clique))
+            self._view_stepped()
+            self.changed.set()
+            return
+        if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
+            # A record of our name that no live agent re-published within the watch: a
+            # run of ours whose incarnation we never saved. Outbid it.
+            self.incarnation = max(self.incarnation, own.incarnation + 1)
             self.claim = replace(self.claim, incarnation=self.incarnation)
             self._save_state(replace(self.state_store.current, incarnation=self.incarnation))
         previous = (
             self.saved.slot if (self.saved.domain, self.saved.clique) == self.current else None
         )
+        stale = mb.stale_claims(
+            self.records.values(),
+            {node: at for node, (_, at) in self.claims_seen.items()},
+            now=now,
+            stale_after_s=s.domain.claim_stale_s,
+            me=self.node,
+        )
+        wall = wire_now()
         decision = mb.step(
             self.claim,
             self.records.values(),
             now=now,
+            wall_now=wall,
             settle_s=s.domain.settle_s,
             max_nodes=s.domain.max_nodes,
             spec=self.spec,
             previous_slot=previous,
+            stale=stale,
+            release=self._release_due(),
         )
-        if decision.publish:
+        if decision.publish or (self.own_cleared and decision.claim.record_state is not None):
+            self.own_cleared = False
             await self._publish_claim(decision.claim)
         if self.decision is None or (decision.reason, decision.settled) != (
             self.decision.reason,
@@ -562,6 +788,7 @@ class Agent:
                 max_nodes=s.domain.max_nodes,
                 mode=self._mode,
                 spec=self.spec,
+                stale=stale,
             )
         )
         self.mismatch_detail = ""
@@ -576,7 +803,13 @@ class Agent:
             records[self.node] = mine
         else:
             records.pop(self.node, None)
-        slot_map = mb.resolve(records.values(), max_nodes=s.domain.max_nodes, spec=self.spec)
+        slot_map = mb.resolve(
+            records.values(),
+            max_nodes=s.domain.max_nodes,
+            spec=self.spec,
+            wall_now=wall,
+            stale=stale,
+        )
         members = MappingProxyType({slot: r.address for slot, r in slot_map.members.items()})
         # A mismatch keeps the daemon from starting but never stops a running one: its
         # node list is fixed already, and the peers that agree with it would lose it
@@ -595,6 +828,57 @@ class Agent:
         )
         self._view_stepped()
         self.changed.set()
+
+    def _suspect(self, own: MemberRecord | None, now: float) -> bool:
+        """Whether to keep watching a record of our name that we did not write.
+
+        Before our first publish, such a record is either a past run of ours (its agent
+        is gone: nothing re-publishes it) or another live agent with our name (it
+        re-publishes on its next reconnect, or takes the broker session back). Watch for
+        as long as a peer needs to reconnect after a broker restart.
+        """
+        if self.published or self.claim.phase is not mb.Phase.NONE:
+            return False
+        if own is None or not self._foreign(own):
+            self.suspect_until = None
+            return False
+        if self.suspect_until is None:
+            self.suspect_until = now + self._confirm_grace_s
+            self.log.info(
+                "membership.own_name_seen",
+                incarnation=own.incarnation,
+                address=own.address,
+                watch_s=round(self._confirm_grace_s, 1),
+                why="a record of this node name that this agent did not write",
+            )
+        if now < self.suspect_until:
+            self.wake_at = self.suspect_until
+            return True
+        return False
+
+    def _release_due(self) -> bool:
+        """Whether to give our slot up: the daemon has been FATAL for release_after_s.
+
+        Latched for claim_stale_s once it fires, so that a waiting node can claim the slot
+        before we would take it back.
+        """
+        s = self.settings
+        _, supervisor = self._parts()
+        status = supervisor.status
+        mono = time.monotonic()
+        after = s.daemon.release_after_s
+        if (
+            after > 0
+            and status.state is DaemonState.FATAL
+            and status.fatal_since is not None
+            and mono - status.fatal_since >= after
+        ):
+            if mono >= self.released_until:
+                self.log.warning(
+                    "membership.release", slot=self.claim.slot, fatal_for_s=round(after, 1)
+                )
+            self.released_until = mono + s.domain.claim_stale_s
+        return mono < self.released_until
 
     def _drop_unconfirmed(self) -> None:
         """Forget the records a new link did not confirm in time, or whose slot moved on.
@@ -633,8 +917,9 @@ class Agent:
             self.log.info("membership.domain_deleted", domain=domain)
             bus, _ = self._parts()
             async with self.report_lock:
-                await bus.retain(self.topics.member(domain, clique, self.node), None)
-                await bus.retain(self.topics.health(domain, self.node), None)
+                if self.published:
+                    await bus.retain(self.topics.member(domain, clique, self.node), None)
+                    await bus.retain(self.topics.health(domain, self.node), None)
             self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
             self.decision = None
         self._view_stepped()
@@ -657,13 +942,17 @@ class Agent:
             max_nodes=s.domain.max_nodes,
             mode=self._mode,
             driver=self.driver,
+            settled=claim.settled,
+            released=claim.record_released,
         )
 
     async def _publish_claim(self, claim: mb.ClaimState) -> None:
         bus, _ = self._parts()
         assert self.current is not None  # noqa: S101 - only called inside a shard
         domain, clique = self.current
-        await bus.retain(self.topics.member(domain, clique, self.node), self._own_record(claim))
+        record = self._own_record(claim)
+        await bus.retain(self.topics.member(domain, clique, self.node), record)
+        self.published = self.published or record is not None
 
     def _view_stepped(self) -> None:
         """`desired` now follows the synced snapshot (unless the link went meanwhile)."""
@@ -702,13 +991,28 @@ class Agent:
                 continue
             self.dirty.clear()
             started = time.monotonic()
+            # Starting and stopping the daemon are bounded by the supervisor's timeouts.
+            bound = 2 * s.daemon.stop_timeout_s + s.daemon.start_s
             try:
-                await self._reconcile(self.desired)
+                await self._beating("reconcile", self._reconcile(self.desired), limit=bound)
             except FileWriteError as exc:
                 self.write_failures += 1
                 retry_at = time.monotonic() + delay
                 self.log.warning(
                     "reconcile.write_failed", error=str(exc), retry_in_s=round(delay, 2)
+                )
+                delay = min(WRITE_RETRY_MAX_S, delay * 2)
+            except Exception as exc:
+                # Nothing was applied that the next round would not redo: retry it like a
+                # failed write, and say why in DaemonReady (the traceback is in the log).
+                self.write_failures += 1
+                self.write_error, self.write_path = f"reconcile failed: {_describe(exc)}", ""
+                retry_at = time.monotonic() + delay
+                self.log.error(
+                    "reconcile.failed",
+                    error=_describe(exc),
+                    retry_in_s=round(delay, 2),
+                    exc_info=exc,
                 )
                 delay = min(WRITE_RETRY_MAX_S, delay * 2)
             else:
@@ -853,15 +1157,18 @@ class Agent:
                     self.imex_status, self.probe_error, self.domain_probe = "", "", None
                     self.changed.set()
                 continue
+            # A hung ctl (or IMEX command service) is bounded by probe_timeout_s and shows
+            # in DaemonReady; it must not stall this task's heartbeat and fail /healthz.
+            bound = s.daemon.probe_timeout_s
             if now >= next_local:
                 next_local = now + s.daemon.probe_interval_s
-                await self._probe_local()
+                await self._beating("probe", self._probe_local(), limit=bound)
             if self.domain_probe_at is not None and now >= self.domain_probe_at:
                 self.domain_probe_at = None
                 next_domain = now
             if now >= next_domain:
                 next_domain = now + s.daemon.domain_probe_interval_s
-                await self._probe_domain()
+                await self._beating("probe", self._probe_domain(), limit=bound)
 
     async def _probe_local(self) -> None:
         result = await self.prober.local()
@@ -969,6 +1276,7 @@ class Agent:
                 state=status.state.value,
                 pid=status.pid,
                 restarts=status.restarts,
+                start_failures=status.start_failures,
                 reloads=status.reloads_sent,
                 last_exit=status.last_exit,
                 # Only problems are reasons; health names the ordinary states itself.
@@ -995,6 +1303,17 @@ class Agent:
             }
         )
         base = hl.MembershipFacts(max_nodes=s.domain.max_nodes, members=members)
+        if self.duplicate:
+            return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
+        if self.suspect_until is not None:
+            return replace(
+                base,
+                detail="a record of this node name that this agent did not write is on the "
+                "bus; checking whether another agent runs as this node",
+            )
+        if self.claim.phase is mb.Phase.RELEASED:
+            detail = decision.message if decision else "the daemon stayed FATAL"
+            return replace(base, state="standby", reason="Released", detail=detail)
         if self.mismatch or self.mismatch_detail:
             detail = self.mismatch_detail or (
                 f"max_nodes or mode differ from this node's ({s.domain.max_nodes}, {s.domain.mode})"
@@ -1044,11 +1363,26 @@ class Agent:
                 await self._publish_report(self.health.report())
 
     async def _publish_report(self, report: HealthReport) -> None:
-        """Publish our report, unless we are leaving (under the lock the leaves take)."""
+        """Publish our report and presence, unless we are leaving or may be a duplicate.
+
+        Under the lock the leaves take, so that no report follows a clear.
+        """
+        bus, _ = self._parts()
+        if self.duplicate or self.suspect_until is not None:
+            return  # those topics may belong to another agent of our name
+        await bus.retain(
+            self.topics.presence(self.node),
+            Presence(
+                node=self.node,
+                incarnation=self.incarnation,
+                at=report.at,
+                domain=report.domain,
+                address=self.settings.node.address,
+            ),
+        )
         async with self.report_lock:
             if self.current is None or self.desired.cleanup:
                 return
-            bus, _ = self._parts()
             await bus.retain(
                 self.topics.health(self.current[0], self.node),
                 report,
@@ -1088,6 +1422,20 @@ class Agent:
             await asyncio.sleep(min(BEAT_S, interval or BEAT_S))
 
 
+async def _first_of(*events: asyncio.Event) -> None:
+    """Return once any of `events` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _word(state: ImexState | str) -> str:
     return state.value if isinstance(state, ImexState) else state
 
@@ -1122,6 +1470,7 @@ def _install_signals(stop: asyncio.Event, handover: asyncio.Event) -> Callable[[
 
 
 async def _main(settings: Settings) -> int:
+    install_loop_handler()
     stop, handover = asyncio.Event(), asyncio.Event()
     remove = _install_signals(stop, handover)
     try:

@@ -128,7 +128,10 @@ class DaemonFacts:
     pid: int | None = None
     """The daemon's pid while one runs."""
     restarts: int = 0
-    """Restarts since the agent started (cumulative, for metrics and reports)."""
+    """Restarts of a daemon that had been running, since the agent started (cumulative,
+    for metrics and reports)."""
+    start_failures: int = 0
+    """Starts that never reached RUNNING (missing binary, immediate exit), cumulative."""
     reloads: int = 0
     """SIGUSR1 reloads sent since the agent started (cumulative, for metrics)."""
     last_exit: str | None = None

@@ -66,6 +66,13 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self._task_failures = Counter(
+            "imexd_task_failures",
+            "Unexpected errors that ended one of the agent's tasks, which was restarted with "
+            "backoff (the IMEX daemon is left alone), by task.",
+            ["task"],
+            registry=self.registry,
+        )
         for name in FILES:
             self._writes.labels(file=name)
             self._write_failures.labels(file=name)
@@ -90,6 +97,10 @@ class Metrics:
         """Count one failed probe of `kind` (see PROBE_KINDS)."""
         self._probe_failures.labels(kind=kind).inc()
 
+    def count_task_failure(self, task: str) -> None:
+        """Count one unexpected error that ended the agent's task `task`."""
+        self._task_failures.labels(task=task).inc()
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (content type CONTENT_TYPE)."""
         return generate_latest(self.registry)
@@ -109,7 +120,15 @@ class Metrics:
             state.add_metric([name], 1.0 if d.state == name else 0.0)
         yield state
         yield CounterMetricFamily(
-            "imexd_daemon_restarts", "IMEX daemon restarts since the agent started.", d.restarts
+            "imexd_daemon_restarts",
+            "Restarts of an IMEX daemon that had been running (running jobs lost their "
+            "imports), since the agent started.",
+            d.restarts,
+        )
+        yield CounterMetricFamily(
+            "imexd_daemon_start_failures",
+            "IMEX daemon starts that never reached RUNNING (missing binary, immediate exit).",
+            d.start_failures,
         )
         yield CounterMetricFamily(
             "imexd_daemon_reloads", "SIGUSR1 reloads sent to the IMEX daemon.", d.reloads

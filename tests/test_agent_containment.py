@@ -1,0 +1,186 @@
+"""Containment, in process: no bug in one of the agent's tasks stops or restarts IMEX.
+
+The middle tier between the pure tests and the scenarios: one `Agent` runs as a
+coroutine of the test, against a real Mosquitto and the simulated daemon, and the test
+breaks one piece of it from inside (a renderer that raises, a loop that keeps failing,
+a ctl that hangs) and watches the facts: the daemon's pid, the agent's exit code, its
+heartbeats and its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from imexd import agent as agent_module
+from imexd.agent import EXIT_HANDOVER, Agent
+from imexd.settings import settings_from_mapping
+from tests.cluster import Node
+from tests.support import Broker
+
+WAIT_S = 30.0
+
+
+@dataclass
+class Running:
+    agent: Agent
+    stop: asyncio.Event
+    handover: asyncio.Event
+    task: asyncio.Task[int]
+
+
+async def until(predicate: Callable[[], object], within_s: float = WAIT_S) -> None:
+    """Poll `predicate` every 50 ms until it holds; fail after `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s} s")
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def running_agent(tmp_path: Path) -> AsyncIterator[Running]:
+    """A ready one-node domain: an in-process agent with a simulated daemon."""
+    broker = Broker(tmp_path / "broker")
+    broker.start()
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1")
+    settings = settings_from_mapping(node.sections, environ={})
+    agent = Agent(settings)
+    stop, handover = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(agent.run(stop=stop, handover=handover))
+    try:
+        await until(lambda: agent.health.is_ready or task.done())
+        assert not task.done(), "the agent ended before it was ready"
+        yield Running(agent, stop, handover, task)
+    finally:
+        stop.set()
+        with suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(task), WAIT_S)
+        if not task.done():
+            task.cancel()
+        for pid in node.daemon_pids_on_host():
+            with suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        broker.stop()
+
+
+def daemon_pid(agent: Agent) -> int | None:
+    assert agent.supervisor is not None
+    return agent.supervisor.pid
+
+
+def task_failures(agent: Agent, task: str) -> float:
+    text = agent.metrics.render().decode()
+    line = f'imexd_task_failures_total{{task="{task}"}} '
+    values = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+    return values[0] if values else 0.0
+
+
+async def test_a_renderer_that_raises_never_touches_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected error in reconcile is logged with its traceback and retried; IMEX runs on."""
+    async with running_agent(tmp_path) as r:
+        pid = daemon_pid(r.agent)
+        calls = 0
+
+        def broken(*_args: Any, **_kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            raise RuntimeError("a bug in the renderer")
+
+        monkeypatch.setattr(agent_module, "render_files", broken)
+        with capture_logs() as logs:
+            r.agent.dirty.set()
+            await until(lambda: calls >= 2)  # retried with backoff, not given up
+        failed = [e for e in logs if e["event"] == "reconcile.failed"]
+        assert failed
+        assert "a bug in the renderer" in failed[0]["error"]
+        assert isinstance(failed[0]["exc_info"], RuntimeError)
+        assert not r.task.done()
+        assert daemon_pid(r.agent) == pid
+        assert "reconcile failed" in r.agent.facts().daemon.write_error
+        monkeypatch.undo()
+        await until(lambda: r.agent.write_error == "")
+        assert daemon_pid(r.agent) == pid
+
+
+async def test_a_failing_task_is_restarted_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that raises is restarted with backoff, counted, and the others go on."""
+    monkeypatch.setattr(agent_module, "TASK_RESTART_INITIAL_S", 0.05)
+    async with running_agent(tmp_path) as r:
+        pid = daemon_pid(r.agent)
+        original = r.agent._probe_local
+        fail = {"left": 3}
+
+        async def flaky() -> None:
+            if fail["left"] > 0:
+                fail["left"] -= 1
+                raise ValueError("probe bug")
+            await original()
+
+        monkeypatch.setattr(r.agent, "_probe_local", flaky)
+        with capture_logs() as logs:
+            r.agent.probe_now.set()
+            await until(lambda: fail["left"] == 0 and task_failures(r.agent, "probe") >= 3)
+        events = [e for e in logs if e["event"] == "agent.task_failed"]
+        assert [e["task"] for e in events] == ["probe"] * 3
+        assert all(isinstance(e["exc_info"], ValueError) for e in events)
+        assert not r.task.done()
+        assert daemon_pid(r.agent) == pid
+        assert r.agent.heartbeats.stale() == []
+        assert r.agent.health.is_ready
+
+
+async def test_a_task_that_keeps_failing_ends_the_agent_as_a_hand_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too many failures exit 75 with the daemon running and the record kept."""
+    monkeypatch.setattr(agent_module, "TASK_RESTART_INITIAL_S", 0.01)
+    monkeypatch.setattr(agent_module, "TASK_RESTART_MAX_S", 0.05)
+    monkeypatch.setattr(agent_module, "TASK_FAILURES_TO_EXIT", 4)
+    async with running_agent(tmp_path) as r:
+        pid = daemon_pid(r.agent)
+        assert pid is not None
+
+        async def always() -> None:
+            raise KeyError("report bug")
+
+        monkeypatch.setattr(r.agent, "_publish_report", lambda _report: always())
+        r.agent.changed.set()
+        code = await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
+        assert code == EXIT_HANDOVER
+        os.kill(pid, 0)  # the daemon still runs, for the next agent to adopt
+        assert r.agent.published  # and our record was not cleared
+
+
+async def test_a_hung_ctl_does_not_fail_healthz(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ctl that hangs for longer than three beats keeps the probe task's heartbeat fresh."""
+    async with running_agent(tmp_path) as r:
+        hung = asyncio.Event()
+
+        async def hang() -> None:
+            hung.set()
+            await asyncio.sleep(6.0)  # > 3 x BEAT_S; below probe_timeout_s + the margin
+
+        monkeypatch.setattr(r.agent, "_probe_local", hang)
+        r.agent.probe_now.set()
+        await asyncio.wait_for(hung.wait(), WAIT_S)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            assert r.agent.heartbeats.stale() == []
+            await asyncio.sleep(0.25)
