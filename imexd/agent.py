@@ -100,6 +100,8 @@ TASK_FAILURES_TO_EXIT: Final = 10
 TASK_FAILURE_WINDOW_S: Final = 300.0
 """This many unexpected errors of one task within the window end the agent as a hand-over
 (exit 75, daemon left running, record kept) so that systemd starts a fresh agent."""
+SUSPECT_LOSSES: Final = 2
+"""Link losses during the watch of a record of our name that make it a live duplicate."""
 WORK_MARGIN_S: Final = 10.0
 """Beyond its own bound, how long a task's awaited work may keep its heartbeat alive."""
 
@@ -189,6 +191,8 @@ class Agent:
         that claims which never settle stop counting after [domain] claim_stale_s."""
         self.duplicate = ""
         """Set (the why) when another live agent runs as this node: we publish nothing."""
+        self.suspect_losses = 0
+        """Link losses while `suspect_until` is set (see _on_suspect_link_loss)."""
         self.suspect_until: float | None = None
         """Loop time until which a record of our name that we did not write is watched
         for signs of a live agent before we claim over it."""
@@ -452,6 +456,8 @@ class Agent:
             self._doubt_recent_deletions()
             if event.taken_over:
                 self._on_taken_over()
+            elif not event.deliberate and self.suspect_until is not None:
+                self._on_suspect_link_loss()
         elif isinstance(event, ConnectFailed):
             self._unsync()
         elif isinstance(event, Synced):
@@ -594,6 +600,22 @@ class Agent:
                 "bus.session_taken_over",
                 why="another client connected with this node's client id; "
                 "is a second agent running with this node name?",
+            )
+
+    def _on_suspect_link_loss(self) -> None:
+        """The broker dropped our link while a record of our name stood that we did not write.
+
+        Brokers that send no reason code (MQTT 3.1.1, Mosquitto before 2.0.12) close the
+        old link silently when another client takes the session: two agents with one
+        name then push each other off at every reconnect. A dead past run of ours does
+        not do that, so a second loss within the watch is taken as a live duplicate.
+        """
+        self.suspect_losses += 1
+        if self.suspect_losses >= SUSPECT_LOSSES:
+            self._found_duplicate(
+                f"the broker closed this node's link {self.suspect_losses} times while a "
+                "record of this name that this agent did not write stood: another agent "
+                "with this name keeps taking the session back"
             )
 
     def _found_duplicate(self, why: str) -> None:
@@ -844,6 +866,7 @@ class Agent:
             return False
         if self.suspect_until is None:
             self.suspect_until = now + self._confirm_grace_s
+            self.suspect_losses = 0
             self.log.info(
                 "membership.own_name_seen",
                 incarnation=own.incarnation,
@@ -854,6 +877,8 @@ class Agent:
         if now < self.suspect_until:
             self.wake_at = self.suspect_until
             return True
+        self.suspect_until = None
+        self.log.info("membership.own_name_stale", incarnation=own.incarnation)
         return False
 
     def _release_due(self) -> bool:

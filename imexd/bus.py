@@ -125,6 +125,10 @@ class Connected:
     """Whether the will is delayed (MQTT 5); with 3.1.1 it fires at once."""
 
 
+DELIBERATE_REASONS: Final = frozenset({"closed", "will changed", "client id changed"})
+"""`Disconnected.reason` of links the bus ended itself."""
+
+
 @dataclass(frozen=True, slots=True)
 class Disconnected:
     """The link is down; the bus reconnects by itself."""
@@ -140,6 +144,12 @@ class Disconnected:
         """Whether another client connected with our client id (a duplicate agent, or a
         restarted one); only MQTT 5 brokers say so."""
         return self.reason_code == SESSION_TAKEN_OVER
+
+    @property
+    def deliberate(self) -> bool:
+        """Whether the bus itself ended the link: closing, or reconnecting on purpose to
+        install another will or client id (not a failure, not a reconnect to count)."""
+        return self.reason in DELIBERATE_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -1242,7 +1252,7 @@ class Bus:
             echo.cancel()
         self._pings.clear()
         event = Disconnected(str(broker), reason, reason_code)
-        if reason not in ("closed", "will changed", "client id changed"):
+        if not event.deliberate:
             self.last_error = reason
         log = self._log.warning if event.taken_over else self._log.info
         log(
