@@ -9,7 +9,6 @@ shipped `config/imexd.toml` and `docs/configuration.md` list every one of them.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import psutil
 
 from imexd.errors import ConfigError
 from imexd.logs import LEVELS
+from imexd.wire import address_problem
 
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
@@ -116,13 +116,11 @@ def _domain_name(v: str) -> str | None:
 
 
 def _address(v: str) -> str | None:
-    if v == "":
+    """Peers accept only what `wire.address_problem` accepts: refuse the rest at load."""
+    problem = address_problem(v) if v else None
+    if problem is None:
         return None
-    try:
-        ipaddress.ip_address(v)
-    except ValueError:
-        return "empty (auto) or an IPv4/IPv6 address"
-    return None
+    return f"empty (auto) or an IPv4/IPv6 address as peers accept it ({problem})"
 
 
 def _clique(v: str) -> str | None:
@@ -706,14 +704,9 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     imex: ImexSettings = built["imex"]
     bus: BusSettings = built["bus"]
     domain: DomainSettings = built["domain"]
-    from imexd.render import EMPTY_SLOT_ADDRESS, check_extra  # noqa: PLC0415 (cycle)
+    from imexd.render import check_extra  # noqa: PLC0415 (cycle)
 
     problems.extend(check_extra(imex.extra))
-    if node.address == EMPTY_SLOT_ADDRESS:
-        problems.append(
-            f"node.address = {node.address!r}: expected an address other than the "
-            "empty-slot sentinel"
-        )
     if _node_name(node.name) is not None:
         problems.append(
             f"node.name = {node.name!r}: expected a DNS-1123 subdomain (the host name is "
