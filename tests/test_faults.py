@@ -392,3 +392,35 @@ def test_a_veth_cut_between_namespaces_heals_without_restarts(tmp_path: Path) ->
     assert cluster.forced == []
     for n in cluster.nodes.values():
         assert n.log_problems() == [], n.name
+
+
+# A FATAL daemon with a standby node waiting (issue 9, defect 12).
+
+
+def test_a_fatal_daemon_releases_its_slot_to_a_waiting_standby(c: Cluster) -> None:
+    """One slot: n1's daemon never starts (FATAL), n2 waits; after release_after_s n2 runs.
+
+    n1 gives its slot up (Released, record `standby`) instead of holding it forever, and
+    does not take it back while n2 holds it.
+    """
+    one_slot = {"domain": {"max_nodes": 1, "claim_stale_s": 2.0}}
+    broken = {
+        **one_slot,
+        "daemon": {"release_after_s": 2.0},
+        "imex": {"env": {"IMEXD_SIM_EXIT_AFTER_S": "0.05", "IMEXD_SIM_EXIT_CODE": "3"}},
+    }
+    n1 = c.add("n1", overrides=broken)
+    c.wait(lambda: n1.status().get("daemon", {}).get("state") == "FATAL", timeout=40)
+    assert slot_of(n1) == 0
+    n2 = c.add("n2", overrides=one_slot)
+    c.wait(n2.ready, timeout=40)
+    assert slot_of(n2) == 0
+    c.wait(lambda: n1.condition("SlotSettled").get("reason") in ("Released", "DomainFull"))
+    with c.client() as client:
+        record = json.loads(client.retained(MEMBERS + "n1")[MEMBERS + "n1"])
+    assert record["state"] == "standby", record
+    assert n1.status()["daemon"]["state"] != "RUNNING"
+    time.sleep(3.0)  # past n1's latch: it must not take the slot back from n2
+    assert n2.ready()
+    assert slot_of(n2) == 0
+    assert n1.condition("SlotSettled").get("status") == "False"
