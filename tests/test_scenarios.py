@@ -165,7 +165,8 @@ def test_a_broker_restart_loses_nothing(c: Cluster) -> None:
     assert {n.name: n.hosts_file.read_text() for n in nodes} == hosts
     for n in nodes:
         assert n.signals() == signals[n.name], n.name
-        assert n.log_events("bus_connected")[-1]["reconnects"] >= 2, n.name
+        # The restart is one lost link; joining the domain (a new will) counts none.
+        assert n.log_events("bus_connected")[-1]["reconnects"] >= 1, n.name
 
 
 def test_a_node_lost_during_a_broker_outage_is_dropped_after_the_grace(c: Cluster) -> None:
