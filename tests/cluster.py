@@ -361,6 +361,8 @@ class BusClient:
         )
         self._lock = threading.Lock()
         self._messages: list[tuple[str, bytes]] = []
+        self._retained: set[int] = set()
+        """Indexes into `_messages` of the messages the broker flagged retained."""
         self._subacks: set[int] = set()
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
@@ -369,6 +371,8 @@ class BusClient:
 
     def _on_message(self, _client: Any, _userdata: Any, message: paho.MQTTMessage) -> None:
         with self._lock:
+            if message.retain:
+                self._retained.add(len(self._messages))
             self._messages.append((message.topic, bytes(message.payload)))
 
     def _on_subscribe(self, _client: Any, _userdata: Any, mid: int, *_rest: Any) -> None:
@@ -401,6 +405,7 @@ class BusClient:
         marker = f"test/marker/{os.getpid()}/{next(self._ids)}"
         with self._lock:
             self._messages.clear()
+            self._retained.clear()
         result, mid = self._client.subscribe([(topic_filter, 1), (marker, 1)])
         assert result == paho.MQTT_ERR_SUCCESS
         assert mid is not None
@@ -409,7 +414,13 @@ class BusClient:
         wait_for(lambda: self._has_message(marker), timeout=self.timeout)
         self._client.unsubscribe([topic_filter, marker])
         with self._lock:
-            return {t: p for t, p in self._messages if t != marker and p}
+            # Only the snapshot: live messages (agents' pings, fresh reports) that pass
+            # while it is delivered are not retained records.
+            return {
+                t: p
+                for i, (t, p) in enumerate(self._messages)
+                if i in self._retained and t != marker and p
+            }
 
     def record(self, topic_filter: str) -> Self:
         """Keep every message on `topic_filter` from now on, in arrival order (`seen`)."""

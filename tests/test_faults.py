@@ -403,8 +403,8 @@ def test_a_fatal_daemon_releases_its_slot_to_a_waiting_standby(c: Cluster) -> No
     n1 gives its slot up (Released, record `standby`) instead of holding it forever, and
     does not take it back while n2 holds it.
     """
-    one_slot = {"domain": {"max_nodes": 1, "claim_stale_s": 2.0}}
-    broken = {
+    one_slot: dict[str, dict[str, Any]] = {"domain": {"max_nodes": 1, "claim_stale_s": 2.0}}
+    broken: dict[str, dict[str, Any]] = {
         **one_slot,
         "daemon": {"release_after_s": 2.0},
         "imex": {"env": {"IMEXD_SIM_EXIT_AFTER_S": "0.05", "IMEXD_SIM_EXIT_CODE": "3"}},
