@@ -1157,19 +1157,12 @@ class Supervisor:
         flags = os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             writer = os.open(path, os.O_WRONLY | flags, OUTPUT_MODE)
+            try:
+                reader = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                os.close(writer)
+                raise
         except OSError as exc:
-            self._log.error(
-                "daemon.output_unavailable",
-                stream=stream,
-                path=path,
-                error=str(exc),
-                consequence="this stream of the daemon goes to /dev/null",
-            )
-            return None
-        try:
-            reader = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            os.close(writer)
             self._log.error(
                 "daemon.output_unavailable",
                 stream=stream,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import Cluster
 from tests.support import Broker
 
 
@@ -19,3 +20,19 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture
+def c(tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster of agent processes, closed after the test, then checked for leftovers
+    (agents or daemons still running) and for tracebacks in every agent's log."""
+    cluster = Cluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+    assert cluster.forced == [], "close() had to kill what the agents left"
+    for node in cluster.nodes.values():
+        assert not node.alive(), node.name
+        assert node.daemon_pids_on_host() == [], node.name
+        assert node.log_problems() == [], node.name

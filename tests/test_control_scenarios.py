@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +31,6 @@ pytestmark = pytest.mark.slow
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 NAMES = ["n1", "n2", "n3"]
-
-
-@pytest.fixture
-def c(tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster closed after the test, then checked for leftovers and tracebacks."""
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert node.log_problems() == [], node.name
 
 
 def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

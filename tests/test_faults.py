@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +27,6 @@ from tests.test_scenarios import members, pids, slot_of
 pytestmark = pytest.mark.slow
 
 MEMBERS = "imex/v1/domains/d1/members/c1/"
-
-
-@pytest.fixture
-def c(tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster closed after the test, then checked for leftovers and tracebacks."""
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert not node.alive(), node.name
-        assert node.log_problems() == [], node.name
 
 
 def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,19 +25,6 @@ pytestmark = pytest.mark.slow
 MEMBERS = "imex/v1/domains/d1/members/c1/"
 WATCH_S = 4.0
 """How long a wrong reaction gets to show (reconcile, reload window, probes)."""
-
-
-@pytest.fixture
-def c(tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster closed after the test, then checked for leftovers and tracebacks."""
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert node.log_problems() == [], node.name
 
 
 def record(node: str, **fields: Any) -> bytes:

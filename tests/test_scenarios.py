@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -23,21 +22,6 @@ from tests.cluster import Cluster, Node
 pytestmark = pytest.mark.slow
 
 MEMBERS = "imex/v1/domains/d1/members/c1/"
-
-
-@pytest.fixture
-def c(tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster closed after the test, then checked for leftovers and tracebacks."""
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert not node.alive(), node.name
-        assert node.daemon_pids_on_host() == [], node.name
-        assert node.log_problems() == [], node.name
 
 
 def form(
