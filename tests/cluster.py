@@ -507,6 +507,16 @@ class Cluster:
         """A test MQTT client on the cluster's broker (use it as a context manager)."""
         return BusClient(self.broker)
 
+    def control_env(self) -> dict[str, str]:
+        """The environment of `imexd domain ...` as the control plane of this cluster:
+        no settings file, the fleet's settings as IMEXD_ variables."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+        return env | {
+            "IMEXD_BUS_URL": self.broker.url,
+            "IMEXD_DOMAIN_MAX_NODES": "8",
+            "IMEXD_HEALTH_REPORT_INTERVAL_S": str(FAST["health"]["report_interval_s"]),
+        }
+
     def close(self) -> None:
         """SIGTERM every agent (they leave), then kill whatever they left behind.
 

@@ -35,12 +35,7 @@ NAMES = ["n1", "n2", "n3"]
 
 def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    env |= {
-        "IMEXD_BUS_URL": c.broker.url,
-        "IMEXD_DOMAIN_MAX_NODES": "8",
-        "IMEXD_HEALTH_REPORT_INTERVAL_S": str(FAST["health"]["report_interval_s"]),
-    }
+    env = c.control_env()
     return subprocess.run(
         [IMEXD, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
     )

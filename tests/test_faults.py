@@ -217,12 +217,7 @@ def domain_status(c: Cluster) -> subprocess.Popen[str]:
     The domain has no spec: `--nodes` tells the control plane which nodes it must have,
     without it the status stays UNKNOWN (NoSpec).
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    env |= {
-        "IMEXD_BUS_URL": c.broker.url,
-        "IMEXD_DOMAIN_MAX_NODES": "8",
-        "IMEXD_HEALTH_REPORT_INTERVAL_S": str(FAST["health"]["report_interval_s"]),
-    }
+    env = c.control_env()
     return subprocess.Popen(
         [IMEXD, "domain", "status", "d1", "--wait", "0", "--nodes", "n1,n2,n3"],
         stdout=subprocess.PIPE,
