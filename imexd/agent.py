@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -46,7 +45,6 @@ from imexd.bus import (
     Received,
     Synced,
     WillSpec,
-    backoff_delay,
 )
 from imexd.daemon import DaemonState, DaemonStatus, Supervisor
 from imexd.errors import DiscoveryError, FileWriteError
@@ -55,13 +53,7 @@ from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, wr
 from imexd.health import Facts, Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.logs import LogFormat, configure_logging, get_logger, install_loop_handler
-from imexd.metrics import Metrics
-from imexd.probe import ConnectionState, DomainStatus, ImexState, Prober
-from imexd.render import remove_hosts_block, render_files
-from imexd.sdnotify import Notifier
-from imexd.settings import Settings, load_settings
-from imexd.state import NodeState, StateStore
-from imexd.wire import (
+from imexd.messages import (
     Assignment,
     DomainSpec,
     HealthReport,
@@ -71,7 +63,14 @@ from imexd.wire import (
     Presence,
     Topics,
 )
-from imexd.wire import now as wire_now
+from imexd.messages import now as wire_now
+from imexd.metrics import Metrics
+from imexd.probe import ConnectionState, DomainStatus, ImexState, Prober
+from imexd.render import remove_hosts_block, render_files
+from imexd.retry import backoff_delay
+from imexd.sdnotify import Notifier
+from imexd.settings import Settings, load_settings
+from imexd.state import NodeState, StateStore
 
 EXIT_HANDOVER: Final = 75
 """Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
@@ -326,7 +325,6 @@ class Agent:
                     attempt,
                     TASK_RESTART_INITIAL_S,
                     TASK_RESTART_MAX_S,
-                    random.random(),  # noqa: S311 - jitter
                 )
                 attempt += 1
                 self.metrics.count_task_failure(name)

@@ -34,7 +34,7 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-aiomqtt and paho types stay inside this module: callers see `imexd.wire` payloads, the
+aiomqtt and paho types stay inside this module: callers see `imexd.messages` payloads, the
 event classes below and `imexd.errors.BusError`.
 """
 
@@ -63,15 +63,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from imexd.errors import BusError
 from imexd.logs import get_logger
-from imexd.settings import (
-    BrokerURL,
-    BusSettings,
-    is_clique_id,
-    is_dns1123_label,
-    is_dns1123_subdomain,
-    parse_broker_url,
-)
-from imexd.wire import (
+from imexd.messages import (
     MAX_PAYLOAD,
     Assignment,
     DomainSpec,
@@ -88,6 +80,15 @@ from imexd.wire import (
     decode,
     encode,
     now,
+)
+from imexd.retry import backoff_delay
+from imexd.settings import (
+    BrokerURL,
+    BusSettings,
+    is_clique_id,
+    is_dns1123_label,
+    is_dns1123_subdomain,
+    parse_broker_url,
 )
 
 QOS: Final = 1
@@ -219,16 +220,6 @@ class WillSpec:
 
 
 # Pure helpers.
-
-
-def backoff_delay(attempt: int, initial: float, maximum: float, rand: float) -> float:
-    """Capped exponential backoff with "equal jitter": in [d/2, d], d = initial * 2**attempt.
-
-    Jitter spreads the reconnects of a whole fleet after a broker restart; keeping half
-    of the delay fixed still guarantees the backoff grows.
-    """
-    base = min(maximum, initial * 2.0 ** min(attempt, 62))
-    return base * (0.5 + 0.5 * rand)
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -974,7 +965,7 @@ class Bus:
                 rounds,
                 self.settings.reconnect_initial_s,
                 self.settings.reconnect_max_s,
-                self._rand(),
+                self._rand,
             )
             rounds += 1
             left = len(self.brokers)

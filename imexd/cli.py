@@ -67,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
     p.add_argument("--live", action="store_true", help="check /healthz instead of /readyz")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    p.set_defaults(handler="imexd.probes_cli:cli_check")
+    p.set_defaults(handler="imexd.query:cli_check")
 
     p = sub.add_parser("status", help="the local agent's state, for a person")
     _config_arg(p)
     p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
     p.add_argument("--json", action="store_true", help="print the HealthReport JSON")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    p.set_defaults(handler="imexd.probes_cli:cli_status")
+    p.set_defaults(handler="imexd.query:cli_status")
 
     p = sub.add_parser("domain", help="control plane: create, delete, list, status")
     dsub = p.add_subparsers(dest="domain_command", required=True, metavar="ACTION")

@@ -68,6 +68,7 @@ from typing import Any, Self
 import psutil
 
 from imexd.logs import get_logger
+from imexd.retry import backoff_delay
 from imexd.settings import DaemonSettings, Settings
 
 PACKAGE_CONFIG = "/etc/nvidia-imex/config.cfg"
@@ -268,18 +269,6 @@ def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dic
     for name in STRIPPED_ENV:
         env.pop(name, None)
     return env
-
-
-def backoff_delay(
-    failures: int, initial_s: float, max_s: float, rand: Callable[[], float] = random.random
-) -> float:
-    """Delay before restart number `failures` (0-based): doubling, capped, with jitter.
-
-    The jitter draws from the upper half of the capped delay ("equal jitter"), so that
-    the delay still grows while daemons restarted at the same moment spread out.
-    """
-    base = min(max_s, initial_s * 2.0 ** min(failures, 62))
-    return base / 2.0 + base / 2.0 * rand()
 
 
 def describe_exit(returncode: int) -> str:

@@ -21,8 +21,8 @@ from typing import Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd import wire
-from imexd.wire import Condition, DaemonInfo, DomainView, HealthReport, SlotView
+from imexd import messages
+from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
 Status = Literal["True", "False", "Unknown"]
 
@@ -94,7 +94,7 @@ class BusFacts:
     reconnects: int = 0
     """Reconnections since the agent started (cumulative, for metrics)."""
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
-    """Messages dropped since the agent started, by `wire.DropReason` value
+    """Messages dropped since the agent started, by `messages.DropReason` value
     (cumulative, for metrics)."""
 
 
@@ -295,7 +295,7 @@ def _slot(f: Facts) -> _Verdict:
     m = f.membership
     if f.domain is None:
         return _Verdict("True", "NoDomain", "no domain assigned: the node is idle")
-    where = f"{f.domain}/{wire.clique_level(f.clique)}"
+    where = f"{f.domain}/{messages.clique_level(f.clique)}"
     detail = f": {m.detail}" if m.detail else ""
     if m.reason == "DomainFull":
         return _Verdict(
@@ -608,7 +608,7 @@ class Health:
     `is_ready` and `report()` without running anything.
     """
 
-    def __init__(self, facts: Facts, *, clock: Callable[[], float] = wire.now) -> None:
+    def __init__(self, facts: Facts, *, clock: Callable[[], float] = messages.now) -> None:
         self._clock = clock
         self._facts = facts
         self._conditions: tuple[Condition, ...] = tuple(conditions(facts, (), clock()))
@@ -643,7 +643,7 @@ class Health:
         return summary(self._facts, self._conditions)
 
     def _fingerprint_of(self) -> bytes:
-        return wire.encode(msgspec.structs.replace(self.report(), at=0.0))
+        return messages.encode(msgspec.structs.replace(self.report(), at=0.0))
 
 
 # Liveness

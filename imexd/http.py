@@ -32,7 +32,7 @@ from typing import Any, Final, Self
 import msgspec
 from aiohttp import web
 
-from imexd import health, wire
+from imexd import health, messages
 from imexd.errors import FatalError
 from imexd.health import Health, Heartbeats
 from imexd.logs import get_logger
@@ -210,7 +210,7 @@ class HealthServer:
             return self._readyz()
         if request.path == "/status":
             return web.Response(
-                body=wire.encode(self._health.report()),
+                body=messages.encode(self._health.report()),
                 content_type="application/json",
                 headers=_NO_STORE,
             )

@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-from imexd.wire import DomainSpec, MemberRecord, MemberState, Mode, encode
+from imexd.messages import DomainSpec, MemberRecord, MemberState, Mode, encode
 
 _COMPETING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
 

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from imexd import __version__, health
 from imexd.health import Facts
-from imexd.wire import Condition, DropReason
+from imexd.messages import Condition, DropReason
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 """The Content-Type of `render()`: the Prometheus text format 0.0.4."""

@@ -29,8 +29,8 @@ from typing import Final
 import msgspec
 
 from imexd.errors import ConfigError, FileWriteError, ParseError
+from imexd.messages import EMPTY_SLOT_ADDRESS, MemberRecord, MemberState, address_problem
 from imexd.settings import Settings
-from imexd.wire import EMPTY_SLOT_ADDRESS, MemberRecord, MemberState, address_problem
 
 __all__ = ["EMPTY_SLOT_ADDRESS", "RenderError"]
 
@@ -330,7 +330,7 @@ def _split_blocks(text: str) -> tuple[str, int | None, list[_Block], list[str]]:
 
 
 def _check_address(address: str) -> None:
-    """RenderError unless `address` may be a node's address (wire.address_problem)."""
+    """RenderError unless `address` may be a node's address (messages.address_problem)."""
     problem = address_problem(address)
     if problem is not None:
         raise RenderError(f"refusing to render: {problem}")

@@ -26,7 +26,7 @@ import psutil
 
 from imexd.errors import ConfigError
 from imexd.logs import LEVELS
-from imexd.wire import address_problem
+from imexd.messages import address_problem
 
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
@@ -116,7 +116,7 @@ def _domain_name(v: str) -> str | None:
 
 
 def _address(v: str) -> str | None:
-    """Peers accept only what `wire.address_problem` accepts: refuse the rest at load."""
+    """Peers accept only what `messages.address_problem` accepts: refuse the rest at load."""
     problem = address_problem(v) if v else None
     if problem is None:
         return None

@@ -7,9 +7,9 @@ from types import MappingProxyType
 from typing import Any
 
 from imexd.agent import Agent, Desired
+from imexd.messages import MemberRecord, MemberState
 from imexd.probe import parse_domain_json
 from imexd.settings import settings_from_mapping
-from imexd.wire import MemberRecord, MemberState
 
 
 def _agent(members: dict[int, str]) -> Agent:

@@ -25,7 +25,7 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from imexd.wire import MAX_PAYLOAD, Topics
+from imexd.messages import MAX_PAYLOAD, Topics
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
 from tests.support import wait_for
 

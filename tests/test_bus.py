@@ -40,15 +40,13 @@ from imexd.bus import (
     Synced,
     WillSpec,
     _Echoes,
-    backoff_delay,
     decode_message,
     protocol_versions,
     refuses_protocol,
     topic_matches,
 )
 from imexd.errors import BusError
-from imexd.settings import BusSettings
-from imexd.wire import (
+from imexd.messages import (
     Assignment,
     DaemonInfo,
     Dropped,
@@ -60,6 +58,7 @@ from imexd.wire import (
     Topics,
     encode,
 )
+from imexd.settings import BusSettings
 from tests.support import Broker, free_port
 
 E = TypeVar("E", bound=Event)
@@ -136,15 +135,6 @@ MEMBERS = TOPICS.members_filter("d1", "")
 
 
 # Pure functions.
-
-
-def test_backoff_grows_is_capped_and_jittered() -> None:
-    """The delay doubles per attempt, never exceeds the cap, and jitter keeps half of it."""
-    assert backoff_delay(0, 0.5, 30.0, 1.0) == 0.5
-    assert backoff_delay(0, 0.5, 30.0, 0.0) == 0.25
-    assert backoff_delay(3, 0.5, 30.0, 1.0) == 4.0
-    assert backoff_delay(1000, 0.5, 30.0, 1.0) == 30.0
-    assert 15.0 <= backoff_delay(20, 0.5, 30.0, 0.37) <= 30.0
 
 
 def test_topic_filters_match_like_mqtt() -> None:
@@ -433,7 +423,7 @@ import asyncio, sys
 from imexd.bus import Bus, WillSpec
 from imexd.logs import configure_logging
 from imexd.settings import BusSettings
-from imexd.wire import MemberRecord, MemberState, Topics
+from imexd.messages import MemberRecord, MemberState, Topics
 
 async def main(url: str) -> None:
     configure_logging("warning", "json", stream=sys.stderr)

@@ -31,22 +31,23 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no
 from imexd import health as hl
 from imexd.cli import main
 from imexd.control import (
-    FUTURE_SKEW_S,
-    STALE_INTERVALS,
-    DomainStatus,
     Link,
-    SeenReport,
     Store,
-    judge,
     outdated_schemas,
-    render_list,
-    render_status,
     schema_texts,
     summarize,
 )
 from imexd.errors import BusError
-from imexd.settings import BrokerURL, BusSettings
-from imexd.wire import (
+from imexd.fleet import (
+    FUTURE_SKEW_S,
+    STALE_INTERVALS,
+    DomainStatus,
+    SeenReport,
+    judge,
+    render_list,
+    render_status,
+)
+from imexd.messages import (
     Assignment,
     DomainSpec,
     HealthReport,
@@ -57,6 +58,7 @@ from imexd.wire import (
     encode,
     json_schemas,
 )
+from imexd.settings import BrokerURL, BusSettings
 from tests.support import Broker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1090,7 +1092,7 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
 
 
 def test_the_shipped_schemas_are_the_generated_ones() -> None:
-    """docs/schemas/ holds exactly what imexd.wire.json_schemas() generates."""
+    """docs/schemas/ holds exactly what imexd.messages.json_schemas() generates."""
     assert outdated_schemas(SCHEMAS) == []
     assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(schema_texts())
     for name, schema in json_schemas().items():

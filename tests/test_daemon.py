@@ -31,7 +31,6 @@ from imexd.daemon import (
     Endpoint,
     ImexProcess,
     Supervisor,
-    backoff_delay,
     classify_processes,
     config_argument,
     daemon_endpoints,
@@ -102,14 +101,6 @@ def test_daemon_environment_adds_imex_env_and_drops_systemd_notify_variables() -
         {"IMEX_X": "1", "PATH": "/opt/bin", "NOTIFY_SOCKET": "/x"},
     )
     assert env == {"PATH": "/opt/bin", "IMEX_X": "1"}
-
-
-def test_backoff_doubles_up_to_the_cap_with_jitter_in_the_upper_half() -> None:
-    """Delays double from the initial value, stop at the cap, and jitter within [d/2, d]."""
-    top = [backoff_delay(n, 1.0, 60.0, lambda: 1.0) for n in range(9)]
-    assert top == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
-    assert backoff_delay(3, 1.0, 60.0, lambda: 0.0) == 4.0
-    assert backoff_delay(10_000, 1.0, 60.0, lambda: 0.5) == 45.0
 
 
 def test_exit_descriptions_name_the_code_or_the_signal() -> None:

@@ -26,7 +26,7 @@ import pytest
 
 from imexd import demo
 from imexd.cli import main
-from imexd.wire import Condition, DaemonInfo, DomainView, HealthReport, SlotView
+from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
 RUN_TIMEOUT_S = 90.0
 """A 3-node run takes 15-50 s on a busy 2-core machine; a hung one is stopped here."""

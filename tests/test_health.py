@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from imexd import health, wire
+from imexd import health, messages
 from imexd.health import (
     BusFacts,
     DaemonFacts,
@@ -22,7 +22,7 @@ from imexd.health import (
     MembershipFacts,
     SlotProbe,
 )
-from imexd.wire import Condition, HealthReport
+from imexd.messages import Condition, HealthReport
 
 T0 = 1_000.0
 
@@ -456,7 +456,7 @@ def test_report_validates_against_the_payload_type() -> None:
     """The report round-trips through strict decoding and shows the members only."""
     facts = working()
     rep = health.report(facts, health.conditions(facts, [], T0), T0 + 1)
-    decoded = wire.decode(wire.encode(rep), HealthReport)
+    decoded = messages.decode(messages.encode(rep), HealthReport)
     assert decoded == rep
     assert rep.ready
     assert rep.at == T0 + 1
@@ -464,7 +464,7 @@ def test_report_validates_against_the_payload_type() -> None:
     assert rep.domain_view is not None
     assert rep.domain_view.status == "UP"
     assert sorted(rep.domain_view.nodes) == ["0", "1", "2"]
-    schema = wire.json_schemas()["HealthReport"]
+    schema = messages.json_schemas()["HealthReport"]
     assert set(schema["$defs"]["HealthReport"]["required"]) <= set(msgspec.to_builtins(rep))
 
 
@@ -473,7 +473,7 @@ def test_idle_report_has_no_domain_view() -> None:
     facts = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
     rep = health.report(facts, health.conditions(facts, [], T0), T0)
     assert (rep.domain, rep.slot, rep.domain_view, rep.ready) == (None, None, None, True)
-    assert isinstance(wire.decode(wire.encode(rep), HealthReport), HealthReport)
+    assert isinstance(messages.decode(messages.encode(rep), HealthReport), HealthReport)
 
 
 def test_summary_lines() -> None:

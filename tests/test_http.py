@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd import health, wire
+from imexd import health, messages
 from imexd.errors import FatalError
 from imexd.health import (
     BusFacts,
@@ -31,8 +31,8 @@ from imexd.health import (
     SlotProbe,
 )
 from imexd.http import HealthServer, ServerLimits
+from imexd.messages import HealthReport
 from imexd.metrics import CONTENT_TYPE, Metrics
-from imexd.wire import HealthReport
 
 MEMBERS = {0: Member("n1", "127.0.0.1"), 1: Member("n2", "127.0.0.2")}
 READY = Facts(
@@ -214,7 +214,7 @@ def validate(value: Any, schema: dict[str, Any]) -> None:
 
 def test_schema_validator_rejects_a_broken_report() -> None:
     """The test's validator really checks types, patterns and required fields."""
-    schema = wire.json_schemas()["HealthReport"]
+    schema = messages.json_schemas()["HealthReport"]
     good = msgspec.to_builtins(health.report(READY, health.conditions(READY, [], 1.0), 2.0))
     validate(good, schema)
     for broken in (
@@ -277,7 +277,7 @@ async def test_readyz_503_lists_failing_conditions(agent: Agent) -> None:
     assert [(c["type"], c["reason"]) for c in body["failing"]] == [
         ("DaemonReady", "DaemonCrashLoop")
     ]
-    msgspec.convert(body["failing"][0], wire.Condition)
+    msgspec.convert(body["failing"][0], messages.Condition)
 
 
 async def test_status_validates_against_the_schema(agent: Agent) -> None:
@@ -286,7 +286,7 @@ async def test_status_validates_against_the_schema(agent: Agent) -> None:
     assert reply.status == 200
     assert reply.headers["content-type"].startswith("application/json")
     body = reply.json()
-    validate(body, wire.json_schemas()["HealthReport"])
+    validate(body, messages.json_schemas()["HealthReport"])
     rep = msgspec.convert(body, HealthReport)
     assert (rep.node, rep.domain, rep.slot, rep.ready) == ("n1", "d1", 0, True)
     assert rep.daemon.restarts == 2
@@ -298,7 +298,7 @@ async def test_status_of_an_idle_node_validates() -> None:
     """An idle node's report (no domain, no slot) is valid too."""
     async with serving(Facts(node="n1", bus=BusFacts(connected=True, synced=True))) as a:
         body = (await get(a.server.port, "/status")).json()
-    validate(body, wire.json_schemas()["HealthReport"])
+    validate(body, messages.json_schemas()["HealthReport"])
     assert (body["domain"], body["slot"], body["ready"]) == (None, None, True)
 
 

@@ -27,7 +27,7 @@ from imexd.membership import (
     stale_claims,
     step,
 )
-from imexd.wire import DomainSpec, MemberRecord, MemberState, Mode
+from imexd.messages import DomainSpec, MemberRecord, MemberState, Mode
 
 CLAIMING = MemberState.CLAIMING
 MEMBER = MemberState.MEMBER

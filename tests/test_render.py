@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from imexd.cli import main
 from imexd.errors import ConfigError
+from imexd.messages import MemberRecord, MemberState, address_problem
 from imexd.render import (
     EMPTY_SLOT_ADDRESS,
     RenderError,
@@ -33,7 +34,6 @@ from imexd.render import (
     verify_hosts_block,
 )
 from imexd.settings import ImexSettings, NodeSettings, Settings
-from imexd.wire import MemberRecord, MemberState, address_problem
 
 # Every config.cfg key IMEX.md lists, copied here so that a key dropped from the
 # renderer fails a test.

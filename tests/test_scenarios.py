@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from imexd.agent import EXIT_HANDOVER
-from imexd.wire import DomainSpec, MemberRecord, MemberState, encode
+from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
 from tests.cluster import Cluster, Node
 
 pytestmark = pytest.mark.slow

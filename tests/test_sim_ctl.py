@@ -8,7 +8,7 @@ import pytest
 
 from imexd.sim.config import DEFAULT_CONFIG_PATH
 from imexd.sim.ctl import UsageError, main, parse_args, target_from_config
-from imexd.sim.wire import CmdTarget, CommandError
+from imexd.sim.protocol import CmdTarget, CommandError
 
 
 def test_flags_of_the_real_tool() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from imexd.sim.config import USAGE
-from imexd.sim.wire import CmdTarget, CommandError, StatusReply, StatusRequest, ask
+from imexd.sim.protocol import CmdTarget, CommandError, StatusReply, StatusRequest, ask
 from tests.support import free_port, loopback_address, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imex"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from imexd.sim.protocol import Link, LinkStatus, NodeState, StatusReply
 from imexd.sim.table import (
     LEGEND,
     DomainView,
@@ -24,7 +25,6 @@ from imexd.sim.table import (
     render_json,
     render_text,
 )
-from imexd.sim.wire import Link, LinkStatus, NodeState, StatusReply
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imex"
 SAMPLE = (FIXTURES / "ctl-N-570.172.txt").read_text()

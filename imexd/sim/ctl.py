@@ -27,8 +27,7 @@ from imexd.sim.config import (
     dialable,
     load_config,
 )
-from imexd.sim.table import DomainView, build_view, render_json, render_text
-from imexd.sim.wire import (
+from imexd.sim.protocol import (
     CmdTarget,
     CommandError,
     NodeState,
@@ -38,6 +37,7 @@ from imexd.sim.wire import (
     StatusRequest,
     ask,
 )
+from imexd.sim.table import DomainView, build_view, render_json, render_text
 
 DEFAULT_TIMEOUT_MS = 5000
 MONITOR_INTERVAL_S = 1.0

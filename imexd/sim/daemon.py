@@ -50,7 +50,7 @@ from imexd.sim.config import (
     read_node_list,
 )
 from imexd.sim.imexlog import ImexLog, format_line
-from imexd.sim.wire import (
+from imexd.sim.protocol import (
     MAX_LINE,
     PEER_DECODER,
     REQUEST_DECODER,

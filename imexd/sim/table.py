@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from imexd.sim.config import is_ip
-from imexd.sim.wire import Link, LinkStatus, NodeState, StatusReply
+from imexd.sim.protocol import Link, LinkStatus, NodeState, StatusReply
 
 LEGEND = (
     "Connectivity Table Legend:",

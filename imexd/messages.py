@@ -4,7 +4,7 @@ Every payload is a UTF-8 JSON object of at most 16 KiB with `"v": 1`. Unknown fi
 are ignored (forward compatibility); anything else that is wrong is a `Dropped` with a
 reason from a small fixed set, which the bus counts in `imexd_bus_dropped_total{reason}`
 and logs once per sender and reason. These types are also the source of the JSON
-Schemas shipped in docs/schemas/ (`imexd.wire.json_schemas`).
+Schemas shipped in docs/schemas/ (`imexd.messages.json_schemas`).
 """
 
 from __future__ import annotations

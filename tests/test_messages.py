@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imexd.wire import (
+from imexd.messages import (
     EMPTY_SLOT_ADDRESS,
     Dropped,
     DropReason,

@@ -20,7 +20,7 @@ import msgspec
 
 from imexd import health
 from imexd.errors import ConfigError
-from imexd.wire import DaemonInfo, HealthReport
+from imexd.messages import DaemonInfo, HealthReport
 
 USER_AGENT: Final = "imexd-probe"
 BODY_MAX: Final = 1024 * 1024

@@ -25,8 +25,8 @@ from imexd.health import (
     MembershipFacts,
 )
 from imexd.http import HealthServer
+from imexd.messages import HealthReport
 from imexd.metrics import Metrics
-from imexd.wire import HealthReport
 from tests.support import free_port
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
