@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -43,38 +42,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the agent (systemd service, container)")
     _config_arg(p)
-    p.set_defaults(handler="imexd.agent:cli_run")
+    p.set_defaults(handler=_cmd_run)
 
     p = sub.add_parser("config", help="validate settings and print the effective values")
     _config_arg(p)
     p.add_argument(
         "--example", action="store_true", help="print the commented example file instead"
     )
-    p.set_defaults(handler="imexd.cli:cli_config")
+    p.set_defaults(handler=_cmd_config)
 
     p = sub.add_parser("render", help="dry run: print the files the agent would write")
     _config_arg(p)
     p.add_argument("--members", required=True, help="JSON file: a list of MemberRecords")
     p.add_argument("--out", default=None, help="write the files into this folder instead")
-    p.set_defaults(handler="imexd.render:cli_render")
+    p.set_defaults(handler=_cmd_render)
 
     p = sub.add_parser("discover", help="discover the GPU fabric clique through NVML")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds for the NVML child")
-    p.set_defaults(handler="imexd.fabric:cli_discover")
+    p.set_defaults(handler=_cmd_discover)
 
     p = sub.add_parser("check", help="exec probe: exit 0 when the local agent is ready")
     _config_arg(p)
     p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
     p.add_argument("--live", action="store_true", help="check /healthz instead of /readyz")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    p.set_defaults(handler="imexd.query:cli_check")
+    p.set_defaults(handler=_cmd_check)
 
     p = sub.add_parser("status", help="the local agent's state, for a person")
     _config_arg(p)
     p.add_argument("--url", default=None, help="agent base URL, e.g. http://127.0.0.1:9440")
     p.add_argument("--json", action="store_true", help="print the HealthReport JSON")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    p.set_defaults(handler="imexd.query:cli_status")
+    p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("domain", help="control plane: create, delete, list, status")
     dsub = p.add_subparsers(dest="domain_command", required=True, metavar="ACTION")
@@ -88,15 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="take listed nodes out of another live domain (stops their daemons there)",
     )
-    q.set_defaults(handler="imexd.control:cli_domain_create")
+    q.set_defaults(handler=_cmd_domain_create)
     q = dsub.add_parser("delete", help="delete a domain: agents stop their daemons")
     _config_arg(q)
     q.add_argument("name")
     q.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for agents")
-    q.set_defaults(handler="imexd.control:cli_domain_delete")
+    q.set_defaults(handler=_cmd_domain_delete)
     q = dsub.add_parser("list", help="list domains with a spec or members")
     _config_arg(q)
-    q.set_defaults(handler="imexd.control:cli_domain_list")
+    q.set_defaults(handler=_cmd_domain_list)
     q = dsub.add_parser("status", help="one table from the members' HealthReports")
     _config_arg(q)
     q.add_argument("name")
@@ -108,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated nodes the domain must have (default: the spec's list)",
     )
-    q.set_defaults(handler="imexd.control:cli_domain_status")
+    q.set_defaults(handler=_cmd_domain_status)
 
     p = sub.add_parser("node", help="control plane: assign nodes to domains")
     nsub = p.add_subparsers(dest="node_command", required=True, metavar="ACTION")
@@ -131,20 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how recent the node's agent must have reported (default 600)",
     )
-    q.set_defaults(handler="imexd.control:cli_node_assign")
+    q.set_defaults(handler=_cmd_node_assign)
     q = nsub.add_parser("unassign", help="take NODE out of its domain")
     _config_arg(q)
     q.add_argument("node")
-    q.set_defaults(handler="imexd.control:cli_node_unassign")
+    q.set_defaults(handler=_cmd_node_unassign)
 
     p = sub.add_parser("demo", help="form a domain of simulated nodes on this machine")
     p.add_argument("--nodes", type=int, default=4, help="how many simulated nodes")
     p.add_argument("--broker", default=None, help="use this broker instead of an embedded one")
-    p.set_defaults(handler="imexd.demo:cli_demo")
+    p.set_defaults(handler=_cmd_demo)
     return parser
 
 
-def cli_config(args: argparse.Namespace) -> int:
+def _cmd_config(args: argparse.Namespace) -> int:
     """Print the effective settings (file + environment) as TOML-like lines."""
     from imexd.settings import example_toml, iter_settings, load_settings  # noqa: PLC0415
 
@@ -162,17 +161,83 @@ def cli_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(target: str) -> _Command:
-    module_name, _, attr = target.partition(":")
-    module = importlib.import_module(module_name)
-    command: _Command = getattr(module, attr)
-    return command
+def _cmd_run(args: argparse.Namespace) -> int:
+    from imexd import agent  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return agent.cli_run(args)
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from imexd import render  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return render.cli_render(args)
+
+
+def _cmd_discover(args: argparse.Namespace) -> int:
+    from imexd import fabric  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return fabric.cli_discover(args)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return query.cli_check(args)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return query.cli_status(args)
+
+
+def _cmd_domain_create(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_domain_create(args)
+
+
+def _cmd_domain_delete(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_domain_delete(args)
+
+
+def _cmd_domain_list(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_domain_list(args)
+
+
+def _cmd_domain_status(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_domain_status(args)
+
+
+def _cmd_node_assign(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_node_assign(args)
+
+
+def _cmd_node_unassign(args: argparse.Namespace) -> int:
+    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return control.cli_node_unassign(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from imexd import demo  # noqa: PLC0415 - lazy: only this command pays for it
+
+    return demo.cli_demo(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _resolve(args.handler)(args)
+        handler: _Command = args.handler
+        return handler(args)
     except ConfigError as exc:
         print(f"imexd: {exc}", file=sys.stderr)
         return 2
