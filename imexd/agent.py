@@ -52,14 +52,13 @@ from imexd.fabric import discover
 from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, write_file
 from imexd.health import Facts, Health, Heartbeats
 from imexd.http import HealthServer
-from imexd.logs import LogFormat, configure_logging, get_logger, install_loop_handler
+from imexd.logs import configure_logging, get_logger, install_loop_handler
 from imexd.messages import (
     Assignment,
     DomainSpec,
     HealthReport,
     MemberRecord,
     MemberState,
-    Mode,
     Presence,
     Topics,
 )
@@ -223,10 +222,6 @@ class Agent:
         self.bus_facts = hl.BusFacts()
         self.give_up = asyncio.Event()
         """Set when a task keeps failing: the agent exits as in a hand-over."""
-
-    @property
-    def _mode(self) -> Mode:
-        return "addresses" if self.settings.domain.mode == "addresses" else "names"
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -806,7 +801,7 @@ class Agent:
             mb.mismatches(
                 self.records.values(),
                 max_nodes=s.domain.max_nodes,
-                mode=self._mode,
+                mode=self.settings.domain.mode,
                 spec=self.spec,
                 stale=stale,
             )
@@ -963,7 +958,7 @@ class Agent:
             incarnation=self.incarnation,
             state=state,
             max_nodes=s.domain.max_nodes,
-            mode=self._mode,
+            mode=self.settings.domain.mode,
             driver=self.driver,
             settled=claim.settled,
             released=claim.record_released,
@@ -1502,14 +1497,10 @@ async def _main(settings: Settings) -> int:
         remove()
 
 
-def _log_format(value: str) -> LogFormat:
-    return "json" if value == "json" else "console" if value == "console" else "auto"
-
-
 def cli_run(args: argparse.Namespace) -> int:
     """`imexd run`: validate the settings (exit 2 when wrong), then run the agent."""
     settings = load_settings(args.config)
-    configure_logging(settings.log.level, _log_format(settings.log.format))
+    configure_logging(settings.log.level, settings.log.format)
     if os.geteuid() != 0:
         get_logger("agent").info("agent.unprivileged", uid=os.geteuid())
     return asyncio.run(_main(settings))

@@ -24,13 +24,15 @@ import logging
 import sys
 import threading
 from types import TracebackType
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, TextIO, get_args
 
 import structlog
 
 LogFormat = Literal["auto", "json", "console"]
 
-LEVELS = ("debug", "info", "warning", "error", "critical")
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
 
 LOGGER_NAME = "imexd"
 """The stdlib logger that carries structlog's events to the shared handler."""

@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
+from imexd.imex import EMPTY_SLOT_ADDRESS
+
 MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
 NO_CLIQUE_TOPIC: Final = "none"
 """The topic level standing for an empty clique (nodes without multi-node NVLink)."""
-EMPTY_SLOT_ADDRESS: Final = "127.0.0.2"
-"""Where the host name of an empty slot points (render.py writes it), never a node's address.
-
-An unresolvable name makes IMEX retry DNS for it forever; a loopback address nothing
-listens on fails fast and locally instead. It lives here, the leaf both the wire check
-and the renderer import, so that no record can carry it.
-"""
 
 NodeName = Annotated[
     str,
@@ -191,6 +187,51 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
         problem = address_problem(self.address) if self.address else None
         if problem is not None:
             raise ValueError(problem)
+
+
+# What a HealthReport's conditions mean: the agent writes them (imexd.health), every
+# reader of reports (imexd.fleet, imexd.query, the control plane) reads them back.
+
+BUS_CONNECTED: Final = "BusConnected"
+SLOT_SETTLED: Final = "SlotSettled"
+DAEMON_READY: Final = "DaemonReady"
+DOMAIN_UP: Final = "DomainUp"
+FABRIC_READY: Final = "FabricReady"
+CONDITION_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY, DOMAIN_UP, FABRIC_READY)
+READINESS_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY)
+"""The conditions `/readyz` requires. DomainUp is left out on purpose: a node must not
+be taken out of service because a peer is down, and FabricReady shows up in DaemonReady
+through the clique anyway."""
+
+
+def ready(conds: Sequence[Condition]) -> bool:
+    """Bus synced, slot settled (or no domain) and daemon READY (or not applicable)."""
+    by_type = {c.type: c for c in conds}
+    return all(k in by_type and by_type[k].status == "True" for k in READINESS_TYPES)
+
+
+def failing(conds: Sequence[Condition]) -> list[Condition]:
+    """The readiness conditions that are not True, in readiness order."""
+    by_type = {c.type: c for c in conds}
+    out: list[Condition] = []
+    for kind in READINESS_TYPES:
+        c = by_type.get(kind)
+        if c is None:
+            c = Condition(type=kind, status="Unknown", reason="Missing", message="", since=0.0)
+        if c.status != "True":
+            out.append(c)
+    return out
+
+
+def describe(cond: Condition) -> str:
+    """`Type=Status Reason: message` on one line."""
+    text = f"{cond.type}={cond.status} {cond.reason}"
+    return f"{text}: {cond.message}" if cond.message else text
+
+
+def reason_line(conds: Sequence[Condition]) -> str:
+    """Why the node is not ready, on one line (empty when it is)."""
+    return "; ".join(describe(c) for c in failing(conds))
 
 
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):

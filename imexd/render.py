@@ -29,10 +29,9 @@ from typing import Final
 import msgspec
 
 from imexd.errors import ConfigError, FileWriteError, ParseError
-from imexd.messages import EMPTY_SLOT_ADDRESS, MemberRecord, MemberState, address_problem
+from imexd.imex import EMPTY_SLOT_ADDRESS, IMEX_DEFAULTS, check_extra
+from imexd.messages import MemberRecord, MemberState, address_problem
 from imexd.settings import Settings
-
-__all__ = ["EMPTY_SLOT_ADDRESS", "RenderError"]
 
 CONFIG_HEADER: Final = "# Written by imexd from its settings; edits are overwritten."
 
@@ -51,69 +50,8 @@ class RenderError(ValueError):
 BEGIN_PREFIX: Final = "# BEGIN imexd "
 END_MARKER: Final = "# END imexd"
 
-# The keys of config.cfg in the order NVIDIA's package file lists them, with IMEX's
-# own defaults (IMEX.md), except where imexd needs something else (see render_config).
-IMEX_DEFAULTS: Final[tuple[tuple[str, str], ...]] = (
-    ("LOG_LEVEL", "4"),
-    ("LOG_FILE_NAME", "/var/log/nvidia-imex.log"),
-    ("STATS_FILE_NAME", "/var/log/nvidia-imex-stats.log"),
-    ("LOG_APPEND_TO_LOG", "1"),
-    ("LOG_FILE_MAX_SIZE", "1024"),
-    ("LOG_MAX_ROTATE_COUNT", "3"),
-    ("LOG_USE_SYSLOG", "0"),
-    ("DAEMONIZE", "1"),
-    ("BIND_INTERFACE_IP", ""),
-    ("SERVER_PORT", "50000"),
-    ("IMEX_NODE_CONFIG_FILE", "/etc/nvidia-imex/nodes_config.cfg"),
-    ("NETWORK_INTERFACE", ""),
-    ("IMEX_WAIT_FOR_QUORUM", "RECOVERY"),
-    ("IMEX_ENABLE_AUTH_ENCRYPTION", "0"),
-    ("IMEX_AUTH_ENCRYPTION_MODE", "SSL_TLS"),
-    ("IMEX_AUTH_SOURCE", ""),
-    ("IMEX_SERVER_KEY", ""),
-    ("IMEX_SERVER_CERT", ""),
-    ("IMEX_SERVER_CERT_AUTH", ""),
-    ("IMEX_CLIENT_KEY", ""),
-    ("IMEX_CLIENT_CERT", ""),
-    ("IMEX_CLIENT_CERT_AUTH", ""),
-    ("IMEX_SECURITY_TARGET_OVERRIDE", ""),
-    ("IMEX_GSS_SERVICE_NAME", "host"),
-    ("IMEX_GSS_TIMEOUT_SEC", "-1"),
-    ("IMEX_GSS_RETRY_INTERVAL_SEC", "5"),
-    ("IMEX_GSS_SEC_CONTEXT_LIFETIME_SEC", "-1"),
-    ("IMEX_GSS_SHUTDOWN_ON_FAILURE", "1"),
-    ("IMEX_CMD_ENABLED", "1"),
-    ("IMEX_CMD_BIND_INTERFACE_IP", ""),
-    ("IMEX_CMD_PORT", "50005"),
-    ("IMEX_CMD_UNIX_DOMAIN_PATH", ""),
-    ("IMEX_NODE_DISCONNECTED_GRACE_TIME", "-1"),
-)
-
-RESERVED_KEYS: Final[Mapping[str, str]] = {
-    "DAEMONIZE": "the agent supervises a foreground daemon; a forked one escapes it",
-    "BIND_INTERFACE_IP": "set node.address (peers learn it from the member record)",
-    "SERVER_PORT": "set imex.server_port",
-    "IMEX_CMD_PORT": "set imex.cmd_port (the probes use it)",
-    "IMEX_CMD_ENABLED": "the agent's probes need the command service",
-    "IMEX_NODE_CONFIG_FILE": "the agent writes the node list at <imex.run_dir>/nodes_config.cfg",
-}
-"""config.cfg keys the agent owns: `[imex] extra` may not override them, each with why."""
-
 _SLOT_NAME_RE: Final = re.compile(r"^imex-([0-9a-f]{8})-([0-9]{4})$")
 _BEGIN_RE: Final = re.compile(r"^# BEGIN imexd (\S+)$")
-
-
-def check_extra(extra: Mapping[str, str]) -> list[str]:
-    """Problems with `[imex] extra`, one line per reserved key it sets (empty: fine).
-
-    Settings validation can call this so a wrong key is reported at load, not at the
-    first render.
-    """
-    return [
-        f"imex.extra.{key} = {extra[key]!r}: the agent owns {key}: {why}"
-        for key, why in RESERVED_KEYS.items()
-        if key in extra
-    ]
 
 
 def render_config(settings: Settings, *, address: str | None = None) -> str:

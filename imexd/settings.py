@@ -25,8 +25,9 @@ from urllib.parse import urlsplit
 import psutil
 
 from imexd.errors import ConfigError
-from imexd.logs import LEVELS
-from imexd.messages import address_problem
+from imexd.imex import CMD_PORT, SERVER_PORT, check_extra
+from imexd.logs import LEVELS, LogFormat, LogLevel
+from imexd.messages import Mode, address_problem
 
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
@@ -287,11 +288,11 @@ class DomainSettings:
         "Must be equal on every node of a domain.",
         _max_nodes,
     )
-    mode: str = _setting(
+    mode: Mode = _setting(  # noqa: RUF009 - a Literal alias: immutable
         "names",
         '"names": fixed slot host names, membership changes only rewrite hosts and send '
         'SIGUSR1; "addresses": member addresses, any change restarts the daemon.',
-        _one_of("names", "addresses"),
+        _one_of(*get_args(Mode)),
     )
     settle_s: float = _setting(
         0.2,
@@ -375,8 +376,8 @@ class ImexSettings:
     hosts_file: str = _setting(
         "/etc/hosts", "The hosts file that maps slot names to member addresses.", _abs_path
     )
-    server_port: int = _setting(50000, "IMEX SERVER_PORT (daemon-to-daemon).", _port)
-    cmd_port: int = _setting(50005, "IMEX_CMD_PORT (the port nvidia-imex-ctl asks).", _port)
+    server_port: int = _setting(SERVER_PORT, "IMEX SERVER_PORT (daemon-to-daemon).", _port)
+    cmd_port: int = _setting(CMD_PORT, "IMEX_CMD_PORT (the port nvidia-imex-ctl asks).", _port)
     reload_min_interval_s: float = _setting(
         6.0,
         "Least seconds between two SIGUSR1: IMEX honours one per 5 s and drops the rest, "
@@ -454,11 +455,13 @@ class HealthSettings:
 class LogSettings:
     """[log]: the agent's own logs."""
 
-    level: str = _setting("info", "debug, info, warning, error or critical.", _one_of(*LEVELS))
-    format: str = _setting(
+    level: LogLevel = _setting(  # noqa: RUF009 - a Literal alias: immutable
+        "info", "debug, info, warning, error or critical.", _one_of(*LEVELS)
+    )
+    format: LogFormat = _setting(  # noqa: RUF009 - a Literal alias: immutable
         "auto",
         '"auto": JSON lines unless the output is a terminal; "json"; "console".',
-        _one_of("auto", "json", "console"),
+        _one_of(*get_args(LogFormat)),
     )
 
 
@@ -704,8 +707,6 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     imex: ImexSettings = built["imex"]
     bus: BusSettings = built["bus"]
     domain: DomainSettings = built["domain"]
-    from imexd.render import check_extra  # noqa: PLC0415 (cycle)
-
     problems.extend(check_extra(imex.extra))
     if _node_name(node.name) is not None:
         problems.append(

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from imexd.imex import EMPTY_SLOT_ADDRESS
 from imexd.messages import (
-    EMPTY_SLOT_ADDRESS,
     Dropped,
     DropReason,
     HealthReport,

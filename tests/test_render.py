@@ -16,11 +16,10 @@ from hypothesis import strategies as st
 
 from imexd.cli import main
 from imexd.errors import ConfigError
+from imexd.imex import EMPTY_SLOT_ADDRESS, check_extra
 from imexd.messages import MemberRecord, MemberState, address_problem
 from imexd.render import (
-    EMPTY_SLOT_ADDRESS,
     RenderError,
-    check_extra,
     member_slots,
     merge_hosts,
     parse_hosts_block,
