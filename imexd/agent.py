@@ -1278,7 +1278,7 @@ class Agent:
         decision = self.decision
         domain = self.current[0] if self.current else None
         membership = self._membership_facts(decision)
-        reason, message = hl.split_reason(status.reason or "")
+        reason, message = status.reason or "", status.detail
         last_line = status.last_lines[-1] if status.last_lines else ""
         return Facts(
             node=self.node,

@@ -55,24 +55,30 @@ import os
 import random
 import re
 import select
-import shlex
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, Self
 
 import psutil
 
 from imexd.logs import get_logger
+from imexd.process import (
+    ImexProcess,
+    Survey,
+    describe_exit,
+    end_group,
+    open_pidfd,
+    signal_process,
+    survey_processes,
+    survives_sigusr1,
+    wait_readable,
+)
 from imexd.retry import backoff_delay
 from imexd.settings import DaemonSettings, Settings
-
-PACKAGE_CONFIG = "/etc/nvidia-imex/config.cfg"
-"""The config of the distribution's `nvidia-imex.service`: a daemon using it conflicts."""
 
 OUTPUT_SOURCE = "nvidia-imex"
 """The `source` field of every `daemon.output` event (a line of the daemon's output)."""
@@ -109,9 +115,6 @@ STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 HANDLER_RECHECK_S = 0.1
 """How soon to look again when a due SIGUSR1 would still kill the daemon."""
 
-DEFAULT_IMEX_PORTS = {"SERVER_PORT": 50000, "IMEX_CMD_PORT": 50005}
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
-
 
 class DaemonState(enum.Enum):
     """Where the daemon process is in its life (supervisord's process states)."""
@@ -130,14 +133,26 @@ class DaemonState(enum.Enum):
     """Crash loop: waiting `fatal_cooldown_s` before one more start."""
 
 
+class DaemonReason(enum.StrEnum):
+    """Why the daemon is not RUNNING: the machine-readable word of `DaemonStatus.reason`."""
+
+    STOPPED = "DaemonStopped"
+    STARTING = "DaemonStarting"
+    STOPPING = "DaemonStopping"
+    CRASHED = "DaemonCrashed"
+    CRASH_LOOP = "DaemonCrashLoop"
+    CONFLICT = "ConflictingDaemon"
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonStatus:
     """A snapshot of the supervisor, for health reports and readiness.
 
-    `reason` is None only while RUNNING; otherwise it starts with a machine-readable
-    code (`DaemonStopped`, `DaemonStarting`, `DaemonStopping`, `DaemonCrashed`,
-    `DaemonCrashLoop`, `ConflictingDaemon`) followed by ": " and the details, e.g.
-    `DaemonCrashLoop: exit 3: <the daemon's last stderr line>`.
+    `reason` is None only while RUNNING; otherwise it is a machine-readable code
+    (`DaemonStopped`, `DaemonStarting`, `DaemonStopping`, `DaemonCrashed`,
+    `DaemonCrashLoop`, `ConflictingDaemon`) and `detail` says the rest for a person,
+    e.g. `exit 3: <the daemon's last stderr line>`. Two fields, so that health reads
+    the code without parsing a sentence.
     """
 
     state: DaemonState
@@ -160,7 +175,9 @@ class DaemonStatus:
     stopped. How long the node has had no working daemon, e.g. to give up its slot."""
     last_exit: str | None
     """How the last daemon ended: `exit 3`, `SIGKILL`, `unknown (adopted)`, ..."""
-    reason: str | None
+    reason: DaemonReason | None
+    detail: str
+    """What happened, for a person (empty while RUNNING)."""
     since: float
     """Wall-clock time (Unix seconds) of the last change of state."""
     next_start_at: float | None
@@ -170,15 +187,6 @@ class DaemonStatus:
     """A SIGUSR1 is owed to the daemon and will be sent when its window ends."""
     last_lines: tuple[str, ...]
     """The last `LAST_LINES` lines of the daemon's stdout and stderr, oldest first."""
-
-    @property
-    def running(self) -> bool:
-        return self.state is DaemonState.RUNNING
-
-    @property
-    def reason_code(self) -> str | None:
-        """The machine-readable part of `reason` (before the first ': ')."""
-        return None if self.reason is None else self.reason.partition(": ")[0]
 
 
 # ---------------------------------------------------------------------------------
@@ -234,31 +242,6 @@ def parse_imex_line(line: str) -> ImexLine:
     return ImexLine("info", line)
 
 
-def survives_signal(status: str, sig: signal.Signals) -> bool:
-    """Whether a process whose /proc/<pid>/status is `status` survives `sig`.
-
-    True when it catches, blocks or ignores it, and when the masks are missing.
-    """
-    bit = 1 << (sig - 1)
-    masks = 0
-    found = False
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("SigCgt", "SigBlk", "SigIgn"):
-            found = True
-            with contextlib.suppress(ValueError):
-                masks |= int(value.strip(), 16)
-    return not found or bool(masks & bit)
-
-
-def _survives_sigusr1(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return True  # gone (the exit is handled next) or unreadable: do not hold it back
-    return survives_signal(status, signal.SIGUSR1)
-
-
 def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
     """The daemon's environment: ours plus `[imex] env`, without systemd's notify variables.
 
@@ -269,245 +252,6 @@ def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dic
     for name in STRIPPED_ENV:
         env.pop(name, None)
     return env
-
-
-def describe_exit(returncode: int) -> str:
-    """`exit N` for an exit code, the signal's name (`SIGKILL`) for a negative one."""
-    if returncode >= 0:
-        return f"exit {returncode}"
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-# ---------------------------------------------------------------------------------
-# Finding other IMEX daemons (psutil) and judging them (pure)
-
-
-@dataclass(frozen=True, slots=True)
-class ImexProcess:
-    """An IMEX daemon process found on this host."""
-
-    pid: int
-    cmdline: tuple[str, ...]
-    config_path: str
-    """Absolute path of its `-c` argument; the package config when it has none."""
-    create_time: float
-    """psutil's creation time: tells a process from a later one with the same pid."""
-
-    @property
-    def command(self) -> str:
-        text = shlex.join(self.cmdline)
-        return text if len(text) <= 200 else text[:197] + "..."
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A TCP endpoint an IMEX daemon listens on, per its config.cfg."""
-
-    host: str
-    """The bind address; "" for every interface."""
-    port: int
-    key: str
-    """The config key of the port (SERVER_PORT, IMEX_CMD_PORT)."""
-
-    def __str__(self) -> str:
-        host = self.host or "*"
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
-class Survey:
-    """The IMEX daemons that matter to a start: ours to adopt or end, and conflicts."""
-
-    ours: tuple[ImexProcess, ...]
-    """Running our config path: adopted (when the files match) or ended as strays."""
-    conflicts: tuple[tuple[ImexProcess, str], ...]
-    """Other daemons in our way, each with why (`uses the package config ...`)."""
-
-
-_INTERPRETERS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*)$")
-_OPTIONS_WITH_VALUE = frozenset({"-X", "-W", "-Q"})
-_NOT_A_DAEMON = frozenset({"--version", "-v", "-h", "--help"})
-
-
-def _program_index(cmdline: Sequence[str]) -> int:
-    """Index of the program in `cmdline`: the script or module after a Python interpreter."""
-    if not cmdline or not _INTERPRETERS.match(os.path.basename(cmdline[0])):
-        return 0
-    i = 1
-    while i < len(cmdline):
-        arg = cmdline[i]
-        if arg == "-m":
-            return i + 1 if i + 1 < len(cmdline) else 0
-        if arg in _OPTIONS_WITH_VALUE:
-            i += 2
-            continue
-        if arg == "-c" or not arg.startswith("-"):
-            break
-        i += 1
-    if i < len(cmdline) and cmdline[i] != "-c":
-        return i
-    return 0
-
-
-def is_imex_daemon(cmdline: Sequence[str], name: str = "") -> bool:
-    """An IMEX daemon (or its simulator) by program name: not the ctl, not other tools.
-
-    The simulator runs as `python .../imexd-sim-daemon` or `python -m
-    imexd.sim.daemon`, so the program after an interpreter counts.
-    """
-    program = os.path.basename(cmdline[_program_index(cmdline)]) if cmdline else name
-    if "imexd-sim-daemon" in program or program == "imexd.sim.daemon":
-        return True
-    return "nvidia-imex" in program and "nvidia-imex-ctl" not in program
-
-
-def config_argument(cmdline: Sequence[str]) -> str | None:
-    """The `-c`/`--config` argument given to the program in `cmdline`, if any."""
-    args = list(cmdline[_program_index(cmdline) + 1 :])
-    for i, arg in enumerate(args):
-        if arg in ("-c", "--config"):
-            return args[i + 1] if i + 1 < len(args) else None
-        if arg.startswith("--config="):
-            return arg.partition("=")[2]
-        if arg.startswith("-c") and len(arg) > 2 and not arg.startswith("--"):
-            return arg[2:]
-    return None
-
-
-def read_imex_config(path: str) -> dict[str, str] | None:
-    """The `KEY=value` lines of an IMEX config.cfg; None when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            text = fh.read(1 << 20)
-    except OSError:
-        return None
-    values: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        values[key.strip()] = value.strip()
-    return values
-
-
-def daemon_endpoints(config: Mapping[str, str]) -> tuple[Endpoint, ...]:
-    """What a daemon with this config listens on: SERVER_PORT and, if enabled, the cmd port.
-
-    An empty BIND_INTERFACE_IP makes the real daemon pick the node-list entry of a
-    local interface, which we cannot know: it is taken as every interface, on the
-    safe side. An unparsable port is left out.
-    """
-    endpoints: list[Endpoint] = []
-    for host_key, port_key in (
-        ("BIND_INTERFACE_IP", "SERVER_PORT"),
-        ("IMEX_CMD_BIND_INTERFACE_IP", "IMEX_CMD_PORT"),
-    ):
-        if port_key == "IMEX_CMD_PORT" and config.get("IMEX_CMD_ENABLED", "1").strip() == "0":
-            continue
-        text = config.get(port_key, "").strip()
-        try:
-            port = int(text) if text else DEFAULT_IMEX_PORTS[port_key]
-        except ValueError:
-            continue
-        host = config.get(host_key, "").strip()
-        endpoints.append(Endpoint("" if host in WILDCARD_HOSTS else host, port, port_key))
-    return tuple(endpoints)
-
-
-def _same_path(a: str, b: str) -> bool:
-    return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
-
-
-def _overlap(a: Endpoint, b: Endpoint) -> bool:
-    return a.port == b.port and (a.host == b.host or not a.host or not b.host)
-
-
-def classify_processes(
-    processes: Iterable[ImexProcess],
-    *,
-    config_path: str,
-    read_config: Callable[[str], Mapping[str, str] | None] = read_imex_config,
-    package_config: str = PACKAGE_CONFIG,
-) -> Survey:
-    """Sort IMEX daemons into ours (same config path) and conflicts.
-
-    A conflict uses the package config (the distribution's service is running) or
-    listens where our daemon must (same address, or every interface, and same port,
-    per both config files). Daemons of simulated nodes on other loopback addresses
-    are neither. When our own config cannot be read, only the package config counts.
-    """
-    own_config = read_config(config_path)
-    own = daemon_endpoints(own_config) if own_config is not None else ()
-    ours: list[ImexProcess] = []
-    conflicts: list[tuple[ImexProcess, str]] = []
-    for proc in processes:
-        if _same_path(proc.config_path, config_path):
-            ours.append(proc)
-            continue
-        if _same_path(proc.config_path, package_config):
-            conflicts.append(
-                (proc, f"runs the package config {package_config} (nvidia-imex.service?)")
-            )
-            continue
-        theirs = read_config(proc.config_path)
-        if theirs is None:
-            continue
-        clash = next(
-            ((t, o) for t in daemon_endpoints(theirs) for o in own if _overlap(t, o)), None
-        )
-        if clash is not None:
-            t, o = clash
-            conflicts.append(
-                (proc, f"uses {t} ({t.key} in {proc.config_path}), which our {o.key} {o} needs")
-            )
-    return Survey(tuple(ours), tuple(conflicts))
-
-
-def find_imex_processes(*, exclude: Collection[int] = ()) -> list[ImexProcess]:
-    """Every live IMEX daemon (or simulator) on this host, with its absolute config path."""
-    found: list[ImexProcess] = []
-    attrs = ["pid", "name", "cmdline", "create_time", "status"]
-    for proc in psutil.process_iter(attrs, ad_value=None):
-        info = proc.info
-        if info["pid"] in exclude or info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        cmdline = tuple(info["cmdline"] or ())
-        if not is_imex_daemon(cmdline, info["name"] or ""):
-            continue
-        config = config_argument(cmdline)
-        if config is None:
-            if any(arg in _NOT_A_DAEMON for arg in cmdline[1:]):
-                continue
-            config = PACKAGE_CONFIG
-        elif not os.path.isabs(config):
-            with contextlib.suppress(psutil.Error):
-                config = os.path.join(proc.cwd(), config)
-        found.append(
-            ImexProcess(info["pid"], cmdline, os.path.normpath(config), info["create_time"] or 0.0)
-        )
-    return found
-
-
-def survey_processes(config_path: str, *, exclude: Collection[int] = ()) -> Survey:
-    """`classify_processes` over `find_imex_processes` (blocking: run it in a thread)."""
-    return classify_processes(find_imex_processes(exclude=exclude), config_path=config_path)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid` (blocking: run it in a thread)."""
-    members: list[int] = []
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) != pgid or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                continue
-        except (OSError, psutil.Error):
-            continue
-        members.append(pid)
-    return members
 
 
 # ---------------------------------------------------------------------------------
@@ -617,7 +361,8 @@ class Supervisor:
         self._log = get_logger("daemon")
 
         self._state = DaemonState.STOPPED
-        self._reason: str | None = "DaemonStopped: not started yet"
+        self._reason: DaemonReason | None = DaemonReason.STOPPED
+        self._detail = "not started yet"
         self._since = time.time()
         self._child: _Child | None = None
         self._want_running = False
@@ -683,8 +428,12 @@ class Supervisor:
         return self._last_exit
 
     @property
-    def reason(self) -> str | None:
+    def reason(self) -> DaemonReason | None:
         return self._reason
+
+    @property
+    def detail(self) -> str:
+        return self._detail
 
     @property
     def last_lines(self) -> tuple[str, ...]:
@@ -725,6 +474,7 @@ class Supervisor:
             fatal_since=self._fatal_since,
             last_exit=self._last_exit,
             reason=self._reason,
+            detail=self._detail,
             since=self._since,
             next_start_at=next_start,
             reloads_sent=self._reloads_sent,
@@ -970,7 +720,7 @@ class Supervisor:
                 await self._terminate(child, self._stop_reason)
             elif self._state is not DaemonState.STOPPED or self._conflict is not None:
                 self._conflict = None
-                self._set(DaemonState.STOPPED, f"DaemonStopped: {self._stop_reason}")
+                self._set(DaemonState.STOPPED, DaemonReason.STOPPED, self._stop_reason)
             return
         if self._restart_reason is not None:
             reason, self._restart_reason = self._restart_reason, None
@@ -991,7 +741,7 @@ class Supervisor:
         s = self._settings
         age = now - child.started
         if self._state is DaemonState.STARTING and age >= s.start_s:
-            self._set(DaemonState.RUNNING, f"alive for {s.start_s:g} s")
+            self._set(DaemonState.RUNNING, None, f"alive for {s.start_s:g} s")
         if self._state is DaemonState.RUNNING and not child.stable and age >= s.stable_s:
             child.stable = True
             if self._failures or self._backoff_step or self._probation:
@@ -1004,7 +754,7 @@ class Supervisor:
             and self._reload_pending is not None
             and now >= self._reload_due()
         ):
-            if _survives_sigusr1(child.pid):
+            if survives_sigusr1(child.pid):
                 self._send_reload(child)
             else:
                 # Still starting up (no handler yet): SIGUSR1 would kill it. Its files
@@ -1028,15 +778,19 @@ class Supervisor:
             found = Survey((), ())
         if found.conflicts:
             proc, why = found.conflicts[0]
-            reason = f"ConflictingDaemon: pid {proc.pid} ({proc.command}) {why}"
-            if reason != self._conflict:
-                self._log.warning("daemon.conflict", reason=reason, pid=proc.pid)
-            self._conflict = reason
+            detail = f"pid {proc.pid} ({proc.command}) {why}"
+            if detail != self._conflict:
+                self._log.warning(
+                    "daemon.conflict", reason=f"{DaemonReason.CONFLICT}: {detail}", pid=proc.pid
+                )
+            self._conflict = detail
             self._next_start = time.monotonic() + self._conflict_recheck
-            self._set(DaemonState.STOPPED, reason)
+            self._set(DaemonState.STOPPED, DaemonReason.CONFLICT, detail)
             return
         if self._conflict is not None:
-            self._log.info("daemon.conflict_gone", reason=self._conflict)
+            self._log.info(
+                "daemon.conflict_gone", reason=f"{DaemonReason.CONFLICT}: {self._conflict}"
+            )
             self._conflict = None
         adopted: _Child | None = None
         for proc in sorted(found.ours, key=lambda p: p.create_time):
@@ -1061,7 +815,7 @@ class Supervisor:
             elif len(adopted.outputs) < len(self._output_paths):
                 output = f"streamed: only {adopted.outputs[0].stream}"
             self._log.info("daemon.adopted", pid=adopted.pid, output=output)
-            self._set(DaemonState.RUNNING, f"adopted pid {adopted.pid}")
+            self._set(DaemonState.RUNNING, None, f"adopted pid {adopted.pid}")
         else:
             self._spawn()
 
@@ -1133,7 +887,8 @@ class Supervisor:
         self._begin(child)
         self._set(
             DaemonState.STARTING,
-            f"DaemonStarting: pid {pid}, RUNNING after {self._settings.start_s:g} s alive",
+            DaemonReason.STARTING,
+            f"pid {pid}, RUNNING after {self._settings.start_s:g} s alive",
         )
         self._tick(child)
 
@@ -1164,7 +919,7 @@ class Supervisor:
 
     def _adopt(self, proc: ImexProcess) -> _Child | None:
         """Watch a daemon a previous agent started; None when it is gone (or its pid reused)."""
-        opened = self._open_pidfd(proc)
+        opened = open_pidfd(proc)
         if opened is None:
             return None
         pidfd, pgid = opened
@@ -1214,37 +969,19 @@ class Supervisor:
             outputs.append(_Output(fd, stream, path))
         return outputs
 
-    @staticmethod
-    def _open_pidfd(proc: ImexProcess) -> tuple[int, int | None] | None:
-        """A pidfd for `proc` if it is still the same process, and its group if it leads one."""
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:
-            return None
-        try:
-            same = psutil.Process(proc.pid).create_time() == proc.create_time
-            pgid = os.getpgid(proc.pid)
-        except (OSError, psutil.Error):
-            same = False
-            pgid = -1
-        if not same:
-            os.close(pidfd)
-            return None
-        return pidfd, (pgid if pgid == proc.pid else None)
-
     async def _end_stray(self, proc: ImexProcess, why: str) -> None:
         """End a daemon running our config path that we will not adopt (TERM, then KILL)."""
         self._log.warning("daemon.stray", pid=proc.pid, command=proc.command, why=why)
-        opened = self._open_pidfd(proc)
+        opened = open_pidfd(proc)
         if opened is None:
             return
         pidfd, pgid = opened
         try:
-            self._send(pidfd, pgid, signal.SIGTERM)
-            if not await self._readable(pidfd, self._settings.stop_timeout_s):
+            signal_process(pidfd, pgid, signal.SIGTERM)
+            if not await wait_readable(pidfd, self._settings.stop_timeout_s):
                 self._log.warning("daemon.kill", pid=proc.pid, why="stray ignored SIGTERM")
-                self._send(pidfd, pgid, signal.SIGKILL)
-                if not await self._readable(pidfd, KILL_WAIT_S):
+                signal_process(pidfd, pgid, signal.SIGKILL)
+                if not await wait_readable(pidfd, KILL_WAIT_S):
                     self._log.error("daemon.unkillable", pid=proc.pid)
             if pgid is not None:
                 await self._kill_group(pgid)
@@ -1398,7 +1135,7 @@ class Supervisor:
         """
         s = self._settings
         now = time.monotonic()
-        before = (self._state, self._reason)
+        before = (self._state, self._reason, self._detail)
         self._crashes += 1
         if not ran:
             self._start_failures += 1
@@ -1415,7 +1152,7 @@ class Supervisor:
                 retry_in_s=s.fatal_cooldown_s,
                 last_lines=list(self._lines)[-5:],
             )
-            self._set(DaemonState.FATAL, f"DaemonCrashLoop: {detail}")
+            self._set(DaemonState.FATAL, DaemonReason.CRASH_LOOP, detail)
         else:
             delay = backoff_delay(
                 self._backoff_step, s.backoff_initial_s, s.backoff_max_s, self._rand
@@ -1428,26 +1165,26 @@ class Supervisor:
                 uptime_s=round(uptime, 2),
                 retry_in_s=round(delay, 2),
             )
-            self._set(DaemonState.BACKOFF, f"DaemonCrashed: {detail}")
-        if (self._state, self._reason) == before:
+            self._set(DaemonState.BACKOFF, DaemonReason.CRASHED, detail)
+        if (self._state, self._reason, self._detail) == before:
             self._notify()  # same state and reason (a failed try after FATAL): new counters
 
     async def _terminate(self, child: _Child, why: str) -> None:
         """SIGTERM to the group, SIGKILL after `stop_timeout_s`, then clean up; bounded."""
-        self._set(DaemonState.STOPPING, f"DaemonStopping: {why}")
+        self._set(DaemonState.STOPPING, DaemonReason.STOPPING, why)
         if not child.exited.is_set():
-            self._send(child.pidfd, child.pgid, signal.SIGTERM)
+            signal_process(child.pidfd, child.pgid, signal.SIGTERM)
             if not await self._wait_exit(child, self._settings.stop_timeout_s):
                 self._log.warning(
                     "daemon.kill",
                     pid=child.pid,
                     why=f"still running {self._settings.stop_timeout_s:g} s after SIGTERM",
                 )
-                self._send(child.pidfd, child.pgid, signal.SIGKILL)
+                signal_process(child.pidfd, child.pgid, signal.SIGKILL)
                 if not await self._wait_exit(child, KILL_WAIT_S):
                     self._log.error("daemon.unkillable", pid=child.pid)
         self._last_exit = await self._finish(child)
-        self._set(DaemonState.STOPPED, f"DaemonStopped: {why}")
+        self._set(DaemonState.STOPPED, DaemonReason.STOPPED, why)
 
     async def _wait_exit(self, child: _Child, seconds: float) -> bool:
         try:
@@ -1482,66 +1219,14 @@ class Supervisor:
         return exit_desc
 
     async def _kill_group(self, pgid: int) -> None:
-        """SIGKILL whatever is left of the daemon's process group, and wait until it is gone.
-
-        For our own child this runs before the leader is reaped, so the group id cannot
-        have been reused. An adopted or stray leader is reaped by its own parent; the
-        group id then lives on only while members remain (a reuse in the moment between
-        would need the whole pid space to wrap around).
-        """
+        """SIGKILL whatever is left of the daemon's process group; log what survives."""
         try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
+            left = await end_group(pgid, wait_s=KILL_WAIT_S)
         except PermissionError as exc:
             self._log.error("daemon.orphans", pgid=pgid, error=str(exc))
             return
-        left = await asyncio.to_thread(group_members, pgid)
-        if left:
-            await asyncio.gather(*(self._gone(pid, KILL_WAIT_S) for pid in left))
-            left = await asyncio.to_thread(group_members, pgid)
         if left:
             self._log.error("daemon.orphans", pgid=pgid, pids=left)
-
-    async def _gone(self, pid: int, seconds: float) -> None:
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return
-        try:
-            await self._readable(pidfd, seconds)
-        finally:
-            os.close(pidfd)
-
-    async def _readable(self, fd: int, seconds: float) -> bool:
-        """Wait until `fd` (a pidfd: the process exited) is readable; False on timeout."""
-        assert self._loop is not None  # noqa: S101 - set in __aenter__
-        ready = self._loop.create_future()
-
-        def on_ready() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        self._loop.add_reader(fd, on_ready)
-        try:
-            async with asyncio.timeout(seconds):
-                await ready
-        except TimeoutError:
-            return False
-        finally:
-            self._loop.remove_reader(fd)
-        return True
-
-    @staticmethod
-    def _send(pidfd: int, pgid: int | None, sig: signal.Signals) -> None:
-        """Signal the daemon's whole group when it leads one, else the process (by pidfd)."""
-        try:
-            if pgid is not None:
-                os.killpg(pgid, sig)
-            else:
-                signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            pass
 
     def _release(self, child: _Child) -> None:
         """Close the pidfd and the output files of `child` (idempotent)."""
@@ -1568,7 +1253,7 @@ class Supervisor:
             return  # stopped, or handed over (the snapshot keeps the running daemon's pid)
         if not self._detached and not child.exited.is_set():
             self._log.error("daemon.killed_on_exit", pid=child.pid)
-            self._send(child.pidfd, child.pgid, signal.SIGKILL)
+            signal_process(child.pidfd, child.pgid, signal.SIGKILL)
             select.select([child.pidfd], [], [], KILL_WAIT_S)
             if not child.adopted:
                 with contextlib.suppress(ChildProcessError):
@@ -1578,14 +1263,19 @@ class Supervisor:
 
     # -- bookkeeping ------------------------------------------------------------
 
-    def _set(self, to: DaemonState, reason: str) -> None:
-        """Enter state `to`: one `daemon.state` log event per change of state."""
+    def _set(self, to: DaemonState, code: DaemonReason | None, detail: str) -> None:
+        """Enter state `to` because of `code` (None only for RUNNING) and `detail`.
+
+        One `daemon.state` log event per change of state, its reason "Code: detail".
+        """
         old = self._state
-        status_reason = None if to is DaemonState.RUNNING else reason
-        if old is to and status_reason == self._reason:
+        reason = None if to is DaemonState.RUNNING else code
+        status_detail = "" if to is DaemonState.RUNNING else detail
+        if old is to and (reason, status_detail) == (self._reason, self._detail):
             return
         self._state = to
-        self._reason = status_reason
+        self._reason = reason
+        self._detail = status_detail
         if to is DaemonState.RUNNING and self._child is not None:
             self._child.ran = True
         if to is DaemonState.FATAL and self._fatal_since is None:
@@ -1598,7 +1288,7 @@ class Supervisor:
             getattr(self._log, level)(
                 "daemon.state",
                 **{"from": old.value, "to": to.value},
-                reason=reason,
+                reason=detail if code is None else f"{code}: {detail}",
                 pid=self.pid,
                 restarts=self.restarts,
             )

@@ -30,7 +30,7 @@ from enum import IntEnum
 from typing import Any
 
 from imexd.errors import DiscoveryError
-from imexd.probe import run_bounded
+from imexd.process import run_bounded
 
 CHILD_CMD_ENV = "IMEXD_FABRIC_CHILD_CMD"
 """Replaces the NVML child's command line (shell words). For tests and for operators

@@ -1,10 +1,10 @@
-"""Probes of the IMEX daemon through `nvidia-imex-ctl`: run it bounded, parse what it prints.
+"""Probes of the IMEX daemon through `nvidia-imex-ctl`: the `Prober` and the output parsers.
 
 The agent judges its daemon by what `<ctl> -c <config.cfg> -q` (the local state word)
-and `-N -j` / `-N` (the whole domain) print. Both run as children in their own process
-group with the daemon's `[imex] env`; a ctl that hangs (a peer's command port that never
-answers) is killed with its whole group and reaped, so a periodic probe never stalls and
-never leaves zombies.
+and `-N -j` / `-N` (the whole domain) print. Both run through `process.run_bounded`, as
+children in their own process group with the daemon's `[imex] env`; a ctl that hangs
+(a peer's command port that never answers) is killed with its whole group and reaped,
+so a periodic probe never stalls and never leaves zombies.
 
 The parsers are pure functions of the text and raise only `ParseError`: the ctl's output
 format is not versioned, the simulator may print statuses a real daemon never did, and a
@@ -15,83 +15,22 @@ the CLI share one way of asking.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from imexd.errors import ImexdError, ParseError, ProbeError
+from imexd.imex import JSON_ALIASES, TEXT_CELLS, ConnectionState, ImexDomainState, ImexState
+from imexd.process import OUTPUT_LIMIT, RunResult, run_bounded
 
 if TYPE_CHECKING:
     from imexd.settings import Settings
-
-OUTPUT_LIMIT = 1 << 20
-"""Bytes of ctl output kept and parsed (1 MiB): an 18-node `-N -j` is about 10 KiB, so
-anything near this is garbage, and a runaway child must not fill the agent's memory."""
-
-
-class ImexState(StrEnum):
-    """The words `nvidia-imex-ctl -q` prints (IMEX.md), and a node's status in `-N`."""
-
-    INITIALIZING = "INITIALIZING"
-    STARTING_AUTH_SERVER = "STARTING_AUTH_SERVER"
-    WAITING_FOR_PEERS = "WAITING_FOR_PEERS"
-    WAITING_FOR_RECOVERY = "WAITING_FOR_RECOVERY"
-    INIT_GPU = "INIT_GPU"
-    READY = "READY"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-class DomainState(StrEnum):
-    """IMEX's own verdict on the domain (`Domain State:` / `"status"`)."""
-
-    UP = "UP"
-    DEGRADED = "DEGRADED"
-    DOWN = "DOWN"
-
-
-class ConnectionState(StrEnum):
-    """One cell of the connectivity matrix: how node `from` sees node `to`.
-
-    UNKNOWN stands for any word or cell this version does not know, so that a newer
-    daemon (or the simulator) adding a status degrades the verdict instead of the parse.
-    """
-
-    CONNECTED = "CONNECTED"
-    NEVER_CONNECTED = "NEVER_CONNECTED"
-    INVALID = "INVALID"
-    RECOVERING = "RECOVERING"
-    DISCONNECTED = "DISCONNECTED"
-    AUTHENTICATING = "AUTHENTICATING"
-    VERSION_MISMATCH = "VERSION_MISMATCH"
-    MAP_MISMATCH = "MAP_MISMATCH"
-    UNKNOWN = "UNKNOWN"
-
-
-TEXT_CELLS: Mapping[str, ConnectionState] = MappingProxyType(
-    {
-        "C": ConnectionState.CONNECTED,
-        "N": ConnectionState.NEVER_CONNECTED,
-        "I": ConnectionState.INVALID,
-        "R": ConnectionState.RECOVERING,
-        "D": ConnectionState.DISCONNECTED,
-        "A": ConnectionState.AUTHENTICATING,
-        "!V!": ConnectionState.VERSION_MISMATCH,
-        "!M!": ConnectionState.MAP_MISMATCH,
-    }
-)
-"""The `-N` text legend: cell letter -> connection state."""
 
 _STATE_WORDS = frozenset(s.value for s in ImexState)
 
@@ -130,10 +69,10 @@ class NodeStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class DomainStatus:
+class DomainTable:
     """The whole `-N` / `-N -j` report: IMEX's verdict, its timestamp, every node."""
 
-    state: DomainState | str
+    state: ImexDomainState | str
     timestamp: str
     nodes: Mapping[int, NodeStatus]
 
@@ -175,9 +114,9 @@ def _state_of(word: str) -> ImexState | str:
     return ImexState(word) if word in _STATE_WORDS else word
 
 
-def _domain_state_of(word: str) -> DomainState | str:
+def _domain_state_of(word: str) -> ImexDomainState | str:
     try:
-        return DomainState(word)
+        return ImexDomainState(word)
     except ValueError:
         return word
 
@@ -226,7 +165,7 @@ def _version_of(text: str | None) -> str | None:
     return None if text in (None, "", "N/A") else text
 
 
-def parse_domain_text(text: str | bytes) -> DomainStatus:
+def parse_domain_text(text: str | bytes) -> DomainTable:
     """Parse `ctl -N` text, both the 570.172 layout (`- Version:` column, `!V!`/`!M!`)
     and the older one without them; the local node is the one printed as `* name *`.
 
@@ -273,7 +212,7 @@ def parse_domain_text(text: str | bytes) -> DomainStatus:
     i += 1
 
     rows: dict[int, dict[int, ConnectionState]] = {}
-    state: DomainState | str | None = None
+    state: ImexDomainState | str | None = None
     while i < len(lines):
         line = lines[i].strip()
         i += 1
@@ -301,7 +240,7 @@ def parse_domain_text(text: str | bytes) -> DomainStatus:
         missing = sorted(set(nodes) - set(rows))
         raise ParseError(f"ctl -N matrix has no row for nodes {missing}")
 
-    return DomainStatus(
+    return DomainTable(
         state=state,
         timestamp=timestamp,
         nodes=MappingProxyType(
@@ -344,12 +283,6 @@ def _opt_str(obj: Mapping[str, Any], key: str, where: str) -> str | None:
     return None if obj.get(key) is None else _str(obj, key, where)
 
 
-JSON_ALIASES: Mapping[str, ConnectionState] = MappingProxyType(
-    {"NODE_MAP_MISMATCH": ConnectionState.MAP_MISMATCH}
-)
-"""Other spellings of connection words (the simulator's), read as the same state."""
-
-
 def _connection_of(word: str) -> ConnectionState:
     try:
         return ConnectionState(word)
@@ -357,7 +290,7 @@ def _connection_of(word: str) -> ConnectionState:
         return JSON_ALIASES.get(word, ConnectionState.UNKNOWN)
 
 
-def parse_domain_json(text: str | bytes) -> DomainStatus:
+def parse_domain_json(text: str | bytes) -> DomainTable:
     """Parse `ctl -N -j`. Unknown fields are ignored; unknown connection words read as
     UNKNOWN and unknown node or domain words are kept raw, so the simulator or a newer
     daemon can add statuses without breaking the probe; wrong types are a ParseError.
@@ -411,148 +344,10 @@ def parse_domain_json(text: str | bytes) -> DomainStatus:
             local=False,
             connections=MappingProxyType(dict(sorted(connections.items()))),
         )
-    return DomainStatus(
+    return DomainTable(
         state=_domain_state_of(state_word),
         timestamp=timestamp,
         nodes=MappingProxyType(dict(sorted(nodes.items()))),
-    )
-
-
-def members_view(status: DomainStatus, member_slots: Collection[int]) -> tuple[bool, list[int]]:
-    """Judge the domain by its members only: (all_ready, unreachable member slots).
-
-    IMEX's own verdict counts the empty slots of names mode (pointed at a sentinel) as
-    unavailable, so it reads DEGRADED until every slot is filled; it is ignored here
-    (DESIGN.md). A member is unreachable when its node is missing from the report or not
-    READY, or when another READY member does not see it CONNECTED (the target of a
-    broken link is blamed; a link broken both ways blames both ends). Node index = slot.
-    `all_ready` is false for an empty member set: there is nothing to be ready.
-    """
-    slots = sorted(set(member_slots))
-    bad = {s for s in slots if s not in status.nodes or not status.nodes[s].ready}
-    healthy = [s for s in slots if s not in bad]
-    for a in healthy:
-        conns = status.nodes[a].connections
-        for b in healthy:
-            if a != b and conns.get(b) is not ConnectionState.CONNECTED:
-                bad.add(b)
-    unreachable = sorted(bad)
-    return bool(slots) and not unreachable, unreachable
-
-
-# Running the ctl.
-
-
-@dataclass(frozen=True, slots=True)
-class CtlResult:
-    """What one ctl run printed. `rc` < 0 means killed by signal -rc; `truncated` that
-    output beyond OUTPUT_LIMIT was dropped."""
-
-    rc: int
-    stdout: str
-    stderr: str
-    duration: float
-    truncated: bool = False
-
-    def tail(self, limit: int = 200) -> str:
-        """The last non-blank line of stderr (else stdout), for one-line reasons."""
-        for stream in (self.stderr, self.stdout):
-            lines = [line.strip() for line in stream.splitlines() if line.strip()]
-            if lines:
-                last = lines[-1]
-                return last if len(last) <= limit else last[:limit] + "..."
-        return ""
-
-
-class _Collector(asyncio.SubprocessProtocol):
-    """Keeps up to `limit` bytes of each output pipe and signals exit and EOF."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
-        self.limit = limit
-        self.out = bytearray()
-        self.err = bytearray()
-        self.truncated = False
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.finished: asyncio.Future[None] = loop.create_future()
-        self._open_pipes = {1, 2}
-
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        buf = self.out if fd == 1 else self.err
-        room = self.limit - len(buf)
-        if len(data) > room:
-            self.truncated = True
-        if room > 0:
-            buf += data[:room]
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._open_pipes.discard(fd)
-        self._maybe_finished()
-
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
-        self._maybe_finished()
-
-    def _maybe_finished(self) -> None:
-        if self.exited.done() and not self._open_pipes and not self.finished.done():
-            self.finished.set_result(None)
-
-
-def _kill_group(pid: int | None) -> None:
-    """SIGKILL the child's whole process group (it leads its own session)."""
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-async def run_bounded(
-    argv: Sequence[str],
-    *,
-    timeout: float,  # noqa: ASYNC109 - the child's kill deadline, not the caller's
-    env: Mapping[str, str] | None = None,
-    output_limit: int = OUTPUT_LIMIT,
-) -> CtlResult:
-    """Run `argv` in a new session (own process group) and collect its output.
-
-    On timeout the whole group is SIGKILLed and the child reaped before TimeoutError
-    is raised; on cancellation the group is killed too. OSError when it cannot start.
-    Shared by the ctl probes and the NVML discovery child.
-    """
-    loop = asyncio.get_running_loop()
-    started = time.monotonic()
-    transport, proto = await loop.subprocess_exec(
-        lambda: _Collector(loop, output_limit),
-        *argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=dict(env) if env is not None else None,
-        start_new_session=True,
-    )
-    pid = transport.get_pid()
-    try:
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(proto.finished)
-        except TimeoutError:
-            _kill_group(pid)
-            # Reap before reporting: bounded, since SIGKILL cannot be ignored.
-            async with asyncio.timeout(5.0):
-                await asyncio.shield(proto.exited)
-            raise
-    except BaseException:
-        _kill_group(pid)
-        raise
-    finally:
-        transport.close()
-    rc = transport.get_returncode()
-    return CtlResult(
-        rc=rc if rc is not None else -int(signal.SIGKILL),
-        stdout=proto.out.decode("utf-8", errors="replace"),
-        stderr=proto.err.decode("utf-8", errors="replace"),
-        duration=time.monotonic() - started,
-        truncated=proto.truncated,
     )
 
 
@@ -569,10 +364,10 @@ class LocalProbe:
 
 
 @dataclass(frozen=True, slots=True)
-class DomainProbe:
+class DomainResult:
     """One domain probe: the parsed report, or None and the reason."""
 
-    status: DomainStatus | None
+    status: DomainTable | None
     reason: str
     duration: float
     error: ImexdError | None = None
@@ -617,7 +412,7 @@ class Prober:
     def argv(self, args: Sequence[str]) -> list[str]:
         return [self.ctl, "-c", self.config_path, *args]
 
-    async def run(self, args: Sequence[str], *, timeout: float | None = None) -> CtlResult:  # noqa: ASYNC109 - kill deadline
+    async def run(self, args: Sequence[str], *, timeout: float | None = None) -> RunResult:  # noqa: ASYNC109 - kill deadline
         """Run the ctl once; ProbeError when it is missing, cannot start or times out."""
         limit = self.timeout if timeout is None else timeout
         argv = self.argv(args)
@@ -669,7 +464,7 @@ class Prober:
         *,
         timeout: float | None = None,  # noqa: ASYNC109 - kill deadline
         json_format: bool = True,
-    ) -> DomainProbe:
+    ) -> DomainResult:
         """`ctl -N -j` (or `-N` text): the domain report, or the reason there is none.
 
         The output is parsed whatever the exit code: whether the ctl exits non-zero on a
@@ -681,45 +476,16 @@ class Prober:
         try:
             result = await self.run(args, timeout=timeout)
         except ProbeError as exc:
-            return DomainProbe(None, str(exc), time.monotonic() - started, exc)
+            return DomainResult(None, str(exc), time.monotonic() - started, exc)
         if result.truncated:
             reason = f"ctl {' '.join(args)} printed more than {OUTPUT_LIMIT} bytes"
-            return DomainProbe(None, reason, result.duration, ParseError(reason))
+            return DomainResult(None, reason, result.duration, ParseError(reason))
         try:
-            return DomainProbe(parse(result.stdout), "", result.duration)
+            return DomainResult(parse(result.stdout), "", result.duration)
         except ParseError as exc:
             if result.rc != 0:
                 reason = (
                     f"ctl {' '.join(args)} exited with {result.rc}: {result.tail() or 'no output'}"
                 )
-                return DomainProbe(None, reason, result.duration, ProbeError(reason))
-            return DomainProbe(None, str(exc), result.duration, exc)
-
-
-def _prober(target: Prober | Settings) -> Prober:
-    return target if isinstance(target, Prober) else Prober.from_settings(target)
-
-
-async def run_ctl(
-    target: Prober | Settings,
-    args: Sequence[str],
-    *,
-    timeout: float | None = None,  # noqa: ASYNC109 - kill deadline
-) -> CtlResult:
-    """Run `<ctl> -c <config.cfg> *args` once (see Prober.run)."""
-    return await _prober(target).run(args, timeout=timeout)
-
-
-async def probe_local(target: Prober | Settings, *, timeout: float | None = None) -> LocalProbe:  # noqa: ASYNC109 - kill deadline
-    """The local state (see Prober.local)."""
-    return await _prober(target).local(timeout=timeout)
-
-
-async def probe_domain(
-    target: Prober | Settings,
-    *,
-    timeout: float | None = None,  # noqa: ASYNC109 - kill deadline
-    json_format: bool = True,
-) -> DomainProbe:
-    """The domain report (see Prober.domain)."""
-    return await _prober(target).domain(timeout=timeout, json_format=json_format)
+                return DomainResult(None, reason, result.duration, ProbeError(reason))
+            return DomainResult(None, str(exc), result.duration, exc)

@@ -25,21 +25,23 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd.daemon import (
-    PACKAGE_CONFIG,
     DaemonState,
     DaemonStatus,
+    Supervisor,
+    daemon_environment,
+    parse_imex_line,
+)
+from imexd.imex import PACKAGE_CONFIG
+from imexd.process import (
     Endpoint,
     ImexProcess,
-    Supervisor,
     classify_processes,
     config_argument,
     daemon_endpoints,
-    daemon_environment,
     describe_exit,
     find_imex_processes,
     group_members,
     is_imex_daemon,
-    parse_imex_line,
     read_imex_config,
     survives_signal,
 )
@@ -462,7 +464,7 @@ async def test_start_runs_the_daemon_in_its_own_group_and_streams_its_output(
             assert status.state is DaemonState.STARTING
             assert status.pid is not None
             pid = status.pid
-            status = await until(sup, lambda s: s.running)
+            status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
             assert status.reason is None
             assert status.pid == pid
             proc = psutil.Process(pid)
@@ -499,10 +501,10 @@ async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Nod
     async with node.supervisor(env, on_change=changes) as sup:
         first = (await sup.ensure_started()).pid
         await until(sup, lambda s: s.state is DaemonState.BACKOFF)
-        assert sup.reason is not None
-        assert sup.reason.startswith("DaemonCrashed: exit 3: ")
-        assert sup.reason.endswith("Lost the GPU, exiting")
-        status = await until(sup, lambda s: s.running and s.pid != first)
+        assert sup.reason == "DaemonCrashed"
+        assert sup.detail.startswith("exit 3: ")
+        assert sup.detail.endswith("Lost the GPU, exiting")
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING and s.pid != first)
         assert (status.restarts, status.crashes, status.last_exit) == (1, 1, "exit 3")
         assert (status.start_failures, status.fatal_since) == (0, None)
     assert states(changes)[:6] == [
@@ -539,8 +541,10 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
         await sup.ensure_started()
         fatal = await until(sup, lambda s: s.state is DaemonState.FATAL)
         fatal_at = time.monotonic()
-        assert fatal.reason == "DaemonCrashLoop: exit 3: fatal: no usable node configuration"
-        assert fatal.reason_code == "DaemonCrashLoop"
+        assert (fatal.reason, fatal.detail) == (
+            "DaemonCrashLoop",
+            "exit 3: fatal: no usable node configuration",
+        )
         assert (fatal.crashes, fatal.start_failures, fatal.restarts, fatal.pid) == (3, 3, 0, None)
         assert fatal.fatal_since == pytest.approx(fatal_at, abs=0.3)
         assert fatal.last_lines[-1] == "fatal: no usable node configuration"
@@ -549,7 +553,7 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
         again = await sup.ensure_started()
         assert (again.state, again.restarts) == (DaemonState.FATAL, 0)
         os.unlink(broken)
-        status = await until(sup, lambda s: s.running)
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         assert time.monotonic() - fatal_at >= 0.8
         assert (status.restarts, status.start_failures, status.fatal_since) == (0, 3, None)
     assert states(changes)[:8] == [
@@ -570,9 +574,9 @@ async def test_a_daemon_that_cannot_be_executed_ends_fatal_with_the_reason(node:
         await sup.ensure_started()
         status = await until(sup, lambda s: s.state is DaemonState.FATAL)
     assert (status.restarts, status.start_failures) == (0, FAST.crash_loop_starts)
-    assert status.reason is not None
-    assert status.reason.startswith("DaemonCrashLoop: cannot run ")
-    assert status.reason.endswith("No such file or directory")
+    assert status.reason == "DaemonCrashLoop"
+    assert status.detail.startswith("cannot run ")
+    assert status.detail.endswith("No such file or directory")
 
 
 async def test_fatal_since_holds_through_failed_probation_tries(node: Node) -> None:
@@ -600,7 +604,7 @@ async def test_a_daemon_ignoring_sigterm_is_killed_with_its_whole_group(node: No
     }
     async with node.supervisor(env) as sup:
         await sup.ensure_started()
-        await until(sup, lambda s: s.running)
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
         leader, child = await asyncio.to_thread(read_pids, pidfile)
         assert os.getpgid(child) == leader
         began = time.monotonic()
@@ -651,7 +655,7 @@ async def test_restart_replaces_the_daemon_only_when_told(node: Node) -> None:
     async with node.supervisor(on_change=changes) as sup:
         first = (await sup.ensure_started()).pid
         assert first is not None
-        await until(sup, lambda s: s.running)
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
         again = await sup.ensure_started()
         assert again.pid == first
         status = await sup.restart("config.cfg changed")
@@ -676,11 +680,11 @@ async def test_a_matching_running_daemon_is_adopted_and_its_death_noticed(node: 
             assert status.restarts == 0
             outside.kill()
             crashed = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
-            assert crashed.reason == (
-                f"DaemonCrashed: adopted daemon pid {outside.pid} exited "
-                "(status unknown: not our child)"
+            assert (crashed.reason, crashed.detail) == (
+                "DaemonCrashed",
+                f"adopted daemon pid {outside.pid} exited (status unknown: not our child)",
             )
-            status = await until(sup, lambda s: s.running)
+            status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
             assert status.pid != outside.pid
             assert (status.adopted, status.restarts) == (False, 1)
     adopted = next(e for e in logs if e["event"] == "daemon.adopted")
@@ -711,15 +715,15 @@ async def test_a_conflicting_daemon_blocks_the_start_until_it_exits(node: Node) 
         status = await sup.ensure_started()
         assert status.state is DaemonState.STOPPED
         assert status.pid is None
-        assert status.reason is not None
-        assert status.reason.startswith(f"ConflictingDaemon: pid {outside.pid} (")
-        assert f"uses {node.address}:{node.server_port} (SERVER_PORT in {other})" in status.reason
+        assert status.reason == "ConflictingDaemon"
+        assert status.detail.startswith(f"pid {outside.pid} (")
+        assert f"uses {node.address}:{node.server_port} (SERVER_PORT in {other})" in status.detail
         assert status.next_start_at is not None
         await asyncio.sleep(0.5)
         assert sup.state is DaemonState.STOPPED
         assert sup.pid is None
         outside.terminate()
-        status = await until(sup, lambda s: s.running)
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         assert status.reason is None
 
 
@@ -746,7 +750,7 @@ async def test_a_handed_over_daemon_survives_and_is_adopted_by_the_next_supervis
     env = {"FAKE_IMEX_LOG_EVERY_S": "0.05"}
     async with node.supervisor(env) as sup:
         await sup.ensure_started()
-        pid = (await until(sup, lambda s: s.running)).pid
+        pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
         sup.detach()
     assert (sup.state, sup.pid) == (DaemonState.RUNNING, pid)
@@ -790,7 +794,7 @@ async def test_sim_output_is_still_logged_after_a_hand_over(sim: Node) -> None:
     """The next supervisor tails an adopted daemon's output files: its lines stay events."""
     async with sim.supervisor() as sup:
         await sup.ensure_started()
-        pid = (await until(sup, lambda s: s.running)).pid
+        pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
         await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGHUP))
         sup.detach()
@@ -879,7 +883,7 @@ async def test_sim_starts_to_ready_and_stops_gracefully(sim: Node) -> None:
     """The simulator started by the supervisor answers READY and exits 0 on SIGTERM."""
     async with sim.supervisor() as sup:
         await sup.ensure_started()
-        pid = (await until(sup, lambda s: s.running)).pid
+        pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
         await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
         assert any("IMEX version" in line for line in sup.last_lines)
@@ -893,8 +897,8 @@ async def test_sim_crash_backs_off_and_restarts_with_the_restart_counted(sim: No
     async with sim.supervisor(env) as sup:
         first = (await sup.ensure_started()).pid
         status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
-        assert status.reason is not None
-        assert status.reason.startswith("DaemonCrashed: exit 7: ")
+        assert status.reason == "DaemonCrashed"
+        assert status.detail.startswith("exit 7: ")
         assert status.last_exit == "exit 7"
         status = await until(sup, lambda s: s.pid not in (None, first))
         assert (status.restarts, status.crashes, status.start_failures) == (1, 1, 0)
@@ -912,14 +916,14 @@ async def test_sim_crash_loop_is_fatal_with_exit_code_and_last_stderr_line(sim: 
     assert (status.start_failures, status.restarts) == (FAST.crash_loop_starts, 0)
     last = status.last_lines[-1]
     assert "Simulated failure at start: exiting with code 3" in last
-    assert status.reason == f"DaemonCrashLoop: exit 3: {last}"
+    assert (status.reason, status.detail) == ("DaemonCrashLoop", f"exit 3: {last}")
 
 
 async def test_sim_ignoring_sigterm_is_killed_after_the_stop_timeout(sim: Node) -> None:
     """IMEXD_SIM_IGNORE_SIGTERM=1: stop() kills it with SIGKILL after stop_timeout_s."""
     async with sim.supervisor({"IMEXD_SIM_IGNORE_SIGTERM": "1"}) as sup:
         await sup.ensure_started()
-        pid = (await until(sup, lambda s: s.running)).pid
+        pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
         # On a loaded host the simulator can still be importing when start_s is over
         await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGTERM))
@@ -940,7 +944,7 @@ async def test_sim_reload_burst_at_the_default_window_is_never_ignored(sim: Node
     env = {"IMEXD_SIM_SIGNAL_LOG": str(siglog)}
     async with sim.supervisor(env, reload_min_interval_s=interval) as sup:
         await sup.ensure_started()
-        await until(sup, lambda s: s.running)
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
         for i in range(10):
             assert sup.request_reload(f"hosts changed {i}")
             await asyncio.sleep(0.2)
@@ -961,7 +965,7 @@ async def test_sim_reloads_keep_their_distance_and_the_last_change_arrives(sim: 
     env = {"IMEXD_SIM_SIGNAL_LOG": str(siglog), "IMEXD_SIM_RELOAD_WINDOW_S": "1"}
     async with sim.supervisor(env, reload_min_interval_s=1.2) as sup:
         await sup.ensure_started()
-        await until(sup, lambda s: s.running)
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
         for i in range(10):
             assert sup.request_reload(f"hosts changed {i}")
             await asyncio.sleep(0.2)
@@ -995,7 +999,7 @@ async def test_sim_matching_daemon_is_adopted_signalled_and_its_death_noticed(si
         outside.kill()
         status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
         assert status.last_exit == "unknown (adopted)"
-        status = await until(sup, lambda s: s.running)
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         assert status.pid != outside.pid
         assert (status.adopted, status.restarts) == (False, 1)
 
@@ -1007,7 +1011,7 @@ async def test_sim_stray_on_our_config_is_ended(sim: Node) -> None:
         status = await sup.ensure_started(adopt=False)
         assert status.pid not in (None, outside.pid)
         assert outside.wait(timeout=5) == 0
-        await until(sup, lambda s: s.running)
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
 
 
 async def test_sim_conflicting_daemon_blocks_the_start_until_it_is_gone(sim: Node) -> None:
@@ -1019,9 +1023,9 @@ async def test_sim_conflicting_daemon_blocks_the_start_until_it_is_gone(sim: Nod
     async with sim.supervisor() as sup:
         status = await sup.ensure_started()
         assert status.state is DaemonState.STOPPED
-        assert status.reason is not None
-        assert status.reason.startswith(f"ConflictingDaemon: pid {outside.pid} (")
-        assert "SERVER_PORT" in status.reason
+        assert status.reason == "ConflictingDaemon"
+        assert status.detail.startswith(f"pid {outside.pid} (")
+        assert "SERVER_PORT" in status.detail
         outside.terminate()
-        status = await until(sup, lambda s: s.running)
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")

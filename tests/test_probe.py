@@ -20,22 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from imexd.errors import ParseError, ProbeError
+from imexd.imex import ConnectionState, ImexDomainState, ImexState
 from imexd.probe import (
-    OUTPUT_LIMIT,
-    ConnectionState,
-    DomainState,
-    DomainStatus,
-    ImexState,
     NodeStatus,
     Prober,
-    members_view,
     parse_domain_json,
     parse_domain_text,
     parse_state,
-    probe_domain,
-    probe_local,
-    run_ctl,
 )
+from imexd.process import OUTPUT_LIMIT
 from imexd.settings import DaemonSettings, ImexSettings, Settings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ctl"
@@ -106,7 +99,7 @@ def test_parse_state_rejects_wrong_types_and_bad_utf8() -> None:
 def test_text_570172_two_nodes() -> None:
     """The 570.172 sample: hosts, states, versions, an all-C matrix, UP."""
     status = parse_domain_text(fixture("n_570172.txt"))
-    assert status.state is DomainState.UP
+    assert status.state is ImexDomainState.UP
     assert status.timestamp == "5/4/2026 06:08:10.580"
     assert list(status.nodes) == [0, 1]
     assert status.nodes[0] == NodeStatus(
@@ -126,19 +119,18 @@ def test_text_570172_two_nodes() -> None:
 def test_text_570172_eighteen_nodes() -> None:
     """A full NVL72 domain: two-digit indices and a blank line before the verdict."""
     status = parse_domain_text(fixture("n_570172_18.txt"))
-    assert status.state is DomainState.UP
+    assert status.state is ImexDomainState.UP
     assert sorted(status.nodes) == list(range(18))
     assert status.nodes[10].host == "172.31.54.95"
     assert status.nodes[17].host == "172.31.56.47"
     assert all(n.version == "570.172" and n.ready for n in status.nodes.values())
     assert all(n.connections == dict.fromkeys(range(18), C) for n in status.nodes.values())
-    assert members_view(status, set(range(18))) == (True, [])
 
 
 def test_text_older_layout_without_version_column() -> None:
     """The ~570.124 layout (no !V!/!M! legend, no Version column) parses with version None."""
     status = parse_domain_text(fixture("n_570124.txt"))
-    assert status.state is DomainState.UP
+    assert status.state is ImexDomainState.UP
     assert status.timestamp == "3/25/2025 10:39:43.659"
     node = status.nodes[0]
     assert (node.host, node.state, node.version, node.local) == (
@@ -167,7 +159,7 @@ def test_text_local_node_marked_with_asterisks() -> None:
 def test_text_down_peer() -> None:
     """A down peer: UNAVAILABLE, its row all I, the others N towards it, DEGRADED."""
     status = parse_domain_text(fixture("n_down.txt"))
-    assert status.state is DomainState.DEGRADED
+    assert status.state is ImexDomainState.DEGRADED
     down = status.nodes[2]
     assert down.state is ImexState.UNAVAILABLE
     assert down.version is None
@@ -175,8 +167,6 @@ def test_text_down_peer() -> None:
     assert down.connections == {0: INV, 1: INV, 2: INV}
     assert status.nodes[0].connections == {0: C, 1: C, 2: N}
     assert status.nodes[1].connections == {0: C, 1: C, 2: N}
-    assert members_view(status, {0, 1, 2}) == (False, [2])
-    assert members_view(status, {0, 1}) == (True, [])
 
 
 def _two_node_text(row0: str, row1: str, *, state0: str = "READY", verdict: str = "UP") -> str:
@@ -280,7 +270,7 @@ def test_text_every_truncation_before_the_verdict_fails(name: str) -> None:
 def test_json_sample() -> None:
     """The IMEX.md `-N -j` sample: verdict, timestamp, node fields and connections."""
     status = parse_domain_json(fixture("nj_sample.json"))
-    assert status.state is DomainState.DEGRADED
+    assert status.state is ImexDomainState.DEGRADED
     assert status.timestamp == "9/23/2026 16:54:29.117"
     assert status.nodes == {
         0: NodeStatus(
@@ -464,66 +454,6 @@ def test_text_samples_mutated_only_parse_errors(name: str, data: st.DataObject) 
         parse_domain_text(text[:start] + insert + text[end:])
 
 
-# members_view
-
-
-def _status(nodes: dict[int, tuple[str, dict[int, ConnectionState]]]) -> DomainStatus:
-    return DomainStatus(
-        state=DomainState.DEGRADED,
-        timestamp="",
-        nodes={
-            i: NodeStatus(
-                index=i,
-                host=f"h{i}",
-                host_name=None,
-                state=ImexState(state) if state in ImexState.__members__ else state,
-                version=None,
-                local=False,
-                connections=conns,
-            )
-            for i, (state, conns) in nodes.items()
-        },
-    )
-
-
-def test_members_view_ignores_empty_slots() -> None:
-    """Empty slots (UNAVAILABLE, pointed at the sentinel) do not make members unready."""
-    status = _status(
-        {
-            0: ("READY", {0: C, 1: C, 2: N}),
-            1: ("READY", {0: C, 1: C, 2: N}),
-            2: ("UNAVAILABLE", {0: INV, 1: INV, 2: INV}),
-        }
-    )
-    assert members_view(status, [0, 1]) == (True, [])
-
-
-def test_members_view_blames_the_target_of_a_broken_link() -> None:
-    """A one-way broken link blames its target; a two-way one blames both ends."""
-    one_way = _status({0: ("READY", {0: C, 1: N}), 1: ("READY", {0: C, 1: C})})
-    assert members_view(one_way, {0, 1}) == (False, [1])
-    two_way = _status({0: ("READY", {1: ConnectionState.MAP_MISMATCH}), 1: ("READY", {0: N})})
-    assert members_view(two_way, {0, 1}) == (False, [0, 1])
-
-
-def test_members_view_missing_and_unready_members() -> None:
-    """A member absent from the report or not READY is unreachable; nobody else is."""
-    status = _status({0: ("READY", {0: C, 1: C}), 1: ("INIT_GPU", {0: C, 1: C})})
-    assert members_view(status, {0, 1, 5}) == (False, [1, 5])
-
-
-def test_members_view_missing_connection_entry_counts_as_broken() -> None:
-    """A JSON report that omits a member from a node's connections does not count it up."""
-    status = parse_domain_json(fixture("nj_sample.json"))
-    assert members_view(status, {0}) == (True, [])
-    assert members_view(status, {0, 3}) == (False, [3])
-
-
-def test_members_view_empty_member_set() -> None:
-    """No members: nothing is ready, nothing unreachable."""
-    assert members_view(parse_domain_json(fixture("nj_sample.json")), set()) == (False, [])
-
-
 # The runner, against real scripts.
 
 
@@ -564,10 +494,10 @@ async def test_ready_script_passes_config_and_args(tmp_path: Path) -> None:
     args_file = tmp_path / "args"
     ctl = _script(tmp_path, "ctl", f'printf "%s\\n" "$@" > {args_file}\nprintf "READY\\n"\n')
     prober = _prober(ctl, tmp_path)
-    result = await run_ctl(prober, ["-q"], timeout=5)
+    result = await prober.run(["-q"], timeout=5)
     assert (result.rc, result.stdout, result.stderr) == (0, "READY\n", "")
     assert args_file.read_text().split("\n")[:3] == ["-c", str(tmp_path / "config.cfg"), "-q"]
-    probe = await probe_local(prober)
+    probe = await prober.local()
     assert (probe.state, probe.ready, probe.reason, probe.error) == (
         ImexState.READY,
         True,
@@ -579,18 +509,18 @@ async def test_ready_script_passes_config_and_args(tmp_path: Path) -> None:
 async def test_env_is_merged_over_the_agent_environment(tmp_path: Path) -> None:
     """`[imex] env` reaches the ctl, and the agent's own environment (PATH) is kept."""
     ctl = _script(tmp_path, "ctl", 'printf "%s|%s\\n" "$IMEXD_TEST_VAR" "${PATH:+has-path}"\n')
-    result = await run_ctl(_prober(ctl, tmp_path, env={"IMEXD_TEST_VAR": "v a l"}), [], timeout=5)
+    result = await _prober(ctl, tmp_path, env={"IMEXD_TEST_VAR": "v a l"}).run([], timeout=5)
     assert result.stdout == "v a l|has-path\n"
 
 
 async def test_not_ready_word_and_loose_ready(tmp_path: Path) -> None:
     """Another state word or a READY without its newline is not ready, with a reason."""
     waiting = _script(tmp_path, "waiting", "echo WAITING_FOR_PEERS\n")
-    probe = await probe_local(_prober(waiting, tmp_path))
+    probe = await _prober(waiting, tmp_path).local()
     assert (probe.state, probe.ready) == (ImexState.WAITING_FOR_PEERS, False)
     assert "WAITING_FOR_PEERS" in probe.reason
     loose = _script(tmp_path, "loose", "printf READY\n")
-    probe = await probe_local(_prober(loose, tmp_path))
+    probe = await _prober(loose, tmp_path).local()
     assert (probe.state, probe.ready) == (ImexState.READY, False)
     assert "exactly" in probe.reason
     assert isinstance(probe.error, ParseError)
@@ -599,10 +529,10 @@ async def test_not_ready_word_and_loose_ready(tmp_path: Path) -> None:
 async def test_exit_1_reports_stderr(tmp_path: Path) -> None:
     """A ctl exiting 1 gives rc and stderr back, and the probe's reason quotes stderr."""
     ctl = _script(tmp_path, "ctl", "echo 'Unable to connect to IMEX daemon' >&2\nexit 1\n")
-    result = await run_ctl(_prober(ctl, tmp_path), ["-q"], timeout=5)
+    result = await _prober(ctl, tmp_path).run(["-q"], timeout=5)
     assert result.rc == 1
     assert result.stderr == "Unable to connect to IMEX daemon\n"
-    probe = await probe_local(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).local()
     assert (probe.state, probe.ready) == (None, False)
     assert "exited with 1" in probe.reason
     assert "Unable to connect to IMEX daemon" in probe.reason
@@ -612,7 +542,7 @@ async def test_exit_1_reports_stderr(tmp_path: Path) -> None:
 async def test_ready_with_nonzero_exit_is_not_ready(tmp_path: Path) -> None:
     """READY printed by a ctl that exits 1 does not count."""
     ctl = _script(tmp_path, "ctl", "echo READY\nexit 1\n")
-    probe = await probe_local(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).local()
     assert (probe.state, probe.ready) == (ImexState.READY, False)
     assert "exited with 1" in probe.reason
 
@@ -625,7 +555,7 @@ async def test_hung_ctl_is_killed_with_its_group(tmp_path: Path) -> None:
     )
     started = time.monotonic()
     with pytest.raises(ProbeError, match=r"ctl timed out after 0\.5 s"):
-        await run_ctl(_prober(ctl, tmp_path), ["-q"], timeout=0.5)
+        await _prober(ctl, tmp_path).run(["-q"], timeout=0.5)
     assert time.monotonic() - started < 1.5
     leader, child = int(pid_file.read_text()), int(child_file.read_text())
     assert not psutil.pid_exists(leader), "the ctl itself must be reaped, not a zombie"
@@ -636,13 +566,13 @@ async def test_hung_ctl_is_killed_with_its_group(tmp_path: Path) -> None:
 
 
 async def test_hung_ctl_probe_reports_instead_of_raising(tmp_path: Path) -> None:
-    """probe_local and probe_domain turn a timeout into a reason."""
+    """Prober.local and Prober.domain turn a timeout into a reason."""
     ctl = _script(tmp_path, "ctl", "exec sleep 1000\n")
     prober = _prober(ctl, tmp_path, timeout=0.3)
-    local = await probe_local(prober)
+    local = await prober.local()
     assert (local.state, local.ready) == (None, False)
     assert "timed out" in local.reason
-    domain = await probe_domain(prober)
+    domain = await prober.domain()
     assert domain.status is None
     assert not domain.ok
     assert isinstance(domain.error, ProbeError)
@@ -652,7 +582,7 @@ async def test_cancelled_probe_kills_the_group(tmp_path: Path) -> None:
     """Cancelling a probe task mid-run kills the ctl instead of leaking it."""
     pid_file = tmp_path / "pid"
     ctl = _script(tmp_path, "ctl", f"echo $$ > {pid_file}\nexec sleep 1000\n")
-    task = asyncio.create_task(run_ctl(_prober(ctl, tmp_path), ["-q"], timeout=30))
+    task = asyncio.create_task(_prober(ctl, tmp_path).run(["-q"], timeout=30))
     pid = int(await _wait_for_file(pid_file))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -667,8 +597,8 @@ async def test_missing_binary_names_the_setting(tmp_path: Path) -> None:
     """A missing ctl is a ProbeError naming imex.ctl; the probes report it as a reason."""
     prober = _prober(tmp_path / "no-such-ctl", tmp_path)
     with pytest.raises(ProbeError, match=r"imex\.ctl"):
-        await run_ctl(prober, ["-q"], timeout=5)
-    probe = await probe_local(prober)
+        await prober.run(["-q"], timeout=5)
+    probe = await prober.local()
     assert not probe.ready
     assert "IMEXD_IMEX_CTL" in probe.reason
 
@@ -681,7 +611,7 @@ async def test_not_executable_binary(tmp_path: Path) -> None:
     if os.access(ctl, os.X_OK):  # root may execute anything with some x bit; none here
         pytest.skip("this user can execute a file without x bits")
     with pytest.raises(ProbeError, match="not executable"):
-        await run_ctl(_prober(ctl, tmp_path), ["-q"], timeout=5)
+        await _prober(ctl, tmp_path).run(["-q"], timeout=5)
 
 
 async def test_domain_probe_json_and_text(tmp_path: Path) -> None:
@@ -693,11 +623,11 @@ async def test_domain_probe_json_and_text(tmp_path: Path) -> None:
         f"else cat {FIXTURES / 'n_down.txt'}; fi\n",
     )
     prober = _prober(ctl, tmp_path)
-    probe = await probe_domain(prober)
+    probe = await prober.domain()
     assert probe.ok
     assert probe.status is not None
     assert probe.status.nodes[0].host_name == "gpu-node-a"
-    probe = await probe_domain(prober, json_format=False)
+    probe = await prober.domain(json_format=False)
     assert probe.status is not None
     assert probe.status.nodes[2].state is ImexState.UNAVAILABLE
 
@@ -705,19 +635,19 @@ async def test_domain_probe_json_and_text(tmp_path: Path) -> None:
 async def test_domain_probe_parses_output_whatever_the_exit_code(tmp_path: Path) -> None:
     """A report that parses is used even when the ctl exits non-zero."""
     ctl = _script(tmp_path, "ctl", f"cat {FIXTURES / 'nj_sample.json'}\nexit 1\n")
-    probe = await probe_domain(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).domain()
     assert probe.status is not None
-    assert probe.status.state is DomainState.DEGRADED
+    assert probe.status.state is ImexDomainState.DEGRADED
 
 
 async def test_domain_probe_garbage(tmp_path: Path) -> None:
     """Garbage output is a ParseError reason; garbage with exit 1 quotes stderr instead."""
     ctl = _script(tmp_path, "ctl", "echo '<html>oops</html>'\n")
-    probe = await probe_domain(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).domain()
     assert probe.status is None
     assert isinstance(probe.error, ParseError)
     ctl = _script(tmp_path, "ctl2", "echo 'connection refused' >&2\nexit 1\n")
-    probe = await probe_domain(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).domain()
     assert isinstance(probe.error, ProbeError)
     assert "connection refused" in probe.reason
 
@@ -725,16 +655,16 @@ async def test_domain_probe_garbage(tmp_path: Path) -> None:
 async def test_runaway_output_is_capped(tmp_path: Path) -> None:
     """Output beyond OUTPUT_LIMIT is dropped, flagged, and refused by the domain probe."""
     ctl = _script(tmp_path, "ctl", "head -c 3000000 /dev/zero | tr '\\0' x\n")
-    result = await run_ctl(_prober(ctl, tmp_path), ["-N", "-j"], timeout=10)
+    result = await _prober(ctl, tmp_path).run(["-N", "-j"], timeout=10)
     assert result.truncated
     assert len(result.stdout) == OUTPUT_LIMIT
-    probe = await probe_domain(_prober(ctl, tmp_path))
+    probe = await _prober(ctl, tmp_path).domain()
     assert probe.status is None
     assert "more than" in probe.reason
 
 
 async def test_settings_are_a_valid_target(tmp_path: Path) -> None:
-    """run_ctl accepts Settings: imex.ctl, <run_dir>/config.cfg, imex.env, probe_timeout_s."""
+    """Prober.from_settings takes imex.ctl, <run_dir>/config.cfg, imex.env, probe_timeout_s."""
     args_file = tmp_path / "args"
     ctl = _script(tmp_path, "ctl", f'printf "%s\\n" "$@" "$X" > {args_file}\necho READY\n')
     config = Settings(
@@ -748,7 +678,7 @@ async def test_settings_are_a_valid_target(tmp_path: Path) -> None:
         {"X": "from-env"},
         2.5,
     )
-    result = await run_ctl(config, ["-q"])
+    result = await Prober.from_settings(config).run(["-q"])
     assert result.stdout == "READY\n"
     assert args_file.read_text().split("\n")[:4] == [
         "-c",
