@@ -33,38 +33,49 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
-from imexd import health as hl
+from imexd import fleet
 from imexd import membership as mb
 from imexd.bus import (
     Bus,
     Connected,
     ConnectFailed,
-    Deleted,
     Disconnected,
     Event,
-    Received,
     Synced,
     WillSpec,
 )
 from imexd.daemon import DaemonState, DaemonStatus, Supervisor
 from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
+from imexd.facts import (
+    BusFacts,
+    DaemonFacts,
+    FabricFacts,
+    Facts,
+    LinkFacts,
+    Member,
+    MembershipFacts,
+    MembershipState,
+    WriteMethod,
+)
 from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, write_file
-from imexd.health import Facts, Health, Heartbeats
+from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.logs import configure_logging, get_logger, install_loop_handler
 from imexd.messages import (
     Assignment,
+    Deleted,
     DomainSpec,
     HealthReport,
     MemberRecord,
     MemberState,
     Presence,
+    Received,
     Topics,
 )
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
-from imexd.probe import ConnectionState, DomainStatus, ImexState, Prober
+from imexd.probe import Prober
 from imexd.render import remove_hosts_block, render_files
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
@@ -106,7 +117,7 @@ WORK_MARGIN_S: Final = 10.0
 _T = TypeVar("_T")
 
 
-_NO_MEMBERS: Final[MappingProxyType[int, str]] = MappingProxyType({})
+_NO_MEMBERS: Final[MappingProxyType[int, Member]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,8 +129,8 @@ class Desired:
     slot: int | None = None
     run: bool = False
     """Whether the IMEX daemon should run (a settled member with a clique, no mismatch)."""
-    members: MappingProxyType[int, str] = field(default_factory=lambda: _NO_MEMBERS)
-    """slot -> address of the settled members (the hosts block / node list)."""
+    members: MappingProxyType[int, Member] = field(default_factory=lambda: _NO_MEMBERS)
+    """slot -> name and address of the settled members (the hosts block / node list)."""
     cleanup: bool = False
     """Not in a domain: remove our hosts block and IMEX files."""
 
@@ -159,7 +170,7 @@ class Agent:
         configured = settings.node.clique
         self.clique: str | None = None if configured == "auto" else configured
         self.driver = ""
-        self.fabric = hl.FabricFacts(source="nvml" if configured == "auto" else "config")
+        self.fabric = FabricFacts(source="nvml" if configured == "auto" else "config")
 
         # Membership state of the current (domain, clique) shard.
         self.current: tuple[str, str] | None = None
@@ -206,20 +217,20 @@ class Agent:
         self.first_reconcile = True
         self.write_error = ""
         self.write_path = ""
-        self.write_method: hl.WriteMethod = "rename"
+        self.write_method: WriteMethod = "rename"
         self.write_failures = 0
 
         # Probes and reports.
         self.imex_status = ""
         self.probe_error = ""
-        self.domain_probe: hl.DomainProbe | None = None
+        self.domain_probe: LinkFacts | None = None
         self.probe_now = asyncio.Event()
         self.domain_probe_at: float | None = None
         self.changed = asyncio.Event()
         self.report_lock = asyncio.Lock()
         """Held while a report is published and while our records are cleared, so that
         no report follows a clear."""
-        self.bus_facts = hl.BusFacts()
+        self.bus_facts = BusFacts()
         self.give_up = asyncio.Event()
         """Set when a task keeps failing: the agent exits as in a hand-over."""
 
@@ -485,7 +496,7 @@ class Agent:
         self.synced = False
         self.view_ready.clear()
 
-    def _refresh_bus_facts(self, bus: Bus) -> hl.BusFacts:
+    def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
         """The bus facts as of now (drop counters move without any event)."""
         self.bus_facts = replace(
             self.bus_facts,
@@ -812,20 +823,12 @@ class Agent:
                 f"the domain spec says max_nodes {self.spec.max_nodes}, "
                 f"this node {s.domain.max_nodes}"
             )
-        records = dict(self.records)
-        mine = self._own_record(self.claim)
-        if mine is not None:
-            records[self.node] = mine
-        else:
-            records.pop(self.node, None)
-        slot_map = mb.resolve(
-            records.values(),
-            max_nodes=s.domain.max_nodes,
-            spec=self.spec,
-            wall_now=wall,
-            stale=stale,
+        members = MappingProxyType(
+            {
+                slot: Member(node, address)
+                for slot, (node, address) in decision.members(s.node.address).items()
+            }
         )
-        members = MappingProxyType({slot: r.address for slot, r in slot_map.members.items()})
         # A mismatch keeps the daemon from starting but never stops a running one: its
         # node list is fixed already, and the peers that agree with it would lose it
         # (and the jobs using it) because of one misconfigured newcomer.
@@ -1060,7 +1063,7 @@ class Agent:
             s,
             domain=desired.domain,
             clique=desired.clique,
-            slots=dict(desired.members),
+            slots={slot: m.address for slot, m in desired.members.items()},
             hosts_current=current_hosts,
         )
         config_changed = await self._write(s.config_path, files.config)
@@ -1078,7 +1081,7 @@ class Agent:
             config=files.config,
             nodes_config=files.nodes_config,
             identity=identity,
-            members=desired.members,
+            members=MappingProxyType({slot: m.address for slot, m in desired.members.items()}),
         )
         previous, self.applied = self.applied, applied
         if previous is None:
@@ -1203,71 +1206,13 @@ class Agent:
         result = await self.prober.domain()
         if result.status is None:
             self.metrics.count_probe_failure("domain")
-            view = hl.DomainProbe(error=result.reason)
+            view = LinkFacts(error=result.reason)
         else:
-            view = self._judge_domain(result.status)
+            names = {slot: m.node for slot, m in self.desired.members.items()}
+            view = fleet.links(result.status, names, self.settings.domain.mode)
         if view != self.domain_probe:
             self.domain_probe = view
             self.changed.set()
-
-    def _judge_domain(self, status: DomainStatus) -> hl.DomainProbe:
-        """Per member slot: its IMEX state and whether it is connected to the others.
-
-        A member that is not READY is unreachable. A READY member is connected when its
-        links with every other READY member are CONNECTED both ways: a dead daemon is
-        named alone instead of making every member look disconnected from it, and a
-        broken link between two live members names both ends.
-        """
-        members = dict(self.desired.members)
-        if self.settings.domain.mode == "addresses":
-            index_of = {slot: i for i, slot in enumerate(sorted(members))}
-        else:
-            index_of = {slot: slot for slot in members}
-        names = {slot: self._member_name(slot) for slot in members}
-        nodes = {slot: status.nodes.get(index) for slot, index in index_of.items()}
-        words = {
-            slot: _word(node.state) if node is not None else ImexState.UNAVAILABLE.value
-            for slot, node in nodes.items()
-        }
-        ready = {slot for slot, word in words.items() if word == ImexState.READY.value}
-
-        def linked(a: int, b: int) -> bool:
-            node_a, node_b = nodes[a], nodes[b]
-            return (
-                node_a is not None
-                and node_b is not None
-                and node_a.connections.get(index_of[b]) is ConnectionState.CONNECTED
-                and node_b.connections.get(index_of[a]) is ConnectionState.CONNECTED
-            )
-
-        slots: dict[int, hl.SlotProbe] = {}
-        unreachable: list[str] = []
-        mismatch: set[str] = set()
-        for slot in index_of:
-            node = nodes[slot]
-            for other_slot, other in index_of.items():
-                if (
-                    other_slot != slot
-                    and node is not None
-                    and node.connections.get(other) is ConnectionState.VERSION_MISMATCH
-                ):
-                    mismatch.add(names[other_slot])
-            peers = [o for o in ready if o != slot]
-            connected = slot in ready and all(linked(slot, o) for o in peers)
-            if not connected:
-                unreachable.append(names[slot])
-            slots[slot] = hl.SlotProbe(node=names[slot], status=words[slot], connected=connected)
-        return hl.DomainProbe(
-            slots=MappingProxyType(slots),
-            unreachable=tuple(sorted(set(unreachable))),
-            version_mismatch=tuple(sorted(mismatch)),
-        )
-
-    def _member_name(self, slot: int) -> str:
-        for record in self.records.values():
-            if record.slot == slot:
-                return record.node
-        return self.node if slot == self.claim.slot else f"slot-{slot}"
 
     # -- facts, reports, discovery, watchdog -------------------------------------------
 
@@ -1290,7 +1235,7 @@ class Agent:
             driver=self.driver,
             bus=self._refresh_bus_facts(self._parts()[0]),
             membership=membership,
-            daemon=hl.DaemonFacts(
+            daemon=DaemonFacts(
                 state=status.state.value,
                 pid=status.pid,
                 restarts=status.restarts,
@@ -1312,15 +1257,9 @@ class Agent:
             clique_known=self.clique is not None or self.current is not None,
         )
 
-    def _membership_facts(self, decision: mb.Decision | None) -> hl.MembershipFacts:
+    def _membership_facts(self, decision: mb.Decision | None) -> MembershipFacts:
         s = self.settings
-        members = MappingProxyType(
-            {
-                slot: hl.Member(self._member_name(slot), address)
-                for slot, address in self.desired.members.items()
-            }
-        )
-        base = hl.MembershipFacts(max_nodes=s.domain.max_nodes, members=members)
+        base = MembershipFacts(max_nodes=s.domain.max_nodes, members=self.desired.members)
         if self.duplicate:
             return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
         if self.suspect_until is not None:
@@ -1355,7 +1294,7 @@ class Agent:
                 reason="DomainFull",
                 detail=f"all {s.domain.max_nodes} slots are held",
             )
-        state: hl.MembershipState = (
+        state: MembershipState = (
             "member"
             if decision is not None and decision.settled
             else "claiming"
@@ -1418,11 +1357,11 @@ class Agent:
             try:
                 found = await discover(DISCOVERY_TIMEOUT_S)
             except DiscoveryError as exc:
-                self.fabric = hl.FabricFacts(source="nvml", error=str(exc))
+                self.fabric = FabricFacts(source="nvml", error=str(exc))
                 self.log.error("fabric.discovery_failed", error=str(exc))
                 next_at = time.monotonic() + min(DISCOVERY_RETRY_S, s.node.discover_interval_s)
             else:
-                self.fabric = hl.FabricFacts(source="nvml")
+                self.fabric = FabricFacts(source="nvml")
                 self.driver = found.report.driver_version or ""
                 if found.clique != self.clique:
                     self.log.info("fabric.clique", clique=found.clique, reason=found.reason)
@@ -1452,10 +1391,6 @@ async def _first_of(*events: asyncio.Event) -> None:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _word(state: ImexState | str) -> str:
-    return state.value if isinstance(state, ImexState) else state
 
 
 async def run(settings: Settings, *, stop: asyncio.Event, handover: asyncio.Event) -> int:

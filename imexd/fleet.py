@@ -1,11 +1,21 @@
-"""The fleet's view: whether a domain is UP, judged from what its members publish.
+"""Whether a domain is UP: the one home of that rule, for the fleet and for one node.
 
-The one home of the rule "when is a domain UP". Pure functions of the bus's retained
-state (a domain's spec, its members' records and their health reports): no I/O, no
-clock of their own (`now` is an argument). Every reader of the fleet uses them: `imexd
-domain status` and `domain list`, `imexd domain status --wait` (Slurm prologs), the demo
-and the benchmarks. The tables they print are rendered here too, so the same judgement
-reads the same everywhere.
+Pure functions, no I/O, no clock of their own (`now` is an argument). Which function
+answers which question:
+
+- `links(table, members, mode)`: what does this node's `ctl -N -j` say of each member
+  (READY? connected to every other READY member?). A dead daemon is named alone; a broken
+  link between two live members names both ends. The agent calls it after each probe.
+- `sight(facts)`: is the domain UP as this node sees it (its DomainUp condition and its
+  UP/DEGRADED/DOWN/FORMING verdict); `domain_view(facts)` is the same verdict per member,
+  for the node's HealthReport. imexd.health only wraps `sight` into the condition.
+- `judge(spec, records, reports, ...)`: is the domain UP from every member's record and
+  report on the bus: `imexd domain status` and `domain list`, `domain status --wait`
+  (Slurm prologs), the demo and the benchmarks. It reads the nodes' DomainUp conditions
+  and domain views, so a change of `sight` shows in `judge` too.
+
+The tables they print are rendered here too, so the same judgement reads the same
+everywhere.
 """
 
 from __future__ import annotations
@@ -13,12 +23,29 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd import health as hl
-from imexd.messages import Condition, DomainSpec, HealthReport, MemberRecord
+from imexd.facts import Facts, LinkFacts, SlotLink
+from imexd.imex import ConnectionState, ImexState
+from imexd.messages import (
+    DAEMON_READY,
+    DOMAIN_UP,
+    READINESS_TYPES,
+    Condition,
+    DomainSpec,
+    DomainView,
+    HealthReport,
+    MemberRecord,
+    Mode,
+    SlotView,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from imexd.probe import DomainTable
 
 STALE_INTERVALS: Final = 3
 """A report older than this many `[health] report_interval_s` (by its `at`) is stale."""
@@ -38,6 +65,7 @@ VERSION_MISMATCH: Final = "VersionMismatch"
 CLOCK_SKEW: Final = "ClockSkew"
 BUS_DOWN: Final = "BusDown"
 """The DomainUp reason of an agent whose link to the broker is down or not synced yet."""
+IMEX_READY: Final = ImexState.READY.value
 UNKNOWN_REASONS: Final = ("NoSpec", "NoMembers", "Partial", BUS_DOWN)
 """Domain-level reasons that say what the bus does not tell (never a failure)."""
 
@@ -142,7 +170,7 @@ class _Node:
         if self.fresh is None:
             return False
         return any(
-            c.type == hl.DOMAIN_UP and c.status == "Unknown" and c.reason == BUS_DOWN
+            c.type == DOMAIN_UP and c.status == "Unknown" and c.reason == BUS_DOWN
             for c in self.fresh.conditions
         )
 
@@ -156,8 +184,8 @@ class _Node:
 def _failing(report: HealthReport) -> list[Condition]:
     """The readiness conditions that are not True, then DomainUp when it is False."""
     by_type = {c.type: c for c in report.conditions}
-    out = [by_type[t] for t in hl.READINESS_TYPES if t in by_type and by_type[t].status != "True"]
-    up = by_type.get(hl.DOMAIN_UP)
+    out = [by_type[t] for t in READINESS_TYPES if t in by_type and by_type[t].status != "True"]
+    up = by_type.get(DOMAIN_UP)
     if up is not None and up.status == "False" and up.reason != "DaemonDown":
         out.append(up)  # DaemonDown only points at DaemonReady, which is listed already
     return out
@@ -168,7 +196,7 @@ def _forming(report: HealthReport) -> bool:
     if report.daemon.restarts:
         return False
     for cond in _failing(report):
-        if cond.type == hl.DOMAIN_UP or cond.reason in FORMING_REASONS:
+        if cond.type == DOMAIN_UP or cond.reason in FORMING_REASONS:
             continue
         if cond.reason == "NotReady" and (report.daemon.imex_status or "") in START_WORDS:
             continue
@@ -178,7 +206,7 @@ def _forming(report: HealthReport) -> bool:
 
 def _ready_since(report: HealthReport) -> float:
     """When the node's DaemonReady condition last changed (its report time if absent)."""
-    return next((c.since for c in report.conditions if c.type == hl.DAEMON_READY), report.at)
+    return next((c.since for c in report.conditions if c.type == DAEMON_READY), report.at)
 
 
 def _gather(
@@ -216,7 +244,7 @@ def _gather(
     return nodes
 
 
-def _links(nodes: Mapping[str, _Node], report_interval_s: float) -> bool:
+def _peer_links(nodes: Mapping[str, _Node], report_interval_s: float) -> bool:
     """Judge connectivity as each ready member with a daemon sees it; True while some
     view is not settled yet (not probed, or missing members, or only late)."""
     pending = False
@@ -240,7 +268,7 @@ def _links(nodes: Mapping[str, _Node], report_interval_s: float) -> bool:
         suspects = sorted(
             v.node
             for v in view.nodes.values()
-            if v.node != e.name and (v.status != hl.IMEX_READY or not v.connected)
+            if v.node != e.name and (v.status != IMEX_READY or not v.connected)
         )
         known = [nodes[s] for s in suspects if s in nodes]
         if any(not s.ready for s in known):
@@ -284,9 +312,7 @@ def _unknowns(nodes: Mapping[str, _Node], *, listed: bool) -> list[str]:
             )
     for e in nodes.values():
         if e.expected and e.bus_down and e.fresh is not None:
-            since = next(
-                (c.since for c in e.fresh.conditions if c.type == hl.DOMAIN_UP), e.fresh.at
-            )
+            since = next((c.since for c in e.fresh.conditions if c.type == DOMAIN_UP), e.fresh.at)
             lines.append(
                 f"{BUS_DOWN}: {e.name}'s link to the broker is down or not synced "
                 f"(for {max(0.0, e.fresh.at - since):.0f} s when it reported): its domain view "
@@ -313,7 +339,7 @@ def _skew(nodes: Mapping[str, _Node], now: float) -> list[str]:
         if e.fresh is None or not e.expected:
             continue
         for cond in e.fresh.conditions:
-            if cond.type == hl.DOMAIN_UP and cond.reason == VERSION_MISMATCH:
+            if cond.type == DOMAIN_UP and cond.reason == VERSION_MISMATCH:
                 lines.append(f"{VERSION_MISMATCH}: {e.name} reports {cond.message}")
     by_version: dict[str, list[str]] = {}
     for e in nodes.values():
@@ -381,7 +407,7 @@ def judge(
     nodes = _gather(
         listed, records, reports, now=now, stale_after=STALE_INTERVALS * report_interval_s
     )
-    views_pending = _links(nodes, report_interval_s)
+    views_pending = _peer_links(nodes, report_interval_s)
     unknowns = _unknowns(nodes, listed=listed is not None or spec is not None)
     reasons = _skew(nodes, now)
     rows = sorted(
@@ -454,7 +480,7 @@ def _row(e: _Node, now: float) -> NodeRow:
     elif record is not None:
         for cond in _failing(report):
             reasons.append(cond.reason)
-            details.append(hl.describe(cond))
+            details.append(describe(cond))
     for reason, text in e.notes:
         reasons.append(reason)
         details.append(f"{reason}: {text}")
@@ -499,6 +525,167 @@ def _row(e: _Node, now: float) -> NodeRow:
         reasons=list(dict.fromkeys(reasons)),
         details=details,
     )
+
+
+# What one node sees of its domain: pure functions of the agent's own facts.
+
+SIGHT_STATES: Final = ("UP", "DEGRADED", "DOWN", "FORMING")
+"""The node's verdict on its domain (`Sight.state`), as /metrics exports it."""
+NAMES_MAX: Final = 8
+"""Node names a message lists before it says "and N more"."""
+
+
+def name_list(names: Sequence[str]) -> str:
+    """The names comma-separated, at most NAMES_MAX of them, then "and N more"."""
+    shown = ", ".join(names[:NAMES_MAX])
+    more = len(names) - NAMES_MAX
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def links(table: DomainTable, members: Mapping[int, str], mode: Mode) -> LinkFacts:
+    """Per member slot: its IMEX state and whether it is connected to the others.
+
+    `table` is this node's `ctl -N -j`, `members` the settled members (slot -> node
+    name). In addresses mode the table indexes the members in slot order, in names mode
+    by slot. A member that is not READY is unreachable. A READY member is connected when
+    its links with every other READY member are CONNECTED both ways: a dead daemon is
+    named alone instead of making every member look disconnected from it, and a broken
+    link between two live members names both ends.
+    """
+    if mode == "addresses":
+        index_of = {slot: i for i, slot in enumerate(sorted(members))}
+    else:
+        index_of = {slot: slot for slot in members}
+    nodes = {slot: table.nodes.get(index) for slot, index in index_of.items()}
+    words = {
+        slot: _word(node.state) if node is not None else ImexState.UNAVAILABLE.value
+        for slot, node in nodes.items()
+    }
+    ready = {slot for slot, word in words.items() if word == ImexState.READY.value}
+
+    def linked(a: int, b: int) -> bool:
+        node_a, node_b = nodes[a], nodes[b]
+        return (
+            node_a is not None
+            and node_b is not None
+            and node_a.connections.get(index_of[b]) is ConnectionState.CONNECTED
+            and node_b.connections.get(index_of[a]) is ConnectionState.CONNECTED
+        )
+
+    slots: dict[int, SlotLink] = {}
+    unreachable: list[str] = []
+    mismatch: set[str] = set()
+    for slot in index_of:
+        node = nodes[slot]
+        for other_slot, other in index_of.items():
+            if (
+                other_slot != slot
+                and node is not None
+                and node.connections.get(other) is ConnectionState.VERSION_MISMATCH
+            ):
+                mismatch.add(members[other_slot])
+        peers = [o for o in ready if o != slot]
+        connected = slot in ready and all(linked(slot, o) for o in peers)
+        if not connected:
+            unreachable.append(members[slot])
+        slots[slot] = SlotLink(node=members[slot], status=words[slot], connected=connected)
+    return LinkFacts(
+        slots=MappingProxyType(slots),
+        unreachable=tuple(sorted(set(unreachable))),
+        version_mismatch=tuple(sorted(mismatch)),
+    )
+
+
+def _word(state: ImexState | str) -> str:
+    return state.value if isinstance(state, ImexState) else state
+
+
+class Sight(NamedTuple):
+    """The node's DomainUp condition and its verdict on the domain."""
+
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    state: str | None
+    """One of SIGHT_STATES; None when the node has nothing to judge (idle, no daemon,
+    a failed probe, the bus down)."""
+
+
+def sight(f: Facts) -> Sight:
+    """Is the domain UP, as this node sees it over its members (its DomainUp condition).
+
+    IMEX's own "Domain State" is not used: in names mode the empty slots point at the
+    sentinel address, so it reads DEGRADED until every slot is filled.
+    """
+    if f.domain is None:
+        return Sight("Unknown", "NoDomain", "no domain assigned", None)
+    if not f.daemon_applicable:
+        return Sight("Unknown", "NotApplicable", "empty clique: no IMEX domain to join", None)
+    if not f.bus.synced:
+        # Without the bus the member records may be stale: what this node last saw of
+        # its domain is no judgement of it now (the condition's `since` says how long).
+        why = f": {f.bus.last_error}" if f.bus.last_error and not f.bus.connected else ""
+        link = "down" if not f.bus.connected else "up but not yet synced"
+        return Sight(
+            "Unknown", "BusDown", f"the bus link is {link}{why}; the domain view is stale", None
+        )
+    forming = Sight(
+        "False", "Forming", "waiting for the daemon and the first domain probe", "FORMING"
+    )
+    probe = f.domain_probe
+    d = f.daemon
+    if d.state in ("FATAL", "BACKOFF") or d.reason or d.write_error:
+        # Nothing to judge while this node's own daemon is down: DaemonReady says why.
+        return Sight("False", "DaemonDown", f"the local daemon is {d.state}: see DaemonReady", None)
+    if f.membership.state != "member" or d.state != "RUNNING" or probe is None:
+        return forming
+    if probe.error:
+        return Sight("Unknown", "ProbeFailed", f"ctl -N -j failed: {probe.error}", None)
+    members = {slot: m.node for slot, m in f.membership.members.items()}
+    if probe.version_mismatch:
+        return Sight(
+            "False",
+            "VersionMismatch",
+            f"driver version differs on {name_list(probe.version_mismatch)} (!V!)",
+            "DEGRADED",
+        )
+    if d.imex_status != IMEX_READY:
+        return forming
+    unwell = set(probe.unreachable)
+    for slot, node in members.items():
+        seen = probe.slots.get(slot)
+        if seen is None or seen.status != IMEX_READY or not seen.connected:
+            unwell.add(node)
+    bad = sorted(unwell)
+    if not bad:
+        return Sight("True", "Up", f"{len(members)} members READY and connected", "UP")
+    others = set(members.values()) - {f.node}
+    state = "DOWN" if others and others <= set(bad) else "DEGRADED"
+    return Sight(
+        "False",
+        "PeersUnreachable",
+        f"{len(bad)} of {len(members)} members not READY or not connected: {name_list(bad)}",
+        state,
+    )
+
+
+def domain_view(facts: Facts) -> DomainView | None:
+    """The members as the node's last domain probe saw them, for its HealthReport."""
+    state = sight(facts).state
+    if state is None:
+        return None
+    probe = facts.domain_probe
+    nodes: dict[str, SlotView] = {}
+    if probe is None:
+        return DomainView(status=state, nodes=nodes)
+    for slot, member in sorted(facts.membership.members.items()):
+        seen = probe.slots.get(slot)
+        nodes[str(slot)] = SlotView(
+            node=member.node,
+            status=seen.status if seen is not None else "UNKNOWN",
+            connected=seen.connected if seen is not None else False,
+        )
+    return DomainView(status=state, nodes=nodes)
 
 
 # Rendering: pure functions from judgements to text.

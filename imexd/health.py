@@ -2,160 +2,45 @@
 
 Everything here is pure (no I/O, no clock unless one is passed in), so every reason an
 operator can read in `/readyz`, `imexd status` or `imexd domain status` is tested with
-plain asserts. The agent fills one `Facts` snapshot from what its components already
-track (bus, membership, supervisor, probes, fabric discovery); `conditions` turns it into
-Kubernetes-style conditions whose `since` stays put while status and reason do not
-change, `ready` decides `/readyz`, and `report` builds the payload served at `/status`
-and published on the bus. `Health` keeps the latest snapshot for the HTTP handlers, and
-`Heartbeats` is the liveness side: wedged tasks, never the broker or the peers.
+plain asserts. The agent fills one `imexd.facts.Facts` snapshot; `conditions` turns it
+into Kubernetes-style conditions whose `since` stays put while status and reason do not
+change, and `report` builds the payload served at `/status` and published on the bus.
+Whether the domain is UP is not decided here: DomainUp is `imexd.fleet.sight`'s verdict.
+The condition types and readiness (`messages.ready`, `failing`, `describe`) belong to the
+HealthReport contract in imexd.messages. `Health` keeps the latest snapshot for the HTTP
+handlers, and `Heartbeats` is the liveness side: wedged tasks, never the broker or the
+peers.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd import messages
-from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
+from imexd import fleet, messages
+from imexd.facts import DaemonFacts, Facts
+from imexd.messages import (
+    BUS_CONNECTED,
+    DAEMON_READY,
+    DOMAIN_UP,
+    FABRIC_READY,
+    SLOT_SETTLED,
+    Condition,
+    DaemonInfo,
+    HealthReport,
+    ready,
+    reason_line,
+)
 
 Status = Literal["True", "False", "Unknown"]
 
-# Condition types.
-BUS_CONNECTED: Final = "BusConnected"
-SLOT_SETTLED: Final = "SlotSettled"
-DAEMON_READY: Final = "DaemonReady"
-DOMAIN_UP: Final = "DomainUp"
-FABRIC_READY: Final = "FabricReady"
-CONDITION_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY, DOMAIN_UP, FABRIC_READY)
-READINESS_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY)
-"""The conditions `/readyz` requires. DomainUp is left out on purpose: a node must not
-be taken out of service because a peer is down, and FabricReady shows up in DaemonReady
-through the clique anyway."""
-
-DAEMON_STATES: Final = ("STOPPED", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "FATAL")
-DOMAIN_STATES: Final = ("UP", "DEGRADED", "DOWN", "FORMING")
-IMEX_READY: Final = "READY"
+IMEX_READY: Final = fleet.IMEX_READY
 MESSAGE_MAX: Final = 300
 """Characters a condition message keeps: reports travel in 16 KiB bus payloads."""
-NAMES_MAX: Final = 8
-"""Node names a message lists before it says "and N more"."""
-
-MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
-MembershipReason = Literal[
-    "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
-]
-WriteMethod = Literal["rename", "in_place"]
-FabricSource = Literal["config", "nvml"]
-
-
-class Member(NamedTuple):
-    """A settled member of the node's (domain, clique), as its record says."""
-
-    node: str
-    address: str
-
-
-class SlotProbe(NamedTuple):
-    """One member slot as the node's last `ctl -N -j` saw it."""
-
-    node: str
-    """The member's node name (not the slot host name)."""
-    status: str
-    """Its IMEX status word (READY, WAITING_FOR_PEERS, ...; UNAVAILABLE if unknown)."""
-    connected: bool
-    """Whether it is connected to every other member (empty slots do not count)."""
-
-
-_EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BusFacts:
-    """What the bus client knows about its broker link."""
-
-    connected: bool = False
-    """A session with the broker is up (CONNACK received)."""
-    synced: bool = False
-    """Connected, subscribed, and the retained snapshot has been seen since the last
-    (re)connect: only then do the member records mean anything."""
-    broker: str = ""
-    """The broker URL in use, or last tried."""
-    last_error: str = ""
-    """Why the last connection attempt or connection failed; "" when none did."""
-    refused: tuple[str, ...] = ()
-    """Topics whose retained publish did not come back in time: the broker most likely
-    refused them (ACL), which MQTT 3.1.1 and aiomqtt 2.x cannot report otherwise."""
-    reconnects: int = 0
-    """Reconnections since the agent started (cumulative, for metrics)."""
-    dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
-    """Messages dropped since the agent started, by `messages.DropReason` value
-    (cumulative, for metrics)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MembershipFacts:
-    """Where the node stands in its (domain, clique)."""
-
-    state: MembershipState = "none"
-    """none: nothing claimed yet (e.g. waiting for the retained snapshot); claiming: a
-    claim is published and not settled; member: settled; standby: no slot for now;
-    out: kept out by the spec or a mismatch; leaving: the domain is being left."""
-    reason: MembershipReason = ""
-    """Why the node is not a working member (standby, out, or member with a daemon
-    refused); "" when nothing is wrong. Takes precedence over `state`."""
-    detail: str = ""
-    """A human sentence for `reason`, e.g. which nodes the spec lists."""
-    offending: tuple[str, ...] = ()
-    """NodeMapMismatch: the members whose max_nodes or mode differ from ours."""
-    max_nodes: int = 18
-    """Slots of the (domain, clique)."""
-    members: Mapping[int, Member] = field(default_factory=lambda: MappingProxyType({}))
-    """Settled members by slot, this node included when it is one."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DaemonFacts:
-    """The supervised IMEX daemon, its files and its local probe."""
-
-    state: str = "STOPPED"
-    """The supervisor's state: one of `DAEMON_STATES`."""
-    pid: int | None = None
-    """The daemon's pid while one runs."""
-    restarts: int = 0
-    """Restarts of a daemon that had been running, since the agent started (cumulative,
-    for metrics and reports)."""
-    start_failures: int = 0
-    """Starts that never reached RUNNING (missing binary, immediate exit), cumulative."""
-    reloads: int = 0
-    """SIGUSR1 reloads sent since the agent started (cumulative, for metrics)."""
-    last_exit: str | None = None
-    """How the last daemon exited, e.g. "exit 3" or "signal SIGKILL"; None before any."""
-    reason: str = ""
-    """The supervisor's machine-readable problem, e.g. "DaemonCrashLoop" (FATAL after
-    too many failed starts) or "ConflictingDaemon" (it refuses to start); "" when none.
-    A supervisor reason string "Word: text" splits with `split_reason`."""
-    message: str = ""
-    """The human side of `reason` (exit and last line, who conflicts), or why the
-    daemon is in its state."""
-    last_line: str = ""
-    """The daemon's last output line, for BACKOFF messages."""
-    write_error: str = ""
-    """Why the last write of config.cfg, nodes_config.cfg or hosts failed; "" if none."""
-    write_path: str = ""
-    """The file that `write_error` is about."""
-    write_method: WriteMethod = "rename"
-    """How the files were last written: atomically by rename, or in place under a lock
-    (bind-mounted or read-only-folder hosts files); conditions say which."""
-    imex_status: str = ""
-    """The last word of `ctl -q` (READY, WAITING_FOR_PEERS, ...); "" before any."""
-    probe_error: str = ""
-    """Why the last `ctl -q` failed or timed out; "" when it succeeded."""
 
 
 def split_reason(text: str) -> tuple[str, str]:
@@ -169,68 +54,6 @@ def split_reason(text: str) -> tuple[str, str]:
 
 
 _REASON_WORD: Final = re.compile(r"^[A-Z][A-Za-z0-9]*$")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DomainProbe:
-    """The last domain probe (`ctl -N -j`), judged over the members only."""
-
-    error: str = ""
-    """Why the probe failed or timed out; "" when it succeeded."""
-    slots: Mapping[int, SlotProbe] = field(default_factory=lambda: MappingProxyType({}))
-    """Per member slot (empty slots excluded: they are unreachable by design)."""
-    unreachable: tuple[str, ...] = ()
-    """Member nodes this node cannot reach."""
-    version_mismatch: tuple[str, ...] = ()
-    """Member nodes whose cell reads `!V!` (driver version skew)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FabricFacts:
-    """Where the clique came from and whether NVML discovery worked."""
-
-    source: FabricSource = "config"
-    """"config": set in the settings (including "" for no multi-node NVLink);
-    "nvml": discovered from GPU fabric info."""
-    error: str = ""
-    """Why NVML discovery failed and what to set instead; "" when it did not."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Facts:
-    """Everything the agent knows that health depends on: one immutable snapshot.
-
-    The agent rebuilds it (`dataclasses.replace`) whenever a component reports a change
-    and hands it to `Health.update`; nothing here is read from the system.
-    """
-
-    node: str
-    """This node's name."""
-    domain: str | None = None
-    """The domain the node belongs to or is joining; None: idle, nothing to do."""
-    clique: str = ""
-    """The node's clique; "" means no multi-node NVLink: a member without a daemon."""
-    address: str = ""
-    """The address IMEX binds and peers connect to."""
-    slot: int | None = None
-    """The node's slot once claimed (claiming or settled); None otherwise."""
-    incarnation: int = 0
-    """Grows with every agent start on this node."""
-    driver: str = ""
-    """The GPU driver version, "" when unknown."""
-    bus: BusFacts = BusFacts()
-    membership: MembershipFacts = MembershipFacts()
-    daemon: DaemonFacts = DaemonFacts()
-    domain_probe: DomainProbe | None = None
-    """None before the first domain probe of the current daemon."""
-    fabric: FabricFacts = FabricFacts()
-    clique_known: bool = True
-    """False while `[node] clique = "auto"` and no discovery has succeeded yet."""
-
-    @property
-    def daemon_applicable(self) -> bool:
-        """A node in a domain runs a daemon unless its clique is known to be empty."""
-        return self.domain is not None and (not self.clique_known or self.clique != "")
 
 
 # Conditions
@@ -283,7 +106,7 @@ def _bus(f: Facts) -> _Verdict:
         return _Verdict(
             "False",
             "PublishRefused",
-            f"the broker did not echo our retained publish on {_names(bus.refused)}: "
+            f"the broker did not echo our retained publish on {fleet.name_list(bus.refused)}: "
             "check its ACL for this node",
         )
     if not bus.synced:
@@ -316,7 +139,7 @@ def _slot(f: Facts) -> _Verdict:
         return _Verdict("False", "Released", f"slot of {where} given up{detail}")
     if m.reason == "NodeMapMismatch":
         who = (
-            f"members {_names(m.offending)} of {where} use a different max_nodes or mode"
+            f"members {fleet.name_list(m.offending)} of {where} use a different max_nodes or mode"
             if m.offending
             else f"the node list of {where} would differ"
         )
@@ -402,113 +225,9 @@ def _exit_text(d: DaemonFacts) -> str:
     return ": ".join(parts)
 
 
-class _DomainJudgement(NamedTuple):
-    verdict: _Verdict
-    state: str | None
-    """UP, DEGRADED, DOWN or FORMING; None when the node has no domain to judge."""
-
-
-def _judge_domain(f: Facts) -> _DomainJudgement:
-    if f.domain is None:
-        return _DomainJudgement(_Verdict("Unknown", "NoDomain", "no domain assigned"), None)
-    if not f.daemon_applicable:
-        return _DomainJudgement(
-            _Verdict("Unknown", "NotApplicable", "empty clique: no IMEX domain to join"), None
-        )
-    if not f.bus.synced:
-        # Without the bus the member records may be stale: what this node last saw of
-        # its domain is no judgement of it now (the condition's `since` says how long).
-        why = f": {f.bus.last_error}" if f.bus.last_error and not f.bus.connected else ""
-        link = "down" if not f.bus.connected else "up but not yet synced"
-        return _DomainJudgement(
-            _Verdict(
-                "Unknown", "BusDown", f"the bus link is {link}{why}; the domain view is stale"
-            ),
-            None,
-        )
-    forming = _DomainJudgement(
-        _Verdict("False", "Forming", "waiting for the daemon and the first domain probe"),
-        "FORMING",
-    )
-    probe = f.domain_probe
-    d = f.daemon
-    if d.state in ("FATAL", "BACKOFF") or d.reason or d.write_error:
-        # Nothing to judge while this node's own daemon is down: DaemonReady says why.
-        return _DomainJudgement(
-            _Verdict("False", "DaemonDown", f"the local daemon is {d.state}: see DaemonReady"),
-            None,
-        )
-    if f.membership.state != "member" or d.state != "RUNNING" or probe is None:
-        return forming
-    if probe.error:
-        return _DomainJudgement(
-            _Verdict("Unknown", "ProbeFailed", f"ctl -N -j failed: {probe.error}"), None
-        )
-    members = {slot: m.node for slot, m in f.membership.members.items()}
-    if probe.version_mismatch:
-        return _DomainJudgement(
-            _Verdict(
-                "False",
-                "VersionMismatch",
-                f"driver version differs on {_names(probe.version_mismatch)} (!V!)",
-            ),
-            "DEGRADED",
-        )
-    if d.imex_status != IMEX_READY:
-        return forming
-    unwell = set(probe.unreachable)
-    for slot, node in members.items():
-        seen = probe.slots.get(slot)
-        if seen is None or seen.status != IMEX_READY or not seen.connected:
-            unwell.add(node)
-    bad = sorted(unwell)
-    if not bad:
-        return _DomainJudgement(
-            _Verdict("True", "Up", f"{len(members)} members READY and connected"), "UP"
-        )
-    others = set(members.values()) - {f.node}
-    state = "DOWN" if others and others <= set(bad) else "DEGRADED"
-    return _DomainJudgement(
-        _Verdict(
-            "False",
-            "PeersUnreachable",
-            f"{len(bad)} of {len(members)} members not READY or not connected: {_names(bad)}",
-        ),
-        state,
-    )
-
-
 def _domain(f: Facts) -> _Verdict:
-    return _judge_domain(f).verdict
-
-
-def domain_state(facts: Facts) -> str | None:
-    """The domain as this node judges it over its members: one of DOMAIN_STATES, or None
-    when there is nothing to judge (idle, no daemon, failed probe).
-
-    IMEX's own "Domain State" is not used: in names mode the empty slots point at the
-    sentinel address, so it reads DEGRADED until every slot is filled.
-    """
-    return _judge_domain(facts).state
-
-
-def domain_view(facts: Facts) -> DomainView | None:
-    """The members as the last domain probe saw them, for the HealthReport."""
-    state = domain_state(facts)
-    if state is None:
-        return None
-    probe = facts.domain_probe
-    nodes: dict[str, SlotView] = {}
-    if probe is None:
-        return DomainView(status=state, nodes=nodes)
-    for slot, member in sorted(facts.membership.members.items()):
-        seen = probe.slots.get(slot)
-        nodes[str(slot)] = SlotView(
-            node=member.node,
-            status=seen.status if seen is not None else "UNKNOWN",
-            connected=seen.connected if seen is not None else False,
-        )
-    return DomainView(status=state, nodes=nodes)
+    seen = fleet.sight(f)
+    return _Verdict(seen.status, seen.reason, seen.message)
 
 
 def _fabric(f: Facts) -> _Verdict:
@@ -521,45 +240,9 @@ def _fabric(f: Facts) -> _Verdict:
     return _Verdict("True", "Ready", f"clique {f.clique} (discovered through NVML)")
 
 
-def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:NAMES_MAX])
-    more = len(names) - NAMES_MAX
-    return f"{shown} and {more} more" if more > 0 else shown
-
-
 def _clip(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= MESSAGE_MAX else line[: MESSAGE_MAX - 3] + "..."
-
-
-def ready(conds: Sequence[Condition]) -> bool:
-    """Bus synced, slot settled (or no domain) and daemon READY (or not applicable)."""
-    by_type = {c.type: c for c in conds}
-    return all(k in by_type and by_type[k].status == "True" for k in READINESS_TYPES)
-
-
-def failing(conds: Sequence[Condition]) -> list[Condition]:
-    """The readiness conditions that are not True, in readiness order."""
-    by_type = {c.type: c for c in conds}
-    out: list[Condition] = []
-    for kind in READINESS_TYPES:
-        c = by_type.get(kind)
-        if c is None:
-            c = Condition(type=kind, status="Unknown", reason="Missing", message="", since=0.0)
-        if c.status != "True":
-            out.append(c)
-    return out
-
-
-def describe(cond: Condition) -> str:
-    """`Type=Status Reason: message` on one line."""
-    text = f"{cond.type}={cond.status} {cond.reason}"
-    return f"{text}: {cond.message}" if cond.message else text
-
-
-def reason_line(conds: Sequence[Condition]) -> str:
-    """Why the node is not ready, on one line (empty when it is)."""
-    return "; ".join(describe(c) for c in failing(conds))
 
 
 def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport:
@@ -581,7 +264,7 @@ def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport
             last_exit=d.last_exit,
             imex_status=d.imex_status or None,
         ),
-        domain_view=domain_view(facts),
+        domain_view=fleet.domain_view(facts),
         address=facts.address,
         driver=facts.driver,
     )
@@ -596,7 +279,7 @@ def summary(facts: Facts, conds: Sequence[Condition]) -> str:
     where = f"{facts.domain} slot {facts.slot}"
     if not facts.daemon_applicable:
         return f"ready: {where}, no daemon (empty clique)"
-    state = domain_state(facts)
+    state = fleet.sight(facts).state
     tail = f", domain {state}" if state else ""
     return f"ready: {where}, IMEX {facts.daemon.imex_status}{tail}"
 

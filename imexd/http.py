@@ -32,7 +32,7 @@ from typing import Any, Final, Self
 import msgspec
 from aiohttp import web
 
-from imexd import health, messages
+from imexd import messages
 from imexd.errors import FatalError
 from imexd.health import Health, Heartbeats
 from imexd.logs import get_logger
@@ -241,14 +241,14 @@ class HealthServer:
 
     def _readyz(self) -> web.Response:
         conds = self._health.conditions
-        if health.ready(conds):
+        if messages.ready(conds):
             return _json(200, {"ready": True})
         return _json(
             503,
             {
                 "ready": False,
-                "reason": health.reason_line(conds),
-                "failing": [msgspec.to_builtins(c) for c in health.failing(conds)],
+                "reason": messages.reason_line(conds),
+                "failing": [msgspec.to_builtins(c) for c in messages.failing(conds)],
             },
         )
 

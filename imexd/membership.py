@@ -195,6 +195,20 @@ class Decision:
     message: str
     wake_at: float | None
     """Call `step` again at this time even if no record changes (None: only on changes)."""
+    view: SlotMap
+    """The other nodes' records as this step resolved them (our own left out): with our
+    own slot when `settled`, the members the files list (`members`)."""
+
+    def members(self, address: str) -> dict[int, tuple[str, str]]:
+        """slot -> (node, address) of the settled members, ours (at `address`) included.
+
+        Our settled slot is ours in the full resolution too (`step` settles only a claim
+        that no record on the slot beats), so the others' view needs no second `resolve`.
+        """
+        out = {slot: (r.node, r.address) for slot, r in self.view.members.items()}
+        if self.settled and self.claim.slot is not None:
+            out[self.claim.slot] = (self.claim.node, address)
+        return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -671,6 +685,7 @@ class _Step:
             reason=reason,
             message=message,
             wake_at=wake_at,
+            view=self.view,
         )
 
     def claim(self, slot: int, reason: Reason, message: str) -> Decision:
@@ -689,6 +704,7 @@ class _Step:
             reason=reason,
             message=f"claiming slot {slot}" + (f": {message}" if message else ""),
             wake_at=self.now + self.settle_s if self.settle_s > 0 else None,
+            view=self.view,
         )
 
     def reclaim(self, reason: Reason, message: str) -> Decision:

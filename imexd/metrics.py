@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from imexd import __version__, health
-from imexd.health import Facts
+from imexd import __version__, fleet, messages
+from imexd.facts import DAEMON_STATES, Facts
 from imexd.messages import Condition, DropReason
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
@@ -82,7 +82,7 @@ class Metrics:
     def update_from(self, facts: Facts, conds: Sequence[Condition]) -> None:
         """Take the snapshot that the fact-derived series show from now on."""
         self._facts = facts
-        self._ready = health.ready(conds)
+        self._ready = messages.ready(conds)
 
     def observe_reconcile(self, seconds: float) -> None:
         self._reconcile.observe(seconds)
@@ -116,7 +116,7 @@ class Metrics:
             "1 for the supervisor's current state of the IMEX daemon, 0 for the others.",
             labels=["state"],
         )
-        for name in health.DAEMON_STATES:
+        for name in DAEMON_STATES:
             state.add_metric([name], 1.0 if d.state == name else 0.0)
         yield state
         yield CounterMetricFamily(
@@ -155,14 +155,14 @@ class Metrics:
         yield GaugeMetricFamily(
             "imexd_slot", "The node's slot; -1 without one.", -1 if f.slot is None else f.slot
         )
-        judged = health.domain_state(f)
+        judged = fleet.sight(f).state
         domain = GaugeMetricFamily(
             "imexd_domain_state",
             "1 for the domain's state as this node judges it over the members; all 0 "
             "when there is nothing to judge.",
             labels=["state"],
         )
-        for name in health.DOMAIN_STATES:
+        for name in fleet.SIGHT_STATES:
             domain.add_metric([name], 1.0 if judged == name else 0.0)
         yield domain
         yield GaugeMetricFamily(

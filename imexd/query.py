@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple, TextIO
 
 import msgspec
 
-from imexd import health
+from imexd import messages
 from imexd.errors import ConfigError
 from imexd.messages import DaemonInfo, HealthReport
 
@@ -161,7 +161,7 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
         )
         lines.append(("domain state", f"{view.status}" + (f" [{members}]" if members else "")))
     else:
-        up = next((c for c in rep.conditions if c.type == health.DOMAIN_UP), None)
+        up = next((c for c in rep.conditions if c.type == messages.DOMAIN_UP), None)
         if rep.domain and up is not None and up.status == "Unknown":
             lines.append(("domain state", f"UNKNOWN ({up.reason})"))
     if rep.driver:
@@ -173,7 +173,7 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
     types = max((len(c.type) for c in rep.conditions), default=0)
     reasons = max((len(c.reason) for c in rep.conditions), default=0)
     for c in rep.conditions:
-        mark = " " if c.type not in health.READINESS_TYPES else "*"
+        mark = " " if c.type not in messages.READINESS_TYPES else "*"
         print(
             f" {mark}{c.type:<{types}}  {c.status:<7}  {c.reason:<{reasons}}  {c.message}",
             file=out,

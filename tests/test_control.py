@@ -28,15 +28,12 @@ import msgspec
 import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
+from imexd import facts as fx
 from imexd import health as hl
 from imexd.cli import main
-from imexd.control import (
-    Link,
-    Store,
-    outdated_schemas,
-    schema_texts,
-    summarize,
-)
+from imexd.control.link import Link
+from imexd.control.schemas import outdated_schemas, schema_texts
+from imexd.control.store import Store, summarize
 from imexd.errors import BusError
 from imexd.fleet import (
     FUTURE_SKEW_S,
@@ -48,6 +45,7 @@ from imexd.fleet import (
     render_status,
 )
 from imexd.messages import (
+    DOMAIN_UP,
     Assignment,
     DomainSpec,
     HealthReport,
@@ -58,7 +56,7 @@ from imexd.messages import (
     encode,
     json_schemas,
 )
-from imexd.settings import BrokerURL, BusSettings
+from imexd.settings import BusSettings
 from tests.support import Broker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,22 +96,22 @@ def report(
     at: float = NOW,
     domain: str = "d1",
     clique: str = "c1",
-    daemon: hl.DaemonFacts | None = None,
+    daemon: fx.DaemonFacts | None = None,
     down: tuple[str, ...] = (),
     skew: tuple[str, ...] = (),
     probed: bool = True,
-    membership: hl.MembershipState = "member",
+    membership: fx.MembershipState = "member",
     driver: str = "",
     since: float | None = None,
 ) -> HealthReport:
     """A HealthReport as an agent builds it: `down` are members its probe sees not READY."""
-    daemon = daemon or hl.DaemonFacts(state="RUNNING", pid=100 + slot, imex_status="READY")
+    daemon = daemon or fx.DaemonFacts(state="RUNNING", pid=100 + slot, imex_status="READY")
     running = daemon.state == "RUNNING"
     probe = None
     if probed and running:
-        probe = hl.DomainProbe(
+        probe = fx.LinkFacts(
             slots={
-                s: hl.SlotProbe(
+                s: fx.SlotLink(
                     n, "UNAVAILABLE" if n in down else "READY", n not in down and not down
                 )
                 for s, n in members.items()
@@ -121,7 +119,7 @@ def report(
             unreachable=tuple(sorted(down)),
             version_mismatch=skew,
         )
-    facts = hl.Facts(
+    facts = fx.Facts(
         node=node,
         domain=domain,
         clique=clique,
@@ -129,11 +127,11 @@ def report(
         slot=slot,
         incarnation=1,
         driver=driver,
-        bus=hl.BusFacts(connected=True, synced=True, broker="mqtt://127.0.0.1:1883"),
-        membership=hl.MembershipFacts(
+        bus=fx.BusFacts(connected=True, synced=True, broker="mqtt://127.0.0.1:1883"),
+        membership=fx.MembershipFacts(
             state=membership,
             max_nodes=8,
-            members={s: hl.Member(n, f"127.0.0.{s + 10}") for s, n in members.items()},
+            members={s: fx.Member(n, f"127.0.0.{s + 10}") for s, n in members.items()},
         ),
         daemon=daemon,
         domain_probe=probe,
@@ -143,7 +141,7 @@ def report(
 
 THREE = {0: "n1", 1: "n2", 2: "n3"}
 SPEC = DomainSpec(domain="d1", nodes=["n1", "n2", "n3"], max_nodes=8, generation=1)
-CRASH = hl.DaemonFacts(
+CRASH = fx.DaemonFacts(
     state="FATAL",
     restarts=3,
     last_exit="signal SIGKILL",
@@ -219,7 +217,7 @@ def test_no_member_ready_with_failures_is_down() -> None:
 def test_a_domain_without_reports_or_with_joining_members_is_forming() -> None:
     """Listed nodes that have not reported, or only start, make FORMING, not a failure."""
     assert judged([], recs=[]).state == "FORMING"
-    starting = hl.DaemonFacts(state="STARTING", pid=7)
+    starting = fx.DaemonFacts(state="STARTING", pid=7)
     reports = [
         report("n1", 0, THREE, down=("n2", "n3")),
         report("n2", 1, THREE, daemon=starting),
@@ -228,7 +226,7 @@ def test_a_domain_without_reports_or_with_joining_members_is_forming() -> None:
     assert status.state == "FORMING"
     assert row(status, "n2").pending
     assert row(status, "n3").reasons == ["NoReport"]
-    waiting = hl.DaemonFacts(state="RUNNING", pid=7, imex_status="WAITING_FOR_PEERS")
+    waiting = fx.DaemonFacts(state="RUNNING", pid=7, imex_status="WAITING_FOR_PEERS")
     status = judged([report("n1", 0, THREE), report("n2", 1, THREE, daemon=waiting)])
     assert status.state == "FORMING"
 
@@ -244,7 +242,7 @@ def test_views_not_probed_yet_or_missing_a_member_keep_it_forming() -> None:
 
 def test_a_restarted_daemon_that_is_not_ready_is_a_failure() -> None:
     """Starting again after a crash is not joining: the domain is DEGRADED."""
-    backoff = hl.DaemonFacts(state="STARTING", pid=9, restarts=1, last_exit="exit 1")
+    backoff = fx.DaemonFacts(state="STARTING", pid=9, restarts=1, last_exit="exit 1")
     reports = [
         report("n1", 0, THREE, down=("n2",)),
         report("n2", 1, THREE, daemon=backoff),
@@ -418,7 +416,7 @@ def bus_down(r: HealthReport) -> HealthReport:
         msgspec.structs.replace(
             c, status="Unknown", reason="BusDown", message="the bus link is down"
         )
-        if c.type == hl.DOMAIN_UP
+        if c.type == DOMAIN_UP
         else c
         for c in r.conditions
     ]
@@ -438,7 +436,7 @@ def test_a_node_outside_the_spec_list_does_not_count() -> None:
     """A reporting node the spec does not list is shown as NotInSpec and not counted."""
     spec = DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8)
     two = {0: "n1", 1: "n2"}
-    out = report("n3", 2, THREE, membership="out", daemon=hl.DaemonFacts())
+    out = report("n3", 2, THREE, membership="out", daemon=fx.DaemonFacts())
     status = judged(
         [*(report(n, s, two) for s, n in two.items()), out], spec=spec, recs=records(two)
     )
@@ -451,8 +449,8 @@ def test_members_without_multi_node_nvlink_are_up_without_a_view() -> None:
     """Nodes with an empty clique run no daemon; ready is all they need to be UP."""
     recs = [member_record("n1", 0, clique=""), member_record("n2", 1, clique="")]
     reports = [
-        report("n1", 0, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
-        report("n2", 1, {}, clique="", daemon=hl.DaemonFacts(), probed=False),
+        report("n1", 0, {}, clique="", daemon=fx.DaemonFacts(), probed=False),
+        report("n2", 1, {}, clique="", daemon=fx.DaemonFacts(), probed=False),
     ]
     spec = DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8)
     assert judged(reports, spec=spec, recs=recs).state == "UP"
@@ -951,7 +949,7 @@ async def test_status_exits_0_only_when_up(broker: Broker, env: dict[str, str]) 
 async def test_status_waits_for_up_within_its_wait(broker: Broker, env: dict[str, str]) -> None:
     """With --wait, a domain that becomes UP meanwhile exits 0 as soon as it is UP."""
     state = domain_state("d1", ["n1", "n2", "n3"])
-    starting = report("n3", 2, THREE, daemon=hl.DaemonFacts(state="STARTING"), at=time.time())
+    starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
     await put(broker, state | {T.health("d1", "n3"): encode(starting)})
     proc = asyncio.create_task(
         asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "20")
@@ -1048,24 +1046,15 @@ async def test_every_broker_is_tried_in_turn(broker: Broker) -> None:
         assert link.broker == broker.url
 
 
-class CountingLink(Link):
-    """A Link that records which MQTT versions it asked for."""
-
-    asked: list[bool]
-
-    def _new_client(self, broker: BrokerURL, *, v5: bool, password: str | None) -> aiomqtt.Client:
-        self.asked = [*getattr(self, "asked", []), v5]
-        return super()._new_client(broker, v5=v5, password=password)
-
-
 @pytest.mark.parametrize(("protocol", "asked"), [("auto", [True]), ("3.1.1", [False])])
 async def test_the_link_asks_for_the_protocol_the_settings_allow(
     broker: Broker, protocol: Literal["auto", "3.1.1"], asked: list[bool]
 ) -> None:
-    """`[bus] protocol` decides the versions the control plane tries (bus.protocol_versions)."""
-    async with CountingLink(BusSettings(url=(broker.url,), protocol=protocol)) as link:
+    """`[bus] protocol` decides the versions the control plane tries (mqtt.protocol_versions)."""
+    async with Link(BusSettings(url=(broker.url,), protocol=protocol)) as link:
         await link.read(T.specs_filter())
-    assert link.asked == asked
+        assert link._client is not None
+        assert [link._client.v5] == asked
 
 
 async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
@@ -1100,9 +1089,9 @@ def test_the_shipped_schemas_are_the_generated_ones() -> None:
 
 
 def test_the_schema_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
-    """`python -m imexd.control --check-schemas` exits 1 when a file differs."""
+    """`imexd schemas --check` exits 1 when a file differs."""
     gen = subprocess.run(
-        [sys.executable, "-m", "imexd.control", "--write-schemas", str(tmp_path)],
+        [IMEXD, "schemas", "--write", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -1111,7 +1100,7 @@ def test_the_schema_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
     assert gen.returncode == 0, gen.stderr
     (tmp_path / "DomainSpec.json").write_text("{}\n")
     check = subprocess.run(
-        [sys.executable, "-m", "imexd.control", "--check-schemas", str(tmp_path)],
+        [IMEXD, "schemas", "--check", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=30,

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-from imexd import health
+from imexd import messages
 from imexd.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TROUBLESHOOTING = DOCS / "troubleshooting.md"
-HEALTH_SOURCE = ROOT / "imexd" / "health.py"
+HEALTH_SOURCES = tuple(ROOT / "imexd" / name for name in ("health.py", "fleet.py", "messages.py"))
 DAEMON_SOURCE = ROOT / "imexd" / "daemon.py"
 
 DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' && .venv/bin/imexd demo"
@@ -54,12 +54,18 @@ def _prose_lines(text: str) -> Iterator[str]:
 
 @cache
 def _health_reasons() -> frozenset[str]:
-    """Reason literals of health.py: `_Verdict(status, reason, ...)` and `reason="..."`."""
+    """Reason literals of the conditions (health.py, fleet.sight, messages.failing):
+    `_Verdict(status, reason, ...)`, `Sight(status, reason, ...)` and `reason="..."`."""
     reasons: set[str] = set()
-    for node in ast.walk(ast.parse(HEALTH_SOURCE.read_text())):
+    trees = [ast.parse(source.read_text()) for source in HEALTH_SOURCES]
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if not isinstance(node, ast.Call):
             continue
-        if isinstance(node.func, ast.Name) and node.func.id == "_Verdict" and len(node.args) > 1:
+        if (
+            isinstance(node.func, ast.Name)
+            and node.func.id in ("_Verdict", "Sight")
+            and len(node.args) > 1
+        ):
             arg = node.args[1]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 reasons.add(arg.value)
@@ -157,7 +163,7 @@ def test_every_condition_type_has_a_section() -> None:
         for line in _prose_lines(TROUBLESHOOTING.read_text())
         if (m := _HEADING.match(line)) is not None
     }
-    assert set(health.CONDITION_TYPES) <= headings
+    assert set(messages.CONDITION_TYPES) <= headings
 
 
 def test_every_supervisor_code_is_in_troubleshooting() -> None:

@@ -9,19 +9,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from imexd import health, messages
-from imexd.health import (
+from imexd import fleet, health, messages
+from imexd.facts import (
     BusFacts,
     DaemonFacts,
-    DomainProbe,
     FabricFacts,
     Facts,
-    Health,
-    Heartbeats,
+    LinkFacts,
     Member,
     MembershipFacts,
-    SlotProbe,
+    SlotLink,
 )
+from imexd.health import Health, Heartbeats
 from imexd.messages import Condition, HealthReport
 
 T0 = 1_000.0
@@ -45,8 +44,8 @@ def working(**changes: Any) -> Facts:
         bus=BusFacts(connected=True, synced=True, broker="mqtt://10.0.0.9:1883"),
         membership=MembershipFacts(state="member", max_nodes=18, members=members),
         daemon=DaemonFacts(state="RUNNING", pid=4242, restarts=1, imex_status="READY"),
-        domain_probe=DomainProbe(
-            slots={s: SlotProbe(m.node, "READY", True) for s, m in members.items()}
+        domain_probe=LinkFacts(
+            slots={s: SlotLink(m.node, "READY", True) for s, m in members.items()}
         ),
         fabric=FabricFacts(source="nvml"),
     )
@@ -88,8 +87,8 @@ def test_working_member_is_ready_with_every_condition_true() -> None:
         ("DomainUp", "True", "Up"),
         ("FabricReady", "True", "Ready"),
     ]
-    assert health.ready(conds)
-    assert health.reason_line(conds) == ""
+    assert messages.ready(conds)
+    assert messages.reason_line(conds) == ""
 
 
 def test_idle_node_is_ready_and_says_it_has_no_domain() -> None:
@@ -99,7 +98,7 @@ def test_idle_node_is_ready_and_says_it_has_no_domain() -> None:
     assert (conds["SlotSettled"].status, conds["SlotSettled"].reason) == ("True", "NoDomain")
     assert (conds["DaemonReady"].status, conds["DaemonReady"].reason) == ("True", "NotApplicable")
     assert (conds["DomainUp"].status, conds["DomainUp"].reason) == ("Unknown", "NoDomain")
-    assert health.ready(list(conds.values()))
+    assert messages.ready(list(conds.values()))
 
 
 def test_domain_up_is_not_part_of_readiness() -> None:
@@ -107,14 +106,14 @@ def test_domain_up_is_not_part_of_readiness() -> None:
     facts = probe(unreachable=("n2",))
     conds = health.conditions(facts, [], T0)
     assert cond(facts, "DomainUp").status == "False"
-    assert health.ready(conds)
+    assert messages.ready(conds)
 
 
 def test_missing_readiness_condition_is_not_ready() -> None:
     """A condition list without one of the readiness types is not ready."""
     conds = [c for c in health.conditions(working(), [], T0) if c.type != "BusConnected"]
-    assert not health.ready(conds)
-    assert health.failing(conds)[0].reason == "Missing"
+    assert not messages.ready(conds)
+    assert messages.failing(conds)[0].reason == "Missing"
 
 
 # BusConnected
@@ -127,7 +126,7 @@ def test_bus_disconnected_names_broker_and_last_error() -> None:
     assert (c.status, c.reason) == ("False", "Disconnected")
     assert "mqtt://b:1883" in c.message
     assert "connection refused" in c.message
-    assert not health.ready(health.conditions(facts, [], T0))
+    assert not messages.ready(health.conditions(facts, [], T0))
 
 
 def test_bus_connected_but_not_synced_is_not_ready() -> None:
@@ -195,7 +194,7 @@ def test_slot_node_map_mismatch_names_offending_members() -> None:
     c = cond(facts, "SlotSettled")
     assert (c.status, c.reason) == ("False", "NodeMapMismatch")
     assert "n7, n9" in c.message
-    assert not health.ready(health.conditions(facts, [], T0))
+    assert not messages.ready(health.conditions(facts, [], T0))
 
 
 def test_slot_settled_counts_members() -> None:
@@ -244,7 +243,7 @@ def test_daemon_crash_loop_uses_supervisor_message() -> None:
     c = cond(facts, "DaemonReady")
     assert (c.status, c.reason) == ("False", "DaemonCrashLoop")
     assert c.message == "exit 3: cannot bind 10.0.0.1:50000"
-    line = health.reason_line(health.conditions(facts, [], T0))
+    line = messages.reason_line(health.conditions(facts, [], T0))
     assert line == "DaemonReady=False DaemonCrashLoop: exit 3: cannot bind 10.0.0.1:50000"
 
 
@@ -293,7 +292,7 @@ def test_daemon_not_applicable_for_empty_clique_is_ready() -> None:
     assert (c["DaemonReady"].status, c["DaemonReady"].reason) == ("True", "NotApplicable")
     assert (c["FabricReady"].status, c["FabricReady"].reason) == ("True", "NotApplicable")
     assert (c["DomainUp"].status, c["DomainUp"].reason) == ("Unknown", "NotApplicable")
-    assert health.ready(conds)
+    assert messages.ready(conds)
 
 
 def test_daemon_probe_failed() -> None:
@@ -345,7 +344,7 @@ def test_domain_up_judged_over_members_only() -> None:
     """Empty slots (15 of 18 here) do not make the domain look degraded."""
     c = cond(working(), "DomainUp")
     assert (c.status, c.reason) == ("True", "Up")
-    assert health.domain_state(working()) == "UP"
+    assert fleet.sight(working()).state == "UP"
 
 
 def test_domain_peers_unreachable_names_them() -> None:
@@ -353,24 +352,24 @@ def test_domain_peers_unreachable_names_them() -> None:
     base = working().domain_probe
     assert base is not None
     slots = dict(base.slots)
-    slots[2] = SlotProbe("n3", "READY", False)
+    slots[2] = SlotLink("n3", "READY", False)
     facts = probe(slots=MappingProxyType(slots), unreachable=("n2",))
     c = cond(facts, "DomainUp")
     assert (c.status, c.reason) == ("False", "PeersUnreachable")
     assert "n2, n3" in c.message
-    assert health.domain_state(facts) == "DOWN"
+    assert fleet.sight(facts).state == "DOWN"
 
 
 def test_domain_degraded_when_some_peers_are_fine() -> None:
     """One of two peers unreachable is DEGRADED, not DOWN."""
     facts = probe(unreachable=("n3",))
-    assert health.domain_state(facts) == "DEGRADED"
+    assert fleet.sight(facts).state == "DEGRADED"
     assert "n3" in cond(facts, "DomainUp").message
 
 
 def test_domain_member_missing_from_probe_is_unreachable() -> None:
     """A member the probe did not show at all is counted as not connected."""
-    facts = probe(slots=MappingProxyType({0: SlotProbe("n1", "READY", True)}))
+    facts = probe(slots=MappingProxyType({0: SlotLink("n1", "READY", True)}))
     assert "n2, n3" in cond(facts, "DomainUp").message
 
 
@@ -385,7 +384,7 @@ def test_domain_forming_before_the_first_probe() -> None:
     """Without a domain probe yet, or a daemon not READY, the domain is Forming."""
     assert cond(working(domain_probe=None), "DomainUp").reason == "Forming"
     assert cond(daemon(imex_status="WAITING_FOR_PEERS"), "DomainUp").reason == "Forming"
-    assert health.domain_state(working(domain_probe=None)) == "FORMING"
+    assert fleet.sight(working(domain_probe=None)).state == "FORMING"
 
 
 def test_domain_not_judged_while_the_local_daemon_is_down() -> None:
@@ -394,7 +393,7 @@ def test_domain_not_judged_while_the_local_daemon_is_down() -> None:
     c = cond(facts, "DomainUp")
     assert (c.status, c.reason) == ("False", "DaemonDown")
     assert "FATAL" in c.message
-    assert health.domain_state(facts) is None
+    assert fleet.sight(facts).state is None
     assert health.report(facts, [], T0).domain_view is None
 
 
@@ -402,7 +401,7 @@ def test_domain_probe_failed_is_unknown() -> None:
     """A failing `ctl -N -j` makes the domain unknown, not down."""
     c = cond(probe(error="exit 1"), "DomainUp")
     assert (c.status, c.reason) == ("Unknown", "ProbeFailed")
-    assert health.domain_state(probe(error="exit 1")) is None
+    assert fleet.sight(probe(error="exit 1")).state is None
 
 
 def test_long_name_lists_are_shortened() -> None:
@@ -553,7 +552,7 @@ def test_daemon_waits_for_an_unknown_clique() -> None:
     c = cond(facts, "DaemonReady")
     assert (c.status, c.reason) == ("False", "NotStarted")
     assert "waiting for the clique" in c.message
-    assert not health.ready(list(judge(facts).values()))
+    assert not messages.ready(list(judge(facts).values()))
 
 
 def test_a_mismatch_keeps_the_daemon_from_starting_and_says_so() -> None:
@@ -587,8 +586,8 @@ def test_domain_view_is_unknown_while_the_bus_is_down() -> None:
     c = cond(facts, "DomainUp")
     assert (c.status, c.reason) == ("Unknown", "BusDown")
     assert "connection refused" in c.message
-    assert health.domain_state(facts) is None
-    assert health.domain_view(facts) is None
+    assert fleet.sight(facts).state is None
+    assert fleet.domain_view(facts) is None
     assert "domain UP" not in health.summary(facts, health.conditions(facts, [], T0))
 
 
@@ -630,7 +629,7 @@ def test_duplicate_node_is_not_ready_and_says_why() -> None:
     assert "10.0.0.9" in by_type["SlotSettled"].message
     assert by_type["DaemonReady"].status == "False"
     assert "another agent" in by_type["DaemonReady"].message
-    assert not health.ready(conds)
+    assert not messages.ready(conds)
 
 
 def test_released_slot_says_why() -> None:

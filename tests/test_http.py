@@ -19,17 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imexd import health, messages
 from imexd.errors import FatalError
-from imexd.health import (
+from imexd.facts import (
     BusFacts,
     DaemonFacts,
-    DomainProbe,
     Facts,
-    Health,
-    Heartbeats,
+    LinkFacts,
     Member,
     MembershipFacts,
-    SlotProbe,
+    SlotLink,
 )
+from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer, ServerLimits
 from imexd.messages import HealthReport
 from imexd.metrics import CONTENT_TYPE, Metrics
@@ -45,9 +44,7 @@ READY = Facts(
     bus=BusFacts(connected=True, synced=True, broker="mqtt://127.0.0.1:1883"),
     membership=MembershipFacts(state="member", members=MEMBERS),
     daemon=DaemonFacts(state="RUNNING", pid=99, restarts=2, reloads=5, imex_status="READY"),
-    domain_probe=DomainProbe(
-        slots={s: SlotProbe(m.node, "READY", True) for s, m in MEMBERS.items()}
-    ),
+    domain_probe=LinkFacts(slots={s: SlotLink(m.node, "READY", True) for s, m in MEMBERS.items()}),
 )
 
 

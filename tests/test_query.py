@@ -15,15 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from imexd.health import (
-    BusFacts,
-    DaemonFacts,
-    Facts,
-    Health,
-    Heartbeats,
-    Member,
-    MembershipFacts,
-)
+from imexd.facts import BusFacts, DaemonFacts, Facts, Member, MembershipFacts
+from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.messages import HealthReport
 from imexd.metrics import Metrics

@@ -1,38 +1,14 @@
-"""Agent pieces that need no processes: judging the domain probe over the members."""
+"""What one node sees of its domain: `fleet.links` over its `ctl -N -j` table."""
 
 from __future__ import annotations
 
 import json
-from types import MappingProxyType
 from typing import Any
 
-from imexd.agent import Agent, Desired
-from imexd.messages import MemberRecord, MemberState
+from imexd import fleet
 from imexd.probe import parse_domain_json
-from imexd.settings import settings_from_mapping
 
-
-def _agent(members: dict[int, str]) -> Agent:
-    settings = settings_from_mapping(
-        {"node": {"name": "n0", "address": "127.0.0.1", "clique": "c1"}}, environ={}
-    )
-    agent = Agent(settings)
-    agent.desired = Desired(
-        domain="d1", clique="c1", slot=0, run=True, members=MappingProxyType(members)
-    )
-    for slot, address in members.items():
-        agent.records[f"n{slot}"] = MemberRecord(
-            node=f"n{slot}",
-            domain="d1",
-            clique="c1",
-            address=address,
-            slot=slot,
-            incarnation=1,
-            state=MemberState.MEMBER,
-            max_nodes=18,
-            mode="names",
-        )
-    return agent
+NAMES = {0: "n0", 1: "n1", 2: "n2"}
 
 
 def _view(states: dict[int, str], links: dict[tuple[int, int], str]) -> str:
@@ -52,14 +28,10 @@ def _view(states: dict[int, str], links: dict[tuple[int, int], str]) -> str:
     return json.dumps({"timestamp": "t", "status": "DEGRADED", "nodes": nodes})
 
 
-MEMBERS = {0: "127.0.0.1", 1: "127.0.0.3", 2: "127.0.0.4"}
-
-
 def test_all_connected_members_are_up() -> None:
     """Three READY members connected both ways: nobody is unreachable."""
-    view = _agent(MEMBERS)._judge_domain(
-        parse_domain_json(_view(dict.fromkeys(MEMBERS, "READY"), {}))
-    )
+    table = parse_domain_json(_view(dict.fromkeys(NAMES, "READY"), {}))
+    view = fleet.links(table, NAMES, "names")
     assert view.unreachable == ()
     assert all(s.connected for s in view.slots.values())
 
@@ -68,7 +40,7 @@ def test_a_dead_daemon_is_named_alone() -> None:
     """One member UNAVAILABLE: only it is unreachable, the live ones stay connected."""
     states = {0: "READY", 1: "UNAVAILABLE", 2: "READY"}
     links = {(0, 1): "NEVER_CONNECTED", (2, 1): "NEVER_CONNECTED"}
-    view = _agent(MEMBERS)._judge_domain(parse_domain_json(_view(states, links)))
+    view = fleet.links(parse_domain_json(_view(states, links)), NAMES, "names")
     assert view.unreachable == ("n1",)
     assert view.slots[0].connected
     assert view.slots[2].connected
@@ -77,7 +49,18 @@ def test_a_dead_daemon_is_named_alone() -> None:
 
 def test_a_broken_link_names_both_ends() -> None:
     """A link broken between two live members makes both ends not connected."""
-    states = dict.fromkeys(MEMBERS, "READY")
-    view = _agent(MEMBERS)._judge_domain(parse_domain_json(_view(states, {(0, 2): "RECOVERING"})))
+    states = dict.fromkeys(NAMES, "READY")
+    table = parse_domain_json(_view(states, {(0, 2): "RECOVERING"}))
+    view = fleet.links(table, NAMES, "names")
     assert view.unreachable == ("n0", "n2")
     assert view.slots[1].connected
+
+
+def test_addresses_mode_indexes_members_in_slot_order() -> None:
+    """In addresses mode the table's index i is the i-th member by slot, not the slot."""
+    states = {0: "READY", 1: "UNAVAILABLE"}
+    table = parse_domain_json(_view(states, {(0, 1): "NEVER_CONNECTED"}))
+    view = fleet.links(table, {3: "n3", 7: "n7"}, "addresses")
+    assert view.unreachable == ("n7",)
+    assert view.slots[3].connected
+    assert view.slots[7].status == "UNAVAILABLE"

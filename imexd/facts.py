@@ -1,0 +1,190 @@
+"""What the agent knows about its node: one immutable snapshot of facts.
+
+The agent fills a `Facts` from what its components already track (bus, membership,
+supervisor, probes, fabric discovery); `imexd.health` turns it into conditions and
+`imexd.fleet.sight` judges the node's domain from it. Its own module because both read it
+and neither may import the other's rules: plain data, no behaviour, nothing from imexd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final, Literal, NamedTuple
+
+DAEMON_STATES: Final = ("STOPPED", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "FATAL")
+"""The supervisor's states, as `DaemonFacts.state` holds them."""
+
+MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
+MembershipReason = Literal[
+    "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
+]
+WriteMethod = Literal["rename", "in_place"]
+FabricSource = Literal["config", "nvml"]
+
+
+class Member(NamedTuple):
+    """A settled member of the node's (domain, clique), as its record says."""
+
+    node: str
+    address: str
+
+
+class SlotLink(NamedTuple):
+    """One member slot as the node's last `ctl -N -j` saw it."""
+
+    node: str
+    """The member's node name (not the slot host name)."""
+    status: str
+    """Its IMEX status word (READY, WAITING_FOR_PEERS, ...; UNAVAILABLE if unknown)."""
+    connected: bool
+    """Whether it is connected to every other member (empty slots do not count)."""
+
+
+_EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BusFacts:
+    """What the bus client knows about its broker link."""
+
+    connected: bool = False
+    """A session with the broker is up (CONNACK received)."""
+    synced: bool = False
+    """Connected, subscribed, and the retained snapshot has been seen since the last
+    (re)connect: only then do the member records mean anything."""
+    broker: str = ""
+    """The broker URL in use, or last tried."""
+    last_error: str = ""
+    """Why the last connection attempt or connection failed; "" when none did."""
+    refused: tuple[str, ...] = ()
+    """Topics whose retained publish did not come back in time: the broker most likely
+    refused them (ACL), which MQTT 3.1.1 and aiomqtt 2.x cannot report otherwise."""
+    reconnects: int = 0
+    """Reconnections since the agent started (cumulative, for metrics)."""
+    dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """Messages dropped since the agent started, by `messages.DropReason` value
+    (cumulative, for metrics)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MembershipFacts:
+    """Where the node stands in its (domain, clique)."""
+
+    state: MembershipState = "none"
+    """none: nothing claimed yet (e.g. waiting for the retained snapshot); claiming: a
+    claim is published and not settled; member: settled; standby: no slot for now;
+    out: kept out by the spec or a mismatch; leaving: the domain is being left."""
+    reason: MembershipReason = ""
+    """Why the node is not a working member (standby, out, or member with a daemon
+    refused); "" when nothing is wrong. Takes precedence over `state`."""
+    detail: str = ""
+    """A human sentence for `reason`, e.g. which nodes the spec lists."""
+    offending: tuple[str, ...] = ()
+    """NodeMapMismatch: the members whose max_nodes or mode differ from ours."""
+    max_nodes: int = 18
+    """Slots of the (domain, clique)."""
+    members: Mapping[int, Member] = field(default_factory=lambda: MappingProxyType({}))
+    """Settled members by slot, this node included when it is one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonFacts:
+    """The supervised IMEX daemon, its files and its local probe."""
+
+    state: str = "STOPPED"
+    """The supervisor's state: one of `DAEMON_STATES`."""
+    pid: int | None = None
+    """The daemon's pid while one runs."""
+    restarts: int = 0
+    """Restarts of a daemon that had been running, since the agent started (cumulative,
+    for metrics and reports)."""
+    start_failures: int = 0
+    """Starts that never reached RUNNING (missing binary, immediate exit), cumulative."""
+    reloads: int = 0
+    """SIGUSR1 reloads sent since the agent started (cumulative, for metrics)."""
+    last_exit: str | None = None
+    """How the last daemon exited, e.g. "exit 3" or "signal SIGKILL"; None before any."""
+    reason: str = ""
+    """The supervisor's machine-readable problem, e.g. "DaemonCrashLoop" (FATAL after
+    too many failed starts) or "ConflictingDaemon" (it refuses to start); "" when none.
+    A supervisor reason string "Word: text" splits with `split_reason`."""
+    message: str = ""
+    """The human side of `reason` (exit and last line, who conflicts), or why the
+    daemon is in its state."""
+    last_line: str = ""
+    """The daemon's last output line, for BACKOFF messages."""
+    write_error: str = ""
+    """Why the last write of config.cfg, nodes_config.cfg or hosts failed; "" if none."""
+    write_path: str = ""
+    """The file that `write_error` is about."""
+    write_method: WriteMethod = "rename"
+    """How the files were last written: atomically by rename, or in place under a lock
+    (bind-mounted or read-only-folder hosts files); conditions say which."""
+    imex_status: str = ""
+    """The last word of `ctl -q` (READY, WAITING_FOR_PEERS, ...); "" before any."""
+    probe_error: str = ""
+    """Why the last `ctl -q` failed or timed out; "" when it succeeded."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkFacts:
+    """The last domain probe (`ctl -N -j`) turned into per-member facts (`fleet.links`)."""
+
+    error: str = ""
+    """Why the probe failed or timed out; "" when it succeeded."""
+    slots: Mapping[int, SlotLink] = field(default_factory=lambda: MappingProxyType({}))
+    """Per member slot (empty slots excluded: they are unreachable by design)."""
+    unreachable: tuple[str, ...] = ()
+    """Member nodes this node cannot reach."""
+    version_mismatch: tuple[str, ...] = ()
+    """Member nodes whose cell reads `!V!` (driver version skew)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FabricFacts:
+    """Where the clique came from and whether NVML discovery worked."""
+
+    source: FabricSource = "config"
+    """"config": set in the settings (including "" for no multi-node NVLink);
+    "nvml": discovered from GPU fabric info."""
+    error: str = ""
+    """Why NVML discovery failed and what to set instead; "" when it did not."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Facts:
+    """Everything the agent knows that health depends on: one immutable snapshot.
+
+    The agent rebuilds it (`dataclasses.replace`) whenever a component reports a change
+    and hands it to `Health.update`; nothing here is read from the system.
+    """
+
+    node: str
+    """This node's name."""
+    domain: str | None = None
+    """The domain the node belongs to or is joining; None: idle, nothing to do."""
+    clique: str = ""
+    """The node's clique; "" means no multi-node NVLink: a member without a daemon."""
+    address: str = ""
+    """The address IMEX binds and peers connect to."""
+    slot: int | None = None
+    """The node's slot once claimed (claiming or settled); None otherwise."""
+    incarnation: int = 0
+    """Grows with every agent start on this node."""
+    driver: str = ""
+    """The GPU driver version, "" when unknown."""
+    bus: BusFacts = BusFacts()
+    membership: MembershipFacts = MembershipFacts()
+    daemon: DaemonFacts = DaemonFacts()
+    domain_probe: LinkFacts | None = None
+    """None before the first domain probe of the current daemon."""
+    fabric: FabricFacts = FabricFacts()
+    clique_known: bool = True
+    """False while `[node] clique = "auto"` and no discovery has succeeded yet."""
+
+    @property
+    def daemon_applicable(self) -> bool:
+        """A node in a domain runs a daemon unless its clique is known to be empty."""
+        return self.domain is not None and (not self.clique_known or self.clique != "")
