@@ -108,8 +108,7 @@ class DaemonFacts:
     """How the last daemon exited, e.g. "exit 3" or "signal SIGKILL"; None before any."""
     reason: str = ""
     """The supervisor's machine-readable problem, e.g. "DaemonCrashLoop" (FATAL after
-    too many failed starts) or "ConflictingDaemon" (it refuses to start); "" when none.
-    A supervisor reason string "Word: text" splits with `split_reason`."""
+    too many failed starts) or "ConflictingDaemon" (it refuses to start); "" when none."""
     message: str = ""
     """The human side of `reason` (exit and last line, who conflicts), or why the
     daemon is in its state."""

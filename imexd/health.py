@@ -14,7 +14,6 @@ peers.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
@@ -41,19 +40,6 @@ Status = Literal["True", "False", "Unknown"]
 IMEX_READY: Final = fleet.IMEX_READY
 MESSAGE_MAX: Final = 300
 """Characters a condition message keeps: reports travel in 16 KiB bus payloads."""
-
-
-def split_reason(text: str) -> tuple[str, str]:
-    """Split a supervisor reason such as "DaemonCrashLoop: exit 3: <line>" into the
-    machine-readable word and the human message; text without a leading CamelCase word
-    is all message."""
-    word, sep, rest = text.partition(":")
-    if sep and _REASON_WORD.match(word):
-        return word, rest.strip()
-    return "", text.strip()
-
-
-_REASON_WORD: Final = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 
 # Conditions

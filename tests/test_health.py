@@ -327,17 +327,7 @@ def test_daemon_stopping_and_other_supervisor_reasons() -> None:
     assert (c.status, c.reason, c.message) == ("False", "SpawnFailed", "no such file")
 
 
-def test_split_reason() -> None:
-    """A supervisor's "Word: text" reason splits into the reason and the message."""
-    assert health.split_reason("DaemonCrashLoop: exit 3: bind: failed") == (
-        "DaemonCrashLoop",
-        "exit 3: bind: failed",
-    )
-    assert health.split_reason("exit 3: boom") == ("", "exit 3: boom")
-    assert health.split_reason("") == ("", "")
-
-
-# DomainUp
+# DomainUp (fleet.sight, as health wraps it)
 
 
 def test_domain_up_judged_over_members_only() -> None:
