@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from imexd import __version__
@@ -168,15 +169,72 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from imexd import render  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd render`: print (or write into --out) the files the agent would write.
 
-    return render.cli_render(args)
+    Exit 0 on success, 1 when --out cannot be written, 2 for invalid settings or
+    member records (one message on stderr).
+    """
+    from imexd import render  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.errors import FileWriteError, ParseError  # noqa: PLC0415 - with render
+    from imexd.files import read_text_or_empty, write_atomic  # noqa: PLC0415 - with render
+    from imexd.settings import load_settings  # noqa: PLC0415 - with render
+
+    settings = load_settings(args.config)
+    try:
+        records = render.read_members(args.members)
+        hosts_current = read_text_or_empty(settings.imex.hosts_file)
+        targets = render.dry_run(settings, records, hosts_current=hosts_current)
+    except (ParseError, ValueError) as exc:
+        print(f"imexd render: {exc}", file=sys.stderr)
+        return 2
+    except FileWriteError as exc:
+        print(f"imexd render: {exc}", file=sys.stderr)
+        return 1
+    if args.out is None:
+        for index, (path, _, text) in enumerate(targets):
+            print(("" if index == 0 else "\n") + f"==> {path} <==")
+            # Undecodable bytes of a hosts file are shown as U+FFFD, written as they are.
+            shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            sys.stdout.write(shown if shown.endswith("\n") or not shown else shown + "\n")
+        return 0
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for _, name, text in targets:
+            changed = write_atomic(out / name, text)
+            print(f"{out / name}: {'written' if changed else 'unchanged'}")
+    except OSError as exc:
+        print(f"imexd render: cannot create {out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    except FileWriteError as exc:
+        print(f"imexd render: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_discover(args: argparse.Namespace) -> int:
-    from imexd import fabric  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd discover`: print the fabric report and clique as JSON; exit 0, or 1 with
+    the reason on stderr (the JSON, with `"clique": null`, still printed when GPUs were
+    read but the rule failed, so the operator sees which GPU disagrees)."""
+    import json  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return fabric.cli_discover(args)
+    from imexd import fabric  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.errors import DiscoveryError  # noqa: PLC0415 - with fabric
+
+    timeout = float(args.timeout)
+    if not timeout > 0:
+        print(f"imexd discover: --timeout {args.timeout}: expected seconds > 0", file=sys.stderr)
+        return 2
+    try:
+        doc, failure = fabric.discover_report(timeout)
+    except DiscoveryError as exc:
+        print(f"imexd discover: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2))
+    if failure is not None:
+        print(f"imexd discover: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

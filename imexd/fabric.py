@@ -14,7 +14,6 @@ clique rule itself, `clique_from_fabric`, is a pure function of the per-GPU reco
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -390,33 +389,17 @@ async def discover(
     return Discovery(report=report, clique=result.clique, reason=result.reason)
 
 
-def discover_sync(timeout: float, *, child_cmd: Sequence[str] | None = None) -> Discovery:
-    """`discover` for synchronous callers (the CLI); not for use inside an event loop."""
-    return asyncio.run(discover(timeout, child_cmd=child_cmd))
-
-
-def cli_discover(args: argparse.Namespace) -> int:
-    """`imexd discover`: print the fabric report and clique as JSON; exit 0, or 1 with
-    the reason on stderr (the JSON, with `"clique": null`, still printed when GPUs were
-    read but the rule failed, so the operator sees which GPU disagrees)."""
-    timeout = float(args.timeout)
-    if not timeout > 0:
-        print(f"imexd discover: --timeout {args.timeout}: expected seconds > 0", file=sys.stderr)
-        return 2
-    try:
-        report = asyncio.run(collect_fabric(timeout))
-    except DiscoveryError as exc:
-        print(f"imexd discover: {exc}", file=sys.stderr)
-        return 1
+def discover_report(timeout: float) -> tuple[dict[str, Any], str | None]:
+    """What `imexd discover` prints: the report and its clique as JSON, and why the clique
+    rule failed (None when it did not; the JSON then has `"clique": null`). DiscoveryError
+    when the GPUs could not be read at all. Blocking: for the CLI, not inside a loop."""
+    report = asyncio.run(collect_fabric(timeout))
     try:
         result = clique_from_fabric(report.gpus)
     except DiscoveryError as exc:
-        print(json.dumps({**report.to_json(), "clique": None, "reason": str(exc)}, indent=2))
-        print(f"imexd discover: {exc}", file=sys.stderr)
-        return 1
+        return {**report.to_json(), "clique": None, "reason": str(exc)}, str(exc)
     discovery = Discovery(report=report, clique=result.clique, reason=result.reason)
-    print(json.dumps(discovery.to_json(), indent=2))
-    return 0
+    return discovery.to_json(), None
 
 
 # The child: the only code in imexd that touches pynvml.
@@ -646,5 +629,7 @@ if __name__ == "__main__":
         sys.exit(child_main())
     if sys.argv[1:] == ["--child", "--health"]:
         sys.exit(child_health_main())
-    # `python -m imexd.fabric [TIMEOUT]`: the discover command without the CLI's imports.
-    sys.exit(cli_discover(argparse.Namespace(timeout=float(sys.argv[1]) if sys.argv[1:] else 20)))
+    # `python -m imexd.fabric [TIMEOUT]`: the same as `imexd discover --timeout TIMEOUT`.
+    from imexd.cli import main
+
+    sys.exit(main(["discover", "--timeout", sys.argv[1] if sys.argv[1:] else "20"]))

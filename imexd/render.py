@@ -3,8 +3,8 @@
 Every function here is a pure function of data (no clock, no disk, no environment), so
 that all nodes of a domain that see the same members write byte-identical node lists,
 and so that the agent can compare what it would write with what is on disk (adoption
-of a running daemon, "restart only when config.cfg changed"). `cli_render` is the only
-piece with I/O: the operator's dry run `imexd render`.
+of a running daemon, "restart only when config.cfg changed"). `read_members` is the only
+piece with I/O: it reads the records of the operator's dry run `imexd render` (`dry_run`).
 
 Formats (DESIGN.md "Files"):
 
@@ -16,21 +16,20 @@ Formats (DESIGN.md "Files"):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import ipaddress
 import re
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import msgspec
 
-from imexd.errors import ConfigError, FileWriteError, ParseError
+from imexd.errors import ConfigError, ParseError
 from imexd.imex import EMPTY_SLOT_ADDRESS, IMEX_DEFAULTS, check_extra
-from imexd.messages import MemberRecord, MemberState, address_problem
+from imexd.membership import resolve
+from imexd.messages import MemberRecord, address_problem
 from imexd.settings import Settings
 
 CONFIG_HEADER: Final = "# Written by imexd from its settings; edits are overwritten."
@@ -149,27 +148,6 @@ def render_nodes_config(
     if mode == "addresses":
         return render_nodes_config_addresses(slots)
     raise ValueError(f'mode {mode!r} is not "names" or "addresses"')
-
-
-def member_slots(records: Iterable[MemberRecord]) -> dict[int, str]:
-    """Slot -> address of the records in state `member`.
-
-    Only settled members hold slots in the files: a `claiming` record may still lose
-    its slot, and `standby` or `leaving` nodes are not part of the ensemble. Raises
-    ValueError when two members hold one slot (membership resolves that first).
-    """
-    slots: dict[int, str] = {}
-    holders: dict[int, str] = {}
-    for record in records:
-        if record.state is not MemberState.MEMBER or record.slot is None:
-            continue
-        if record.slot in holders:
-            raise ValueError(
-                f"slot {record.slot} is held by both {holders[record.slot]} and {record.node}"
-            )
-        holders[record.slot] = record.node
-        slots[record.slot] = record.address
-    return slots
 
 
 # hosts
@@ -425,7 +403,7 @@ def render_files(
     )
 
 
-def _check_records(settings: Settings, records: list[MemberRecord]) -> tuple[str, str]:
+def _check_records(settings: Settings, records: Sequence[MemberRecord]) -> tuple[str, str]:
     """The (domain, clique) the records describe; ParseError when they disagree."""
     problems: list[str] = []
     domain = settings.domain.name
@@ -450,10 +428,6 @@ def _check_records(settings: Settings, records: list[MemberRecord]) -> tuple[str
     nodes = [r.node for r in records]
     for node in sorted({n for n in nodes if nodes.count(n) > 1}):
         problems.append(f"node {node} has more than one record")
-    try:
-        member_slots(records)
-    except ValueError as exc:
-        problems.append(str(exc))
     if not domain:
         problems.append("no domain: set domain.name or give at least one member record")
     if clique == "auto":
@@ -463,7 +437,8 @@ def _check_records(settings: Settings, records: list[MemberRecord]) -> tuple[str
     return domain, clique
 
 
-def _read_members(path: str) -> list[MemberRecord]:
+def read_members(path: str) -> list[MemberRecord]:
+    """The member records of a JSON file (`imexd render --members`); ParseError if not."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -474,55 +449,27 @@ def _read_members(path: str) -> list[MemberRecord]:
         raise ParseError(f"{path}: not a JSON list of member records: {exc}") from exc
 
 
-def cli_render(args: argparse.Namespace) -> int:
-    """`imexd render`: print (or write into --out) the files the agent would write.
+def dry_run(
+    settings: Settings, records: Sequence[MemberRecord], *, hosts_current: str
+) -> tuple[tuple[str, str, str], ...]:
+    """What the agent would write for these records: (path, file name, text) per file.
 
-    Exit 0 on success, 1 when --out cannot be written, 2 for invalid settings or
-    member records (one message on stderr).
+    Slots come from `membership.resolve`, the rule the agent applies to the same
+    records, so the dry run cannot disagree with the agent: two records on one slot
+    render the one the agent would keep. ParseError when the records disagree with the
+    settings or each other; RenderError (a ValueError) when one cannot be rendered.
     """
-    from imexd.files import read_text_or_empty, write_atomic  # noqa: PLC0415
-    from imexd.settings import load_settings  # noqa: PLC0415
-
-    settings = load_settings(args.config)
-    try:
-        records = _read_members(args.members)
-        domain, clique = _check_records(settings, records)
-        hosts_current = read_text_or_empty(settings.imex.hosts_file)
-        files = render_files(
-            settings,
-            domain=domain,
-            clique=clique,
-            slots=member_slots(records),
-            hosts_current=hosts_current,
-        )
-    except (ParseError, ValueError) as exc:
-        print(f"imexd render: {exc}", file=sys.stderr)
-        return 2
-    except FileWriteError as exc:
-        print(f"imexd render: {exc}", file=sys.stderr)
-        return 1
-    targets = (
+    domain, clique = _check_records(settings, records)
+    slot_map = resolve(records, max_nodes=settings.domain.max_nodes)
+    files = render_files(
+        settings,
+        domain=domain,
+        clique=clique,
+        slots={slot: record.address for slot, record in slot_map.members.items()},
+        hosts_current=hosts_current,
+    )
+    return (
         (str(settings.config_path), "config.cfg", files.config),
         (str(settings.nodes_config_path), "nodes_config.cfg", files.nodes_config),
         (settings.imex.hosts_file, "hosts", files.hosts),
     )
-    if args.out is None:
-        for index, (path, _, text) in enumerate(targets):
-            print(("" if index == 0 else "\n") + f"==> {path} <==")
-            # Undecodable bytes of a hosts file are shown as U+FFFD, written as they are.
-            shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            sys.stdout.write(shown if shown.endswith("\n") or not shown else shown + "\n")
-        return 0
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for _, name, text in targets:
-            changed = write_atomic(out / name, text)
-            print(f"{out / name}: {'written' if changed else 'unchanged'}")
-    except OSError as exc:
-        print(f"imexd render: cannot create {out}: {exc.strerror}", file=sys.stderr)
-        return 1
-    except FileWriteError as exc:
-        print(f"imexd render: {exc}", file=sys.stderr)
-        return 1
-    return 0

@@ -7,7 +7,7 @@ tests/fixtures/fabric holds the real output of a single-GPU H200 (driver 580.159
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import ctypes
 import json
 import os
@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
+from imexd.cli import main
 from imexd.errors import DiscoveryError
 from imexd.fabric import (
     CHILD_CMD_ENV,
@@ -36,12 +37,10 @@ from imexd.fabric import (
     _FabricInfo,
     _FabricInfoV2,
     child_command,
-    cli_discover,
     clique_from_fabric,
     collect_fabric,
     collect_health,
     discover,
-    discover_sync,
     report_from_json,
     with_health,
 )
@@ -442,7 +441,7 @@ def test_real_nvml_path(monkeypatch: pytest.MonkeyPatch) -> None:
     if HAS_NVML:
         outcome: Discovery | DiscoveryError
         try:
-            outcome = discover_sync(30)
+            outcome = asyncio.run(discover(30))
         except DiscoveryError as exc:
             outcome = exc
         if isinstance(outcome, DiscoveryError):
@@ -451,7 +450,7 @@ def test_real_nvml_path(monkeypatch: pytest.MonkeyPatch) -> None:
             assert outcome.clique == "" or "." in outcome.clique
         return
     with pytest.raises(DiscoveryError) as info:
-        discover_sync(30)
+        asyncio.run(discover(30))
     message = str(info.value)
     assert "NVML" in message
     assert "LIBRARY_NOT_FOUND" in message
@@ -541,7 +540,7 @@ def test_cli_child_crash(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_non_positive_timeout(capsys: pytest.CaptureFixture[str]) -> None:
     """`--timeout 0` is a usage error (exit 2), not a discovery that can never finish."""
-    assert cli_discover(argparse.Namespace(timeout=0.0)) == 2
+    assert main(["discover", "--timeout", "0"]) == 2
     assert "--timeout" in capsys.readouterr().err
 
 

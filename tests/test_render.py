@@ -10,6 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -17,10 +18,10 @@ from hypothesis import strategies as st
 from imexd.cli import main
 from imexd.errors import ConfigError
 from imexd.imex import EMPTY_SLOT_ADDRESS, check_extra
+from imexd.membership import resolve
 from imexd.messages import MemberRecord, MemberState, address_problem
 from imexd.render import (
     RenderError,
-    member_slots,
     merge_hosts,
     parse_hosts_block,
     remove_hosts_block,
@@ -241,24 +242,6 @@ def _record(node: str, slot: int | None, state: str = "member", **kw: object) ->
     }
     fields.update(kw)
     return MemberRecord(**fields)  # type: ignore[arg-type]
-
-
-def test_member_slots_maps_only_members() -> None:
-    """Only settled members hold slots; claiming, standby and leaving nodes do not."""
-    records = [
-        _record("a", 0),
-        _record("b", 1, "claiming"),
-        _record("c", None, "standby"),
-        _record("d", 3, "leaving"),
-        _record("e", 2),
-    ]
-    assert member_slots(records) == {0: "10.0.0.1", 2: "10.0.0.3"}
-
-
-def test_member_slots_refuses_a_shared_slot() -> None:
-    """Two members on one slot is a ValueError naming both."""
-    with pytest.raises(ValueError, match="both a and b"):
-        member_slots([_record("a", 1), _record("b", 1)])
 
 
 # hosts: strategies
@@ -690,7 +673,6 @@ def _bad_members(records: Records, **change: object) -> str:
         (lambda r: _bad_members(r, mode="addresses"), "mode 'addresses', expected 'names'"),
         (lambda r: _bad_members(r, domain="job-7"), "domain 'job-7', expected 'job-42'"),
         (lambda r: _bad_members(r, clique="other.1"), "clique 'other.1'"),
-        (lambda r: _bad_members(r, slot=0), "slot 0 is held by both"),
         (lambda r: _bad_members(r, node=r[0]["node"]), "more than one record"),
     ],
 )
@@ -709,6 +691,22 @@ def test_render_rejects_bad_members(
     assert captured.err.startswith("imexd render: ")
     assert message in captured.err
     assert captured.err.count("\n") == 1
+
+
+def test_render_keeps_the_slot_holder_the_agent_keeps(
+    example: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two members on one slot render the one `membership.resolve` keeps, as the agent does."""
+    records = json.loads(example["members"].read_text())
+    example["members"].write_text(_bad_members(records, slot=records[0]["slot"]))
+    decoded = msgspec.json.decode(example["members"].read_bytes(), type=list[MemberRecord])
+    kept = resolve(decoded, max_nodes=4).members
+    assert main(_render(example)) == 0
+    block = parse_hosts_block(capsys.readouterr().out)
+    assert block is not None
+    assert {s: a for s, a in block[1].items() if a is not None} == {
+        slot: record.address for slot, record in kept.items()
+    }
 
 
 def test_render_missing_members_file(
