@@ -22,20 +22,20 @@ Why it is built this way:
   the broker publishes our will if we stay away. A clean close sends DISCONNECT, which
   suppresses the will (hand-over keeps the record; a leave clears it first).
 - Every connect asks for MQTT 5 (its Will Delay keeps a link blip from dropping the node)
-  and falls back to 3.1.1 for that connect only when the broker says so (`[bus]
-  protocol`, `protocol_versions`, `refuses_protocol`): a timeout is an outage, not a
-  verdict. A paho hook gives what aiomqtt 2.x hides: a hang-up before CONNACK, and the
-  reason code of the broker's DISCONNECT (`Disconnected.reason_code`, e.g. a session
-  taken over by a second client with our id; `set_client_id` ends such a fight).
-- aiomqtt 2.x drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
+  and falls back to 3.1.1 for that connect only when the broker says so (`imexd.mqtt`
+  decides). The reason code of the broker's DISCONNECT is reported
+  (`Disconnected.reason_code`, e.g. a session taken over by a second client with our id;
+  `set_client_id` ends such a fight).
+- The MQTT client drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
 - Anything wrong on the wire is dropped, counted per reason (`dropped`, exported by the
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-aiomqtt and paho types stay inside this module: callers see `imexd.messages` payloads, the
-event classes below and `imexd.errors.BusError`.
+The MQTT client itself is `imexd.mqtt` (the one module that imports the MQTT libraries); the
+decoding of messages is `imexd.messages.decode_message`, shared with the control plane.
+Callers see `imexd.messages` payloads, the event classes below and `imexd.errors.BusError`.
 """
 
 from __future__ import annotations
@@ -43,66 +43,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import random
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, Self, assert_never
-
-import aiomqtt
-import paho.mqtt.client as paho
-from aiomqtt.exceptions import MqttConnectError
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.reasoncodes import ReasonCode
+from typing import Any, Final, Literal, Self
 
 from imexd.errors import BusError
 from imexd.logs import get_logger
 from imexd.messages import (
-    MAX_PAYLOAD,
-    Assignment,
-    DomainSpec,
+    Deleted,
     Dropped,
     DropReason,
-    HealthReport,
-    MemberRecord,
     Payload,
     Ping,
-    Presence,
-    TopicRef,
+    Received,
     Topics,
-    check_topic,
-    decode,
+    decode_message,
     encode,
     now,
 )
-from imexd.retry import backoff_delay
-from imexd.settings import (
-    BrokerURL,
-    BusSettings,
-    is_clique_id,
-    is_dns1123_label,
-    is_dns1123_subdomain,
-    parse_broker_url,
+from imexd.mqtt import (
+    QOS,
+    SESSION_TAKEN_OVER,
+    Client,
+    Will,
+    connect,
+    describe_error,
+    topic_matches,
 )
-
-QOS: Final = 1
-"""Every imexd message is QoS 1: records must arrive, duplicates are harmless."""
-
-_UNSUPPORTED_PROTOCOL: Final = frozenset({1, 0x84})
-"""CONNACK codes meaning "not this protocol version" (3.1.1's 1, MQTT 5's 0x84)."""
-
-SESSION_TAKEN_OVER: Final = 0x8E
-"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
-
-_MAX_PACKET: Final = 4 * MAX_PAYLOAD
-"""MQTT 5 Maximum Packet Size we accept: a payload of 16 KiB plus a long topic and
-properties; oversized payloads up to this size still arrive and are counted."""
+from imexd.names import is_dns1123_subdomain
+from imexd.retry import backoff_delay
+from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""
@@ -176,26 +150,6 @@ class Synced:
 
 
 @dataclass(frozen=True, slots=True)
-class Received:
-    """A valid payload on a topic of the contract (our own publications included)."""
-
-    topic: str
-    ref: TopicRef
-    payload: Payload
-    retained: bool
-    """True when it comes from the broker's retained store (a snapshot), not live."""
-
-
-@dataclass(frozen=True, slots=True)
-class Deleted:
-    """An empty payload on a member, health, spec or assignment topic: the record is gone."""
-
-    topic: str
-    ref: TopicRef
-    retained: bool
-
-
-@dataclass(frozen=True, slots=True)
 class Refused:
     """Our retained publication did not come back in time: the broker refused it (ACL)."""
 
@@ -217,169 +171,6 @@ class WillSpec:
 
     topic: str
     delay_s: float | None = None
-
-
-# Pure helpers.
-
-
-def topic_matches(topic_filter: str, topic: str) -> bool:
-    """Whether an MQTT topic filter (with `+` and `#`) matches a topic name."""
-    levels = topic.split("/")
-    parts = topic_filter.split("/")
-    for i, part in enumerate(parts):
-        if part == "#":
-            return True
-        if i >= len(levels) or part not in ("+", levels[i]):
-            return False
-    return len(parts) == len(levels)
-
-
-def _topic_problem(ref: TopicRef) -> str | None:
-    """None when every name in a parsed topic is valid, else what is wrong."""
-    if ref.node and not is_dns1123_subdomain(ref.node):
-        return f"node {ref.node!r} in the topic is not a DNS-1123 subdomain"
-    if ref.kind in ("member", "health", "spec") and not is_dns1123_label(ref.domain):
-        return f"domain {ref.domain!r} in the topic is not a DNS-1123 label"
-    if ref.kind == "member" and ref.clique and not is_clique_id(ref.clique):
-        return f"clique {ref.clique!r} in the topic is not a clique id"
-    return None
-
-
-def decode_message(
-    topics: Topics, topic: str, payload: bytes, *, retained: bool
-) -> Received | Deleted | Dropped:
-    """Turn one MQTT message into an event, or say why it is dropped; never raises.
-
-    A record must agree with its topic (`check_topic`): a node can only speak for itself.
-    """
-    ref = topics.parse(topic)
-    if ref is None:
-        return Dropped(DropReason.UNKNOWN_TOPIC, "not a topic of the imexd contract")
-    problem = _topic_problem(ref)
-    if problem is not None:
-        return Dropped(DropReason.UNKNOWN_TOPIC, problem)
-    if not payload:
-        if ref.kind == "ping":
-            return Dropped(DropReason.NOT_JSON, "empty payload")
-        return Deleted(topic, ref, retained)
-    result: Payload | Dropped
-    match ref.kind:
-        case "member":
-            result = decode(payload, MemberRecord)
-        case "health":
-            result = decode(payload, HealthReport)
-        case "spec":
-            result = decode(payload, DomainSpec)
-        case "assignment":
-            result = decode(payload, Assignment)
-        case "ping":
-            result = decode(payload, Ping)
-        case "presence":
-            result = decode(payload, Presence)
-        case _:
-            assert_never(ref.kind)
-    if isinstance(result, Dropped):
-        return result
-    mismatch = check_topic(ref, result)
-    if mismatch is not None:
-        return Dropped(DropReason.TOPIC_MISMATCH, mismatch)
-    return Received(topic, ref, result, retained)
-
-
-def protocol_versions(settings: BusSettings) -> tuple[bool, ...]:
-    """The MQTT versions one connect may try, in order: True for MQTT 5, False for 3.1.1.
-
-    "auto" asks for MQTT 5 at every connect (its Will Delay keeps a blip from dropping
-    the node) and falls back to 3.1.1 for that connect only when `refuses_protocol`.
-    """
-    match settings.protocol:
-        case "5":
-            return (True,)
-        case "3.1.1":
-            return (False,)
-        case _:
-            return (True, False)
-
-
-class _ClosedBeforeConnackError(aiomqtt.MqttError):
-    """The broker closed the connection after our CONNECT without a CONNACK."""
-
-
-def refuses_protocol(exc: BaseException) -> bool:
-    """Whether a failed connect means "the broker does not speak this MQTT version".
-
-    Only the broker's own word counts: a CONNACK "unsupported protocol version", or a
-    hang-up before any CONNACK (what some 3.1.1-only brokers do with an MQTT 5 CONNECT).
-    A connect that times out says nothing about the protocol: a partition healing
-    mid-connect looks just like that, and must not cost the Will Delay.
-    """
-    if isinstance(exc, _ClosedBeforeConnackError):
-        return True
-    if not isinstance(exc, MqttConnectError):
-        return False
-    rc = exc.rc
-    value = rc.value if isinstance(rc, ReasonCode) else rc
-    return value in _UNSUPPORTED_PROTOCOL
-
-
-@dataclass(slots=True)
-class _Watch:
-    """What paho says about one connection that aiomqtt 2.x does not pass on."""
-
-    server_reason: ReasonCode | None = None
-    """The reason code of a DISCONNECT the broker sent (MQTT 5)."""
-
-
-def _watch(client: aiomqtt.Client) -> None:
-    """Hook paho's disconnect callback of `client`, in front of aiomqtt's own.
-
-    aiomqtt 2.x ignores a socket closed before CONNACK (the connect then waits for its
-    timeout) and drops whether a DISCONNECT came from the broker. The hook fails the
-    pending connect at once with `_ClosedBeforeConnackError` and keeps the broker's
-    DISCONNECT reason in a `_Watch`, stored as paho's user data (aiomqtt uses none).
-    """
-    watch = _Watch()
-    inner = client._client
-    forward = client._on_disconnect  # what aiomqtt installed on paho
-
-    def on_disconnect(
-        paho_client: paho.Client,
-        userdata: object,
-        flags: paho.DisconnectFlags,
-        reason_code: ReasonCode,
-        properties: Properties | None = None,
-    ) -> None:
-        if flags.is_disconnect_packet_from_server:
-            watch.server_reason = reason_code
-        connecting = client._connected
-        if client._lock.locked() and not connecting.done():
-            connecting.set_exception(
-                _ClosedBeforeConnackError("the broker closed the connection before CONNACK")
-            )
-        forward(paho_client, userdata, flags, reason_code, properties)
-
-    inner.on_disconnect = on_disconnect
-    inner.user_data_set(watch)
-
-
-def disconnect_reason(client: aiomqtt.Client) -> int | None:
-    """The reason code of the DISCONNECT the broker sent on `client`'s link, if any."""
-    watch = client._client.user_data_get()
-    if isinstance(watch, _Watch) and watch.server_reason is not None:
-        return int(watch.server_reason.value)
-    return None
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
-    parts: list[str] = []
-    current: BaseException | None = exc
-    while current is not None and len(parts) < 4:
-        text = str(current) or type(current).__name__
-        if text not in parts:
-            parts.append(text)
-        current = current.__cause__
-    return ": ".join(parts)
 
 
 def _check_topic_name(topic: str) -> None:
@@ -410,107 +201,12 @@ async def _unless(leave: asyncio.Event, operation: Coroutine[Any, Any, object]) 
         left.cancel()
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+            with contextlib.suppress(asyncio.CancelledError, BusError):
                 await task
     if task.cancelled():
         return False
     task.result()  # re-raises the operation's error
     return True
-
-
-def read_password(settings: BusSettings) -> str | None:
-    """The password from `password_file` (blocking), or None without a user name.
-
-    Read anew for every connection, so a rotated secret is picked up; never logged.
-    """
-    if not (settings.username and settings.password_file):
-        return None
-    try:
-        return Path(settings.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-    except (OSError, UnicodeError) as exc:
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        raise BusError(
-            f"cannot read bus.password_file {settings.password_file}: {reason}"
-        ) from None
-
-
-def mqtt_client(
-    settings: BusSettings,
-    broker: BrokerURL,
-    *,
-    client_id: str,
-    v5: bool,
-    password: str | None,
-    timeout_s: float,
-    will: aiomqtt.Will | None = None,
-    properties: Properties | None = None,
-) -> aiomqtt.Client:
-    """An aiomqtt client for one connection attempt to `broker` (TLS, Unix socket, auth).
-
-    Every connection starts a fresh session: the agent's bus replays its state anyway,
-    and the control plane's links are short-lived. A broker hanging up before CONNACK
-    fails the connect at once (`refuses_protocol` is then true), and the reason of a
-    DISCONNECT from the broker is kept for `disconnect_reason`.
-    """
-    tls = None
-    if broker.tls:
-        tls = aiomqtt.TLSParameters(
-            ca_certs=settings.ca_file or None,
-            certfile=settings.cert_file or None,
-            keyfile=settings.key_file or None,
-        )
-    unix = broker.scheme == "unix"
-    client = aiomqtt.Client(
-        broker.path if unix else broker.host,
-        broker.port or 1883,
-        transport="unix" if unix else "tcp",
-        username=settings.username or None,
-        password=password,
-        identifier=client_id,
-        protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
-        will=will,
-        clean_session=None if v5 else True,
-        clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
-        properties=properties,
-        keepalive=max(1, round(settings.keepalive_s)),
-        timeout=timeout_s,
-        tls_params=tls,
-    )
-    _watch(client)
-    return client
-
-
-def _whole_seconds(seconds: float) -> int:
-    return max(0, math.ceil(seconds))
-
-
-def _properties(packet_type: int) -> Properties:
-    return Properties(packet_type)  # type: ignore[no-untyped-call] # paho leaves it untyped
-
-
-def abort_client(client: aiomqtt.Client) -> None:
-    """Drop the connection at once, without DISCONNECT.
-
-    Without DISCONNECT the broker publishes our will (after its delay) if we do not come
-    back: right for a dead link, where a DISCONNECT that slips through late would keep a
-    stale record alive. Shutting the socket down wakes aiomqtt's reader, which then
-    closes it and ends its own tasks.
-    """
-    # aiomqtt has no abort; its paho client owns the socket.
-    sock = client._client.socket()
-    if isinstance(sock, socket.socket):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
-def discard_client(client: aiomqtt.Client) -> None:
-    """Close the socket of a client whose connect was cancelled, without callbacks.
-
-    Cancelling aiomqtt's connect cancels its internal CONNACK future, after which its
-    disconnect callback would fail; closing the socket through paho directly avoids
-    that callback and still ends aiomqtt's reader and housekeeping task.
-    """
-    client._client._sock_close()
 
 
 class _LinkLostError(BusError):
@@ -671,7 +367,7 @@ class Bus:
 
         # Link state.
         self._lock = asyncio.Lock()
-        self._client: aiomqtt.Client | None = None
+        self._client: Client | None = None
         self._leave: asyncio.Event | None = None
         self._gone = asyncio.Event()
         """Set as soon as the current link is being left or was found dead."""
@@ -807,8 +503,8 @@ class Bus:
             try:
                 if not await _unless(leave, self._subscribe(client, [topic_filter])):
                     return
-            except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"subscribe failed: {describe_error(exc)}")
+            except BusError as exc:
+                self._declare_dead(client, f"subscribe failed: {exc}")
                 return
         await _unless(leave, self._resync(client))
 
@@ -825,8 +521,8 @@ class Bus:
             client, leave = live
             try:
                 await _unless(leave, client.unsubscribe(topic_filter))
-            except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"unsubscribe failed: {describe_error(exc)}")
+            except BusError as exc:
+                self._declare_dead(client, f"unsubscribe failed: {exc}")
 
     async def retain(
         self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
@@ -849,8 +545,8 @@ class Bus:
             client, leave = live
             try:
                 await _unless(leave, self._put_retained(client, topic, entry))
-            except aiomqtt.MqttError as exc:
-                self._declare_dead(client, f"publish to {topic} failed: {describe_error(exc)}")
+            except BusError as exc:
+                self._declare_dead(client, f"publish to {topic} failed: {exc}")
 
     async def publish(
         self,
@@ -868,14 +564,9 @@ class Bus:
         if client is None:
             raise BusError(f"cannot publish to {topic}: not connected to a broker")
         try:
-            await client.publish(
-                topic,
-                encode(payload),
-                qos=qos,
-                properties=self._publish_properties(message_expiry_s),
-            )
-        except aiomqtt.MqttError as exc:
-            raise BusError(f"cannot publish to {topic}: {describe_error(exc)}") from exc
+            await client.publish(topic, encode(payload), qos=qos, expiry_s=message_expiry_s)
+        except BusError as exc:
+            raise BusError(f"cannot publish to {topic}: {exc}") from exc
 
     def set_will(self, will: WillSpec | None) -> None:
         """Change the Last Will (a domain switch moves the member topic).
@@ -911,7 +602,7 @@ class Bus:
         if self._leave is not None:
             self._leave.set()
 
-    def _live(self) -> tuple[aiomqtt.Client, asyncio.Event] | None:
+    def _live(self) -> tuple[Client, asyncio.Event] | None:
         """The current link and its leave event, unless it is already being left.
 
         An operation on a link that is being left (new will, close) or lost would wait
@@ -1007,7 +698,7 @@ class Bus:
         except BaseException as exc:
             # A failed link gets no DISCONNECT: the broker then publishes our will if we
             # stay away, and a DISCONNECT arriving late cannot keep a stale record alive.
-            abort_client(client)
+            client.abort()
             if not isinstance(exc, _LinkLostError):
                 reason = describe_error(exc)
             raise
@@ -1017,94 +708,46 @@ class Bus:
                 reason = "closed" if self._closing else self._leave_reason
                 await self._disconnect(client)
             else:
-                reason_code = disconnect_reason(client)
+                reason_code = client.server_reason
             self._link_down(broker, reason, reason_code)
 
-    async def _connect(
-        self, broker: BrokerURL, will: WillSpec | None
-    ) -> tuple[aiomqtt.Client, bool]:
-        """Connect to `broker` with the first MQTT version it accepts; (client, v5).
-
-        Every connect asks for MQTT 5 first (unless `[bus] protocol` says otherwise):
-        a fallback to 3.1.1 holds for this connect only, and only when the broker said
-        so. Raises BusError when the connect failed.
-        """
-        versions = protocol_versions(self.settings)
-        for attempt, v5 in enumerate(versions, start=1):
-            client = await self._new_client(broker, v5=v5, will=will)
-            try:
-                await client.__aenter__()
-            except aiomqtt.MqttError as exc:
-                abort_client(client)
-                refused = v5 and refuses_protocol(exc)
-                if refused and attempt < len(versions):
-                    self._log.warning(
-                        "bus_protocol_fallback",
-                        broker=str(broker),
-                        protocol="3.1.1",
-                        error=describe_error(exc),
-                        message=(
-                            "the broker closed the connection to MQTT 5 before CONNACK"
-                            if isinstance(exc, _ClosedBeforeConnackError)
-                            else "the broker refused MQTT 5"
-                        )
-                        + ": this link uses 3.1.1, no Will Delay (the will fires at once)",
-                    )
-                    continue
-                detail = describe_error(exc)
-                if refused:
-                    detail += ' (bus.protocol = "5": no fallback to 3.1.1)'
-                raise BusError(f"cannot connect to {broker}: {detail}") from None
-            except BaseException:
-                discard_client(client)
-                raise
-            return client, v5
-        raise AssertionError("protocol_versions() is never empty")  # pragma: no cover
-
-    async def _new_client(
-        self, broker: BrokerURL, *, v5: bool, will: WillSpec | None
-    ) -> aiomqtt.Client:
-        """An aiomqtt client for one attempt; the password is read anew for each."""
+    async def _connect(self, broker: BrokerURL, will: WillSpec | None) -> tuple[Client, bool]:
+        """Connect to `broker` (`imexd.mqtt.connect`: MQTT 5 first, 3.1.1 only when the
+        broker says so, for this connect only); (client, v5). BusError when it failed."""
         s = self.settings
-        password = await asyncio.to_thread(read_password, s)
-        aio_will: aiomqtt.Will | None = None
-        connect_properties: Properties | None = None
-        if v5:
-            connect_properties = _properties(PacketTypes.CONNECT)
-            # The broker discards larger messages instead of making us buffer them.
-            connect_properties.MaximumPacketSize = _MAX_PACKET
+        mqtt_will = None
         if will is not None:
-            delay = _whole_seconds(s.will_delay_s if will.delay_s is None else will.delay_s)
-            will_properties: Properties | None = None
-            if connect_properties is not None:
-                will_properties = _properties(PacketTypes.WILLMESSAGE)
-                will_properties.WillDelayInterval = delay
-                # The will is delayed only while the session lives: it must outlive the delay.
-                connect_properties.SessionExpiryInterval = delay
-            aio_will = aiomqtt.Will(
-                will.topic, payload=None, qos=QOS, retain=True, properties=will_properties
+            mqtt_will = Will(will.topic, s.will_delay_s if will.delay_s is None else will.delay_s)
+
+        def fallback(error: str, message: str) -> None:
+            self._log.warning(
+                "bus_protocol_fallback",
+                broker=str(broker),
+                protocol="3.1.1",
+                error=error,
+                message=message,
             )
-        return mqtt_client(
+
+        client = await connect(
             s,
             broker,
             client_id=self.client_id,
-            v5=v5,
-            password=password,
             timeout_s=self._timeout_s,
-            will=aio_will,
-            properties=connect_properties,
+            will=mqtt_will,
+            on_fallback=fallback,
         )
+        return client, client.v5
 
-    async def _read(self, client: aiomqtt.Client) -> None:
-        """Deliver every incoming message; ends the link when aiomqtt reports it lost."""
+    async def _read(self, client: Client) -> None:
+        """Deliver every incoming message; ends the link when the client reports it lost."""
         try:
-            async for message in client.messages:
-                self._dispatch(message.topic.value, message.payload, retained=message.retain)
-        except aiomqtt.MqttError as exc:
-            raise _LinkLostError(describe_error(exc)) from None
+            async for message in client.messages():
+                self._dispatch(message.topic, message.payload, retained=message.retained)
+        except BusError as exc:
+            raise _LinkLostError(str(exc)) from None
 
     async def _serve(
-        self, client: aiomqtt.Client, leave: asyncio.Event, reader: asyncio.Task[None]
+        self, client: Client, leave: asyncio.Event, reader: asyncio.Task[None]
     ) -> None:
         """Replay the desired state, prove the snapshot, then prove the link periodically."""
         try:
@@ -1122,38 +765,30 @@ class Bus:
                         await leave.wait()
                 if not leave.is_set():
                     self.rtt_s = await self._round_trip(client)
-        except (aiomqtt.MqttError, _LinkLostError) as exc:
-            # Drop the link and let the reader end the session: it takes aiomqtt's
+        except BusError as exc:
+            # Drop the link and let the reader end the session: it takes the client's
             # disconnect result, which would otherwise be left unread.
-            self._kill(client, describe_error(exc))
+            self._kill(client, str(exc))
             await asyncio.wait({reader}, timeout=self._timeout_s)
-            raise _LinkLostError(describe_error(exc)) from None
+            raise _LinkLostError(str(exc)) from None
         reader.cancel()
 
-    async def _subscribe(self, client: aiomqtt.Client, filters: Iterable[str]) -> None:
+    async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
         wanted = list(filters)
-        codes: list[int | ReasonCode] = list(await client.subscribe([(f, QOS) for f in wanted]))
-        for topic_filter, code in zip(wanted, codes, strict=False):
-            failed = code.is_failure if isinstance(code, ReasonCode) else code >= 0x80
-            if failed:
-                self._log.warning("bus_subscribe_refused", filter=topic_filter, code=str(code))
+        refusals = await client.subscribe(wanted)
+        for topic_filter, refusal in zip(wanted, refusals, strict=True):
+            if refusal is not None:
+                self._log.warning("bus_subscribe_refused", filter=topic_filter, code=refusal)
 
-    async def _put_retained(self, client: aiomqtt.Client, topic: str, entry: _Retained) -> None:
+    async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
         if self._covered(topic):
             self._echoes.expect(topic, entry.payload)
-        properties = self._publish_properties(entry.expiry_s) if entry.payload else None
-        await client.publish(topic, entry.payload, qos=QOS, retain=True, properties=properties)
+        expiry_s = entry.expiry_s if entry.payload else None
+        await client.publish(topic, entry.payload, qos=QOS, retain=True, expiry_s=expiry_s)
         if not entry.payload and self._retained.get(topic) is entry:
             del self._retained[topic]
 
-    def _publish_properties(self, expiry_s: float | None) -> Properties | None:
-        if expiry_s is None or self._protocol != "5":
-            return None
-        properties = _properties(PacketTypes.PUBLISH)
-        properties.MessageExpiryInterval = max(1, _whole_seconds(expiry_s))
-        return properties
-
-    async def _round_trip(self, client: aiomqtt.Client) -> float:
+    async def _round_trip(self, client: Client) -> float:
         """Publish a Ping to our own topic and wait for it; the seconds it took.
 
         The broker sends every retained message of a subscription before anything we
@@ -1175,41 +810,38 @@ class Bus:
             self._pings.pop(seq, None)
         return time.monotonic() - started
 
-    async def _resync(self, client: aiomqtt.Client) -> None:
+    async def _resync(self, client: Client) -> None:
         """After a new subscription: prove its snapshot arrived, or replace the link."""
         try:
             await self._round_trip(client)
-        except (_LinkLostError, aiomqtt.MqttError) as exc:
+        except BusError as exc:
             self._declare_dead(client, str(exc))
             return
         if self._client is client:
             self._mark_synced()
 
-    async def _disconnect(self, client: aiomqtt.Client) -> None:
+    async def _disconnect(self, client: Client) -> None:
         """Clean DISCONNECT (the broker drops our will), bounded in time."""
-        try:
-            async with asyncio.timeout(self._close_timeout_s):
-                await client.__aexit__(None, None, None)
-        except (aiomqtt.MqttError, TimeoutError) as exc:
-            self._log.warning("bus_disconnect_unclean", error=describe_error(exc))
-            abort_client(client)
+        error = await client.close(self._close_timeout_s)
+        if error is not None:
+            self._log.warning("bus_disconnect_unclean", error=error)
 
     # State changes and incoming messages.
 
     def _covered(self, topic: str) -> bool:
         return any(topic_matches(f, topic) for f in self._filters)
 
-    def _declare_dead(self, client: aiomqtt.Client, reason: str) -> None:
+    def _declare_dead(self, client: Client, reason: str) -> None:
         """A caller's operation found the link dead: drop it; the loop reconnects."""
         if self._client is client:
             self._kill(client, reason)
 
-    def _kill(self, client: aiomqtt.Client, reason: str) -> None:
+    def _kill(self, client: Client, reason: str) -> None:
         """Drop the link without DISCONNECT; the first reason given is the one reported."""
         if self._dead_reason is None:
             self._dead_reason = reason
         self._gone.set()
-        abort_client(client)
+        client.abort()
 
     def _link_up(self, broker: BrokerURL, *, v5: bool, will: WillSpec | None) -> None:
         if self._ever_connected and self._unplanned:

@@ -14,11 +14,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar, assert_never
 
 import msgspec
 
 from imexd.imex import EMPTY_SLOT_ADDRESS
+from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
 MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
@@ -472,3 +473,79 @@ def check_topic(ref: TopicRef, payload: Payload) -> str | None:
     elif isinstance(payload, Presence) and payload.node != ref.node:
         return f"presence says {payload.node}, topic says {ref.node}"
     return None
+
+
+# Turning one MQTT message into what it means: the agent's bus and the control plane
+# decode alike, so both sides drop the same malformed messages.
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A valid payload on a topic of the contract (our own publications included)."""
+
+    topic: str
+    ref: TopicRef
+    payload: Payload
+    retained: bool
+    """True when it comes from the broker's retained store (a snapshot), not live."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """An empty payload on a member, health, spec or assignment topic: the record is gone."""
+
+    topic: str
+    ref: TopicRef
+    retained: bool
+
+
+def _topic_problem(ref: TopicRef) -> str | None:
+    """None when every name in a parsed topic is valid, else what is wrong."""
+    if ref.node and not is_dns1123_subdomain(ref.node):
+        return f"node {ref.node!r} in the topic is not a DNS-1123 subdomain"
+    if ref.kind in ("member", "health", "spec") and not is_dns1123_label(ref.domain):
+        return f"domain {ref.domain!r} in the topic is not a DNS-1123 label"
+    if ref.kind == "member" and ref.clique and not is_clique_id(ref.clique):
+        return f"clique {ref.clique!r} in the topic is not a clique id"
+    return None
+
+
+def decode_message(
+    topics: Topics, topic: str, payload: bytes, *, retained: bool
+) -> Received | Deleted | Dropped:
+    """Turn one MQTT message into an event, or say why it is dropped; never raises.
+
+    A record must agree with its topic (`check_topic`): a node can only speak for itself.
+    """
+    ref = topics.parse(topic)
+    if ref is None:
+        return Dropped(DropReason.UNKNOWN_TOPIC, "not a topic of the imexd contract")
+    problem = _topic_problem(ref)
+    if problem is not None:
+        return Dropped(DropReason.UNKNOWN_TOPIC, problem)
+    if not payload:
+        if ref.kind == "ping":
+            return Dropped(DropReason.NOT_JSON, "empty payload")
+        return Deleted(topic, ref, retained)
+    result: Payload | Dropped
+    match ref.kind:
+        case "member":
+            result = decode(payload, MemberRecord)
+        case "health":
+            result = decode(payload, HealthReport)
+        case "spec":
+            result = decode(payload, DomainSpec)
+        case "assignment":
+            result = decode(payload, Assignment)
+        case "ping":
+            result = decode(payload, Ping)
+        case "presence":
+            result = decode(payload, Presence)
+        case _:
+            assert_never(ref.kind)
+    if isinstance(result, Dropped):
+        return result
+    mismatch = check_topic(ref, result)
+    if mismatch is not None:
+        return Dropped(DropReason.TOPIC_MISMATCH, mismatch)
+    return Received(topic, ref, result, retained)

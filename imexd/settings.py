@@ -28,38 +28,17 @@ from imexd.errors import ConfigError
 from imexd.imex import CMD_PORT, SERVER_PORT, check_extra
 from imexd.logs import LEVELS, LogFormat, LogLevel
 from imexd.messages import Mode, address_problem
+from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
 
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-DNS1123_SUBDOMAIN_PART = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-CLIQUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CONFIG_KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TOPIC_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 Check = Callable[[Any], str | None]
 """A check returns None when the value is right, else what was expected."""
-
-
-def is_dns1123_label(name: str) -> bool:
-    """A Kubernetes-style label: lowercase alphanumerics and '-', at most 63 characters."""
-    return bool(DNS1123_LABEL.match(name))
-
-
-def is_dns1123_subdomain(name: str) -> bool:
-    """A DNS-1123 subdomain: dot-separated labels, at most 253 characters."""
-    return (
-        0 < len(name) <= 253
-        and all(DNS1123_SUBDOMAIN_PART.match(p) for p in name.split("."))
-        and all(len(p) <= 63 for p in name.split("."))
-    )
-
-
-def is_clique_id(value: str) -> bool:
-    """A clique id as a bus topic level: `<uuid>.<id>`-like, no '/', '+' or '#'."""
-    return bool(CLIQUE_RE.match(value))
 
 
 def _setting(default: Any, doc: str, check: Check | None = None) -> Any:

@@ -14,10 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from imexd.errors import ConfigError
+from imexd.names import is_dns1123_label, is_dns1123_subdomain
 from imexd.settings import (
     example_toml,
-    is_dns1123_label,
-    is_dns1123_subdomain,
     iter_settings,
     load_settings,
     parse_broker_url,

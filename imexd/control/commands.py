@@ -1,0 +1,496 @@
+"""The control plane's commands: typed coroutines with plain arguments, one per action.
+
+Each opens one `Link`, reads what it needs, writes, verifies, and says what it did on
+`out` (results) and `err` (refusals, warnings); the return value is the exit code.
+`imexd.cli` parses and checks the arguments (usage errors exit 2 before any of this
+runs), loads the settings with `load_control_settings`, and runs the coroutine; a
+`BusError` (broker unreachable, link lost) propagates to it and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, TextIO
+
+import msgspec
+
+from imexd.control.link import Link
+from imexd.control.store import Store, summarize
+from imexd.errors import BusError
+from imexd.fleet import (
+    DomainState,
+    DomainStatus,
+    judge,
+    render_list,
+    render_status,
+    status_json,
+)
+from imexd.messages import (
+    Assignment,
+    DomainSpec,
+    encode,
+    reason_line,
+)
+from imexd.settings import Settings, load_settings
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+SEEN_WITHIN_S: Final = 600.0
+"""`node assign --seen-within` default: an agent must have reported the node this recently."""
+HEALTH_GRACE_S: Final = 2.0
+"""After the members left, how long `delete` waits for their own health report clears
+before it clears what is left itself (bounded by what is left of --timeout)."""
+CONTROL_NAME: Final = "imexd-control"
+"""Placeholder `[node] name` while loading settings: the control plane has no node, and a
+host name that is not DNS-1123 must not make its settings invalid."""
+
+
+def load_control_settings(config: str | None, environ: Mapping[str, str] | None = None) -> Settings:
+    """The same settings file and IMEXD_* environment as the agent's; only [bus], [domain]
+    max_nodes and [health] report_interval_s matter here."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("IMEXD_NODE_NAME", CONTROL_NAME)
+    return load_settings(config, environ=env)
+
+
+def next_spec(
+    previous: DomainSpec | None,
+    name: str,
+    *,
+    nodes: list[str] | None,
+    max_nodes: int | None,
+    default_max_nodes: int,
+) -> DomainSpec:
+    """The spec `domain create` writes: exactly the given node list, state active.
+
+    The generation grows by one over the previous spec's (1 for a new domain). Without
+    `--max-nodes` the previous spec's value is kept (changing it would make every member
+    report NodeMapMismatch), else the `[domain] max_nodes` setting is used.
+    """
+    if max_nodes is None:
+        max_nodes = previous.max_nodes if previous is not None else default_max_nodes
+    return DomainSpec(
+        domain=name,
+        nodes=nodes,
+        max_nodes=max_nodes,
+        state="active",
+        generation=previous.generation + 1 if previous is not None else 1,
+    )
+
+
+def _refused(refused: Sequence[str], err: TextIO) -> int:
+    print(
+        f"imexd: the broker did not keep our write to {', '.join(refused)} "
+        "(refused by its ACL for the control plane's user, or written again since)",
+        file=err,
+    )
+    return EXIT_FAILED
+
+
+def _taken(store: Store, nodes: Iterable[str], domain: str, command: str, err: TextIO) -> int:
+    """EXIT_USAGE after naming each node of `nodes` that another live domain holds, else
+    EXIT_OK. Moving such a node stops the IMEX daemon a running job there may use."""
+    taken = {n: why for n in nodes if (why := store.elsewhere(n, domain))}
+    for node, why in taken.items():
+        print(
+            f"imexd {command}: node {node} is in another domain: {'; '.join(why)}. Moving it "
+            f"to {domain} stops its IMEX daemon there (a running job loses IMEX); give --steal "
+            "to move it anyway",
+            file=err,
+        )
+    return EXIT_USAGE if taken else EXIT_OK
+
+
+async def create(
+    settings: Settings,
+    name: str,
+    *,
+    nodes: list[str] | None,
+    max_nodes: int | None,
+    out: TextIO,
+    err: TextIO,
+    steal: bool = False,
+) -> int:
+    """Write the domain's spec, then the listed nodes' assignments (so that an assigned
+    node already finds the spec, and its list position, when it joins).
+
+    Refuses (EXIT_USAGE, writing nothing) when a listed node is in another live domain
+    (`Store.elsewhere`), unless `steal`."""
+    async with Link(settings.bus) as link:
+        t = link.topics
+        filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
+        if nodes and not steal:
+            filters += [t.specs_filter(), t.all_members_filter("+")]
+        store = await link.read(*filters)
+        if not steal and _taken(store, nodes or (), name, "domain create", err):
+            return EXIT_USAGE
+        previous = store.specs.get(name)
+        before = {n: store.assignments.get(n) for n in nodes or ()}
+        spec = next_spec(
+            previous,
+            name,
+            nodes=nodes,
+            max_nodes=max_nodes,
+            default_max_nodes=settings.domain.max_nodes,
+        )
+        if previous is not None and previous.max_nodes != spec.max_nodes:
+            print(
+                f"warning: max_nodes of {name} changes from {previous.max_nodes} to "
+                f"{spec.max_nodes}: members configured otherwise report NodeMapMismatch",
+                file=err,
+            )
+        written = {t.spec(name): encode(spec)}
+        for node in nodes or ():
+            written[t.assignment(node)] = encode(Assignment(domain=name))
+        for topic, payload in written.items():
+            await link.put(topic, payload)
+        refused = await link.verify(written)
+    if refused:
+        return _refused(refused, err)
+    verb = "created"
+    if previous is not None:
+        verb = "re-activated" if previous.state == "deleting" else "updated"
+    listed = ",".join(spec.nodes) if spec.nodes is not None else "any node"
+    print(
+        f"domain {name}: {verb} (generation {spec.generation}, max_nodes {spec.max_nodes}, "
+        f"nodes {listed})",
+        file=out,
+    )
+    for node, was in before.items():
+        note = f" (moved from {was})" if was not in (None, name) else ""
+        print(f"node {node}: assigned to {name}{note}", file=out)
+    return EXIT_OK
+
+
+async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, err: TextIO) -> int:
+    """Set the spec to `deleting`, wait for the members to leave, then clear what is left.
+
+    Agents that see `deleting` clear their member record and health report, stop their
+    daemon and remove their files. Once no member record of the domain is left, the
+    assignments that point at it are cleared first (an assigned agent then goes idle and
+    does not rejoin), then the spec, then health reports left by vanished nodes. Two cases
+    keep the spec in state `deleting` (a tombstone), so that nodes still pointing at the
+    domain stay out of it:
+
+    - members still hold records at the timeout (exit 1): their assignments and the
+      health reports of nodes without records are cleared all the same, but their records
+      are kept (the node may still run a daemon); running delete again finishes the job;
+    - members without an assignment to the domain were seen (static nodes: `[domain] name`
+      in their settings), which would otherwise form the domain again (exit 0).
+    """
+    async with Link(settings.bus) as link:
+        t = link.topics
+        store = await link.read(
+            t.spec(name), t.all_members_filter(name), t.health_filter(name), t.assignments_filter()
+        )
+        spec = store.specs.get(name)
+        records = store.records_of(name)
+        if (
+            spec is None
+            and not records
+            and not store.assigned_to(name)
+            and not store.reports_of(name)
+        ):
+            print(
+                f"domain {name}: nothing to delete (no spec, records, reports or assignments)",
+                file=out,
+            )
+            return EXIT_OK
+        static = sorted({r.node for r in records} - set(store.assigned_to(name)))
+        if spec is None or spec.state != "deleting":
+            spec = DomainSpec(
+                domain=name,
+                nodes=spec.nodes if spec is not None else None,
+                max_nodes=spec.max_nodes
+                if spec is not None
+                else records[0].max_nodes
+                if records
+                else settings.domain.max_nodes,
+                state="deleting",
+                generation=spec.generation + 1 if spec is not None else 1,
+            )
+            await link.put(t.spec(name), encode(spec))
+            refused = await link.verify({t.spec(name): encode(spec)})
+            if refused:
+                return _refused(refused, err)
+        members = sorted({r.node for r in records})
+        print(
+            f"domain {name}: deleting (generation {spec.generation}); waiting up to {wait_s:g} s "
+            f"for {len(members)} member(s) to leave"
+            + (f": {', '.join(members)}" if members else ""),
+            file=out,
+        )
+        started = time.monotonic()
+        await link.wait_until(lambda: not store.records_of(name), wait_s)
+        left = sorted({r.node for r in store.records_of(name)})
+        # Agents clear their health report right after their record: give those a moment.
+        grace = min(HEALTH_GRACE_S, max(0.0, wait_s - (time.monotonic() - started)))
+        await link.wait_until(
+            lambda: not any(s.report.node in members for s in store.reports_of(name)), grace
+        )
+        written: dict[str, bytes] = {}
+        for node in store.assigned_to(name):
+            written[t.assignment(node)] = b""
+        keep_spec = bool(left or static)
+        if not keep_spec:
+            written[t.spec(name)] = b""
+        reports = [s.report for s in store.reports_of(name) if s.report.node not in left]
+        for report in reports:
+            written[t.health(name, report.node)] = b""
+        for topic, payload in written.items():
+            await link.put(topic, payload)
+        refused = await link.verify(written)
+        stuck = [_describe_member(store, name, node) for node in left]
+    if refused:
+        return _refused(refused, err)
+    assignments = sum(1 for topic in written if topic.endswith("/assignment"))
+    cleared = f"{assignments} assignment(s), {len(reports)} leftover health report(s)"
+    if left:
+        print(
+            f"imexd: domain {name}: {len(left)} member(s) still hold records after {wait_s:g} s: "
+            f"{'; '.join(stuck)}. Cleared {cleared}; the spec stays in state deleting so that "
+            f"they leave when they come back. Run `imexd domain delete {name}` again to finish.",
+            file=err,
+        )
+        return EXIT_FAILED
+    if static:
+        print(
+            f"domain {name}: all members left; cleared {cleared}. The spec stays in state "
+            f"deleting: {', '.join(static)} name this domain in their settings ([domain] name) "
+            f"and would form it again without it. Change their settings, then run "
+            f"`imexd domain delete {name}` again to clear the spec.",
+            file=out,
+        )
+        return EXIT_OK
+    print(f"domain {name}: deleted (cleared the spec, {cleared})", file=out)
+    return EXIT_OK
+
+
+def _describe_member(store: Store, domain: str, node: str) -> str:
+    record = next((r for r in store.records_of(domain) if r.node == node), None)
+    seen = store.reports.get((domain, node))
+    parts = [node]
+    if record is not None:
+        parts.append(f"record {record.state.value}")
+    if seen is not None:
+        parts.append(f"last report {time.time() - seen.report.at:.0f} s ago")
+        reason = reason_line(seen.report.conditions)
+        if reason:
+            parts.append(reason)
+    return " (".join([parts[0], ", ".join(parts[1:]) + ")"]) if len(parts) > 1 else node
+
+
+async def list_domains(settings: Settings, *, out: TextIO) -> int:
+    """Print every domain with a spec, records, reports or assignments."""
+    async with Link(settings.bus) as link:
+        t = link.topics
+        store = await link.read(
+            t.specs_filter(),
+            t.all_members_filter("+"),
+            t.health_filter("+"),
+            t.assignments_filter(),
+        )
+    summaries = summarize(
+        store, now=time.time(), report_interval_s=settings.health.report_interval_s
+    )
+    print(render_list(summaries), end="", file=out)
+    return EXIT_OK
+
+
+async def assign(
+    settings: Settings,
+    node: str,
+    domain: str | None,
+    *,
+    out: TextIO,
+    err: TextIO,
+    steal: bool = False,
+    force: bool = False,
+    seen_within_s: float = SEEN_WITHIN_S,
+) -> int:
+    """Write (or with None: clear) a node's retained assignment.
+
+    Assigning refuses (EXIT_USAGE, writing nothing) a node in another live domain unless
+    `steal` (see `create`), and a node that no agent reported within `seen_within_s`
+    seconds (presence record or health report; a member record counts as seen) unless
+    `force`: a typo would otherwise create a phantom domain that never forms."""
+    async with Link(settings.bus) as link:
+        t = link.topics
+        topic = t.assignment(node)
+        filters = [topic, *([t.spec(domain)] if domain else [])]
+        if domain is not None:
+            filters += [t.specs_filter(), t.all_members_filter("+")]
+            filters += [t.health_filter("+"), t.presence(node)]
+        store = await link.read(*filters)
+        if domain is not None and not steal and _taken(store, [node], domain, "node assign", err):
+            return EXIT_USAGE
+        if domain is not None and not force:
+            at, recorded = store.last_seen(node)
+            if not recorded and (at is None or time.time() - at > seen_within_s):
+                when = "never" if at is None else f"last {time.time() - at:.0f} s ago"
+                print(
+                    f"imexd node assign: no agent reported node {node} within "
+                    f"{seen_within_s:g} s ({when}): a typo, or a node without a running agent; "
+                    f"assigning it to {domain} would wait for it forever. Give --force to "
+                    "assign it anyway",
+                    file=err,
+                )
+                return EXIT_USAGE
+        before = store.assignments.get(node)
+        spec = store.specs.get(domain) if domain else None
+        payload = encode(Assignment(domain=domain)) if domain else b""
+        await link.put(topic, payload)
+        refused = await link.verify({topic: payload})
+    if refused:
+        return _refused(refused, err)
+    if domain is None:
+        was = f"was {before}" if before else "it had no assignment"
+        print(f"node {node}: unassigned ({was})", file=out)
+        return EXIT_OK
+    note = f" (moved from {before})" if before not in (None, domain) else ""
+    print(f"node {node}: assigned to {domain}{note}", file=out)
+    if spec is not None and spec.state == "deleting":
+        print(f"warning: {domain} is being deleted: {node} leaves it at once", file=err)
+    elif spec is not None and spec.nodes is not None and node not in spec.nodes:
+        print(
+            f"warning: the spec of {domain} lists only {', '.join(spec.nodes)}: {node} stays "
+            f"out (NotInSpec) until `imexd domain create {domain} --nodes ...` lists it",
+            file=err,
+        )
+    return EXIT_OK
+
+
+def _fingerprint(status: DomainStatus) -> bytes:
+    """The judgement without what changes with every second (ages, the time)."""
+    still = msgspec.structs.replace(
+        status,
+        at=0.0,
+        nodes=[msgspec.structs.replace(r, age_s=None) for r in status.nodes],
+    )
+    return msgspec.json.encode(still)
+
+
+async def status(
+    settings: Settings,
+    name: str,
+    *,
+    as_json: bool,
+    wait: float,
+    out: TextIO,
+    err: TextIO,
+    nodes: Sequence[str] | None = None,
+) -> int:
+    """Print the domain's state once: after the retained snapshot, wait up to `wait`
+    seconds more for it to become UP (changes in flight), then print and exit 0 if UP.
+
+    `nodes` (`--nodes`) are the members to judge, instead of the spec's list."""
+    interval = settings.health.report_interval_s
+    async with Link(settings.bus) as link:
+        t = link.topics
+        store = await link.read(t.spec(name), t.all_members_filter(name), t.health_filter(name))
+
+        def judged() -> DomainStatus:
+            return _judge_store(store, name, interval, nodes)
+
+        await link.wait_until(lambda: judged().state == "UP", wait)
+        result = judged()
+    if as_json:
+        print(status_json(result), file=out)
+    elif result.known:
+        print(render_status(result), end="", file=out)
+    if not result.known:
+        print(
+            f"imexd: domain {name}: nothing on the bus (no spec, member record or health report)",
+            file=err,
+        )
+        return EXIT_FAILED
+    return EXIT_OK if result.state == "UP" else EXIT_FAILED
+
+
+def _judge_store(
+    store: Store, name: str, report_interval_s: float, nodes: Sequence[str] | None = None
+) -> DomainStatus:
+    return judge(
+        name,
+        spec=store.specs.get(name),
+        records=store.records_of(name),
+        reports=store.reports_of(name),
+        now=time.time(),
+        report_interval_s=report_interval_s,
+        expect=nodes,
+    )
+
+
+async def _event_or(event: asyncio.Event, stop: asyncio.Event, at_most_s: float) -> None:
+    """Wait until `event` or `stop` is set, at most `at_most_s` seconds."""
+    waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(stop.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=at_most_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+async def watch(
+    settings: Settings,
+    name: str,
+    *,
+    as_json: bool,
+    stop: asyncio.Event,
+    out: TextIO,
+    err: TextIO,
+    retry_s: float = 2.0,
+    nodes: Sequence[str] | None = None,
+) -> int:
+    """Redraw the status on every change (and as reports age) until `stop`.
+
+    On a terminal the screen is redrawn; otherwise each new table follows the previous
+    one (with --json: one JSON document per line). A lost link is reconnected; a broker
+    unreachable at the start is an error. The exit status is that of the last state.
+    """
+    interval = settings.health.report_interval_s
+    tty = out.isatty()
+    last: bytes | None = None
+    state: DomainState | None = None
+    connected_once = False
+    while not stop.is_set():
+        try:
+            async with Link(settings.bus) as link:
+                t = link.topics
+                store = await link.read(
+                    t.spec(name), t.all_members_filter(name), t.health_filter(name)
+                )
+                connected_once = True
+                while not stop.is_set():
+                    link.changed.clear()
+                    result = _judge_store(store, name, interval, nodes)
+                    key = _fingerprint(result)
+                    if key != last:
+                        last, state = key, result.state
+                        _draw(result, as_json=as_json, tty=tty, out=out)
+                    await _event_or(link.changed, stop, 1.0)
+                    link.raise_if_lost()
+        except BusError as exc:
+            if not connected_once:
+                raise
+            print(f"imexd: {exc}; reconnecting", file=err, flush=True)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(retry_s):
+                    await stop.wait()
+    return EXIT_OK if state == "UP" else EXIT_FAILED
+
+
+def _draw(result: DomainStatus, *, as_json: bool, tty: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(status_json(result) + "\n")
+    elif tty:
+        out.write("\x1b[H\x1b[2J" + render_status(result) + "(watching; Ctrl-C to stop)\n")
+    else:
+        out.write(render_status(result) + "\n")
+    out.flush()

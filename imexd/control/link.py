@@ -1,0 +1,264 @@
+"""The control plane's link to the broker: one short-lived MQTT connection per command.
+
+Why its own `Link` and not `imexd.bus.Bus`: the commands are one-shot (connect, read a
+snapshot, write, verify, leave), so Bus's reconnect loop and replayed desired state would
+only hide an unreachable broker behind retries, where an operator wants a clear error
+within seconds. And Bus proves its snapshot with a ping on `{p}/nodes/{node}/ping` with a
+DNS-1123 `node`, while the shipped broker ACL grants ping topics per user (`%u`) and names
+the control plane's user `imexd_control` (not a DNS-1123 name, on purpose), so a Bus-based
+control plane would never sync there. The `Link` proves its snapshot the same way (an echo
+of its own non-retained message, which the broker queues after every retained message of
+the earlier subscriptions) on `{p}/domains/_control/sync/{client_id}`: readable and writable
+under the shipped ACL's `{p}/domains/#` grant, and matched by no agent subscription (`_control`
+is not a DNS-1123 label, so it is never a domain). Both links connect through `imexd.mqtt`
+(the same client factory, TLS, password and protocol fallback) and decode with
+`imexd.messages.decode_message`, so both sides drop the same malformed messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Final, Self
+
+from imexd.control.store import Store
+from imexd.errors import BusError
+from imexd.messages import Dropped, Topics, decode_message
+from imexd.mqtt import Client, connect, topic_matches
+from imexd.settings import BrokerURL, BusSettings, parse_broker_url
+
+CONNECT_TIMEOUT_S: Final = 5.0
+"""Bound on reaching a broker (TCP, TLS, CONNACK); each URL of `[bus] url` gets it."""
+OPERATION_TIMEOUT_S: Final = 5.0
+"""Bound on each broker round trip (SUBACK, PUBACK, the sync echo)."""
+SYNC_LEVEL: Final = "_control"
+"""Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
+
+
+def default_client_id() -> str:
+    """`imexd-control-<pid>-<random>`: the random part keeps two control planes with the
+    same pid (one per container, say) from taking each other's session over."""
+    return f"imexd-control-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class Link:
+    """One short-lived MQTT connection of the control plane (an async context manager).
+
+    Entering connects to the first broker of `[bus] url` that answers within
+    `connect_timeout_s` (the versions `[bus] protocol` allows, `mqtt.protocol_versions`:
+    with "auto" MQTT 5, else 3.1.1 only when the broker refuses 5), or raises BusError
+    naming each broker and why. `read` subscribes and returns once the retained snapshot
+    is in `store`; `put` publishes a retained message; `verify` proves the broker kept
+    what was put (a refused publish is otherwise invisible). A lost link raises BusError
+    from the next call.
+    """
+
+    def __init__(
+        self,
+        settings: BusSettings,
+        *,
+        client_id: str | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        timeout_s: float = OPERATION_TIMEOUT_S,
+    ) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.client_id = client_id or default_client_id()
+        self.brokers: tuple[BrokerURL, ...] = tuple(parse_broker_url(u) for u in settings.url)
+        if not self.brokers:
+            raise ValueError("settings.url names no broker")
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_s = timeout_s
+        self.store = Store()
+        self.changed = asyncio.Event()
+        """Set on every message and when the link is lost; the waiter clears it."""
+        self.broker: str | None = None
+        self.lost: str | None = None
+        self._client: Client | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._sync_topic = f"{self.topics.prefix}/domains/{SYNC_LEVEL}/sync/{self.client_id}"
+        self._filters: list[str] = []
+        self._seq = itertools.count(1)
+        self._echoes: dict[int, asyncio.Future[None]] = {}
+        self._last: dict[str, bytes] = {}
+
+    async def __aenter__(self) -> Self:
+        errors: list[str] = []
+        for broker in self.brokers:
+            try:
+                self._client = await self._connect(broker)
+            except BusError as exc:
+                errors.append(str(exc))
+                continue
+            self.broker = str(broker)
+            break
+        else:
+            raise BusError("; ".join(errors))
+        self._reader = asyncio.create_task(self._read(self._client), name="control-read")
+        try:
+            await self._subscribe([self._sync_topic])
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        reader, client = self._reader, self._client
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        if client is not None:
+            await client.close(self.timeout_s)
+        self._client = None
+
+    async def _connect(self, broker: BrokerURL) -> Client:
+        return await connect(
+            self.settings,
+            broker,
+            client_id=self.client_id,
+            timeout_s=self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+        )
+
+    # Incoming messages.
+
+    async def _read(self, client: Client) -> None:
+        try:
+            async for message in client.messages():
+                self._on_message(
+                    message.topic,
+                    message.payload,
+                    retained=message.retained,
+                    expiry_s=message.expiry_s,
+                )
+            self.lost = "the broker closed the connection"
+        except BusError as exc:
+            self.lost = str(exc)
+        for echo in self._echoes.values():
+            if not echo.done():
+                echo.set_exception(BusError(f"lost the broker {self.broker}: {self.lost}"))
+        self.changed.set()
+
+    def _on_message(
+        self, topic: str, payload: bytes, *, retained: bool, expiry_s: int | None
+    ) -> None:
+        if topic == self._sync_topic:
+            with contextlib.suppress(ValueError):
+                echo = self._echoes.get(int(payload))
+                if echo is not None and not echo.done():
+                    echo.set_result(None)
+            return
+        self._last[topic] = payload
+        result = decode_message(self.topics, topic, payload, retained=retained)
+        if isinstance(result, Dropped):
+            self.store.dropped[result.reason.value] += 1
+            return
+        expires_at = time.time() + expiry_s if expiry_s is not None else None
+        self.store.apply(result, expires_at=expires_at)
+        self.changed.set()
+
+    # Operations.
+
+    def _live(self) -> Client:
+        if self._client is None or self.lost is not None:
+            raise BusError(f"lost the broker {self.broker}: {self.lost or 'not connected'}")
+        return self._client
+
+    def raise_if_lost(self) -> None:
+        """BusError when the link is gone (the reader saw it end)."""
+        self._live()
+
+    async def _subscribe(self, filters: Sequence[str]) -> None:
+        client = self._live()
+        try:
+            refusals = await client.subscribe(filters)
+        except BusError as exc:
+            raise BusError(f"cannot subscribe at {self.broker}: {exc}") from None
+        for topic_filter, refusal in zip(filters, refusals, strict=True):
+            if refusal is not None:
+                raise BusError(
+                    f"the broker {self.broker} refused the subscription to {topic_filter} "
+                    f"(code {refusal}): check its ACL for this user"
+                )
+        self._filters.extend(filters)
+
+    async def read(self, *filters: str) -> Store:
+        """Subscribe to `filters`; returns once their retained snapshot is in `store`."""
+        new = [f for f in filters if f not in self._filters]
+        if new:
+            await self._subscribe(new)
+        await self.sync()
+        return self.store
+
+    async def sync(self) -> None:
+        """One round trip: every message the broker queued for us before it is delivered."""
+        client = self._live()
+        seq = next(self._seq)
+        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._echoes[seq] = echo
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await client.publish(self._sync_topic, str(seq).encode())
+                await echo
+        except TimeoutError:
+            raise BusError(
+                f"no echo of our sync message on {self._sync_topic} within {self.timeout_s:g} s: "
+                "the broker must let the control plane read and write it (ACL)"
+            ) from None
+        except BusError as exc:
+            raise BusError(f"cannot publish to {self.broker}: {exc}") from None
+        finally:
+            self._echoes.pop(seq, None)
+
+    async def put(self, topic: str, payload: bytes) -> None:
+        """Publish a retained message (QoS 1); an empty payload deletes the retained one.
+
+        The topic is subscribed first when no filter covers it, so `verify` can see it.
+        """
+        if not any(topic_matches(f, topic) for f in self._filters):
+            await self._subscribe([topic])
+        client = self._live()
+        try:
+            await client.publish(topic, payload, retain=True)
+        except BusError as exc:
+            raise BusError(f"cannot publish to {topic}: {exc}") from None
+
+    async def verify(self, written: Mapping[str, bytes]) -> list[str]:
+        """The topics of `written` whose last message is not what we put there.
+
+        A publish that an ACL refused still gets its PUBACK (MQTT 3.1.1, and the MQTT client
+        drops MQTT 5 reason codes), so only reading it back tells.
+        """
+        await self.sync()
+        return sorted(t for t, p in written.items() if self._last.get(t) != p)
+
+    async def wait_until(self, done: Callable[[], bool], within_s: float) -> bool:
+        """Wait at most `within_s` seconds until `done()` holds over the store; whether it did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            self.changed.clear()
+            if done():
+                return True
+            self.raise_if_lost()
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self.changed.wait()

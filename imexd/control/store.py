@@ -1,0 +1,147 @@
+"""What the control plane saw on the bus: the latest retained state, by what it addresses.
+
+Pure: the link feeds it decoded messages (`apply`), the commands ask it questions
+(`elsewhere`, `last_seen`, ...) and `summarize` judges every domain it knows with the
+fleet's one judgement (`imexd.fleet.judge`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from imexd.fleet import DomainSummary, SeenReport, judge
+from imexd.messages import (
+    Assignment,
+    Deleted,
+    DomainSpec,
+    HealthReport,
+    MemberRecord,
+    Presence,
+    Received,
+)
+
+
+@dataclass(slots=True)
+class Store:
+    """The latest retained state of the subscribed topics, by what it addresses."""
+
+    specs: dict[str, DomainSpec] = field(default_factory=dict)
+    members: dict[tuple[str, str, str], MemberRecord] = field(default_factory=dict)
+    """(domain, clique, node) -> record."""
+    reports: dict[tuple[str, str], SeenReport] = field(default_factory=dict)
+    """(domain, node) -> report."""
+    assignments: dict[str, str | None] = field(default_factory=dict)
+    """node -> domain (None: an explicit null assignment)."""
+    presences: dict[str, Presence] = field(default_factory=dict)
+    """node -> the agent's retained presence record."""
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Malformed messages ignored, by `messages.DropReason` value."""
+
+    def apply(self, event: Received | Deleted, *, expires_at: float | None = None) -> None:
+        """Take one decoded message (an empty payload deletes)."""
+        ref = event.ref
+        payload = event.payload if isinstance(event, Received) else None
+        match ref.kind:
+            case "spec":
+                if isinstance(payload, DomainSpec):
+                    self.specs[ref.domain] = payload
+                else:
+                    self.specs.pop(ref.domain, None)
+            case "member":
+                key = (ref.domain, ref.clique, ref.node)
+                if isinstance(payload, MemberRecord):
+                    self.members[key] = payload
+                else:
+                    self.members.pop(key, None)
+            case "health":
+                if isinstance(payload, HealthReport):
+                    self.reports[(ref.domain, ref.node)] = SeenReport(payload, expires_at)
+                else:
+                    self.reports.pop((ref.domain, ref.node), None)
+            case "assignment":
+                if isinstance(payload, Assignment):
+                    self.assignments[ref.node] = payload.domain
+                else:
+                    self.assignments.pop(ref.node, None)
+            case "presence":
+                if isinstance(payload, Presence):
+                    self.presences[ref.node] = payload
+                else:
+                    self.presences.pop(ref.node, None)
+            case "ping":
+                pass
+
+    def records_of(self, domain: str) -> list[MemberRecord]:
+        return [r for (d, _, _), r in sorted(self.members.items()) if d == domain]
+
+    def reports_of(self, domain: str) -> list[SeenReport]:
+        return [s for (d, _), s in sorted(self.reports.items()) if d == domain]
+
+    def assigned_to(self, domain: str) -> list[str]:
+        return sorted(n for n, d in self.assignments.items() if d == domain)
+
+    def elsewhere(self, node: str, domain: str) -> list[str]:
+        """Why `node` belongs to a live domain other than `domain`, one phrase each: an
+        assignment to a domain whose spec exists and is not deleting, or a member record
+        in another domain."""
+        out: list[str] = []
+        other = self.assignments.get(node)
+        spec = self.specs.get(other) if other is not None and other != domain else None
+        if spec is not None and spec.state != "deleting":
+            out.append(f"assigned to {other} (spec generation {spec.generation}, active)")
+        out.extend(
+            f"{record.state.value} record in {d}"
+            for (d, _, n), record in sorted(self.members.items())
+            if n == node and d != domain
+        )
+        return out
+
+    def last_seen(self, node: str) -> tuple[float | None, bool]:
+        """When an agent last reported `node` (its presence or a health report, by their
+        `at`; None: never), and whether it holds a member record anywhere (a live agent
+        keeps one; its will clears it when it dies)."""
+        times = [s.report.at for (_, n), s in self.reports.items() if n == node]
+        presence = self.presences.get(node)
+        if presence is not None:
+            times.append(presence.at)
+        recorded = any(n == node for _, _, n in self.members)
+        return (max(times) if times else None), recorded
+
+    def domains(self) -> list[str]:
+        """Every domain with a spec, a member record, a health report or an assignment."""
+        names = set(self.specs)
+        names.update(d for d, _, _ in self.members)
+        names.update(d for d, _ in self.reports)
+        names.update(d for d in self.assignments.values() if d is not None)
+        return sorted(names)
+
+
+def summarize(store: Store, *, now: float, report_interval_s: float) -> list[DomainSummary]:
+    """Every domain the bus knows, judged."""
+    out = []
+    for name in store.domains():
+        spec = store.specs.get(name)
+        records = store.records_of(name)
+        status = judge(
+            name,
+            spec=spec,
+            records=records,
+            reports=store.reports_of(name),
+            now=now,
+            report_interval_s=report_interval_s,
+        )
+        out.append(
+            DomainSummary(
+                domain=name,
+                spec=spec.state if spec else "-",
+                generation=spec.generation if spec else None,
+                max_nodes=spec.max_nodes if spec else (records[0].max_nodes if records else None),
+                listed=len(spec.nodes) if spec and spec.nodes is not None else None,
+                assigned=len(store.assigned_to(name)),
+                members=len({r.node for r in records}),
+                ready=status.ready,
+                state=status.state,
+            )
+        )
+    return out

@@ -1,0 +1,453 @@
+"""The MQTT boundary: the only module that imports aiomqtt and paho.
+
+The agent's resilient link (`imexd.bus.Bus`) and the control plane's one-shot link
+(`imexd.control.link.Link`) both connect through `connect` and talk through `Client`.
+What they get is imexd's own: `Message`s with plain bytes, subscription results as text,
+the broker's DISCONNECT reason as an int, and every failure as `imexd.errors.BusError`
+(`raise BusError(...) from exc`, as httpcore does), so no aiomqtt or paho type reaches
+the core and a library upgrade touches this file only.
+
+Why it is built this way:
+- Every connect asks for MQTT 5 (its Will Delay keeps a link blip from dropping the node)
+  and falls back to 3.1.1 for that connect only when the broker says so (`[bus]
+  protocol`, `protocol_versions`, `refuses_protocol`): a timeout is an outage, not a
+  verdict.
+- A paho hook gives what aiomqtt 2.x hides: a hang-up before CONNACK (which would
+  otherwise wait for the timeout), and the reason code of the broker's DISCONNECT
+  (`Client.server_reason`, e.g. `SESSION_TAKEN_OVER`).
+- A dead link is dropped without DISCONNECT (`Client.abort`), so the broker publishes the
+  will; a clean leave sends DISCONNECT (`Client.close`), which suppresses it.
+- The password is read anew for every connect, so a rotated secret is picked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Self
+
+import aiomqtt
+import paho.mqtt.client as paho
+from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from imexd.errors import BusError
+from imexd.messages import MAX_PAYLOAD
+from imexd.settings import BrokerURL, BusSettings
+
+QOS: Final = 1
+"""Every imexd message is QoS 1: records must arrive, duplicates are harmless."""
+
+_UNSUPPORTED_PROTOCOL: Final = frozenset({1, 0x84})
+"""CONNACK codes meaning "not this protocol version" (3.1.1's 1, MQTT 5's 0x84)."""
+
+SESSION_TAKEN_OVER: Final = 0x8E
+"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
+
+_MAX_PACKET: Final = 4 * MAX_PAYLOAD
+"""MQTT 5 Maximum Packet Size we accept: a payload of 16 KiB plus a long topic and
+properties; oversized payloads up to this size still arrive and are counted."""
+
+
+# Pure helpers.
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """Whether an MQTT topic filter (with `+` and `#`) matches a topic name (aiomqtt's rule)."""
+    return aiomqtt.Topic(topic).matches(topic_filter)
+
+
+def protocol_versions(settings: BusSettings) -> tuple[bool, ...]:
+    """The MQTT versions one connect may try, in order: True for MQTT 5, False for 3.1.1.
+
+    "auto" asks for MQTT 5 at every connect (its Will Delay keeps a blip from dropping
+    the node) and falls back to 3.1.1 for that connect only when `refuses_protocol`.
+    """
+    match settings.protocol:
+        case "5":
+            return (True,)
+        case "3.1.1":
+            return (False,)
+        case _:
+            return (True, False)
+
+
+class _ClosedBeforeConnackError(aiomqtt.MqttError):
+    """The broker closed the connection after our CONNECT without a CONNACK."""
+
+
+def refuses_protocol(exc: BaseException) -> bool:
+    """Whether a failed connect means "the broker does not speak this MQTT version".
+
+    Only the broker's own word counts: a CONNACK "unsupported protocol version", or a
+    hang-up before any CONNACK (what some 3.1.1-only brokers do with an MQTT 5 CONNECT).
+    A connect that times out says nothing about the protocol: a partition healing
+    mid-connect looks just like that, and must not cost the Will Delay.
+    """
+    if isinstance(exc, _ClosedBeforeConnackError):
+        return True
+    if not isinstance(exc, MqttConnectError):
+        return False
+    rc = exc.rc
+    value = rc.value if isinstance(rc, ReasonCode) else rc
+    return value in _UNSUPPORTED_PROTOCOL
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an exception and its causes (aiomqtt hides the reason in __cause__)."""
+    parts: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(parts) < 4:
+        text = str(current) or type(current).__name__
+        if text not in parts:
+            parts.append(text)
+        current = current.__cause__
+    return ": ".join(parts)
+
+
+def _failure(exc: aiomqtt.MqttError) -> BusError:
+    """An aiomqtt error as imexd's own, its text saying why (causes included)."""
+    error = BusError(describe_error(exc))
+    error.__cause__ = exc
+    return error
+
+
+def read_password(settings: BusSettings) -> str | None:
+    """The password from `password_file` (blocking), or None without a user name.
+
+    Read anew for every connection, so a rotated secret is picked up; never logged.
+    """
+    if not (settings.username and settings.password_file):
+        return None
+    try:
+        return Path(settings.password_file).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise BusError(
+            f"cannot read bus.password_file {settings.password_file}: {reason}"
+        ) from None
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(0, math.ceil(seconds))
+
+
+def _properties(packet_type: int) -> Properties:
+    return Properties(packet_type)  # type: ignore[no-untyped-call] # paho leaves it untyped
+
+
+# What a client reports.
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One incoming message, as plain data."""
+
+    topic: str
+    payload: bytes
+    retained: bool
+    """True when it comes from the broker's retained store (a snapshot), not live."""
+    expiry_s: int | None
+    """The Message Expiry Interval left (MQTT 5), None when it has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """The Last Will: an empty retained payload (QoS 1) on `topic`, delayed by `delay_s`
+    (MQTT 5 Will Delay; the session must outlive it, so it is also the session expiry)."""
+
+    topic: str
+    delay_s: float
+
+
+@dataclass(slots=True)
+class _Watch:
+    """What paho says about one connection that aiomqtt 2.x does not pass on."""
+
+    server_reason: ReasonCode | None = None
+    """The reason code of a DISCONNECT the broker sent (MQTT 5)."""
+
+
+def _watch(client: aiomqtt.Client) -> _Watch:
+    """Hook paho's disconnect callback of `client`, in front of aiomqtt's own.
+
+    aiomqtt 2.x ignores a socket closed before CONNACK (the connect then waits for its
+    timeout) and drops whether a DISCONNECT came from the broker. The hook fails the
+    pending connect at once with `_ClosedBeforeConnackError` and keeps the broker's
+    DISCONNECT reason in the returned `_Watch`.
+    """
+    watch = _Watch()
+    inner = client._client
+    forward = client._on_disconnect  # what aiomqtt installed on paho
+
+    def on_disconnect(
+        paho_client: paho.Client,
+        userdata: object,
+        flags: paho.DisconnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None = None,
+    ) -> None:
+        if flags.is_disconnect_packet_from_server:
+            watch.server_reason = reason_code
+        connecting = client._connected
+        if client._lock.locked() and not connecting.done():
+            connecting.set_exception(
+                _ClosedBeforeConnackError("the broker closed the connection before CONNACK")
+            )
+        forward(paho_client, userdata, flags, reason_code, properties)
+
+    inner.on_disconnect = on_disconnect
+    return watch
+
+
+class Client:
+    """One connection to one broker, made by `connect`; every failure is a BusError."""
+
+    def __init__(self, inner: aiomqtt.Client, *, v5: bool) -> None:
+        self._inner = inner
+        self._watch = _watch(inner)
+        self.v5 = v5
+        """Whether the link speaks MQTT 5 (else 3.1.1: no will delay, no properties)."""
+
+    @property
+    def server_reason(self) -> int | None:
+        """The reason code of the DISCONNECT the broker sent on this link, if any."""
+        reason = self._watch.server_reason
+        return int(reason.value) if reason is not None else None
+
+    async def subscribe(self, filters: Sequence[str]) -> list[str | None]:
+        """Subscribe (QoS 1); per filter None when granted, else the broker's refusal."""
+        try:
+            codes: list[int | ReasonCode] = list(
+                await self._inner.subscribe([(f, QOS) for f in filters])
+            )
+        except aiomqtt.MqttError as exc:
+            raise _failure(exc) from exc
+        refusals: list[str | None] = [None] * len(filters)
+        for i, code in enumerate(codes[: len(filters)]):
+            failed = code.is_failure if isinstance(code, ReasonCode) else code >= 0x80
+            refusals[i] = str(code) if failed else None
+        return refusals
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        try:
+            await self._inner.unsubscribe(topic_filter)
+        except aiomqtt.MqttError as exc:
+            raise _failure(exc) from exc
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = QOS,
+        retain: bool = False,
+        expiry_s: float | None = None,
+    ) -> None:
+        """Publish and wait for the acknowledgement; `expiry_s` only counts on MQTT 5."""
+        properties = None
+        if expiry_s is not None and self.v5:
+            properties = _properties(PacketTypes.PUBLISH)
+            properties.MessageExpiryInterval = max(1, _whole_seconds(expiry_s))
+        try:
+            await self._inner.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        except aiomqtt.MqttError as exc:
+            raise _failure(exc) from exc
+
+    def messages(self) -> MessageStream:
+        """`async for message in client.messages()`; raises BusError when the link ends."""
+        return MessageStream(self._inner)
+
+    async def close(self, timeout_s: float) -> str | None:
+        """Clean DISCONNECT (the broker drops our will), bounded in time; None when it
+        went out, else why not (the link is then aborted)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._inner.__aexit__(None, None, None)
+        except (aiomqtt.MqttError, TimeoutError) as exc:
+            self.abort()
+            return describe_error(exc)
+        return None
+
+    def abort(self) -> None:
+        """Drop the connection at once, without DISCONNECT.
+
+        Without DISCONNECT the broker publishes our will (after its delay) if we do not
+        come back: right for a dead link, where a DISCONNECT that slips through late would
+        keep a stale record alive. Shutting the socket down wakes aiomqtt's reader, which
+        then closes it and ends its own tasks.
+        """
+        # aiomqtt has no abort; its paho client owns the socket.
+        sock = self._inner._client.socket()
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def discard(self) -> None:
+        """Close the socket of a client whose connect was cancelled, without callbacks.
+
+        Cancelling aiomqtt's connect cancels its internal CONNACK future, after which its
+        disconnect callback would fail; closing the socket through paho directly avoids
+        that callback and still ends aiomqtt's reader and housekeeping task.
+        """
+        self._inner._client._sock_close()
+
+
+class MessageStream:
+    """The incoming messages of one link, translated to `Message`."""
+
+    def __init__(self, inner: aiomqtt.Client) -> None:
+        self._messages = inner.messages
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Message:
+        try:
+            message = await self._messages.__anext__()
+        except aiomqtt.MqttError as exc:
+            raise _failure(exc) from exc
+        raw = message.payload
+        expiry = getattr(message.properties, "MessageExpiryInterval", None)
+        return Message(
+            topic=message.topic.value,
+            payload=bytes(raw) if isinstance(raw, bytes | bytearray) else b"",
+            retained=bool(message.retain),
+            expiry_s=expiry if isinstance(expiry, int) else None,
+        )
+
+
+def _client(
+    settings: BusSettings,
+    broker: BrokerURL,
+    *,
+    client_id: str,
+    v5: bool,
+    password: str | None,
+    timeout_s: float,
+    will: Will | None,
+) -> aiomqtt.Client:
+    """An aiomqtt client for one connection attempt to `broker` (TLS, Unix socket, auth).
+
+    Every connection starts a fresh session: the agent's bus replays its state anyway,
+    and the control plane's links are short-lived. On MQTT 5 the broker is told the
+    largest packet we take (it discards larger messages instead of making us buffer them).
+    """
+    tls = None
+    if broker.tls:
+        tls = aiomqtt.TLSParameters(
+            ca_certs=settings.ca_file or None,
+            certfile=settings.cert_file or None,
+            keyfile=settings.key_file or None,
+        )
+    connect_properties: Properties | None = None
+    if v5:
+        connect_properties = _properties(PacketTypes.CONNECT)
+        connect_properties.MaximumPacketSize = _MAX_PACKET
+    aio_will: aiomqtt.Will | None = None
+    if will is not None:
+        delay = _whole_seconds(will.delay_s)
+        will_properties: Properties | None = None
+        if connect_properties is not None:
+            will_properties = _properties(PacketTypes.WILLMESSAGE)
+            will_properties.WillDelayInterval = delay
+            # The will is delayed only while the session lives: it must outlive the delay.
+            connect_properties.SessionExpiryInterval = delay
+        aio_will = aiomqtt.Will(
+            will.topic, payload=None, qos=QOS, retain=True, properties=will_properties
+        )
+    unix = broker.scheme == "unix"
+    return aiomqtt.Client(
+        broker.path if unix else broker.host,
+        broker.port or 1883,
+        transport="unix" if unix else "tcp",
+        username=settings.username or None,
+        password=password,
+        identifier=client_id,
+        protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
+        will=aio_will,
+        clean_session=None if v5 else True,
+        clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
+        properties=connect_properties,
+        keepalive=max(1, round(settings.keepalive_s)),
+        timeout=timeout_s,
+        tls_params=tls,
+    )
+
+
+Fallback = Callable[[str, str], None]
+"""Told (error, message) when a connect falls back from MQTT 5 to 3.1.1."""
+
+
+async def connect(
+    settings: BusSettings,
+    broker: BrokerURL,
+    *,
+    client_id: str,
+    timeout_s: float,
+    will: Will | None = None,
+    connect_timeout_s: float | None = None,
+    on_fallback: Fallback | None = None,
+) -> Client:
+    """Connect to `broker` with the first MQTT version it accepts.
+
+    Every connect asks for MQTT 5 first (unless `[bus] protocol` says otherwise): a
+    fallback to 3.1.1 holds for this connect only, and only when the broker said so.
+    `timeout_s` bounds every broker round trip of the client (aiomqtt's own bound, the
+    connect included); `connect_timeout_s`, when given, bounds each attempt as a whole.
+    Raises BusError naming the broker when the connect failed.
+    """
+    versions = protocol_versions(settings)
+    for attempt, v5 in enumerate(versions, start=1):
+        password = await asyncio.to_thread(read_password, settings)
+        inner = _client(
+            settings,
+            broker,
+            client_id=client_id,
+            v5=v5,
+            password=password,
+            timeout_s=timeout_s,
+            will=will,
+        )
+        client = Client(inner, v5=v5)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                await inner.__aenter__()
+        except TimeoutError:
+            client.discard()
+            if connect_timeout_s is None:
+                raise
+            raise BusError(
+                f"cannot connect to {broker}: no answer within {connect_timeout_s:g} s"
+            ) from None
+        except aiomqtt.MqttError as exc:
+            client.abort()
+            refused = v5 and refuses_protocol(exc)
+            if refused and attempt < len(versions):
+                if on_fallback is not None:
+                    on_fallback(
+                        describe_error(exc),
+                        (
+                            "the broker closed the connection to MQTT 5 before CONNACK"
+                            if isinstance(exc, _ClosedBeforeConnackError)
+                            else "the broker refused MQTT 5"
+                        )
+                        + ": this link uses 3.1.1, no Will Delay (the will fires at once)",
+                    )
+                continue
+            detail = describe_error(exc)
+            if refused:
+                detail += ' (bus.protocol = "5": no fallback to 3.1.1)'
+            raise BusError(f"cannot connect to {broker}: {detail}") from None
+        except BaseException:
+            client.discard()
+            raise
+        return client
+    raise AssertionError("protocol_versions() is never empty")  # pragma: no cover

@@ -1,0 +1,83 @@
+"""What may name a node, a domain and a clique: the checks every reader of names shares.
+
+Settings validate `[node] name` and `[domain] name` with them, the bus checks the names
+inside a topic with them before trusting a record, and the control plane refuses bad
+command-line names with them (exit 2). One leaf module, so that all of them agree and
+none imports another to ask. The payload types in `imexd.messages` state the same rules
+as JSON Schema patterns (they must stay expressible there).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Final
+
+DNS1123_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS1123_SUBDOMAIN_PART: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+CLIQUE_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_NODES_LIMIT: Final = 2048
+"""The most slots per clique a domain may have (the payloads' `MaxNodes` bound)."""
+
+
+def is_dns1123_label(name: str) -> bool:
+    """A Kubernetes-style label: lowercase alphanumerics and '-', at most 63 characters."""
+    return bool(DNS1123_LABEL.match(name))
+
+
+def is_dns1123_subdomain(name: str) -> bool:
+    """A DNS-1123 subdomain: dot-separated labels, at most 253 characters."""
+    return (
+        0 < len(name) <= 253
+        and all(DNS1123_SUBDOMAIN_PART.match(p) for p in name.split("."))
+        and all(len(p) <= 63 for p in name.split("."))
+    )
+
+
+def is_clique_id(value: str) -> bool:
+    """A clique id as a bus topic level: `<uuid>.<id>`-like, no '/', '+' or '#'."""
+    return bool(CLIQUE_RE.match(value))
+
+
+def domain_problem(name: str) -> str | None:
+    """None when `name` can name a domain, else a sentence saying why not."""
+    if is_dns1123_label(name):
+        return None
+    return (
+        f"domain name {name!r} is not a DNS-1123 label: lowercase letters, digits and '-', "
+        "starting and ending with a letter or digit, at most 63 characters"
+    )
+
+
+def node_problem(name: str) -> str | None:
+    """None when `name` can name a node, else a sentence saying why not."""
+    if is_dns1123_subdomain(name):
+        return None
+    return (
+        f"node name {name!r} is not a DNS-1123 subdomain: dot-separated labels of lowercase "
+        "letters, digits and '-', at most 253 characters"
+    )
+
+
+def parse_nodes(text: str | None) -> tuple[list[str] | None, list[str]]:
+    """`--nodes a,b,c` as a list (None when not given) and the problems with it."""
+    if text is None:
+        return None, []
+    nodes = [part.strip() for part in text.split(",")]
+    problems: list[str] = []
+    if not any(nodes):
+        return [], ["--nodes names no node"]
+    if "" in nodes:
+        problems.append(f"--nodes {text!r} has an empty name")
+    problems.extend(p for n in nodes if n and (p := node_problem(n)) is not None)
+    twice = sorted(n for n, count in Counter(nodes).items() if n and count > 1)
+    if twice:
+        problems.append(f"--nodes lists {', '.join(twice)} more than once")
+    return [n for n in nodes if n], problems
+
+
+def max_nodes_problem(value: int | None) -> str | None:
+    """None when `--max-nodes` is absent or in 1..2048, else why not."""
+    if value is None or 1 <= value <= MAX_NODES_LIMIT:
+        return None
+    return f"--max-nodes {value}: expected 1 to {MAX_NODES_LIMIT} slots per clique"
