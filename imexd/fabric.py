@@ -629,7 +629,6 @@ if __name__ == "__main__":
         sys.exit(child_main())
     if sys.argv[1:] == ["--child", "--health"]:
         sys.exit(child_health_main())
-    # `python -m imexd.fabric [TIMEOUT]`: the same as `imexd discover --timeout TIMEOUT`.
-    from imexd.cli import main
-
-    sys.exit(main(["discover", "--timeout", sys.argv[1] if sys.argv[1:] else "20"]))
+    # The discover command itself is `imexd discover` (cli.py): importing the CLI here
+    # would close an import cycle (cli -> agent -> fabric -> cli).
+    sys.exit("usage: python -m imexd.fabric --child [--health]; run `imexd discover` instead")

@@ -1,0 +1,98 @@
+"""The package's shape: no import cycle, and the MQTT libraries behind one module.
+
+Read from the source with `ast` (every `import`, also the lazy ones inside functions),
+so a cycle that only bites when a command imports late is caught here too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "imexd"
+MQTT_LIBRARIES = ("aiomqtt", "paho")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names), lazy imports included."""
+    found: set[str] = set()
+    package = _module_name(path).rpartition(".")[0] if path.name != "__init__.py" else None
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = (package or _module_name(path)).split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """imexd module -> the imexd modules it imports."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {
+        name: {imported for imported in _imports(path) if imported in modules and imported != name}
+        for name, path in modules.items()
+    }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph, as a path that ends where it starts, or None."""
+    done: set[str] = set()
+    stack: list[str] = []
+    on_stack: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt in on_stack:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in done and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        on_stack.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    """The check itself works: a two-module loop is reported."""
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle() -> None:
+    """No imexd module imports itself through others, not even lazily."""
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imex_is_a_leaf() -> None:
+    """imexd/imex.py (what IMEX is) imports nothing from imexd."""
+    assert not _graph()["imexd.imex"]
+
+
+def test_only_mqtt_py_imports_the_mqtt_libraries() -> None:
+    """aiomqtt and paho are imported by imexd/mqtt.py only: their types stay behind it."""
+    users = sorted(
+        _module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if any(name.split(".")[0] in MQTT_LIBRARIES for name in _imports(path))
+    )
+    assert users == ["imexd.mqtt"]
