@@ -9,8 +9,10 @@ do not pay for the agent's imports). Exit codes: 0 success, 1 failure or not rea
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from imexd import __version__
 from imexd.errors import ConfigError, ImexdError
-from imexd.settings import DEFAULT_CONFIG_PATH
+from imexd.settings import DEFAULT_CONFIG_PATH, parse_broker_url
 
 
 class _Command(Protocol):
@@ -286,9 +288,44 @@ def _cmd_node_unassign(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from imexd import demo  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd demo`: check the arguments (exit 2 when wrong), then run the demo."""
+    from imexd.demo import scenario  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return demo.cli_demo(args)
+    nodes: int = args.nodes
+    if not scenario.MIN_NODES <= nodes <= scenario.MAX_NODES:
+        print(
+            f"imexd demo: --nodes {nodes}: expected {scenario.MIN_NODES}..{scenario.MAX_NODES}",
+            file=sys.stderr,
+        )
+        return 2
+    broker: str | None = args.broker
+    if broker is not None:
+        try:
+            parse_broker_url(broker)
+        except ValueError:
+            print(
+                f"imexd demo: --broker {broker}: expected mqtt://HOST[:PORT], "
+                "mqtts://HOST[:PORT] or unix:///PATH",
+                file=sys.stderr,
+            )
+            return 2
+    options = scenario.Options(nodes=nodes, broker=broker)
+
+    async def demo() -> int:
+        # Ctrl-C, SIGTERM and SIGHUP only set the demo's stop event: it cleans up, then
+        # exits 128 + the signal number.
+        interrupt = scenario.Interrupt()
+        loop = asyncio.get_running_loop()
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for sig in handled:
+            loop.add_signal_handler(sig, interrupt.signal, sig)
+        try:
+            return await scenario.run_demo(options, sys.stdout, interrupt)
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(demo())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

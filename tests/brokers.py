@@ -23,7 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from tests.support import Broker
+from imexd.demo.brokers import Mosquitto
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CONF = REPO / "config" / "mosquitto.conf"
@@ -115,7 +115,7 @@ def render_config(text: str, settings: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class ShippedBroker(Broker):
+class ShippedBroker(Mosquitto):
     """A real Mosquitto running the shipped mosquitto.conf and mosquitto.acl.
 
     Certificate mode as shipped; `passwords` switches to password mode the way the

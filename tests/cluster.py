@@ -2,8 +2,10 @@
 
 Each node gets its own loopback address, state dir, run dir, hosts file, signal log and
 health port; its IMEX daemon is the simulator, pointed at the node's hosts file. Timings
-are shortened (settle, probes, reload window, will delay) so scenarios run in seconds;
-everything else is the agent exactly as shipped. Every wait is bounded.
+are the demo's fast ones (`imexd.demo.timings.FAST`: settle, probes, reload window, will
+delay) so scenarios run in seconds; everything else is the agent exactly as shipped.
+Every wait is bounded. The helpers at the end (`formed`, `members`, `slot_of`, `pids`,
+`untouched`) are what several scenario modules ask of a running cluster.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping
+from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -28,43 +30,14 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
+from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings import render_toml
 from tests.faultproxy import FaultProxy
-from tests.support import Broker, free_port, loopback_address, wait_for
+from tests.support import loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
-
-FAST: dict[str, dict[str, Any]] = {
-    "domain": {"settle_s": 0.2},
-    "bus": {
-        "ping_interval_s": 1.0,
-        "will_delay_s": 2.0,
-        "reconnect_initial_s": 0.2,
-        "reconnect_max_s": 1.0,
-        "keepalive_s": 5.0,
-    },
-    "imex": {"reload_min_interval_s": 1.2},
-    "daemon": {
-        "start_s": 0.3,
-        "stable_s": 5.0,
-        "backoff_initial_s": 0.2,
-        "backoff_max_s": 1.0,
-        "crash_loop_starts": 3,
-        "crash_loop_window_s": 30.0,
-        "fatal_cooldown_s": 60.0,
-        "stop_timeout_s": 3.0,
-        "probe_interval_s": 1.0,
-        "domain_probe_interval_s": 1.0,
-        "probe_timeout_s": 3.0,
-    },
-    "health": {"report_interval_s": 2.0},
-}
-"""Shortened timings for scenarios (the simulator's SIGUSR1 window is set to 1 s).
-
-Probes stay at one a second: each is a Python process (~0.1 s of CPU), and faster ones
-from several nodes would starve a two-core machine; a change triggers a probe at once.
-"""
 
 
 def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any]]) -> None:
@@ -125,7 +98,7 @@ class Node:
                 "hosts_file": str(self.hosts_file),
                 "env": {
                     "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
-                    "IMEXD_SIM_RELOAD_WINDOW_S": "1",
+                    "IMEXD_SIM_RELOAD_WINDOW_S": SIM_RELOAD_WINDOW_S,
                     "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
                 },
             },
@@ -352,7 +325,7 @@ class BusClient:
 
     _ids = itertools.count()
 
-    def __init__(self, broker: Broker, timeout: float = 10.0) -> None:
+    def __init__(self, broker: Mosquitto, timeout: float = 10.0) -> None:
         self.timeout = timeout
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
@@ -447,9 +420,9 @@ class BusClient:
 class Cluster:
     """A broker and some nodes; `close()` ends every process it started."""
 
-    def __init__(self, root: Path, *, broker: Broker | None = None) -> None:
+    def __init__(self, root: Path, *, broker: Mosquitto | None = None) -> None:
         self.root = root
-        self.broker = broker or Broker(root / "broker", persistence=False)
+        self.broker = broker or Mosquitto(root / "broker", persistence=False)
         if broker is None:
             self.broker.start()
         self.nodes: dict[str, Node] = {}
@@ -549,10 +522,42 @@ class Cluster:
         self.broker.stop()
 
 
-@contextmanager
-def cluster(root: Path) -> Iterator[Cluster]:
-    c = Cluster(root)
-    try:
-        yield c
-    finally:
-        c.close()
+# What several scenario modules ask of a running cluster.
+
+
+def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
+    """Wait until `nodes` are ready and each judges the domain UP with all of them."""
+    c.wait(lambda: c.all_ready([n.name for n in nodes]), timeout=timeout)
+    c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
+
+
+def members(node: Node) -> dict[int, str]:
+    """The hosts block's member slots (the sentinel left out)."""
+    return {slot: addr for slot, addr in node.hosts_slots().items() if addr is not None}
+
+
+def slot_of(node: Node) -> int:
+    """The node's settled slot, from /status."""
+    slot = node.slot()
+    assert slot is not None, node.name
+    return slot
+
+
+def pids(nodes: list[Node]) -> dict[str, int | None]:
+    """Each node's daemon pid, from /status."""
+    return {n.name: n.daemon_pid() for n in nodes}
+
+
+def untouched(nodes: list[Node], before: dict[str, int | None]) -> list[str]:
+    """What shows that a daemon of `nodes` was restarted or replaced (empty: none was)."""
+    problems = []
+    now = pids(nodes)
+    for n in nodes:
+        if now[n.name] != before[n.name]:
+            problems.append(f"{n.name}: daemon pid {before[n.name]} -> {now[n.name]}")
+        restarts = n.status().get("daemon", {}).get("restarts")
+        if restarts != 0:
+            problems.append(f"{n.name}: daemon restarts = {restarts}")
+        if n.daemon_pids_on_host() != [before[n.name]]:
+            problems.append(f"{n.name}: daemons on host {n.daemon_pids_on_host()}")
+    return problems

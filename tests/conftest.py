@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from imexd.demo.brokers import Mosquitto
 from tests.cluster import Cluster
-from tests.support import Broker
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Broker]:
+def broker(tmp_path: Path) -> Iterator[Mosquitto]:
     """A fresh Mosquitto on a free loopback port, stopped after the test."""
-    b = Broker(tmp_path / "broker")
+    b = Mosquitto(tmp_path / "broker")
     b.start()
     try:
         yield b

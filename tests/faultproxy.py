@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
-from tests.support import free_port, loopback_address
+from imexd.demo.brokers import free_port
+from tests.support import loopback_address
 
 Direction = Literal["up", "down", "both"]
 T = TypeVar("T")

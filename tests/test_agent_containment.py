@@ -24,9 +24,9 @@ from structlog.testing import capture_logs
 
 from imexd import agent as agent_module
 from imexd.agent import EXIT_HANDOVER, Agent
+from imexd.demo.brokers import Mosquitto
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node
-from tests.support import Broker
 
 WAIT_S = 30.0
 
@@ -51,7 +51,7 @@ async def until(predicate: Callable[[], object], within_s: float = WAIT_S) -> No
 @asynccontextmanager
 async def running_agent(tmp_path: Path) -> AsyncIterator[Running]:
     """A ready one-node domain: an in-process agent with a simulated daemon."""
-    broker = Broker(tmp_path / "broker")
+    broker = Mosquitto(tmp_path / "broker")
     broker.start()
     node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1")
     settings = settings_from_mapping(node.sections, environ={})

@@ -27,7 +27,7 @@ from paho.mqtt.properties import Properties
 
 from imexd.messages import MAX_PAYLOAD, Topics
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
-from tests.support import wait_for
+from tests.support import raw_client, wait_for
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -71,24 +71,16 @@ async def client(
 ) -> AsyncIterator[aiomqtt.Client]:
     """An MQTT 5 client over TLS, as imexd connects: with the certificate of `name` if any."""
     identity = broker.pki.client(name) if name is not None else None
-    async with asyncio.timeout(WAIT_S):
-        c = aiomqtt.Client(
-            broker.host,
-            broker.port,
-            username=username,
-            password=password,
-            identifier=client_id or f"test-{uuid.uuid4().hex[:8]}",
-            protocol=aiomqtt.ProtocolVersion.V5,
-            tls_params=broker.tls(identity),
-            keepalive=30,
-            timeout=WAIT_S,
-        )
-        await c.__aenter__()
-    try:
+    async with raw_client(
+        broker,
+        wait_s=WAIT_S,
+        tls_params=broker.tls(identity),
+        username=username,
+        password=password,
+        identifier=client_id,
+        keepalive=30,
+    ) as c:
         yield c
-    finally:
-        async with asyncio.timeout(WAIT_S):
-            await c.__aexit__(None, None, None)
 
 
 async def publish(c: aiomqtt.Client, topic: str, payload: bytes | None) -> None:

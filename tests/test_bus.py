@@ -45,6 +45,7 @@ from imexd.bus import (
     refuses_protocol,
     topic_matches,
 )
+from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
 from imexd.messages import (
     Assignment,
@@ -59,7 +60,6 @@ from imexd.messages import (
     encode,
 )
 from imexd.settings import BusSettings
-from tests.support import Broker, free_port
 
 E = TypeVar("E", bound=Event)
 TOPICS = Topics("imex/v1")
@@ -241,7 +241,7 @@ def test_bad_arguments_are_refused_up_front() -> None:
 # Against a real broker.
 
 
-async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker: Broker) -> None:
+async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker: Mosquitto) -> None:
     """A record retained by one bus arrives typed in another's snapshot; None deletes it."""
     settings = fast_settings(broker.url)
     async with bus_for(settings, "n1") as a:
@@ -269,7 +269,7 @@ async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker:
         assert a.protocol == "5"
 
 
-async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Broker) -> None:
+async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Mosquitto) -> None:
     """subscribe() on a live link is followed by the retained records, then Synced."""
     settings = fast_settings(broker.url)
     async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
@@ -293,7 +293,7 @@ async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Br
         assert not [e for e in seen if isinstance(e, Received)]
 
 
-async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Broker) -> None:
+async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mosquitto) -> None:
     """After a restart that lost every retained record, the record is back for the peer."""
     settings = fast_settings(broker.url)
     async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
@@ -316,10 +316,10 @@ async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Br
         assert a.refused_topics == frozenset()
 
 
-async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Broker) -> None:
+async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Mosquitto) -> None:
     """With [dead, live] it connects to the live one; when that dies, to the next again."""
     dead = f"mqtt://127.0.0.1:{free_port()}"
-    second = Broker(tmp_path / "second")
+    second = Mosquitto(tmp_path / "second")
     second.start()
     try:
         settings = fast_settings(dead, broker.url, second.url)
@@ -343,7 +343,7 @@ async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Broker) -> 
 
 async def test_unix_socket_broker(tmp_path: Path) -> None:
     """unix:// URLs connect through the broker's Unix socket listener."""
-    broker = Broker(tmp_path / "unix", unix_socket=True, extra_config=AS_ROOT)
+    broker = Mosquitto(tmp_path / "unix", unix_socket=True, extra_config=AS_ROOT)
     broker.start()
     try:
         async with bus_for(fast_settings(broker.unix_url), "n1") as bus:
@@ -374,7 +374,7 @@ async def test_not_connected_publish_fails_and_close_is_bounded() -> None:
         assert {type(e) for e in [e async for e in bus.events()]} == {ConnectFailed}
 
 
-async def test_close_while_connecting_to_a_frozen_broker_is_bounded(broker: Broker) -> None:
+async def test_close_while_connecting_to_a_frozen_broker_is_bounded(broker: Mosquitto) -> None:
     """A connect that hangs (no CONNACK) does not hold close() beyond its bound."""
     async with Relay(broker.port) as relay:
         relay.freeze()
@@ -387,7 +387,7 @@ async def test_close_while_connecting_to_a_frozen_broker_is_bounded(broker: Brok
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("bus")]
 
 
-async def test_publish_with_message_expiry(broker: Broker) -> None:
+async def test_publish_with_message_expiry(broker: Mosquitto) -> None:
     """A one-off and a retained report with message expiry both reach a subscriber."""
     settings = fast_settings(broker.url)
     report = HealthReport(
@@ -461,7 +461,7 @@ async def agent_process(url: str) -> AsyncIterator[asyncio.subprocess.Process]:
         await proc.wait()
 
 
-async def test_will_clears_the_record_after_the_delay_when_killed(broker: Broker) -> None:
+async def test_will_clears_the_record_after_the_delay_when_killed(broker: Mosquitto) -> None:
     """SIGKILL: no DISCONNECT, so after will_delay_s the empty retained payload arrives."""
     async with bus_for(fast_settings(broker.url), "obs") as observer:
         await observer.subscribe(MEMBERS)
@@ -480,7 +480,7 @@ async def test_will_clears_the_record_after_the_delay_when_killed(broker: Broker
         assert not [e for e in seen if isinstance(e, Received)]
 
 
-async def test_a_quick_reconnect_keeps_the_record(broker: Broker) -> None:
+async def test_a_quick_reconnect_keeps_the_record(broker: Mosquitto) -> None:
     """Killed, then the same client id back within the will delay: the will never fires."""
     settings = fast_settings(broker.url, will_delay_s=1.0)
     async with bus_for(settings, "obs") as observer:
@@ -499,7 +499,7 @@ async def test_a_quick_reconnect_keeps_the_record(broker: Broker) -> None:
         assert got.payload == record()
 
 
-async def test_clean_close_suppresses_the_will(broker: Broker) -> None:
+async def test_clean_close_suppresses_the_will(broker: Mosquitto) -> None:
     """close() sends DISCONNECT: the record outlives the will delay (hand-over)."""
     settings = fast_settings(broker.url, will_delay_s=0.5)
     async with bus_for(settings, "obs") as observer:
@@ -510,7 +510,7 @@ async def test_clean_close_suppresses_the_will(broker: Broker) -> None:
         await no_event(observer, Deleted, lambda _: True, 1.5)
 
 
-async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: Broker) -> None:
+async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: Mosquitto) -> None:
     """A changed will reconnects at once; the clean DISCONNECT keeps the old will quiet."""
     settings = fast_settings(broker.url, will_delay_s=0.5)
     old, new = member_topic(), TOPICS.member("d2", "", "n1")
@@ -532,7 +532,7 @@ async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: B
             assert bus.reconnects == 0
 
 
-async def test_a_session_take_over_ends_the_link_and_counts(broker: Broker) -> None:
+async def test_a_session_take_over_ends_the_link_and_counts(broker: Mosquitto) -> None:
     """A second client with our client id ends our link; the event and the link-down log
     carry the broker's DISCONNECT reason (0x8E from Mosquitto >= 2.0.12; older ones just
     close, which shows as no reason code), and the reconnect counts."""
@@ -557,7 +557,7 @@ async def test_a_session_take_over_ends_the_link_and_counts(broker: Broker) -> N
     assert down[0]["taken_over"] is lost.taken_over
 
 
-async def test_the_brokers_disconnect_reason_is_reported(broker: Broker) -> None:
+async def test_the_brokers_disconnect_reason_is_reported(broker: Mosquitto) -> None:
     """An MQTT 5 DISCONNECT "Session taken over" (0x8E) from the broker is on the
     Disconnected event and, as a warning, on the link-down log event."""
     async with Relay(broker.port) as relay:
@@ -576,7 +576,7 @@ async def test_the_brokers_disconnect_reason_is_reported(broker: Broker) -> None
     assert down[0]["log_level"] == "warning"
 
 
-async def test_set_client_id_stops_fighting_over_the_shared_id(broker: Broker) -> None:
+async def test_set_client_id_stops_fighting_over_the_shared_id(broker: Mosquitto) -> None:
     """After set_client_id the bus reconnects under the new id at once; the old id's
     owner can then connect without ending our link, and the switch is no reconnect."""
     async with bus_for(fast_settings(broker.url), "n1") as bus:
@@ -599,7 +599,7 @@ async def test_set_client_id_stops_fighting_over_the_shared_id(broker: Broker) -
         assert bus.reconnects == 0
 
 
-async def test_set_client_id_while_down_applies_at_the_next_connect(broker: Broker) -> None:
+async def test_set_client_id_while_down_applies_at_the_next_connect(broker: Mosquitto) -> None:
     """Without a link the new id is simply used by the next connect."""
     broker.stop()
     async with bus_for(fast_settings(broker.url), "n1") as bus:
@@ -614,7 +614,7 @@ async def test_set_client_id_while_down_applies_at_the_next_connect(broker: Brok
 # Wrong messages on the wire.
 
 
-async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Broker) -> None:
+async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosquitto) -> None:
     """Garbage, oversized, wrong v and spoofed records are dropped; the bus keeps working."""
     bad = [
         (member_topic("n9"), b"not json"),
@@ -811,7 +811,7 @@ def _protocol_level(connect: bytes) -> int:
     return connect[i + 1 + 6]
 
 
-async def test_a_silently_dead_link_is_replaced(broker: Broker) -> None:
+async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
     """A frozen link (no RST, no FIN) is noticed by the ping and replaced when it thaws;
     the record survives because the reconnect comes within the will delay."""
     settings = fast_settings(ping_interval_s=0.3, will_delay_s=2.0)
@@ -849,7 +849,7 @@ async def test_a_silently_dead_link_is_replaced(broker: Broker) -> None:
             await no_event(observer, Deleted, lambda _: True, 1.5)
 
 
-async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Broker) -> None:
+async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Mosquitto) -> None:
     """A broker answering MQTT 5 with "unsupported version" gets 3.1.1, said in a log."""
     async with Relay(broker.port, refuse_v5=True) as relay:
         with capture_logs() as logs:
@@ -870,7 +870,7 @@ async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Broker) -> None:
     assert "no Will Delay" in fallback[0]["message"]
 
 
-async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Broker) -> None:
+async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Mosquitto) -> None:
     """A broker that hangs up on an MQTT 5 CONNECT without CONNACK gets 3.1.1 at once,
     without waiting for the connect timeout."""
     async with Relay(broker.port, close_v5=True) as relay:
@@ -888,7 +888,7 @@ async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Br
     assert "closed" in fallback[0]["message"]
 
 
-async def test_every_connect_tries_mqtt_5_again(broker: Broker) -> None:
+async def test_every_connect_tries_mqtt_5_again(broker: Mosquitto) -> None:
     """The fallback is for one connect only: after a lost link MQTT 5 is asked again."""
     async with Relay(broker.port, refuse_v5=True) as relay:
         async with bus_for(fast_settings(relay.url), "n1") as bus:
@@ -899,7 +899,7 @@ async def test_every_connect_tries_mqtt_5_again(broker: Broker) -> None:
         assert relay.refused == 2
 
 
-async def test_protocol_5_never_falls_back(broker: Broker) -> None:
+async def test_protocol_5_never_falls_back(broker: Mosquitto) -> None:
     """With bus.protocol = "5" a broker refusing MQTT 5 is a failed connect, retried as 5."""
     async with Relay(broker.port, refuse_v5=True) as relay:
         async with bus_for(fast_settings(relay.url, protocol="5"), "n1") as bus:
@@ -911,7 +911,7 @@ async def test_protocol_5_never_falls_back(broker: Broker) -> None:
         assert relay.levels == [5] * len(relay.levels)
 
 
-async def test_protocol_311_connects_with_311(broker: Broker) -> None:
+async def test_protocol_311_connects_with_311(broker: Mosquitto) -> None:
     """With bus.protocol = "3.1.1" the first CONNECT already speaks 3.1.1."""
     async with Relay(broker.port, refuse_v5=True) as relay:
         async with bus_for(fast_settings(relay.url, protocol="3.1.1"), "n1") as bus:
@@ -961,7 +961,7 @@ async def test_a_publish_refused_by_the_acl_is_reported(tmp_path: Path) -> None:
         "topic readwrite imex/v1/nodes/n1/ping\n"
         f"topic write {member_topic('n1')}\n"
     )
-    broker = Broker(tmp_path / "acl-broker", extra_config=f"acl_file {acl}\n{AS_ROOT}")
+    broker = Mosquitto(tmp_path / "acl-broker", extra_config=f"acl_file {acl}\n{AS_ROOT}")
     broker.start()
     try:
         with capture_logs() as logs:
@@ -980,7 +980,7 @@ async def test_a_publish_refused_by_the_acl_is_reported(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def auth_broker(tmp_path: Path) -> Iterator[Broker]:
+def auth_broker(tmp_path: Path) -> Iterator[Mosquitto]:
     """A broker that admits only user `agent` with password `right-secret`."""
     passwd = tmp_path / "mosquitto.passwd"
     subprocess.run(
@@ -988,7 +988,7 @@ def auth_broker(tmp_path: Path) -> Iterator[Broker]:
         check=True,
         capture_output=True,
     )
-    broker = Broker(
+    broker = Mosquitto(
         tmp_path / "auth", extra_config=f"password_file {passwd}\nallow_anonymous false\n{AS_ROOT}"
     )
     broker.start()
@@ -997,7 +997,7 @@ def auth_broker(tmp_path: Path) -> Iterator[Broker]:
 
 
 async def test_password_is_read_at_each_connect_and_never_logged(
-    tmp_path: Path, auth_broker: Broker
+    tmp_path: Path, auth_broker: Mosquitto
 ) -> None:
     """A wrong password fails (and retries); fixing the file lets the next attempt in."""
     secret = tmp_path / "bus.password"
@@ -1025,7 +1025,7 @@ async def test_mqtts_with_a_client_certificate(tmp_path: Path) -> None:
     client.cert_chain_pems[0].write_to_path(str(files["cl.pem"]))
     client.private_key_pem.write_to_path(str(files["cl.key"]))
     tls_port = free_port()
-    broker = Broker(
+    broker = Mosquitto(
         tmp_path / "tls",
         extra_config=(
             f"listener {tls_port} 127.0.0.1\n"

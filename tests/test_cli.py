@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import free_port
+from imexd.demo.brokers import free_port
 
 
 def _imexd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

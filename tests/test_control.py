@@ -16,14 +16,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import aiomqtt
 import msgspec
 import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
@@ -34,6 +32,7 @@ from imexd.cli import main
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
+from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
 from imexd.fleet import (
     FUTURE_SKEW_S,
@@ -57,11 +56,10 @@ from imexd.messages import (
     json_schemas,
 )
 from imexd.settings import BusSettings
-from tests.support import Broker, free_port
+from tests.support import IMEXD, raw_client
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
-IMEXD = str(Path(sys.executable).with_name("imexd"))
 T = Topics("imex/v1")
 NOW = 1_800_000_000.0
 INTERVAL = 2.0
@@ -477,33 +475,14 @@ def test_the_json_document_round_trips() -> None:
 # Real broker helpers.
 
 
-@contextlib.asynccontextmanager
-async def raw_client(broker: Broker) -> AsyncIterator[aiomqtt.Client]:
-    """A plain MQTT 5 client, as a control plane in another language would use."""
-    async with asyncio.timeout(WAIT_S):
-        c = aiomqtt.Client(
-            broker.host,
-            broker.port,
-            identifier=f"test-{uuid.uuid4().hex[:8]}",
-            protocol=aiomqtt.ProtocolVersion.V5,
-            timeout=WAIT_S,
-        )
-        await c.__aenter__()
-    try:
-        yield c
-    finally:
-        async with asyncio.timeout(WAIT_S):
-            await c.__aexit__(None, None, None)
-
-
-async def put(broker: Broker, items: Mapping[str, bytes | None]) -> None:
+async def put(broker: Mosquitto, items: Mapping[str, bytes | None]) -> None:
     """Retained QoS 1 publishes (None or b"": delete), as agents write their records."""
     async with raw_client(broker) as c:
         for topic, payload in items.items():
             await c.publish(topic, payload or None, qos=1, retain=True)
 
 
-async def retained(broker: Broker, topic_filter: str = "imex/v1/#") -> dict[str, bytes]:
+async def retained(broker: Mosquitto, topic_filter: str = "imex/v1/#") -> dict[str, bytes]:
     """Every retained message under `topic_filter` now, by topic."""
     barrier = f"test/barrier/{uuid.uuid4().hex}"
     found: dict[str, bytes] = {}
@@ -533,7 +512,7 @@ def valid(kind: str, payload: bytes) -> dict[str, Any]:
 
 
 @pytest.fixture
-def env(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def env(broker: Mosquitto, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The environment of a control plane that reaches `broker` with no settings file."""
     for name in list(os.environ):
         if name.startswith("IMEXD_"):
@@ -577,7 +556,7 @@ def run_imexd(
 
 
 async def test_create_publishes_exactly_the_spec_and_the_assignments(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`domain create` leaves one spec and one assignment per listed node, all valid."""
     assert await control_async("domain", "create", "d1", "--nodes", "n1,n2,n3") == 0
@@ -599,7 +578,7 @@ async def test_create_publishes_exactly_the_spec_and_the_assignments(
 
 
 async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A second create is an update: generation + 1, the spec's max_nodes kept."""
     assert await control_async("domain", "create", "d1", "--max-nodes", "4") == 0
@@ -611,7 +590,7 @@ async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
 
 
 async def test_create_says_when_a_node_moves_from_another_domain(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Assigning a node that belongs elsewhere moves it, and says so."""
     await put(broker, {T.assignment("n1"): encode(Assignment(domain="d0"))})
@@ -648,7 +627,7 @@ def test_bad_names_exit_2_with_a_clear_error(
 
 
 async def test_assign_and_unassign_write_and_clear_the_retained_assignment(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`node assign` retains {"v":1,"domain":D}; `node unassign` leaves nothing retained."""
     await put(broker, {T.presence("gpu-01.example.com"): presence("gpu-01.example.com")})
@@ -663,7 +642,7 @@ async def test_assign_and_unassign_write_and_clear_the_retained_assignment(
 
 
 async def test_assign_warns_when_the_spec_keeps_the_node_out(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Assigning a node that the spec's list leaves out warns about NotInSpec."""
     await put(broker, {T.spec("d1"): encode(SPEC), T.presence("n9"): presence("n9")})
@@ -691,7 +670,7 @@ LIVE_D0 = {
 
 
 async def test_create_refuses_a_node_assigned_to_another_live_domain(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A listed node assigned to an active domain: exit 2 naming both, nothing written."""
     await put(broker, LIVE_D0)
@@ -707,7 +686,7 @@ async def test_create_refuses_a_node_assigned_to_another_live_domain(
 
 
 async def test_create_refuses_a_node_with_a_record_in_another_domain(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A member record in another domain (a static node, say) holds the node too."""
     await put(broker, {T.member("s0", "c1", "n2"): encode(member_record("n2", 0, domain="s0"))})
@@ -717,7 +696,7 @@ async def test_create_refuses_a_node_with_a_record_in_another_domain(
 
 
 async def test_create_with_steal_moves_the_node(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--steal` moves a node out of a live domain and says so."""
     await put(broker, LIVE_D0)
@@ -728,7 +707,7 @@ async def test_create_with_steal_moves_the_node(
 
 
 async def test_a_deleting_or_missing_spec_holds_no_node(
-    broker: Broker, env: dict[str, str]
+    broker: Mosquitto, env: dict[str, str]
 ) -> None:
     """An assignment to a domain that is being deleted, or has no spec, is no conflict."""
     deleting = DomainSpec(domain="d0", nodes=["n1"], max_nodes=8, state="deleting")
@@ -744,7 +723,7 @@ async def test_a_deleting_or_missing_spec_holds_no_node(
 
 
 async def test_assign_refuses_a_node_of_another_live_domain_unless_steal(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`node assign` guards like create: exit 2 naming node and domain; steal moves it."""
     await put(broker, LIVE_D0 | {T.presence("n1"): presence("n1")})
@@ -757,7 +736,7 @@ async def test_assign_refuses_a_node_of_another_live_domain_unless_steal(
 
 
 async def test_assign_refuses_a_node_no_agent_reported_unless_force(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A node never reported, or not within --seen-within, is refused; --force assigns it."""
     assert await control_async("node", "assign", "typo-n1", "d1") == 2
@@ -776,7 +755,7 @@ async def test_assign_refuses_a_node_no_agent_reported_unless_force(
 
 
 async def test_a_health_report_or_a_record_is_a_sighting(
-    broker: Broker, env: dict[str, str]
+    broker: Mosquitto, env: dict[str, str]
 ) -> None:
     """Agents that publish no presence record yet are seen by their report or record."""
     await put(
@@ -792,7 +771,7 @@ async def test_a_health_report_or_a_record_is_a_sighting(
 
 @contextlib.asynccontextmanager
 async def fake_agents(
-    broker: Broker, nodes: list[str], domain: str = "d1"
+    broker: Mosquitto, nodes: list[str], domain: str = "d1"
 ) -> AsyncIterator[list[str]]:
     """Agents that clear their member record and health report when the spec says deleting.
 
@@ -835,7 +814,7 @@ def domain_state(domain: str, nodes: list[str], assigned: bool = True) -> dict[s
 
 
 async def test_delete_waits_for_the_members_then_clears_everything(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Members leave on `deleting`; then assignments, spec and leftovers are cleared."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
@@ -854,7 +833,7 @@ async def test_delete_waits_for_the_members_then_clears_everything(
 
 
 async def test_delete_times_out_when_members_stay_and_keeps_a_deleting_spec(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Members that never leave: exit 1 naming them; the spec stays deleting, records stay."""
     await put(broker, domain_state("d1", ["n1", "n2"]))
@@ -870,7 +849,7 @@ async def test_delete_times_out_when_members_stay_and_keeps_a_deleting_spec(
 
 
 async def test_delete_keeps_a_tombstone_for_static_members(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Members with no assignment (static) would rejoin: the deleting spec is kept."""
     await put(broker, domain_state("d1", ["n1"], assigned=False))
@@ -883,7 +862,7 @@ async def test_delete_keeps_a_tombstone_for_static_members(
 
 
 async def test_delete_of_an_unknown_domain_changes_nothing(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Deleting what does not exist is a no-op that succeeds."""
     assert await control_async("domain", "delete", "nope") == 0
@@ -892,7 +871,7 @@ async def test_delete_of_an_unknown_domain_changes_nothing(
 
 
 async def test_list_shows_every_known_domain(
-    broker: Broker, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Domains with a spec, with members only (static), or with assignments only are listed."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
@@ -925,7 +904,7 @@ def test_list_of_an_empty_bus_says_so() -> None:
     assert "no domains" in render_list(summarize(Store(), now=NOW, report_interval_s=INTERVAL))
 
 
-async def test_status_exits_0_only_when_up(broker: Broker, env: dict[str, str]) -> None:
+async def test_status_exits_0_only_when_up(broker: Mosquitto, env: dict[str, str]) -> None:
     """`imexd domain status` prints the table and exits 0 for UP, 1 for DEGRADED."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
     proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1")
@@ -946,7 +925,7 @@ async def test_status_exits_0_only_when_up(broker: Broker, env: dict[str, str]) 
     assert [n["node"] for n in doc["nodes"] if not n["ready"]] == ["n2"]
 
 
-async def test_status_waits_for_up_within_its_wait(broker: Broker, env: dict[str, str]) -> None:
+async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[str, str]) -> None:
     """With --wait, a domain that becomes UP meanwhile exits 0 as soon as it is UP."""
     state = domain_state("d1", ["n1", "n2", "n3"])
     starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
@@ -962,14 +941,14 @@ async def test_status_waits_for_up_within_its_wait(broker: Broker, env: dict[str
     assert time.monotonic() - started < 15
 
 
-async def test_status_of_an_unknown_domain_exits_1(broker: Broker, env: dict[str, str]) -> None:
+async def test_status_of_an_unknown_domain_exits_1(broker: Mosquitto, env: dict[str, str]) -> None:
     """A domain nothing is known about is an error, not an empty table."""
     proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "ghost", "--wait", "0")
     assert proc.returncode == 1
     assert "domain ghost: nothing on the bus" in proc.stderr
 
 
-async def test_malformed_reports_are_ignored(broker: Broker, env: dict[str, str]) -> None:
+async def test_malformed_reports_are_ignored(broker: Mosquitto, env: dict[str, str]) -> None:
     """Garbage on a health topic neither crashes status nor counts as a member."""
     await put(broker, domain_state("d1", ["n1"]))
     await put(broker, {T.health("d1", "n2"): b"{not json", T.health("d1", "n3"): b'{"v":2}'})
@@ -979,7 +958,7 @@ async def test_malformed_reports_are_ignored(broker: Broker, env: dict[str, str]
 
 
 async def test_watch_redraws_on_change_and_stops_on_sigint(
-    broker: Broker, env: dict[str, str]
+    broker: Mosquitto, env: dict[str, str]
 ) -> None:
     """`--watch --json` prints a document per change; SIGINT ends it with UP's status."""
     state = domain_state("d1", ["n1", "n2", "n3"])
@@ -1039,7 +1018,7 @@ async def test_a_broker_that_never_answers_times_out() -> None:
         assert time.monotonic() - started < 5
 
 
-async def test_every_broker_is_tried_in_turn(broker: Broker) -> None:
+async def test_every_broker_is_tried_in_turn(broker: Mosquitto) -> None:
     """With several URLs the first that answers is used."""
     dead = f"mqtt://127.0.0.1:{free_port()}"
     async with Link(BusSettings(url=(dead, broker.url))) as link:
@@ -1048,7 +1027,7 @@ async def test_every_broker_is_tried_in_turn(broker: Broker) -> None:
 
 @pytest.mark.parametrize(("protocol", "asked"), [("auto", [True]), ("3.1.1", [False])])
 async def test_the_link_asks_for_the_protocol_the_settings_allow(
-    broker: Broker, protocol: Literal["auto", "3.1.1"], asked: list[bool]
+    broker: Mosquitto, protocol: Literal["auto", "3.1.1"], asked: list[bool]
 ) -> None:
     """`[bus] protocol` decides the versions the control plane tries (mqtt.protocol_versions)."""
     async with Link(BusSettings(url=(broker.url,), protocol=protocol)) as link:
@@ -1065,7 +1044,7 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
         "topic readwrite imex/v1/domains/_control/#\n"
         "topic readwrite imex/v1/nodes/+/assignment\n"
     )
-    b = Broker(tmp_path / "broker", extra_config=f"acl_file {acl}")
+    b = Mosquitto(tmp_path / "broker", extra_config=f"acl_file {acl}")
     b.start()
     try:
         proc = await asyncio.to_thread(

@@ -23,9 +23,9 @@ import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import FAST, BusClient, Cluster, Node
-from tests.support import wait_for
-from tests.test_control import IMEXD
+from imexd.demo.timings import FAST
+from tests.cluster import BusClient, Cluster, Node
+from tests.support import IMEXD, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -31,6 +31,7 @@ from imexd.daemon import (
     daemon_environment,
     parse_imex_line,
 )
+from imexd.demo.brokers import free_port
 from imexd.imex import PACKAGE_CONFIG
 from imexd.process import (
     Endpoint,
@@ -46,7 +47,7 @@ from imexd.process import (
     survives_signal,
 )
 from imexd.settings import DaemonSettings, ImexSettings
-from tests.support import free_port, loopback_address
+from tests.support import loopback_address
 
 FAKE_SOURCE = Path(__file__).with_name("fake_daemon.py")
 SIM_BINARY = Path(sys.executable).with_name("imexd-sim-daemon")

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,11 +22,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from imexd import demo
 from imexd.cli import main
+from imexd.demo import DemoError, brokers, scenario, screen
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
 RUN_TIMEOUT_S = 90.0
@@ -36,7 +36,7 @@ SLOW_TEST_TIMEOUT_S = RUN_TIMEOUT_S + STOP_TIMEOUT_S + 20
 """pytest-timeout for whole runs: above our own bounded waits, so those report first."""
 
 has_broker = pytest.mark.skipif(
-    demo.find_mosquitto() is None and importlib.util.find_spec("amqtt") is None,
+    brokers.find_mosquitto() is None and importlib.util.find_spec("amqtt") is None,
     reason="neither Mosquitto nor the demo extra (amqtt) is installed",
 )
 
@@ -86,67 +86,47 @@ def _report(
     )
 
 
-def _view(node: str, **kwargs: object) -> demo.NodeView:
-    parsed = demo.parse_status(msgspec.to_builtins(_report(node, **kwargs)))  # type: ignore[arg-type]
-    assert parsed is not None
-    return parsed
-
-
-def test_parse_status_reads_a_health_report() -> None:
-    """A real HealthReport, as /status serves it, gives the table's facts."""
-    view = _view("n2", ready=False, not_ready=("n2",))
-    assert (view.slot, view.ready, view.daemon, view.pid, view.restarts) == (
-        1,
-        False,
-        "RUNNING",
-        4242,
-        1,
-    )
-    assert (view.imex, view.sees, view.members) == ("READY", "UP", ("n1", "n2"))
-    assert (view.not_ready, view.reason, view.message) == (("n2",), "DaemonCrashed", "SIGKILL")
-    assert demo.parse_status({"not": "a report"}) is None
-
-
-def test_judge_domain_is_up_only_when_every_node_sees_every_member() -> None:
-    """UP needs every node answering, ready and seeing all members; before that it is FORMING."""
-    up = {"n1": _view("n1"), "n2": _view("n2")}
-    assert demo.judge_domain(up, formed=False).state == "UP"
-    forming = {"n1": _view("n1"), "n2": None}
-    assert demo.judge_domain(forming, formed=False) == demo.Verdict("FORMING", "1 of 2 nodes ready")
-
-
-def test_judge_domain_names_the_node_in_trouble_first() -> None:
-    """After formation a gone agent makes the domain DEGRADED, named before the peers' views."""
-    views = {"n1": _view("n1", members=("n1",)), "n2": None}
-    verdict = demo.judge_domain(views, formed=True)
-    assert verdict == demo.Verdict("DEGRADED", "n2: agent not answering; n1 sees UP without n2")
-
-
 def test_table_lines_align_and_fit_the_terminal() -> None:
     """Columns line up under the header, and a width cuts lines instead of wrapping them."""
     rows = [
-        demo.Row("n1", "127.1.1.10", "up", _view("n1")),
-        demo.Row("n2", "127.1.1.11", "down", None, orphan_pid=77),
+        screen.Row("n1", "127.1.1.10", "up", _report("n1")),
+        screen.Row("n2", "127.1.1.11", "down", None, orphan_pid=77),
     ]
-    lines = demo.table_lines(rows)
-    assert lines[0].split()[:9] == list(demo.HEADER)
+    lines = screen.table_lines(rows)
+    assert lines[0].split()[:9] == list(screen.HEADER)
     assert lines[1].index("127.1.1.10") == lines[0].index("ADDRESS")
+    assert "1 restart" in lines[1]
     assert "running alone" in lines[2]
     assert "IMEX keeps running without its agent" in lines[2]
-    assert all(len(line) <= 40 for line in demo.table_lines(rows, width=40))
+    assert all(len(line) <= 40 for line in screen.table_lines(rows, width=40))
+
+
+def test_table_lines_say_why_a_node_is_not_ready_and_colour_only_words() -> None:
+    """A node that is not ready shows its first failing condition; colours move no column."""
+    rows = [
+        screen.Row("n1", "127.1.1.10", "up", _report("n1")),
+        screen.Row("n2", "127.1.1.11", "up", _report("n2", ready=False, not_ready=("n2",))),
+    ]
+    plain = screen.table_lines(rows)
+    assert "DaemonCrashed: SIGKILL" in plain[2]
+    coloured = screen.table_lines(rows, color=True)
+    assert [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in coloured] == plain
+    assert "\x1b[32mRUNNING\x1b[0m" in coloured[1]
+    assert "\x1b[" not in coloured[0]
 
 
 def test_choose_broker_prefers_mosquitto_and_falls_back_to_amqtt(tmp_path: Path) -> None:
     """Mosquitto when installed, amqtt without it or when forced; a bad choice names itself."""
     mosquitto = "/usr/sbin/mosquitto"
-    assert isinstance(demo.choose_broker({}, tmp_path, mosquitto), demo.MosquittoBroker)
-    assert isinstance(demo.choose_broker({}, tmp_path, None), demo.AmqttBroker)
-    forced = {demo.BROKER_ENV: "amqtt"}
-    assert isinstance(demo.choose_broker(forced, tmp_path, mosquitto), demo.AmqttBroker)
-    with pytest.raises(demo.DemoError, match="no mosquitto binary"):
-        demo.choose_broker({demo.BROKER_ENV: "mosquitto"}, tmp_path, None)
-    with pytest.raises(demo.DemoError, match="IMEXD_DEMO_BROKER=rabbit"):
-        demo.choose_broker({demo.BROKER_ENV: "rabbit"}, tmp_path, mosquitto)
+    choose = brokers.choose_broker
+    assert isinstance(choose({}, tmp_path, mosquitto), brokers.MosquittoBroker)
+    assert isinstance(choose({}, tmp_path, None), brokers.AmqttBroker)
+    forced = {brokers.BROKER_ENV: "amqtt"}
+    assert isinstance(choose(forced, tmp_path, mosquitto), brokers.AmqttBroker)
+    with pytest.raises(DemoError, match="no mosquitto binary"):
+        choose({brokers.BROKER_ENV: "mosquitto"}, tmp_path, None)
+    with pytest.raises(DemoError, match="IMEXD_DEMO_BROKER=rabbit"):
+        choose({brokers.BROKER_ENV: "rabbit"}, tmp_path, mosquitto)
 
 
 def test_bad_node_count_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,7 +168,7 @@ class DemoRun:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
         env["TMPDIR"] = str(root)
         if broker is not None:
-            env[demo.BROKER_ENV] = broker
+            env[brokers.BROKER_ENV] = broker
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "imexd", "demo", *args],
             stdout=subprocess.PIPE,
@@ -355,8 +335,8 @@ def _ignores_sigterm(pid: int) -> bool:
 
 async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
     """Cleanup ends what names the folder, SIGKILL for what ignores SIGTERM, then removes it."""
-    screen = demo.Screen(io.StringIO(), tty=False, color=False)
-    run = demo.Demo(demo.Options(nodes=2, broker=None), screen, parent=tmp_path)
+    out = screen.Screen(io.StringIO(), tty=False, color=False)
+    run = scenario.Demo(scenario.Options(nodes=2, broker=None), out, parent=tmp_path)
     codes = (
         "import time; time.sleep(60)",
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
@@ -375,7 +355,7 @@ async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
         started = time.monotonic()
         await run.close()
         assert all(proc.poll() is not None for proc in procs)
-        assert time.monotonic() - started >= demo.KILL_WAIT_S  # SIGTERM, a wait, SIGKILL
+        assert time.monotonic() - started >= scenario.KILL_WAIT_S  # SIGTERM, a wait, SIGKILL
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -383,6 +363,6 @@ async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
                 proc.wait()
     assert run.cleanup.stray_processes == 2
     assert not run.folder.exists()
-    assert demo.cleanup_text(run.cleanup) == (
+    assert scenario.cleanup_text(run.cleanup) == (
         "nothing left running, folder removed (had to end 2 process(es))"
     )

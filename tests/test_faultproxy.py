@@ -12,8 +12,9 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from imexd.demo.brokers import Mosquitto
 from tests.faultproxy import FaultProxy
-from tests.support import Broker, wait_for
+from tests.support import wait_for
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -185,7 +186,7 @@ def test_a_drop_then_cut_then_heal_leaves_a_working_proxy(proxy: FaultProxy) -> 
         assert recv_exactly(sock, 2) == b"ok"
 
 
-def test_an_mqtt_client_works_through_it_and_notices_a_cut(broker: Broker) -> None:
+def test_an_mqtt_client_works_through_it_and_notices_a_cut(broker: Mosquitto) -> None:
     with FaultProxy(broker.host, broker.port) as p:
         events: list[str] = []
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id="fp", protocol=paho.MQTTv5)

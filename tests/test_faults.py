@@ -2,7 +2,7 @@
 
 One node's bus link goes through a fault proxy (tests/faultproxy.py) that delays, drops
 (silent partition) or cuts it; one scenario uses real network namespaces and a veth cut
-where the test runs as root. Every wait is bounded; timings are tests/cluster.py's FAST
+where the test runs as root. Every wait is bounded; timings are imexd.demo.timings.FAST
 (keepalive 5 s, will delay 2 s, ping every 1 s).
 """
 
@@ -13,52 +13,19 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cluster import FAST, Cluster, Node
-from tests.support import Broker, free_port
-from tests.test_control import IMEXD
-from tests.test_scenarios import members, pids, slot_of
+from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.timings import FAST
+from tests.cluster import Cluster, Node, formed, members, pids, slot_of, untouched
+from tests.support import IMEXD, during
 
 pytestmark = pytest.mark.slow
 
 MEMBERS = "imex/v1/domains/d1/members/c1/"
-
-
-def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
-    c.wait(lambda: c.all_ready([n.name for n in nodes]), timeout=timeout)
-    c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
-
-
-def untouched(nodes: list[Node], before: dict[str, int | None]) -> list[str]:
-    """What shows that a daemon of `nodes` was restarted or replaced (empty: none was)."""
-    problems = []
-    now = pids(nodes)
-    for n in nodes:
-        if now[n.name] != before[n.name]:
-            problems.append(f"{n.name}: daemon pid {before[n.name]} -> {now[n.name]}")
-        restarts = n.status().get("daemon", {}).get("restarts")
-        if restarts != 0:
-            problems.append(f"{n.name}: daemon restarts = {restarts}")
-        if n.daemon_pids_on_host() != [before[n.name]]:
-            problems.append(f"{n.name}: daemons on host {n.daemon_pids_on_host()}")
-    return problems
-
-
-def during(seconds: float, check: Callable[[], str | None], interval: float = 0.25) -> list[str]:
-    """Run `check` for `seconds`; every distinct complaint it returned, in order."""
-    seen: list[str] = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        problem = check()
-        if problem is not None and problem not in seen:
-            seen.append(problem)
-        time.sleep(interval)
-    return seen
 
 
 def last_protocol(node: Node) -> str | None:
@@ -344,7 +311,7 @@ def test_a_veth_cut_between_namespaces_heals_without_restarts(tmp_path: Path) ->
     cluster: Cluster | None = None
     try:
         port = free_port(net.host_ip)
-        broker = Broker(tmp_path / "broker", extra_config=f"listener {port} {net.host_ip}")
+        broker = Mosquitto(tmp_path / "broker", extra_config=f"listener {port} {net.host_ip}")
         broker.start()
         cluster = Cluster(tmp_path, broker=broker)
         url = f"mqtt://{net.host_ip}:{port}"

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import Cluster, Node
-from tests.support import loopback_address
-from tests.test_faults import during, formed, untouched
-from tests.test_scenarios import pids, slot_of
+from tests.cluster import Cluster, Node, formed, pids, slot_of, untouched
+from tests.support import during, loopback_address
 
 pytestmark = pytest.mark.slow
 

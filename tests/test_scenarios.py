@@ -17,7 +17,7 @@ import pytest
 
 from imexd.agent import EXIT_HANDOVER
 from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
-from tests.cluster import Cluster, Node
+from tests.cluster import Cluster, Node, members, pids, slot_of
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +32,6 @@ def form(
     c.wait(c.all_ready, timeout=60)
     c.wait(lambda: all(n.up_with(count) for n in nodes), timeout=30)
     return nodes
-
-
-def members(node: Node) -> dict[int, str]:
-    """The hosts block's member slots (the sentinel left out)."""
-    return {slot: addr for slot, addr in node.hosts_slots().items() if addr is not None}
-
-
-def slot_of(node: Node) -> int:
-    """The node's settled slot, from /status."""
-    slot = node.slot()
-    assert slot is not None, node.name
-    return slot
-
-
-def pids(nodes: list[Node]) -> dict[str, int | None]:
-    """Each node's daemon pid, from /status."""
-    return {n.name: n.daemon_pid() for n in nodes}
 
 
 def assert_untouched(nodes: list[Node], before_pids: dict[str, int | None]) -> None:

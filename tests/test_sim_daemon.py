@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from imexd.demo.brokers import free_port
 from imexd.sim.config import USAGE
 from imexd.sim.protocol import CmdTarget, CommandError, StatusReply, StatusRequest, ask
-from tests.support import free_port, loopback_address, wait_for
+from tests.support import loopback_address, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imex"
 BIN = Path(sys.executable).parent

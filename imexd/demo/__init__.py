@@ -1,0 +1,33 @@
+"""`imexd demo`: a whole IMEX domain of simulated nodes on this machine, for a newcomer.
+
+A newcomer should see what imexd does before owning a GPU rack or root: N agents
+(`imexd run`, exactly as shipped) each supervise a simulated IMEX daemon
+(`imexd-sim-daemon`) on its own loopback address, meet over an MQTT broker, form the
+domain "demo", survive two crashes, and leave. The demo only starts processes, reads
+each agent's `/status` and the members' records on the bus, and sends signals, so what
+it shows is the product's behaviour, not a re-enactment.
+
+One job per module:
+
+- `brokers`: free ports and loopback addresses, and the MQTT brokers the demo runs its
+  agents on (Mosquitto as a child process, amqtt inside this process, or one given with
+  `--broker`); the tests and the benchmark start their Mosquitto with the same launcher;
+- `timings`: the one table of fast timings (the demo's agents and the scenario tests'
+  agents react in seconds with it);
+- `screen`: the table of nodes and the terminal it is drawn on;
+- `scenario`: the four acts (form, kill a daemon, kill an agent, leave), what they
+  measure, and the cleanup.
+
+The domain is judged as `imexd domain status` judges it (`imexd.fleet.judge`).
+"""
+
+from __future__ import annotations
+
+from imexd.errors import ImexdError
+
+
+class DemoError(ImexdError):
+    """The demo could not show what it promised; the message says why (exit 1)."""
+
+
+__all__ = ["DemoError"]
