@@ -372,7 +372,6 @@ class Bus:
         self._gone = asyncio.Event()
         """Set as soon as the current link is being left or was found dead."""
         self._wake = asyncio.Event()
-        self._synced = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._leave_reason = "closed"
@@ -398,8 +397,6 @@ class Bus:
         """Why the last connection attempt or link failed (never holds secrets)."""
         self.synced_at: float | None = None
         """time.monotonic() of the last `Synced` on the current link; None while down."""
-        self.rtt_s: float | None = None
-        """The last liveness round trip through the broker, in seconds."""
         self.dropped: Counter[str] = Counter({reason.value: 0 for reason in DropReason})
         """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
 
@@ -414,15 +411,6 @@ class Bus:
     def broker(self) -> str | None:
         """The URL of the broker we are connected to."""
         return self._broker
-
-    @property
-    def protocol(self) -> Protocol | None:
-        """The MQTT version of the current link."""
-        return self._protocol
-
-    @property
-    def will(self) -> WillSpec | None:
-        return self._will
 
     @property
     def refused_topics(self) -> frozenset[str]:
@@ -481,11 +469,6 @@ class Bus:
     def events(self) -> EventStream:
         """The events, in arrival order; the iteration ends when the bus is closed."""
         return EventStream(self._queue)
-
-    async def wait_synced(self) -> float:
-        """Wait until the current link's retained snapshot was delivered; its synced_at."""
-        await self._synced.wait()
-        return self.synced_at if self.synced_at is not None else time.monotonic()
 
     # Desired state.
 
@@ -764,7 +747,7 @@ class Bus:
                     async with asyncio.timeout(self._ping_interval_s):
                         await leave.wait()
                 if not leave.is_set():
-                    self.rtt_s = await self._round_trip(client)
+                    await self._round_trip(client)
         except BusError as exc:
             # Drop the link and let the reader end the session: it takes the client's
             # disconnect result, which would otherwise be left unread.
@@ -869,7 +852,6 @@ class Bus:
         self._broker = None
         self._protocol = None
         self.synced_at = None
-        self._synced.clear()
         self._echoes.reset()
         for echo in self._pings.values():
             echo.cancel()
@@ -894,7 +876,6 @@ class Bus:
 
     def _mark_synced(self) -> None:
         self.synced_at = time.monotonic()
-        self._synced.set()
         self._emit(Synced(self.synced_at))
 
     def _emit(self, event: Event) -> None:

@@ -32,33 +32,31 @@ from imexd.bus import (
     Bus,
     Connected,
     ConnectFailed,
-    Deleted,
     Disconnected,
     Event,
-    Received,
     Refused,
     Synced,
     WillSpec,
     _Echoes,
-    decode_message,
-    protocol_versions,
-    refuses_protocol,
-    topic_matches,
 )
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
 from imexd.messages import (
     Assignment,
     DaemonInfo,
+    Deleted,
     Dropped,
     DropReason,
     HealthReport,
     MemberRecord,
     MemberState,
     Presence,
+    Received,
     Topics,
+    decode_message,
     encode,
 )
+from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
 
 E = TypeVar("E", bound=Event)
@@ -125,6 +123,15 @@ async def no_event(bus: Bus, kind: type[E], where: Callable[[E], bool], seconds:
     with contextlib.suppress(TimeoutError):
         event = await next_event(bus, kind, where, within=seconds)
         raise AssertionError(f"unexpected {event}")
+
+
+async def synced(bus: Bus) -> None:
+    """Until the current link delivered its retained snapshot (`Bus.synced_at` is set).
+
+    Polls instead of reading `Synced` from `bus.events()`, which would take that event
+    away from the test that reads the events after it."""
+    while bus.synced_at is None:  # noqa: ASYNC110 - see above
+        await asyncio.sleep(0.01)
 
 
 def member_topic(node: str = "n1") -> str:
@@ -247,7 +254,7 @@ async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker:
     async with bus_for(settings, "n1") as a:
         await a.subscribe(MEMBERS)
         async with asyncio.timeout(5):
-            await a.wait_synced()
+            await synced(a)
         await a.retain(member_topic(), record())
         async with bus_for(settings, "n2") as b:
             await b.subscribe(MEMBERS)
@@ -266,7 +273,6 @@ async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker:
         assert a.refused_topics == frozenset()
         assert a.connected
         assert a.broker == broker.url
-        assert a.protocol == "5"
 
 
 async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Mosquitto) -> None:
@@ -274,8 +280,8 @@ async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Mo
     settings = fast_settings(broker.url)
     async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
         async with asyncio.timeout(5):
-            await a.wait_synced()
-            await b.wait_synced()
+            await synced(a)
+            await synced(b)
         for n in range(3):
             await a.retain(member_topic(f"m{n}"), record(f"m{n}", slot=n))
         await next_event(b, Synced)
@@ -308,8 +314,8 @@ async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mo
         again = await next_event(b, Received, lambda e: e.topic == member_topic())
         assert again.payload == record()
         async with asyncio.timeout(5):
-            await a.wait_synced()
-            await b.wait_synced()
+            await synced(a)
+            await synced(b)
         assert a.reconnects == 1
         assert b.reconnects == 1
         assert a.last_error is not None
@@ -333,7 +339,7 @@ async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Mosquitto) 
                 then = await next_event(bus, Connected)
                 assert then.broker == second.url
                 async with asyncio.timeout(5):
-                    await bus.wait_synced()
+                    await synced(bus)
         failed = [e for e in logs if e["event"] == "bus_connect_failed"]
         assert failed
         assert failed[0]["broker"] == dead
@@ -404,7 +410,7 @@ async def test_publish_with_message_expiry(broker: Mosquitto) -> None:
     async with bus_for(settings, "n1") as bus:
         await bus.subscribe(TOPICS.health_filter("d1"))
         async with asyncio.timeout(5):
-            await bus.wait_synced()
+            await synced(bus)
         await bus.retain(TOPICS.health("d1", "n1"), report, message_expiry_s=30)
         got = await next_event(bus, Received)
         assert got.payload == report
@@ -434,7 +440,8 @@ async def main(url: str) -> None:
     async with Bus(settings, node="n1", client_id="imexd-n1", will=WillSpec(topic)) as bus:
         await bus.subscribe(Topics("imex/v1").members_filter("d1", ""))
         await bus.retain(topic, rec)
-        await bus.wait_synced()
+        while bus.synced_at is None:
+            await asyncio.sleep(0.01)
         print("ready", flush=True)
         await asyncio.Event().wait()
 
@@ -521,7 +528,6 @@ async def test_set_will_reconnects_cleanly_without_firing_the_old_will(broker: M
             await bus.retain(old, record())
             await next_event(observer, Received)
             bus.set_will(WillSpec(new))
-            assert bus.will == WillSpec(new)
             lost = await next_event(bus, Disconnected)
             assert lost.reason == "will changed"
             assert lost.reason_code is None
@@ -631,7 +637,7 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosqui
         async with bus_for(fast_settings(broker.url), "n1") as bus:
             await bus.subscribe("imex/v1/#")
             async with asyncio.timeout(5):
-                await bus.wait_synced()
+                await synced(bus)
             async with aiomqtt.Client(broker.host, broker.port, identifier="raw") as raw:
                 for topic, payload in bad:
                     await raw.publish(topic, payload, qos=1)
@@ -829,8 +835,6 @@ async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
             await next_event(observer, Received)
             await next_event(bus, Synced)
             await asyncio.sleep(0.4)
-            assert bus.rtt_s is not None
-            assert bus.rtt_s < 0.3
 
             relay.freeze()
             frozen = time.monotonic()
