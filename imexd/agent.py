@@ -21,15 +21,11 @@ running and the record in place, for the next agent to adopt).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
@@ -56,12 +52,11 @@ from imexd.facts import (
     Member,
     MembershipFacts,
     MembershipState,
-    WriteMethod,
 )
-from imexd.files import read_text_or_empty, remove_stale_temps, write_atomic, write_file
+from imexd.files import remove_stale_temps
 from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer
-from imexd.logs import configure_logging, get_logger, install_loop_handler
+from imexd.logs import get_logger
 from imexd.messages import (
     Assignment,
     Deleted,
@@ -76,10 +71,10 @@ from imexd.messages import (
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.probe import Prober
-from imexd.render import remove_hosts_block, render_files
+from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
-from imexd.settings import Settings, load_settings
+from imexd.settings import Settings
 from imexd.state import NodeState, StateStore
 
 EXIT_HANDOVER: Final = 75
@@ -115,34 +110,6 @@ WORK_MARGIN_S: Final = 10.0
 """Beyond its own bound, how long a task's awaited work may keep its heartbeat alive."""
 
 _T = TypeVar("_T")
-
-
-_NO_MEMBERS: Final[MappingProxyType[int, Member]] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Desired:
-    """What should run on this node, derived from membership."""
-
-    domain: str | None = None
-    clique: str = ""
-    slot: int | None = None
-    run: bool = False
-    """Whether the IMEX daemon should run (a settled member with a clique, no mismatch)."""
-    members: MappingProxyType[int, Member] = field(default_factory=lambda: _NO_MEMBERS)
-    """slot -> name and address of the settled members (the hosts block / node list)."""
-    cleanup: bool = False
-    """Not in a domain: remove our hosts block and IMEX files."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Applied:
-    """What the running daemon was started (or last reloaded) with."""
-
-    config: str
-    nodes_config: str
-    identity: tuple[str, str, int]
-    members: MappingProxyType[int, str]
 
 
 class Agent:
@@ -213,12 +180,7 @@ class Agent:
         # Reconcile state.
         self.desired = Desired()
         self.dirty = asyncio.Event()
-        self.applied: Applied | None = None
-        self.first_reconcile = True
-        self.write_error = ""
-        self.write_path = ""
-        self.write_method: WriteMethod = "rename"
-        self.write_failures = 0
+        self.reconciler: Reconciler | None = None
 
         # Probes and reports.
         self.imex_status = ""
@@ -255,6 +217,9 @@ class Agent:
         bus = Bus(s.bus, node=self.node, client_id=self._client_id)
         supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
         self.bus, self.supervisor = bus, supervisor
+        self.reconciler = Reconciler(
+            s, supervisor, metrics=self.metrics, log=self.log, current=lambda: self.desired
+        )
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(
                 HealthServer(
@@ -396,7 +361,7 @@ class Agent:
                     await bus.retain(self.topics.health(domain, self.node), None)
                 await supervisor.stop("the agent is leaving")
                 if self.published or self.current is None:
-                    await asyncio.to_thread(self._remove_files)
+                    await asyncio.to_thread(self._reconciler.remove_files)
         except TimeoutError:
             self.log.error("agent.shutdown_timeout", budget_s=budget)
         except FileWriteError as exc:
@@ -406,6 +371,11 @@ class Agent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(supervisor.stop("the agent is leaving"), budget)
         return 0
+
+    @property
+    def _reconciler(self) -> Reconciler:
+        assert self.reconciler is not None  # noqa: S101 - set in run
+        return self.reconciler
 
     def _parts(self) -> tuple[Bus, Supervisor]:
         assert self.bus is not None  # noqa: S101 - set in run
@@ -989,8 +959,9 @@ class Agent:
 
     async def _reconcile_loop(self) -> None:
         s = self.settings
+        reconciler = self._reconciler
         retry_at: float | None = None
-        delay = WRITE_RETRY_INITIAL_S
+        attempt = 0
         while True:
             self.heartbeats.beat("reconcile")
             timeout = BEAT_S if retry_at is None else max(0.0, retry_at - time.monotonic())
@@ -1014,140 +985,46 @@ class Agent:
             started = time.monotonic()
             # Starting and stopping the daemon are bounded by the supervisor's timeouts.
             bound = 2 * s.daemon.stop_timeout_s + s.daemon.start_s
+            delay = backoff_delay(attempt, WRITE_RETRY_INITIAL_S, WRITE_RETRY_MAX_S)
             try:
-                await self._beating("reconcile", self._reconcile(self.desired), limit=bound)
+                probe = await self._beating(
+                    "reconcile", reconciler.apply(self.desired, self.saved), limit=bound
+                )
             except FileWriteError as exc:
-                self.write_failures += 1
+                reconciler.write_failures += 1
                 retry_at = time.monotonic() + delay
+                attempt += 1
                 self.log.warning(
                     "reconcile.write_failed", error=str(exc), retry_in_s=round(delay, 2)
                 )
-                delay = min(WRITE_RETRY_MAX_S, delay * 2)
             except Exception as exc:
                 # Nothing was applied that the next round would not redo: retry it like a
                 # failed write, and say why in DaemonReady (the traceback is in the log).
-                self.write_failures += 1
-                self.write_error, self.write_path = f"reconcile failed: {_describe(exc)}", ""
+                reconciler.write_failures += 1
+                reconciler.write_error = f"reconcile failed: {_describe(exc)}"
+                reconciler.write_path = ""
                 retry_at = time.monotonic() + delay
+                attempt += 1
                 self.log.error(
                     "reconcile.failed",
                     error=_describe(exc),
                     retry_in_s=round(delay, 2),
                     exc_info=exc,
                 )
-                delay = min(WRITE_RETRY_MAX_S, delay * 2)
             else:
-                retry_at, delay = None, WRITE_RETRY_INITIAL_S
-                self.write_error = self.write_path = ""
+                retry_at, attempt = None, 0
+                reconciler.write_error = reconciler.write_path = ""
+                if probe == "now":
+                    self.probe_now.set()
+                elif probe == "soon":
+                    # A new daemon is probed when it turns RUNNING (_on_daemon_change). For
+                    # a change of members, one domain probe a little later sees the links
+                    # come and go: probing at once would only make every node spawn ctl
+                    # processes (and -N asks every peer) at the same instant, before the
+                    # paced SIGUSR1 even reached the daemon.
+                    self.domain_probe_at = time.monotonic() + DOMAIN_PROBE_AFTER_CHANGE_S
             self.metrics.observe_reconcile(time.monotonic() - started)
             self.changed.set()
-
-    async def _reconcile(self, desired: Desired) -> None:
-        """Write the files `desired` implies and bring the daemon in line with them."""
-        _, supervisor = self._parts()
-        first, self.first_reconcile = self.first_reconcile, False
-        if not desired.run or desired.domain is None or desired.slot is None:
-            if self.applied is not None or supervisor.state is not DaemonState.STOPPED:
-                await supervisor.stop("not a settled member" if not desired.cleanup else "left")
-            elif first and desired.cleanup:
-                await supervisor.end_strays("this node is in no domain")
-            self.applied = None
-            if desired.cleanup:
-                await asyncio.to_thread(self._remove_files)
-            self.probe_now.set()
-            return
-        s = self.settings
-        hosts_path = s.imex.hosts_file
-        current_hosts = await asyncio.to_thread(read_text_or_empty, hosts_path)
-        files = render_files(
-            s,
-            domain=desired.domain,
-            clique=desired.clique,
-            slots={slot: m.address for slot, m in desired.members.items()},
-            hosts_current=current_hosts,
-        )
-        config_changed = await self._write(s.config_path, files.config)
-        nodes_changed = await self._write(s.nodes_config_path, files.nodes_config)
-        await self._write(Path(hosts_path), files.hosts, in_place_ok=True, label="hosts")
-        identity = (desired.domain, desired.clique, desired.slot)
-        now_desired = self.desired
-        if self.applied is None and (now_desired.run, now_desired.slot) != (True, desired.slot):
-            # Membership moved our slot (or called the start off) while the files were
-            # written: never start a daemon on a slot we may no longer hold. The change
-            # set `dirty`, so the next round writes and starts on the current view.
-            self.log.info("reconcile.superseded", slot=desired.slot, now=now_desired.slot)
-            return
-        applied = Applied(
-            config=files.config,
-            nodes_config=files.nodes_config,
-            identity=identity,
-            members=MappingProxyType({slot: m.address for slot, m in desired.members.items()}),
-        )
-        previous, self.applied = self.applied, applied
-        if previous is None:
-            saved = (self.saved.domain, self.saved.clique, self.saved.slot)
-            adopt = not config_changed and not nodes_changed and saved == identity
-            self.log.info("reconcile.start", slot=desired.slot, adopt_allowed=adopt)
-            await supervisor.ensure_started(adopt=adopt)
-        elif (
-            previous.config != applied.config
-            or previous.identity != identity
-            or (s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config)
-        ):
-            why = "config.cfg changed" if previous.config != applied.config else "identity"
-            if s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config:
-                why = "member addresses changed (addresses mode)"
-            self.log.info("reconcile.restart", why=why)
-            await supervisor.restart(why)
-        elif previous.members != applied.members:
-            self.log.info("reconcile.reload", members=len(applied.members))
-            supervisor.request_reload("members changed")
-        else:
-            await supervisor.ensure_started()
-        # A new daemon is probed when it turns RUNNING (_on_daemon_change). For a change
-        # of members, one domain probe a little later sees the links come and go: probing
-        # at once would only make every node spawn ctl processes (and -N asks every peer)
-        # at the same instant, before the paced SIGUSR1 even reached the daemon.
-        self.domain_probe_at = time.monotonic() + DOMAIN_PROBE_AFTER_CHANGE_S
-
-    async def _write(
-        self, path: Path, content: str, *, in_place_ok: bool = False, label: str | None = None
-    ) -> bool:
-        """Write one file (retried by the caller on FileWriteError); True if it changed."""
-        name = label or path.name
-        try:
-            try:
-                await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-            except OSError as exc:
-                raise FileWriteError(str(path.parent), exc.strerror or str(exc)) from exc
-            if in_place_ok:
-                result = await asyncio.to_thread(
-                    write_file, path, content, backup_dir=self.settings.node.state_dir
-                )
-                changed = result.changed
-                if result.method != "unchanged":
-                    self.write_method = result.method
-            else:
-                changed = await asyncio.to_thread(write_atomic, path, content)
-        except FileWriteError as exc:
-            self.metrics.count_write(name, ok=False)
-            self.write_error, self.write_path = exc.reason, str(path)
-            raise
-        if changed:
-            self.metrics.count_write(name, ok=True)
-            self.log.info("file.written", path=str(path))
-        return changed
-
-    def _remove_files(self) -> None:
-        """Remove our hosts block and the IMEX files (left the domain)."""
-        s = self.settings
-        current = read_text_or_empty(s.imex.hosts_file)
-        cleaned = remove_hosts_block(current)
-        if cleaned != current:
-            write_file(s.imex.hosts_file, cleaned, backup_dir=s.node.state_dir)
-        for path in (s.config_path, s.nodes_config_path):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
 
     # -- daemon and probes ----------------------------------------------------------
 
@@ -1246,9 +1123,9 @@ class Agent:
                 reason=reason if reason in ("DaemonCrashLoop", "ConflictingDaemon") else "",
                 message=message if status.state is not DaemonState.RUNNING else "",
                 last_line=last_line,
-                write_error=self.write_error,
-                write_path=self.write_path,
-                write_method=self.write_method,
+                write_error=self._reconciler.write_error,
+                write_path=self._reconciler.write_path,
+                write_method=self._reconciler.write_method,
                 imex_status=self.imex_status,
                 probe_error=self.probe_error,
             ),
@@ -1396,46 +1273,3 @@ def _describe(exc: BaseException) -> str:
 async def run(settings: Settings, *, stop: asyncio.Event, handover: asyncio.Event) -> int:
     """The root coroutine: run the agent until `stop` (tests drive these events)."""
     return await Agent(settings).run(stop=stop, handover=handover)
-
-
-def _install_signals(stop: asyncio.Event, handover: asyncio.Event) -> Callable[[], None]:
-    loop = asyncio.get_running_loop()
-    log = get_logger("agent")
-
-    def on_stop(signame: str) -> None:
-        log.info("agent.signal", signal=signame)
-        stop.set()
-
-    def on_handover() -> None:
-        log.info("agent.signal", signal="SIGUSR2")
-        handover.set()
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop, sig.name)
-    loop.add_signal_handler(signal.SIGUSR2, on_handover)
-
-    def remove() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-            loop.remove_signal_handler(sig)
-
-    return remove
-
-
-async def _main(settings: Settings) -> int:
-    install_loop_handler()
-    stop, handover = asyncio.Event(), asyncio.Event()
-    remove = _install_signals(stop, handover)
-    try:
-        return await run(settings, stop=stop, handover=handover)
-    finally:
-        remove()
-
-
-def cli_run(args: argparse.Namespace) -> int:
-    """`imexd run`: validate the settings (exit 2 when wrong), then run the agent."""
-    settings = load_settings(args.config)
-    configure_logging(settings.log.level, settings.log.format)
-    if os.geteuid() != 0:
-        get_logger("agent").info("agent.unprivileged", uid=os.geteuid())
-    return asyncio.run(_main(settings))

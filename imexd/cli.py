@@ -165,9 +165,45 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from imexd import agent  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd run`: validate the settings (exit 2 when wrong), then run the agent.
 
-    return agent.cli_run(args)
+    Signals only set events: SIGTERM/SIGINT `stop` (leave: clear the record, stop the
+    daemon, exit 0), SIGUSR2 `handover` and `stop` (exit 75, daemon left running).
+    """
+    from imexd import agent  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.logs import configure_logging, get_logger, install_loop_handler  # noqa: PLC0415
+    from imexd.settings import load_settings  # noqa: PLC0415 - with the agent
+
+    settings = load_settings(args.config)
+    configure_logging(settings.log.level, settings.log.format)
+    log = get_logger("agent")
+    if os.geteuid() != 0:
+        log.info("agent.unprivileged", uid=os.geteuid())
+
+    async def main() -> int:
+        install_loop_handler()
+        stop, handover = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_stop(signame: str) -> None:
+            log.info("agent.signal", signal=signame)
+            stop.set()
+
+        def on_handover() -> None:
+            log.info("agent.signal", signal="SIGUSR2")
+            handover.set()
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_stop, sig.name)
+        loop.add_signal_handler(signal.SIGUSR2, on_handover)
+        try:
+            return await agent.run(settings, stop=stop, handover=handover)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(main())
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -240,15 +276,19 @@ def _cmd_discover(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """`imexd check`: exit 0 when the local agent is ready (live with --live), else 1."""
     from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return query.cli_check(args)
+    base = query.base_url(args.url, args.config)
+    return query.check(base, live=bool(args.live), timeout=float(args.timeout))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    """`imexd status`: the local agent's HealthReport for a person (or --json)."""
     from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return query.cli_status(args)
+    base = query.base_url(args.url, args.config)
+    return query.status(base, as_json=bool(args.json), timeout=float(args.timeout))
 
 
 def _cmd_domain_create(args: argparse.Namespace) -> int:

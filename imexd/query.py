@@ -9,7 +9,6 @@ not depend on the event loop stack that the agent itself may be wedged in.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import urllib.error
@@ -37,14 +36,15 @@ class Answer(NamedTuple):
     body: bytes
 
 
-def base_url(args: argparse.Namespace) -> str:
-    """`--url`, or the URL the agent listens on according to `[health] listen`."""
-    if args.url:
-        url = str(args.url).rstrip("/")
+def base_url(url: str | None, config: str | None) -> str:
+    """`url` (`--url`), or the URL the agent listens on according to `[health] listen`
+    in the settings file `config`."""
+    if url:
+        url = url.rstrip("/")
         return url if "://" in url else f"http://{url}"
     from imexd.settings import load_settings, parse_listen  # noqa: PLC0415 - only without --url
 
-    listen = load_settings(args.config).health.listen
+    listen = load_settings(config).health.listen
     host, port = parse_listen(listen)
     if port == 0:
         raise ConfigError([f"health.listen = {listen!r}: port 0 is any free port, so pass --url"])
@@ -94,12 +94,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def cli_check(args: argparse.Namespace) -> int:
-    """Exit 0 when the agent is ready (or live with --live), else 1 and why on one line."""
-    base = base_url(args)
-    path, word = ("/healthz", "live") if args.live else ("/readyz", "ready")
+def check(base: str, *, live: bool, timeout: float) -> int:
+    """`imexd check`: 0 when the agent at `base` is ready (or live), else 1 and why on one
+    line."""
+    path, word = ("/healthz", "live") if live else ("/readyz", "ready")
     try:
-        answer = fetch(base + path, args.timeout)
+        answer = fetch(base + path, timeout)
     except UnreachableError as exc:
         print(_one_line(f"agent unreachable at {base}: {exc}"))
         return 1
@@ -114,11 +114,11 @@ def cli_check(args: argparse.Namespace) -> int:
     return 1
 
 
-def cli_status(args: argparse.Namespace) -> int:
-    """Print the agent's HealthReport for a person (or as JSON); 1 if unreachable."""
-    base = base_url(args)
+def status(base: str, *, as_json: bool, timeout: float) -> int:
+    """`imexd status`: print the agent's HealthReport for a person (or as JSON); 1 if
+    unreachable."""
     try:
-        answer = fetch(base + "/status", args.timeout)
+        answer = fetch(base + "/status", timeout)
     except UnreachableError as exc:
         print(_one_line(f"agent unreachable at {base}: {exc}"), file=sys.stderr)
         return 1
@@ -130,7 +130,7 @@ def cli_status(args: argparse.Namespace) -> int:
     except msgspec.DecodeError as exc:
         print(f"agent at {base} sent an invalid report: {exc}", file=sys.stderr)
         return 1
-    if args.json:
+    if as_json:
         print(json.dumps(msgspec.to_builtins(rep), indent=2))
     else:
         print_report(rep, sys.stdout)

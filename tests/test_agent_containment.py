@@ -4,7 +4,9 @@ The middle tier between the pure tests and the scenarios: one `Agent` runs as a
 coroutine of the test, against a real Mosquitto and the simulated daemon, and the test
 breaks one piece of it from inside (a renderer that raises, a loop that keeps failing,
 a ctl that hangs) and watches the facts: the daemon's pid, the agent's exit code, its
-heartbeats and its metrics.
+heartbeats and its metrics. The last tests drive only the public root coroutine,
+`agent.run(settings, stop=..., handover=...)`, as the CLI does: events in (the two
+events the signals set), facts out (its health endpoint and its exit code).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd import agent as agent_module
+from imexd import reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
 from imexd.demo.brokers import Mosquitto
 from imexd.settings import settings_from_mapping
@@ -99,7 +102,7 @@ async def test_a_renderer_that_raises_never_touches_the_daemon(
             calls += 1
             raise RuntimeError("a bug in the renderer")
 
-        monkeypatch.setattr(agent_module, "render_files", broken)
+        monkeypatch.setattr(reconcile, "render_files", broken)
         with capture_logs() as logs:
             r.agent.dirty.set()
             await until(lambda: calls >= 2)  # retried with backoff, not given up
@@ -111,7 +114,7 @@ async def test_a_renderer_that_raises_never_touches_the_daemon(
         assert daemon_pid(r.agent) == pid
         assert "reconcile failed" in r.agent.facts().daemon.write_error
         monkeypatch.undo()
-        await until(lambda: r.agent.write_error == "")
+        await until(lambda: r.agent.facts().daemon.write_error == "")
         assert daemon_pid(r.agent) == pid
 
 
@@ -184,3 +187,55 @@ async def test_a_hung_ctl_does_not_fail_healthz(
         while time.monotonic() < deadline:
             assert r.agent.heartbeats.stale() == []
             await asyncio.sleep(0.25)
+
+
+@asynccontextmanager
+async def public_run(tmp_path: Path) -> AsyncIterator[tuple[Node, Running]]:
+    """`agent.run` of a one-node domain, ready, with nothing but its events to drive it."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1")
+    settings = settings_from_mapping(node.sections, environ={})
+    stop, handover = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(agent_module.run(settings, stop=stop, handover=handover))
+    try:
+        # The agent answers HTTP on this loop: ask it from a thread.
+        deadline = time.monotonic() + WAIT_S
+        while not task.done() and not await asyncio.to_thread(node.ready):
+            assert time.monotonic() < deadline, "the agent never became ready"
+            await asyncio.sleep(0.05)
+        assert not task.done(), "the agent ended before it was ready"
+        yield node, Running(Agent(settings), stop, handover, task)
+    finally:
+        stop.set()
+        with suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(task), WAIT_S)
+        if not task.done():
+            task.cancel()
+        for pid in node.daemon_pids_on_host():
+            with suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        broker.stop()
+
+
+async def test_run_leaves_cleanly_on_stop(tmp_path: Path) -> None:
+    """`stop` alone: exit 0, the daemon stopped, the health endpoint gone."""
+    async with public_run(tmp_path) as (node, r):
+        pid = await asyncio.to_thread(node.daemon_pid)
+        assert pid is not None
+        r.stop.set()
+        assert await asyncio.wait_for(asyncio.shield(r.task), WAIT_S) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert node.get("/healthz") == (0, None)
+
+
+async def test_run_hands_over_on_handover(tmp_path: Path) -> None:
+    """`handover` then `stop`: exit 75 with the daemon still running for the next agent."""
+    async with public_run(tmp_path) as (node, r):
+        pid = await asyncio.to_thread(node.daemon_pid)
+        assert pid is not None
+        r.handover.set()
+        r.stop.set()
+        assert await asyncio.wait_for(asyncio.shield(r.task), WAIT_S) == EXIT_HANDOVER
+        os.kill(pid, 0)  # still running

@@ -1,0 +1,192 @@
+"""Reconcile: what should run (`Desired`) made real in the IMEX files and the daemon.
+
+The agent's membership decides; this module writes config.cfg, nodes_config.cfg and the
+hosts block, and asks the supervisor for exactly what the change needs: start (adopting
+a daemon the files still fit), SIGUSR1 for new members, a restart for a new identity or
+config, or nothing. Its own module because it is the agent's only writer of files and
+the only caller of the supervisor's start, reload and restart; the agent's loop paces
+it (settle window, retries with `retry.backoff_delay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final, Literal
+
+import structlog
+
+from imexd.daemon import DaemonState, Supervisor
+from imexd.errors import FileWriteError
+from imexd.facts import Member, WriteMethod
+from imexd.files import read_text_or_empty, write_atomic, write_file
+from imexd.metrics import Metrics
+from imexd.render import remove_hosts_block, render_files
+from imexd.settings import Settings
+from imexd.state import NodeState
+
+Probe = Literal["now", "soon"]
+"""When the agent should probe the daemon after a reconcile."""
+
+_NO_MEMBERS: Final[MappingProxyType[int, Member]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Desired:
+    """What should run on this node, derived from membership."""
+
+    domain: str | None = None
+    clique: str = ""
+    slot: int | None = None
+    run: bool = False
+    """Whether the IMEX daemon should run (a settled member with a clique, no mismatch)."""
+    members: MappingProxyType[int, Member] = field(default_factory=lambda: _NO_MEMBERS)
+    """slot -> name and address of the settled members (the hosts block / node list)."""
+    cleanup: bool = False
+    """Not in a domain: remove our hosts block and IMEX files."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Applied:
+    """What the running daemon was started (or last reloaded) with."""
+
+    config: str
+    nodes_config: str
+    identity: tuple[str, str, int]
+    members: MappingProxyType[int, str]
+
+
+class Reconciler:
+    """The files and the daemon as last applied, and why the last write failed."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        supervisor: Supervisor,
+        *,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+        current: Callable[[], Desired],
+    ) -> None:
+        self.settings = settings
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self.log = log
+        self.current = current
+        """The agent's `desired` as of now: a start waits for it to still hold."""
+        self.applied: Applied | None = None
+        self.first = True
+        self.write_error = ""
+        self.write_path = ""
+        self.write_method: WriteMethod = "rename"
+        self.write_failures = 0
+
+    async def apply(self, desired: Desired, saved: NodeState) -> Probe | None:
+        """Write the files `desired` implies and bring the daemon in line with them.
+
+        Returns when to probe the daemon next: "now" after a stop, "soon" after a
+        change of files or members, None when a newer `desired` superseded this one.
+        """
+        supervisor = self.supervisor
+        first, self.first = self.first, False
+        if not desired.run or desired.domain is None or desired.slot is None:
+            if self.applied is not None or supervisor.state is not DaemonState.STOPPED:
+                await supervisor.stop("not a settled member" if not desired.cleanup else "left")
+            elif first and desired.cleanup:
+                await supervisor.end_strays("this node is in no domain")
+            self.applied = None
+            if desired.cleanup:
+                await asyncio.to_thread(self.remove_files)
+            return "now"
+        s = self.settings
+        hosts_path = s.imex.hosts_file
+        current_hosts = await asyncio.to_thread(read_text_or_empty, hosts_path)
+        files = render_files(
+            s,
+            domain=desired.domain,
+            clique=desired.clique,
+            slots={slot: m.address for slot, m in desired.members.items()},
+            hosts_current=current_hosts,
+        )
+        config_changed = await self.write(s.config_path, files.config)
+        nodes_changed = await self.write(s.nodes_config_path, files.nodes_config)
+        await self.write(Path(hosts_path), files.hosts, in_place_ok=True, label="hosts")
+        identity = (desired.domain, desired.clique, desired.slot)
+        now_desired = self.current()
+        if self.applied is None and (now_desired.run, now_desired.slot) != (True, desired.slot):
+            # Membership moved our slot (or called the start off) while the files were
+            # written: never start a daemon on a slot we may no longer hold. The change
+            # set `dirty`, so the next round writes and starts on the current view.
+            self.log.info("reconcile.superseded", slot=desired.slot, now=now_desired.slot)
+            return None
+        applied = Applied(
+            config=files.config,
+            nodes_config=files.nodes_config,
+            identity=identity,
+            members=MappingProxyType({slot: m.address for slot, m in desired.members.items()}),
+        )
+        previous, self.applied = self.applied, applied
+        if previous is None:
+            was = (saved.domain, saved.clique, saved.slot)
+            adopt = not config_changed and not nodes_changed and was == identity
+            self.log.info("reconcile.start", slot=desired.slot, adopt_allowed=adopt)
+            await supervisor.ensure_started(adopt=adopt)
+        elif (
+            previous.config != applied.config
+            or previous.identity != identity
+            or (s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config)
+        ):
+            why = "config.cfg changed" if previous.config != applied.config else "identity"
+            if s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config:
+                why = "member addresses changed (addresses mode)"
+            self.log.info("reconcile.restart", why=why)
+            await supervisor.restart(why)
+        elif previous.members != applied.members:
+            self.log.info("reconcile.reload", members=len(applied.members))
+            supervisor.request_reload("members changed")
+        else:
+            await supervisor.ensure_started()
+        return "soon"
+
+    async def write(
+        self, path: Path, content: str, *, in_place_ok: bool = False, label: str | None = None
+    ) -> bool:
+        """Write one file (retried by the caller on FileWriteError); True if it changed."""
+        name = label or path.name
+        try:
+            try:
+                await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise FileWriteError(str(path.parent), exc.strerror or str(exc)) from exc
+            if in_place_ok:
+                result = await asyncio.to_thread(
+                    write_file, path, content, backup_dir=self.settings.node.state_dir
+                )
+                changed = result.changed
+                if result.method != "unchanged":
+                    self.write_method = result.method
+            else:
+                changed = await asyncio.to_thread(write_atomic, path, content)
+        except FileWriteError as exc:
+            self.metrics.count_write(name, ok=False)
+            self.write_error, self.write_path = exc.reason, str(path)
+            raise
+        if changed:
+            self.metrics.count_write(name, ok=True)
+            self.log.info("file.written", path=str(path))
+        return changed
+
+    def remove_files(self) -> None:
+        """Remove our hosts block and the IMEX files (left the domain)."""
+        s = self.settings
+        current = read_text_or_empty(s.imex.hosts_file)
+        cleaned = remove_hosts_block(current)
+        if cleaned != current:
+            write_file(s.imex.hosts_file, cleaned, backup_dir=s.node.state_dir)
+        for path in (s.config_path, s.nodes_config_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
