@@ -33,6 +33,13 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
+Why one module of about 900 lines: the reconnect loop, the replay of the desired state,
+the sync by ping and the echo tracking all read and write one link state (the current
+client, its leave event, the lock that orders replay against callers' changes); split
+over modules, that state machine would be spread over several files sharing private state.
+Everything that is not that state machine already lives elsewhere: the MQTT client in
+`imexd.mqtt`, decoding in `imexd.messages`, the backoff rule in `imexd.retry`.
+
 The MQTT client itself is `imexd.mqtt` (the one module that imports the MQTT libraries); the
 decoding of messages is `imexd.messages.decode_message`, shared with the control plane.
 Callers see `imexd.messages` payloads, the event classes below and `imexd.errors.BusError`.

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from imexd import __version__
 from imexd.errors import ConfigError, ImexdError
+from imexd.names import domain_problem, max_nodes_problem, node_problem, parse_nodes
 from imexd.settings import DEFAULT_CONFIG_PATH, parse_broker_url
 
 
@@ -138,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(q)
     q.add_argument("node")
     q.set_defaults(handler=_cmd_node_unassign)
+
+    p = sub.add_parser(
+        "schemas",
+        help="for developers: write or check the bus payloads' JSON Schemas (docs/schemas)",
+    )
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", metavar="DIR", help="write the schemas into DIR")
+    action.add_argument("--check", metavar="DIR", help="exit 1 if DIR's schemas differ")
+    p.set_defaults(handler=_cmd_schemas)
 
     p = sub.add_parser("demo", help="form a domain of simulated nodes on this machine")
     p.add_argument("--nodes", type=int, default=4, help="how many simulated nodes")
@@ -291,40 +301,165 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return query.status(base, as_json=bool(args.json), timeout=float(args.timeout))
 
 
-def _cmd_domain_create(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+def _usage(command: str, problems: Sequence[str]) -> int:
+    for problem in problems:
+        print(f"imexd {command}: {problem}", file=sys.stderr)
+    return 2
 
-    return control.cli_domain_create(args)
+
+def _cmd_domain_create(args: argparse.Namespace) -> int:
+    """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal]`."""
+    nodes, problems = parse_nodes(args.nodes)
+    problems = [
+        p for p in (domain_problem(args.name), max_nodes_problem(args.max_nodes)) if p
+    ] + problems
+    if problems:
+        return _usage("domain create", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.create(
+            settings,
+            args.name,
+            nodes=nodes,
+            max_nodes=args.max_nodes,
+            out=sys.stdout,
+            err=sys.stderr,
+            steal=args.steal,
+        )
+    )
 
 
 def _cmd_domain_delete(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd domain delete NAME [--timeout S]`."""
+    problems = [p for p in (domain_problem(args.name),) if p]
+    if not args.timeout >= 0:
+        problems.append(f"--timeout {args.timeout}: expected seconds >= 0")
+    if problems:
+        return _usage("domain delete", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return control.cli_domain_delete(args)
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.delete(settings, args.name, wait_s=args.timeout, out=sys.stdout, err=sys.stderr)
+    )
 
 
 def _cmd_domain_list(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd domain list`."""
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return control.cli_domain_list(args)
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(commands.list_domains(settings, out=sys.stdout))
 
 
 def _cmd_domain_status(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd domain status NAME [--nodes a,b] [--json] [--watch] [--wait S]`.
 
-    return control.cli_domain_status(args)
+    With --watch, SIGINT and SIGTERM only set the watch's stop event: it returns the exit
+    status of the last state it drew.
+    """
+    nodes, problems = parse_nodes(args.nodes)
+    problems = [p for p in (domain_problem(args.name),) if p] + problems
+    if not args.wait >= 0:
+        problems.append(f"--wait {args.wait}: expected seconds >= 0")
+    if problems:
+        return _usage("domain status", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    if not args.watch:
+        return asyncio.run(
+            commands.status(
+                settings,
+                args.name,
+                as_json=args.json,
+                wait=args.wait,
+                out=sys.stdout,
+                err=sys.stderr,
+                nodes=nodes,
+            )
+        )
+
+    async def watching() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handled: list[signal.Signals] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+                handled.append(sig)
+        try:
+            return await commands.watch(
+                settings,
+                args.name,
+                as_json=args.json,
+                stop=stop,
+                out=sys.stdout,
+                err=sys.stderr,
+                nodes=nodes,
+            )
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(watching())
 
 
 def _cmd_node_assign(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd node assign NODE DOMAIN [--steal] [--force] [--seen-within S]`."""
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return control.cli_node_assign(args)
+    problems = [p for p in (node_problem(args.node), domain_problem(args.domain)) if p]
+    seen_within = commands.SEEN_WITHIN_S if args.seen_within is None else args.seen_within
+    if not seen_within >= 0:
+        problems.append(f"--seen-within {seen_within}: expected seconds >= 0")
+    if problems:
+        return _usage("node assign", problems)
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.assign(
+            settings,
+            args.node,
+            args.domain,
+            out=sys.stdout,
+            err=sys.stderr,
+            steal=args.steal,
+            force=args.force,
+            seen_within_s=float(seen_within),
+        )
+    )
 
 
 def _cmd_node_unassign(args: argparse.Namespace) -> int:
-    from imexd import control  # noqa: PLC0415 - lazy: only this command pays for it
+    """`imexd node unassign NODE`."""
+    problems = [p for p in (node_problem(args.node),) if p]
+    if problems:
+        return _usage("node unassign", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    return control.cli_node_unassign(args)
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
+
+
+def _cmd_schemas(args: argparse.Namespace) -> int:
+    """`imexd schemas --write DIR | --check DIR` (for developers and CI)."""
+    from imexd.control import schemas  # noqa: PLC0415 - lazy: only this command pays for it
+
+    if args.write:
+        for path in schemas.write_schemas(Path(args.write)):
+            print(path)
+        return 0
+    outdated = schemas.outdated_schemas(Path(args.check))
+    if outdated:
+        print(
+            f"outdated in {args.check}: {', '.join(outdated)} "
+            f"(run imexd schemas --write {args.check})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
