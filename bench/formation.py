@@ -68,7 +68,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -86,6 +85,7 @@ import psutil
 import structlog
 
 from imexd.agent import Agent
+from imexd.demo.brokers import Mosquitto, free_port
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, render_toml, settings_from_mapping
 
@@ -106,6 +106,8 @@ FORMATION_TARGET_S: Final = 1.0
 FORMATION_TARGET_N: Final = 18
 RSS_TARGET_MB: Final = 55.0
 CPU_TARGET_PCT: Final = 0.5
+SYS_INTERVAL: Final = "sys_interval 1"
+"""Mosquitto publishes its $SYS counters every second (the messages of each phase)."""
 CAPTURED: Final = frozenset(
     {
         "bus_connected",
@@ -122,14 +124,7 @@ class BenchError(Exception):
     """A phase did not complete in time, or the setup failed."""
 
 
-# Processes and the broker -------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+# Processes ----------------------------------------------------------------------------
 
 
 def sweep(root: Path) -> int:
@@ -145,66 +140,6 @@ def sweep(root: Path) -> int:
                 proc.kill()
                 killed += 1
     return killed
-
-
-class Broker:
-    """A Mosquitto on a free loopback port that publishes $SYS every second."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 10.0) -> None:
-        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        conf = self.workdir / "mosquitto.conf"
-        lines = [
-            f"listener {self.port} 127.0.0.1",
-            "allow_anonymous true",
-            "persistence false",
-            "sys_interval 1",
-            "max_keepalive 65535",
-            "log_type error",
-            "log_type warning",
-        ]
-        if os.geteuid() == 0:
-            lines.append("user root")
-        conf.write_text("\n".join(lines) + "\n")
-        with (self.workdir / "mosquitto.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                [binary, "-c", str(conf)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise BenchError(f"mosquitto exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise BenchError("mosquitto did not listen in time") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
 
 
 # Log capture: the in-process agents' events, with monotonic timestamps ------------------
@@ -478,7 +413,7 @@ class InProcNode(Node):
         """Without daemons no file is written: take the agent's membership instead."""
         if self.agent is None or self.run.daemons:
             return
-        members = dict(self.agent.desired.members)
+        members = {slot: m.address for slot, m in self.agent.desired.members.items()}
         if members != self.view:
             self.view, self.view_at = members, time.monotonic()
 
@@ -729,7 +664,7 @@ class Run:
         self.root = root
         self.octet = octet
         self.capture = Capture()
-        self.broker = Broker(root / "broker")
+        self.broker = Mosquitto(root / "broker", extra_config=SYS_INTERVAL)
         self.monitor = Monitor(self.broker.port)
         self.nodes: list[InProcNode] = []
         self.proc: ProcNode | None = None
@@ -738,7 +673,8 @@ class Run:
         self.lag = LoopLag()
         self._lag_task: asyncio.Task[None] | None = None
         self._seen_index = 0
-        self._joins = 0
+        self._counts = BrokerCounts()
+        """The broker's counters at the end of the last phase (its messages start there)."""
 
     # Helpers.
 
@@ -920,10 +856,23 @@ class Run:
         self.nodes.append(node)
         return node
 
-    # The phases.
+    # The phases: `execute` runs them in order, each one a method.
 
     async def execute(self) -> Result:
-        r = self.result
+        """Every phase in order (the module docstring says what each one measures)."""
+        groups = await self._start()
+        await self._formation(groups)
+        await self._leave()
+        await self._join()
+        await self._join_process()
+        await self.measure_idle()
+        victim = await self._crash()
+        self._over_the_run(victim)
+        return self.result
+
+    async def _start(self) -> list[int]:
+        """The broker, its monitor, the loop-lag probe and the nodes (not started yet);
+        the node groups."""
         self.broker.start()
         self._monitor_task = asyncio.create_task(self.monitor.run(), name="monitor")
         self._lag_task = asyncio.create_task(self.lag.run(), name="loop-lag")
@@ -934,10 +883,13 @@ class Run:
             self.new_node(f"node-{i:03d}", i // gs, 10 + i % gs)
         groups = sorted({n.group for n in self.nodes})
         load = os.getloadavg()
-        r.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
-        self.log(f"{len(groups)} group(s) of <= {gs}; {r.load}")
+        self.result.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
+        self.log(f"{len(groups)} group(s) of <= {gs}; {self.result.load}")
+        return groups
 
-        # 1. Formation.
+    async def _formation(self, groups: list[int]) -> None:
+        """1. All agents start at once: until every file is final and every node ready."""
+        r = self.result
         counts0 = await self.monitor.snapshot()
         busy = cpu_busy()
         me = psutil.Process()
@@ -1022,14 +974,16 @@ class Run:
             )
         await self.quiesce()
         t_end = time.monotonic()
-        counts1 = await self.monitor.snapshot()
-        self.add_messages("formation", counts0, counts1, t_start, t_end)
+        self._counts = await self.monitor.snapshot()
+        self.add_messages("formation", counts0, self._counts, t_start, t_end)
         self.add_reloads("formation", t_start, t_end, self.nodes)
         r.add("formation: machine CPU busy", formation_busy, "cores", note="start -> all ready")
         ready_text = "never" if t_ready is None else f"{t_ready - t_conn:.3f} s"
         self.log(f"formed: files {t_files - t_conn:.3f} s, ready {ready_text}")
 
-        # 2. Graceful leave.
+    async def _leave(self) -> None:
+        """2. One agent of group 0 leaves gracefully (its stop event, as SIGTERM does)."""
+        r = self.result
         leaver = self.group(0)[-1]
         assert isinstance(leaver, InProcNode)
         t0 = time.monotonic()
@@ -1048,12 +1002,13 @@ class Run:
         r.add("leave: stop -> agent exited", time.monotonic() - t0, note=f"exit {code}")
         await self.quiesce()
         t1 = time.monotonic()
-        counts2 = await self.monitor.snapshot()
-        self.add_messages("leave", counts1, counts2, t0, t1)
+        before, self._counts = self._counts, await self.monitor.snapshot()
+        self.add_messages("leave", before, self._counts, t0, t1)
         self.add_reloads("leave", t0, t1, self.group(0))
         self.log(f"leave: {t_left - t0:.3f} s")
 
-        # 3. Join (in-process agent).
+    async def _join(self) -> None:
+        """3. One more in-process agent joins group 0."""
         joiner = self.new_node("join-000", 0, 200)
         t0 = time.monotonic()
         joiner.start()
@@ -1061,7 +1016,7 @@ class Run:
         up = joiner.connected_at()
         if up is None:
             raise BenchError("join: files final before the joiner's link is up")
-        r.add(
+        self.result.add(
             "join: connected -> visible on all",
             t_join - up,
             below=JOIN_TARGET_S,
@@ -1071,19 +1026,20 @@ class Run:
         await self.wait_ready([joiner], 30, "join")
         await self.quiesce()
         t1 = time.monotonic()
-        counts3 = await self.monitor.snapshot()
-        self.add_messages("join", counts2, counts3, t0, t1)
+        before, self._counts = self._counts, await self.monitor.snapshot()
+        self.add_messages("join", before, self._counts, t0, t1)
         self.add_reloads("join", t0, t1, self.group(0))
         self.log(f"join: {t_join - up:.3f} s")
 
-        # 4. Join of an agent process (after another leave when group 0 is full).
+    async def _join_process(self) -> None:
+        """4. An `imexd run` process joins group 0 (after another leave when it is full)."""
         if len(self.group(0)) >= self.opts.max_nodes:
             second = self.group(0)[-2]
             assert isinstance(second, InProcNode)
             t0 = time.monotonic()
             second.stop.set()
             t_left2 = await self._wait_gone(second, 20, "leave 2")
-            r.add(
+            self.result.add(
                 "leave 2 (room for the process): visible on all",
                 t_left2 - t0,
                 below=LEAVE_TARGET_S,
@@ -1098,7 +1054,7 @@ class Run:
             expected.pop(self.proc)  # no files, and its membership is not in this process
         t_pjoin, _ = await self.wait_views(expected, 60, "join (process)")
         pup = self.proc.connected_at()
-        r.add(
+        self.result.add(
             "join (process agent): connected -> visible on all",
             None if pup is None else t_pjoin - pup,
             below=JOIN_TARGET_S,
@@ -1108,17 +1064,16 @@ class Run:
         await self.wait_ready([self.proc], 60, "join (process)")
         await self.quiesce()
 
-        # 5. Idle: the agent process's RSS and CPU, and the in-process agents' CPU.
-        await self.measure_idle()
-
-        # 6. Crash of the agent process.
+    async def _crash(self) -> ProcNode:
+        """6. SIGKILL the agent process: until no other node of group 0 maps it."""
+        assert self.proc is not None
         counts4 = await self.monitor.snapshot()
         victim = self.proc
         t0 = time.monotonic()
         victim.kill()
         t_crash = await self._wait_gone(victim, self.opts.will_delay_s + 20, "crash")
         will = self.opts.will_delay_s
-        r.add(
+        self.result.add(
             "crash: SIGKILL -> visible on all",
             t_crash - t0,
             below=will + 0.5,
@@ -1128,47 +1083,49 @@ class Run:
         )
         await self.quiesce()
         t1 = time.monotonic()
-        counts5 = await self.monitor.snapshot()
-        self.add_messages("crash", counts4, counts5, t0, t1)
+        self._counts = await self.monitor.snapshot()
+        self.add_messages("crash", counts4, self._counts, t0, t1)
         self.add_reloads("crash", t0, t1, self.group(0))
         self.log(f"crash: {t_crash - t0:.3f} s")
+        return victim
 
-        # Daemon starts and SIGUSR1 over the whole run.
-        if self.daemons:
-            starts = {n.name: n.daemon_starts() for n in self.nodes}
-            starts[victim.name] = victim.daemon_starts()
-            wrong = sorted(k for k, v in starts.items() if v != 1)
-            r.add(
-                "daemon starts per node (min..max)",
-                max(starts.values()),
-                "count",
-                target="exactly 1",
-                ok=not wrong,
-                note=f"min {min(starts.values())} over {len(starts)} nodes"
-                + (f"; not 1: {wrong[:5]}" if wrong else ""),
-            )
-            signals = Counter[str]()
-            per_node = []
-            everyone: list[Node] = [*self.nodes, victim]
-            for member in everyone:
-                s = member.signals()
-                signals += s
-                per_node.append(s.get("SIGUSR1 honoured", 0) + s.get("SIGUSR1 ignored", 0))
-            r.add(
-                "SIGUSR1 per node over the run (max)",
-                max(per_node),
-                "count",
-                note=f"mean {statistics.mean(per_node):.2f}; "
-                f"honoured {signals['SIGUSR1 honoured']}",
-            )
-            r.add(
-                "SIGUSR1 inside the daemon's window (ignored)",
-                signals["SIGUSR1 ignored"],
-                "count",
-                target="0",
-                ok=signals["SIGUSR1 ignored"] == 0,
-            )
-        return r
+    def _over_the_run(self, victim: ProcNode) -> None:
+        """Daemon starts and SIGUSR1 over the whole run (with simulated daemons)."""
+        if not self.daemons:
+            return
+        r = self.result
+        starts = {n.name: n.daemon_starts() for n in self.nodes}
+        starts[victim.name] = victim.daemon_starts()
+        wrong = sorted(k for k, v in starts.items() if v != 1)
+        r.add(
+            "daemon starts per node (min..max)",
+            max(starts.values()),
+            "count",
+            target="exactly 1",
+            ok=not wrong,
+            note=f"min {min(starts.values())} over {len(starts)} nodes"
+            + (f"; not 1: {wrong[:5]}" if wrong else ""),
+        )
+        signals = Counter[str]()
+        per_node = []
+        everyone: list[Node] = [*self.nodes, victim]
+        for member in everyone:
+            sig = member.signals()
+            signals += sig
+            per_node.append(sig.get("SIGUSR1 honoured", 0) + sig.get("SIGUSR1 ignored", 0))
+        r.add(
+            "SIGUSR1 per node over the run (max)",
+            max(per_node),
+            "count",
+            note=f"mean {statistics.mean(per_node):.2f}; honoured {signals['SIGUSR1 honoured']}",
+        )
+        r.add(
+            "SIGUSR1 inside the daemon's window (ignored)",
+            signals["SIGUSR1 ignored"],
+            "count",
+            target="0",
+            ok=signals["SIGUSR1 ignored"] == 0,
+        )
 
     async def _wait_gone(self, gone: Node, limit_s: float, what: str) -> float:
         """Until the rest of its group maps the others and not `gone`."""

@@ -355,7 +355,7 @@ async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
         started = time.monotonic()
         await run.close()
         assert all(proc.poll() is not None for proc in procs)
-        assert time.monotonic() - started >= scenario.KILL_WAIT_S  # SIGTERM, a wait, SIGKILL
+        assert time.monotonic() - started >= brokers.KILL_WAIT_S  # SIGTERM, a wait, SIGKILL
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -14,6 +14,8 @@ One job per module:
   `--broker`); the tests and the benchmark start their Mosquitto with the same launcher;
 - `timings`: the one table of fast timings (the demo's agents and the scenario tests'
   agents react in seconds with it);
+- `nodes`: the simulated nodes (folder, settings, `imexd run` process) and the sweep
+  that ends whatever the demo started;
 - `screen`: the table of nodes and the terminal it is drawn on;
 - `scenario`: the four acts (form, kill a daemon, kill an agent, leave), what they
   measure, and the cleanup.
