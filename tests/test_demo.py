@@ -26,6 +26,7 @@ import pytest
 
 from imexd.cli import main
 from imexd.demo import DemoError, brokers, scenario, screen
+from imexd.fleet import judge
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
 RUN_TIMEOUT_S = 90.0
@@ -113,6 +114,28 @@ def test_table_lines_say_why_a_node_is_not_ready_and_colour_only_words() -> None
     assert [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in coloured] == plain
     assert "\x1b[32mRUNNING\x1b[0m" in coloured[1]
     assert "\x1b[" not in coloured[0]
+
+
+def test_the_headline_is_fleets_judgement(tmp_path: Path) -> None:
+    """The demo's headline is `fleet.judge`'s state and reasons; LEAVING once agents leave."""
+    out = screen.Screen(io.StringIO(), tty=False, color=False)
+    run = scenario.Demo(scenario.Options(nodes=2, broker=None), out, parent=tmp_path)
+    assert run.verdict() == ("FORMING", "starting")
+    run.status = judge(
+        "demo",
+        spec=None,
+        records=[],
+        reports=[_report("n1")],
+        now=0.0,
+        report_interval_s=2.0,
+        expect=["n1", "n2"],
+    )
+    assert run.verdict() == (
+        run.status.state,
+        "0 of 2 members ready: " + "; ".join(run.status.reasons[:2]),
+    )
+    run.leaving = True
+    assert run.verdict()[0] == "LEAVING"
 
 
 def test_choose_broker_prefers_mosquitto_and_falls_back_to_amqtt(tmp_path: Path) -> None:
