@@ -40,7 +40,8 @@ from imexd.bus import (
     Synced,
     WillSpec,
 )
-from imexd.daemon import DaemonState, DaemonStatus, Supervisor
+from imexd.daemon import Supervisor
+from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
 from imexd.facts import (

@@ -27,276 +27,49 @@ Why it looks the way it does:
   `classify_processes`) and, when the agent says the files on disk are what it would
   write now, adopts it instead of starting a new one, watching its exit with a pidfd,
   since it is not our child.
-- The daemon's stdout and stderr are files next to config.cfg (`nvidia-imex.out`,
-  `nvidia-imex.err`, opened O_APPEND), not pipes: whoever supervises the daemon, the
-  agent that started it or the one that adopted it after a hand-over, tails them and
-  logs each line as a `daemon.output` event, and no reader is needed for the daemon to
-  write (a pipe without one would kill it with SIGPIPE, or block it when full). A
-  spawn truncates them; when one grows past `output_max_bytes` it is truncated after it
-  was read to its end (the daemon's O_APPEND writes then start again at 0), so they
-  stay small even while no agent runs for long; a line written in the instant between
-  that last read and the truncation is lost. Regular files cannot be watched with
-  epoll, so they are read every `output_poll_s`.
+- The daemon's stdout and stderr go to files next to config.cfg, not pipes, tailed
+  by whoever supervises it (`imexd/daemon_output.py` says why).
 - The daemon runs in its own process group (session); stopping it is SIGTERM to the
   group, SIGKILL after `stop_timeout_s`, and whatever is left of the group is killed
   and waited for, so nothing is left behind, never waiting forever.
 
 The supervisor is an async context manager: leaving it stops the daemon, unless
 `detach()` was called (hand over for an upgrade), in which case the daemon keeps
-running, writing to its output files for the next agent.
+running, writing to its output files for the next agent. The snapshot it publishes
+is `imexd/daemon_state.py`; the system calls are `imexd/daemon_process.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import os
 import random
-import re
-import select
 import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any, Self
 
 import psutil
 
-from imexd.logs import get_logger
-from imexd.process import (
-    ImexProcess,
-    Survey,
-    describe_exit,
-    end_group,
-    open_pidfd,
-    signal_process,
-    survey_processes,
-    survives_sigusr1,
-    wait_readable,
+from imexd.daemon_output import OUTPUT_MAX_BYTES, OUTPUT_POLL_S, DaemonOutput, Tail
+from imexd.daemon_process import (
+    KILL_WAIT_S,
+    DaemonProcess,
+    daemon_environment,
+    end_stray,
+    kill_group,
+    launch,
 )
+from imexd.daemon_state import DaemonReason, DaemonState, DaemonStatus
+from imexd.logs import get_logger
+from imexd.process import Survey, survey_processes, survives_sigusr1
 from imexd.retry import backoff_delay
 from imexd.settings import DaemonSettings, Settings
 
-OUTPUT_SOURCE = "nvidia-imex"
-"""The `source` field of every `daemon.output` event (a line of the daemon's output)."""
-
-OUTPUT_FILES = {"stdout": "nvidia-imex.out", "stderr": "nvidia-imex.err"}
-"""The daemon's output files, by stream, in `output_dir` (config.cfg's folder by default)."""
-
-OUTPUT_MAX_BYTES = 4 * 1024 * 1024
-"""An output file read to its end is truncated once it is larger than this."""
-
-OUTPUT_POLL_S = 0.2
-"""How often the output files are read for new lines."""
-
-OUTPUT_MODE = 0o640
-"""The output files' permissions: the daemon's log is not for every local user."""
-
-ADOPT_SEED_BYTES = 16 * 1024
-"""How much of an adopted daemon's output files is read back into `last_lines`."""
-
-_STREAM_FDS = {"stdout": 1, "stderr": 2}
-
-LAST_LINES = 50
-"""How many lines of the daemon's output are kept for status and error reasons."""
-
-MAX_LINE_BYTES = 16 * 1024
-"""A longer line is cut there: one runaway line must not grow the agent's memory."""
-
-KILL_WAIT_S = 5.0
-"""How long to wait for a SIGKILLed process to disappear before reporting it."""
-
-STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-"""systemd's variables for the agent itself: the daemon must not notify on our behalf."""
-
 HANDLER_RECHECK_S = 0.1
 """How soon to look again when a due SIGUSR1 would still kill the daemon."""
-
-
-class DaemonState(enum.Enum):
-    """Where the daemon process is in its life (supervisord's process states)."""
-
-    STOPPED = "STOPPED"
-    """Not running and not about to run: not asked to, stopped, or blocked (see reason)."""
-    STARTING = "STARTING"
-    """Started less than `start_s` ago."""
-    RUNNING = "RUNNING"
-    """Alive for at least `start_s`, or adopted."""
-    BACKOFF = "BACKOFF"
-    """Exited unexpectedly; waiting for the backoff delay before the next start."""
-    STOPPING = "STOPPING"
-    """SIGTERM sent; SIGKILL follows after `stop_timeout_s`."""
-    FATAL = "FATAL"
-    """Crash loop: waiting `fatal_cooldown_s` before one more start."""
-
-
-class DaemonReason(enum.StrEnum):
-    """Why the daemon is not RUNNING: the machine-readable word of `DaemonStatus.reason`."""
-
-    STOPPED = "DaemonStopped"
-    STARTING = "DaemonStarting"
-    STOPPING = "DaemonStopping"
-    CRASHED = "DaemonCrashed"
-    CRASH_LOOP = "DaemonCrashLoop"
-    CONFLICT = "ConflictingDaemon"
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonStatus:
-    """A snapshot of the supervisor, for health reports and readiness.
-
-    `reason` is None only while RUNNING; otherwise it is a machine-readable code
-    (`DaemonStopped`, `DaemonStarting`, `DaemonStopping`, `DaemonCrashed`,
-    `DaemonCrashLoop`, `ConflictingDaemon`) and `detail` says the rest for a person,
-    e.g. `exit 3: <the daemon's last stderr line>`. Two fields, so that health reads
-    the code without parsing a sentence.
-    """
-
-    state: DaemonState
-    pid: int | None
-    adopted: bool
-    """The daemon was started by a previous agent: exit code and output are unknown."""
-    restarts: int
-    """New daemons (spawned or adopted) that replaced one that had reached RUNNING.
-
-    Whatever ended the previous one (a crash, a requested restart, a stop); a daemon
-    that never ran does not make its successor a restart: see `start_failures`.
-    """
-    crashes: int
-    """Unexpected exits (including failures to execute the binary)."""
-    start_failures: int
-    """Starts that never reached RUNNING: the binary could not run, or it exited in STARTING."""
-    fatal_since: float | None
-    """time.monotonic() since when the daemon is in a crash loop (FATAL, and the tries
-    after each cool-down that failed again); None once a daemon reaches RUNNING or is
-    stopped. How long the node has had no working daemon, e.g. to give up its slot."""
-    last_exit: str | None
-    """How the last daemon ended: `exit 3`, `SIGKILL`, `unknown (adopted)`, ..."""
-    reason: DaemonReason | None
-    detail: str
-    """What happened, for a person (empty while RUNNING)."""
-    since: float
-    """Wall-clock time (Unix seconds) of the last change of state."""
-    next_start_at: float | None
-    """Wall-clock time of the next start attempt (BACKOFF, FATAL, blocked), else None."""
-    reloads_sent: int
-    reload_pending: bool
-    """A SIGUSR1 is owed to the daemon and will be sent when its window ends."""
-    last_lines: tuple[str, ...]
-    """The last `LAST_LINES` lines of the daemon's stdout and stderr, oldest first."""
-
-
-# ---------------------------------------------------------------------------------
-# Pure helpers: output lines, environment, backoff, exit status
-
-
-@dataclass(frozen=True, slots=True)
-class ImexLine:
-    """One line of daemon output, split into structlog level and message."""
-
-    level: str
-    """debug, info, warning, error or critical."""
-    message: str
-    imex_time: str | None = None
-    tid: int | None = None
-
-
-_IMEX_LINE = re.compile(
-    r"^\[(?P<time>[A-Z][a-z]{2} +\d{1,2} \d{4} \d{2}:\d{2}:\d{2}(?:\.\d+)?)\] "
-    r"\[(?P<level>[A-Za-z]+)\] \[tid (?P<tid>\d+)\] ?(?P<message>.*)$"
-)
-_PREFIXED_LINE = re.compile(
-    r"^(?P<level>INFO|WARNING|WARN|ERROR|DEBUG|FATAL|CRITICAL|NOTICE): ?(?P<message>.*)$"
-)
-_LEVELS = {
-    "TRACE": "debug",
-    "VERBOSE": "debug",
-    "DEBUG": "debug",
-    "INFO": "info",
-    "NOTICE": "info",
-    "WARN": "warning",
-    "WARNING": "warning",
-    "ERROR": "error",
-    "FATAL": "critical",
-    "CRITICAL": "critical",
-}
-
-
-def parse_imex_line(line: str) -> ImexLine:
-    """Read IMEX's `[Sep 18 2026 06:40:33] [INFO] [tid 77] message` format.
-
-    Also `WARNING: ...`-prefixed lines (printed before logging is set up); anything
-    else is an info-level message as it is.
-    """
-    m = _IMEX_LINE.match(line)
-    if m is not None:
-        return ImexLine(
-            _LEVELS.get(m["level"].upper(), "info"), m["message"], m["time"], int(m["tid"])
-        )
-    m = _PREFIXED_LINE.match(line)
-    if m is not None:
-        return ImexLine(_LEVELS[m["level"]], m["message"])
-    return ImexLine("info", line)
-
-
-def daemon_environment(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """The daemon's environment: ours plus `[imex] env`, without systemd's notify variables.
-
-    NOTIFY_SOCKET and the watchdog variables belong to the agent's unit; a daemon that
-    inherited them could send READY/WATCHDOG messages on the agent's behalf.
-    """
-    env = {**base, **extra}
-    for name in STRIPPED_ENV:
-        env.pop(name, None)
-    return env
-
-
-# ---------------------------------------------------------------------------------
-# The supervisor
-
-
-class _Output:
-    """The read end of one of the daemon's output files, split into lines."""
-
-    def __init__(self, fd: int, stream: str, path: str) -> None:
-        self.fd = fd
-        self.stream = stream
-        self.path = path
-        self.buf = bytearray()
-        self.open = True
-
-
-class _Child:
-    """One daemon process being watched: spawned by us, or adopted from a previous agent."""
-
-    def __init__(
-        self,
-        *,
-        pid: int,
-        pidfd: int,
-        pgid: int | None,
-        adopted: bool,
-        started: float,
-        outputs: list[_Output],
-    ) -> None:
-        self.pid = pid
-        self.pidfd = pidfd
-        self.pgid = pgid
-        """Its process group when it leads one (signals go to the group), else None."""
-        self.adopted = adopted
-        self.started = started
-        """time.monotonic() of its start (estimated from its age when adopted)."""
-        self.outputs = outputs
-        """Its output files being tailed; empty when they are not ours (adopted)."""
-        self.exited = asyncio.Event()
-        self.stable = False
-        self.ran = False
-        """It reached RUNNING (or was adopted): its successor is a restart."""
-        self.last_stderr: str | None = None
-        self.released = False
 
 
 class Supervisor:
@@ -345,10 +118,7 @@ class Supervisor:
         if output_max_bytes <= 0 or output_poll_s <= 0:
             raise ValueError("output_max_bytes > 0 and output_poll_s > 0 expected")
         folder = os.path.dirname(path) if output_dir is None else os.fspath(output_dir)
-        self._output_paths = {
-            stream: os.path.join(folder, name) for stream, name in OUTPUT_FILES.items()
-        }
-        self._output_max = output_max_bytes
+        self._output = DaemonOutput(folder, max_bytes=output_max_bytes, on_lines=self._wake)
         self._output_poll = output_poll_s
         self._binary = binary
         self._config_path = os.path.normpath(path)
@@ -364,7 +134,7 @@ class Supervisor:
         self._reason: DaemonReason | None = DaemonReason.STOPPED
         self._detail = "not started yet"
         self._since = time.time()
-        self._child: _Child | None = None
+        self._child: DaemonProcess | None = None
         self._want_running = False
         self._adopt_ok = False
         self._restart_reason: str | None = None
@@ -384,8 +154,6 @@ class Supervisor:
         self._reload_requests = 0
         self._last_reload: float | None = None
         self._reload_held_until = 0.0
-        self._lines: deque[str] = deque(maxlen=LAST_LINES)
-        self._output_lines = 0
         self._conflict: str | None = None
         self._detached = False
         self._closed = False
@@ -437,7 +205,7 @@ class Supervisor:
 
     @property
     def last_lines(self) -> tuple[str, ...]:
-        return tuple(self._lines)
+        return self._output.lines
 
     @property
     def reloads_sent(self) -> int:
@@ -450,7 +218,7 @@ class Supervisor:
     @property
     def output_paths(self) -> Mapping[str, str]:
         """The daemon's output files by stream (`stdout`, `stderr`)."""
-        return MappingProxyType(self._output_paths)
+        return MappingProxyType(self._output.paths)
 
     @property
     def environment(self) -> Mapping[str, str]:
@@ -479,7 +247,7 @@ class Supervisor:
             next_start_at=next_start,
             reloads_sent=self._reloads_sent,
             reload_pending=self._reload_pending is not None,
-            last_lines=tuple(self._lines),
+            last_lines=self._output.lines,
         )
 
     async def wait_for(self, predicate: Callable[[DaemonStatus], bool]) -> DaemonStatus:
@@ -571,7 +339,7 @@ class Supervisor:
         own = {self.pid} if self.pid is not None else set()
         survey = await asyncio.to_thread(survey_processes, str(self.config_path), exclude=own)
         for proc in survey.ours:
-            await self._end_stray(proc, why)
+            await end_stray(proc, why, stop_timeout_s=self._settings.stop_timeout_s, log=self._log)
         return len(survey.ours)
 
     def detach(self) -> None:
@@ -735,7 +503,7 @@ class Supervisor:
             return
         await self._start()
 
-    def _tick(self, child: _Child) -> None:
+    def _tick(self, child: DaemonProcess) -> None:
         """Timers of a live daemon: STARTING -> RUNNING, stability, a due reload."""
         now = time.monotonic()
         s = self._settings
@@ -792,10 +560,10 @@ class Supervisor:
                 "daemon.conflict_gone", reason=f"{DaemonReason.CONFLICT}: {self._conflict}"
             )
             self._conflict = None
-        adopted: _Child | None = None
+        adopted: DaemonProcess | None = None
         for proc in sorted(found.ours, key=lambda p: p.create_time):
             if adopted is None and self._adopt_ok:
-                adopted = self._adopt(proc)
+                adopted = DaemonProcess.adopt(proc, self._output, stable_s=self._settings.stable_s)
                 if adopted is not None:
                     continue
             why = (
@@ -803,23 +571,17 @@ class Supervisor:
                 if adopted is not None
                 else "its files may differ from what the agent writes now"
             )
-            await self._end_stray(proc, why)
+            await end_stray(proc, why, stop_timeout_s=self._settings.stop_timeout_s, log=self._log)
         self._adopt_ok = False
         if adopted is not None:
             self._begin(adopted)
-            output = "streamed"
-            if not adopted.outputs:
-                output = "not streamed: its stdout/stderr are not " + " and ".join(
-                    self._output_paths.values()
-                )
-            elif len(adopted.outputs) < len(self._output_paths):
-                output = f"streamed: only {adopted.outputs[0].stream}"
+            output = self._output.describe(adopted.output)
             self._log.info("daemon.adopted", pid=adopted.pid, output=output)
             self._set(DaemonState.RUNNING, None, f"adopted pid {adopted.pid}")
         else:
             self._spawn()
 
-    def _begin(self, child: _Child) -> None:
+    def _begin(self, child: DaemonProcess) -> None:
         """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
@@ -832,57 +594,25 @@ class Supervisor:
         self._loop.add_reader(child.pidfd, self._on_pidfd, child)
 
     def _spawn(self) -> None:
-        """Start `binary -c config` in a new session, stdout/stderr into fresh output files."""
-        argv = [self._binary, "-c", self._config_path]
-        actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-        writers: list[int] = []
-        outputs: list[_Output] = []
+        """Start a new daemon (`launch`) and watch it: STARTING."""
         try:
-            for stream, path in self._output_paths.items():
-                target = _STREAM_FDS[stream]
-                opened = self._open_output(stream, path)
-                if opened is None:
-                    actions.append((os.POSIX_SPAWN_OPEN, target, os.devnull, os.O_WRONLY, 0))
-                    continue
-                writer, output = opened
-                writers.append(writer)
-                outputs.append(output)
-                actions.append((os.POSIX_SPAWN_DUP2, writer, target))
-            try:
-                pid = os.posix_spawnp(
-                    self._binary,
-                    argv,
-                    self._env,
-                    file_actions=actions,
-                    setsid=True,
-                    # SIGPIPE stays ignored (inherited from Python, as systemd's
-                    # IgnoreSIGPIPE=yes does): the daemon writes to files, but whatever
-                    # it may write to a pipe or socket without a reader must not kill
-                    # IMEX and tear down the memory that running jobs import.
-                    setsigdef=(signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM),
-                    setsigmask=(),
-                )
-            except OSError as exc:
-                for output in outputs:
-                    self._close_output(output)
-                self._crashed(
-                    f"cannot run {self._binary}: {exc.strerror or exc}",
-                    "not started",
-                    uptime=0.0,
-                    ran=False,
-                )
-                return
-        finally:
-            for writer in writers:
-                os.close(writer)
+            pid, outputs = launch(self._binary, self._config_path, self._env, self._output)
+        except OSError as exc:
+            self._crashed(
+                f"cannot run {self._binary}: {exc.strerror or exc}",
+                "not started",
+                uptime=0.0,
+                ran=False,
+            )
+            return
         pidfd = os.pidfd_open(pid)  # our unreaped child: cannot be gone yet
-        child = _Child(
+        child = DaemonProcess(
             pid=pid,
             pidfd=pidfd,
             pgid=pid,
             adopted=False,
             started=time.monotonic(),
-            outputs=outputs,
+            output=Tail(pid, outputs),
         )
         self._begin(child)
         self._set(
@@ -892,105 +622,9 @@ class Supervisor:
         )
         self._tick(child)
 
-    def _open_output(self, stream: str, path: str) -> tuple[int, _Output] | None:
-        """Truncate `path` for a new daemon: (its write end, our reader), or None (logged).
-
-        Without its file the daemon's stream goes to /dev/null: a run dir we cannot
-        write to must not keep IMEX from starting, only its output from being read.
-        """
-        flags = os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            writer = os.open(path, os.O_WRONLY | flags, OUTPUT_MODE)
-            try:
-                reader = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                os.close(writer)
-                raise
-        except OSError as exc:
-            self._log.error(
-                "daemon.output_unavailable",
-                stream=stream,
-                path=path,
-                error=str(exc),
-                consequence="this stream of the daemon goes to /dev/null",
-            )
-            return None
-        return writer, _Output(reader, stream, path)
-
-    def _adopt(self, proc: ImexProcess) -> _Child | None:
-        """Watch a daemon a previous agent started; None when it is gone (or its pid reused)."""
-        opened = open_pidfd(proc)
-        if opened is None:
-            return None
-        pidfd, pgid = opened
-        age = max(0.0, time.time() - proc.create_time)
-        child = _Child(
-            pid=proc.pid,
-            pidfd=pidfd,
-            pgid=pgid,
-            adopted=True,
-            started=time.monotonic() - age,
-            outputs=self._adopted_outputs(proc.pid),
-        )
-        child.stable = age >= self._settings.stable_s
-        return child
-
-    def _adopted_outputs(self, pid: int) -> list[_Output]:
-        """Readers of our output files that daemon `pid` writes to, at their end.
-
-        A daemon started by an older agent, or by hand, writes elsewhere: nothing to
-        tail. The end of each file is read back into `last_lines` (not logged again).
-        """
-        outputs: list[_Output] = []
-        for stream, path in self._output_paths.items():
-            try:
-                theirs = os.stat(f"/proc/{pid}/fd/{_STREAM_FDS[stream]}")
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                ours = os.fstat(fd)
-                if (ours.st_dev, ours.st_ino) != (theirs.st_dev, theirs.st_ino):
-                    os.close(fd)
-                    continue
-                end = os.lseek(fd, 0, os.SEEK_END)
-                start = max(0, end - ADOPT_SEED_BYTES)
-                tail = os.pread(fd, end - start, start)
-            except OSError:
-                os.close(fd)
-                continue
-            lines = tail.split(b"\n")[:-1]  # the last one is unfinished (or empty)
-            if start > 0:
-                lines = lines[1:]  # the first one is cut
-            for raw in lines:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r")
-                if line.strip():
-                    self._lines.append(line)
-            outputs.append(_Output(fd, stream, path))
-        return outputs
-
-    async def _end_stray(self, proc: ImexProcess, why: str) -> None:
-        """End a daemon running our config path that we will not adopt (TERM, then KILL)."""
-        self._log.warning("daemon.stray", pid=proc.pid, command=proc.command, why=why)
-        opened = open_pidfd(proc)
-        if opened is None:
-            return
-        pidfd, pgid = opened
-        try:
-            signal_process(pidfd, pgid, signal.SIGTERM)
-            if not await wait_readable(pidfd, self._settings.stop_timeout_s):
-                self._log.warning("daemon.kill", pid=proc.pid, why="stray ignored SIGTERM")
-                signal_process(pidfd, pgid, signal.SIGKILL)
-                if not await wait_readable(pidfd, KILL_WAIT_S):
-                    self._log.error("daemon.unkillable", pid=proc.pid)
-            if pgid is not None:
-                await self._kill_group(pgid)
-        finally:
-            os.close(pidfd)
-
     # -- running ----------------------------------------------------------------
 
-    def _on_pidfd(self, child: _Child) -> None:
+    def _on_pidfd(self, child: DaemonProcess) -> None:
         """The pidfd became readable: the process has exited."""
         assert self._loop is not None  # noqa: S101 - readers exist only after __aenter__
         self._loop.remove_reader(child.pidfd)
@@ -1004,103 +638,9 @@ class Supervisor:
             child = self._child
             if child is None or child.released:
                 continue
-            for output in child.outputs:
-                try:
-                    self._read_output(child, output, final=False)
-                except Exception:  # a bug here must not end the daemon's supervision
-                    self._log.exception("daemon.output_failed", path=output.path)
+            self._output.poll(child.output)
 
-    def _read_output(self, child: _Child, output: _Output, *, final: bool) -> None:
-        """Log the whole lines written since the last read; truncate a file grown too big.
-
-        `final` (the daemon exited): also the last, unfinished line.
-        """
-        if not output.open:
-            return
-        try:
-            if os.fstat(output.fd).st_size < os.lseek(output.fd, 0, os.SEEK_CUR):
-                os.lseek(output.fd, 0, os.SEEK_SET)  # truncated by someone else
-            at_end = False
-            emitted = self._output_lines
-            for _ in range(64):  # at most 4 MiB at a time: the loop must not stall
-                data = os.read(output.fd, 65536)
-                if not data:
-                    at_end = True
-                    break
-                self._split(child, output, data)
-            if final and output.buf:
-                self._emit(child, output.stream, bytes(output.buf))
-                output.buf.clear()
-            if self._output_lines != emitted:
-                self._wake()
-            if at_end and not final:
-                pos = os.lseek(output.fd, 0, os.SEEK_CUR)
-                if pos > self._output_max:
-                    self._truncate(output, pos)
-        except OSError as exc:
-            self._log.error(
-                "daemon.output_unreadable", stream=output.stream, path=output.path, error=str(exc)
-            )
-            self._close_output(output)
-
-    def _split(self, child: _Child, output: _Output, data: bytes) -> None:
-        output.buf += data
-        while (nl := output.buf.find(b"\n")) >= 0:
-            line = bytes(output.buf[:nl])
-            del output.buf[: nl + 1]
-            self._emit(child, output.stream, line)
-        if len(output.buf) > MAX_LINE_BYTES:
-            self._emit(child, output.stream, bytes(output.buf[:MAX_LINE_BYTES]) + b" [cut]")
-            output.buf.clear()
-
-    def _truncate(self, output: _Output, size: int) -> None:
-        """Empty an output file read to its end; the daemon's O_APPEND writes restart at 0."""
-        ours = os.fstat(output.fd)
-        try:
-            there = os.stat(output.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
-            return  # replaced: not the daemon's file any more
-        try:
-            os.truncate(output.path, 0)
-        except OSError as exc:
-            self._log.warning("daemon.output_truncate_failed", path=output.path, error=str(exc))
-            return
-        os.lseek(output.fd, 0, os.SEEK_SET)
-        self._log.debug("daemon.output_truncated", path=output.path, size=size)
-
-    def _emit(self, child: _Child, stream: str, raw: bytes) -> None:
-        """One line of daemon output: kept for reasons and logged as a `daemon.output` event."""
-        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        if not line.strip():
-            return
-        self._lines.append(line)
-        self._output_lines += 1
-        if stream == "stderr":
-            child.last_stderr = line
-        parsed = parse_imex_line(line)
-        extra: dict[str, Any] = {}
-        if parsed.tid is not None:
-            extra["tid"] = parsed.tid
-            extra["imex_time"] = parsed.imex_time
-        log = getattr(self._log, parsed.level)
-        log(
-            "daemon.output",
-            line=parsed.message,
-            source=OUTPUT_SOURCE,
-            stream=stream,
-            pid=child.pid,
-            **extra,
-        )
-
-    @staticmethod
-    def _close_output(output: _Output) -> None:
-        if output.open:
-            output.open = False
-            os.close(output.fd)
-
-    def _send_reload(self, child: _Child) -> None:
+    def _send_reload(self, child: DaemonProcess) -> None:
         """SIGUSR1 to the daemon itself (not its group), carrying every pending request."""
         reason, requests = self._reload_pending, self._reload_requests
         self._reload_pending = None
@@ -1116,11 +656,12 @@ class Supervisor:
 
     # -- exits and stopping -----------------------------------------------------
 
-    async def _on_exit(self, child: _Child) -> None:
+    async def _on_exit(self, child: DaemonProcess) -> None:
         """The daemon exited on its own: a crash, whatever the code (IMEX never exits by itself)."""
         uptime = time.monotonic() - child.started
         exit_desc = await self._finish(child)
-        detail = exit_desc if child.last_stderr is None else f"{exit_desc}: {child.last_stderr}"
+        last_stderr = child.output.last_stderr
+        detail = exit_desc if last_stderr is None else f"{exit_desc}: {last_stderr}"
         if child.adopted:
             detail = f"adopted daemon pid {child.pid} exited (status unknown: not our child)"
         self._crashed(detail, exit_desc, uptime=uptime, ran=child.ran)
@@ -1150,7 +691,7 @@ class Supervisor:
                 failures=len(self._failures),
                 window_s=s.crash_loop_window_s,
                 retry_in_s=s.fatal_cooldown_s,
-                last_lines=list(self._lines)[-5:],
+                last_lines=list(self._output.lines)[-5:],
             )
             self._set(DaemonState.FATAL, DaemonReason.CRASH_LOOP, detail)
         else:
@@ -1169,82 +710,41 @@ class Supervisor:
         if (self._state, self._reason, self._detail) == before:
             self._notify()  # same state and reason (a failed try after FATAL): new counters
 
-    async def _terminate(self, child: _Child, why: str) -> None:
+    async def _terminate(self, child: DaemonProcess, why: str) -> None:
         """SIGTERM to the group, SIGKILL after `stop_timeout_s`, then clean up; bounded."""
         self._set(DaemonState.STOPPING, DaemonReason.STOPPING, why)
         if not child.exited.is_set():
-            signal_process(child.pidfd, child.pgid, signal.SIGTERM)
-            if not await self._wait_exit(child, self._settings.stop_timeout_s):
+            child.signal(signal.SIGTERM)
+            if not await child.wait_exit(self._settings.stop_timeout_s):
                 self._log.warning(
                     "daemon.kill",
                     pid=child.pid,
                     why=f"still running {self._settings.stop_timeout_s:g} s after SIGTERM",
                 )
-                signal_process(child.pidfd, child.pgid, signal.SIGKILL)
-                if not await self._wait_exit(child, KILL_WAIT_S):
+                child.signal(signal.SIGKILL)
+                if not await child.wait_exit(KILL_WAIT_S):
                     self._log.error("daemon.unkillable", pid=child.pid)
         self._last_exit = await self._finish(child)
         self._set(DaemonState.STOPPED, DaemonReason.STOPPED, why)
 
-    async def _wait_exit(self, child: _Child, seconds: float) -> bool:
-        try:
-            async with asyncio.timeout(seconds):
-                await child.exited.wait()
-        except TimeoutError:
-            return False
-        return True
-
-    async def _finish(self, child: _Child) -> str:
+    async def _finish(self, child: DaemonProcess) -> str:
         """After the daemon's exit: read its last lines, kill what is left of its group, reap it."""
-        for output in child.outputs:
-            self._read_output(child, output, final=True)
+        self._output.read_all(child.output, final=True)
         if child.pgid is not None:
-            await self._kill_group(child.pgid)
-        exit_desc = "unknown (adopted)"
-        if not child.adopted:
-            exit_desc = "unknown"
-            try:
-                # WNOHANG: the pidfd said it exited, so this never blocks
-                res = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222
-            except ChildProcessError:
-                res = None
-            if res is not None:
-                code = res.si_status if res.si_code == os.CLD_EXITED else -res.si_status
-                exit_desc = describe_exit(code)
-        self._release(child)
+            await kill_group(child.pgid, self._log)
+        exit_desc = child.reap()
+        child.release(self._loop)
         if self._child is child:
             self._child = None
             self._reload_pending = None
             self._last_ran = child.ran
         return exit_desc
 
-    async def _kill_group(self, pgid: int) -> None:
-        """SIGKILL whatever is left of the daemon's process group; log what survives."""
-        try:
-            left = await end_group(pgid, wait_s=KILL_WAIT_S)
-        except PermissionError as exc:
-            self._log.error("daemon.orphans", pgid=pgid, error=str(exc))
-            return
-        if left:
-            self._log.error("daemon.orphans", pgid=pgid, pids=left)
-
-    def _release(self, child: _Child) -> None:
-        """Close the pidfd and the output files of `child` (idempotent)."""
-        if child.released:
-            return
-        child.released = True
-        for output in child.outputs:
-            self._close_output(output)
-        if self._loop is not None and not child.exited.is_set():
-            self._loop.remove_reader(child.pidfd)
-        os.close(child.pidfd)
-
-    def _hand_over(self, child: _Child) -> None:
+    def _hand_over(self, child: DaemonProcess) -> None:
         """Leave the daemon running, writing to its output files for the next agent."""
-        for output in child.outputs:
-            self._read_output(child, output, final=False)
+        self._output.read_all(child.output, final=False)
         self._log.info("daemon.handed_over", pid=child.pid, state=self._state.value)
-        self._release(child)
+        child.release(self._loop)
 
     def _last_resort(self) -> None:
         """Shutdown was interrupted: SIGKILL the daemon's group, reap it, close everything."""
@@ -1253,12 +753,8 @@ class Supervisor:
             return  # stopped, or handed over (the snapshot keeps the running daemon's pid)
         if not self._detached and not child.exited.is_set():
             self._log.error("daemon.killed_on_exit", pid=child.pid)
-            signal_process(child.pidfd, child.pgid, signal.SIGKILL)
-            select.select([child.pidfd], [], [], KILL_WAIT_S)
-            if not child.adopted:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOHANG)
-        self._release(child)
+            child.kill_now()
+        child.release(self._loop)
         self._child = None
 
     # -- bookkeeping ------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import Final, Literal
 
 import structlog
 
-from imexd.daemon import DaemonState, Supervisor
+from imexd.daemon import Supervisor
+from imexd.daemon_state import DaemonState
 from imexd.errors import FileWriteError
 from imexd.facts import Member, WriteMethod
 from imexd.files import read_text_or_empty, write_atomic, write_file

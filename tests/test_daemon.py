@@ -24,13 +24,10 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.daemon import (
-    DaemonState,
-    DaemonStatus,
-    Supervisor,
-    daemon_environment,
-    parse_imex_line,
-)
+from imexd.daemon import Supervisor
+from imexd.daemon_output import parse_imex_line
+from imexd.daemon_process import daemon_environment
+from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.demo.brokers import free_port
 from imexd.imex import PACKAGE_CONFIG
 from imexd.process import (

@@ -1,7 +1,7 @@
 """The operator docs stay true to the code: reasons, commands, links and the README's start.
 
 Reasons are read from the source with `ast` rather than listed here, so a new condition
-reason or supervisor code in `imexd/health.py` or `imexd/daemon.py` fails this file until
+reason or supervisor code in `imexd/health.py` or `imexd/daemon_state.py` fails this file until
 docs/troubleshooting.md explains it.
 """
 
@@ -22,7 +22,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TROUBLESHOOTING = DOCS / "troubleshooting.md"
 HEALTH_SOURCES = tuple(ROOT / "imexd" / name for name in ("health.py", "fleet.py", "messages.py"))
-DAEMON_SOURCE = ROOT / "imexd" / "daemon.py"
+DAEMON_SOURCE = ROOT / "imexd" / "daemon_state.py"
 
 DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' && .venv/bin/imexd demo"
 TEST_COMMAND = "scripts/test"
@@ -167,7 +167,7 @@ def test_every_condition_type_has_a_section() -> None:
 
 
 def test_every_supervisor_code_is_in_troubleshooting() -> None:
-    """Every supervisor reason code of daemon.py is explained in troubleshooting.md."""
+    """Every supervisor reason code of daemon_state.py is explained in troubleshooting.md."""
     codes = _supervisor_codes()
     assert {"DaemonCrashLoop", "ConflictingDaemon", "DaemonCrashed"} <= codes
     text = TROUBLESHOOTING.read_text()
