@@ -1,4 +1,4 @@
-"""The MQTT bus connection: one resilient link for the agent and the control plane.
+"""The agent's MQTT bus connection: one resilient link.
 
 A `Bus` owns one named task that keeps one connection to one of the configured brokers
 (`[bus] url`, tried in turn) and replays the caller's *desired state* onto every new
@@ -40,9 +40,8 @@ over modules, that state machine would be spread over several files sharing priv
 Everything that is not that state machine already lives elsewhere: the MQTT client in
 `imexd.mqtt`, decoding in `imexd.messages`, the backoff rule in `imexd.retry`.
 
-The MQTT client itself is `imexd.mqtt` (the one module that imports the MQTT libraries); the
-decoding of messages is `imexd.messages.decode_message`, shared with the control plane.
-Callers see `imexd.messages` payloads, the event classes below and `imexd.errors.BusError`.
+Callers see `imexd.messages` payloads, the event classes below and `imexd.errors.BusError`;
+the control plane's one-shot commands use their own short link (`imexd.control.link`).
 """
 
 from __future__ import annotations
