@@ -7,6 +7,7 @@ so a cycle that only bites when a command imports late is caught here too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,3 +97,52 @@ def test_only_mqtt_py_imports_the_mqtt_libraries() -> None:
         if any(name.split(".")[0] in MQTT_LIBRARIES for name in _imports(path))
     )
     assert users == ["imexd.mqtt"]
+
+
+LINES_LIMIT = 850
+"""About 800 lines: a module above this must say in its docstring why it is one piece."""
+
+
+def test_a_long_module_says_why_it_is_one_piece() -> None:
+    """Each module has one job; one that grows past the limit explains itself or splits."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") <= LINES_LIMIT:
+            continue
+        doc = ast.get_docstring(ast.parse(text, str(path))) or ""
+        if "Why one module" not in doc:
+            unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not unexplained, "long modules without a 'Why one module' paragraph: " + ", ".join(
+        unexplained
+    )
+
+
+JUDGE_NAME = re.compile(r"^_?judge(_|$)")
+"""judge, _judge, judge_domain, _judge_store: names that promise a judgement."""
+
+
+def _calls_fleet_judge(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(
+        isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "judge")
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "judge")
+        )
+        for node in ast.walk(func)
+    )
+
+
+def test_the_domain_is_judged_in_fleet_only() -> None:
+    """One home for "is the domain UP": outside imexd/fleet.py a function named after
+    judging only gathers the inputs and hands them to `fleet.judge`."""
+    own_rules = sorted(
+        f"{_module_name(path)}.{node.name}"
+        for path in PACKAGE.rglob("*.py")
+        if _module_name(path) != "imexd.fleet"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and JUDGE_NAME.match(node.name)
+        and not _calls_fleet_judge(node)
+    )
+    assert own_rules == []
