@@ -25,7 +25,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd import agent as agent_module
-from imexd import reconcile
+from imexd import guard, reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
 from imexd.demo.brokers import Mosquitto
 from imexd.settings import settings_from_mapping
@@ -122,7 +122,7 @@ async def test_a_failing_task_is_restarted_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A loop that raises is restarted with backoff, counted, and the others go on."""
-    monkeypatch.setattr(agent_module, "TASK_RESTART_INITIAL_S", 0.05)
+    monkeypatch.setattr(guard, "TASK_RESTART_INITIAL_S", 0.05)
     async with running_agent(tmp_path) as r:
         pid = daemon_pid(r.agent)
         original = r.agent._probe_local
@@ -151,9 +151,9 @@ async def test_a_task_that_keeps_failing_ends_the_agent_as_a_hand_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Too many failures exit 75 with the daemon running and the record kept."""
-    monkeypatch.setattr(agent_module, "TASK_RESTART_INITIAL_S", 0.01)
-    monkeypatch.setattr(agent_module, "TASK_RESTART_MAX_S", 0.05)
-    monkeypatch.setattr(agent_module, "TASK_FAILURES_TO_EXIT", 4)
+    monkeypatch.setattr(guard, "TASK_RESTART_INITIAL_S", 0.01)
+    monkeypatch.setattr(guard, "TASK_RESTART_MAX_S", 0.05)
+    monkeypatch.setattr(guard, "TASK_FAILURES_TO_EXIT", 4)
     async with running_agent(tmp_path) as r:
         pid = daemon_pid(r.agent)
         assert pid is not None
@@ -166,7 +166,7 @@ async def test_a_task_that_keeps_failing_ends_the_agent_as_a_hand_over(
         code = await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
         assert code == EXIT_HANDOVER
         os.kill(pid, 0)  # the daemon still runs, for the next agent to adopt
-        assert r.agent.published  # and our record was not cleared
+        assert r.agent.shard.published  # and our record was not cleared
 
 
 async def test_a_hung_ctl_does_not_fail_healthz(

@@ -1,0 +1,607 @@
+"""The agent's view of its (domain, clique) shard: what the bus says, and what to do.
+
+One job: turn the bus events of one shard (the member records, the domain's spec, the
+link coming and going) into what this node must do next: publish or clear its record,
+what should run (`Desired`), its claim and the decision behind it. Its own module
+because this is the agent's judgement, and it is testable without a broker, a daemon or
+a clock: events go in through `apply(event, now)`, a step comes out of `derive(now,
+...)` as a `Plan`, and `commit(plan)` keeps it once the agent has published. The agent
+(imexd.agent) only does the I/O: subscribing, publishing, saving state, reconciling.
+
+What the view guards against, beyond the slot rules of `imexd.membership`:
+- a broker restart: records of the previous link stay, unconfirmed, until the new link
+  confirms them or `confirm_grace_s` passes, so the hosts block is not rewritten (and
+  SIGUSR1 sent twice) for a membership that never changed;
+- a broker shutdown: it publishes every will at once before dropping the link, so
+  deletions just before a link loss are taken back (`DOUBT_S`);
+- claims that never settle: they stop counting after `claim_stale_s`;
+- a second agent running with this node's name: it stands aside (`duplicate`), and a
+  record of our name that we did not write is watched before we claim over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
+
+import structlog
+
+from imexd import membership as mb
+from imexd.bus import Connected, ConnectFailed, Disconnected, Event, Synced
+from imexd.facts import Member, MembershipFacts, MembershipState
+from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Mode, Received
+from imexd.reconcile import Desired
+from imexd.settings import Settings
+from imexd.state import NodeState
+
+DOUBT_S: Final = 1.0
+"""Member deletions this recent when the link drops are taken back (a broker that shuts
+down publishes every will at once, then closes the connections)."""
+CONFIRM_MARGIN_S: Final = 2.0
+"""Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
+SUSPECT_LOSSES: Final = 2
+"""Link losses during the watch of a record of our name that make it a live duplicate."""
+
+
+class Identity(StrEnum):
+    """A change of who the agent is on the bus, for the agent to make (will, client id)."""
+
+    ASIDE = "aside"
+    """Another live agent runs as this node: drop the will, take another client id."""
+    BACK = "back"
+    """The other agent's record is gone: our own client id and will again."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """What the agent must do after one `derive`: publish, then `commit`, then run."""
+
+    desired: Desired | None = None
+    """What should run now; None: keep what runs (no shard, or no synced snapshot)."""
+    leave: bool = False
+    """The domain is being deleted while we are in it: clear our records, then `left()`."""
+    decision: mb.Decision | None = None
+    """The claim step: publish its record when `publish`, then `commit` the plan."""
+    publish: bool = False
+    outbid: bool = False
+    """Our incarnation was raised over a record of ours we never saved: save it."""
+    mismatch: tuple[str, ...] = ()
+    mismatch_detail: str = ""
+
+
+class ShardView:
+    """The records, spec, claim and decision of this node's current shard."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        address: str,
+        max_nodes: int,
+        mode: Mode,
+        settle_s: float,
+        claim_stale_s: float,
+        confirm_grace_s: float,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self.node = node
+        self.address = address
+        self.max_nodes = max_nodes
+        self.mode: Mode = mode
+        self.settle_s = settle_s
+        self.claim_stale_s = claim_stale_s
+        self.confirm_grace_s = confirm_grace_s
+        """How long a record missing from a new link's snapshot is kept: after a broker
+        restart every live peer reconnects within its capped reconnect backoff and
+        re-publishes its record; a record still missing after that is gone."""
+        self.log = log
+        self.incarnation = 0
+        self.current: tuple[str, str] | None = None
+        self.records: dict[str, MemberRecord] = {}
+        self.spec: DomainSpec | None = None
+        self.claim = mb.ClaimState(node=node, incarnation=0)
+        self.decision: mb.Decision | None = None
+        self.wake_at: float | None = None
+        self.synced = False
+        self.sync_after = 0.0
+        self.unconfirmed: set[str] = set()
+        """Nodes whose records come from a previous link and were not seen again yet."""
+        self.confirm_by: float | None = None
+        """`now` after which the unconfirmed records are dropped."""
+        self.deleted: dict[str, tuple[MemberRecord, float]] = {}
+        """Peers' records deleted lately, with `now` of the deletion."""
+        self.mismatch: tuple[str, ...] = ()
+        self.mismatch_detail = ""
+        self.published = False
+        """We published a record of this incarnation in the current shard (ours to clear)."""
+        self.own_cleared = False
+        """Someone cleared our record (a duplicate's will, an operator): publish it again."""
+        self.claims_seen: dict[str, tuple[tuple[int, int | None], float]] = {}
+        """Peers' claiming records: (incarnation, slot) and `now` first seen, so that
+        claims which never settle stop counting after claim_stale_s."""
+        self.duplicate = ""
+        """Set (the why) when another live agent runs as this node: we publish nothing."""
+        self.suspect_losses = 0
+        """Link losses while `suspect_until` is set (see _on_suspect_link_loss)."""
+        self.suspect_until: float | None = None
+        """`now` until which a record of our name that we did not write is watched for
+        signs of a live agent before we claim over it."""
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, log: structlog.typing.FilteringBoundLogger
+    ) -> ShardView:
+        """The view of the agent configured by `settings`."""
+        return cls(
+            node=settings.node.name,
+            address=settings.node.address,
+            max_nodes=settings.domain.max_nodes,
+            mode=settings.domain.mode,
+            settle_s=settings.domain.settle_s,
+            claim_stale_s=settings.domain.claim_stale_s,
+            confirm_grace_s=settings.bus.reconnect_max_s + CONFIRM_MARGIN_S,
+            log=log,
+        )
+
+    def start(self, incarnation: int) -> None:
+        """This agent run's incarnation (loaded from the state dir)."""
+        self.incarnation = incarnation
+        self.claim = mb.ClaimState(node=self.node, incarnation=incarnation)
+
+    # -- shards ---------------------------------------------------------------------
+
+    def join(self, target: tuple[str, str] | None, now: float) -> bool:
+        """Forget the old shard and follow `target`; True when we stood aside in it."""
+        was_duplicate = bool(self.duplicate)
+        self.current = target
+        self.published = self.own_cleared = False
+        self.claims_seen.clear()
+        self.suspect_until = None
+        self.duplicate = ""
+        self.records.clear()
+        self.unconfirmed.clear()
+        self.confirm_by = None
+        self.deleted.clear()
+        self.spec = None
+        self.synced = False
+        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.decision = None
+        self.wake_at = None
+        if target is not None:
+            # Only a snapshot completed after this point covers the new subscriptions.
+            self.sync_after = now
+        return was_duplicate
+
+    # -- bus events -----------------------------------------------------------------
+
+    def apply(self, event: Event, now: float) -> Identity | None:
+        """Take one bus event in; say when the agent must change its identity."""
+        if isinstance(event, Connected):
+            # Keep the records of the previous link until the new one confirms them: a
+            # broker that restarted without its retained state gets them back only as
+            # the peers reconnect, and dropping them meanwhile would rewrite the hosts
+            # block and send SIGUSR1 twice for a membership that never changed.
+            self.unconfirmed = set(self.records)
+            self.confirm_by = None
+            self.synced = False
+        elif isinstance(event, Disconnected):
+            self.synced = False
+            self._doubt_recent_deletions(now)
+            if event.taken_over:
+                return self._on_taken_over()
+            if not event.deliberate and self.suspect_until is not None:
+                return self._on_suspect_link_loss()
+        elif isinstance(event, ConnectFailed):
+            self.synced = False
+        elif isinstance(event, Synced):
+            if event.at >= self.sync_after:
+                self.synced = True
+                if self.unconfirmed and self.confirm_by is None:
+                    self.confirm_by = now + self.confirm_grace_s
+        elif isinstance(event, Received):
+            return self._on_received(event, now)
+        elif isinstance(event, Deleted):
+            return self._on_deleted(event, now)
+        return None
+
+    def _on_received(self, event: Received, now: float) -> Identity | None:
+        ref, payload = event.ref, event.payload
+        if ref.kind == "member" and isinstance(payload, MemberRecord):
+            if (ref.domain, ref.clique) == self.current:
+                self.records[ref.node] = payload
+                self.unconfirmed.discard(ref.node)
+                self._track_claim(payload, now)
+                if (
+                    ref.node == self.node
+                    and payload.incarnation != self.incarnation
+                    and not event.retained
+                    and not self.published
+                ):
+                    # A live publish of our name that we did not write: another agent
+                    # (re)connected and replayed its record.
+                    return self._found_duplicate(
+                        f"incarnation {payload.incarnation} from {payload.address} "
+                        "published its record while this agent runs"
+                    )
+        elif (
+            ref.kind == "spec"
+            and isinstance(payload, DomainSpec)
+            and self.current is not None
+            and ref.domain == self.current[0]
+        ):
+            self.spec = payload
+        return None
+
+    def _on_deleted(self, event: Deleted, now: float) -> Identity | None:
+        ref = event.ref
+        if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
+            record = self.records.pop(ref.node, None)
+            self.unconfirmed.discard(ref.node)
+            self.claims_seen.pop(ref.node, None)
+            if record is not None and ref.node != self.node:
+                self._remember_deletion(record, now)
+            if ref.node == self.node:
+                self.own_cleared = self.published
+                if self.duplicate:
+                    return self._duplicate_gone()
+        elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
+            self.spec = None
+        return None
+
+    def _remember_deletion(self, record: MemberRecord, now: float) -> None:
+        self.deleted = {
+            node: (r, at) for node, (r, at) in self.deleted.items() if now - at <= DOUBT_S
+        }
+        self.deleted[record.node] = (record, now)
+
+    def _doubt_recent_deletions(self, now: float) -> None:
+        """The link dropped: take back the deletions that arrived just before.
+
+        A broker that shuts down publishes every client's will at once, ignoring the
+        Will Delay, and then drops the link: those empty records say nothing about the
+        peers, which come back with the broker. The records return unconfirmed.
+        """
+        doubted = sorted(
+            node
+            for node, (_, at) in self.deleted.items()
+            if now - at <= DOUBT_S and node not in self.records
+        )
+        for node in doubted:
+            self.records[node] = self.deleted[node][0]
+            self.unconfirmed.add(node)
+        self.deleted.clear()
+        if doubted:
+            self.log.info(
+                "membership.deletions_doubted",
+                nodes=doubted,
+                why="they came just before the link dropped (a broker shutting down)",
+            )
+
+    def _track_claim(self, record: MemberRecord, now: float) -> None:
+        """Remember since when each peer's claim (incarnation, slot) has stood unchanged."""
+        if record.node == self.node or record.state is not MemberState.CLAIMING:
+            self.claims_seen.pop(record.node, None)
+            return
+        key = (record.incarnation, record.slot)
+        seen = self.claims_seen.get(record.node)
+        if seen is None or seen[0] != key:
+            self.claims_seen[record.node] = (key, now)
+
+    # -- duplicate node names -------------------------------------------------------
+
+    def _on_taken_over(self) -> Identity | None:
+        """The broker handed our session to another client with our client id."""
+        if self.duplicate:
+            return None
+        if self.current is not None and not self.published:
+            # We have not written anything yet, so the other client is not our own past:
+            # another agent runs with this node's name and took the session back.
+            return self._found_duplicate("the broker handed this node's session to another client")
+        self.log.warning(
+            "bus.session_taken_over",
+            why="another client connected with this node's client id; "
+            "is a second agent running with this node name?",
+        )
+        return None
+
+    def _on_suspect_link_loss(self) -> Identity | None:
+        """The broker dropped our link while a record of our name stood that we did not write.
+
+        Brokers that send no reason code (MQTT 3.1.1, Mosquitto before 2.0.12) close the
+        old link silently when another client takes the session: two agents with one
+        name then push each other off at every reconnect. A dead past run of ours does
+        not do that, so a second loss within the watch is taken as a live duplicate.
+        """
+        self.suspect_losses += 1
+        if self.suspect_losses >= SUSPECT_LOSSES:
+            return self._found_duplicate(
+                f"the broker closed this node's link {self.suspect_losses} times while a "
+                "record of this name that this agent did not write stood: another agent "
+                "with this name keeps taking the session back"
+            )
+        return None
+
+    def _found_duplicate(self, why: str) -> Identity | None:
+        """Another live agent runs as this node: stand aside without touching its state.
+
+        We publish nothing on its topics, run no daemon, drop our will (it would clear the
+        other's record) and take another client id so that the two stop taking the
+        broker session from each other. We come back once its record is gone.
+        """
+        if self.duplicate or self.published:
+            return None
+        self.duplicate = why
+        self.suspect_until = None
+        self.log.error("membership.duplicate_node", node=self.node, why=why)
+        return Identity.ASIDE
+
+    def _duplicate_gone(self) -> Identity:
+        """The other agent's record is gone: claim as usual under our own client id."""
+        self.log.info("membership.duplicate_gone", node=self.node)
+        self.duplicate = ""
+        return Identity.BACK
+
+    def _foreign(self, own: MemberRecord) -> bool:
+        """Whether a record of our name may come from another agent, not our past run."""
+        return own.incarnation >= self.incarnation or own.address != self.address
+
+    # -- steps ----------------------------------------------------------------------
+
+    def derive(
+        self,
+        now: float,
+        *,
+        wall_now: float,
+        saved: NodeState,
+        running: bool,
+        release: Callable[[], bool],
+    ) -> Plan:
+        """One membership step on the records as they stand: what to do now.
+
+        `now` is the monotonic clock, `wall_now` the wall clock (settle stamps); `saved`
+        the node's state dir (its previous slot); `running` whether the daemon runs for
+        this shard now; `release` says whether to give our slot up (asked only when a
+        claim step is taken).
+        """
+        if self.current is None:
+            self.wake_at = None
+            return Plan()
+        if not self.synced:
+            return Plan()
+        self._drop_unconfirmed(now)
+        domain, clique = self.current
+        if self.spec is not None and self.spec.state == "deleting":
+            return Plan(
+                desired=Desired(domain=domain, clique=clique, cleanup=True),
+                leave=self.claim.phase is not mb.Phase.OUT,
+            )
+        own = self.records.get(self.node)
+        if self.duplicate or self._suspect(own, now):
+            # Another agent may run as this node: hold everything, publish nothing.
+            self.decision = None
+            return Plan(desired=Desired(domain=domain, clique=clique))
+        outbid = False
+        if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
+            # A record of our name that no live agent re-published within the watch: a
+            # run of ours whose incarnation we never saved. Outbid it.
+            self.incarnation = max(self.incarnation, own.incarnation + 1)
+            self.claim = replace(self.claim, incarnation=self.incarnation)
+            outbid = True
+        previous = saved.slot if (saved.domain, saved.clique) == self.current else None
+        stale = mb.stale_claims(
+            self.records.values(),
+            {node: at for node, (_, at) in self.claims_seen.items()},
+            now=now,
+            stale_after_s=self.claim_stale_s,
+            me=self.node,
+        )
+        decision = mb.step(
+            self.claim,
+            self.records.values(),
+            now=now,
+            wall_now=wall_now,
+            settle_s=self.settle_s,
+            max_nodes=self.max_nodes,
+            spec=self.spec,
+            previous_slot=previous,
+            stale=stale,
+            release=release(),
+        )
+        mismatch = tuple(
+            mb.mismatches(
+                self.records.values(),
+                max_nodes=self.max_nodes,
+                mode=self.mode,
+                spec=self.spec,
+                stale=stale,
+            )
+        )
+        detail = ""
+        if self.spec is not None and self.spec.max_nodes != self.max_nodes:
+            detail = (
+                f"the domain spec says max_nodes {self.spec.max_nodes}, this node {self.max_nodes}"
+            )
+        members = MappingProxyType(
+            {
+                slot: Member(node, address)
+                for slot, (node, address) in decision.members(self.address).items()
+            }
+        )
+        # A mismatch keeps the daemon from starting but never stops a running one: its
+        # node list is fixed already, and the peers that agree with it would lose it
+        # (and the jobs using it) because of one misconfigured newcomer.
+        run = decision.settled and clique != "" and (not (mismatch or detail) or running)
+        return Plan(
+            desired=Desired(
+                domain=domain,
+                clique=clique,
+                slot=decision.claim.slot if decision.settled else None,
+                run=run,
+                members=members,
+            ),
+            decision=decision,
+            publish=decision.publish
+            or (self.own_cleared and decision.claim.record_state is not None),
+            outbid=outbid,
+            mismatch=mismatch,
+            mismatch_detail=detail,
+        )
+
+    def record(self, claim: mb.ClaimState, *, driver: str) -> MemberRecord | None:
+        """The record `claim` publishes in the current shard (None: clear ours)."""
+        state = claim.record_state
+        if state is None or self.current is None:
+            return None
+        domain, clique = self.current
+        return MemberRecord(
+            node=self.node,
+            domain=domain,
+            clique=clique,
+            address=self.address,
+            slot=claim.slot,
+            incarnation=self.incarnation,
+            state=state,
+            max_nodes=self.max_nodes,
+            mode=self.mode,
+            driver=driver,
+            settled=claim.settled,
+            released=claim.record_released,
+        )
+
+    def commit(self, plan: Plan) -> None:
+        """Keep the claim step of `plan`, once its record (if any) is published."""
+        decision = plan.decision
+        if decision is None:
+            return
+        if self.decision is None or (decision.reason, decision.settled) != (
+            self.decision.reason,
+            self.decision.settled,
+        ):
+            self.log.info(
+                "membership.step",
+                phase=decision.claim.phase.value,
+                slot=decision.claim.slot,
+                reason=decision.reason.value,
+                detail=decision.message,
+            )
+        self.claim = decision.claim
+        self.decision = decision
+        self.wake_at = decision.wake_at
+        self.mismatch = plan.mismatch
+        self.mismatch_detail = plan.mismatch_detail
+
+    def left(self) -> None:
+        """Our records of the deleted domain are cleared: we are out of it."""
+        self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
+        self.decision = None
+
+    def _suspect(self, own: MemberRecord | None, now: float) -> bool:
+        """Whether to keep watching a record of our name that we did not write.
+
+        Before our first publish, such a record is either a past run of ours (its agent
+        is gone: nothing re-publishes it) or another live agent with our name (it
+        re-publishes on its next reconnect, or takes the broker session back). Watch for
+        as long as a peer needs to reconnect after a broker restart.
+        """
+        if self.published or self.claim.phase is not mb.Phase.NONE:
+            return False
+        if own is None or not self._foreign(own):
+            self.suspect_until = None
+            return False
+        if self.suspect_until is None:
+            self.suspect_until = now + self.confirm_grace_s
+            self.suspect_losses = 0
+            self.log.info(
+                "membership.own_name_seen",
+                incarnation=own.incarnation,
+                address=own.address,
+                watch_s=round(self.confirm_grace_s, 1),
+                why="a record of this node name that this agent did not write",
+            )
+        if now < self.suspect_until:
+            self.wake_at = self.suspect_until
+            return True
+        self.suspect_until = None
+        self.log.info("membership.own_name_stale", incarnation=own.incarnation)
+        return False
+
+    def _drop_unconfirmed(self, now: float) -> None:
+        """Forget the records a new link did not confirm in time, or whose slot moved on.
+
+        A confirmed record on the slot of an unconfirmed one supersedes it at once: the
+        slot was freed and taken while this node was away.
+        """
+        if not self.unconfirmed:
+            self.confirm_by = None
+            return
+        expired = self.confirm_by is not None and now >= self.confirm_by
+        taken = {
+            r.slot
+            for node, r in self.records.items()
+            if node not in self.unconfirmed and r.slot is not None
+        }
+        gone = sorted(
+            node for node in self.unconfirmed if expired or self.records[node].slot in taken
+        )
+        if not gone:
+            return
+        self.log.info(
+            "membership.records_gone", nodes=gone, why="not re-published after a reconnect"
+        )
+        for node in gone:
+            self.records.pop(node, None)
+            self.unconfirmed.discard(node)
+        if not self.unconfirmed:
+            self.confirm_by = None
+
+    # -- facts ----------------------------------------------------------------------
+
+    def facts(self, desired: Desired) -> MembershipFacts:
+        """The membership facts of health, with `desired` as the agent applies it."""
+        base = MembershipFacts(max_nodes=self.max_nodes, members=desired.members)
+        decision = self.decision
+        if self.duplicate:
+            return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
+        if self.suspect_until is not None:
+            return replace(
+                base,
+                detail="a record of this node name that this agent did not write is on the "
+                "bus; checking whether another agent runs as this node",
+            )
+        if self.claim.phase is mb.Phase.RELEASED:
+            detail = decision.message if decision else "the daemon stayed FATAL"
+            return replace(base, state="standby", reason="Released", detail=detail)
+        if self.mismatch or self.mismatch_detail:
+            detail = self.mismatch_detail or (
+                f"max_nodes or mode differ from this node's ({self.max_nodes}, {self.mode})"
+            )
+            return replace(
+                base,
+                state="member" if decision and decision.settled else "claiming",
+                reason="NodeMapMismatch",
+                detail=detail,
+                offending=self.mismatch,
+            )
+        phase = self.claim.phase
+        if phase is mb.Phase.OUT:
+            if desired.cleanup:
+                return replace(base, state="leaving", detail="the domain is being deleted")
+            return replace(base, state="out", reason="NotInSpec", detail="not in the spec's list")
+        if phase is mb.Phase.STANDBY:
+            return replace(
+                base,
+                state="standby",
+                reason="DomainFull",
+                detail=f"all {self.max_nodes} slots are held",
+            )
+        state: MembershipState = (
+            "member"
+            if decision is not None and decision.settled
+            else "claiming"
+            if phase is mb.Phase.CLAIMING
+            else "none"
+        )
+        return replace(base, state=state, detail=decision.message if decision else "")

@@ -1,0 +1,308 @@
+"""The agent's shard view, pure: bus events in, plans out, on a fake clock.
+
+No broker, no daemon, no event loop: each test feeds `ShardView.apply` the events the
+bus would deliver and reads what `derive` tells the agent to do.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given
+
+from imexd import membership as mb
+from imexd.bus import Connected, Disconnected, Synced
+from imexd.logs import get_logger
+from imexd.messages import (
+    Deleted,
+    DomainSpec,
+    MemberRecord,
+    MemberState,
+    Received,
+    TopicRef,
+)
+from imexd.shard import DOUBT_S, Identity, Plan, ShardView
+from imexd.state import NodeState
+
+ME = "n1"
+MY_ADDRESS = "10.0.0.1"
+DOMAIN, CLIQUE = "d1", "c1"
+SETTLE_S = 1.0
+GRACE_S = 5.0
+WALL = 1_700_000_000.0
+SESSION_TAKEN_OVER = 0x8E
+
+
+def view(incarnation: int = 3) -> ShardView:
+    """A view of n1 (incarnation 3) that joined d1/c1 at t=0 and holds a synced snapshot."""
+    v = ShardView(
+        node=ME,
+        address=MY_ADDRESS,
+        max_nodes=4,
+        mode="names",
+        settle_s=SETTLE_S,
+        claim_stale_s=30.0,
+        confirm_grace_s=GRACE_S,
+        log=get_logger("test"),
+    )
+    v.start(incarnation)
+    v.join((DOMAIN, CLIQUE), now=0.0)
+    v.apply(Synced(at=0.0), now=0.0)
+    return v
+
+
+def rec(
+    node: str,
+    slot: int | None,
+    state: MemberState = MemberState.MEMBER,
+    *,
+    inc: int = 1,
+    address: str = "",
+    settled: float | None = WALL - 100,
+) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain=DOMAIN,
+        clique=CLIQUE,
+        address=address or f"10.0.1.{sum(map(ord, node)) % 250 + 1}",
+        slot=slot,
+        incarnation=inc,
+        state=state,
+        max_nodes=4,
+        mode="names",
+        settled=settled if state is MemberState.MEMBER else None,
+    )
+
+
+def received(record: MemberRecord, *, retained: bool = True) -> Received:
+    ref = TopicRef(kind="member", domain=record.domain, clique=record.clique, node=record.node)
+    return Received(topic="t", ref=ref, payload=record, retained=retained)
+
+
+def deleted(node: str) -> Deleted:
+    ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=node)
+    return Deleted(topic="t", ref=ref, retained=False)
+
+
+def derive(v: ShardView, now: float, *, running: bool = False) -> Plan:
+    return v.derive(
+        now, wall_now=WALL + now, saved=NodeState(), running=running, release=lambda: False
+    )
+
+
+def publish(v: ShardView, plan: Plan, now: float) -> None:
+    """What the agent does with a plan: publish (the broker echoes it), then commit."""
+    if plan.decision is not None and plan.publish:
+        record = v.record(plan.decision.claim, driver="")
+        v.published = v.published or record is not None
+        v.own_cleared = False
+        if record is not None:
+            v.apply(received(record, retained=False), now)
+    v.commit(plan)
+
+
+def settle(v: ShardView) -> Plan:
+    """Claim, echo and settle; the plan of the settling step."""
+    publish(v, derive(v, 0.0), 0.0)
+    plan = derive(v, SETTLE_S + 0.1)
+    publish(v, plan, SETTLE_S + 0.1)
+    return plan
+
+
+def test_nothing_is_derived_before_the_snapshot() -> None:
+    """Until the retained snapshot completed, the view asks for nothing."""
+    v = view()
+    v.join((DOMAIN, CLIQUE), now=10.0)
+    v.apply(Synced(at=9.0), now=10.0)  # a snapshot of the old subscriptions
+    assert derive(v, 10.0) == Plan()
+    v.apply(Synced(at=10.5), now=10.5)
+    assert derive(v, 10.5).publish
+
+
+def test_a_lone_node_claims_then_settles_and_runs() -> None:
+    """The first step publishes a claim; after the echo and settle_s it is a member."""
+    v = view()
+    first = derive(v, 0.0)
+    assert first.decision is not None
+    assert first.publish
+    assert first.desired is not None
+    assert not first.desired.run
+    record = v.record(first.decision.claim, driver="")
+    assert record is not None
+    assert (record.state, record.slot, record.incarnation) == (MemberState.CLAIMING, 0, 3)
+    publish(v, first, 0.0)
+    plan = derive(v, SETTLE_S + 0.1)
+    assert plan.desired is not None
+    assert plan.desired.run
+    assert plan.desired.slot == 0
+    assert {s: (m.node, m.address) for s, m in plan.desired.members.items()} == {
+        0: (ME, MY_ADDRESS)
+    }
+    publish(v, plan, SETTLE_S + 0.1)
+    assert v.facts(plan.desired).state == "member"
+
+
+@given(
+    peers=st.dictionaries(
+        st.sampled_from(["n0", "n2", "n3", "n4", "n5"]),
+        st.tuples(st.integers(0, 3), st.sampled_from(list(MemberState))),
+        max_size=5,
+    )
+)
+def test_decided_members_are_those_a_second_resolve_gave(
+    peers: dict[str, tuple[int, MemberState]],
+) -> None:
+    """`Decision.members` names the same (node, address) per slot as resolving the
+    records again with our own published record did (the agent's former second pass)."""
+    v = view()
+    for node, (slot, state) in peers.items():
+        keep = None if state in (MemberState.STANDBY, MemberState.LEAVING) else slot
+        v.apply(received(rec(node, keep, state)), 0.0)
+    plan = settle(v)
+    assert plan.decision is not None
+    assert plan.desired is not None
+    records = dict(v.records)
+    mine = v.record(v.claim, driver="")
+    if mine is not None:
+        records[ME] = mine
+    else:
+        records.pop(ME, None)
+    stale = mb.stale_claims(
+        v.records.values(),
+        {node: at for node, (_, at) in v.claims_seen.items()},
+        now=SETTLE_S + 0.1,
+        stale_after_s=v.claim_stale_s,
+        me=ME,
+    )
+    again = mb.resolve(records.values(), max_nodes=4, wall_now=WALL + SETTLE_S + 0.1, stale=stale)
+    expected = {slot: (r.node, r.address) for slot, r in again.members.items()}
+    assert plan.decision.members(MY_ADDRESS) == expected
+    assert {s: (m.node, m.address) for s, m in plan.desired.members.items()} == expected
+
+
+def test_records_missing_after_a_reconnect_are_kept_for_the_grace() -> None:
+    """A new link's snapshot without a peer keeps its record until confirm_grace_s."""
+    v = view()
+    v.apply(received(rec("n2", 1)), 0.0)
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), 1.0)
+    v.apply(Synced(at=1.0), 1.0)
+    assert v.confirm_by == 1.0 + GRACE_S
+    derive(v, 2.0)
+    assert "n2" in v.records
+    derive(v, 1.0 + GRACE_S)
+    assert "n2" not in v.records
+    assert v.confirm_by is None
+
+
+def test_a_confirmed_record_supersedes_an_unconfirmed_one_on_its_slot() -> None:
+    """A record seen again on the new link drops the stale one that held its slot."""
+    v = view()
+    v.apply(received(rec("n2", 1)), 0.0)
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), 1.0)
+    v.apply(received(rec("n3", 1)), 1.0)
+    v.apply(Synced(at=1.0), 1.0)
+    derive(v, 1.5)
+    assert set(v.records) == {"n3"}
+
+
+def test_deletions_just_before_a_link_loss_are_doubted() -> None:
+    """A broker shutting down publishes every will, then drops the link: undo them."""
+    v = view()
+    v.apply(received(rec("n2", 1)), 0.0)
+    v.apply(received(rec("n3", 2)), 0.0)
+    v.apply(deleted("n2"), 0.0)
+    v.apply(deleted("n3"), 5.0)
+    v.apply(Disconnected(broker="b", reason="lost"), 5.0 + DOUBT_S / 2)
+    assert set(v.records) == {"n3"}
+    assert v.unconfirmed == {"n3"}
+    assert not v.synced
+
+
+def test_a_live_record_of_our_name_makes_us_stand_aside_until_it_goes() -> None:
+    """Another agent publishing our name: hold, publish nothing; back once it is gone."""
+    v = view()
+    identity = v.apply(received(rec(ME, 0, inc=9), retained=False), 0.0)
+    assert identity is Identity.ASIDE
+    plan = derive(v, 0.5)
+    assert plan.decision is None
+    assert plan.desired is not None
+    assert not plan.desired.run
+    assert v.facts(plan.desired).reason == "DuplicateNode"
+    assert v.apply(deleted(ME), 1.0) is Identity.BACK
+    assert v.duplicate == ""
+
+
+def test_a_taken_session_is_a_duplicate_only_before_we_published() -> None:
+    """Before our first publish a takeover is another agent; after it, our own past."""
+    taken = Disconnected(broker="b", reason="taken", reason_code=SESSION_TAKEN_OVER)
+    assert view().apply(taken, 0.0) is Identity.ASIDE
+    v = view()
+    publish(v, derive(v, 0.0), 0.0)
+    assert v.apply(taken, 1.0) is None
+    assert v.duplicate == ""
+
+
+def test_two_link_losses_during_the_watch_are_a_duplicate() -> None:
+    """A retained record of our name is watched; two link losses meanwhile: a duplicate."""
+    v = view()
+    v.apply(received(rec(ME, 0, inc=9, address="10.9.9.9")), 0.0)
+    assert derive(v, 0.0).decision is None  # watching
+    assert v.suspect_until == GRACE_S
+    assert v.wake_at == GRACE_S
+    lost = Disconnected(broker="b", reason="lost")
+    assert v.apply(lost, 1.0) is None
+    assert v.apply(lost, 2.0) is Identity.ASIDE
+
+
+def test_a_stale_record_of_our_name_is_outbid_after_the_watch() -> None:
+    """No agent re-published it within the watch: a past run of ours; raise incarnation."""
+    v = view()
+    v.apply(received(rec(ME, 0, inc=9)), 0.0)
+    derive(v, 0.0)
+    plan = derive(v, GRACE_S)
+    assert plan.outbid
+    assert v.incarnation == 10
+    assert plan.decision is not None
+    record = v.record(plan.decision.claim, driver="")
+    assert record is not None
+    assert record.incarnation == 10
+
+
+def test_a_deleted_domain_is_left_once() -> None:
+    """A spec in state deleting: clean up, and clear our records only the first time."""
+    v = view()
+    settle(v)
+    spec = DomainSpec(domain=DOMAIN, state="deleting")
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    v.apply(Received(topic="t", ref=ref, payload=spec, retained=False), 2.0)
+    plan = derive(v, 2.0)
+    assert plan.leave
+    assert plan.desired is not None
+    assert plan.desired.cleanup
+    v.left()
+    assert v.facts(plan.desired).state == "leaving"
+    assert not derive(v, 3.0).leave
+
+
+def test_a_spec_with_other_max_nodes_is_a_mismatch() -> None:
+    """The spec's max_nodes differs from ours: NodeMapMismatch, and no daemon starts."""
+    v = view()
+    spec = DomainSpec(domain=DOMAIN, max_nodes=8)
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    v.apply(Received(topic="t", ref=ref, payload=spec, retained=True), 0.0)
+    plan = settle(v)
+    assert plan.desired is not None
+    assert not plan.desired.run
+    assert plan.mismatch_detail == "the domain spec says max_nodes 8, this node 4"
+    assert v.facts(plan.desired).reason == "NodeMapMismatch"
+    kept = derive(v, 2.0, running=True)
+    assert kept.desired is not None
+    assert kept.desired.run  # a mismatch never stops a running daemon
+
+
+def test_our_cleared_record_is_published_again() -> None:
+    """Someone cleared our record (a duplicate's will, an operator): publish it again."""
+    v = view()
+    settle(v)
+    v.apply(deleted(ME), 3.0)
+    assert v.own_cleared
+    assert derive(v, 3.0).publish
