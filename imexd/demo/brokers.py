@@ -129,12 +129,6 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
-    @property
-    def unix_url(self) -> str:
-        if self.socket_path is None:
-            raise ValueError("started without unix_socket=True")
-        return f"unix://{self.socket_path}"
-
     def config_text(self) -> str:
         lines = [
             f"listener {self.port} {self.host}",
@@ -202,10 +196,6 @@ class Mosquitto:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=timeout)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def failure(self) -> str | None:
         """Why it is gone although started; None while it runs (or was stopped)."""
