@@ -54,6 +54,12 @@ Every process the script starts (broker, agent process, daemons, ctl probes) has
 run's work folder on its command line; on exit, failure, SIGINT or SIGTERM it ends the
 agents gracefully, then kills whatever still runs from that folder, then removes it
 (`--keep` keeps it, with the agents' JSON logs).
+
+One file on purpose (about 1500 lines): a script that is run, read and changed as one
+experiment, not a library; its sections (log capture, the broker's view, nodes, figures,
+one run with one method per phase, output, main) follow the order of a run. What it
+shares with the demo and the tests (free ports, the Mosquitto launcher) it imports from
+`imexd.demo.brokers`.
 """
 
 from __future__ import annotations
