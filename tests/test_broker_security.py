@@ -401,7 +401,8 @@ async def test_retained_records_survive_a_broker_restart(broker: ShippedBroker) 
     async with client(broker, CONTROL_USER) as control:
         await publish(control, T.spec(DOMAIN), b"spec")
         await publish(control, T.assignment("n1"), b"n1-assigned")
-    await asyncio.to_thread(broker.restart)
+    await asyncio.to_thread(broker.stop)
+    await asyncio.to_thread(broker.start)
     assert await retained(broker, T.member(DOMAIN, CLIQUE, "n1"), name="n2") == b"n1-member"
     assert await retained(broker, T.spec(DOMAIN), name="n1") == b"spec"
     assert await retained(broker, T.assignment("n1"), name="n1") == b"n1-assigned"
