@@ -61,7 +61,7 @@ from imexd.demo.nodes import (
 from imexd.demo.screen import Screen, headline, table_lines
 from imexd.demo.timings import FAST
 from imexd.errors import BusError, ConfigError
-from imexd.fleet import DomainStatus, judge
+from imexd.fleet import DomainStatus, SeenReport, judge
 from imexd.messages import HealthReport
 from imexd.settings import Settings, load_settings
 
@@ -257,13 +257,22 @@ class Demo:
 
     def _judge(self) -> DomainStatus:
         """The domain as `imexd domain status --nodes <the demo's nodes>` would judge it,
-        with each agent's `/status` for its report (fresher than its last publish)."""
+        with each agent's `/status` for its report (fresher than its last publish), and
+        the report the bus still holds for an agent that does not answer (a killed agent's
+        report goes stale there: a failure, as `domain status` shows it)."""
         store = self.link.store if self.link is not None else None
+        on_bus = {s.report.node: s for s in store.reports_of(DOMAIN)} if store is not None else {}
+        reports: list[HealthReport | SeenReport] = []
+        for n in self.nodes:
+            if n.report is not None:
+                reports.append(n.report)
+            elif n.name in on_bus:
+                reports.append(on_bus[n.name])
         return judge(
             DOMAIN,
             spec=store.specs.get(DOMAIN) if store is not None else None,
             records=store.records_of(DOMAIN) if store is not None else (),
-            reports=[n.report for n in self.nodes if n.report is not None],
+            reports=reports,
             now=time.time(),
             report_interval_s=float(FAST["health"]["report_interval_s"]),
             expect=[n.name for n in self.nodes],
@@ -408,10 +417,15 @@ class Demo:
         self._poller = asyncio.create_task(self._poll(), name="demo-poll")
 
     async def _read_members(self, settings: Settings) -> Link:
-        """The control plane's link, subscribed to the domain's member records."""
+        """The control plane's link, subscribed to the domain's spec, member records and health
+        reports (what `domain status` reads)."""
         try:
             link = await self._stack.enter_async_context(Link(settings.bus))
-            await link.read(link.topics.spec(DOMAIN), link.topics.all_members_filter(DOMAIN))
+            await link.read(
+                link.topics.spec(DOMAIN),
+                link.topics.all_members_filter(DOMAIN),
+                link.topics.health_filter(DOMAIN),
+            )
         except BusError as exc:
             raise DemoError(f"cannot read the members' records from the broker: {exc}") from None
         return link
