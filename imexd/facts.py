@@ -3,7 +3,8 @@
 The agent fills a `Facts` from what its components already track (bus, membership,
 supervisor, probes, fabric discovery); `imexd.health` turns it into conditions and
 `imexd.fleet.sight` judges the node's domain from it. Its own module because both read it
-and neither may import the other's rules: plain data, no behaviour, nothing from imexd.
+and neither may import the other's rules: plain data, no behaviour, and only the leaf
+`imexd.daemon_state` from imexd.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
 
-DAEMON_STATES: Final = ("STOPPED", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "FATAL")
+from imexd.daemon_state import DaemonState
+
+DAEMON_STATES: Final = tuple(state.value for state in DaemonState)
 """The supervisor's states, as `DaemonFacts.state` holds them."""
 
 MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
 MembershipReason = Literal[
     "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
 ]
-WriteMethod = Literal["rename", "in_place"]
+LastWrite = Literal["rename", "in_place"]
+"""How the files were last written (`imexd.files.WriteMethod` without "unchanged")."""
 FabricSource = Literal["config", "nvml"]
 
 
@@ -118,7 +122,7 @@ class DaemonFacts:
     """Why the last write of config.cfg, nodes_config.cfg or hosts failed; "" if none."""
     write_path: str = ""
     """The file that `write_error` is about."""
-    write_method: WriteMethod = "rename"
+    write_method: LastWrite = "rename"
     """How the files were last written: atomically by rename, or in place under a lock
     (bind-mounted or read-only-folder hosts files); conditions say which."""
     imex_status: str = ""

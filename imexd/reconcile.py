@@ -23,7 +23,7 @@ import structlog
 from imexd.daemon import Supervisor
 from imexd.daemon_state import DaemonState
 from imexd.errors import FileWriteError
-from imexd.facts import Member, WriteMethod
+from imexd.facts import LastWrite, Member
 from imexd.files import read_text_or_empty, write_atomic, write_file
 from imexd.metrics import Metrics
 from imexd.render import remove_hosts_block, render_files
@@ -83,7 +83,7 @@ class Reconciler:
         self.first = True
         self.write_error = ""
         self.write_path = ""
-        self.write_method: WriteMethod = "rename"
+        self.write_method: LastWrite = "rename"
         self.write_failures = 0
 
     async def apply(self, desired: Desired, saved: NodeState) -> Probe | None:
