@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--example", action="store_true", help="print the commented example file instead"
     )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="print the settings reference table of docs/configuration.md (for developers)",
+    )
     p.set_defaults(handler=_cmd_config)
 
     p = sub.add_parser("render", help="dry run: print the files the agent would write")
@@ -158,10 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     """Print the effective settings (file + environment) as TOML-like lines."""
-    from imexd.settings import example_toml, iter_settings, load_settings  # noqa: PLC0415
+    from imexd.settings import (  # noqa: PLC0415
+        example_toml,
+        iter_settings,
+        load_settings,
+        reference_markdown,
+    )
 
     if args.example:
         print(example_toml(), end="")
+        return 0
+    if args.reference:
+        print(reference_markdown(), end="")
         return 0
     settings = load_settings(args.config)
     for info in iter_settings():

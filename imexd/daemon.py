@@ -216,11 +216,6 @@ class Supervisor:
         return self._config_path
 
     @property
-    def output_paths(self) -> Mapping[str, str]:
-        """The daemon's output files by stream (`stdout`, `stderr`)."""
-        return MappingProxyType(self._output.paths)
-
-    @property
     def environment(self) -> Mapping[str, str]:
         """The daemon's environment: the ctl probes must run with the same one."""
         return MappingProxyType(self._env)

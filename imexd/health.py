@@ -338,10 +338,6 @@ class Heartbeats:
             raise ValueError(f"heartbeat interval of {name!r} must be > 0, not {interval_s}")
         self._tasks[name] = (interval_s, self._clock())
 
-    def unregister(self, name: str) -> None:
-        """Stop watching `name` (a task that ended on purpose)."""
-        self._tasks.pop(name, None)
-
     def beat(self, name: str) -> None:
         """Stamp `name` as alive now."""
         interval, _ = self._tasks[name]

@@ -116,17 +116,6 @@ def configure_logging(
     threading.excepthook = _log_uncaught_in_thread
 
 
-def reset_logging() -> None:
-    """Undo `configure_logging`: structlog's defaults, our handler and hooks removed (tests)."""
-    structlog.reset_defaults()
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, _Handler)]:
-        root.removeHandler(handler)
-    logging.captureWarnings(False)
-    sys.excepthook = sys.__excepthook__
-    threading.excepthook = threading.__excepthook__
-
-
 def _own_logger(*_args: Any) -> logging.Logger:
     """structlog's logger factory: every event goes to the `imexd` stdlib logger."""
     return logging.getLogger(LOGGER_NAME)

@@ -521,20 +521,6 @@ def step(
     return at.reclaim(Reason.CLAIMED, "")
 
 
-def desired_hosts(slot_map: SlotMap) -> dict[int, str | None]:
-    """Every slot 0..max_nodes-1 -> its member's address, or None (names mode).
-
-    Claims are left out: a node enters the files only once it is a member.
-    """
-    members = slot_map.members
-    return {s: (members[s].address if s in members else None) for s in range(slot_map.max_nodes)}
-
-
-def desired_addresses(slot_map: SlotMap) -> list[str]:
-    """Member addresses in slot order: nodes_config.cfg in addresses mode."""
-    return [r.address for _, r in sorted(slot_map.members.items())]
-
-
 # Internals
 
 

@@ -412,9 +412,6 @@ class Topics:
     def presence(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/presence"
 
-    def presences_filter(self) -> str:
-        return f"{self.prefix}/nodes/+/presence"
-
     def parse(self, topic: str) -> TopicRef | None:
         """What a topic under this prefix addresses, or None for a foreign topic."""
         head = self.prefix + "/"

@@ -18,17 +18,10 @@ from typing import Final
 
 from imexd.logs import get_logger
 
-CHILD_ENV_DROP: Final = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-"""Variables the IMEX daemon must not inherit: it would talk to systemd in our name."""
 STATUS_MAX: Final = 1000
 """Characters of STATUS= text kept (systemd shows one line in `systemctl status`)."""
 
 _log = get_logger("sdnotify")
-
-
-def clean_child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of `env` without systemd's notify and watchdog variables."""
-    return {k: v for k, v in env.items() if k not in CHILD_ENV_DROP}
 
 
 def _socket_address(value: str) -> str | None:

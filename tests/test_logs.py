@@ -11,8 +11,21 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
-from imexd.logs import configure_logging, get_logger, reset_logging
+from imexd import logs
+from imexd.logs import configure_logging, get_logger
+
+
+def reset_logging() -> None:
+    """Undo `configure_logging`: structlog's defaults, our handler and hooks removed."""
+    structlog.reset_defaults()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logs._Handler)]:
+        root.removeHandler(handler)
+    logging.captureWarnings(False)
+    sys.excepthook = sys.__excepthook__
+    threading.excepthook = threading.__excepthook__
 
 
 @pytest.fixture(autouse=True)

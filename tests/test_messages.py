@@ -188,7 +188,6 @@ def test_presence_topic_round_trip() -> None:
     topic = TOPICS.presence("ip-10-0-1-2.ec2.internal")
     assert topic == "imex/v1/nodes/ip-10-0-1-2.ec2.internal/presence"
     assert TOPICS.parse(topic) == TopicRef("presence", node="ip-10-0-1-2.ec2.internal")
-    assert TOPICS.presences_filter() == "imex/v1/nodes/+/presence"
 
 
 def test_presence_decodes_and_must_match_its_topic() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from imexd.sdnotify import Notifier, clean_child_env
+from imexd.sdnotify import Notifier
 
 
 class Listener:
@@ -154,16 +154,3 @@ def test_unsupported_socket_form_is_disabled_with_a_warning() -> None:
         assert not n.enabled
         assert not n.ready()
     assert [e["event"] for e in logs] == ["unsupported NOTIFY_SOCKET"]
-
-
-def test_clean_child_env_drops_systemd_variables() -> None:
-    """The daemon's environment loses NOTIFY_SOCKET and WATCHDOG_* and keeps the rest."""
-    env = {
-        "NOTIFY_SOCKET": "/run/systemd/notify",
-        "WATCHDOG_USEC": "1",
-        "WATCHDOG_PID": "2",
-        "PATH": "/usr/bin",
-        "LANG": "C",
-    }
-    assert clean_child_env(env) == {"PATH": "/usr/bin", "LANG": "C"}
-    assert "NOTIFY_SOCKET" in env

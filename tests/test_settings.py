@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from imexd.cli import main
 from imexd.errors import ConfigError
 from imexd.names import is_dns1123_label, is_dns1123_subdomain
 from imexd.settings import (
@@ -200,10 +201,14 @@ def test_shipped_example_lists_every_key_and_loads() -> None:
     assert settings.domain.max_nodes == 18
 
 
-def test_configuration_doc_lists_every_setting() -> None:
-    """docs/configuration.md carries the generated reference, so no setting is missing."""
+def test_configuration_doc_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/configuration.md carries the reference `imexd config --reference` prints, so no
+    setting is missing."""
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert reference_markdown() in doc
+    assert main(["config", "--reference"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == reference_markdown()
+    assert printed in doc
     for info in iter_settings():
         assert info.env in doc
 
