@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no
 
 from imexd import facts as fx
 from imexd.cli import main
+from imexd.control import commands
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
@@ -42,6 +45,7 @@ from imexd.messages import (
     encode,
     json_schemas,
 )
+from imexd.mqtt import topic_matches
 from imexd.settings import BusSettings
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, raw_client
@@ -519,6 +523,39 @@ async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[
     done = await proc
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 15
+
+
+async def test_status_wait_returns_on_the_message_that_made_the_domain_up(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """`status --wait` judges after each message: it returns on the report that completed
+    the domain, even when a second one that would also make it UP follows at once."""
+    state = domain_state("d1", ["n1", "n2", "n3"])
+    starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
+    await put(broker, state | {T.health("d1", "n3"): encode(starting)})
+    out, err = io.StringIO(), io.StringIO()
+    settings = commands.load_control_settings(None)
+    sync = f"{T.prefix}/domains/_control/sync/+"
+    async with raw_client(broker) as c, asyncio.timeout(WAIT_S):
+        await c.subscribe(sync, qos=1)
+        command = asyncio.create_task(
+            commands.status(settings, "d1", as_json=True, wait=WAIT_S, out=out, err=err)
+        )
+        async for message in c.messages:  # its sync echo: its snapshot is in, live from now
+            if topic_matches(sync, message.topic.value):
+                break
+        await c.publish(T.health("d1", "n2"), state[T.health("d1", "n2")], qos=1, retain=True)
+        daemon = fx.DaemonFacts(state="RUNNING", pid=102, imex_status="READY")
+        first = report("n3", 2, THREE, daemon=daemon, at=time.time())
+        later = report("n3", 2, THREE, daemon=replace(daemon, restarts=1), at=time.time())
+        await asyncio.gather(
+            c.publish(T.health("d1", "n3"), encode(first), qos=1, retain=True),
+            c.publish(T.health("d1", "n3"), encode(later), qos=1, retain=True),
+        )
+        assert await command == 0, out.getvalue() + err.getvalue()
+    doc = json.loads(out.getvalue())
+    assert doc["state"] == "UP"
+    assert [n["restarts"] for n in doc["nodes"] if n["node"] == "n3"] == [0], "the first one"
 
 
 async def test_status_of_an_unknown_domain_exits_1(broker: Mosquitto, env: dict[str, str]) -> None:

@@ -389,17 +389,23 @@ async def status(
     """Print the domain's state once: after the retained snapshot, wait up to `wait`
     seconds more for it to become UP (changes in flight), then print and exit 0 if UP.
 
+    The domain is judged again after each message, and the wait ends on the one that
+    made it UP: what is printed is that judgement (a Slurm prolog's `--wait` returns the
+    moment the last member reported READY and connected, not at a later check).
     `nodes` (`--nodes`) are the members to judge, instead of the spec's list."""
     interval = settings.health.report_interval_s
     async with Link(settings.bus) as link:
         t = link.topics
         store = await link.read(t.spec(name), t.all_members_filter(name), t.health_filter(name))
+        result = _judge_store(store, name, interval, nodes)
 
-        def judged() -> DomainStatus:
-            return _judge_store(store, name, interval, nodes)
+        def up() -> bool:
+            nonlocal result
+            result = _judge_store(store, name, interval, nodes)
+            return result.state == "UP"
 
-        await link.wait_until(lambda: judged().state == "UP", wait)
-        result = judged()
+        if not await link.wait_until(up, wait):
+            result = _judge_store(store, name, interval, nodes)  # as of the deadline
     if as_json:
         print(status_json(result), file=out)
     elif result.known:

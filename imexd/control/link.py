@@ -78,6 +78,8 @@ class Link:
         self.store = Store()
         self.changed = asyncio.Event()
         """Set on every message and when the link is lost; the waiter clears it."""
+        self._watchers: set[Callable[[], None]] = set()
+        """Called after each message is in `store`, and when the link is lost (`wait_until`)."""
         self.broker: str | None = None
         self.lost: str | None = None
         self._client: Client | None = None
@@ -153,6 +155,7 @@ class Link:
             if not echo.done():
                 echo.set_exception(BusError(f"lost the broker {self.broker}: {self.lost}"))
         self.changed.set()
+        self._notify()
 
     def _on_message(
         self, topic: str, payload: bytes, *, retained: bool, expiry_s: int | None
@@ -171,6 +174,11 @@ class Link:
         expires_at = time.time() + expiry_s if expiry_s is not None else None
         self.store.apply(result, expires_at=expires_at)
         self.changed.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        for watcher in list(self._watchers):
+            watcher()
 
     # Operations.
 
@@ -248,17 +256,38 @@ class Link:
         return sorted(t for t, p in written.items() if self._last.get(t) != p)
 
     async def wait_until(self, done: Callable[[], bool], within_s: float) -> bool:
-        """Wait at most `within_s` seconds until `done()` holds over the store; whether it did."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
-        while True:
-            self.changed.clear()
-            if done():
-                return True
-            self.raise_if_lost()
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, 1.0)):
-                    await self.changed.wait()
+        """Wait at most `within_s` seconds until `done()` holds over the store; whether it did.
+
+        `done()` is asked once now, then after each message as it enters the store (not
+        once per batch the client read), so the wait ends on the very message that made it
+        hold, and nothing else wakes it: no re-check timer, only the deadline. Time alone
+        never makes a waited-for state true here: reports go stale or expire (less UP, not
+        more), and agents republish theirs every `[health] report_interval_s`, which is a
+        message. A lost link raises BusError.
+        """
+        if done():
+            return True
+        self.raise_if_lost()
+        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def check() -> None:
+            if held.done():
+                return
+            if self.lost is not None:
+                held.set_exception(BusError(f"lost the broker {self.broker}: {self.lost}"))
+                return
+            try:
+                if done():
+                    held.set_result(None)
+            except Exception as exc:  # handed to the waiter, which raises it
+                held.set_exception(exc)
+
+        self._watchers.add(check)
+        try:
+            async with asyncio.timeout(within_s):
+                await held
+        except TimeoutError:
+            return False
+        finally:
+            self._watchers.discard(check)
+        return True
