@@ -470,6 +470,22 @@ def test_exit_at_start_prints_an_imex_error_line(
     assert "[ERROR]" in line
 
 
+def test_identify_as_falsifies_only_the_identity_line(
+    tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    """Every node logs `Identified this node as ID <its index>` in IMEX's format;
+    IMEXD_SIM_IDENTIFY_AS logs another id (the node still serves as its own entry)."""
+    cluster = cluster_of(make_cluster, tmp_path, 2)
+    cluster[0].start()
+    cluster[1].start(IMEXD_SIM_IDENTIFY_AS="5")
+    wait_for(lambda: all(node.state() == "READY" for node in cluster))
+    for index, said in ((0, 0), (1, 5)):
+        lines = [line for line in cluster[index].log_text().splitlines() if "Identified" in line]
+        assert len(lines) == 1
+        assert LOG_LINE.match(lines[0])
+        assert f"] Identified this node as ID {said}, using bind IP of '" in lines[0]
+
+
 def test_exit_and_abort_after_a_while(tmp_path: Path, make_cluster: list[SimCluster]) -> None:
     """IMEXD_SIM_EXIT_AFTER_S exits with IMEXD_SIM_EXIT_CODE; ABORT_AFTER_S dies by SIGABRT."""
     cluster = cluster_of(make_cluster, tmp_path, 2)

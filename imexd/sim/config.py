@@ -333,6 +333,9 @@ class SimEnv:
     """IMEXD_SIM_PEER_TIMEOUT_S: silence after which a peer counts as lost."""
     retry_max_s: float = 3.0
     """IMEXD_SIM_RETRY_MAX_S: cap of the reconnect backoff (it starts at 0.5 s)."""
+    identify_as: int | None = None
+    """IMEXD_SIM_IDENTIFY_AS: the node id logged in `Identified this node as ID <n>`
+    instead of the real one (the fault an agent's identity check must catch)."""
 
     @staticmethod
     def hosts_file_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
@@ -364,6 +367,9 @@ class SimEnv:
         def flag(name: str) -> bool:
             return text(name) in ("1", "true", "yes")
 
+        identify_text = text("IDENTIFY_AS")
+        if identify_text is not None and not identify_text.isdigit():
+            raise ImexConfigError(f"IMEXD_SIM_IDENTIFY_AS={identify_text}: expected a node id >= 0")
         code_text = text("EXIT_CODE") or "1"
         if not code_text.isdigit() or int(code_text) > 255:
             raise ImexConfigError(f"IMEXD_SIM_EXIT_CODE={code_text}: expected 0..255")
@@ -383,4 +389,5 @@ class SimEnv:
             heartbeat_s=max(0.05, seconds("HEARTBEAT_S", 0.5) or 0.0),
             peer_timeout_s=max(0.1, seconds("PEER_TIMEOUT_S", 1.5) or 0.0),
             retry_max_s=max(0.5, seconds("RETRY_MAX_S", 3.0) or 0.0),
+            identify_as=int(identify_text) if identify_text is not None else None,
         )

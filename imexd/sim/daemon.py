@@ -696,7 +696,9 @@ def plan_node(cfg: ImexConfig, env: SimEnv, log: ImexLog, *, nogpu: bool) -> Nod
             f"configuration file {cfg.node_config_file}."
         )
     address = cfg.bind_interface_ip or addresses[me] or ""
-    log.info(f"Identified this node as ID {me}, using bind IP of '{address}'")
+    # The line agents check their slot against; IMEXD_SIM_IDENTIFY_AS only falsifies it.
+    said = me if env.identify_as is None else env.identify_as
+    log.info(f"Identified this node as ID {said}, using bind IP of '{address}'")
     return NodePlan(
         cfg=cfg,
         env=env,
