@@ -649,10 +649,12 @@ class Agent:
                 write_method=self._reconciler.write_method,
                 imex_status=self.imex_status,
                 probe_error=self.probe_error,
+                identified=status.identified,
             ),
             domain_probe=self.domain_probe,
             fabric=self.fabric,
             clique_known=self.clique is not None or shard.current is not None,
+            mode=self.settings.domain.mode,
         )
 
     async def _report_loop(self) -> None:

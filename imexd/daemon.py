@@ -243,6 +243,7 @@ class Supervisor:
             reloads_sent=self._reloads_sent,
             reload_pending=self._reload_pending is not None,
             last_lines=self._output.lines,
+            identified=child.output.identified if child is not None else None,
         )
 
     async def wait_for(self, predicate: Callable[[DaemonStatus], bool]) -> DaemonStatus:

@@ -73,6 +73,8 @@ _IMEX_LINE = re.compile(
 _PREFIXED_LINE = re.compile(
     r"^(?P<level>INFO|WARNING|WARN|ERROR|DEBUG|FATAL|CRITICAL|NOTICE): ?(?P<message>.*)$"
 )
+_IDENTIFIED = re.compile(r"\bIdentified this node as ID (?P<id>\d+)\b")
+"""IMEX's start-up line naming its own node id (its line in nodes_config.cfg)."""
 _LEVELS = {
     "TRACE": "debug",
     "VERBOSE": "debug",
@@ -104,6 +106,12 @@ def parse_imex_line(line: str) -> ImexLine:
     return ImexLine("info", line)
 
 
+def identified_id(message: str) -> int | None:
+    """The node id of IMEX's `Identified this node as ID <n>` line, else None."""
+    m = _IDENTIFIED.search(message)
+    return int(m["id"]) if m is not None else None
+
+
 class Stream:
     """The read end of one of the daemon's output files, split into lines."""
 
@@ -129,6 +137,10 @@ class Tail:
         self.streams = streams
         self.last_stderr: str | None = None
         """Its last line on stderr: why it exited, most often."""
+        self.identified: int | None = None
+        """The node id it logged at start (`Identified this node as ID <n>`): its own idea
+        of its line in nodes_config.cfg. None until read (or, adopted, when that line is
+        no longer in the end of its output read back)."""
 
     def close(self) -> None:
         """Close every stream (idempotent)."""
@@ -192,6 +204,7 @@ class DaemonOutput:
         tail. The end of each file is read back into `lines` (not logged again).
         """
         streams: list[Stream] = []
+        identified: int | None = None
         for stream, path in self.paths.items():
             try:
                 theirs = os.stat(f"/proc/{pid}/fd/{STREAM_FDS[stream]}")
@@ -216,8 +229,12 @@ class DaemonOutput:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r")
                 if line.strip():
                     self._lines.append(line)
+                    said = identified_id(parse_imex_line(line).message)
+                    identified = said if said is not None else identified
             streams.append(Stream(fd, stream, path))
-        return Tail(pid, streams)
+        adopted = Tail(pid, streams)
+        adopted.identified = identified
+        return adopted
 
     def describe(self, tail: Tail) -> str:
         """Whether an adopted daemon's output is streamed, for its `daemon.adopted` event."""
@@ -310,6 +327,9 @@ class DaemonOutput:
         if stream == "stderr":
             tail.last_stderr = line
         parsed = parse_imex_line(line)
+        said = identified_id(parsed.message)
+        if said is not None:
+            tail.identified = said
         extra: dict[str, Any] = {}
         if parsed.tid is not None:
             extra["tid"] = parsed.tid

@@ -84,3 +84,6 @@ class DaemonStatus:
     """A SIGUSR1 is owed to the daemon and will be sent when its window ends."""
     last_lines: tuple[str, ...]
     """The last `daemon_output.LAST_LINES` lines of the daemon's stdout and stderr, oldest first."""
+    identified: int | None = None
+    """The node id the running daemon logged (`Identified this node as ID <n>`); None
+    before it did, without a daemon, or when its output is not read."""

@@ -26,6 +26,8 @@ MembershipReason = Literal[
 LastWrite = Literal["rename", "in_place"]
 """How the files were last written (`imexd.files.WriteMethod` without "unchanged")."""
 FabricSource = Literal["config", "nvml"]
+NodeListMode = Literal["names", "addresses"]
+"""`[domain] mode`: how nodes_config.cfg lists the members (`messages.Mode`)."""
 
 
 class Member(NamedTuple):
@@ -129,6 +131,9 @@ class DaemonFacts:
     """The last word of `ctl -q` (READY, WAITING_FOR_PEERS, ...); "" before any."""
     probe_error: str = ""
     """Why the last `ctl -q` failed or timed out; "" when it succeeded."""
+    identified: int | None = None
+    """The node id the running daemon logged at start (`Identified this node as ID <n>`);
+    None when unknown. Health compares it with the node's expected id."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +191,8 @@ class Facts:
     fabric: FabricFacts = FabricFacts()
     clique_known: bool = True
     """False while `[node] clique = "auto"` and no discovery has succeeded yet."""
+    mode: NodeListMode = "names"
+    """`[domain] mode`: which line of nodes_config.cfg is this node's (its IMEX node id)."""
 
     @property
     def daemon_applicable(self) -> bool:

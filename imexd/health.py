@@ -196,6 +196,20 @@ def _daemon(f: Facts) -> _Verdict:
         if f.membership.state != "member" or f.membership.reason:
             return _Verdict("False", "NotStarted", "the daemon starts once the slot is settled")
         return _Verdict("False", "NotStarted", d.message or f"the daemon is {d.state}")
+    expected = expected_id(f)
+    if d.identified is not None and expected is not None and d.identified != expected:
+        what = (
+            f"its index among the members in slot order is {expected} (slot {f.slot})"
+            if f.mode == "addresses"
+            else f"its slot is {expected}"
+        )
+        return _Verdict(
+            "False",
+            "IdentityMismatch",
+            f"pid {d.pid} identified this node as ID {d.identified}, but {what}: peers reach "
+            "it under another node id; check the hosts block and nodes_config.cfg (two entries "
+            "that resolve to this node's address)",
+        )
     if d.probe_error:
         return _Verdict("False", "ProbeFailed", f"ctl -q failed: {d.probe_error}")
     if not d.imex_status:
@@ -204,6 +218,20 @@ def _daemon(f: Facts) -> _Verdict:
         return _Verdict("False", "NotReady", f"IMEX state {d.imex_status}")
     note = "; files written in place" if d.write_method == "in_place" else ""
     return _Verdict("True", "Ready", f"pid {d.pid}, IMEX READY{note}")
+
+
+def expected_id(f: Facts) -> int | None:
+    """The IMEX node id this node's daemon must log: its line in nodes_config.cfg.
+
+    Names mode: its slot. Addresses mode: its index among the settled members in slot
+    order (the file lists their addresses). None while it holds no settled slot.
+    """
+    if f.slot is None or f.membership.state != "member":
+        return None
+    if f.mode == "addresses":
+        slots = sorted(f.membership.members)
+        return slots.index(f.slot) if f.slot in slots else None
+    return f.slot
 
 
 def _exit_text(d: DaemonFacts) -> str:

@@ -320,6 +320,41 @@ def test_daemon_not_started_while_slot_unsettled() -> None:
     assert "slot" in c.message
 
 
+def test_daemon_that_identified_as_its_slot_is_ready() -> None:
+    """The id the daemon logged matches the slot (names mode): nothing to say."""
+    assert cond(daemon(identified=0), "DaemonReady").reason == "Ready"
+    assert cond(daemon(identified=None), "DaemonReady").reason == "Ready", "unknown: no check"
+
+
+def test_daemon_that_identified_as_another_node_is_an_identity_mismatch() -> None:
+    """Another id than the slot: DaemonReady False, IdentityMismatch naming both ids."""
+    c = cond(working(slot=1, daemon=replace(working().daemon, identified=2)), "DaemonReady")
+    assert (c.status, c.reason) == ("False", "IdentityMismatch")
+    assert "pid 4242 identified this node as ID 2, but its slot is 1" in c.message
+    assert not messages.ready(health.conditions(daemon(identified=5), [], T0))
+
+
+def test_identity_in_addresses_mode_is_the_index_among_the_members() -> None:
+    """Addresses mode: nodes_config.cfg lists the members in slot order, so slot 7 of
+    members {2, 7, 9} is node id 1."""
+    members = {s: Member(f"n{s}", f"10.0.0.{s}") for s in (2, 7, 9)}
+    facts = working(
+        slot=7, mode="addresses", membership=replace(working().membership, members=members)
+    )
+    assert health.expected_id(facts) == 1
+    ok = replace(facts, daemon=replace(facts.daemon, identified=1))
+    assert cond(ok, "DaemonReady").reason == "Ready"
+    wrong = replace(facts, daemon=replace(facts.daemon, identified=7))
+    c = cond(wrong, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "IdentityMismatch")
+    assert "as ID 7, but its index among the members in slot order is 1 (slot 7)" in c.message
+
+
+def test_identity_is_not_judged_without_a_settled_slot() -> None:
+    """A claiming node has no expected id yet."""
+    assert health.expected_id(membership(state="claiming")) is None
+
+
 def test_daemon_stopping_and_other_supervisor_reasons() -> None:
     """STOPPING has its own reason and an unknown supervisor reason passes through."""
     assert cond(daemon(state="STOPPING"), "DaemonReady").reason == "Stopping"

@@ -478,7 +478,7 @@ def test_identify_as_falsifies_only_the_identity_line(
     cluster = cluster_of(make_cluster, tmp_path, 2)
     cluster[0].start()
     cluster[1].start(IMEXD_SIM_IDENTIFY_AS="5")
-    wait_for(lambda: all(node.state() == "READY" for node in cluster))
+    wait_for(lambda: cluster[0].state() == cluster[1].state() == "READY")
     for index, said in ((0, 0), (1, 5)):
         lines = [line for line in cluster[index].log_text().splitlines() if "Identified" in line]
         assert len(lines) == 1
