@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/formation.py --nodes 4,18,72
     .venv/bin/python bench/formation.py --quick
+    .venv/bin/python bench/formation.py --nodes 8 --agents process --phases jobstart
 
 For each N the script starts its own Mosquitto on a free loopback port, then runs N
 agents *in this process* (N `Agent(settings).run()` coroutines in one event loop, each with
@@ -30,7 +31,28 @@ Phases, in order, each ended by a bounded wait (a miss is reported, never hidden
 5. idle: the process agent's RSS and CPU (psutil) over `--idle-s` seconds once the
    domain is formed and quiet; the bench process's CPU per in-process agent too.
 6. crash: the process agent gets SIGKILL (its TCP link dies without DISCONNECT, as on a
-   node crash): until no remaining node of group 0 maps it (Will Delay + settle).
+   node crash): until no remaining node of group 0 maps it, split into SIGKILL -> the
+   broker delivers the will (the Will Delay plus the broker's noticing and will timer, at
+   the bench's subscriber) and will -> the last peer's files (delivery, coalescing, the
+   write), and will -> the last peer's HealthReport without it.
+
+Job start (`--phases jobstart`, its own run with its own broker): N agents in assigned
+mode, started and idle (ready, no domain); per round, from just before `imexd domain
+create JOB --nodes n1,...` until `imexd domain status JOB --wait S` exits 0 (rerun until
+it does, bounded), both run as processes with the control plane's settings in IMEXD_
+variables (as a Slurm prolog would run them); then the same two commands in one `sh -c`
+script (the prolog form); `imexd domain delete` between rounds, until the agents are
+idle again. Reported: min/median/max over `--job-rounds`, the create and status
+processes apart, spec on the bus -> every node's HealthReport ready (the agents' part),
+daemon starts per node and SIGUSR1 per round.
+
+Agents as processes (`--agents process`): every agent is its own `imexd run` process with
+its own settings file and JSON log, on the fast timings of `imexd.demo.timings` (or the
+shipped ones with `--timings shipped`), since in one process N agents share one event
+loop and mislead above N = 4. They are watched from outside: their logs (read as they
+grow), their hosts files, /readyz and /status, and the broker (without daemons, the
+member records the broker holds stand for the files). The in-process join (3.) is
+skipped; the process join (4.) is the join.
 
 Between phases the script waits until no daemon was started or signalled for
 `reload_min_interval_s` + 0.5 s, so that SIGUSR1 deferred by the daemon's 5 s window is
@@ -72,6 +94,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
@@ -92,12 +115,14 @@ import structlog
 
 from imexd.agent import Agent
 from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, render_toml, settings_from_mapping
 
 VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"
 SIM_CTL: Final = VENV_BIN / "imexd-sim-ctl"
+IMEXD: Final = VENV_BIN / "imexd"
 PREFIX: Final = "imex/v1"
 DOMAIN: Final = "bench"
 CLUSTER: Final = "b3c1d2e4-0000-4000-8000-00000000beef"
@@ -110,6 +135,8 @@ JOIN_TARGET_S: Final = 0.5
 LEAVE_TARGET_S: Final = 0.5
 FORMATION_TARGET_S: Final = 1.0
 FORMATION_TARGET_N: Final = 18
+JOB_START_TARGET_S: Final = 1.5
+JOB_START_TARGET_N: Final = 8
 RSS_TARGET_MB: Final = 55.0
 CPU_TARGET_PCT: Final = 0.5
 SYS_INTERVAL: Final = "sys_interval 1"
@@ -257,6 +284,15 @@ class Monitor:
         self.sys: dict[str, int] = {}
         self.tick = asyncio.Event()
         self.up = asyncio.Event()
+        self.records: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        """topic -> (when it last changed, the decoded record or None when cleared):
+        the member records as the broker holds them."""
+        self.record_log: list[tuple[float, str, dict[str, Any] | None]] = []
+        self.reports: dict[str, tuple[float, dict[str, Any]]] = {}
+        """node -> (when it arrived, the last HealthReport it published)."""
+        self.report_log: list[tuple[float, dict[str, Any]]] = []
+        self.specs: list[tuple[float, str]] = []
+        """(when, domain) of every DomainSpec published."""
 
     async def run(self) -> None:
         async with aiomqtt.Client("127.0.0.1", self.port, identifier="imexd-bench-monitor") as c:
@@ -274,7 +310,50 @@ class Monitor:
                     if topic == "$SYS/broker/uptime":
                         self.tick.set()
                 else:
-                    self.published.append((time.monotonic(), topic_kind(topic)))
+                    now = time.monotonic()
+                    kind = topic_kind(topic)
+                    self.published.append((now, kind))
+                    self._keep(now, kind, topic, message.payload)
+
+    def _keep(self, now: float, kind: str, topic: str, payload: Any) -> None:
+        """Member records, health reports and specs, decoded, with their arrival time."""
+        if kind not in ("members", "health", "spec"):
+            return
+        data: dict[str, Any] | None = None
+        if isinstance(payload, bytes) and payload:
+            with contextlib.suppress(ValueError):
+                decoded = json.loads(payload)
+                if isinstance(decoded, dict):
+                    data = decoded
+        if kind == "members":
+            self.records[topic] = (now, data)
+            self.record_log.append((now, topic, data))
+        elif kind == "health" and data is not None:
+            self.reports[str(data.get("node"))] = (now, data)
+            self.report_log.append((now, data))
+        elif kind == "spec" and data is not None:
+            self.specs.append((now, str(data.get("domain"))))
+
+    def members_of(self, domain: str) -> dict[int, str]:
+        """slot -> address of the `member` records of `domain` the broker holds now."""
+        out: dict[int, str] = {}
+        for _, record in self.records.values():
+            if (
+                record is not None
+                and record.get("domain") == domain
+                and record.get("state") == "member"
+                and isinstance(record.get("slot"), int)
+            ):
+                out[record["slot"]] = str(record.get("address"))
+        return out
+
+    def cleared(self, node: str, after: float) -> float | None:
+        """When the broker first delivered an empty member record of `node` (its will, or
+        its own clear) after `after`."""
+        for at, topic, record in self.record_log:
+            if at >= after and record is None and topic.rsplit("/", 1)[-1] == node:
+                return at
+        return None
 
     async def snapshot(self) -> BrokerCounts:
         """The broker's counters at its next $SYS tick (at most ~1 s from now)."""
@@ -327,12 +406,20 @@ class LoopLag:
 
 
 class Node:
-    """One simulated GPU node: its folder, address, files, and what its files say."""
+    """One simulated GPU node: its folder, address, files, and what its files say.
 
-    def __init__(self, run: Run, name: str, group: int, host: int) -> None:
+    An agent is either a coroutine of this process (`InProcNode`) or an `imexd run`
+    process (`ProcNode`); the phases see both through this interface, and both feed
+    their log events into the run's `Capture` (a process's from its JSON log)."""
+
+    def __init__(
+        self, run: Run, name: str, group: int, host: int, *, assigned: bool = False
+    ) -> None:
         self.run = run
         self.name = name
         self.group = group
+        self.assigned = assigned
+        """Assigned mode: idle until the control plane assigns a domain (job start)."""
         self.address = f"127.{run.octet}.{group}.{host}"
         self.dir = run.root / name
         self.dir.mkdir(parents=True)
@@ -343,33 +430,50 @@ class Node:
         """slot -> address of the members its files map (or its membership, no daemon)."""
         self.view_at = 0.0
         self.ready_at: float | None = None
+        self.started_at = 0.0
+
+    @property
+    def domain(self) -> str:
+        return DOMAIN if self.run.daemons else f"{DOMAIN}-g{self.group}"
 
     def sections(self, health_listen: str) -> dict[str, dict[str, Any]]:
-        """The node's settings: the shipped defaults but for what the docstring lists."""
+        """The node's settings: the shipped defaults (or the fast table, `--timings fast`)
+        but for what the docstring lists."""
         daemons = self.run.daemons
-        domain = DOMAIN if daemons else f"{DOMAIN}-g{self.group}"
-        return {
+        env = {
+            "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
+            "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
+        }
+        if self.run.fast:
+            env["IMEXD_SIM_RELOAD_WINDOW_S"] = SIM_RELOAD_WINDOW_S
+        domain: dict[str, Any] = {"max_nodes": self.run.opts.max_nodes}
+        if self.assigned:
+            domain["assigned"] = True
+        else:
+            domain["name"] = self.domain
+        sections: dict[str, dict[str, Any]] = {
             "node": {
                 "name": self.name,
                 "address": self.address,
                 "clique": f"{CLUSTER}.{self.group}" if daemons else "",
                 "state_dir": str(self.dir / "state"),
             },
-            "domain": {"name": domain, "max_nodes": self.run.opts.max_nodes},
-            "bus": {"url": [self.run.broker.url], "will_delay_s": self.run.opts.will_delay_s},
+            "domain": domain,
+            "bus": {"url": [self.run.broker.url]},
             "imex": {
                 "binary": str(SIM_DAEMON),
                 "ctl": str(SIM_CTL),
                 "run_dir": str(self.dir / "run"),
                 "hosts_file": str(self.hosts_file),
-                "env": {
-                    "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
-                    "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
-                },
+                "env": env,
             },
             "health": {"listen": health_listen},
-            "daemon": self.run.daemon_overrides(),
         }
+        if self.run.fast:
+            sections = with_fast(sections)
+        sections["bus"]["will_delay_s"] = self.run.opts.will_delay_s
+        sections["daemon"] = sections.get("daemon", {}) | self.run.daemon_overrides()
+        return sections
 
     def read_hosts(self) -> dict[int, str]:
         try:
@@ -388,18 +492,69 @@ class Node:
             return Counter()
         return Counter(" ".join(line.split()[1:3]) for line in lines if line.strip())
 
+    def connected_at(self, *, will: bool = False) -> float | None:
+        """When its bus link first came up (CONNACK); with `will`, the first link that
+        carried its Last Will."""
+        ups = [
+            s.at
+            for s in self.run.capture.events("bus_connected", node=self.name)
+            if s.fields.get("will") or not will
+        ]
+        return min(ups) if ups else None
+
+    def daemon_starts(self, after: float = 0.0, before: float = INF) -> int:
+        """Daemons started (STARTING) or adopted between `after` and `before`."""
+        cap = self.run.capture
+        states = cap.events("daemon.state", node=self.name, after=after, before=before)
+        adopted = cap.events("daemon.adopted", node=self.name, after=after, before=before)
+        return sum(1 for s in states if s.fields.get("to") == "STARTING") + len(adopted)
+
+    def from_bus(self) -> None:
+        """Without daemons no file is written: take the member records the broker holds
+        for its domain (what every agent of the domain is being sent)."""
+        members = self.run.monitor.members_of(self.domain)
+        if members != self.view:
+            self.view, self.view_at = members, time.monotonic()
+
+    # What each kind of agent does its own way.
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        """Stop it gracefully (what SIGTERM does): it leaves its domain."""
+        raise NotImplementedError
+
+    async def exited(self, limit_s: float) -> int | None:
+        """Its exit code once it ended (None: still running after `limit_s`)."""
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Bring `view` up to date where the run's file-written events do not."""
+
+    async def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def not_ready_because(self) -> str:
+        return self.name
+
 
 class InProcNode(Node):
     """An agent running as a coroutine of this process."""
 
-    def __init__(self, run: Run, name: str, group: int, host: int) -> None:
-        super().__init__(run, name, group, host)
+    def __init__(
+        self, run: Run, name: str, group: int, host: int, *, assigned: bool = False
+    ) -> None:
+        super().__init__(run, name, group, host, assigned=assigned)
         self.settings: Settings = settings_from_mapping(self.sections("127.0.0.1:0"))
         self.stop = asyncio.Event()
         self.handover = asyncio.Event()
         self.agent: Agent | None = None
         self.task: asyncio.Task[int] | None = None
-        self.started_at = 0.0
 
     def start(self) -> None:
         self.agent = Agent(self.settings)
@@ -415,6 +570,17 @@ class InProcNode(Node):
     def alive(self) -> bool:
         return self.task is not None and not self.task.done()
 
+    def leave(self) -> None:
+        self.stop.set()
+
+    async def exited(self, limit_s: float) -> int | None:
+        if self.task is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                return await asyncio.shield(self.task)
+        return None
+
     def refresh(self) -> None:
         """Without daemons no file is written: take the agent's membership instead."""
         if self.agent is None or self.run.daemons:
@@ -423,30 +589,22 @@ class InProcNode(Node):
         if members != self.view:
             self.view, self.view_at = members, time.monotonic()
 
-    def is_ready(self) -> bool:
+    async def is_ready(self) -> bool:
         return self.agent is not None and self.agent.health.is_ready
 
-    def connected_at(self, *, will: bool = False) -> float | None:
-        """When its bus link first came up (CONNACK); with `will`, the first link that
-        carried its Last Will (the agent reconnects once it knows its member topic)."""
-        ups = [
-            s.at
-            for s in self.run.capture.events("bus_connected", node=self.name)
-            if s.fields.get("will") or not will
-        ]
-        return ups[0] if ups else None
-
-    def daemon_starts(self) -> int:
-        states = self.run.capture.events("daemon.state", node=self.name)
-        adopted = self.run.capture.events("daemon.adopted", node=self.name)
-        return sum(1 for s in states if s.fields.get("to") == "STARTING") + len(adopted)
+    def not_ready_because(self) -> str:
+        return f"{self.name}: {self.agent.health.summary()}" if self.agent else self.name
 
 
 class ProcNode(Node):
-    """An agent as shipped: an `imexd run` process with its own JSON log."""
+    """An agent as shipped: an `imexd run` process with its own settings file and JSON
+    log, watched from outside: its log (read into the run's capture as it grows), its
+    files, its /readyz and /status, and the broker (the bench's Monitor)."""
 
-    def __init__(self, run: Run, name: str, group: int, host: int) -> None:
-        super().__init__(run, name, group, host)
+    def __init__(
+        self, run: Run, name: str, group: int, host: int, *, assigned: bool = False
+    ) -> None:
+        super().__init__(run, name, group, host, assigned=assigned)
         self.health_port = free_port()
         self.config = self.dir / "imexd.toml"
         sections = self.sections(f"127.0.0.1:{self.health_port}")
@@ -454,9 +612,10 @@ class ProcNode(Node):
         self.config.write_text(render_toml(sections))
         self.log_path = self.dir / "agent.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
         self.killed_at: float | None = None
         self._hosts_mtime = 0
+        self._log_offset = 0
+        self._last_status: dict[str, Any] = {}
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
@@ -480,8 +639,47 @@ class ProcNode(Node):
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def leave(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    async def exited(self, limit_s: float) -> int | None:
+        deadline = time.monotonic() + limit_s
+        while self.proc is not None and time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            await asyncio.sleep(0.05)
+        return None if self.proc is None else self.proc.poll()
+
+    def read_log(self) -> None:
+        """Feed the events of its log written since the last call into the capture, on
+        this process's monotonic clock (the log's timestamps are UTC wall clock)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        self._log_offset += end + 1
+        for line in chunk[: end + 1].splitlines():
+            if not any(f'"{e}"'.encode() in line for e in CAPTURED):
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                data = json.loads(line)
+                if isinstance(data, dict) and data.get("event") in CAPTURED:
+                    wall = datetime.fromisoformat(str(data["timestamp"])).timestamp()
+                    at = wall - self.run.wall_offset
+                    self.run.capture.seen.append(Seen(at, self.name, str(data["event"]), data))
+
     def refresh(self) -> None:
+        self.read_log()
         if not self.run.daemons:
+            self.from_bus()
             return
         try:
             mtime = self.hosts_file.stat().st_mtime_ns
@@ -493,46 +691,44 @@ class ProcNode(Node):
             if view != self.view:
                 self.view, self.view_at = view, time.monotonic()
 
-    async def is_ready(self) -> bool:
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        """One HTTP/1.0 GET on its health port: (status, body); (0, b"") when it fails."""
         try:
-            async with asyncio.timeout(1.0):
+            async with asyncio.timeout(2.0):
                 reader, writer = await asyncio.open_connection("127.0.0.1", self.health_port)
-                writer.write(b"GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
                 await writer.drain()
-                line = await reader.readline()
+                raw = await reader.read()
                 writer.close()
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
         except (OSError, TimeoutError):
-            return False
-        parts = line.split()
-        return len(parts) >= 2 and parts[1] == b"200"
+            return 0, b""
+        head, _, body = raw.partition(b"\r\n\r\n")
+        parts = head.split(None, 2)
+        return (int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0), body
 
-    def log_events(self, event: str) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = []
-        with contextlib.suppress(FileNotFoundError):
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if f'"{event}"' not in line:
-                    continue
-                with contextlib.suppress(ValueError):
-                    data = json.loads(line)
-                    if isinstance(data, dict) and data.get("event") == event:
-                        found.append(data)
-        return found
+    async def is_ready(self) -> bool:
+        code, _ = await self._get("/readyz")
+        return code == 200
 
-    def connected_at(self) -> float | None:
-        """Its first link-up time, from its log, on this process's monotonic clock."""
-        ups = self.log_events("bus_connected")
-        if not ups:
-            return None
-        wall = datetime.fromisoformat(str(ups[0]["timestamp"])).timestamp()
-        return wall - (time.time() - time.monotonic())
+    async def status(self) -> dict[str, Any]:
+        """Its /status (the HealthReport), or {} when it does not answer."""
+        code, body = await self._get("/status")
+        with contextlib.suppress(ValueError):
+            data = json.loads(body) if code == 200 else {}
+            if isinstance(data, dict):
+                self._last_status = data
+                return data
+        return {}
 
-    def daemon_starts(self) -> int:
-        states = self.log_events("daemon.state")
-        return sum(1 for e in states if e.get("to") == "STARTING") + len(
-            self.log_events("daemon.adopted")
-        )
+    def not_ready_because(self) -> str:
+        bad = [
+            f"{c.get('type')} {c.get('reason')}"
+            for c in self._last_status.get("conditions", [])
+            if isinstance(c, dict) and c.get("status") != "True"
+        ]
+        return f"{self.name}: {', '.join(bad) or 'no answer'}"
 
     def usage(self) -> psutil.Process | None:
         if not self.alive:
@@ -572,10 +768,13 @@ class Figure:
 
 @dataclass
 class Result:
-    """The figures of one run (one N, one daemon mode)."""
+    """The figures of one run (one N, one daemon mode, one kind of agent, one benchmark)."""
 
     n: int
     daemons: bool
+    agents: str = "inproc"
+    kind: str = "domain"
+    """domain: formation, leave, join, idle, crash; jobstart: the job start."""
     figures: list[Figure] = field(default_factory=list)
     error: str = ""
     load: str = ""
@@ -615,6 +814,65 @@ class Result:
         figure = Figure(name, value, unit, target, ok, note)
         self.figures.append(figure)
         return figure
+
+
+JOB_FORMS: Final = {
+    "commands": "`imexd domain create` and `imexd domain status --wait` as two processes",
+    "prolog": "the same two commands in one `sh -c` script, as a Slurm prolog",
+}
+
+
+@dataclass
+class JobRound:
+    """One job start: its times from just before `domain create`."""
+
+    form: str
+    total_s: float = 0.0
+    create_s: float | None = None
+    status_s: float = 0.0
+    status_runs: int = 0
+    spec_s: float | None = None
+    """Start -> the spec reached the bench's subscriber."""
+    ready_s: float | None = None
+    """Spec -> the last node's HealthReport ready in the job's domain."""
+    starts: list[int] = field(default_factory=list)
+    sigusr1: int = 0
+    ok: bool = False
+    problem: str = ""
+
+    def describe(self) -> str:
+        parts = [f"{self.total_s:.3f} s {'UP' if self.ok else 'FAILED ' + self.problem}"]
+        if self.create_s is not None:
+            parts.append(f"create {self.create_s:.3f} s, status {self.status_s:.3f} s")
+        if self.spec_s is not None and self.ready_s is not None:
+            parts.append(f"spec at {self.spec_s:.3f} s, all ready {self.ready_s:.3f} s later")
+        return "; ".join(parts)
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"min {min(values):.3f} / max {max(values):.3f} s"
+
+
+async def run_command(
+    argv: Sequence[str], env: Mapping[str, str], limit_s: float
+) -> tuple[int, str]:
+    """Run a command to its end (killed after `limit_s`): its exit code and output."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=dict(env),
+    )
+    try:
+        async with asyncio.timeout(limit_s):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return 124, f"killed after {limit_s:g} s"
+    return proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace")
 
 
 def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
@@ -658,10 +916,18 @@ class Options:
     max_load: float | None
     probe_interval_s: float | None
     domain_probe_interval_s: float | None
+    agents: str = "inproc"
+    """inproc: the N agents are coroutines of this process; process: `imexd run` each."""
+    timings: str = "shipped"
+    """shipped: the defaults; fast: imexd.demo.timings.FAST (what the tests and demo use)."""
+    phases: tuple[str, ...] = ("domain", "jobstart")
+    job_rounds: int = 3
+    job_wait_s: float = 60.0
 
 
 class Run:
-    """One benchmark run: a broker, N in-process agents, one agent process, the phases."""
+    """One benchmark run: a broker, N agents (in this process, or `imexd run` processes),
+    one more agent process, the phases."""
 
     def __init__(self, opts: Options, n: int, *, daemons: bool, root: Path, octet: int) -> None:
         self.opts = opts
@@ -670,11 +936,19 @@ class Run:
         self.root = root
         self.octet = octet
         self.capture = Capture()
+        self.fast = opts.timings == "fast"
+        self.processes = opts.agents == "process"
+        self.reload_s = (
+            float(FAST["imex"]["reload_min_interval_s"]) if self.fast else RELOAD_MIN_INTERVAL_S
+        )
+        """The agents' `[imex] reload_min_interval_s` (the quiet time between phases)."""
+        self.wall_offset = time.time() - time.monotonic()
+        """Wall clock minus monotonic clock: puts the processes' log times on ours."""
         self.broker = Mosquitto(root / "broker", extra_config=SYS_INTERVAL)
         self.monitor = Monitor(self.broker.port)
-        self.nodes: list[InProcNode] = []
+        self.nodes: list[Node] = []
         self.proc: ProcNode | None = None
-        self.result = Result(n, daemons)
+        self.result = Result(n, daemons, opts.agents)
         self._monitor_task: asyncio.Task[None] | None = None
         self.lag = LoopLag()
         self._lag_task: asyncio.Task[None] | None = None
@@ -694,16 +968,26 @@ class Run:
         return out
 
     def log(self, text: str) -> None:
-        print(f"  [{'sim' if self.daemons else 'none'} N={self.n}] {text}", flush=True)
+        mode = f"{'sim' if self.daemons else 'none'} {self.opts.agents}"
+        print(f"  [{mode} N={self.n}] {text}", flush=True)
 
     def group(self, g: int) -> list[Node]:
         members: list[Node] = [n for n in self.nodes if n.group == g and n.alive]
-        if self.proc is not None and self.proc.alive and self.proc.group == g:
-            members.append(self.proc)
+        proc = self.proc
+        if proc is not None and proc.alive and proc.group == g and proc not in members:
+            members.append(proc)
         return members
+
+    def all_nodes(self) -> list[Node]:
+        """Every node of the run, the extra agent process included."""
+        extra = [self.proc] if self.proc is not None and self.proc not in self.nodes else []
+        return [*self.nodes, *extra]
 
     def refresh(self) -> None:
         """Bring every node's view up to date: read the hosts files agents just wrote."""
+        for proc in self.all_nodes():
+            if isinstance(proc, ProcNode):
+                proc.read_log()
         seen = self.capture.seen
         written: dict[str, float] = {}
         while self._seen_index < len(seen):
@@ -712,16 +996,14 @@ class Run:
             if s.event == "file.written" and str(s.fields.get("path", "")).endswith("/hosts"):
                 written[s.node] = s.at
         if written:
-            for node in self.nodes:
+            for node in self.all_nodes():
                 at = written.get(node.name)
                 if at is not None:
                     view = node.read_hosts()
                     if view != node.view:
                         node.view, node.view_at = view, at
-        for node in self.nodes:
+        for node in self.all_nodes():
             node.refresh()
-        if self.proc is not None:
-            self.proc.refresh()
 
     async def wait_views(
         self, expected: Mapping[Node, frozenset[str]], limit_s: float, what: str
@@ -769,24 +1051,16 @@ class Run:
         while True:
             now = time.monotonic()
             for node in nodes:
-                if node.ready_at is None:
-                    if isinstance(node, InProcNode):
-                        ready = node.is_ready()
-                    elif isinstance(node, ProcNode):
-                        ready = await node.is_ready()
-                    else:
-                        ready = False
-                    if ready:
-                        node.ready_at = now
+                if node.ready_at is None and await node.is_ready():
+                    node.ready_at = now
             if all(node.ready_at is not None for node in nodes):
                 return max(node.ready_at or 0.0 for node in nodes)
             if now > deadline:
                 late = [n for n in nodes if n.ready_at is None]
-                why = [
-                    f"{n.name}: {n.agent.health.summary()}"
-                    for n in late[:3]
-                    if isinstance(n, InProcNode) and n.agent is not None
-                ]
+                for n in late[:3]:
+                    if isinstance(n, ProcNode):
+                        await n.status()
+                why = [n.not_ready_because() for n in late[:3]]
                 self.result.add(
                     f"{what}: nodes never ready",
                     len(late),
@@ -807,6 +1081,7 @@ class Run:
             return
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
+            self.refresh()
             last_daemon = max(
                 (
                     s.at
@@ -821,7 +1096,7 @@ class Run:
                 default=0.0,
             )
             now = time.monotonic()
-            if now - last_daemon > RELOAD_MIN_INTERVAL_S + 0.5 and now - last_file > 0.5:
+            if now - last_daemon > self.reload_s + 0.5 and now - last_file > 0.5:
                 return
             await asyncio.sleep(0.1)
         self.log(f"warning: not quiet after {limit_s:g} s")
@@ -849,18 +1124,25 @@ class Run:
         if not self.daemons:
             return
         per_node = self.reloads(t0, t1)
-        counts = [per_node.get(n.name, 0) for n in nodes if isinstance(n, InProcNode)]
+        counts = [per_node.get(n.name, 0) for n in nodes]
         self.result.add(
             f"{phase}: SIGUSR1 sent per node (max)",
             max(counts, default=0),
             "count",
-            note=f"total {sum(counts)} over {len(counts)} in-process nodes",
+            note=f"total {sum(counts)} over {len(counts)} nodes",
         )
 
-    def new_node(self, name: str, group: int, host: int) -> InProcNode:
-        node = InProcNode(self, name, group, host)
+    def new_node(self, name: str, group: int, host: int, *, assigned: bool = False) -> Node:
+        """A node of the run's kind (`--agents`), not started yet."""
+        kind = ProcNode if self.processes else InProcNode
+        node = kind(self, name, group, host, assigned=assigned)
         self.nodes.append(node)
         return node
+
+    def agent_processes(self) -> list[psutil.Process]:
+        """The `imexd run` processes of the nodes (process mode) that are alive now."""
+        procs = [n.usage() for n in self.nodes if isinstance(n, ProcNode)]
+        return [p for p in procs if p is not None]
 
     # The phases: `execute` runs them in order, each one a method.
 
@@ -869,16 +1151,17 @@ class Run:
         groups = await self._start()
         await self._formation(groups)
         await self._leave()
-        await self._join()
+        if not self.processes:
+            await self._join()  # in process mode the next phase is the join
         await self._join_process()
         await self.measure_idle()
         victim = await self._crash()
         self._over_the_run(victim)
         return self.result
 
-    async def _start(self) -> list[int]:
-        """The broker, its monitor, the loop-lag probe and the nodes (not started yet);
-        the node groups."""
+    async def _start(self, *, assigned: bool = False) -> list[int]:
+        """The broker, its monitor, the loop-lag probe and the nodes (not started yet;
+        `assigned`: in assigned mode); the node groups."""
         self.broker.start()
         self._monitor_task = asyncio.create_task(self.monitor.run(), name="monitor")
         self._lag_task = asyncio.create_task(self.lag.run(), name="loop-lag")
@@ -886,7 +1169,7 @@ class Run:
             await self.monitor.up.wait()
         gs = self.opts.group_size
         for i in range(self.n):
-            self.new_node(f"node-{i:03d}", i // gs, 10 + i % gs)
+            self.new_node(f"node-{i:03d}", i // gs, 10 + i % gs, assigned=assigned)
         groups = sorted({n.group for n in self.nodes})
         load = os.getloadavg()
         self.result.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
@@ -910,6 +1193,7 @@ class Run:
             self.expect_groups(groups), 60 + 2 * self.n, "formation"
         )
         cpu1 = me.cpu_times()
+        procs_cpu = sum(cpu_seconds(self.agent_processes()).values())
         ups = [n.connected_at() for n in self.nodes]
         will_ups = [n.connected_at(will=True) for n in self.nodes]
         if any(u is None for u in ups) or any(u is None for u in will_ups):
@@ -946,14 +1230,23 @@ class Run:
             max(settled) - t_conn,
             note="every agent published its member record (files follow after settle_s)",
         )
-        spent = cpu1.user + cpu1.system - cpu0.user - cpu0.system
-        r.add(
-            "formation: CPU of the in-process agents",
-            spent,
-            "CPU-s",
-            note=f"start -> files final, all {self.n} agents: {spent / self.n * 1000:.0f} ms "
-            "per agent, serialised on one core here",
-        )
+        if self.processes:
+            r.add(
+                "formation: CPU of the agent processes",
+                procs_cpu,
+                "CPU-s",
+                note=f"start -> files final, all {self.n} agents: {procs_cpu / self.n * 1000:.0f} "
+                "ms per agent, Python start-up and imports included",
+            )
+        else:
+            spent = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+            r.add(
+                "formation: CPU of the in-process agents",
+                spent,
+                "CPU-s",
+                note=f"start -> files final, all {self.n} agents: {spent / self.n * 1000:.0f} "
+                "ms per agent, serialised on one core here",
+            )
         if profiler is not None and self.opts.profile is not None:
             profiler.disable()
             target = self.opts.profile.with_name(
@@ -967,7 +1260,7 @@ class Run:
                 "formation: last connected -> all ready",
                 t_ready - t_conn,
                 note=f"files final -> all ready {t_ready - t_files:.3f} s "
-                "(daemon start_s 3 s, first probe)",
+                "(daemon start, first probe)",
             )
         formation_busy = busy()
         daemons_cpu = sum(cpu_seconds(self.daemon_processes()).values())
@@ -991,10 +1284,9 @@ class Run:
         """2. One agent of group 0 leaves gracefully (its stop event, as SIGTERM does)."""
         r = self.result
         leaver = self.group(0)[-1]
-        assert isinstance(leaver, InProcNode)
         t0 = time.monotonic()
-        leaver.stop.set()
-        t_left = await self._wait_gone(leaver, 20, "leave")
+        leaver.leave()
+        t_left, _ = await self._wait_gone(leaver, 20, "leave")
         r.add(
             "leave: stop -> visible on all",
             t_left - t0,
@@ -1002,9 +1294,7 @@ class Run:
             files=True,
             note=self.lag.describe(t0, t_left),
         )
-        assert leaver.task is not None
-        async with asyncio.timeout(30):
-            code = await leaver.task
+        code = await leaver.exited(30)
         r.add("leave: stop -> agent exited", time.monotonic() - t0, note=f"exit {code}")
         await self.quiesce()
         t1 = time.monotonic()
@@ -1041,10 +1331,9 @@ class Run:
         """4. An `imexd run` process joins group 0 (after another leave when it is full)."""
         if len(self.group(0)) >= self.opts.max_nodes:
             second = self.group(0)[-2]
-            assert isinstance(second, InProcNode)
             t0 = time.monotonic()
-            second.stop.set()
-            t_left2 = await self._wait_gone(second, 20, "leave 2")
+            second.leave()
+            t_left2, _ = await self._wait_gone(second, 20, "leave 2")
             self.result.add(
                 "leave 2 (room for the process): visible on all",
                 t_left2 - t0,
@@ -1056,7 +1345,7 @@ class Run:
         t0 = time.monotonic()
         self.proc.start()
         expected = self.expect_groups([0])
-        if not self.daemons:
+        if not self.daemons and not self.processes:
             expected.pop(self.proc)  # no files, and its membership is not in this process
         t_pjoin, _ = await self.wait_views(expected, 60, "join (process)")
         pup = self.proc.connected_at()
@@ -1077,7 +1366,7 @@ class Run:
         victim = self.proc
         t0 = time.monotonic()
         victim.kill()
-        t_crash = await self._wait_gone(victim, self.opts.will_delay_s + 20, "crash")
+        t_crash, per_node = await self._wait_gone(victim, self.opts.will_delay_s + 20, "crash")
         will = self.opts.will_delay_s
         self.result.add(
             "crash: SIGKILL -> visible on all",
@@ -1087,7 +1376,8 @@ class Run:
             target=f"< {will + 0.5:g} s (will delay {will:g} s + 0.5 s)",
             note=self.lag.describe(t0 + will, t_crash),
         )
-        await self.quiesce()
+        await self.quiesce()  # the peers' reports of the change are out by now
+        self._crash_parts(victim, t0, t_crash, per_node)
         t1 = time.monotonic()
         self._counts = await self.monitor.snapshot()
         self.add_messages("crash", counts4, self._counts, t0, t1)
@@ -1133,17 +1423,244 @@ class Run:
             ok=signals["SIGUSR1 ignored"] == 0,
         )
 
-    async def _wait_gone(self, gone: Node, limit_s: float, what: str) -> float:
-        """Until the rest of its group maps the others and not `gone`."""
+    def _crash_parts(
+        self, victim: ProcNode, t0: float, t_crash: float, per_node: Sequence[float]
+    ) -> None:
+        """What "crash: visible on all" is made of: the broker's will (the Will Delay, from
+        the moment the broker notices the dead socket, plus its will timer's granularity),
+        then every peer's reaction (its coalescing window, the write)."""
+        r = self.result
+        will = self.opts.will_delay_s
+        t_will = self.monitor.cleared(victim.name, t0)
+        if t_will is None:
+            r.add("crash: SIGKILL -> will delivered by the broker", None, note="not seen")
+            return
+        r.add(
+            "crash: SIGKILL -> will delivered by the broker",
+            t_will - t0,
+            note=f"will delay {will:g} s + {t_will - t0 - will:+.3f} s (the broker: socket "
+            "close seen, its will timer); at the bench's subscriber",
+        )
+        first = min(per_node, default=t_crash)
+        what = "files" if self.daemons else "member records at the broker"
+        r.add(
+            "crash: will delivered -> visible on all",
+            t_crash - t_will,
+            note=f"every peer's {what} drop the node; first peer {first - t_will:+.3f} s, "
+            f"last {t_crash - t_will:+.3f} s (delivery, the peer's coalescing, the write)",
+        )
+        reports = self._reports_drop(victim, t_will)
+        if reports is not None:
+            r.add(
+                "crash: will delivered -> every peer's report drops it",
+                reports - t_will,
+                note="the last peer's HealthReport (domain_view) without the node, as the "
+                "control plane reads it",
+            )
+
+    def _reports_drop(self, victim: Node, after: float) -> float | None:
+        """When the last peer of its group published a HealthReport whose domain_view no
+        longer names `victim` (None: not every peer did, or no domain views)."""
+        peers = {n.name for n in self.group(victim.group) if n is not victim}
+        seen: dict[str, float] = {}
+        for at, report in self.monitor.report_log:
+            node = str(report.get("node"))
+            if at < after or node not in peers or node in seen:
+                continue
+            view = report.get("domain_view")
+            if not isinstance(view, dict) or not isinstance(view.get("nodes"), dict):
+                continue
+            names = {v.get("node") for v in view["nodes"].values() if isinstance(v, dict)}
+            if victim.name not in names:
+                seen[node] = at
+        return max(seen.values()) if peers and set(seen) == peers else None
+
+    async def _wait_gone(self, gone: Node, limit_s: float, what: str) -> tuple[float, list[float]]:
+        """Until the rest of its group maps the others and not `gone`: that time, and
+        each node's own time."""
         expected = {
             node: frozenset(m.address for m in self.group(gone.group) if m is not gone)
             for node in self.group(gone.group)
             if node is not gone
         }
-        if not self.daemons and self.proc in expected:
+        if not self.daemons and not self.processes and self.proc in expected:
             expected.pop(self.proc)
-        t, _ = await self.wait_views(expected, limit_s, what)
-        return t
+        return await self.wait_views(expected, limit_s, what)
+
+    # The job start: idle agents in assigned mode, the control plane as processes.
+
+    def control_env(self) -> dict[str, str]:
+        """The environment of `imexd domain ...` as a Slurm prolog of this fleet would
+        run it: no settings file, the fleet's settings as IMEXD_ variables (the broker,
+        `max_nodes`, which the spec carries, and `report_interval_s`, how old a report may
+        be), as tests/cluster.py's `Cluster.control_env` does."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+        fleet = settings_from_mapping(self.nodes[0].sections("127.0.0.1:0"))
+        return env | {
+            "IMEXD_BUS_URL": self.broker.url,
+            "IMEXD_DOMAIN_MAX_NODES": str(self.opts.max_nodes),
+            "IMEXD_HEALTH_REPORT_INTERVAL_S": str(fleet.health.report_interval_s),
+        }
+
+    async def execute_job_start(self) -> Result:
+        """N agents in assigned mode, started and idle (ready, no domain); then, round by
+        round, a job's domain over all of them: `imexd domain create` and `imexd domain
+        status --wait` as two processes (the second rerun until it exits 0), then the same
+        two commands in one shell script (a Slurm prolog); `imexd domain delete` and the
+        agents idle again between rounds."""
+        await self._start(assigned=True)
+        for node in self.nodes:
+            node.start()
+        if await self.wait_ready(self.nodes, 60 + 2 * self.n, "idle agents") is None:
+            raise BenchError("job start: the idle agents never became ready")
+        await self.quiesce()
+        env = self.control_env()
+        names = ",".join(n.name for n in self.nodes)
+        rounds: dict[str, list[JobRound]] = {form: [] for form in JOB_FORMS}
+        for i in range(self.opts.job_rounds):
+            for form in JOB_FORMS:
+                job = f"job{i}-{form}"
+                done = await self._job_round(job, form, names, env)
+                rounds[form].append(done)
+                self.log(f"{job}: {done.describe()}")
+                await self._job_delete(job, env)
+        self._job_figures(rounds)
+        return self.result
+
+    async def _job_round(self, job: str, form: str, names: str, env: Mapping[str, str]) -> JobRound:
+        wait = self.opts.job_wait_s
+        create = [str(IMEXD), "domain", "create", job, "--nodes", names]
+        status = [str(IMEXD), "domain", "status", job, "--wait", f"{wait:g}"]
+        t0 = time.monotonic()
+        done = JobRound(form)
+        if form == "prolog":
+            script = f"set -e\n{shlex.join(create)}\n{shlex.join(status)}\n"
+            code, out = await run_command(["/bin/sh", "-c", script], env, wait + 30)
+        else:
+            code, out = await run_command(create, env, 30)
+            done.create_s = time.monotonic() - t0
+            if code != 0:
+                raise BenchError(f"{job}: domain create exited {code}: {out.strip()[-300:]}")
+            deadline = t0 + wait
+            while True:
+                t1 = time.monotonic()
+                code, out = await run_command(status, env, wait + 30)
+                done.status_s = time.monotonic() - t1
+                done.status_runs += 1
+                if code == 0 or time.monotonic() > deadline:
+                    break
+        t_end = time.monotonic()
+        done.total_s = t_end - t0
+        done.ok = code == 0 and f"domain {job}: UP" in out
+        if not done.ok:
+            done.problem = f"exit {code}: {' '.join(out.split())[-300:]}"
+        # What the bus saw: the spec, then every node's report ready in the job's domain.
+        spec_at = min((at for at, d in self.monitor.specs if d == job and at >= t0), default=None)
+        ready_at: dict[str, float] = {}
+        for at, report in self.monitor.report_log:
+            node = str(report.get("node"))
+            if at >= t0 and report.get("domain") == job and report.get("ready") is True:
+                ready_at.setdefault(node, at)
+        if spec_at is not None:
+            done.spec_s = spec_at - t0
+            if len(ready_at) == self.n:
+                done.ready_s = max(ready_at.values()) - spec_at
+        self.refresh()
+        done.starts = [n.daemon_starts(t0, t_end) for n in self.nodes]
+        done.sigusr1 = sum(self.reloads(t0, t_end).values())
+        return done
+
+    async def _job_delete(self, job: str, env: Mapping[str, str]) -> None:
+        """`imexd domain delete`, then until no record of the job is on the bus and every
+        agent is ready (idle) again and quiet."""
+        code, out = await run_command(
+            [str(IMEXD), "domain", "delete", job, "--timeout", "30"], env, 60
+        )
+        if code != 0:
+            self.log(f"{job}: domain delete exited {code}: {out.strip()[-300:]}")
+        deadline = time.monotonic() + 60
+        while True:
+            records = [
+                rec
+                for _, rec in self.monitor.records.values()
+                if rec is not None and rec.get("domain") == job
+            ]
+            ready = [await n.is_ready() for n in self.nodes]
+            if not records and all(ready):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"{job}: {len(records)} records left, not idle after delete")
+            await asyncio.sleep(0.1)
+        await self.quiesce()
+
+    def _job_figures(self, rounds: Mapping[str, list[JobRound]]) -> None:
+        r = self.result
+        target = JOB_START_TARGET_S if self.n == JOB_START_TARGET_N else None
+        for form, done in rounds.items():
+            if not done:
+                continue
+            what = JOB_FORMS[form]
+            totals = [d.total_s for d in done]
+            failed = [d.problem for d in done if not d.ok]
+            over = sum(1 for t in totals if target is not None and t > target)
+            r.add(
+                f"job start ({form}): create -> status exit 0",
+                statistics.median(totals),
+                target=f"<= {target:g} s, every round" if target is not None else "",
+                ok=None if target is None else not failed and over == 0,
+                note=f"{what}; min {min(totals):.3f} / median {statistics.median(totals):.3f} / "
+                f"max {max(totals):.3f} s over {len(done)} rounds"
+                + (f"; {over} over target" if over else "")
+                + (f"; FAILED: {failed[0]}" if failed else ""),
+            )
+            if form == "commands":
+                r.add(
+                    f"job start ({form}): the create process",
+                    statistics.median(d.create_s or 0.0 for d in done),
+                    note=_spread([d.create_s or 0.0 for d in done])
+                    + " (Python start-up, connect, retained snapshot, publish)",
+                )
+                r.add(
+                    f"job start ({form}): the status process(es)",
+                    statistics.median(d.status_s for d in done),
+                    note=_spread([d.status_s for d in done])
+                    + f"; status runs per round: {[d.status_runs for d in done]}",
+                )
+            spec = [d.spec_s for d in done if d.spec_s is not None]
+            ready = [d.ready_s for d in done if d.ready_s is not None]
+            r.add(
+                f"job start ({form}): start -> spec on the bus",
+                statistics.median(spec) if spec else None,
+                note=_spread(spec) + " (the create process up to its publish)",
+            )
+            r.add(
+                f"job start ({form}): spec -> every node's report ready",
+                statistics.median(ready) if ready else None,
+                note=_spread(ready)
+                + " (the agents' work, at the bench's subscriber)"
+                + (
+                    ""
+                    if len(ready) == len(done)
+                    else f"; not all ready in {len(done) - len(ready)}"
+                ),
+            )
+            if self.daemons:
+                starts = [s for d in done for s in d.starts]
+                r.add(
+                    f"job start ({form}): daemon starts per node per round (max)",
+                    max(starts, default=0),
+                    "count",
+                    target="exactly 1",
+                    ok=bool(starts) and all(s == 1 for s in starts),
+                    note=f"min {min(starts, default=0)}",
+                )
+                r.add(
+                    f"job start ({form}): SIGUSR1 per round (all nodes, max)",
+                    max(d.sigusr1 for d in done),
+                    "count",
+                    target="0",
+                    ok=all(d.sigusr1 == 0 for d in done),
+                )
 
     def daemon_processes(self) -> list[psutil.Process]:
         """The simulated daemons of this run that are alive now."""
@@ -1172,12 +1689,15 @@ class Run:
         c0, m0 = proc.cpu_times(), me.cpu_times()
         daemons = self.daemon_processes()
         d0 = cpu_seconds(daemons)
+        agents = [a for a in self.agent_processes() if a.pid != proc.pid]
+        a0 = cpu_seconds(agents)
         rss: list[int] = []
         while time.monotonic() - t0 < self.opts.idle_s:
             rss.append(proc.memory_info().rss)
             await asyncio.sleep(1.0)
         c1, m1 = proc.cpu_times(), me.cpu_times()
         d1 = cpu_seconds(daemons)
+        a1 = cpu_seconds(agents)
         elapsed = time.monotonic() - t0
         rss.append(proc.memory_info().rss)
         own = (c1.user + c1.system - c0.user - c0.system) / elapsed * 100
@@ -1191,16 +1711,27 @@ class Run:
             note=f"over {elapsed:.0f} s; + ctl probes it ran: {kids / elapsed * 100:.2f} % core "
             "(the simulator's ctl is a Python program)",
         )
-        bench = (m1.user + m1.system - m0.user - m0.system) / elapsed * 100
-        alive = sum(1 for n in self.nodes if n.alive)
-        r.add(
-            "in-process agents idle CPU, per agent",
-            bench / max(alive, 1),
-            "% core",
-            note=f"{alive} agents in this process: {bench:.1f} % core in all",
-        )
+        if self.processes:
+            spent_agents = sum(a1.get(pid, 0.0) - a0.get(pid, 0.0) for pid in a1 if pid in a0)
+            pct = spent_agents / elapsed * 100
+            r.add(
+                "other agent processes idle CPU, per agent",
+                pct / max(len(a1), 1),
+                "% core",
+                note=f"{len(a1)} agent processes: {pct:.1f} % core in all, their ctl probes not "
+                "included",
+            )
+        else:
+            bench = (m1.user + m1.system - m0.user - m0.system) / elapsed * 100
+            alive = sum(1 for n in self.nodes if n.alive)
+            r.add(
+                "in-process agents idle CPU, per agent",
+                bench / max(alive, 1),
+                "% core",
+                note=f"{alive} agents in this process: {bench:.1f} % core in all",
+            )
         probes = m1.children_user + m1.children_system - m0.children_user - m0.children_system
-        if self.daemons:
+        if self.daemons and not self.processes:
             r.add(
                 "idle: ctl probes of the in-process agents",
                 max(0.0, probes) / elapsed * 100,
@@ -1208,6 +1739,7 @@ class Run:
                 note="`imexd-sim-ctl -q` every probe_interval_s, `-N -j` every "
                 "domain_probe_interval_s, per agent (Python start-up each time)",
             )
+        if self.daemons:
             spent = sum(d1.get(pid, 0.0) - d0.get(pid, 0.0) for pid in d1 if pid in d0)
             r.add(
                 "idle: simulated daemons",
@@ -1232,21 +1764,26 @@ class Run:
     async def close(self) -> None:
         """End the agents gracefully (bounded), then every process of the run."""
         for node in self.nodes:
-            node.stop.set()
-        tasks = [n.task for n in self.nodes if n.task is not None and not n.task.done()]
+            node.leave()
+        inproc = [n for n in self.nodes if isinstance(n, InProcNode)]
+        tasks = [n.task for n in inproc if n.task is not None and not n.task.done()]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=25)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=5)
-        for node in self.nodes:
+        for node in inproc:
             if node.task is not None and node.task.done() and not node.task.cancelled():
                 exc = node.task.exception()
                 if exc is not None and not self.result.error:
                     self.result.error = f"agent {node.name} failed: {exc!r}"
-        if self.proc is not None:
-            self.proc.kill()
+        deadline = time.monotonic() + 25
+        for node in self.all_nodes():
+            if isinstance(node, ProcNode):
+                if node in self.nodes:
+                    await node.exited(max(0.1, deadline - time.monotonic()))
+                node.kill()
         for helper in (self._monitor_task, self._lag_task):
             if helper is not None:
                 helper.cancel()
@@ -1274,8 +1811,15 @@ def machine() -> str:
     )
 
 
+def describe_run(daemons: bool, agents: str, kind: str) -> str:
+    mode = "simulated daemons" if daemons else 'no daemons (clique "")'
+    who = "agents as `imexd run` processes" if agents == "process" else "agents in process"
+    what = "job start" if kind == "jobstart" else "formation, leave, join, idle, crash"
+    return f"{mode}, {who}: {what}"
+
+
 def print_result(result: Result) -> None:
-    mode = "simulated daemons" if result.daemons else 'no daemons (clique "")'
+    mode = describe_run(result.daemons, result.agents, result.kind)
     print(f"\nN = {result.n}, {mode}; {result.load}")
     if result.error:
         print(f"  ERROR: {result.error}")
@@ -1288,11 +1832,11 @@ def print_result(result: Result) -> None:
 def print_summary(results: Sequence[Result]) -> None:
     """Per (mode, N) and figure with a target: the median of the repeats, and the verdicts."""
     print("\nSummary (median of the repeats; verdicts of every repeat)")
-    keys: dict[tuple[bool, int], list[Result]] = {}
+    keys: dict[tuple[str, str, bool, int], list[Result]] = {}
     for r in results:
-        keys.setdefault((r.daemons, r.n), []).append(r)
-    for (daemons, n), runs in keys.items():
-        print(f"  N = {n}, {'simulated daemons' if daemons else 'no daemons'}, {len(runs)} run(s)")
+        keys.setdefault((r.kind, r.agents, r.daemons, r.n), []).append(r)
+    for (kind, agents, daemons, n), runs in keys.items():
+        print(f"  N = {n}, {describe_run(daemons, agents, kind)}, {len(runs)} run(s)")
         names = [f.name for f in runs[0].figures if f.ok is not None or f.unit == "s"]
         for name in names:
             figs = [f for r in runs for f in r.figures if f.name == name]
@@ -1303,7 +1847,7 @@ def print_summary(results: Sequence[Result]) -> None:
             shown = Figure(name, median, figs[0].unit).shown()
             spread = f"({min(values):.3f}..{max(values):.3f})" if len(values) > 1 else ""
             verdicts = " ".join(f.verdict for f in figs if f.verdict)
-            print(f"    {name:<52} {shown:>12} {spread:<16} {figs[0].target:<28} {verdicts}")
+            print(f"    {name:<60} {shown:>12} {spread:<16} {figs[0].target:<28} {verdicts}")
 
 
 # Main ----------------------------------------------------------------------------------
@@ -1333,28 +1877,58 @@ async def bench(opts: Options, base: Path, log_out: TextIO) -> list[Result]:
     for daemons in opts.daemons:
         for n in opts.nodes:
             for _ in range(opts.repeat):
-                index += 1
-                if opts.max_load is not None:
-                    await wait_for_load(opts.max_load, 300.0)
-                root = base / f"run{index}-{'sim' if daemons else 'none'}-{n}"
-                root.mkdir(parents=True)
-                run = Run(opts, n, daemons=daemons, root=root, octet=octet)
-                configure_capture(run.capture, log_out)
-                print(f"\nrun {index}: N = {n}, daemons {'sim' if daemons else 'none'}", flush=True)
-                try:
-                    await run.execute()
-                except (BenchError, TimeoutError) as exc:
-                    run.result.error = str(exc) or type(exc).__name__
-                    run.log(f"FAILED: {run.result.error}")
-                finally:
-                    await run.close()
-                print_result(run.result)
-                capture_runs.append(run.result)
-                if run.result.anomalous:
-                    print(f"  kept {root} and {base / 'agents.log'} to investigate")
-                elif not opts.keep:
-                    shutil.rmtree(root, ignore_errors=True)
+                for kind in opts.phases:
+                    index += 1
+                    result = await one_run(
+                        opts,
+                        n=n,
+                        daemons=daemons,
+                        kind=kind,
+                        base=base,
+                        index=index,
+                        octet=octet,
+                        log_out=log_out,
+                    )
+                    capture_runs.append(result)
     return capture_runs
+
+
+async def one_run(
+    opts: Options,
+    *,
+    n: int,
+    daemons: bool,
+    kind: str,
+    base: Path,
+    index: int,
+    octet: int,
+    log_out: TextIO,
+) -> Result:
+    """One run of one benchmark (`kind`) in its own work folder with its own broker."""
+    if opts.max_load is not None:
+        await wait_for_load(opts.max_load, 300.0)
+    root = base / f"run{index}-{kind}-{opts.agents}-{'sim' if daemons else 'none'}-{n}"
+    root.mkdir(parents=True)
+    run = Run(opts, n, daemons=daemons, root=root, octet=octet)
+    run.result.kind = kind
+    configure_capture(run.capture, log_out)
+    print(f"\nrun {index}: N = {n}, {describe_run(daemons, opts.agents, kind)}", flush=True)
+    try:
+        if kind == "jobstart":
+            await run.execute_job_start()
+        else:
+            await run.execute()
+    except (BenchError, TimeoutError) as exc:
+        run.result.error = str(exc) or type(exc).__name__
+        run.log(f"FAILED: {run.result.error}")
+    finally:
+        await run.close()
+    print_result(run.result)
+    if run.result.anomalous:
+        print(f"  kept {root} and {base / 'agents.log'} to investigate")
+    elif not opts.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return run.result
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -1397,6 +1971,32 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="[daemon] domain_probe_interval_s of the agents (default: the shipped 15 s)",
     )
     parser.add_argument(
+        "--agents",
+        choices=("inproc", "process"),
+        default="inproc",
+        help="inproc: N agents in this process (default); process: N `imexd run` processes",
+    )
+    parser.add_argument(
+        "--timings",
+        choices=("shipped", "fast"),
+        default=None,
+        help="the agents' settings: the shipped defaults, or imexd.demo.timings.FAST "
+        "(default: shipped in process, fast as processes)",
+    )
+    parser.add_argument(
+        "--phases",
+        default="domain,jobstart",
+        help="comma-separated: domain (formation, leave, join, idle, crash), jobstart "
+        "(default both)",
+    )
+    parser.add_argument("--job-rounds", type=int, default=3, help="job start rounds per form (3)")
+    parser.add_argument(
+        "--job-wait-s",
+        type=float,
+        default=60.0,
+        help="job start: `domain status --wait` seconds, and the bound of a round (60)",
+    )
+    parser.add_argument(
         "--max-load",
         type=float,
         default=None,
@@ -1413,6 +2013,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     if args.group_size < 2 or args.group_size > args.max_nodes:
         parser.error("--group-size: expected 2..max_nodes")
     daemons = {"sim": (True,), "none": (False,), "both": (True, False)}[args.daemons]
+    phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    if not phases or set(phases) - {"domain", "jobstart"}:
+        parser.error(f"--phases {args.phases!r}: expected domain, jobstart or both")
+    timings = args.timings or ("fast" if args.agents == "process" else "shipped")
     return Options(
         nodes=nodes,
         daemons=daemons,
@@ -1428,6 +2032,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         max_load=args.max_load,
         probe_interval_s=args.probe_interval_s,
         domain_probe_interval_s=args.domain_probe_interval_s,
+        agents=args.agents,
+        timings=timings,
+        phases=phases,
+        job_rounds=max(1, args.job_rounds),
+        job_wait_s=args.job_wait_s,
     )
 
 
@@ -1441,9 +2050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"work folder: {base}")
     print(
         "settings changed from the defaults: per-node name/address/clique/dirs/hosts file, "
-        f"[domain] name, [bus] url, [imex] binary/ctl = simulator, [health] listen; "
-        f"[bus] will_delay_s = {opts.will_delay_s:g}; max_nodes {opts.max_nodes}, "
-        f"groups of {opts.group_size}"
+        "[domain] name, [bus] url, [imex] binary/ctl = simulator, [health] listen; "
+        + ("the fast timings of imexd.demo.timings.FAST; " if opts.timings == "fast" else "")
+        + f"[bus] will_delay_s = {opts.will_delay_s:g}; max_nodes {opts.max_nodes}, "
+        f"groups of {opts.group_size}; agents {opts.agents}"
         + (
             f"; [daemon] probe_interval_s = {opts.probe_interval_s:g}"
             if opts.probe_interval_s is not None
@@ -1475,6 +2085,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "n": r.n,
                 "daemons": r.daemons,
+                "agents": r.agents,
+                "kind": r.kind,
                 "error": r.error,
                 "load": r.load,
                 "figures": [f.__dict__ for f in r.figures],
