@@ -1,9 +1,10 @@
 """Slots inside one (domain, clique): who holds which, and what this node does next.
 
 Pure: no I/O, no asyncio, no clocks. The agent keeps the retained member records of
-its (domain, clique) shard, one per node, and calls these functions on every change and
-on the timer that `Decision.wake_at` asks for; time comes in as `now` (monotonic) and
-`wall_now` (wall clock, for settle stamps).
+its (domain, clique) shard, one per node, and calls these functions on every change
+(and once a second); time comes in as `now` (monotonic) and `wall_now` (wall clock, for
+settle stamps). The one fact from the wire that records cannot carry, where the node's
+own claim came back relative to the others' records, comes in as an `Echo`.
 
 The conflict rule (`resolve`)
     Only `claiming` and `member` records with a slot below max_nodes compete. On each
@@ -13,56 +14,90 @@ The conflict rule (`resolve`)
          more than FUTURE_STAMP_S (30 s) ahead of the caller's wall clock;
       3. claims;
     and the node name breaks every tie. A member beats a claim; between two claims the
-    lower name wins. The rank is a total order over the records of distinct nodes, so
-    every node that holds the same records computes the same map, whatever order they
-    arrived in. A DomainSpec that lists nodes is an allow-list: records of other nodes
-    take no part; nor do standby and leaving records, nor claims the caller found stale
-    (`stale_claims`: a live claim settles or moves within a settle window, so one that
+    lower name wins the map, which only shapes preferences (who looks for a free slot);
+    whether a node's own claim settles is the broker's order (`step`, below). The rank
+    is a total order over the records of distinct nodes, so every node that holds the
+    same records computes the same map, whatever order they arrived in. A DomainSpec
+    that lists nodes is an allow-list: records of other nodes take no part; nor do
+    standby and leaving records, nor claims the caller found stale (`stale_claims`: a
+    live claim settles or moves within a round trip through the broker, so one that
     stands unchanged far longer belongs to a dead or broken agent, or to nobody).
 
 Claiming (`step`)
     After the retained snapshot a node publishes `claiming` for its preferred slot. The
-    claim settles into `member` once the node's own record came back from the broker
-    (so the broker holds it and every subscriber will receive it) and `settle_s` passed
-    with no record on the slot that beats it. Only then does the agent start its daemon.
-    A claim that is beaten is given up at once for another slot; a node that finds no
-    slot waits as `standby` and claims again when a slot frees. A member never yields to
-    a claim: it yields only to a member that ranks first on the same slot, which exists only
-    when both sides of a partition settled it.
+    claim is settled by a barrier, not a clock: the moment the node's own claim comes back
+    live from the broker (its echo, `Echo`), it becomes `member` if no competing record (a
+    member, or a claim of another allowed node that is not stale) stands on the slot in
+    its view at that moment, and gives the slot up at once otherwise. A competing record
+    that reaches it before the echo gives the slot up at once too. Only a member starts
+    its daemon. A node that finds no slot waits as `standby` and claims again when a slot
+    frees. A member never yields to a claim: it yields only to a member that ranks first
+    on the same slot, which exists only when both sides of a partition settled it.
 
 Which slot (`preferred_slot`)
     A slot is *owned* by right when it is the node's position in the spec's list, or
     (without such a position) its previous slot from the state dir. A node claims an
-    owned slot unless a record there would beat its claim (a member, or a lower-named
-    claim): it pre-empts higher-named claims, because the list is authoritative and a
-    previous slot may still carry a running daemon the agent wants to adopt. Any other
-    slot is taken only when nobody holds it at all, so newcomers never disturb claims in
-    flight. Those *free* slots are dealt out by rank: the nodes looking for one (losers
-    of a conflict, standby nodes, and this node), sorted by name, take the free slots in
-    order. Nodes that see the same records thus pick distinct slots, and eight nodes
-    started at once need two claim rounds, not eight. Slots that a spec reserves for a
-    listed node that holds nothing yet are not free to others, so list positions survive
-    and edits of the list never cascade.
+    owned slot only when no competing record stands there: a claim on a slot that holds
+    one would lose to it (it was accepted first), so pre-empting one only costs a round.
+    Any other slot is taken only when nobody holds it at all, so newcomers never disturb
+    claims in flight. Those *free* slots are dealt out by rank: the nodes looking for one
+    (losers of a conflict, standby nodes, and this node), sorted by name, take the free
+    slots in order. Nodes that see the same records thus pick distinct slots, and eight
+    nodes started at once need a few claim rounds, not eight. Slots that a spec reserves
+    for a listed node that holds nothing yet are not free to others, so list positions
+    survive and edits of the list never cascade. Names only shape these preferences (how
+    likely two claims meet); who wins a slot is the broker's order below.
+
+Why two members never share a slot (one broker, any delivery delay)
+    Assumption: the broker forwards the messages of our shard to each session in the
+    order it accepted them, across topics and publishers, and queues the retained
+    messages a SUBSCRIBE matches before anything the same connection publishes after it.
+    MQTT itself promises only per-topic order per publisher (MQTT-4.6.0-6); Mosquitto
+    gives the stronger order because it is one thread that appends every accepted PUBLISH
+    to each matching session's queue at once and sends each queue in order on a fresh
+    connection (out of order only for the retransmissions of a resumed session, which
+    precede everything new on the new link, and for messages dropped when a session's
+    queue passes `max_queued_messages`: a gap we assume away). imexd.bus relies on the
+    same order for its snapshot ping. Another broker must be checked for it.
+    Then a node's view at the live echo of its claim C is exactly the broker's retained
+    state of the shard at the moment it accepted C (every record accepted before C was
+    delivered before the echo, nothing accepted after it was), as long as the claim was
+    the last record the node published (`ShardView` counts its publications in flight, so
+    an older identical echo is not mistaken for C's). Say A and B settle slot s with
+    claims accepted at tA < tB. From tA on, A's record stands on s without a break: the
+    claim, then A's member record; A publishes nothing else while it holds s. So the
+    broker's state at tB holds A's record on s, B sees it at its echo and does not
+    settle: a contradiction, whatever the delays. Rival claims are ordered by the broker,
+    not by name: one that reaches me before my echo was accepted before my claim and
+    beats it; one that reaches me after my echo was accepted after it, sees my claim (or
+    my member record) at its own echo, and loses. Progress: a claim accepted while no
+    competing record stands on its slot settles, so each round of rivals for a free slot
+    ends with one member; the losers move at once, and free slots are dealt by rank.
+
+What still needs a clock
+    - A reconnect. The old link's echoes are gone and the new link's retained snapshot
+      comes in no particular order among itself, so a claim in flight is re-published
+      after the new link's snapshot and waits for that new echo: a rival in the snapshot
+      then counts as earlier. Two nodes that both reconnect may both lose a round, never
+      both win. No clock is involved, but the echo may take as long as the reconnect.
+    - Stale claims (`claim_stale_s`): a claim that stands unchanged that long stops
+      counting, which assumes a live claimant settles or moves well within it (one round
+      trip). Two nodes that disagree on staleness near the limit can both settle.
+    - Healed partitions and a broker that lost its retained state: each side settled
+      without the other's record, so two members meet; the `settled` stamps below (wall
+      clocks, believed within FUTURE_STAMP_S) pick the survivor.
+    - A spec edit that drops a member from the list while another claims its slot: the
+      dropped node stops its daemon when it reads the new spec, not before.
 
 Why it converges
-    Nothing depends on who arrived first, and every preference is a fixed order over
-    node names, so no two nodes can push each other back and forth: a pre-empted claim
-    was higher-named and the pre-empting one keeps its slot. Once the records stop
-    changing from outside, the lowest-named claim in the shard is beaten by nothing but
-    a member, so it settles or moves, within one delivery delay, to a slot no member
-    holds; members are never displaced, so each claim round adds at least one member
-    until the slots or the claimants run out, and the standby nodes are woken by the
-    record change that frees a slot. The ranking of free slots makes the usual case far
-    better than that bound: in the simulator of tests/test_membership.py a group of any
-    size settles within two rounds of the last join, leave or crash.
-
-Why a member never moves
-    If every record reaches every subscriber within D seconds and `settle_s` > 2 D, a
-    claim that would beat a settling claim is seen before the settle window ends, and a
-    claim published after that sees the new member record before its own window ends,
-    and loses to it (a member beats a claim). Two honest members therefore meet on one
-    slot only after a partition (or a broker that lost its retained state): each side
-    settled the slot while it could not see the other.
+    Once the records stop changing from outside, a claim accepted while no competing
+    record stands on its slot settles within one round trip, and a node that sees a
+    competing record on its slot moves at once to a slot where none stands. Members are
+    never displaced by claims, so each claim round adds at least one member until the
+    slots or the claimants run out, and the standby nodes are woken by the record change
+    that frees a slot. In the simulator of tests/test_membership.py (one broker, any
+    delivery delay, per-session order) a group settles within a few rounds of the last
+    join, leave or crash.
 
 Who survives a healed partition, and why both sides agree
     Each member carries `settled`, its wall clock when its claim settled, unchanged for
@@ -136,7 +171,7 @@ class Reason(StrEnum):
     """Our own member record was still retained (agent restart): kept as is."""
     CLAIMED = "Claimed"
     WAITING_FOR_ECHO = "WaitingForEcho"
-    SETTLE_WINDOW = "SettleWindow"
+    """Our claim has not come back live from the broker yet (its echo settles it)."""
     LOST_CONFLICT = "LostConflict"
     PARTITION_HEALED = "PartitionHealed"
     DOMAIN_FULL = "DomainFull"
@@ -182,6 +217,20 @@ class ClaimState:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Echo:
+    """The barrier of one claim: what stood on its slot when the claim came back live.
+
+    Taken (`barrier`) by whoever reads the bus in order, at the moment the live echo of
+    the last record this node published arrives, from the records as they stand then;
+    the records that arrive later were accepted after our claim and cannot beat it.
+    """
+
+    slot: int
+    rival: MemberRecord | None
+    """The competing record on the slot at that moment (None: the slot was ours)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     """The outcome of one `step`: the state to keep, and whether to publish it."""
 
@@ -193,8 +242,6 @@ class Decision:
     """We are a member: the agent may write our slot and start the daemon."""
     reason: Reason
     message: str
-    wake_at: float | None
-    """Call `step` again at this time even if no record changes (None: only on changes)."""
     view: SlotMap
     """The other nodes' records as this step resolved them (our own left out): with our
     own slot when `settled`, the members the files list (`members`)."""
@@ -202,8 +249,9 @@ class Decision:
     def members(self, address: str) -> dict[int, tuple[str, str]]:
         """slot -> (node, address) of the settled members, ours (at `address`) included.
 
-        Our settled slot is ours in the full resolution too (`step` settles only a claim
-        that no record on the slot beats), so the others' view needs no second `resolve`.
+        Our settled slot is ours in the full resolution too (`step` settles only when no
+        member that beats ours stands on the slot, and a member beats every claim), so
+        the others' view needs no second `resolve`.
         """
         out = {slot: (r.node, r.address) for slot, r in self.view.members.items()}
         if self.settled and self.claim.slot is not None:
@@ -299,11 +347,12 @@ def stale_claims(
 
     `first_seen` maps a node to the (monotonic) time the agent first saw its current
     claiming record, content and all; `now` is on the same clock. A live claim settles
-    or moves within a settle window and an echo, so one that stands far longer belongs to
-    an agent that is gone or broken (or to nobody: a record left behind or forged). Such
-    claims take no part in `resolve`, `preferred_slot` and `step`, so a real node can
-    take their slot. Our own claim (`me`) is never stale. Nodes disagree on this only
-    for the moments around `stale_after_s`, which should be many settle windows.
+    or moves within a round trip through the broker (its echo), so one that stands far
+    longer belongs to an agent that is gone or broken (or to nobody: a record left
+    behind or forged). Such claims take no part in `resolve`, `preferred_slot` and
+    `step`, so a real node can take their slot. Our own claim (`me`) is never stale.
+    Nodes disagree on this only for the moments around `stale_after_s`, which should be
+    many round trips.
     """
     return frozenset(
         r.node
@@ -386,19 +435,24 @@ def preferred_slot(
     return _choose(node, view, spec, previous_slot)
 
 
-def echoed(me: ClaimState, records: Iterable[MemberRecord]) -> bool:
-    """Whether the broker sent back exactly what we published (this incarnation).
+def barrier(
+    node: str,
+    slot: int,
+    records: Iterable[MemberRecord],
+    *,
+    max_nodes: int,
+    spec: DomainSpec | None = None,
+    stale: frozenset[str] = frozenset(),
+) -> Echo:
+    """The verdict on `node`'s claim of `slot` at the moment its live echo arrived.
 
-    The agent also uses it to report PublishRefused when the echo does not come.
+    `records` are the shard's records as they stand at that moment (ours is left out);
+    a competing record on the slot (a member, or a claim of another allowed node that is
+    not in `stale`) was accepted by the broker before our claim, and beats it.
     """
-    own = _latest(records).get(me.node)
-    return (
-        own is not None
-        and own.incarnation == me.incarnation
-        and own.state == me.record_state
-        and own.slot == me.slot
-        and own.released == me.record_released
-    )
+    others = [r for r in records if r.node != node]
+    view = resolve(others, max_nodes=max_nodes, spec=spec, stale=stale - {node})
+    return Echo(slot=slot, rival=view.winners.get(slot))
 
 
 def step(
@@ -406,8 +460,8 @@ def step(
     records: Iterable[MemberRecord],
     *,
     now: float,
-    settle_s: float,
     max_nodes: int,
+    echo: Echo | None = None,
     spec: DomainSpec | None = None,
     previous_slot: int | None = None,
     wall_now: float | None = None,
@@ -416,13 +470,14 @@ def step(
 ) -> Decision:
     """Advance our own claim by one step, from the records of our shard.
 
-    Call it only once the retained snapshot was received, then on every record change
-    and at `wake_at`. `records` may include our own record: it is how the echo is seen.
-    `now` is the agent's monotonic clock (settle windows); `wall_now` its wall clock,
-    which stamps a claim that settles (`ClaimState.settled`) and bounds the stamps of
-    others (None: no stamp is set and every stamp is believed). Claims of nodes in
-    `stale` take no part (ours never is). `release`: give our slot up to a node waiting
-    as standby, and stay standby while it holds (a daemon that cannot run).
+    Call it only once the retained snapshot was received, then on every record change.
+    `echo` is the barrier of our current claim (`barrier`, taken when the last record we
+    published came back live; None: not back yet). `now` is the agent's monotonic clock
+    (the start of a claim); `wall_now` its wall clock, which stamps a claim that settles
+    (`ClaimState.settled`) and bounds the stamps of others (None: no stamp is set and
+    every stamp is believed). Claims of nodes in `stale` take no part (ours never is).
+    `release`: give our slot up to a node waiting as standby, and stay standby while it
+    holds (a daemon that cannot run).
     """
     latest = _latest(records)
     own = latest.pop(me.node, None)
@@ -439,7 +494,6 @@ def step(
         spec=spec,
         previous_slot=previous_slot,
         now=now,
-        settle_s=settle_s,
         wall_now=wall_now,
     )
 
@@ -470,34 +524,7 @@ def step(
         )
 
     if me.phase is Phase.CLAIMING and me.slot is not None:
-        rival = view.winners.get(me.slot)
-        if rival is not None and _beats(rival, MemberState.CLAIMING, me.node):
-            return at.reclaim(
-                Reason.LOST_CONFLICT, f"{rival.state.value} {rival.node} wins slot {me.slot}"
-            )
-        position = _position(me.node, spec, max_nodes)
-        if position is not None and position != me.slot and not _blocked(view, position, me.node):
-            # A spec arrived or changed while we claimed: move to our position while no
-            # daemon runs yet (a member would stay put).
-            return at.claim(position, Reason.CLAIMED, "the spec's position")
-        wake = me.since + settle_s
-        if not echoed(me, [own] if own is not None else []):
-            return at.hold(
-                Phase.CLAIMING,
-                me.slot,
-                Reason.WAITING_FOR_ECHO,
-                f"claim on slot {me.slot} not yet back from the broker",
-                wake_at=wake if wake > now else None,
-            )
-        if now < wake:
-            return at.hold(
-                Phase.CLAIMING,
-                me.slot,
-                Reason.SETTLE_WINDOW,
-                f"claim on slot {me.slot} settles at {wake:.3f}",
-                wake_at=wake,
-            )
-        return at.hold(Phase.MEMBER, me.slot, Reason.SETTLED, f"slot {me.slot}")
+        return _claiming(at, me.slot, echo if echo is not None and echo.slot == me.slot else None)
 
     if (
         me.phase is Phase.NONE
@@ -519,6 +546,46 @@ def step(
         )
 
     return at.reclaim(Reason.CLAIMED, "")
+
+
+def _claiming(at: _Step, slot: int, echo: Echo | None) -> Decision:
+    """The step of a claim in flight on `slot`: wait for its echo, then settle or move."""
+    view = at.view
+    if echo is None:
+        rival = view.winners.get(slot)
+        if rival is not None:
+            # It reached us before our own claim came back: the broker accepted it first.
+            return at.reclaim(
+                Reason.LOST_CONFLICT,
+                f"{rival.state.value} {rival.node} on slot {slot} came before our claim's echo",
+            )
+    position = _position(at.me.node, at.spec, view.max_nodes)
+    if position is not None and position != slot and not _blocked(view, position, at.me.node):
+        # A spec arrived or changed while we claimed: move to our position while no
+        # daemon runs yet (a member would stay put).
+        return at.claim(position, Reason.CLAIMED, "the spec's position")
+    if echo is None:
+        return at.hold(
+            Phase.CLAIMING,
+            slot,
+            Reason.WAITING_FOR_ECHO,
+            f"claim on slot {slot} not yet back from the broker",
+        )
+    if echo.rival is not None:
+        return at.reclaim(
+            Reason.LOST_CONFLICT,
+            f"{echo.rival.state.value} {echo.rival.node} stood on slot {slot} when the "
+            "broker accepted our claim",
+        )
+    late = view.winners.get(slot)
+    if at.beats(late, MemberState.MEMBER, at.wall_now):
+        # A member that settled where we could not see it (a partition, a broker that
+        # lost its state) and ranks before a member stamped now: the slot is its.
+        assert late is not None  # noqa: S101 - beats() is False for None
+        return at.reclaim(
+            Reason.PARTITION_HEALED, f"member {late.node} holds slot {slot} and ranks first"
+        )
+    return at.hold(Phase.MEMBER, slot, Reason.SETTLED, f"slot {slot}")
 
 
 # Internals
@@ -559,8 +626,10 @@ def _beats(
 
 
 def _blocked(view: SlotMap, slot: int, node: str) -> bool:
-    """Whether a claim by `node` on `slot` would lose to another node's record."""
-    return _beats(view.winners.get(slot), MemberState.CLAIMING, node)
+    """Whether a record of another node competes on `slot`: a claim by `node` would lose
+    to it (a member beats a claim, and a claim already there was accepted first)."""
+    held = view.winners.get(slot)
+    return held is not None and held.node != node
 
 
 def _latest(records: Iterable[MemberRecord]) -> dict[str, MemberRecord]:
@@ -629,7 +698,6 @@ class _Step:
     spec: DomainSpec | None
     previous_slot: int | None
     now: float
-    settle_s: float
     wall_now: float | None
 
     def beats(self, rival: MemberRecord | None, state: MemberState, settled: float | None) -> bool:
@@ -643,7 +711,6 @@ class _Step:
         reason: Reason,
         message: str,
         *,
-        wake_at: float | None = None,
         stamp: float | None = None,
     ) -> Decision:
         """Hold (phase, slot): published only when it differs from what we hold now.
@@ -670,12 +737,11 @@ class _Step:
             settled=phase is Phase.MEMBER,
             reason=reason,
             message=message,
-            wake_at=wake_at,
             view=self.view,
         )
 
     def claim(self, slot: int, reason: Reason, message: str) -> Decision:
-        """Publish a fresh claim on `slot` and wake when its settle window ends."""
+        """Publish a fresh claim on `slot`; its echo settles it (`Echo`)."""
         me = self.me
         return Decision(
             claim=ClaimState(
@@ -689,7 +755,6 @@ class _Step:
             settled=False,
             reason=reason,
             message=f"claiming slot {slot}" + (f": {message}" if message else ""),
-            wake_at=self.now + self.settle_s if self.settle_s > 0 else None,
             view=self.view,
         )
 

@@ -15,6 +15,13 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
 - a broker shutdown: it publishes every will at once before dropping the link, so
   deletions just before a link loss are taken back (`DOUBT_S`);
 - claims that never settle: they stop counting after `claim_stale_s`;
+- a claim settled by a stale barrier: the live echo of our own claim settles it (see
+  imexd.membership), so the view counts what we published and is still in flight, takes
+  the barrier (`membership.Echo`) at the echo of the last of it, and after a reconnect
+  re-publishes a claim in flight and waits for the new link's echo;
+- a daemon started before its domain formed: the first start in a shard waits, at most
+  `FIRST_START_WINDOWS` x `[domain] settle_s`, while claims of the shard are in flight
+  or nodes the spec lists are not members yet, so that it starts once with all of them;
 - a second agent running with this node's name: it stands aside (`duplicate`), and a
   record of our name that we did not write is watched before we claim over it.
 """
@@ -32,7 +39,15 @@ import structlog
 from imexd import membership as mb
 from imexd.bus import Connected, ConnectFailed, Disconnected, Event, Synced
 from imexd.facts import Member, MembershipFacts, MembershipState
-from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Mode, Received
+from imexd.messages import (
+    Deleted,
+    DomainSpec,
+    MemberRecord,
+    MemberState,
+    Mode,
+    Received,
+    encode,
+)
 from imexd.reconcile import Desired
 from imexd.settings import Settings
 from imexd.state import NodeState
@@ -44,6 +59,12 @@ CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
 SUSPECT_LOSSES: Final = 2
 """Link losses during the watch of a record of our name that make it a live duplicate."""
+FIRST_START_WINDOWS: Final = 5
+"""The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
+default) for claims in flight and listed nodes that are not members yet. A claim settles
+within a round trip and the nodes of one job are assigned at once, so formation is done
+well within it; a node that is stuck or absent delays the others' start by this much,
+and joins later by SIGUSR1 like any newcomer."""
 
 
 class Identity(StrEnum):
@@ -66,6 +87,8 @@ class Plan:
     decision: mb.Decision | None = None
     """The claim step: publish its record when `publish`, then `commit` the plan."""
     publish: bool = False
+    wake_at: float | None = None
+    """`derive` again at this time even if nothing changes (a first start held)."""
     outbid: bool = False
     """Our incarnation was raised over a record of ours we never saved: save it."""
     mismatch: tuple[str, ...] = ()
@@ -129,6 +152,21 @@ class ShardView:
         self.suspect_until: float | None = None
         """`now` until which a record of our name that we did not write is watched for
         signs of a live agent before we claim over it."""
+        self.in_flight: list[bytes] = []
+        """Our records published on this link (since it synced) whose live echo has not
+        come back yet, oldest first (b"": a clear)."""
+        self.last_sent: MemberRecord | None = None
+        """The record we published last (None: none, or a clear)."""
+        self.echo: mb.Echo | None = None
+        """The barrier of our claim: taken at the live echo of `last_sent`."""
+        self.republish = False
+        """A new link: a claim in flight must be published again and wait for its echo."""
+        self.started = False
+        """The daemon was asked to run in this shard: its first start is behind us."""
+        self.hold_until: float | None = None
+        """`now` until which the first start waits for the shard to form."""
+        self.held = ""
+        """Why the first start waits (empty: it does not)."""
 
     @classmethod
     def from_settings(
@@ -170,6 +208,13 @@ class ShardView:
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
         self.decision = None
         self.wake_at = None
+        self.in_flight.clear()
+        self.last_sent = None
+        self.echo = None
+        self.republish = False
+        self.started = False
+        self.hold_until = None
+        self.held = ""
         if target is not None:
             # Only a snapshot completed after this point covers the new subscriptions.
             self.sync_after = now
@@ -187,6 +232,12 @@ class ShardView:
             self.unconfirmed = set(self.records)
             self.confirm_by = None
             self.synced = False
+            # The old link's echoes are gone, and the new one's snapshot comes in no
+            # particular order: a claim in flight is published again once the snapshot is
+            # in, and settles on that echo only (rivals in the snapshot count as earlier).
+            self.in_flight.clear()
+            self.echo = None
+            self.republish = True
         elif isinstance(event, Disconnected):
             self.synced = False
             self._doubt_recent_deletions(now)
@@ -214,6 +265,8 @@ class ShardView:
                 self.records[ref.node] = payload
                 self.unconfirmed.discard(ref.node)
                 self._track_claim(payload, now)
+                if ref.node == self.node and not event.retained:
+                    self._on_own_echo(encode(payload), now)
                 if (
                     ref.node == self.node
                     and payload.incarnation != self.incarnation
@@ -244,12 +297,60 @@ class ShardView:
             if record is not None and ref.node != self.node:
                 self._remember_deletion(record, now)
             if ref.node == self.node:
+                if not event.retained:
+                    self._on_own_echo(b"", now)
                 self.own_cleared = self.published
                 if self.duplicate:
                     return self._duplicate_gone()
         elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
             self.spec = None
         return None
+
+    def sending(self, record: MemberRecord | None) -> None:
+        """We publish `record` on our member topic now (None: clear ours).
+
+        Call it before the publish, so that its echo cannot come first. A new record
+        voids the barrier of the one before.
+        """
+        self.in_flight.append(b"" if record is None else encode(record))
+        self.last_sent = record
+        self.echo = None
+        self.republish = False
+
+    def _on_own_echo(self, data: bytes, now: float) -> None:
+        """A live copy of our own record came back: the barrier of our claim, if it is the
+        echo of the last thing we published.
+
+        The broker forwards our publications back in the order we sent them; an echo of
+        an older publication with the same bytes (a slot claimed, left and claimed again)
+        is not our claim's echo: what stood on the slot in between may differ.
+        """
+        if data not in self.in_flight:
+            return  # of a previous link, or a replay before this link synced
+        del self.in_flight[: self.in_flight.index(data) + 1]
+        record = self.last_sent
+        if self.in_flight or record is None or record.state is not MemberState.CLAIMING:
+            return
+        if record.slot is None:
+            return
+        self.echo = mb.barrier(
+            self.node,
+            record.slot,
+            self.records.values(),
+            max_nodes=self.max_nodes,
+            spec=self.spec,
+            stale=self._stale(now),
+        )
+
+    def _stale(self, now: float) -> frozenset[str]:
+        """The peers whose claims stood unchanged for claim_stale_s (they do not count)."""
+        return mb.stale_claims(
+            self.records.values(),
+            {node: at for node, (_, at) in self.claims_seen.items()},
+            now=now,
+            stale_after_s=self.claim_stale_s,
+            me=self.node,
+        )
 
     def _remember_deletion(self, record: MemberRecord, now: float) -> None:
         self.deleted = {
@@ -391,19 +492,13 @@ class ShardView:
             self.claim = replace(self.claim, incarnation=self.incarnation)
             outbid = True
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
-        stale = mb.stale_claims(
-            self.records.values(),
-            {node: at for node, (_, at) in self.claims_seen.items()},
-            now=now,
-            stale_after_s=self.claim_stale_s,
-            me=self.node,
-        )
+        stale = self._stale(now)
         decision = mb.step(
             self.claim,
             self.records.values(),
             now=now,
             wall_now=wall_now,
-            settle_s=self.settle_s,
+            echo=self.echo,
             max_nodes=self.max_nodes,
             spec=self.spec,
             previous_slot=previous,
@@ -434,6 +529,11 @@ class ShardView:
         # node list is fixed already, and the peers that agree with it would lose it
         # (and the jobs using it) because of one misconfigured newcomer.
         run = decision.settled and clique != "" and (not (mismatch or detail) or running)
+        self.started = self.started or running
+        wake_at = self._hold_first_start(now, decision, stale) if run else None
+        run = run and wake_at is None
+        self.started = self.started or run
+        claiming = decision.claim.phase is mb.Phase.CLAIMING
         return Plan(
             desired=Desired(
                 domain=domain,
@@ -444,11 +544,71 @@ class ShardView:
             ),
             decision=decision,
             publish=decision.publish
-            or (self.own_cleared and decision.claim.record_state is not None),
+            or (self.own_cleared and decision.claim.record_state is not None)
+            or (self.republish and claiming),
+            wake_at=wake_at,
             outbid=outbid,
             mismatch=mismatch,
             mismatch_detail=detail,
         )
+
+    def _hold_first_start(
+        self, now: float, decision: mb.Decision, stale: frozenset[str]
+    ) -> float | None:
+        """Until when the first daemon start in this shard waits (None: start now).
+
+        It waits while the shard still forms: claims of other allowed nodes in flight
+        (not stale), or nodes that the spec lists (within max_nodes) not members yet;
+        at most FIRST_START_WINDOWS x settle_s from the first time it could start, so a
+        stuck or absent node cannot block it. Joins after the start are SIGUSR1s.
+        """
+        if self.started:
+            return None
+        spec = self.spec
+        claims = sorted(
+            r.node
+            for r in self.records.values()
+            if r.node != self.node
+            and r.state is MemberState.CLAIMING
+            and r.node not in stale
+            and mb.allowed(r.node, spec)
+            and r.slot is not None
+            and r.slot < self.max_nodes
+        )
+        members = {node for node, _ in decision.members(self.address).values()}
+        listed = spec.nodes[: self.max_nodes] if spec is not None and spec.nodes else []
+        absent = sorted(n for n in listed if n not in members)
+        if not claims and not absent:
+            self._end_hold("formed")
+            return None
+        if self.hold_until is None:
+            self.hold_until = now + FIRST_START_WINDOWS * self.settle_s
+        if now >= self.hold_until:
+            self._end_hold("bound reached", claiming=claims, not_members=absent)
+            return None
+        held = "daemon start waits for the shard to form: " + "; ".join(
+            part
+            for part in (
+                f"claims in flight ({', '.join(claims)})" if claims else "",
+                f"listed nodes not members yet ({', '.join(absent)})" if absent else "",
+            )
+            if part
+        )
+        if held != self.held:
+            self.log.info(
+                "membership.first_start_held",
+                claiming=claims,
+                not_members=absent,
+                until_s=round(self.hold_until - now, 3),
+            )
+        self.held = held
+        return self.hold_until
+
+    def _end_hold(self, why: str, **detail: list[str]) -> None:
+        if self.hold_until is not None:
+            self.log.info("membership.first_start_released", why=why, **detail)
+        self.hold_until = None
+        self.held = ""
 
     def record(self, claim: mb.ClaimState, *, driver: str) -> MemberRecord | None:
         """The record `claim` publishes in the current shard (None: clear ours)."""
@@ -489,7 +649,7 @@ class ShardView:
             )
         self.claim = decision.claim
         self.decision = decision
-        self.wake_at = decision.wake_at
+        self.wake_at = plan.wake_at
         self.mismatch = plan.mismatch
         self.mismatch_detail = plan.mismatch_detail
 
@@ -604,4 +764,5 @@ class ShardView:
             if phase is mb.Phase.CLAIMING
             else "none"
         )
-        return replace(base, state=state, detail=decision.message if decision else "")
+        detail = self.held or (decision.message if decision else "")
+        return replace(base, state=state, detail=detail)

@@ -20,9 +20,10 @@ from imexd.messages import (
     Received,
     TopicRef,
 )
-from imexd.shard import DOUBT_S, Identity, Plan, ShardView
+from imexd.shard import DOUBT_S, FIRST_START_WINDOWS, Identity, Plan, ShardView
 from imexd.state import NodeState
 
+CLAIMING = MemberState.CLAIMING
 ME = "n1"
 MY_ADDRESS = "10.0.0.1"
 DOMAIN, CLIQUE = "d1", "c1"
@@ -93,6 +94,7 @@ def publish(v: ShardView, plan: Plan, now: float) -> None:
     """What the agent does with a plan: publish (the broker echoes it), then commit."""
     if plan.decision is not None and plan.publish:
         record = v.record(plan.decision.claim, driver="")
+        v.sending(record)
         v.published = v.published or record is not None
         v.own_cleared = False
         if record is not None:
@@ -119,7 +121,7 @@ def test_nothing_is_derived_before_the_snapshot() -> None:
 
 
 def test_a_lone_node_claims_then_settles_and_runs() -> None:
-    """The first step publishes a claim; after the echo and settle_s it is a member."""
+    """The first step publishes a claim; its live echo makes it a member."""
     v = view()
     first = derive(v, 0.0)
     assert first.decision is not None
@@ -306,3 +308,162 @@ def test_our_cleared_record_is_published_again() -> None:
     v.apply(deleted(ME), 3.0)
     assert v.own_cleared
     assert derive(v, 3.0).publish
+
+
+# The barrier: our claim settles at its own live echo, by the broker's order.
+
+
+def claim(v: ShardView, now: float) -> MemberRecord:
+    """Derive and publish the first claim, without its echo; the record sent."""
+    plan = derive(v, now)
+    assert plan.decision is not None
+    assert plan.publish
+    record = v.record(plan.decision.claim, driver="")
+    assert record is not None
+    v.sending(record)
+    v.published = True
+    v.commit(plan)
+    return record
+
+
+def slot_phase(v: ShardView, now: float) -> tuple[int | None, mb.Phase, bool]:
+    """Step (and publish what the step asks, without its echo): our slot and phase."""
+    plan = derive(v, now)
+    if plan.decision is not None and plan.publish:
+        record = v.record(plan.decision.claim, driver="")
+        v.sending(record)
+    v.commit(plan)
+    return v.claim.slot, v.claim.phase, bool(plan.desired and plan.desired.run)
+
+
+def test_a_rival_claim_before_my_echo_beats_me_even_with_a_higher_name() -> None:
+    """n9's claim on our slot reached us before our echo: the broker accepted it first."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.1)
+    v.apply(received(mine, retained=False), 0.2)
+    slot, phase, _ = slot_phase(v, 0.2)
+    assert (phase, slot) == (mb.Phase.CLAIMING, 1)
+    assert v.decision is not None
+    assert v.decision.reason is mb.Reason.LOST_CONFLICT
+
+
+def test_a_rival_claim_after_my_echo_loses_even_with_a_lower_name() -> None:
+    """n0's claim on our slot came after our echo: accepted after ours, it cannot win."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(received(mine, retained=False), 0.1)
+    v.apply(received(rec("n0", mine.slot, CLAIMING), retained=False), 0.1)
+    slot, phase, _ = slot_phase(v, 0.2)
+    assert (phase, slot) == (mb.Phase.MEMBER, mine.slot)
+
+
+def test_a_retained_copy_of_my_claim_is_no_echo() -> None:
+    """Our claim in a snapshot (retained) settles nothing; a later rival still beats it."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(received(mine, retained=True), 0.1)
+    assert v.echo is None
+    assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING
+    v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.3)
+    assert slot_phase(v, 0.3)[:2] == (1, mb.Phase.CLAIMING)
+
+
+def test_an_old_echo_with_the_same_bytes_is_not_the_barrier() -> None:
+    """Slot 0, then 1, then 0 again: the echo of the first claim is not the last one's."""
+    v = view()
+    first = claim(v, 0.0)
+    v.apply(received(rec("n9", 0, CLAIMING), retained=False), 0.1)
+    assert slot_phase(v, 0.1)[:2] == (1, mb.Phase.CLAIMING)  # lost; claims 1
+    v.apply(deleted("n9"), 0.2)
+    v.apply(received(rec("n8", 1, MemberState.MEMBER), retained=False), 0.2)
+    assert slot_phase(v, 0.2)[:2] == (0, mb.Phase.CLAIMING)  # lost 1; claims 0 again
+    v.apply(received(first, retained=False), 0.3)  # the echo of the FIRST claim of 0
+    assert v.echo is None
+    v.apply(received(rec("n7", 0, CLAIMING), retained=False), 0.4)  # accepted before ours
+    assert v.in_flight  # two of our claims are still on their way
+    assert slot_phase(v, 0.4)[1] is mb.Phase.CLAIMING
+    assert v.claim.slot != 0
+
+
+def test_a_claim_in_flight_loses_to_a_rival_in_the_new_snapshot() -> None:
+    """A reconnect voids the old echo (the bus's replay before the sync is none); a
+    rival in the new link's snapshot counts as earlier than our claim: we move."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), 0.1)
+    v.apply(received(mine, retained=False), 0.2)  # the bus's replay, before the sync
+    assert v.echo is None
+    v.apply(received(rec("n9", mine.slot, CLAIMING), retained=True), 0.2)
+    v.apply(Synced(at=0.3), 0.3)
+    assert slot_phase(v, 0.3)[:2] == (1, mb.Phase.CLAIMING)
+
+
+def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
+    """After a reconnect the claim is published again (same record) and only the new
+    link's echo settles it; the old link's echo arriving late settles nothing."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), 0.1)
+    v.apply(received(mine, retained=False), 0.15)  # the bus's replay, before the sync
+    v.apply(Synced(at=0.2), 0.2)
+    assert v.echo is None
+    assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING  # published again, not settled
+    assert v.in_flight
+    v.apply(received(mine, retained=False), 0.3)  # the new echo
+    assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.MEMBER)
+
+
+# The first start: held while the shard forms, bounded.
+
+
+def test_the_first_start_waits_for_claims_in_flight() -> None:
+    """Settled while n2 still claims: no start until n2 is a member, then one start."""
+    v = view()
+    publish(v, derive(v, 0.0), 0.0)
+    v.apply(received(rec("n2", 1, CLAIMING), retained=False), 0.05)
+    plan = derive(v, 0.1)
+    publish(v, plan, 0.1)
+    assert plan.desired is not None
+    assert plan.desired.slot == 0
+    assert not plan.desired.run
+    assert plan.wake_at == 0.1 + FIRST_START_WINDOWS * SETTLE_S
+    assert v.facts(plan.desired).detail.startswith("daemon start waits")
+    v.apply(received(rec("n2", 1), retained=False), 0.2)
+    started = derive(v, 0.2)
+    assert started.desired is not None
+    assert started.desired.run
+    assert set(started.desired.members) == {0, 1}
+
+
+def test_the_first_start_waits_for_listed_nodes_but_not_forever() -> None:
+    """A spec lists n2 and n3: the start waits for them, at most FIRST_START_WINDOWS x
+    settle_s; after the start nothing holds it again."""
+    v = view()
+    spec = DomainSpec(domain=DOMAIN, nodes=[ME, "n2", "n3"], max_nodes=4)
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    v.apply(Received(topic="t", ref=ref, payload=spec, retained=True), 0.0)
+    publish(v, derive(v, 0.0), 0.0)
+    held = derive(v, 0.1)
+    publish(v, held, 0.1)
+    assert held.desired is not None
+    assert not held.desired.run
+    v.apply(received(rec("n2", 1), retained=False), 0.2)
+    assert not slot_phase(v, 0.2)[2]
+    bound = 0.1 + FIRST_START_WINDOWS * SETTLE_S
+    assert slot_phase(v, bound)[2]  # n3 never came: start without it
+    v.apply(received(rec("n4", 3, CLAIMING), retained=False), bound + 1)
+    assert slot_phase(v, bound + 1)[2]  # started: later claims are joins
+
+
+def test_a_formed_shard_starts_at_once() -> None:
+    """Every listed node a member already: no hold at all."""
+    v = view()
+    spec = DomainSpec(domain=DOMAIN, nodes=[ME, "n2"], max_nodes=4)
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    v.apply(Received(topic="t", ref=ref, payload=spec, retained=True), 0.0)
+    v.apply(received(rec("n2", 1)), 0.0)
+    plan = settle(v)
+    assert plan.desired is not None
+    assert plan.desired.run
+    assert plan.wake_at is None
