@@ -464,6 +464,7 @@ class Agent:
         assert shard.current is not None  # noqa: S101 - only called inside a shard
         domain, clique = shard.current
         record = shard.record(claim, driver=self.driver)
+        shard.sending(record)  # before the publish: its echo is the claim's barrier
         await bus.retain(self.topics.member(domain, clique, self.node), record)
         shard.published = shard.published or record is not None
 
