@@ -275,9 +275,10 @@ class DomainSettings:
     )
     settle_s: float = _setting(
         0.2,
-        "Seconds a slot claim must stand unchallenged, and the window that coalesces a "
-        "burst of membership changes before files are rewritten. Keep it above twice the "
-        "broker's delivery time, or two nodes may settle one slot.",
+        "Seconds of the window that coalesces a burst of membership changes before files "
+        "are rewritten; the first daemon start of a domain waits at most 5 x settle_s "
+        "while claims are in flight or listed nodes are not members yet. Slot claims do "
+        "not wait for it: a claim settles when its own record comes back from the broker.",
         _nonneg,
     )
     claim_stale_s: float = _setting(
