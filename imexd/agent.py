@@ -11,12 +11,22 @@ heartbeat that /healthz watches:
   assignment, link state) into the shard view and wakes `membership`;
 - `membership`: follows the target (domain, clique), steps the shard view, publishes
   our record, and sets what should run (`Desired`);
-- `reconcile`: coalesces bursts (`[domain] settle_s`), writes the files and asks the
-  supervisor for exactly what the change needs: start, SIGUSR1, restart, or nothing;
-- `probe`: `ctl -q` and `ctl -N -j` against the running daemon;
+- `reconcile`: applies the first change after a quiet period at once and coalesces what
+  follows within `[domain] settle_s`, writes the files and asks the supervisor for
+  exactly what the change needs: start, SIGUSR1, restart, or nothing;
+- `probe`: `ctl -q` and `ctl -N -j` against the running daemon: `ctl -q` every
+  `STARTING_PROBE_S` while it is STARTING (READY makes it RUNNING at once: `start_s`
+  bounds a start, it is not a wait), and a short series of `ctl -N -j` after every
+  start and SIGUSR1 (`DOMAIN_PROBE_SERIES_S`) until every member is connected;
 - `report`: turns the facts into conditions, publishes the HealthReport, tells systemd;
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
+
+The Last Will is part of MQTT's CONNECT: when the target shard is known before the first
+connect (a configured domain and clique, or in assigned mode the shard saved in the state
+dir), the bus is created with its will and connects once. Otherwise (clique "auto" before
+discovery, assigned mode with nothing saved or another domain assigned) the will is set
+when the target is known, which reconnects once.
 
 Signals are handled in the CLI layer only: SIGTERM/SIGINT set `stop` (leave: clear our
 record, stop the daemon, exit 0), SIGUSR2 sets `handover` too (exit 75 with the daemon
@@ -63,8 +73,13 @@ DISCOVERY_RETRY_S: Final = 30.0
 """Retry delay after a failed discovery (shorter than discover_interval_s)."""
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
-DOMAIN_PROBE_AFTER_CHANGE_S: Final = 1.0
-"""Delay of the extra domain probe after a change of members."""
+DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs, until it shows
+every member connected. The simulated daemon reconnects within ~0.1 to 0.3 s of SIGUSR1
+on an idle host and the real one retries a peer every 0.5 to 3 s, so a series finds the
+new links soon without guessing one delay; `domain_probe_interval_s` takes over after."""
+STARTING_PROBE_S: Final = 0.2
+"""Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
 SHUTDOWN_MARGIN_S: Final = 5.0
 """Added to [daemon] stop_timeout_s to bound the whole shutdown."""
 
@@ -115,7 +130,13 @@ class Agent:
         self.probe_error = ""
         self.domain_probe: LinkFacts | None = None
         self.probe_now = asyncio.Event()
-        self.domain_probe_at: float | None = None
+        """Probe at once (`ctl -q`, and `ctl -N -j` unless a series is pending)."""
+        self.probe_wake = asyncio.Event()
+        """Look at the probe timers again (a new series of domain probes)."""
+        self.domain_probe_due: list[float] = []
+        """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
+        self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
+        """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
         self.report_lock = asyncio.Lock()
         """Held while a report is published and while our records are cleared, so that
@@ -139,7 +160,7 @@ class Agent:
             previous_slot=self.saved.slot,
             mode="assigned" if s.domain.assigned else "static",
         )
-        bus = Bus(s.bus, node=self.node, client_id=self._client_id)
+        bus = Bus(s.bus, node=self.node, client_id=self._client_id, will=self._first_will())
         supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
         self.bus, self.supervisor = bus, supervisor
         self.reconciler = Reconciler(
@@ -308,6 +329,24 @@ class Agent:
     @property
     def _client_id(self) -> str:
         return f"imexd-{self.node}"
+
+    def _first_will(self) -> WillSpec | None:
+        """The will of the first CONNECT: our member topic when the target shard is known
+        before the bus connects, so that joining it does not reconnect to change the will.
+
+        Static mode: the configured domain and clique (with clique "auto", the saved
+        clique of that domain until discovery says otherwise). Assigned mode: the saved
+        shard, the likeliest assignment; a wrong guess costs the reconnect it saves, and
+        its will could only clear our own record of a domain we were in.
+        """
+        saved = self.saved
+        domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
+        clique = self.clique
+        if clique is None and domain is not None and domain == saved.domain:
+            clique = saved.clique
+        if domain is None or clique is None:
+            return None
+        return WillSpec(self.topics.member(domain, clique, self.node))
 
     # -- membership -----------------------------------------------------------------
 
@@ -485,6 +524,8 @@ class Agent:
         reconciler = self._reconciler
         retry_at: float | None = None
         attempt = 0
+        quiet_at = 0.0
+        """time.monotonic() from which a change is applied at once (settle_s after the last)."""
         while True:
             self.heartbeats.beat("reconcile")
             timeout = BEAT_S if retry_at is None else max(0.0, retry_at - time.monotonic())
@@ -494,8 +535,16 @@ class Agent:
             due = retry_at is not None and time.monotonic() >= retry_at
             if not self.dirty.is_set() and not due:
                 continue
-            # Coalesce a burst of membership changes into one write and one signal.
-            await asyncio.sleep(s.domain.settle_s)
+            # Leading edge: the first change after a quiet period is applied at once; what
+            # follows within settle_s of it is coalesced into one write and one signal.
+            # The supervisor's SIGUSR1 pacing makes sure the last change reaches the daemon.
+            if (wait := quiet_at - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            if self._removes_members() and not await self._link_proven():
+                # Deletions the broker did not follow with our echo: a broker shutting
+                # down publishes every will, then drops the link. Let the link's end
+                # reach the view, then apply what it says once resynced (below).
+                await asyncio.sleep(s.domain.settle_s)
             if self.shard.current is not None and not self.view_ready.is_set():
                 # The link dropped meanwhile: what membership saw just before may be a
                 # broker's shutdown (it publishes every will first). Apply what it says
@@ -506,6 +555,7 @@ class Agent:
                 continue
             self.dirty.clear()
             started = time.monotonic()
+            quiet_at = started + s.domain.settle_s
             # Starting and stopping the daemon are bounded by the supervisor's timeouts.
             bound = 2 * s.daemon.stop_timeout_s + s.daemon.start_s
             delay = backoff_delay(attempt, WRITE_RETRY_INITIAL_S, WRITE_RETRY_MAX_S)
@@ -540,36 +590,79 @@ class Agent:
                 if probe == "now":
                     self.probe_now.set()
                 elif probe == "soon":
-                    # A new daemon is probed when it turns RUNNING (_on_daemon_change). For
-                    # a change of members, one domain probe a little later sees the links
-                    # come and go: probing at once would only make every node spawn ctl
-                    # processes (and -N asks every peer) at the same instant, before the
-                    # paced SIGUSR1 even reached the daemon.
-                    self.domain_probe_at = time.monotonic() + DOMAIN_PROBE_AFTER_CHANGE_S
+                    # A new daemon and a delivered SIGUSR1 start a series of domain probes
+                    # (_on_daemon_change). A change that needs no signal (a peer left or
+                    # joined while ours is still paced) gets the same series: the peers'
+                    # daemons move their links on their own.
+                    self._probe_domain_soon()
             self.metrics.observe_reconcile(time.monotonic() - started)
             self.changed.set()
+
+    async def _link_proven(self) -> bool:
+        """A round trip through the broker came back (bounded by BEAT_S for the heartbeat)."""
+        bus, _ = self._parts()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(BEAT_S):
+                return await bus.barrier()
+        return False
+
+    def _removes_members(self) -> bool:
+        """Whether `desired` drops a member the daemon was last given (a will, a leave)."""
+        applied = self._reconciler.applied
+        if applied is None or not self.desired.run:
+            return False
+        kept = {slot: m.address for slot, m in self.desired.members.items()}
+        return any(kept.get(slot) != address for slot, address in applied.members.items())
 
     # -- daemon and probes ----------------------------------------------------------
 
     def _on_daemon_change(self, status: DaemonStatus) -> None:
-        if status.state is DaemonState.RUNNING:
+        seen, self.daemon_seen = self.daemon_seen, (status.state, status.reloads_sent)
+        if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
             self.probe_now.set()
+            self._probe_domain_soon()
+        elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
+            self.probe_now.set()  # ctl -q at once: READY makes it RUNNING
+        elif status.reloads_sent > seen[1]:
+            self._probe_domain_soon()  # SIGUSR1 delivered: the links move now
         self.changed.set()
+
+    def _probe_domain_soon(self) -> None:
+        """Probe the domain DOMAIN_PROBE_SERIES_S after now, until every member is connected."""
+        now = time.monotonic()
+        self.domain_probe_due = [now + delay for delay in DOMAIN_PROBE_SERIES_S]
+        self.probe_wake.set()
+
+    def _domain_complete(self) -> bool:
+        """Whether the last domain probe shows every member READY and connected."""
+        view = self.domain_probe
+        return (
+            view is not None
+            and not view.error
+            and not view.unreachable
+            and set(view.slots) == set(self.desired.members)
+        )
 
     async def _probe_loop(self) -> None:
         s = self.settings
         next_local = 0.0
         next_domain = 0.0
+        _, supervisor = self._parts()
         while True:
             self.heartbeats.beat("probe")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(BEAT_S):
-                    await self.probe_now.wait()
+            wake = min([next_local, *self.domain_probe_due[:1]])
+            timeout = min(BEAT_S, max(0.0, wake - time.monotonic()))
+            if not self.probe_wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await _first_of(self.probe_now, self.probe_wake)
+            self.probe_wake.clear()
             now = time.monotonic()
             if self.probe_now.is_set():
                 self.probe_now.clear()
-                next_local = next_domain = now
-            _, supervisor = self._parts()
+                next_local = now
+                if not self.domain_probe_due:
+                    next_domain = now
             if not self.desired.run or supervisor.state not in (
                 DaemonState.RUNNING,
                 DaemonState.STARTING,
@@ -577,22 +670,34 @@ class Agent:
                 if self.imex_status or self.probe_error or self.domain_probe:
                     self.imex_status, self.probe_error, self.domain_probe = "", "", None
                     self.changed.set()
+                # Nothing to probe: wake on the next start (probe_now), not on stale timers.
+                self.domain_probe_due.clear()
+                next_local = max(next_local, now + BEAT_S)
                 continue
             # A hung ctl (or IMEX command service) is bounded by probe_timeout_s and shows
             # in DaemonReady; it must not stall this task's heartbeat and fail /healthz.
             bound = s.daemon.probe_timeout_s
             if now >= next_local:
-                next_local = now + s.daemon.probe_interval_s
                 await self.guard.beating("probe", self._probe_local(), limit=bound)
-            if self.domain_probe_at is not None and now >= self.domain_probe_at:
-                self.domain_probe_at = None
+                starting = supervisor.state is DaemonState.STARTING
+                interval = s.daemon.probe_interval_s
+                next_local = now + (min(STARTING_PROBE_S, interval) if starting else interval)
+            due = self.domain_probe_due
+            if due and now >= due[0]:
+                while due and now >= due[0]:
+                    due.pop(0)
                 next_domain = now
-            if now >= next_domain:
+            if now >= next_domain and supervisor.state is DaemonState.RUNNING:
                 next_domain = now + s.daemon.domain_probe_interval_s
                 await self.guard.beating("probe", self._probe_domain(), limit=bound)
+                if self._domain_complete():
+                    due.clear()
 
     async def _probe_local(self) -> None:
         result = await self.prober.local()
+        if result.ready:
+            _, supervisor = self._parts()
+            supervisor.report_ready()  # a STARTING daemon is RUNNING now
         status = result.state.value if result.state is not None else ""
         error = "" if result.ready or result.state is not None else result.reason
         if not result.ready and result.state is None:

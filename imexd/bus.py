@@ -557,6 +557,23 @@ class Bus:
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from exc
 
+    async def barrier(self) -> bool:
+        """One round trip through the broker on the current link; True when it came back.
+
+        Whatever the broker delivered before the echo, it delivered while still serving
+        us: a broker that shuts down publishes every will and then drops the link, so
+        deletions followed by a barrier that came back were not that. False when no link
+        is up, or the link ended or timed out first (its own pings then replace it).
+        """
+        live = self._live()
+        if live is None:
+            return False
+        client, leave = live
+        try:
+            return await _unless(leave, self._round_trip(client))
+        except BusError:
+            return False
+
     def set_will(self, will: WillSpec | None) -> None:
         """Change the Last Will (a domain switch moves the member topic).
 

@@ -3,7 +3,7 @@
 States follow supervisord's model (`DaemonState`), and every change of state is one
 structured log event, `daemon.state` with `from`, `to` and `reason`:
 
-    STOPPED --ensure_started--> STARTING --start_s alive--> RUNNING
+    STOPPED --ensure_started--> STARTING --READY (report_ready) or start_s alive--> RUNNING
     STARTING/RUNNING --exit--> BACKOFF --delay--> STARTING ...
     BACKOFF --crash_loop_starts failures in crash_loop_window_s--> FATAL
     FATAL --fatal_cooldown_s--> STARTING (one more try: a failure goes straight back)
@@ -15,6 +15,13 @@ Why it looks the way it does:
   daemon on its own: only crashes (with capped, jittered exponential backoff, reset
   after `stable_s` alive) and explicit `restart()` calls (config.cfg or the node's
   identity changed) start a new one.
+- `start_s` bounds a start, it is not a wait: the agent probes a STARTING daemon
+  (`ctl -q`) quickly and calls `report_ready()` the moment it says READY, which makes it
+  RUNNING at once. A daemon alive for `start_s` without READY is RUNNING too (its probes
+  then say why it is not ready); one that exits before either was a failed start.
+  `stable_s` is counted from the start, not from RUNNING, so an early READY does not
+  shorten the backoff reset, and a crash after an early READY is a crash of a running
+  daemon (it counts in `restarts`, not in `start_failures`).
 - SIGUSR1 (re-resolve host names, reconnect) is honoured at most once per 5 s and
   silently dropped inside that window, so `request_reload()` paces signals at least
   `reload_min_interval_s` apart and coalesces every request that arrives inside the
@@ -338,6 +345,20 @@ class Supervisor:
             await end_stray(proc, why, stop_timeout_s=self._settings.stop_timeout_s, log=self._log)
         return len(survey.ours)
 
+    def report_ready(self, detail: str = "ctl -q says READY") -> bool:
+        """The daemon said READY: a STARTING daemon is RUNNING at once; True if it moved.
+
+        The agent calls it from its probe; in any other state nothing happens (a start is
+        RUNNING already, or the daemon is gone and its exit is handled by the loop).
+        """
+        self._check_open()
+        child = self._child
+        if self._state is not DaemonState.STARTING or child is None or child.exited.is_set():
+            return False
+        self._set(DaemonState.RUNNING, None, detail)
+        self._kick.set()  # the next timer is stable_s (or a reload), not start_s
+        return True
+
     def detach(self) -> None:
         """Hand over: leaving the context keeps the daemon running for the next agent."""
         self._detached = True
@@ -614,7 +635,7 @@ class Supervisor:
         self._set(
             DaemonState.STARTING,
             DaemonReason.STARTING,
-            f"pid {pid}, RUNNING after {self._settings.start_s:g} s alive",
+            f"pid {pid}, RUNNING once READY or after {self._settings.start_s:g} s alive",
         )
         self._tick(child)
 

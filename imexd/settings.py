@@ -380,7 +380,11 @@ class DaemonSettings:
     """[daemon]: supervision of the IMEX daemon and its probes."""
 
     start_s: float = _setting(
-        3.0, "Seconds alive after which a start counts as successful (RUNNING).", _nonneg
+        3.0,
+        "Bound on a start, not a wait: the daemon is RUNNING as soon as `ctl -q` says "
+        "READY, or once alive this many seconds without READY; an exit before either is a "
+        "failed start.",
+        _nonneg,
     )
     stable_s: float = _setting(
         60.0, "Seconds alive after which the crash backoff is reset.", _nonneg

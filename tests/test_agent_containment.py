@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 from imexd import agent as agent_module
 from imexd import guard, reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
+from imexd.daemon_state import DaemonState
 from imexd.demo.brokers import Mosquitto
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node
@@ -239,3 +240,134 @@ async def test_run_hands_over_on_handover(tmp_path: Path) -> None:
         r.stop.set()
         assert await asyncio.wait_for(asyncio.shield(r.task), WAIT_S) == EXIT_HANDOVER
         os.kill(pid, 0)  # still running
+
+
+# ---------------------------------------------------------------------------------
+# No fixed waits: one connect, ready on READY, a domain probe after the change
+
+SLOW_TIMERS = {
+    # Large on purpose: anything reached before them came from a fact, not a timer.
+    "daemon": {"start_s": 30.0, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0}
+}
+
+
+def start_agent(node: Node) -> Running:
+    agent = Agent(settings_from_mapping(node.sections, environ={}))
+    stop, handover = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(agent.run(stop=stop, handover=handover))
+    return Running(agent, stop, handover, task)
+
+
+async def end_agents(nodes: list[Node], runs: list[Running]) -> None:
+    for r in runs:
+        r.stop.set()
+    for r in runs:
+        with suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
+        if not r.task.done():
+            r.task.cancel()
+    for node in nodes:
+        for pid in node.daemon_pids_on_host():
+            with suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path: Path) -> None:
+    """The will rides on the first CONNECT, and READY (not start_s) makes the daemon RUNNING."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=SLOW_TIMERS)
+    runs: list[Running] = []
+    try:
+        with capture_logs() as logs:
+            started = time.monotonic()
+            runs.append(r := start_agent(node))
+            await until(lambda: r.agent.health.is_ready or r.task.done())
+            assert not r.task.done()
+            assert r.agent.supervisor is not None
+            # Checked while start_s (30 s) has not elapsed: READY made it RUNNING.
+            assert time.monotonic() - started < 30.0
+            assert r.agent.supervisor.state is DaemonState.RUNNING
+        connects = [e for e in logs if e["event"] == "bus_connected"]
+        assert len(connects) == 1, connects
+        assert connects[0]["will"] == "imex/v1/domains/d1/members/c1/n1"
+        assert not [e for e in logs if e["event"] == "bus_disconnected"]
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
+async def test_a_join_is_probed_after_the_signal_not_after_the_interval(tmp_path: Path) -> None:
+    """With domain probes 600 s apart, both members see each other connected after a join."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    nodes = [
+        Node(tmp_path, name, [broker.url], domain="d1", clique="c1", overrides=SLOW_TIMERS)
+        for name in ("n1", "n2")
+    ]
+    runs: list[Running] = []
+    try:
+        runs.append(first := start_agent(nodes[0]))
+        await until(lambda: first.agent.health.is_ready or first.task.done())
+        assert first.agent.supervisor is not None
+        reloads = first.agent.supervisor.reloads_sent
+        runs.append(second := start_agent(nodes[1]))
+
+        def sees_both(r: Running) -> bool:
+            view = r.agent.domain_probe
+            return (
+                view is not None
+                and len(view.slots) == 2
+                and all(link.connected for link in view.slots.values())
+            )
+
+        await until(lambda: sees_both(first) and sees_both(second))
+        assert first.agent.supervisor.reloads_sent > reloads  # the join was signalled
+        assert not first.task.done()
+        assert not second.task.done()
+    finally:
+        await end_agents(nodes, runs)
+        broker.stop()
+
+
+async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconcile on the leading edge: a member joining a quiet node is applied at once."""
+    settle_s = 5.0  # large: an apply inside it did not wait for it
+    marks: dict[str, float] = {}
+    set_desired, apply = Agent._set_desired, reconcile.Reconciler.apply
+
+    def mark_desired(self: Agent, desired: reconcile.Desired) -> None:
+        if self.node == "n1" and len(desired.members) == 2 and desired != self.desired:
+            marks.setdefault("desired", time.monotonic())
+        set_desired(self, desired)
+
+    async def mark_apply(
+        self: reconcile.Reconciler, desired: reconcile.Desired, saved: Any
+    ) -> reconcile.Probe | None:
+        if self.settings.node.name == "n1" and len(desired.members) == 2:
+            marks.setdefault("apply", time.monotonic())
+        return await apply(self, desired, saved)
+
+    monkeypatch.setattr(Agent, "_set_desired", mark_desired)
+    monkeypatch.setattr(reconcile.Reconciler, "apply", mark_apply)
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    overrides = {"domain": {"settle_s": settle_s, "claim_stale_s": 60.0}}
+    nodes = [
+        Node(tmp_path, name, [broker.url], domain="d1", clique="c1", overrides=overrides)
+        for name in ("n1", "n2")
+    ]
+    runs: list[Running] = []
+    try:
+        runs.append(first := start_agent(nodes[0]))
+        await until(lambda: first.agent.health.is_ready or first.task.done())
+        runs.append(start_agent(nodes[1]))
+        await until(lambda: "apply" in marks or first.task.done())
+        assert not first.task.done()
+        # Checked while settle_s (5 s) after the change has not elapsed.
+        assert marks["apply"] - marks["desired"] < settle_s
+    finally:
+        await end_agents(nodes, runs)
+        broker.stop()

@@ -1068,3 +1068,14 @@ async def test_a_late_echo_clears_the_refused_verdict() -> None:
     assert echoes.refused == {"t"}
     echoes.seen("t", b"A")
     assert echoes.refused == set()
+
+
+async def test_a_barrier_comes_back_on_a_live_link_only(broker: Mosquitto) -> None:
+    """barrier() is a round trip through the broker: True while linked, False without a link."""
+    async with bus_for(fast_settings(broker.url), "n1") as bus:
+        assert not await bus.barrier()  # not connected yet
+        await next_event(bus, Synced)
+        assert await bus.barrier()
+        broker.stop()
+        await next_event(bus, Disconnected)
+        assert not await bus.barrier()

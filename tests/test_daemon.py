@@ -1027,3 +1027,41 @@ async def test_sim_conflicting_daemon_blocks_the_start_until_it_is_gone(sim: Nod
         outside.terminate()
         status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
+
+
+async def test_sim_ready_makes_a_start_running_before_start_s(sim: Node) -> None:
+    """start_s bounds a start: once ctl -q says READY, report_ready makes it RUNNING."""
+    slow = dataclasses.replace(FAST, start_s=30.0, stable_s=60.0)
+    async with sim.supervisor(settings=slow) as sup:
+        started = time.monotonic()
+        status = await sup.ensure_started()
+        assert status.state is DaemonState.STARTING
+        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n", 20.0)
+        assert sup.report_ready()
+        # Checked while start_s (30 s) has not elapsed.
+        assert time.monotonic() - started < 30.0
+        assert sup.state is DaemonState.RUNNING
+        assert not sup.report_ready()  # RUNNING already: nothing to do
+
+
+async def test_a_crash_after_an_early_ready_is_a_crash_of_a_running_daemon(node: Node) -> None:
+    """A daemon RUNNING on READY that exits counts as a restart, not as a failed start."""
+    slow = dataclasses.replace(FAST, start_s=30.0)
+    env = {"FAKE_IMEX_EXIT_AFTER_S": "0.6", "FAKE_IMEX_EXIT_ONCE": node.path("once")}
+    async with node.supervisor(env, settings=slow) as sup:
+        first = (await sup.ensure_started()).pid
+        assert sup.report_ready()
+        await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        status = await until(sup, lambda s: s.pid not in (None, first))
+        assert (status.restarts, status.crashes, status.start_failures) == (1, 1, 0)
+
+
+async def test_without_ready_an_exit_inside_start_s_is_a_failed_start(node: Node) -> None:
+    """The same exit with no READY reported is a start that failed, as before."""
+    slow = dataclasses.replace(FAST, start_s=30.0)
+    env = {"FAKE_IMEX_EXIT_AFTER_S": "0.6", "FAKE_IMEX_EXIT_ONCE": node.path("once")}
+    async with node.supervisor(env, settings=slow) as sup:
+        first = (await sup.ensure_started()).pid
+        await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        status = await until(sup, lambda s: s.pid not in (None, first))
+        assert (status.restarts, status.crashes, status.start_failures) == (0, 1, 1)
