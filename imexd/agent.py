@@ -589,12 +589,9 @@ class Agent:
                 reconciler.write_error = reconciler.write_path = ""
                 if probe == "now":
                     self.probe_now.set()
-                elif probe == "soon":
-                    # A new daemon and a delivered SIGUSR1 start a series of domain probes
-                    # (_on_daemon_change). A change that needs no signal (a peer left or
-                    # joined while ours is still paced) gets the same series: the peers'
-                    # daemons move their links on their own.
-                    self._probe_domain_soon()
+                # "soon": a new daemon and a delivered SIGUSR1 start a series of domain
+                # probes (_on_daemon_change): probing before the paced signal reached the
+                # daemon would only make every node spawn ctl at the same instant.
             self.metrics.observe_reconcile(time.monotonic() - started)
             self.changed.set()
 

@@ -5,7 +5,8 @@ hosts block, and asks the supervisor for exactly what the change needs: start (a
 a daemon the files still fit), SIGUSR1 for new members, a restart for a new identity or
 config, or nothing. Its own module because it is the agent's only writer of files and
 the only caller of the supervisor's start, reload and restart; the agent's loop paces
-it (settle window, retries with `retry.backoff_delay`).
+it (the first change at once, what follows within settle_s coalesced; retries with
+`retry.backoff_delay`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class Reconciler:
         """Write the files `desired` implies and bring the daemon in line with them.
 
         Returns when to probe the daemon next: "now" after a stop, "soon" after a
-        change of files or members, None when a newer `desired` superseded this one.
+        change of files or members (once the start or the SIGUSR1 it asked for has
+        happened), None when a newer `desired` superseded this one.
         """
         supervisor = self.supervisor
         first, self.first = self.first, False
