@@ -24,15 +24,11 @@ import logging
 import sys
 import threading
 from types import TracebackType
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, TextIO
 
 import structlog
 
-LogFormat = Literal["auto", "json", "console"]
-
-LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-
-LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
+from imexd.settings import LogFormat
 
 LOGGER_NAME = "imexd"
 """The stdlib logger that carries structlog's events to the shared handler."""

@@ -26,9 +26,16 @@ import psutil
 
 from imexd.errors import ConfigError
 from imexd.imex import CMD_PORT, SERVER_PORT, check_extra
-from imexd.logs import LEVELS, LogFormat, LogLevel
 from imexd.messages import Mode, address_problem
 from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
+
+LogFormat = Literal["auto", "json", "console"]
+"""`[log] format`: "auto" is JSON lines off a terminal, the console renderer on one."""
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
+"""Here and not in imexd.logs, so that loading settings does not import structlog: the
+control-plane commands run as short processes (a Slurm prolog runs two) and pay for every
+import."""
 
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
