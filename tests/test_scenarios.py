@@ -81,6 +81,11 @@ def test_a_joining_agent_makes_the_others_reload_not_restart(c: Cluster) -> None
         assert "ignored" not in n.reloads(), (n.name, n.signals())
     assert n5.daemon_starts() == 1
     assert n5.reloads() == []
+    for n in [*nodes, n5]:
+        # A configured domain: the will rides on the first CONNECT, no second connect.
+        connects = n.log_events("bus_connected")
+        assert len(connects) == 1, (n.name, connects)
+        assert connects[0]["will"] == MEMBERS + n.name, n.name
 
 
 def test_a_graceful_leave_frees_the_slot_without_restarts(c: Cluster) -> None:
