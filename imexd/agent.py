@@ -22,12 +22,6 @@ heartbeat that /healthz watches:
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
-The Last Will is part of MQTT's CONNECT: when the target shard is known before the first
-connect (a configured domain and clique, or in assigned mode the shard saved in the state
-dir), the bus is created with its will and connects once. Otherwise (clique "auto" before
-discovery, assigned mode with nothing saved or another domain assigned) the will is set
-when the target is known, which reconnects once.
-
 Signals are handled in the CLI layer only: SIGTERM/SIGINT set `stop` (leave: clear our
 record, stop the daemon, exit 0), SIGUSR2 sets `handover` too (exit 75 with the daemon
 running and the record in place, for the next agent to adopt).
@@ -74,10 +68,9 @@ DISCOVERY_RETRY_S: Final = 30.0
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
 DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs, until it shows
-every member connected. The simulated daemon reconnects within ~0.1 to 0.3 s of SIGUSR1
-on an idle host and the real one retries a peer every 0.5 to 3 s, so a series finds the
-new links soon without guessing one delay; `domain_probe_interval_s` takes over after."""
+"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs until it shows every
+member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
+a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
 """Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
 SHUTDOWN_MARGIN_S: Final = 5.0
@@ -331,14 +324,10 @@ class Agent:
         return f"imexd-{self.node}"
 
     def _first_will(self) -> WillSpec | None:
-        """The will of the first CONNECT: our member topic when the target shard is known
-        before the bus connects, so that joining it does not reconnect to change the will.
-
-        Static mode: the configured domain and clique (with clique "auto", the saved
-        clique of that domain until discovery says otherwise). Assigned mode: the saved
-        shard, the likeliest assignment; a wrong guess costs the reconnect it saves, and
-        its will could only clear our own record of a domain we were in.
-        """
+        """The will of the first CONNECT (MQTT sets it only there), so that joining a shard
+        known at start does not reconnect: the configured domain (assigned mode: the saved
+        one, a guess that costs only the reconnect it saves) and clique ("auto": the saved
+        one of that domain). Unknown (None): the join sets the will and reconnects once."""
         saved = self.saved
         domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
         clique = self.clique
@@ -524,8 +513,7 @@ class Agent:
         reconciler = self._reconciler
         retry_at: float | None = None
         attempt = 0
-        quiet_at = 0.0
-        """time.monotonic() from which a change is applied at once (settle_s after the last)."""
+        quiet_at = 0.0  # from then on a change is applied at once (settle_s after the last)
         while True:
             self.heartbeats.beat("reconcile")
             timeout = BEAT_S if retry_at is None else max(0.0, retry_at - time.monotonic())
@@ -541,9 +529,8 @@ class Agent:
             if (wait := quiet_at - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
             if self._removes_members() and not await self._link_proven():
-                # Deletions the broker did not follow with our echo: a broker shutting
-                # down publishes every will, then drops the link. Let the link's end
-                # reach the view, then apply what it says once resynced (below).
+                # A broker shutting down publishes every will, then drops the link: let
+                # its end reach the view, and apply what the resynced one says (below).
                 await asyncio.sleep(s.domain.settle_s)
             if self.shard.current is not None and not self.view_ready.is_set():
                 # The link dropped meanwhile: what membership saw just before may be a
@@ -589,9 +576,8 @@ class Agent:
                 reconciler.write_error = reconciler.write_path = ""
                 if probe == "now":
                     self.probe_now.set()
-                # "soon": a new daemon and a delivered SIGUSR1 start a series of domain
-                # probes (_on_daemon_change): probing before the paced signal reached the
-                # daemon would only make every node spawn ctl at the same instant.
+                # "soon": the start or the paced SIGUSR1 starts the domain probes
+                # (_on_daemon_change), not this write.
             self.metrics.observe_reconcile(time.monotonic() - started)
             self.changed.set()
 
@@ -626,8 +612,7 @@ class Agent:
 
     def _probe_domain_soon(self) -> None:
         """Probe the domain DOMAIN_PROBE_SERIES_S after now, until every member is connected."""
-        now = time.monotonic()
-        self.domain_probe_due = [now + delay for delay in DOMAIN_PROBE_SERIES_S]
+        self.domain_probe_due = [time.monotonic() + d for d in DOMAIN_PROBE_SERIES_S]
         self.probe_wake.set()
 
     def _domain_complete(self) -> bool:

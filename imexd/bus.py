@@ -578,7 +578,8 @@ class Bus:
         """Change the Last Will (a domain switch moves the member topic).
 
         The will is part of CONNECT, so a change reconnects cleanly: the DISCONNECT
-        suppresses the old will, so clear the old record yourself first.
+        suppresses the old will, so clear the old record yourself first. A will known
+        before the bus connects belongs in the constructor: the first CONNECT carries it.
         """
         if will == self._will:
             return
