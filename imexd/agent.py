@@ -123,6 +123,9 @@ class Agent:
         self.probe_error = ""
         self.domain_probe: LinkFacts | None = None
         self.probe_now = asyncio.Event()
+        self.presence_said: tuple[int, str | None] | None = None
+        self.presence_due = 0.0
+        """Wall-clock time of the next presence record (also sent when `presence_said` moves)."""
         """Probe at once (`ctl -q`, and `ctl -N -j` unless a series is pending)."""
         self.probe_wake = asyncio.Event()
         """Look at the probe timers again (a new series of domain probes)."""
@@ -769,16 +772,22 @@ class Agent:
         bus, _ = self._parts()
         if self.shard.duplicate or self.shard.suspect_until is not None:
             return  # those topics may belong to another agent of our name
-        await bus.retain(
-            self.topics.presence(self.node),
-            Presence(
-                node=self.node,
-                incarnation=self.shard.incarnation,
-                at=report.at,
-                domain=report.domain,
-                address=self.settings.node.address,
-            ),
-        )
+        # Presence only says "an agent runs as this node, in this domain": re-sent when
+        # that changes or once per report interval, not with every report of a formation.
+        said = (self.shard.incarnation, report.domain)
+        if said != self.presence_said or report.at >= self.presence_due:
+            self.presence_said = said
+            self.presence_due = report.at + self.settings.health.report_interval_s
+            await bus.retain(
+                self.topics.presence(self.node),
+                Presence(
+                    node=self.node,
+                    incarnation=self.shard.incarnation,
+                    at=report.at,
+                    domain=report.domain,
+                    address=self.settings.node.address,
+                ),
+            )
         async with self.report_lock:
             current = self.shard.current
             if current is None or self.desired.cleanup:
