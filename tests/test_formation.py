@@ -111,6 +111,20 @@ def _shared_slots(seen: list[tuple[str, bytes]]) -> list[str]:
     return found
 
 
+def _history(seen: list[tuple[str, bytes]], domain: str) -> list[str]:
+    """The member records of `domain` in the broker's order, one short line each."""
+    lines = []
+    for topic, payload in seen:
+        if f"/domains/{domain}/" not in topic:
+            continue
+        if not payload:
+            lines.append(f"{topic.rsplit('/', 1)[1]} cleared")
+            continue
+        r = json.loads(payload)
+        lines.append(f"{r.get('node')} {r.get('state')} {r.get('slot')} inc {r.get('incarnation')}")
+    return lines
+
+
 def _races(seen: list[tuple[str, bytes]], node: str, domain: str) -> list[str]:
     """Replay the broker's order: every slot of `domain` on which a claim of `node` stood
     beside another node's claim or member record (`slot s: rival`). One of the two had not
@@ -255,7 +269,8 @@ class _Lane:
         assert None not in first.values(), (domain, first)
         slots = [r.agent.shard.claim.slot for r in self.runs]
         assert sorted(s for s in slots if s is not None) == list(range(8)), (domain, slots)
-        assert _shared_slots(self.bus.seen()) == [], domain
+        seen = self.bus.seen()
+        assert _shared_slots(seen) == [], (domain, _history(seen[seen_before:], domain))
         left = time.monotonic()
         codes = await _stop(self.runs)
         left = time.monotonic() - left
