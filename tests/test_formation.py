@@ -66,6 +66,8 @@ def test_nodes_started_together_start_their_daemons_once_with_everyone(c: Cluste
 
 MEMBERS = "imex/v1/domains/+/members/+/+"
 ROUNDS = 20
+DELAYED_PING_S = 6.0
+"""The delayed agent's ping interval (and so its ping timeout): above its lagging round trip."""
 LANES = 3
 """Rounds run in lanes at once, each lane a group of eight agents (its own node names, its
 own delayed agent) on its own domains: a round waits mostly on the delayed link, 10 to
@@ -357,6 +359,13 @@ async def test_no_shared_slot_and_one_start_per_round_with_deliveries_delayed(
                 )
                 for i in range(8)
             ]
+            # The delayed agent's link has a 2 s round trip and its view lags further
+            # behind: its liveness ping gets a timeout above that (DELAYED_PING_S), as an
+            # operator would configure such a link. With FAST's 2 s timeout the link is
+            # declared dead again and again, a reconnect can outlast the 2 s will delay,
+            # and the slot it held is taken meanwhile: a partition, which the settled
+            # stamps resolve (membership.py), not the barrier this test is about.
+            nodes[0].sections["bus"]["ping_interval_s"] = DELAYED_PING_S
             lanes.append(_Lane(name, nodes, bus, logs, random.Random(11 + index)))
         async with asyncio.TaskGroup() as group:
             for index, lane in enumerate(lanes):
