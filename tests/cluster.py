@@ -10,6 +10,7 @@ Every wait is bounded. The helpers at the end (`formed`, `members`, `slot_of`, `
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
@@ -561,3 +562,22 @@ def untouched(nodes: list[Node], before: dict[str, int | None]) -> list[str]:
         if n.daemon_pids_on_host() != [before[n.name]]:
             problems.append(f"{n.name}: daemons on host {n.daemon_pids_on_host()}")
     return problems
+
+
+async def end_in_process(
+    nodes: Iterable[Node], runs: Iterable[tuple[asyncio.Event, asyncio.Task[int]]], wait_s: float
+) -> None:
+    """End in-process agents (`Agent.run` tasks): set every `stop`, give each task
+    `wait_s` to leave, cancel what is left, then kill the nodes' daemons still running."""
+    runs = list(runs)
+    for stop, _ in runs:
+        stop.set()
+    for _, task in runs:
+        with suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
+        if not task.done():
+            task.cancel()
+    for node in nodes:
+        for pid in node.daemon_pids_on_host():
+            with suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from imexd.agent import EXIT_HANDOVER, Agent
 from imexd.daemon_state import DaemonState
 from imexd.demo.brokers import Mosquitto
 from imexd.settings import settings_from_mapping
-from tests.cluster import Node
+from tests.cluster import Node, end_in_process
 
 WAIT_S = 30.0
 
@@ -67,14 +66,7 @@ async def running_agent(tmp_path: Path) -> AsyncIterator[Running]:
         assert not task.done(), "the agent ended before it was ready"
         yield Running(agent, stop, handover, task)
     finally:
-        stop.set()
-        with suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(task), WAIT_S)
-        if not task.done():
-            task.cancel()
-        for pid in node.daemon_pids_on_host():
-            with suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        await end_in_process([node], [(stop, task)], WAIT_S)
         broker.stop()
 
 
@@ -208,14 +200,7 @@ async def public_run(tmp_path: Path) -> AsyncIterator[tuple[Node, Running]]:
         assert not task.done(), "the agent ended before it was ready"
         yield node, Running(Agent(settings), stop, handover, task)
     finally:
-        stop.set()
-        with suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(task), WAIT_S)
-        if not task.done():
-            task.cancel()
-        for pid in node.daemon_pids_on_host():
-            with suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        await end_in_process([node], [(stop, task)], WAIT_S)
         broker.stop()
 
 
@@ -259,17 +244,7 @@ def start_agent(node: Node) -> Running:
 
 
 async def end_agents(nodes: list[Node], runs: list[Running]) -> None:
-    for r in runs:
-        r.stop.set()
-    for r in runs:
-        with suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
-        if not r.task.done():
-            r.task.cancel()
-    for node in nodes:
-        for pid in node.daemon_pids_on_host():
-            with suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+    await end_in_process(nodes, [(r.stop, r.task) for r in runs], WAIT_S)
 
 
 async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path: Path) -> None:

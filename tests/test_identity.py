@@ -10,11 +10,8 @@ that is told to identify as another node (IMEXD_SIM_IDENTIFY_AS).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from imexd.daemon_output import identified_id
 from imexd.demo.brokers import Mosquitto
 from imexd.messages import DAEMON_READY
 from imexd.settings import settings_from_mapping
-from tests.cluster import Node
+from tests.cluster import Node, end_in_process
 
 WAIT_S = 30.0
 
@@ -83,12 +80,5 @@ async def test_a_daemon_that_identifies_as_another_node_is_an_identity_mismatch(
         assert agent.facts().daemon.identified == 5
         assert not agent.health.is_ready
     finally:
-        stop.set()
-        with suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(task), WAIT_S)
-        if not task.done():
-            task.cancel()
-        for pid in node.daemon_pids_on_host():
-            with suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        await end_in_process([node], [(stop, task)], WAIT_S)
         broker.stop()
