@@ -117,7 +117,8 @@ from imexd.agent import Agent
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
-from imexd.settings import Settings, render_toml, settings_from_mapping
+from imexd.settings import Settings, settings_from_mapping
+from imexd.settings_text import render_toml
 
 VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"

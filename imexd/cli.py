@@ -163,12 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     """Print the effective settings (file + environment) as TOML-like lines."""
-    from imexd.settings import (  # noqa: PLC0415
-        example_toml,
-        iter_settings,
-        load_settings,
-        reference_markdown,
-    )
+    from imexd.settings import iter_settings, load_settings  # noqa: PLC0415
+    from imexd.settings_text import example_toml, reference_markdown  # noqa: PLC0415
 
     if args.example:
         print(example_toml(), end="")

@@ -23,6 +23,8 @@ from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
 MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
+MAX_CHANNEL: Final = (1 << 20) - 1
+"""The largest minor number Linux has; agents refuse any channel >= the driver's count."""
 NO_CLIQUE_TOPIC: Final = "none"
 """The topic level standing for an empty clique (nodes without multi-node NVLink)."""
 
@@ -52,7 +54,24 @@ CliqueId = Annotated[
         description='"<cluster-uuid>.<clique-id>", or "" without multi-node NVLink',
     ),
 ]
+WorkloadName = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="DNS-1123 label",
+    ),
+]
 Slot = Annotated[int, msgspec.Meta(ge=0, le=2047)]
+Channel = Annotated[
+    int,
+    msgspec.Meta(
+        ge=0,
+        le=MAX_CHANNEL,
+        description="IMEX channel number: the minor of /dev/nvidia-caps-imex-channels/channel<N>",
+    ),
+]
 MaxNodes = Annotated[int, msgspec.Meta(ge=1, le=2048)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Mode = Literal["names", "addresses"]
@@ -115,6 +134,9 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock seconds when this node's claim settled into `member`, kept unchanged
     while it stays a member (also across agent restarts); None for claims, standby and
     agents that predate the field. Earlier wins a slot two members hold (membership.py)."""
+    channel_count: Count | None = None
+    """The driver's ImexChannelCount on this node (None: unknown, or an agent that
+    predates channels): it must be equal on every member (ChannelCountMismatch)."""
     released: bool = False
     """Standby only: the node gave its slot up (its daemon cannot run) and seeks none
     while that lasts, so peers do not rank it among the nodes waiting for a slot."""
@@ -166,6 +188,31 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, SlotView] = msgspec.field(default_factory=dict)
 
 
+class ChannelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One workload's channel on this node, as the agent made it (or could not)."""
+
+    workload: WorkloadName
+    channel: Channel
+    generation: Count = 0
+    """The generation of the WorkloadRecord this state is about."""
+    ready: bool
+    """The device node (and CDI spec and env file) exist as the record asks."""
+    reason: str = ""
+    """Why not ready (a ChannelsReady reason such as ChannelConflict); "" when ready."""
+    message: str = ""
+
+
+class ChannelsView(msgspec.Struct, frozen=True, kw_only=True):
+    """The node's IMEX channels: what the driver offers and each workload's channel."""
+
+    count: Count | None = None
+    """The driver's ImexChannelCount; None when its parameters cannot be read."""
+    major: Count | None = None
+    """The `nvidia-caps-imex-channels` major of /proc/devices; None when not listed."""
+    workloads: list[ChannelInfo] = msgspec.field(default_factory=list)
+    """The workloads of the node's domain that list this node, by name."""
+
+
 class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
     """A node's retained report on `{p}/domains/{domain}/health/{node}` and at /status."""
 
@@ -183,6 +230,8 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
     address: str = ""
     """The node's address, or "" when unknown; checked like MemberRecord.address."""
     driver: str = ""
+    channels: ChannelsView | None = None
+    """The node's IMEX channels; None from agents that predate workloads."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address) if self.address else None
@@ -198,11 +247,20 @@ SLOT_SETTLED: Final = "SlotSettled"
 DAEMON_READY: Final = "DaemonReady"
 DOMAIN_UP: Final = "DomainUp"
 FABRIC_READY: Final = "FabricReady"
-CONDITION_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY, DOMAIN_UP, FABRIC_READY)
+CHANNELS_READY: Final = "ChannelsReady"
+CONDITION_TYPES: Final = (
+    BUS_CONNECTED,
+    SLOT_SETTLED,
+    DAEMON_READY,
+    DOMAIN_UP,
+    FABRIC_READY,
+    CHANNELS_READY,
+)
 READINESS_TYPES: Final = (BUS_CONNECTED, SLOT_SETTLED, DAEMON_READY)
 """The conditions `/readyz` requires. DomainUp is left out on purpose: a node must not
 be taken out of service because a peer is down, and FabricReady shows up in DaemonReady
-through the clique anyway."""
+through the clique anyway. ChannelsReady is left out too: a channel concerns one workload,
+`imexd workload status` judges it, and IMEX itself runs without channels."""
 
 
 def ready(conds: Sequence[Condition]) -> bool:
@@ -253,6 +311,36 @@ class Assignment(msgspec.Struct, frozen=True, kw_only=True):
     domain: DomainName | None
 
 
+class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The control plane's retained record on `{p}/domains/{domain}/workloads/{workload}`.
+
+    A named user of the domain's IMEX: the agents of the listed nodes make the channel's
+    device node with this owner and mode (plus a CDI spec and an env file) while the
+    record is `active`; a `claiming` record only reserves the channel while the writer
+    checks that no other control-plane client took it first (imexd.control.workloads).
+    """
+
+    v: Literal[1] = 1
+    workload: WorkloadName
+    domain: DomainName
+    channel: Channel
+    nodes: list[NodeName] | None = None
+    """The nodes the workload runs on; None: every node of the domain."""
+    uid: Annotated[int, msgspec.Meta(ge=0, le=4294967294)] = 0
+    gid: Annotated[int, msgspec.Meta(ge=0, le=4294967294)] = 0
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o777, description="permission bits")] = 0o660
+    state: Literal["claiming", "active"] = "active"
+    generation: Count = 0
+    owner: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    """Who wrote the record (the control-plane client's id): tells two writers apart."""
+    created: float = 0.0
+    """Wall-clock seconds when the workload was first created."""
+
+    def lists(self, node: str) -> bool:
+        """Whether the workload runs on `node` (a record without a node list: every node)."""
+        return self.nodes is None or node in self.nodes
+
+
 class Ping(msgspec.Struct, frozen=True, kw_only=True):
     """A round trip through the broker on `{p}/nodes/{node}/ping` that proves the link."""
 
@@ -284,8 +372,8 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(problem)
 
 
-Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence
-P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence)
+Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence | WorkloadRecord
+P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord)
 
 
 class DropReason(StrEnum):
@@ -350,7 +438,7 @@ def to_builtins(payload: Payload) -> Any:
 def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
-    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence):
+    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence, WorkloadRecord):
         schema = msgspec.json.schema(cls)
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
@@ -400,6 +488,13 @@ class Topics:
     def specs_filter(self) -> str:
         return f"{self.prefix}/domains/+/spec"
 
+    def workload(self, domain: str, workload: str) -> str:
+        return f"{self.prefix}/domains/{domain}/workloads/{workload}"
+
+    def workloads_filter(self, domain: str) -> str:
+        """Every workload of `domain` (`+`: of every domain)."""
+        return f"{self.prefix}/domains/{domain}/workloads/+"
+
     def assignment(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/assignment"
 
@@ -426,6 +521,8 @@ class Topics:
                 return TopicRef("health", domain=domain, node=node)
             case ["domains", domain, "spec"]:
                 return TopicRef("spec", domain=domain)
+            case ["domains", domain, "workloads", workload]:
+                return TopicRef("workload", domain=domain, workload=workload)
             case ["nodes", node, "assignment"]:
                 return TopicRef("assignment", node=node)
             case ["nodes", node, "ping"]:
@@ -439,10 +536,11 @@ class Topics:
 class TopicRef:
     """The parts of a parsed topic."""
 
-    kind: Literal["member", "health", "spec", "assignment", "ping", "presence"]
+    kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence"]
     domain: str = ""
     clique: str = ""
     node: str = ""
+    workload: str = ""
 
 
 def check_topic(ref: TopicRef, payload: Payload) -> str | None:
@@ -465,6 +563,12 @@ def check_topic(ref: TopicRef, payload: Payload) -> str | None:
     elif isinstance(payload, DomainSpec):
         if payload.domain != ref.domain:
             return f"spec says {payload.domain}, topic says {ref.domain}"
+    elif isinstance(payload, WorkloadRecord):
+        if (payload.workload, payload.domain) != (ref.workload, ref.domain):
+            return (
+                f"workload says {payload.workload}@{payload.domain}, "
+                f"topic says {ref.workload}@{ref.domain}"
+            )
     elif isinstance(payload, Ping) and payload.node != ref.node:
         return f"ping says {payload.node}, topic says {ref.node}"
     elif isinstance(payload, Presence) and payload.node != ref.node:
@@ -489,7 +593,8 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class Deleted:
-    """An empty payload on a member, health, spec or assignment topic: the record is gone."""
+    """An empty payload on a member, health, spec, workload, assignment or presence topic:
+    the record is gone."""
 
     topic: str
     ref: TopicRef
@@ -500,8 +605,10 @@ def _topic_problem(ref: TopicRef) -> str | None:
     """None when every name in a parsed topic is valid, else what is wrong."""
     if ref.node and not is_dns1123_subdomain(ref.node):
         return f"node {ref.node!r} in the topic is not a DNS-1123 subdomain"
-    if ref.kind in ("member", "health", "spec") and not is_dns1123_label(ref.domain):
+    if ref.kind in ("member", "health", "spec", "workload") and not is_dns1123_label(ref.domain):
         return f"domain {ref.domain!r} in the topic is not a DNS-1123 label"
+    if ref.kind == "workload" and not is_dns1123_label(ref.workload):
+        return f"workload {ref.workload!r} in the topic is not a DNS-1123 label"
     if ref.kind == "member" and ref.clique and not is_clique_id(ref.clique):
         return f"clique {ref.clique!r} in the topic is not a clique id"
     return None
@@ -532,6 +639,8 @@ def decode_message(
             result = decode(payload, HealthReport)
         case "spec":
             result = decode(payload, DomainSpec)
+        case "workload":
+            result = decode(payload, WorkloadRecord)
         case "assignment":
             result = decode(payload, Assignment)
         case "ping":

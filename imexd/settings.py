@@ -9,7 +9,6 @@ shipped `config/imexd.toml` and `docs/configuration.md` list every one of them.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -443,6 +442,49 @@ class HealthSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelsSettings:
+    """[channels]: the IMEX channel devices the agent makes for workloads (docs/channels.md)."""
+
+    manage: bool = _setting(
+        True,
+        "Make and remove channel device nodes, CDI specs and env files for the workloads of "
+        "the node's domain. false: another tool owns dev_dir (Slurm's switch/nvidia_imex, "
+        "NVIDIA's DRA driver) and imexd touches nothing there.",
+    )
+    dev_dir: str = _setting(
+        "/dev/nvidia-caps-imex-channels",
+        "Where the channel device nodes `channel<N>` live. The agent owns this folder: at "
+        "start it removes every channel node no live workload of this node owns.",
+        _abs_path,
+    )
+    proc_devices: str = _setting(
+        "/proc/devices",
+        "The kernel's device list: the `nvidia-caps-imex-channels` line gives the major.",
+        _abs_path,
+    )
+    driver_params: str = _setting(
+        "/proc/driver/nvidia/params",
+        "The NVIDIA driver's parameters: `ImexChannelCount` and `CreateImexChannel0`.",
+        _abs_path,
+    )
+    cdi_dir: str = _setting(
+        "/var/run/cdi",
+        "Where a CDI spec per workload is written, for podman, containerd and CRI-O.",
+        _abs_path,
+    )
+    env_dir: str = _setting(
+        "/run/imexd/workloads",
+        "Where an env file per workload (`<workload>.env`) is written, for bare metal.",
+        _abs_path,
+    )
+    keep_channel0: bool = _setting(
+        False,
+        "Keep a channel0 node that no workload owns (the driver makes a world-writable one "
+        "with NVreg_CreateImexChannel0=1). false: it is removed, so that channels isolate.",
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LogSettings:
     """[log]: the agent's own logs."""
 
@@ -466,6 +508,7 @@ class Settings:
     imex: ImexSettings = field(default_factory=ImexSettings)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    channels: ChannelsSettings = field(default_factory=ChannelsSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @property
@@ -490,6 +533,7 @@ SECTIONS: dict[str, type[Any]] = {
     "imex": ImexSettings,
     "daemon": DaemonSettings,
     "health": HealthSettings,
+    "channels": ChannelsSettings,
     "log": LogSettings,
 }
 
@@ -741,96 +785,3 @@ def default_address() -> str:
             if addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return str(addr.address)
     return "127.0.0.1"
-
-
-def toml_value(value: Any) -> str:
-    """One TOML value: booleans, numbers, strings, lists and (inline) tables."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, tuple | list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        items = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
-        return "{" + (f" {items} " if items else "") + "}"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-def render_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """A settings file from nested mappings; a mapping inside a section becomes a
-    sub-table such as [imex.env]. For the demo, the benchmark and the tests."""
-    lines: list[str] = []
-    for section, table in sections.items():
-        lines.append(f"[{section}]")
-        subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
-        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if k not in subtables]
-        for name, sub in subtables.items():
-            lines.append(f"[{section}.{name}]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in sub.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-HOST_SPECIFIC = {("node", "name"), ("node", "address")}
-"""Keys whose default depends on the host: the example shows them commented out."""
-
-
-def example_toml() -> str:
-    """The shipped config/imexd.toml: every key at its default, with a comment each."""
-    lines = [
-        "# imexd settings. Every key is shown at its default; delete what you keep as is.",
-        "# Each key can also be set by the environment: IMEXD_<SECTION>_<KEY>",
-        "# (e.g. IMEXD_NODE_NAME=gpu-01), which wins over this file.",
-        "# Durations are seconds (integer or float).",
-    ]
-    section = ""
-    for info in iter_settings():
-        if info.section != section:
-            section = info.section
-            doc = (SECTIONS[section].__doc__ or "").strip()
-            lines += ["", f"# {doc}", f"[{section}]"]
-        lines += [f"# {line}" for line in _wrap(info.doc, 86)]
-        if (info.section, info.key) in HOST_SPECIFIC:
-            example = "gpu-node-01" if info.key == "name" else "10.0.0.11"
-            lines.append(f"# {info.key} = {toml_value(example)}")
-        else:
-            lines.append(f"{info.key} = {toml_value(info.default)}")
-    return "\n".join(lines) + "\n"
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    out: list[str] = []
-    line = ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            out.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    if line:
-        out.append(line)
-    return out
-
-
-def reference_markdown() -> str:
-    """The settings reference table of docs/configuration.md, generated from the code."""
-    out: list[str] = []
-    section = ""
-    for info in iter_settings():
-        if info.section != section:
-            section = info.section
-            out += ["", f"### [{section}]", "", "| key | environment | default | meaning |"]
-            out.append("| --- | --- | --- | --- |")
-        default = (
-            "host name"
-            if (info.section, info.key) == ("node", "name")
-            else "auto"
-            if (info.section, info.key) == ("node", "address")
-            else toml_value(info.default)
-        )
-        doc = info.doc.replace("|", "\\|")
-        out.append(f"| `{info.key}` | `{info.env}` | `{default}` | {doc} |")
-    return "\n".join(out).strip() + "\n"

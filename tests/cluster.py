@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
-from imexd.settings import render_toml
+from imexd.settings_text import render_toml
 from tests.faultproxy import FaultProxy
 from tests.support import loopback_address, wait_for
 

@@ -17,14 +17,12 @@ from imexd.cli import main
 from imexd.errors import ConfigError
 from imexd.names import is_dns1123_label, is_dns1123_subdomain
 from imexd.settings import (
-    example_toml,
     iter_settings,
     load_settings,
     parse_broker_url,
-    reference_markdown,
-    render_toml,
     settings_from_mapping,
 )
+from imexd.settings_text import example_toml, reference_markdown, render_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"node": {"name": "n1", "address": "127.0.0.1"}}

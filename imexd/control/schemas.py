@@ -13,7 +13,14 @@ from typing import Final
 
 from imexd.messages import json_schemas
 
-SCHEMA_NAMES: Final = ("MemberRecord", "HealthReport", "DomainSpec", "Assignment", "Presence")
+SCHEMA_NAMES: Final = (
+    "MemberRecord",
+    "HealthReport",
+    "DomainSpec",
+    "Assignment",
+    "Presence",
+    "WorkloadRecord",
+)
 
 
 def schema_texts() -> dict[str, str]:

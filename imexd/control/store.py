@@ -19,6 +19,7 @@ from imexd.messages import (
     MemberRecord,
     Presence,
     Received,
+    WorkloadRecord,
 )
 
 
@@ -35,6 +36,8 @@ class Store:
     """node -> domain (None: an explicit null assignment)."""
     presences: dict[str, Presence] = field(default_factory=dict)
     """node -> the agent's retained presence record."""
+    workloads: dict[tuple[str, str], WorkloadRecord] = field(default_factory=dict)
+    """(domain, workload) -> record."""
     dropped: Counter[str] = field(default_factory=Counter)
     """Malformed messages ignored, by `messages.DropReason` value."""
 
@@ -64,6 +67,11 @@ class Store:
                     self.assignments[ref.node] = payload.domain
                 else:
                     self.assignments.pop(ref.node, None)
+            case "workload":
+                if isinstance(payload, WorkloadRecord):
+                    self.workloads[(ref.domain, ref.workload)] = payload
+                else:
+                    self.workloads.pop((ref.domain, ref.workload), None)
             case "presence":
                 if isinstance(payload, Presence):
                     self.presences[ref.node] = payload
@@ -74,6 +82,9 @@ class Store:
 
     def records_of(self, domain: str) -> list[MemberRecord]:
         return [r for (d, _, _), r in sorted(self.members.items()) if d == domain]
+
+    def workloads_of(self, domain: str) -> list[WorkloadRecord]:
+        return [w for (d, _), w in sorted(self.workloads.items()) if d == domain]
 
     def reports_of(self, domain: str) -> list[SeenReport]:
         return [s for (d, _), s in sorted(self.reports.items()) if d == domain]

@@ -24,7 +24,7 @@ from imexd.demo.brokers import KILL_WAIT_S, free_port
 from imexd.demo.screen import Row
 from imexd.demo.timings import SIM_RELOAD_WINDOW_S, with_fast
 from imexd.messages import HealthReport
-from imexd.settings import render_toml
+from imexd.settings_text import render_toml
 
 DOMAIN: Final = "demo"
 """The one static domain every simulated node joins."""
