@@ -19,7 +19,7 @@ import msgspec
 
 from imexd import messages
 from imexd.errors import ConfigError
-from imexd.messages import DaemonInfo, HealthReport
+from imexd.messages import ChannelsView, DaemonInfo, HealthReport
 
 USER_AGENT: Final = "imexd-probe"
 BODY_MAX: Final = 1024 * 1024
@@ -166,6 +166,8 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
             lines.append(("domain state", f"UNKNOWN ({up.reason})"))
     if rep.driver:
         lines.append(("driver", rep.driver))
+    if rep.channels is not None:
+        lines.append(("channels", _channels_line(rep.channels)))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}", file=out)
@@ -179,6 +181,17 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
             file=out,
         )
     print("(* = required for ready)", file=out)
+
+
+def _channels_line(view: ChannelsView) -> str:
+    """The driver's channels, then each workload's channel and whether it is ready."""
+    count = "unknown count" if view.count is None else f"{view.count} channels"
+    major = "no device major" if view.major is None else f"major {view.major}"
+    parts = [f"{count}, {major}"]
+    for w in view.workloads:
+        state = "ready" if w.ready else (w.reason or "not ready")
+        parts.append(f"{w.workload}: channel {w.channel} {state}")
+    return "; ".join(parts)
 
 
 def _daemon_line(d: DaemonInfo) -> str:

@@ -21,6 +21,7 @@ from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.messages import HealthReport
 from imexd.metrics import Metrics
+from imexd.query import print_report
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 READY = Facts(
@@ -232,3 +233,34 @@ async def test_status_says_unknown_not_up_while_the_bus_is_down() -> None:
     assert code == 0
     assert "domain state  UNKNOWN (BusDown)" in out
     assert "UP" not in out.split("conditions:")[0]
+
+
+def test_status_lists_each_workload_channel() -> None:
+    """A person sees the driver's channels and each workload's channel, ready or why not."""
+    from io import StringIO
+
+    from imexd.messages import ChannelInfo, ChannelsView
+
+    rep = msgspec.structs.replace(
+        Health(READY).report(),
+        channels=ChannelsView(
+            count=2048,
+            major=242,
+            workloads=[
+                ChannelInfo(workload="job-7", channel=3, generation=1, ready=True),
+                ChannelInfo(
+                    workload="job-8", channel=4, generation=2, ready=False, reason="MknodFailed"
+                ),
+            ],
+        ),
+    )
+    out = StringIO()
+    print_report(rep, out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("channels"))
+    assert line.split(None, 1)[1] == (
+        "2048 channels, major 242; job-7: channel 3 ready; job-8: channel 4 MknodFailed"
+    )
+    unknown = msgspec.structs.replace(rep, channels=ChannelsView())
+    out = StringIO()
+    print_report(unknown, out)
+    assert "unknown count, no device major" in out.getvalue()
