@@ -12,16 +12,20 @@ from hypothesis import strategies as st
 
 from imexd.imex import EMPTY_SLOT_ADDRESS
 from imexd.messages import (
+    Deleted,
     Dropped,
     DropReason,
     HealthReport,
     MemberRecord,
     Presence,
+    Received,
     TopicRef,
     Topics,
+    WorkloadRecord,
     address_problem,
     check_topic,
     decode,
+    decode_message,
     encode,
     json_schemas,
 )
@@ -239,3 +243,78 @@ def test_only_a_standby_record_can_be_released(state: str) -> None:
     ok = decode(raw(member(state="standby", slot=None, released=True)), MemberRecord)
     assert isinstance(ok, MemberRecord)
     assert ok.released
+
+
+# Workload records: a hostile or mistaken one is dropped before any agent acts on it.
+
+
+def workload(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "workload": "job-7",
+        "domain": "d1",
+        "channel": 3,
+        "nodes": ["n1", "n2"],
+        "uid": 1000,
+        "gid": 1000,
+        "mode": 0o660,
+        "state": "active",
+        "generation": 1,
+    }
+    body.update(fields)
+    return body
+
+
+def test_workload_topic_round_trip_and_decode() -> None:
+    """The workload topic is built and parsed back, and a record decodes strictly."""
+    topic = TOPICS.workload("d1", "job-7")
+    assert topic == "imex/v1/domains/d1/workloads/job-7"
+    assert TOPICS.workloads_filter("+") == "imex/v1/domains/+/workloads/+"
+    assert TOPICS.parse(topic) == TopicRef("workload", domain="d1", workload="job-7")
+    got = decode_message(TOPICS, topic, raw(workload()), retained=True)
+    assert isinstance(got, Received)
+    record = got.payload
+    assert isinstance(record, WorkloadRecord)
+    assert (record.channel, record.mode, record.lists("n2"), record.lists("n3")) == (
+        3,
+        0o660,
+        True,
+        False,
+    )
+    assert WorkloadRecord(workload="w", domain="d", channel=1).lists("any-node")
+    deleted = decode_message(TOPICS, topic, b"", retained=False)
+    assert isinstance(deleted, Deleted)
+    assert deleted.ref.workload == "job-7"
+
+
+@pytest.mark.parametrize(
+    ("topic", "fields", "reason"),
+    [
+        # A record may only be published on its own topic: no channel taken in another's name.
+        ("imex/v1/domains/d1/workloads/job-8", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v1/domains/d2/workloads/job-7", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v1/domains/d1/workloads/Job_7", {}, DropReason.UNKNOWN_TOPIC),
+        ("imex/v1/domains/d1/workloads/job-7", {"channel": -1}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"channel": 1 << 20}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"mode": 0o4777}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"uid": -1}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"uid": 1 << 32}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"nodes": ["../../etc"]}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"state": "forced"}, DropReason.SCHEMA),
+        ("imex/v1/domains/d1/workloads/job-7", {"v": 2}, DropReason.VERSION),
+    ],
+)
+def test_a_wrong_workload_record_is_dropped(
+    topic: str, fields: dict[str, Any], reason: DropReason
+) -> None:
+    """Each hostile or mistaken workload record maps to its DropReason."""
+    got = decode_message(TOPICS, topic, raw(workload(**fields)), retained=True)
+    assert isinstance(got, Dropped), got
+    assert got.reason is reason
+
+
+def test_workload_record_has_a_schema() -> None:
+    """WorkloadRecord ships a JSON Schema; the wire requires v, workload, domain, channel."""
+    schema = json_schemas()["WorkloadRecord"]["$defs"]["WorkloadRecord"]
+    assert schema["required"] == ["channel", "domain", "v", "workload"]
+    assert schema["properties"]["mode"]["maximum"] == 0o777
