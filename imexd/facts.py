@@ -1,10 +1,10 @@
 """What the agent knows about its node: one immutable snapshot of facts.
 
 The agent fills a `Facts` from what its components already track (bus, membership,
-supervisor, probes, fabric discovery); `imexd.health` turns it into conditions and
-`imexd.fleet.sight` judges the node's domain from it. Its own module because both read it
-and neither may import the other's rules: plain data, no behaviour, and only the leaf
-`imexd.daemon_state` from imexd.
+supervisor, probes, fabric discovery, channel devices); `imexd.health` turns it into
+conditions and `imexd.fleet.sight` judges the node's domain from it. Its own module
+because both read it and neither may import the other's rules: plain data, no behaviour,
+and only the leaf `imexd.daemon_state` from imexd.
 """
 
 from __future__ import annotations
@@ -162,6 +162,50 @@ class FabricFacts:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelState:
+    """One workload's channel on this node: made as its record asks, or why not."""
+
+    workload: str
+    channel: int
+    generation: int = 0
+    """The generation of the WorkloadRecord this state is about."""
+    ready: bool = False
+    """The device node, CDI spec and env file exist as the record asks."""
+    reason: str = ""
+    """Why not ready: a ChannelsReady reason (ChannelConflict, MknodFailed, ...)."""
+    message: str = ""
+
+
+_NO_OPS: Final[Mapping[tuple[str, str], int]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelFacts:
+    """The node's IMEX channel devices (imexd.channel_keeper keeps them)."""
+
+    managed: bool = True
+    """`[channels] manage`: false means another tool owns dev_dir and imexd touches nothing."""
+    synced: bool = False
+    """The workloads of the node's domain are known (the bus's snapshot is in, or the
+    node has no domain): only then is anything removed."""
+    count: int | None = None
+    """The driver's ImexChannelCount; None when its parameters cannot be read."""
+    major: int | None = None
+    """The `nvidia-caps-imex-channels` major of /proc/devices; None when not listed."""
+    driver_error: str = ""
+    """Why the driver's count or major is unknown; "" when both were read."""
+    workloads: tuple[ChannelState, ...] = ()
+    """The active workloads of the node's domain that list this node, by name."""
+    channel0_open: bool = False
+    """channel0 exists with o+rw bits: any local process can open it."""
+    mismatch: tuple[tuple[str, int], ...] = ()
+    """(node, ImexChannelCount) of the shard's members whose count differs from ours."""
+    operations: Mapping[tuple[str, str], int] = field(default_factory=lambda: _NO_OPS)
+    """Operations on the device nodes and files since the agent started, by (op, result)
+    (op: mknod, fix, remove, cdi, env; result: ok, error), cumulative for metrics."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Facts:
     """Everything the agent knows that health depends on: one immutable snapshot.
 
@@ -193,6 +237,8 @@ class Facts:
     """False while `[node] clique = "auto"` and no discovery has succeeded yet."""
     mode: NodeListMode = "names"
     """`[domain] mode`: which line of nodes_config.cfg is this node's (its IMEX node id)."""
+    channels: ChannelFacts = ChannelFacts()
+    """The channel devices of the domain's workloads on this node."""
 
     @property
     def daemon_applicable(self) -> bool:

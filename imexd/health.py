@@ -21,13 +21,16 @@ from typing import Final, Literal, NamedTuple
 import msgspec
 
 from imexd import fleet, messages
-from imexd.facts import DaemonFacts, Facts
+from imexd.facts import ChannelFacts, DaemonFacts, Facts
 from imexd.messages import (
     BUS_CONNECTED,
+    CHANNELS_READY,
     DAEMON_READY,
     DOMAIN_UP,
     FABRIC_READY,
     SLOT_SETTLED,
+    ChannelInfo,
+    ChannelsView,
     Condition,
     DaemonInfo,
     HealthReport,
@@ -65,6 +68,7 @@ def conditions(facts: Facts, previous: Sequence[Condition], now: float) -> list[
         DAEMON_READY: _daemon(facts),
         DOMAIN_UP: _domain(facts),
         FABRIC_READY: _fabric(facts),
+        CHANNELS_READY: _channels(facts),
     }
     out: list[Condition] = []
     for kind, verdict in verdicts.items():
@@ -254,6 +258,76 @@ def _fabric(f: Facts) -> _Verdict:
     return _Verdict("True", "Ready", f"clique {f.clique} (discovered through NVML)")
 
 
+def _channels(f: Facts) -> _Verdict:
+    c = f.channels
+    if f.domain is None:
+        return _Verdict("True", "NoWorkloads", "no domain assigned: no workloads")
+    if not c.managed:
+        return _Verdict(
+            "True",
+            "NotManaged",
+            f"[channels] manage = false: another tool makes the channel devices ({_listed(c)})",
+        )
+    if not c.synced:
+        return _Verdict("Unknown", "Pending", f"waiting for the workloads of {f.domain}")
+    failing = [w for w in c.workloads if not w.ready]
+    if failing:
+        first = failing[0]
+        more = f" (and {len(failing) - 1} more)" if len(failing) > 1 else ""
+        return _Verdict(
+            "False",
+            first.reason,
+            f"workload {first.workload} channel {first.channel}: {first.message}{more}",
+        )
+    if c.mismatch and c.count is not None:
+        others = ", ".join(f"{node} {count}" for node, count in c.mismatch)
+        return _Verdict(
+            "False",
+            "ChannelCountMismatch",
+            f"ImexChannelCount is {c.count} on {f.node} but {others}: channels past the "
+            "smallest count fail on some nodes; set NVreg_ImexChannelCount alike everywhere "
+            "(devices are still made)",
+        )
+    used = sorted({w.channel for w in c.workloads if w.channel != 0})
+    if c.channel0_open and used:
+        return _Verdict(
+            "False",
+            "WorldWritableChannel0",
+            f"channel0 is readable and writable by everyone while workloads use channel "
+            f"{', '.join(map(str, used))}: any local process can open channel0 and so reach "
+            "the domain past the channels' isolation; set [channels] keep_channel0 = false, "
+            "or give channel 0's workload a mode without o+rw (devices are still made)",
+        )
+    if not c.workloads:
+        return _Verdict("True", "NoWorkloads", f"no workload of {f.domain} lists {f.node}")
+    return _Verdict("True", "Ready", _listed(c))
+
+
+def _listed(c: ChannelFacts) -> str:
+    if not c.workloads:
+        return "no workloads"
+    return ", ".join(f"{w.workload} on channel {w.channel}" for w in c.workloads)
+
+
+def channels_view(c: ChannelFacts) -> ChannelsView:
+    """The HealthReport's view of the node's channels."""
+    return ChannelsView(
+        count=c.count,
+        major=c.major,
+        workloads=[
+            ChannelInfo(
+                workload=w.workload,
+                channel=w.channel,
+                generation=w.generation,
+                ready=w.ready,
+                reason=w.reason,
+                message=_clip(w.message),
+            )
+            for w in c.workloads
+        ],
+    )
+
+
 def _clip(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= MESSAGE_MAX else line[: MESSAGE_MAX - 3] + "..."
@@ -281,6 +355,7 @@ def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport
         domain_view=fleet.domain_view(facts),
         address=facts.address,
         driver=facts.driver,
+        channels=channels_view(facts.channels),
     )
 
 

@@ -29,6 +29,9 @@ FILES: Final = ("config.cfg", "nodes_config.cfg", "hosts", "state")
 """The `file` label values pre-created at zero, so rates work from the first write."""
 PROBE_KINDS: Final = ("local", "domain")
 """The `kind` label values of probe failures: `ctl -q`, `ctl -N -j`, bus round trip."""
+CHANNEL_OPS: Final = ("mknod", "fix", "remove", "cdi", "env")
+"""The `op` label values of imexd_channel_operations_total, shown from zero."""
+CHANNEL_RESULTS: Final = ("ok", "error")
 RECONCILE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -168,6 +171,7 @@ class Metrics:
         yield GaugeMetricFamily(
             "imexd_ready", "1 when /readyz answers 200.", 1.0 if self._ready else 0.0
         )
+        yield from _channel_metrics(f)
         info = GaugeMetricFamily(
             "imexd_info",
             "Constant 1, labelled with who this agent is.",
@@ -175,6 +179,34 @@ class Metrics:
         )
         info.add_metric([f.node, f.domain or "", f.clique, self._version], 1.0)
         yield info
+
+
+def _channel_metrics(f: Facts) -> Iterable[Metric]:
+    """The channel series: one ready gauge per workload (gone with it), the count, the ops."""
+    c = f.channels
+    ready = GaugeMetricFamily(
+        "imexd_channel_ready",
+        "1 while the workload's channel device, CDI spec and env file are as its record "
+        "asks on this node, 0 while not (the reason is in ChannelsReady).",
+        labels=["workload", "channel"],
+    )
+    for w in c.workloads:
+        ready.add_metric([w.workload, str(w.channel)], 1.0 if w.ready else 0.0)
+    yield ready
+    if c.count is not None:
+        yield GaugeMetricFamily(
+            "imexd_channel_count", "The driver's ImexChannelCount on this node.", c.count
+        )
+    ops = CounterMetricFamily(
+        "imexd_channel_operations",
+        "Operations on the channel device nodes (mknod, fix, remove) and the workloads' "
+        "CDI specs and env files, by result.",
+        labels=["op", "result"],
+    )
+    for op in sorted({*CHANNEL_OPS, *(o for o, _ in c.operations)}):
+        for result in CHANNEL_RESULTS:
+            ops.add_metric([op, result], c.operations.get((op, result), 0))
+    yield ops
 
 
 def _drop_reasons(counts: Mapping[str, int]) -> list[str]:

@@ -610,8 +610,11 @@ class ShardView:
         self.hold_until = None
         self.held = ""
 
-    def record(self, claim: mb.ClaimState, *, driver: str) -> MemberRecord | None:
-        """The record `claim` publishes in the current shard (None: clear ours)."""
+    def record(
+        self, claim: mb.ClaimState, *, driver: str, channel_count: int | None = None
+    ) -> MemberRecord | None:
+        """The record `claim` publishes in the current shard (None: clear ours);
+        `channel_count` is the driver's ImexChannelCount (None: unknown)."""
         state = claim.record_state
         if state is None or self.current is None:
             return None
@@ -628,6 +631,7 @@ class ShardView:
             mode=self.mode,
             driver=driver,
             settled=claim.settled,
+            channel_count=channel_count,
             released=claim.record_released,
         )
 

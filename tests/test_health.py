@@ -12,6 +12,8 @@ import pytest
 from imexd import fleet, health, messages
 from imexd.facts import (
     BusFacts,
+    ChannelFacts,
+    ChannelState,
     DaemonFacts,
     FabricFacts,
     Facts,
@@ -48,6 +50,7 @@ def working(**changes: Any) -> Facts:
             slots={s: SlotLink(m.node, "READY", True) for s, m in members.items()}
         ),
         fabric=FabricFacts(source="nvml"),
+        channels=ChannelFacts(synced=True, count=2048, major=242),
     )
     return replace(base, **changes)
 
@@ -86,6 +89,7 @@ def test_working_member_is_ready_with_every_condition_true() -> None:
         ("DaemonReady", "True", "Ready"),
         ("DomainUp", "True", "Up"),
         ("FabricReady", "True", "Ready"),
+        ("ChannelsReady", "True", "NoWorkloads"),
     ]
     assert messages.ready(conds)
     assert messages.reason_line(conds) == ""
@@ -658,3 +662,122 @@ def test_released_slot_says_why() -> None:
     c = cond(facts, "SlotSettled")
     assert (c.status, c.reason) == ("False", "Released")
     assert "FATAL" in c.message
+
+
+# ChannelsReady (issue 12)
+
+
+def channels(**changes: Any) -> Facts:
+    return working(channels=replace(working().channels, **changes))
+
+
+def made(workload: str, channel: int, generation: int = 1) -> ChannelState:
+    return ChannelState(workload=workload, channel=channel, generation=generation, ready=True)
+
+
+def refused(workload: str, channel: int, reason: str, message: str) -> ChannelState:
+    return ChannelState(workload=workload, channel=channel, reason=reason, message=message)
+
+
+def test_channels_ready_lists_the_workloads() -> None:
+    """Every listed workload's device made: True Ready, naming each workload and channel."""
+    c = cond(channels(workloads=(made("job-a", 3), made("job-b", 7))), "ChannelsReady")
+    assert (c.status, c.reason) == ("True", "Ready")
+    assert "job-a on channel 3" in c.message
+    assert "job-b on channel 7" in c.message
+
+
+def test_channels_without_workloads_or_domain() -> None:
+    """No workload lists the node, or no domain: True NoWorkloads."""
+    c = cond(working(), "ChannelsReady")
+    assert (c.status, c.reason) == ("True", "NoWorkloads")
+    assert "d1" in c.message
+    idle = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
+    assert (cond(idle, "ChannelsReady").status, cond(idle, "ChannelsReady").reason) == (
+        "True",
+        "NoWorkloads",
+    )
+
+
+def test_channels_pending_until_the_view_is_synced() -> None:
+    """Before the workloads snapshot is in: Unknown Pending, and still ready for /readyz."""
+    facts = channels(synced=False, workloads=(made("job-a", 3),))
+    c = cond(facts, "ChannelsReady")
+    assert (c.status, c.reason) == ("Unknown", "Pending")
+    assert "d1" in c.message
+    assert messages.ready(health.conditions(facts, [], T0))
+
+
+def test_channels_not_managed_is_true_and_lists_the_workloads() -> None:
+    """manage = false: True NotManaged, whatever the workloads' states."""
+    state = ChannelState(workload="job-a", channel=3, reason="NotManaged", message="another tool")
+    c = cond(channels(managed=False, synced=False, workloads=(state,)), "ChannelsReady")
+    assert (c.status, c.reason) == ("True", "NotManaged")
+    assert "job-a on channel 3" in c.message
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "NoChannelDevice",
+        "ChannelOutOfRange",
+        "ChannelConflict",
+        "MknodFailed",
+        "CdiWriteFailed",
+        "EnvWriteFailed",
+    ],
+)
+def test_channels_first_failing_workload_gives_the_reason(reason: str) -> None:
+    """A workload without its device: False with its reason, its name, channel and message."""
+    facts = channels(
+        workloads=(
+            made("job-a", 3),
+            refused("job-b", 9, reason, "why it failed"),
+            refused("job-c", 11, "MknodFailed", "later"),
+        ),
+        mismatch=(("n2", 1024),),
+    )
+    c = cond(facts, "ChannelsReady")
+    assert (c.status, c.reason) == ("False", reason)
+    assert "job-b channel 9: why it failed" in c.message
+    assert "1 more" in c.message
+    assert messages.ready(health.conditions(facts, [], T0))  # not part of /readyz
+
+
+def test_channel_count_mismatch_names_nodes_and_counts() -> None:
+    """A member with another ImexChannelCount: False ChannelCountMismatch, devices still made."""
+    facts = channels(workloads=(made("job-a", 3),), mismatch=(("n2", 1024), ("n3", 4096)))
+    c = cond(facts, "ChannelsReady")
+    assert (c.status, c.reason) == ("False", "ChannelCountMismatch")
+    assert "2048 on n1" in c.message
+    assert "n2 1024" in c.message
+    assert "n3 4096" in c.message
+
+
+def test_world_writable_channel0_beside_other_channels() -> None:
+    """channel0 open to all while a workload uses another channel: False WorldWritableChannel0."""
+    c = cond(channels(workloads=(made("job-a", 3),), channel0_open=True), "ChannelsReady")
+    assert (c.status, c.reason) == ("False", "WorldWritableChannel0")
+    assert "channel 3" in c.message
+    only0 = cond(channels(workloads=(made("job-0", 0),), channel0_open=True), "ChannelsReady")
+    assert (only0.status, only0.reason) == ("True", "Ready")
+
+
+def test_report_carries_the_channels_view() -> None:
+    """The HealthReport lists the driver's count and major and each workload's state."""
+    facts = channels(
+        workloads=(made("job-a", 3, generation=2), refused("job-b", 5000, "ChannelOutOfRange", "x"))
+    )
+    report = health.report(facts, health.conditions(facts, [], T0), T0)
+    assert report.channels == messages.ChannelsView(
+        count=2048,
+        major=242,
+        workloads=[
+            messages.ChannelInfo(workload="job-a", channel=3, generation=2, ready=True),
+            messages.ChannelInfo(
+                workload="job-b", channel=5000, ready=False, reason="ChannelOutOfRange", message="x"
+            ),
+        ],
+    )
+    decoded = msgspec.json.decode(messages.encode(report), type=HealthReport)
+    assert decoded.channels == report.channels
