@@ -1,0 +1,56 @@
+#!/bin/sh
+# imexd-epilog-perjob.sh: delete the Slurm job's IMEX domain (layout "one domain per job").
+#
+# The agents stop their IMEX daemons (no job holds imports any more, so this costs
+# nothing), remove their files and the job's channel device, CDI spec and env file, and
+# go idle until the next assignment. See imexd-prolog-perjob.sh and docs/operations.md.
+#
+# Install on the slurmctld host (it runs once per job, when the job ends, as SlurmUser):
+#   install -m 0755 imexd-epilog-perjob.sh /etc/slurm/imexd-epilog-perjob.sh
+#   slurm.conf:  EpilogSlurmctld=/etc/slurm/imexd-epilog-perjob.sh
+#
+# Settings, from the environment or from /etc/imexd/slurm.env (IMEXD_SLURM_ENV):
+#   IMEXD         the imexd command (default: imexd on PATH)
+#   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
+#
+# Exit status: always 0. A failed delete is logged (syslog tag imexd-slurm, priority
+# err) and left to an operator (`imexd domain list`, `imexd domain delete job-<id>`):
+# the job is over either way, and a non-zero exit would not bring the domain back.
+# While the domain stays, its nodes are refused to the next job's prolog (exit 2,
+# "node ... is in another domain"), which fails that job instead of taking the nodes
+# from a domain whose daemons may still run.
+set -eu
+PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
+if [ -r "$defaults" ]; then
+    set -a
+    . "$defaults"
+    set +a
+fi
+
+log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
+    priority=$1
+    shift
+    if command -v logger >/dev/null 2>&1; then
+        logger -t imexd-slurm -p "user.$priority" "$*" 2>/dev/null || :
+    fi
+    printf 'imexd-slurm: %s\n' "$*" >&2
+}
+
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    log err "SLURM_JOB_ID is not set: run this as EpilogSlurmctld; nothing deleted"
+    exit 0
+fi
+imexd=${IMEXD:-imexd}
+config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
+domain=job-$SLURM_JOB_ID
+
+log info "$domain: deleting the domain"
+status=0
+"$imexd" domain delete "$domain" --config "$config" >&2 || status=$?
+if [ "$status" -ne 0 ]; then
+    log err "$domain: imexd domain delete exited $status; the domain stays: run 'imexd domain delete $domain' by hand"
+    exit 0
+fi
+log info "$domain: deleted"

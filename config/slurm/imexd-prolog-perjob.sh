@@ -1,0 +1,92 @@
+#!/bin/sh
+# imexd-prolog-perjob.sh: give a Slurm job its own IMEX domain and channel.
+#
+# Layout "one domain per job" (docs/operations.md): the job's nodes (allocated
+# exclusively: one IMEX daemon per node) form the domain job-<id>, which has one workload
+# of the same name on channel 0, owned by the job's user and group. The prolog waits
+# until the domain is UP and every node has made the channel device (docs/channels.md).
+# The agents run with `[domain] assigned = true`.
+#
+# Install on the slurmctld host (it runs once per job, at allocation, as SlurmUser, who
+# must be able to read the control plane's broker credentials):
+#   install -m 0755 imexd-prolog-perjob.sh /etc/slurm/imexd-prolog-perjob.sh
+#   slurm.conf:
+#     PrologSlurmctld=/etc/slurm/imexd-prolog-perjob.sh
+#     EpilogSlurmctld=/etc/slurm/imexd-epilog-perjob.sh
+#     TaskProlog=/etc/slurm/imexd-taskprolog.sh        (the script on every node)
+#
+# Settings, from the environment or from /etc/imexd/slurm.env (IMEXD_SLURM_ENV), a shell
+# file of KEY=value lines read after the environment (slurmctld gives its scripts no
+# environment of their own, so the file is where they are set):
+#   IMEXD         the imexd command (default: imexd on PATH)
+#   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
+#
+# Exit status: 0 when the domain is UP and every node made the channel. Otherwise
+# imexd's status (1 not ready in time or broker unreachable, 2 usage, for example a node
+# still in another job's domain), after deleting the domain again so that its nodes are
+# free for the next job; Slurm then requeues or cancels the job (PrologSlurmctld in
+# slurm.conf(5)).
+set -eu
+PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
+if [ -r "$defaults" ]; then
+    set -a
+    . "$defaults"
+    set +a
+fi
+
+log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
+    priority=$1
+    shift
+    if command -v logger >/dev/null 2>&1; then
+        logger -t imexd-slurm -p "user.$priority" "$*" 2>/dev/null || :
+    fi
+    printf 'imexd-slurm: %s\n' "$*" >&2
+}
+
+fail() { # fail STATUS MESSAGE...
+    status=$1
+    shift
+    log err "$*"
+    exit "$status"
+}
+
+[ -n "${SLURM_JOB_ID:-}" ] || fail 2 "SLURM_JOB_ID is not set: run this as PrologSlurmctld"
+[ -n "${SLURM_JOB_NODELIST:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_NODELIST is not set"
+[ -n "${SLURM_JOB_UID:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_UID is not set"
+[ -n "${SLURM_JOB_GID:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_GID is not set"
+imexd=${IMEXD:-imexd}
+config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
+domain=job-$SLURM_JOB_ID
+
+# Slurm's node names, one per line, as imexd's lowercase comma-separated list.
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
+    fail 1 "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed"
+nodes=$(printf '%s\n' "$hosts" | tr '[:upper:]' '[:lower:]' | tr -s '\n' ',')
+nodes=${nodes#,}
+nodes=${nodes%,}
+[ -n "$nodes" ] || fail 1 "job $SLURM_JOB_ID: no nodes in $SLURM_JOB_NODELIST"
+
+log info "$domain: creating the domain on $nodes, channel 0 for uid $SLURM_JOB_UID gid $SLURM_JOB_GID"
+status=0
+"$imexd" domain create "$domain" --nodes "$nodes" --channel \
+    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --config "$config" >&2 || status=$?
+step="domain create"
+if [ "$status" -eq 0 ]; then
+    # Exit 0 as soon as the domain is UP, 1 after 4 minutes; the table goes to the log.
+    step="domain status"
+    "$imexd" domain status "$domain" --wait 240 --config "$config" >&2 || status=$?
+fi
+if [ "$status" -eq 0 ]; then
+    # The channel device on every node, made as the agents join (usually already there).
+    step="workload status"
+    "$imexd" workload status "$domain" --domain "$domain" --wait 60 --config "$config" >&2 ||
+        status=$?
+fi
+if [ "$status" -ne 0 ]; then
+    log err "$domain: imexd $step exited $status; deleting the domain"
+    "$imexd" domain delete "$domain" --config "$config" >&2 || :
+    exit "$status"
+fi
+log info "$domain: domain UP, channel ready on $nodes"

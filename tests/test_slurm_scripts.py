@@ -1,0 +1,407 @@
+"""The Slurm scripts of config/slurm: the imexd command lines they run and their exits.
+
+Each script runs under `sh` and `bash` with a fake `imexd`, `scontrol` and `logger` on
+PATH: small shell scripts written into tmp_path that append their argv to a log and exit
+with a status chosen per command (`FAKE_EXIT_<command>_<action>`). No broker, no Slurm.
+The rule the tests hold the scripts to: a prolog fails (non-zero, imexd's own status)
+when imexd does, and deletes what it created; an epilog or the TaskProlog always exits 0
+(a failing epilog would only be logged by Slurm, and a failing TaskProlog would kill the
+task of every job on the cluster), logging what went wrong at priority err.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from imexd.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM = ROOT / "config" / "slurm"
+SCRIPTS = sorted(SLURM.glob("*.sh"))
+SHELLS = [shell for shell in ("sh", "bash", "dash") if shutil.which(shell)]
+CONFIG = "/etc/imexd/control.toml"
+JOB = "4242"
+HOSTS = "GPU-01\ngpu-02\n"
+"""What the fake `scontrol show hostnames` prints: one name upper case, as Slurm allows."""
+NODES = "gpu-01,gpu-02"
+SEPARATOR = "\x1f"
+"""Between the arguments of a call in the fakes' log (no argument holds one)."""
+
+FAKE = r"""#!/bin/sh
+# Record this call (one line, the arguments after the name, each after a \037) and exit
+# as told.
+name=${0##*/}
+sep=$(printf '\037')
+line=$name
+for arg in "$@"; do
+    line="$line$sep$arg"
+done
+printf '%s\n' "$line" >>"$FAKE_LOG"
+if [ "$name" = scontrol ]; then
+    printf '%s' "$FAKE_HOSTS"
+fi
+if [ "$name" = imexd ] && [ "${1:-}" = workload ] && [ "${2:-}" = env ]; then
+    printf 'export IMEX_CHANNEL=7\nexport IMEXD_WORKLOAD=%s\nnoise\n' "$3"
+fi
+eval "status=\${FAKE_EXIT_${name}_${1:-}_${2:-}:-0}"
+exit "$status"
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One script run: its exit status, output, and the commands it called in order."""
+
+    status: int
+    stdout: str
+    stderr: str
+    calls: list[list[str]]
+
+    def of(self, program: str) -> list[list[str]]:
+        """The argument lists of the calls of one program."""
+        return [call[1:] for call in self.calls if call[0] == program]
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path) -> Path:
+    """A folder with the fake `imexd`, `scontrol` and `logger`."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("imexd", "scontrol", "logger"):
+        path = folder / name
+        path.write_text(FAKE)
+        path.chmod(0o755)
+    return folder
+
+
+def run_script(
+    script: str,
+    bin_dir: Path,
+    *,
+    shell: str = "sh",
+    env: dict[str, str] | None = None,
+    drop: tuple[str, ...] = (),
+) -> Run:
+    """Run config/slurm/<script> with the fakes first on PATH and a Slurm job's variables."""
+    log = bin_dir.parent / "calls.log"
+    log.unlink(missing_ok=True)
+    base = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_LOG": str(log),
+        "FAKE_HOSTS": HOSTS,
+        "IMEXD_SLURM_ENV": str(bin_dir.parent / "no-such-slurm.env"),
+        "SLURM_JOB_ID": JOB,
+        "SLURM_JOB_NODELIST": "gpu-[01-02]",
+        "SLURM_JOB_UID": "1001",
+        "SLURM_JOB_GID": "2002",
+    }
+    full = {key: value for key, value in (base | (env or {})).items() if key not in drop}
+    done = subprocess.run(
+        [shell, str(SLURM / script)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    lines = log.read_text().splitlines() if log.exists() else []
+    return Run(done.returncode, done.stdout, done.stderr, [x.split(SEPARATOR) for x in lines])
+
+
+def test_the_five_scripts_are_there() -> None:
+    """config/slurm holds the two layouts' prologs and epilogs and the TaskProlog."""
+    assert [p.name for p in SCRIPTS] == [
+        "imexd-epilog-perjob.sh",
+        "imexd-epilog-shared.sh",
+        "imexd-prolog-perjob.sh",
+        "imexd-prolog-shared.sh",
+        "imexd-taskprolog.sh",
+    ]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("shell", SHELLS)
+def test_syntax(script: Path, shell: str) -> None:
+    """Every script parses under sh, bash and dash (`-n`)."""
+    done = subprocess.run(
+        [shell, "-n", str(script)], capture_output=True, text=True, timeout=10, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_header_says_where_to_install(script: Path) -> None:
+    """Every script is executable, POSIX sh with `set -eu`, and names its slurm.conf line."""
+    text = script.read_text()
+    assert os.access(script, os.X_OK)
+    assert text.startswith("#!/bin/sh\n")
+    assert "\nset -eu\n" in text
+    key = "TaskProlog" if "taskprolog" in script.name else "Slurmctld"
+    line = f"=/etc/slurm/{script.name}"
+    assert any(key in row and line in row for row in text.splitlines() if row.startswith("#"))
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_perjob_prolog_creates_the_domain_and_waits(bin_dir: Path, shell: str) -> None:
+    """The per-job prolog creates job-<id> with channel 0 for the job's user, then waits."""
+    run = run_script("imexd-prolog-perjob.sh", bin_dir, shell=shell)
+    assert run.status == 0, run.stderr
+    assert run.of("scontrol") == [["show", "hostnames", "gpu-[01-02]"]]
+    assert run.of("imexd") == [
+        ["domain", "create", f"job-{JOB}", "--nodes", NODES, "--channel",
+         "--uid", "1001", "--gid", "2002", "--config", CONFIG],
+        ["domain", "status", f"job-{JOB}", "--wait", "240", "--config", CONFIG],
+        ["workload", "status", f"job-{JOB}", "--domain", f"job-{JOB}", "--wait", "60",
+         "--config", CONFIG],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("failing", "status"),
+    [("domain_create", 2), ("domain_status", 1), ("workload_status", 1)],
+)
+def test_perjob_prolog_fails_with_imexd_and_deletes_the_domain(
+    bin_dir: Path, failing: str, status: int
+) -> None:
+    """A failing step fails the prolog with imexd's status; the domain is deleted again."""
+    run = run_script(
+        "imexd-prolog-perjob.sh", bin_dir, env={f"FAKE_EXIT_imexd_{failing}": str(status)}
+    )
+    assert run.status == status
+    calls = run.of("imexd")
+    assert calls[-1] == ["domain", "delete", f"job-{JOB}", "--config", CONFIG]
+    assert "_".join(calls[-2][:2]) == failing
+    assert f"exited {status}" in run.stderr
+    assert any(c[:2] == ["-p", "user.err"] for c in (call[2:] for call in run.of("logger")))
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_shared_prolog_creates_the_workload(bin_dir: Path, shell: str) -> None:
+    """The shared prolog creates workload job-<id> in IMEXD_DOMAIN for the job's user."""
+    run = run_script(
+        "imexd-prolog-shared.sh", bin_dir, shell=shell, env={"IMEXD_DOMAIN": "rack-07"}
+    )
+    assert run.status == 0, run.stderr
+    assert run.of("imexd") == [
+        ["workload", "create", f"job-{JOB}", "--domain", "rack-07", "--nodes", NODES,
+         "--uid", "1001", "--gid", "2002", "--wait", "60", "--config", CONFIG],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [1, 2, 3])
+def test_shared_prolog_fails_when_create_fails(bin_dir: Path, status: int) -> None:
+    """`workload create` exiting 1, 2 or 3 fails the prolog with that status, after a delete."""
+    run = run_script(
+        "imexd-prolog-shared.sh",
+        bin_dir,
+        env={"IMEXD_DOMAIN": "rack-07", "FAKE_EXIT_imexd_workload_create": str(status)},
+    )
+    assert run.status == status
+    assert run.of("imexd")[1:] == [
+        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--config", CONFIG]
+    ]
+    assert f"imexd workload create exited {status}" in run.stderr
+
+
+def test_shared_prolog_still_fails_when_the_cleanup_fails(bin_dir: Path) -> None:
+    """A failing cleanup after a failed create does not turn the prolog's failure into 0."""
+    run = run_script(
+        "imexd-prolog-shared.sh",
+        bin_dir,
+        env={
+            "IMEXD_DOMAIN": "rack-07",
+            "FAKE_EXIT_imexd_workload_create": "3",
+            "FAKE_EXIT_imexd_workload_delete": "1",
+        },
+    )
+    assert run.status == 3
+
+
+def test_shared_prolog_needs_the_domain(bin_dir: Path) -> None:
+    """Without IMEXD_DOMAIN the shared prolog fails at once, naming it, and calls nothing."""
+    run = run_script("imexd-prolog-shared.sh", bin_dir)
+    assert run.status == 2
+    assert "IMEXD_DOMAIN is not set" in run.stderr
+    assert run.of("imexd") == []
+
+
+def test_settings_file_and_binary_override(bin_dir: Path, tmp_path: Path) -> None:
+    """IMEXD_SLURM_ENV's file sets IMEXD_DOMAIN, IMEXD and IMEXD_CONFIG for the script."""
+    other = tmp_path / "opt" / "imexd-1.2"
+    other.mkdir(parents=True)
+    shutil.copy(bin_dir / "imexd", other / "imexd")
+    (bin_dir / "imexd").unlink()
+    defaults = tmp_path / "slurm.env"
+    defaults.write_text(
+        f"IMEXD={other / 'imexd'}\nIMEXD_DOMAIN=rack-09\nIMEXD_CONFIG=/etc/imexd/c2.toml\n"
+    )
+    run = run_script("imexd-prolog-shared.sh", bin_dir, env={"IMEXD_SLURM_ENV": str(defaults)})
+    assert run.status == 0, run.stderr
+    assert run.of("imexd") == [
+        ["workload", "create", f"job-{JOB}", "--domain", "rack-09", "--nodes", NODES,
+         "--uid", "1001", "--gid", "2002", "--wait", "60", "--config", "/etc/imexd/c2.toml"],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["imexd-prolog-perjob.sh", "imexd-prolog-shared.sh"])
+def test_prolog_fails_without_nodes(bin_dir: Path, script: str) -> None:
+    """A failing `scontrol` or an empty node list fails the prolog before any imexd call."""
+    env = {"IMEXD_DOMAIN": "rack-07"}
+    failing = run_script(script, bin_dir, env=env | {"FAKE_EXIT_scontrol_show_hostnames": "1"})
+    empty = run_script(script, bin_dir, env=env | {"FAKE_HOSTS": ""})
+    assert (failing.status, empty.status) == (1, 1)
+    assert (failing.of("imexd"), empty.of("imexd")) == ([], [])
+    assert "scontrol show hostnames gpu-[01-02] failed" in failing.stderr
+    assert "no nodes in gpu-[01-02]" in empty.stderr
+
+
+@pytest.mark.parametrize("script", ["imexd-prolog-perjob.sh", "imexd-prolog-shared.sh"])
+@pytest.mark.parametrize("variable", ["SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_UID"])
+def test_prolog_needs_the_job(bin_dir: Path, script: str, variable: str) -> None:
+    """A prolog run without the job's variables fails with status 2 naming the variable."""
+    run = run_script(script, bin_dir, env={"IMEXD_DOMAIN": "rack-07"}, drop=(variable,))
+    assert run.status == 2
+    assert f"{variable} is not set" in run.stderr
+    assert run.of("imexd") == []
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("delete_status", [0, 1, 2])
+def test_perjob_epilog_deletes_the_domain_and_exits_0(
+    bin_dir: Path, shell: str, delete_status: int
+) -> None:
+    """The per-job epilog deletes job-<id>; a failed delete is logged and still exits 0."""
+    run = run_script(
+        "imexd-epilog-perjob.sh",
+        bin_dir,
+        shell=shell,
+        env={"FAKE_EXIT_imexd_domain_delete": str(delete_status)},
+    )
+    assert run.status == 0
+    assert run.of("imexd") == [["domain", "delete", f"job-{JOB}", "--config", CONFIG]]
+    errors = [c for c in run.of("logger") if c[2:4] == ["-p", "user.err"]]
+    if delete_status:
+        assert errors
+        assert f"exited {delete_status}" in errors[0][4]
+    else:
+        assert errors == []
+
+
+@pytest.mark.parametrize("delete_status", [0, 1])
+def test_shared_epilog_deletes_the_workload_and_exits_0(bin_dir: Path, delete_status: int) -> None:
+    """The shared epilog deletes workload job-<id> in IMEXD_DOMAIN, and exits 0 regardless."""
+    run = run_script(
+        "imexd-epilog-shared.sh",
+        bin_dir,
+        env={"IMEXD_DOMAIN": "rack-07", "FAKE_EXIT_imexd_workload_delete": str(delete_status)},
+    )
+    assert run.status == 0
+    assert run.of("imexd") == [
+        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--config", CONFIG]
+    ]
+    assert ("imexd workload delete exited 1" in run.stderr) == bool(delete_status)
+
+
+def test_shared_epilog_without_domain_lets_imexd_find_it(bin_dir: Path) -> None:
+    """Without IMEXD_DOMAIN the epilog names only the workload (unique across domains)."""
+    run = run_script("imexd-epilog-shared.sh", bin_dir)
+    assert run.status == 0
+    assert run.of("imexd") == [["workload", "delete", f"job-{JOB}", "--config", CONFIG]]
+
+
+@pytest.mark.parametrize("script", ["imexd-epilog-perjob.sh", "imexd-epilog-shared.sh"])
+def test_epilog_without_job_exits_0(bin_dir: Path, script: str) -> None:
+    """An epilog run without SLURM_JOB_ID deletes nothing, logs, and exits 0."""
+    run = run_script(script, bin_dir, drop=("SLURM_JOB_ID",))
+    assert run.status == 0
+    assert run.of("imexd") == []
+    assert "SLURM_JOB_ID is not set" in run.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_taskprolog_exports_the_env_file(bin_dir: Path, tmp_path: Path, shell: str) -> None:
+    """The TaskProlog turns the agent's env file into `export` lines, without imexd."""
+    env_dir = tmp_path / "workloads"
+    env_dir.mkdir()
+    (env_dir / f"job-{JOB}.env").write_text(
+        "IMEX_CHANNEL=5\nIMEXD_WORKLOAD=job-4242\nIMEXD_DOMAIN=rack-07\n"
+        "IMEXD_CLIQUE=uuid.1\nIMEXD_CHANNEL_DEVICE=/dev/nvidia-caps-imex-channels/channel5"
+    )  # the last line without a newline is still read
+    (env_dir / "job-1.env").write_text("IMEX_CHANNEL=1\n")
+    run = run_script(
+        "imexd-taskprolog.sh", bin_dir, shell=shell, env={"IMEXD_CHANNELS_ENV_DIR": str(env_dir)}
+    )
+    assert run.status == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "export IMEX_CHANNEL=5",
+        "export IMEXD_WORKLOAD=job-4242",
+        "export IMEXD_DOMAIN=rack-07",
+        "export IMEXD_CLIQUE=uuid.1",
+        "export IMEXD_CHANNEL_DEVICE=/dev/nvidia-caps-imex-channels/channel5",
+    ]
+    assert run.of("imexd") == []
+
+
+def test_taskprolog_without_workload_prints_nothing(bin_dir: Path, tmp_path: Path) -> None:
+    """A job without an env file (no workload on this node) gets no lines and exit 0."""
+    run = run_script("imexd-taskprolog.sh", bin_dir, env={"IMEXD_CHANNELS_ENV_DIR": str(tmp_path)})
+    assert (run.status, run.stdout, run.of("imexd")) == (0, "", [])
+    outside = run_script("imexd-taskprolog.sh", bin_dir, drop=("SLURM_JOB_ID",))
+    assert (outside.status, outside.stdout) == (0, "")
+
+
+@pytest.mark.parametrize("env_status", [0, 1])
+def test_taskprolog_asks_the_bus_when_told(bin_dir: Path, tmp_path: Path, env_status: int) -> None:
+    """With IMEXD_TASKPROLOG_BUS=yes and no env file it prints `imexd workload env`'s
+    export lines, or nothing when that fails; it exits 0 either way."""
+    run = run_script(
+        "imexd-taskprolog.sh",
+        bin_dir,
+        env={
+            "IMEXD_CHANNELS_ENV_DIR": str(tmp_path),
+            "IMEXD_TASKPROLOG_BUS": "yes",
+            "IMEXD_DOMAIN": "rack-07",
+            "FAKE_EXIT_imexd_workload_env": str(env_status),
+        },
+    )
+    assert run.status == 0
+    assert run.of("imexd") == [
+        ["workload", "env", f"job-{JOB}", "--domain", "rack-07", "--config", CONFIG]
+    ]
+    expected = [] if env_status else ["export IMEX_CHANNEL=7", f"export IMEXD_WORKLOAD=job-{JOB}"]
+    assert run.stdout.splitlines() == expected
+
+
+def _parser_has_workloads() -> bool:
+    try:
+        build_parser().parse_args(["workload", "list"])
+    except SystemExit:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _parser_has_workloads(), reason="imexd has no `workload` commands yet")
+def test_every_command_line_parses(bin_dir: Path, tmp_path: Path) -> None:
+    """Every imexd command line the scripts run is accepted by the real CLI parser."""
+    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_TASKPROLOG_BUS": "yes"}
+    env |= {"IMEXD_CHANNELS_ENV_DIR": str(tmp_path)}
+    failing = {f"FAKE_EXIT_imexd_{c}": "1" for c in ("workload_create", "workload_status")}
+    calls = [
+        call
+        for script in SCRIPTS
+        for extra in ({}, failing)
+        for call in run_script(script.name, bin_dir, env=env | extra).of("imexd")
+    ]
+    assert {" ".join(c[:2]) for c in calls} == {
+        "domain create", "domain status", "domain delete", "workload create",
+        "workload delete", "workload status", "workload env",
+    }  # fmt: skip
+    parser = build_parser()
+    for call in calls:
+        parser.parse_args(call)
