@@ -16,12 +16,22 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 from imexd import __version__
 from imexd.errors import ConfigError, ImexdError
-from imexd.names import domain_problem, max_nodes_problem, node_problem, parse_nodes
+from imexd.messages import MAX_CHANNEL
+from imexd.names import (
+    domain_problem,
+    is_dns1123_label,
+    max_nodes_problem,
+    node_problem,
+    parse_nodes,
+)
 from imexd.settings import DEFAULT_CONFIG_PATH, parse_broker_url
+
+MAX_ID: Final = 4294967294
+"""The largest uid or gid a channel device may be given (-1 means "unchanged" to chown)."""
 
 
 class _Command(Protocol):
@@ -96,8 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="take listed nodes out of another live domain (stops their daemons there)",
     )
+    q.add_argument(
+        "--channel",
+        type=_int_arg,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="N",
+        help="also create workload NAME in this domain on IMEX channel N (no value: 0), "
+        "for one domain per job; default: no workload",
+    )
+    _owner_args(q, "with --channel: ")
     q.set_defaults(handler=_cmd_domain_create)
-    q = dsub.add_parser("delete", help="delete a domain: agents stop their daemons")
+    q = dsub.add_parser(
+        "delete", help="delete a domain: agents stop their daemons; its workloads are cleared"
+    )
     _config_arg(q)
     q.add_argument("name")
     q.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for agents")
@@ -117,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated nodes the domain must have (default: the spec's list)",
     )
     q.set_defaults(handler=_cmd_domain_status)
+
+    _workload_parser(sub)
 
     p = sub.add_parser("node", help="control plane: assign nodes to domains")
     nsub = p.add_subparsers(dest="node_command", required=True, metavar="ACTION")
@@ -159,6 +184,148 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", default=None, help="use this broker instead of an embedded one")
     p.set_defaults(handler=_cmd_demo)
     return parser
+
+
+def _int_arg(text: str) -> int:
+    """An integer option (argparse reports a ValueError as a usage error naming it)."""
+    return int(text, 10)
+
+
+def _mode_arg(text: str) -> int:
+    """`--mode`: octal permission bits such as 0660, 660 or 0o660."""
+    digits = text.removeprefix("0o")
+    if not digits or any(c not in "01234567" for c in digits):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected octal permission bits such as 0660")
+    mode = int(digits, 8)
+    if mode > 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected permission bits 0000 to 0777")
+    return mode
+
+
+def _owner_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--uid, --gid and --mode: the owner and mode of the channel's device node."""
+    parser.add_argument(
+        "--uid",
+        type=_int_arg,
+        default=None,
+        help=f"{prefix}owner user id of the channel device (default 0)",
+    )
+    parser.add_argument(
+        "--gid",
+        type=_int_arg,
+        default=None,
+        help=f"{prefix}owner group id of the channel device (default 0)",
+    )
+    parser.add_argument(
+        "--mode",
+        type=_mode_arg,
+        default=None,
+        help=f"{prefix}permission bits of the channel device, octal (default 0660)",
+    )
+
+
+def _domain_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    if required:
+        parser.add_argument("--domain", required=True, help="the workload's domain (required)")
+    else:
+        parser.add_argument(
+            "--domain",
+            default=None,
+            help="the workload's domain (default: the one domain that has a workload NAME)",
+        )
+
+
+WORKLOAD_EXITS = {
+    "create": "exit codes: 0 ready on every listed node (or written, with --wait 0); 1 not "
+    "ready by the deadline (the record is kept), a lost race retried too often, or a bus "
+    "error; 2 usage error (bad name or mode, --channel used by another workload of the "
+    "domain, the workload exists on another channel); 3 no free channel",
+    "delete": "exit codes: 0 deleted and no node lists it any more; 1 no such workload, "
+    "nodes still list it at the deadline, or a bus error; 2 usage error",
+    "list": "exit codes: 0 listed; 1 bus error; 2 usage error",
+    "status": "exit codes: 0 every listed node has the channel ready; 1 not ready, no such "
+    "workload, or a bus error; 2 usage error (also: NAME in several domains and no --domain)",
+    "env": "exit codes: 0 printed; 1 no such workload, or not active; 2 usage error",
+}
+
+
+def _workload_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`imexd workload create|delete|list|status|env`: IMEX channels for named workloads."""
+    p = sub.add_parser(
+        "workload", help="control plane: IMEX channels for workloads (create, delete, ...)"
+    )
+    wsub = p.add_subparsers(dest="workload_command", required=True, metavar="ACTION")
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        q = wsub.add_parser(
+            name, help=help_text, description=f"{help_text}. {WORKLOAD_EXITS[name]}."
+        )
+        _config_arg(q)
+        return q
+
+    q = action("create", "create or update a workload: a channel on its domain's nodes")
+    q.add_argument("name", help="the workload's name (DNS-1123 label)")
+    _domain_arg(q, required=True)
+    q.add_argument(
+        "--nodes",
+        default=None,
+        help="comma-separated nodes that get the channel (default: the domain spec's node "
+        "list, else every node of the domain)",
+    )
+    q.add_argument(
+        "--channel",
+        type=_int_arg,
+        default=None,
+        metavar="N",
+        help="this channel (0 only this way); default: the lowest free channel from 1, "
+        "kept when the workload exists",
+    )
+    _owner_args(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="wait this long for every listed node to have the channel ready (default 60; "
+        "0: do not wait)",
+    )
+    q.add_argument("--json", action="store_true", help="print the status as JSON (default: text)")
+    q.set_defaults(handler=_cmd_workload_create)
+
+    q = action("delete", "delete a workload: its nodes remove the channel")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="wait this long for the nodes to remove the channel (default 30; 0: do not wait)",
+    )
+    q.set_defaults(handler=_cmd_workload_delete)
+
+    q = action("list", "list workloads: channel, state, nodes and how many are ready")
+    q.add_argument("--domain", default=None, help="only this domain's (default: every domain)")
+    q.add_argument("--json", action="store_true", help="print a JSON array (default: a table)")
+    q.set_defaults(handler=_cmd_workload_list)
+
+    q = action("status", "a workload's channel on each of its nodes")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="wait this long for every listed node to be ready (default 2; 0: do not wait)",
+    )
+    q.add_argument("--json", action="store_true", help="print JSON (default: a table)")
+    q.set_defaults(handler=_cmd_workload_status)
+
+    q = action("env", "print `export` lines for the workload's channel (Slurm TaskProlog)")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.set_defaults(handler=_cmd_workload_env)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -316,19 +483,47 @@ def _usage(command: str, problems: Sequence[str]) -> int:
     return 2
 
 
+def _workload_problem(name: str) -> str | None:
+    if is_dns1123_label(name):
+        return None
+    return (
+        f"workload name {name!r} is not a DNS-1123 label: lowercase letters, digits and '-', "
+        "starting and ending with a letter or digit, at most 63 characters"
+    )
+
+
+def _owner_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with --channel, --uid and --gid (--mode is checked by argparse)."""
+    problems: list[str] = []
+    if args.channel is not None and not 0 <= args.channel <= MAX_CHANNEL:
+        problems.append(f"--channel {args.channel}: expected 0 to {MAX_CHANNEL}")
+    for option in ("uid", "gid"):
+        value = getattr(args, option)
+        if value is not None and not 0 <= value <= MAX_ID:
+            problems.append(f"--{option} {value}: expected 0 to {MAX_ID}")
+    return problems
+
+
 def _cmd_domain_create(args: argparse.Namespace) -> int:
-    """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal]`."""
+    """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal] [--channel [N]
+    [--uid U] [--gid G] [--mode M]]`: with --channel, workload NAME of the domain too."""
     nodes, problems = parse_nodes(args.nodes)
     problems = [
         p for p in (domain_problem(args.name), max_nodes_problem(args.max_nodes)) if p
     ] + problems
+    problems += _owner_problems(args)
+    if args.channel is None:
+        given = [f"--{o}" for o in ("uid", "gid", "mode") if getattr(args, o) is not None]
+        if given:
+            problems.append(f"{', '.join(given)} only go with --channel")
     if problems:
         return _usage("domain create", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
-        commands.create(
+
+    async def create() -> int:
+        code = await commands.create(
             settings,
             args.name,
             nodes=nodes,
@@ -337,7 +532,24 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
             err=sys.stderr,
             steal=args.steal,
         )
-    )
+        if code != 0 or args.channel is None:
+            return code
+        return await workloads.create(
+            settings,
+            args.name,
+            domain=args.name,
+            nodes=None,
+            channel=args.channel,
+            uid=args.uid,
+            gid=args.gid,
+            mode=args.mode,
+            wait_s=0.0,
+            as_json=False,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+
+    return asyncio.run(create())
 
 
 def _cmd_domain_delete(args: argparse.Namespace) -> int:
@@ -414,6 +626,113 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
                 loop.remove_signal_handler(sig)
 
     return asyncio.run(watching())
+
+
+def _workload_usage(args: argparse.Namespace, command: str) -> list[str]:
+    """The usage problems every `workload` action shares: NAME, --domain, --wait."""
+    problems = [p for p in (_workload_problem(args.name),) if p]
+    if args.domain is not None and (problem := domain_problem(args.domain)):
+        problems.append(problem)
+    wait = getattr(args, "wait", None)
+    if wait is not None and not 0 <= wait < float("inf"):
+        problems.append(f"--wait {wait}: expected seconds >= 0")
+    if command == "create":
+        problems += _owner_problems(args)
+    return problems
+
+
+def _cmd_workload_create(args: argparse.Namespace) -> int:
+    """`imexd workload create NAME --domain D [--nodes a,b] [--channel N] [--uid U]
+    [--gid G] [--mode M] [--wait S] [--json]`."""
+    nodes, problems = parse_nodes(args.nodes)
+    problems = _workload_usage(args, "create") + problems
+    if problems:
+        return _usage("workload create", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.create(
+            settings,
+            args.name,
+            domain=args.domain,
+            nodes=nodes,
+            channel=args.channel,
+            uid=args.uid,
+            gid=args.gid,
+            mode=args.mode,
+            wait_s=args.wait,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_delete(args: argparse.Namespace) -> int:
+    """`imexd workload delete NAME [--domain D] [--wait S]`."""
+    problems = _workload_usage(args, "delete")
+    if problems:
+        return _usage("workload delete", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.delete(
+            settings,
+            args.name,
+            domain=args.domain,
+            wait_s=args.wait,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_list(args: argparse.Namespace) -> int:
+    """`imexd workload list [--domain D] [--json]`."""
+    if args.domain is not None and (problem := domain_problem(args.domain)):
+        return _usage("workload list", [problem])
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.list_workloads(settings, domain=args.domain, as_json=args.json, out=sys.stdout)
+    )
+
+
+def _cmd_workload_status(args: argparse.Namespace) -> int:
+    """`imexd workload status NAME [--domain D] [--wait S] [--json]`."""
+    problems = _workload_usage(args, "status")
+    if problems:
+        return _usage("workload status", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.status(
+            settings,
+            args.name,
+            domain=args.domain,
+            wait_s=args.wait,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_env(args: argparse.Namespace) -> int:
+    """`imexd workload env NAME [--domain D]`."""
+    problems = _workload_usage(args, "env")
+    if problems:
+        return _usage("workload env", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.env(settings, args.name, domain=args.domain, out=sys.stdout, err=sys.stderr)
+    )
 
 
 def _cmd_node_assign(args: argparse.Namespace) -> int:

@@ -1,24 +1,31 @@
-"""The control plane: `imexd domain ...` and `imexd node ...`, a CLI over the agents' bus.
+"""The control plane: `imexd domain|node|workload ...`, a CLI over the agents' bus.
 
-Agents do all the work; the control plane only writes the two retained inputs they follow
-(a domain's `DomainSpec` and each node's `Assignment`) and reads the two retained outputs
-they publish (`MemberRecord`s and `HealthReport`s):
+Agents do all the work; the control plane only writes the retained inputs they follow
+(a domain's `DomainSpec`, each node's `Assignment` and each workload's `WorkloadRecord`)
+and reads the two retained outputs they publish (`MemberRecord`s and `HealthReport`s):
 
-- `domain create NAME [--nodes a,b] [--max-nodes N]`: the spec (state `active`, generation
-  one above the previous spec's), then an assignment for each listed node;
+- `domain create NAME [--nodes a,b] [--max-nodes N] [--channel [N]]`: the spec (state
+  `active`, generation one above the previous spec's), then an assignment for each listed
+  node; with `--channel`, workload NAME of the domain on that channel (one domain per job);
 - `domain delete NAME [--timeout S]`: the spec in state `deleting`, a wait until no member
-  record of NAME is left, then the assignments pointing at NAME, the spec and leftover
-  health reports are cleared (see `commands.delete` for what happens at the timeout);
+  record of NAME is left, then the assignments pointing at NAME, the spec, leftover
+  health reports and the domain's workloads are cleared (see `commands.delete` for what
+  happens at the timeout);
 - `domain list`, `domain status NAME [--json] [--watch] [--wait S]`: tables judged by the
   pure `imexd.fleet.judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
-- `node assign NODE DOMAIN`, `node unassign NODE`.
+- `node assign NODE DOMAIN`, `node unassign NODE`;
+- `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
+  IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
+  clients (see `workloads`), judged by the pure `imexd.fleet.judge_workload`.
 
 Exit codes: 0 success (for `status`: the domain is UP), 1 failure (broker unreachable, a
 write the broker did not keep, members left at a delete's timeout, a domain not UP),
-2 usage errors (a name that is not DNS-1123), 130 interrupted.
+2 usage errors (a name that is not DNS-1123), 3 no free channel (`workload create`),
+130 interrupted.
 
 The modules, one job each: `link` (one short-lived connection over `imexd.mqtt`),
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the
-CLI runs) and `schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing,
-the event loop and signals are `imexd.cli`'s.
+CLI runs for domains and nodes), `workloads` (those for workloads) and `schemas` (the
+JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop and signals are
+`imexd.cli`'s.
 """

@@ -84,7 +84,7 @@ def next_spec(
     )
 
 
-def _refused(refused: Sequence[str], err: TextIO) -> int:
+def say_refused(refused: Sequence[str], err: TextIO) -> int:
     print(
         f"imexd: the broker did not keep our write to {', '.join(refused)} "
         "(refused by its ACL for the control plane's user, or written again since)",
@@ -152,7 +152,7 @@ async def create(
             await link.put(topic, payload)
         refused = await link.verify(written)
     if refused:
-        return _refused(refused, err)
+        return say_refused(refused, err)
     verb = "created"
     if previous is not None:
         verb = "re-activated" if previous.state == "deleting" else "updated"
@@ -169,7 +169,8 @@ async def create(
 
 
 async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, err: TextIO) -> int:
-    """Set the spec to `deleting`, wait for the members to leave, then clear what is left.
+    """Set the spec to `deleting`, wait for the members to leave, then clear what is left
+    (the domain's workload records too: their channels go with the domain).
 
     Agents that see `deleting` clear their member record and health report, stop their
     daemon and remove their files. Once no member record of the domain is left, the
@@ -187,7 +188,11 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
     async with Link(settings.bus) as link:
         t = link.topics
         store = await link.read(
-            t.spec(name), t.all_members_filter(name), t.health_filter(name), t.assignments_filter()
+            t.spec(name),
+            t.all_members_filter(name),
+            t.health_filter(name),
+            t.assignments_filter(),
+            t.workloads_filter(name),
         )
         spec = store.specs.get(name)
         records = store.records_of(name)
@@ -196,9 +201,11 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
             and not records
             and not store.assigned_to(name)
             and not store.reports_of(name)
+            and not store.workloads_of(name)
         ):
             print(
-                f"domain {name}: nothing to delete (no spec, records, reports or assignments)",
+                f"domain {name}: nothing to delete (no spec, records, reports, assignments or "
+                "workloads)",
                 file=out,
             )
             return EXIT_OK
@@ -218,7 +225,7 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
             await link.put(t.spec(name), encode(spec))
             refused = await link.verify({t.spec(name): encode(spec)})
             if refused:
-                return _refused(refused, err)
+                return say_refused(refused, err)
         members = sorted({r.node for r in records})
         print(
             f"domain {name}: deleting (generation {spec.generation}); waiting up to {wait_s:g} s "
@@ -243,14 +250,19 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
         reports = [s.report for s in store.reports_of(name) if s.report.node not in left]
         for report in reports:
             written[t.health(name, report.node)] = b""
+        workloads = store.workloads_of(name)
+        for workload in workloads:
+            written[t.workload(name, workload.workload)] = b""
         for topic, payload in written.items():
             await link.put(topic, payload)
         refused = await link.verify(written)
         stuck = [_describe_member(store, name, node) for node in left]
     if refused:
-        return _refused(refused, err)
+        return say_refused(refused, err)
     assignments = sum(1 for topic in written if topic.endswith("/assignment"))
     cleared = f"{assignments} assignment(s), {len(reports)} leftover health report(s)"
+    if workloads:
+        cleared += f", {len(workloads)} workload(s): {', '.join(w.workload for w in workloads)}"
     if left:
         print(
             f"imexd: domain {name}: {len(left)} member(s) still hold records after {wait_s:g} s: "
@@ -348,7 +360,7 @@ async def assign(
         await link.put(topic, payload)
         refused = await link.verify({topic: payload})
     if refused:
-        return _refused(refused, err)
+        return say_refused(refused, err)
     if domain is None:
         was = f"was {before}" if before else "it had no assignment"
         print(f"node {node}: unassigned ({was})", file=out)

@@ -24,12 +24,13 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
 from imexd.control.store import Store
 from imexd.errors import BusError
-from imexd.messages import Dropped, Topics, decode_message
+from imexd.messages import Dropped, Received, Topics, WorkloadRecord, decode_message
 from imexd.mqtt import Client, connect, topic_matches
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 
@@ -39,6 +40,16 @@ OPERATION_TIMEOUT_S: Final = 5.0
 """Bound on each broker round trip (SUBACK, PUBACK, the sync echo)."""
 SYNC_LEVEL: Final = "_control"
 """Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Logged:
+    """One workload message as it arrived: their order is the channel race's referee."""
+
+    topic: str
+    payload: bytes
+    record: WorkloadRecord | None
+    """The decoded record; None for a deletion (an empty payload)."""
 
 
 def default_client_id() -> str:
@@ -89,6 +100,9 @@ class Link:
         self._seq = itertools.count(1)
         self._echoes: dict[int, asyncio.Future[None]] = {}
         self._last: dict[str, bytes] = {}
+        self.workload_log: list[Logged] = []
+        """Every valid workload message in the order the broker delivered it, the
+        retained snapshot first (see `put_echoed`)."""
 
     async def __aenter__(self) -> Self:
         errors: list[str] = []
@@ -171,6 +185,11 @@ class Link:
         if isinstance(result, Dropped):
             self.store.dropped[result.reason.value] += 1
             return
+        if result.ref.kind == "workload":
+            record = result.payload if isinstance(result, Received) else None
+            self.workload_log.append(
+                Logged(topic, payload, record if isinstance(record, WorkloadRecord) else None)
+            )
         expires_at = time.time() + expiry_s if expiry_s is not None else None
         self.store.apply(result, expires_at=expires_at)
         self.changed.set()
@@ -245,6 +264,36 @@ class Link:
             await client.publish(topic, payload, retain=True)
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from None
+
+    async def put_echoed(self, topic: str, payload: bytes) -> int:
+        """Publish a retained workload record and wait for its echo on our subscription;
+        the echo's index in `workload_log`.
+
+        Every message before that index reached the broker before ours, in the order every
+        other subscriber of the topic sees too (one broker delivers them all the same
+        order): what the channel race (`imexd.control.workloads`) decides by. No echo
+        within the operation timeout (an ACL that drops the publish) raises BusError.
+        """
+        if not any(topic_matches(f, topic) for f in self._filters):
+            raise ValueError(f"{topic} is not subscribed: no echo would come")
+        start = len(self.workload_log)
+        found: list[int] = []
+
+        def echoed() -> bool:
+            for index in range(start, len(self.workload_log)):
+                logged = self.workload_log[index]
+                if logged.topic == topic and logged.payload == payload:
+                    found.append(index)
+                    return True
+            return False
+
+        await self.put(topic, payload)
+        if not await self.wait_until(echoed, self.timeout_s):
+            raise BusError(
+                f"no echo of our write to {topic} within {self.timeout_s:g} s: the broker must "
+                "let the control plane read and write it (ACL)"
+            )
+        return found[0]
 
     async def verify(self, written: Mapping[str, bytes]) -> list[str]:
         """The topics of `written` whose last message is not what we put there.
