@@ -65,6 +65,8 @@ ENV_WRITE_FAILED: Final = "EnvWriteFailed"
 _CHANNEL_NAME: Final = re.compile(r"channel([0-9]+)", re.ASCII)
 _LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", re.ASCII)
 _CLIQUE: Final = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})?", re.ASCII)
+_READ_LIMIT: Final = 1 << 20
+"""/proc/devices and the driver's params are a few KiB; a larger file is not one of them."""
 _PARAM: Final = re.compile(r"\s*([A-Za-z0-9_]+)\s*:\s*(\S*)\s*")
 
 
@@ -100,10 +102,8 @@ def parse_proc_devices(text: str) -> int | None:
         if not in_chars:
             continue
         number, _, name = line.partition(" ")
-        if name.strip() != DEVICE_NAME or not number.isascii() or not number.isdigit():
-            continue
-        major = int(number)
-        if 0 < major <= MAX_MAJOR:
+        major = _whole(number)
+        if name.strip() == DEVICE_NAME and major is not None and 0 < major <= MAX_MAJOR:
             return major
     return None
 
@@ -128,7 +128,8 @@ def parse_driver_params(text: str) -> tuple[int | None, bool | None]:
 
 
 def _whole(value: str | None) -> int | None:
-    if value is None or not value.isascii() or not value.isdigit():
+    """A whole number of at most ten digits (longer is no driver's value), else None."""
+    if value is None or not value.isascii() or not value.isdigit() or len(value) > 10:
         return None
     return int(value)
 
@@ -136,7 +137,7 @@ def _whole(value: str | None) -> int | None:
 def _read(path: str) -> tuple[str | None, str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as file:
-            return file.read(), ""
+            return file.read(_READ_LIMIT), ""
     except OSError as exc:
         return None, f"cannot read {path}: {_reason(exc)}"
 
@@ -614,19 +615,22 @@ class Devices:
             ops["remove", "ok"] += 1
         else:
             self._ensure_dev_dir()
+        # Made without any permission first, so that no one can open it before the owner
+        # is right; chmod after chown also sidesteps the umask.
         try:
-            # Made without any permission first, so that no one can open it before the
-            # owner is right; chmod after chown also sidesteps the umask.
             with _step(f"mknod {path}"):
                 os.mknod(path, stat.S_IFCHR, device)
+        except _StepError:
+            ops["mknod", "error"] += 1
+            raise
+        try:
             with _step(f"chown {path} to {want.uid}:{want.gid}"):
                 os.chown(path, want.uid, want.gid, follow_symlinks=False)
             with _step(f"chmod {path} to {want.mode:#o}"):
                 os.chmod(path, want.mode)
-        except _StepError as exc:
+        except _StepError:
             ops["mknod", "error"] += 1
-            if exc.error.errno != errno.EEXIST:
-                self._discard(path, ops, quiet=True)
+            self._discard(path, ops, quiet=True)
             raise
         ops["mknod", "ok"] += 1
 

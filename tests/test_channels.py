@@ -1,0 +1,821 @@
+"""IMEX channel devices: parsing the driver's facts, the per-node plan, and real device nodes.
+
+The device tests make real character devices with mknod in tmp_path (the major need not
+belong to a loaded driver: nothing opens them) and check them with os.lstat; they need
+root and are skipped otherwise. CDI specs are validated against the official CDI JSON
+schema, vendored under tests/fixtures (cdi-LICENSE says where it comes from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jsonschema import Draft7Validator  # type: ignore[import-untyped] # no stubs
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT7
+
+from imexd.channels import (
+    CDI_KIND,
+    CONTAINER_DEV_DIR,
+    DEVICE_NAME,
+    Applied,
+    Devices,
+    Driver,
+    Want,
+    cdi_spec,
+    env_text,
+    parse_driver_params,
+    parse_proc_devices,
+    plan,
+    read_driver,
+)
+from imexd.messages import WorkloadRecord
+from imexd.settings import ChannelsSettings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="mknod and chown need root (CI runs as root)")
+
+MAJOR = 242
+DRIVER = Driver(major=MAJOR, count=2048, channel0=False)
+NODE = "node-a"
+UID, GID = 4242, 4343
+
+# /proc/devices of an H200 node with driver 570 (character block trimmed of unrelated lines).
+PROC_DEVICES = """\
+Character devices:
+  1 mem
+  4 /dev/vc/0
+  4 tty
+  5 /dev/tty
+  5 /dev/console
+ 10 misc
+136 pts
+195 nvidia-frontend
+195 nvidia
+234 nvidia-nvswitch
+235 nvidia-nvlink
+241 nvidia-caps
+242 nvidia-caps-imex-channels
+508 nvidia-uvm
+510 nvidia-modeset
+
+Block devices:
+  7 loop
+  8 sd
+259 blkext
+"""
+
+# /proc/driver/nvidia/params of the same node (abridged).
+DRIVER_PARAMS = """\
+ResmanDebugLevel: 4294967295
+RmLogonRC: 1
+ModifyDeviceFiles: 1
+DeviceFileUID: 0
+DeviceFileGID: 0
+DeviceFileMode: 438
+EnableStreamMemOPs: 0
+RegistryDwords: ""
+RegistryDwordsPerDevice: ""
+RmMsg: ""
+GpuBlacklist: ""
+ImexChannelCount: 2048
+CreateImexChannel0: 0
+GrdmaPciTopoCheckOverride: 0
+"""
+
+
+def _record(
+    workload: str,
+    channel: int,
+    *,
+    domain: str = "d1",
+    nodes: list[str] | None = None,
+    state: str = "active",
+    generation: int = 1,
+    uid: int = UID,
+    gid: int = GID,
+    mode: int = 0o660,
+) -> WorkloadRecord:
+    return WorkloadRecord(
+        workload=workload,
+        domain=domain,
+        channel=channel,
+        nodes=nodes,
+        uid=uid,
+        gid=gid,
+        mode=mode,
+        state="claiming" if state == "claiming" else "active",
+        generation=generation,
+    )
+
+
+def _want(workload: str = "w1", channel: int = 3, **changes: Any) -> Want:
+    want = Want(
+        workload=workload,
+        domain="d1",
+        clique="0b1f-uuid.7",
+        channel=channel,
+        uid=UID,
+        gid=GID,
+        mode=0o660,
+        generation=1,
+    )
+    return replace(want, **changes)
+
+
+def _plan(
+    records: list[WorkloadRecord], *, driver: Driver = DRIVER, held: dict[int, str] | None = None
+) -> tuple[dict[int, Want], list[Any]]:
+    return plan(records, node=NODE, domain="d1", clique="c.1", driver=driver, held=held or {})
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+
+def test_proc_devices_gives_the_channel_major() -> None:
+    """The H200 line `242 nvidia-caps-imex-channels` gives major 242, not nvidia-caps's."""
+    assert parse_proc_devices(PROC_DEVICES) == 242
+
+
+def test_a_block_device_of_the_same_name_does_not_count() -> None:
+    """Only the "Character devices:" block names the channel device."""
+    text = f"Character devices:\n  1 mem\n\nBlock devices:\n242 {DEVICE_NAME}\n"
+    assert parse_proc_devices(text) is None
+
+
+def test_proc_devices_without_the_line_or_garbage_gives_none() -> None:
+    """No line, a line before any header, a bad number or noise: no major."""
+    assert parse_proc_devices("Character devices:\n  1 mem\n") is None
+    assert parse_proc_devices(f"242 {DEVICE_NAME}\n") is None
+    assert parse_proc_devices(f"Character devices:\nabc {DEVICE_NAME}\n") is None
+    assert parse_proc_devices(f"Character devices:\n0 {DEVICE_NAME}\n") is None
+    assert parse_proc_devices(f"Character devices:\n{'9' * 5000} {DEVICE_NAME}\n") is None
+    assert parse_proc_devices(f"Character devices:\n242 {DEVICE_NAME}-x\n") is None
+    assert parse_proc_devices("\x00\xff garbage :::\n") is None
+    assert parse_proc_devices("") is None
+
+
+def test_driver_params_give_count_and_channel0() -> None:
+    """ImexChannelCount and CreateImexChannel0 are read among the driver's other params."""
+    assert parse_driver_params(DRIVER_PARAMS) == (2048, False)
+    created = DRIVER_PARAMS.replace("CreateImexChannel0: 0", "CreateImexChannel0: 1")
+    assert parse_driver_params(created) == (2048, True)
+
+
+def test_driver_params_garbage_gives_none() -> None:
+    """A missing key, a negative, non-numeric or absurd value is unknown, not a crash."""
+    assert parse_driver_params("") == (None, None)
+    assert parse_driver_params("garbage\n\x00: :\n") == (None, None)
+    assert parse_driver_params("ImexChannelCount: -1\nCreateImexChannel0: yes\n") == (None, None)
+    assert parse_driver_params(f"ImexChannelCount: {'9' * 5000}\n") == (None, None)
+    assert parse_driver_params("ImexChannelCount: 99999999\n") == (None, None)
+    assert parse_driver_params("ImexChannelCount: 0\n") == (0, None)
+
+
+def test_read_driver_reads_both_files(tmp_path: Path) -> None:
+    """With both files readable, every fact is known and there is no error."""
+    devices, params = tmp_path / "devices", tmp_path / "params"
+    devices.write_text(PROC_DEVICES)
+    params.write_text(DRIVER_PARAMS)
+    settings = ChannelsSettings(proc_devices=str(devices), driver_params=str(params))
+    assert read_driver(settings) == Driver(major=242, count=2048, channel0=False, error="")
+
+
+def test_read_driver_never_raises(tmp_path: Path) -> None:
+    """Missing files and a missing line are facts with a reason naming the path."""
+    devices, params = tmp_path / "devices", tmp_path / "params"
+    missing = read_driver(ChannelsSettings(proc_devices=str(devices), driver_params=str(params)))
+    assert (missing.major, missing.count, missing.channel0) == (None, None, None)
+    assert f"cannot read {devices}: No such file or directory" in missing.error
+    assert f"cannot read {params}" in missing.error
+
+    devices.write_text("Character devices:\n  1 mem\n")
+    params.mkdir()
+    partial = read_driver(ChannelsSettings(proc_devices=str(devices), driver_params=str(params)))
+    assert partial.major is None
+    assert f"{devices} lists no {DEVICE_NAME} character device" in partial.error
+    assert "Is a directory" in partial.error
+
+
+# --- the plan --------------------------------------------------------------------------
+
+
+def test_an_active_listed_workload_is_wanted() -> None:
+    """The want carries the record's channel, owner, mode and generation, and the clique."""
+    wants, refusals = _plan([_record("w1", 5, nodes=[NODE, "node-b"], generation=3, mode=0o600)])
+    assert refusals == []
+    assert wants == {
+        5: Want(
+            workload="w1",
+            domain="d1",
+            clique="c.1",
+            channel=5,
+            uid=UID,
+            gid=GID,
+            mode=0o600,
+            generation=3,
+        )
+    }
+
+
+def test_a_record_without_nodes_lists_every_node() -> None:
+    """nodes None: every node of the domain makes the device."""
+    wants, _ = _plan([_record("w1", 5, nodes=None)])
+    assert list(wants) == [5]
+
+
+def test_other_nodes_domains_and_claims_are_ignored() -> None:
+    """Only active records of the node's domain that list this node count."""
+    records = [
+        _record("elsewhere", 1, nodes=["node-b"]),
+        _record("other-domain", 2, domain="d2"),
+        _record("claim", 3, state="claiming"),
+    ]
+    assert _plan(records) == ({}, [])
+
+
+def test_no_channel_device_refuses_every_workload() -> None:
+    """Without a major (no driver) nothing can be made; the message says why."""
+    driver = Driver(major=None, count=None, channel0=None, error="/proc/devices lists no such")
+    wants, refusals = _plan([_record("b", 2), _record("a", 1)], driver=driver)
+    assert wants == {}
+    assert [(r.workload, r.reason) for r in refusals] == [
+        ("a", "NoChannelDevice"),
+        ("b", "NoChannelDevice"),
+    ]
+    assert "/proc/devices lists no such" in refusals[0].message
+
+
+def test_a_channel_at_or_above_the_count_is_out_of_range() -> None:
+    """Channels 0..count-1 exist; an unknown count checks nothing."""
+    driver = replace(DRIVER, count=4)
+    wants, refusals = _plan([_record("a", 3), _record("b", 4, generation=7)], driver=driver)
+    assert list(wants) == [3]
+    assert [(r.workload, r.channel, r.generation, r.reason) for r in refusals] == [
+        ("b", 4, 7, "ChannelOutOfRange")
+    ]
+    assert "ImexChannelCount is 4" in refusals[0].message
+    wants, refusals = _plan([_record("b", 4)], driver=replace(DRIVER, count=None))
+    assert list(wants) == [4]
+    assert refusals == []
+
+
+def test_a_conflict_without_a_holder_gives_the_channel_to_none() -> None:
+    """Two workloads on one channel, neither device made yet: neither gets it."""
+    wants, refusals = _plan([_record("a", 5), _record("b", 5), _record("c", 6)])
+    assert list(wants) == [6]
+    assert [(r.workload, r.reason) for r in refusals] == [
+        ("a", "ChannelConflict"),
+        ("b", "ChannelConflict"),
+    ]
+    assert "also used by workload(s) b" in refusals[0].message
+
+
+def test_a_conflict_is_sticky() -> None:
+    """The workload whose device this agent made keeps the channel."""
+    wants, refusals = _plan([_record("a", 5), _record("b", 5)], held={5: "b"})
+    assert wants[5].workload == "b"
+    assert [(r.workload, r.reason) for r in refusals] == [("a", "ChannelConflict")]
+    assert "b keeps it" in refusals[0].message
+
+
+def test_a_holder_that_is_gone_keeps_nothing() -> None:
+    """held names a workload no longer on the channel: the rest still conflict."""
+    wants, refusals = _plan([_record("a", 5), _record("b", 5)], held={5: "gone"})
+    assert wants == {}
+    assert {r.workload for r in refusals} == {"a", "b"}
+
+
+@given(st.permutations([("a", 5), ("b", 5), ("c", 6), ("d", 9999), ("e", 1)]))
+def test_the_plan_does_not_depend_on_record_order(order: list[tuple[str, int]]) -> None:
+    """Same records in any order: same wants in the same order, refusals by name."""
+    driver = replace(DRIVER, count=100)
+    wants, refusals = _plan([_record(name, channel) for name, channel in order], driver=driver)
+    assert [(channel, want.workload) for channel, want in wants.items()] == [(6, "c"), (1, "e")]
+    assert [r.workload for r in refusals] == ["a", "b", "d"]
+
+
+# --- hand-off files ----------------------------------------------------------------------
+
+
+def _cdi_validator() -> Any:
+    schema = json.loads((FIXTURES / "cdi-schema.json").read_text())
+    defs = Resource.from_contents(
+        json.loads((FIXTURES / "cdi-defs.json").read_text()), default_specification=DRAFT7
+    )
+    registry: Registry[Any] = Registry().with_resource("defs.json", defs)
+    return Draft7Validator(schema, registry=registry)
+
+
+def test_the_vendored_schema_rejects_a_broken_spec() -> None:
+    """The validator is live: a spec without kind or with a stray key fails."""
+    validator = _cdi_validator()
+    spec = cdi_spec(_want(), major=MAJOR, dev_dir="/dev/x")
+    validator.validate(spec)
+    assert not validator.is_valid({k: v for k, v in spec.items() if k != "kind"})
+    assert not validator.is_valid({**spec, "stray": 1})
+    broken = json.loads(json.dumps(spec))
+    broken["devices"][0]["containerEdits"]["deviceNodes"][0]["uid"] = -1
+    assert not validator.is_valid(broken)
+
+
+def test_the_cdi_spec_is_the_contract_and_valid_cdi() -> None:
+    """One device named after the workload: its channel node and the workload's env."""
+    spec = cdi_spec(_want(channel=7, mode=0o600), major=MAJOR, dev_dir="/host/dev/chan")
+    _cdi_validator().validate(spec)
+    assert spec == {
+        "cdiVersion": "0.6.0",
+        "kind": CDI_KIND,
+        "devices": [
+            {
+                "name": "w1",
+                "containerEdits": {
+                    "deviceNodes": [
+                        {
+                            "path": f"{CONTAINER_DEV_DIR}/channel7",
+                            "hostPath": "/host/dev/chan/channel7",
+                            "type": "c",
+                            "major": MAJOR,
+                            "minor": 7,
+                            "fileMode": 0o600,
+                            "permissions": "rw",
+                            "uid": UID,
+                            "gid": GID,
+                        }
+                    ],
+                    "env": [
+                        "IMEX_CHANNEL=7",
+                        "IMEXD_WORKLOAD=w1",
+                        "IMEXD_DOMAIN=d1",
+                        "IMEXD_CLIQUE=0b1f-uuid.7",
+                    ],
+                },
+            }
+        ],
+    }
+
+
+def test_the_env_file_is_key_value_lines() -> None:
+    """The env file has the contract's lines, no quotes."""
+    assert env_text(_want(channel=7)) == (
+        "IMEX_CHANNEL=7\n"
+        "IMEXD_WORKLOAD=w1\n"
+        "IMEXD_DOMAIN=d1\n"
+        "IMEXD_CLIQUE=0b1f-uuid.7\n"
+        f"IMEXD_CHANNEL_DEVICE={CONTAINER_DEV_DIR}/channel7\n"
+    )
+
+
+def test_the_env_file_sources_in_a_shell(tmp_path: Path) -> None:
+    """`set -a; . file` exports every line as written (a Slurm TaskProlog's use)."""
+    path = tmp_path / "w1.env"
+    path.write_text(env_text(_want(clique="")))
+    proc = subprocess.run(
+        ["sh", "-c", 'set -a; . "$1"; exec env', "sh", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        timeout=10,
+    )
+    seen = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert seen["IMEX_CHANNEL"] == "3"
+    assert seen["IMEXD_CLIQUE"] == ""
+    assert seen["IMEXD_CHANNEL_DEVICE"] == f"{CONTAINER_DEV_DIR}/channel3"
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"workload": "../etc"}, "'../etc'"),
+        ({"workload": "a/b"}, "'a/b'"),
+        ({"domain": "d\nEVIL=1"}, "'d\\nEVIL=1'"),
+        ({"clique": "c x"}, "'c x'"),
+        ({"channel": -1}, "-1"),
+        ({"mode": 0o4755}, "0o4755"),
+    ],
+)
+def test_unsafe_values_are_refused_by_name(changes: dict[str, Any], named: str) -> None:
+    """A value that could leave its folder or add a line is a ValueError naming it."""
+    want = _want(**changes)
+    with pytest.raises(ValueError, match=r"is not|beyond") as caught:
+        env_text(want)
+    assert named in str(caught.value)
+    with pytest.raises(ValueError, match=r"is not|beyond"):
+        cdi_spec(want, major=MAJOR, dev_dir="/dev/x")
+
+
+# --- device nodes (root) -------------------------------------------------------------------
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> ChannelsSettings:
+    return ChannelsSettings(
+        dev_dir=str(tmp_path / "dev" / "nvidia-caps-imex-channels"),
+        cdi_dir=str(tmp_path / "cdi"),
+        env_dir=str(tmp_path / "env"),
+    )
+
+
+@pytest.fixture
+def strict_umask() -> Iterator[None]:
+    """A umask that would strip the wanted bits if mode were set at mknod only."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _node(settings: ChannelsSettings, channel: int) -> Path:
+    return Path(settings.dev_dir) / f"channel{channel}"
+
+
+def _mknod(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
+    os.chmod(path, mode)
+
+
+def _assert_device(path: Path, want: Want) -> os.stat_result:
+    st_ = os.lstat(path)
+    assert stat.S_ISCHR(st_.st_mode), path
+    assert (os.major(st_.st_rdev), os.minor(st_.st_rdev)) == (MAJOR, want.channel)
+    assert (st_.st_uid, st_.st_gid) == (want.uid, want.gid)
+    assert stat.S_IMODE(st_.st_mode) == want.mode
+    return st_
+
+
+def _names(folder: str) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+@needs_root
+@pytest.mark.usefixtures("strict_umask")
+def test_apply_makes_the_device_cdi_spec_and_env_file(settings: ChannelsSettings) -> None:
+    """A wanted channel: the node (dev_dir made 0755), a valid CDI spec and the env file."""
+    want = _want(channel=3, mode=0o660)
+    applied = Devices(settings).apply({3: want}, major=MAJOR)
+    assert applied.made == {"w1": want}
+    assert applied.failures == []
+    assert applied.held == {3: "w1"}
+    assert applied.ops == {("mknod", "ok"): 1, ("cdi", "ok"): 1, ("env", "ok"): 1}
+    assert not applied.channel0_open
+    _assert_device(_node(settings, 3), want)
+    assert stat.S_IMODE(os.stat(settings.dev_dir).st_mode) == 0o755
+
+    spec_path = Path(settings.cdi_dir) / "imexd-w1.json"
+    spec = json.loads(spec_path.read_text())
+    _cdi_validator().validate(spec)
+    assert spec == cdi_spec(want, major=MAJOR, dev_dir=settings.dev_dir)
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"][0]["hostPath"] == str(
+        _node(settings, 3)
+    )
+    env_path = Path(settings.env_dir) / "w1.env"
+    assert env_path.read_text() == env_text(want)
+    for path in (spec_path, env_path):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+@needs_root
+def test_a_second_apply_changes_nothing(settings: ChannelsSettings) -> None:
+    """The same wants again: no operation, the hand-off files keep their inode."""
+    devices = Devices(settings)
+    devices.apply({3: _want()}, major=MAJOR)
+    spec = Path(settings.cdi_dir) / "imexd-w1.json"
+    before = (os.stat(spec).st_ino, os.lstat(_node(settings, 3)).st_ino)
+    applied = devices.apply({3: _want()}, major=MAJOR)
+    assert applied.ops == {}
+    assert applied.made == {"w1": _want()}
+    assert (os.stat(spec).st_ino, os.lstat(_node(settings, 3)).st_ino) == before
+
+
+@needs_root
+def test_a_right_node_is_fixed_in_place(settings: ChannelsSettings) -> None:
+    """Owner and mode change on the same inode (an open descriptor stays valid)."""
+    _mknod(_node(settings, 3), MAJOR, 3, mode=0o666)
+    inode = os.lstat(_node(settings, 3)).st_ino
+    want = _want(uid=7, gid=8, mode=0o600)
+    applied = Devices(settings).apply({3: want}, major=MAJOR)
+    assert applied.ops["fix", "ok"] == 1
+    assert ("mknod", "ok") not in applied.ops
+    assert _assert_device(_node(settings, 3), want).st_ino == inode
+
+
+@needs_root
+@pytest.mark.parametrize(("major", "minor"), [(MAJOR, 7), (MAJOR + 1, 3)])
+def test_a_node_of_another_device_is_replaced(
+    settings: ChannelsSettings, major: int, minor: int
+) -> None:
+    """A wrong minor or major at the path is unlinked and made anew."""
+    _mknod(_node(settings, 3), major, minor)
+    applied = Devices(settings).apply({3: _want()}, major=MAJOR)
+    assert applied.ops["remove", "ok"] == 1
+    assert applied.ops["mknod", "ok"] == 1
+    _assert_device(_node(settings, 3), _want())
+
+
+@needs_root
+def test_a_regular_file_at_the_path_is_replaced(settings: ChannelsSettings) -> None:
+    """A regular file named channel3 becomes the device."""
+    _node(settings, 3).parent.mkdir(parents=True)
+    _node(settings, 3).write_text("not a device")
+    Devices(settings).apply({3: _want()}, major=MAJOR)
+    _assert_device(_node(settings, 3), _want())
+
+
+@needs_root
+def test_a_symlink_at_the_path_is_replaced_and_its_target_untouched(
+    settings: ChannelsSettings, tmp_path: Path
+) -> None:
+    """chown/chmod never follow a symlink named channel3: the link itself is replaced."""
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    target.chmod(0o600)
+    _node(settings, 3).parent.mkdir(parents=True)
+    _node(settings, 3).symlink_to(target)
+    Devices(settings).apply({3: _want(mode=0o666)}, major=MAJOR)
+    _assert_device(_node(settings, 3), _want(mode=0o666))
+    st_ = os.stat(target)
+    assert target.read_text() == "keep me"
+    assert (stat.S_IMODE(st_.st_mode), st_.st_uid) == (0o600, 0)
+
+
+@needs_root
+def test_stale_channel_nodes_are_removed_and_other_names_kept(
+    settings: ChannelsSettings, tmp_path: Path
+) -> None:
+    """Every channel<digits> entry no want owns goes (CVE-2024-42511); other names stay."""
+    dev = Path(settings.dev_dir)
+    for channel in (0, 1, 9):
+        _mknod(_node(settings, channel), MAJOR, channel, mode=0o666)
+    _mknod(dev / "channel007", MAJOR, 7)
+    target = tmp_path / "target"
+    target.write_text("t")
+    (dev / "channel12").symlink_to(target)
+    for name in ("README", "channelx", "channel", "xchannel1"):
+        (dev / name).write_text(name)
+    applied = Devices(settings).apply({9: _want(channel=9)}, major=MAJOR)
+    assert _names(settings.dev_dir) == ["README", "channel", "channel9", "channelx", "xchannel1"]
+    assert applied.ops["remove", "ok"] == 4
+    assert applied.problems == []
+    assert not applied.channel0_open
+    assert target.read_text() == "t"
+    _assert_device(_node(settings, 9), _want(channel=9))
+
+
+@needs_root
+def test_keep_channel0_keeps_the_drivers_channel0(settings: ChannelsSettings) -> None:
+    """keep_channel0: a world-writable channel0 nobody wants stays, and is reported open."""
+    _mknod(_node(settings, 0), MAJOR, 0, mode=0o666)
+    _mknod(_node(settings, 4), MAJOR, 4)
+    devices = Devices(replace(settings, keep_channel0=True))
+    applied = devices.apply({3: _want()}, major=MAJOR)
+    assert _names(settings.dev_dir) == ["channel0", "channel3"]
+    assert applied.channel0_open
+    assert stat.S_IMODE(os.lstat(_node(settings, 0)).st_mode) == 0o666
+
+
+@needs_root
+def test_a_workload_on_channel0_owns_it_even_with_keep_channel0(
+    settings: ChannelsSettings,
+) -> None:
+    """Wanted channel 0 gets the workload's owner and mode: it is no longer open."""
+    _mknod(_node(settings, 0), MAJOR, 0, mode=0o666)
+    want = _want(channel=0, mode=0o600)
+    applied = Devices(replace(settings, keep_channel0=True)).apply({0: want}, major=MAJOR)
+    assert not applied.channel0_open
+    _assert_device(_node(settings, 0), want)
+
+
+@needs_root
+def test_without_keep_channel0_it_is_removed(settings: ChannelsSettings) -> None:
+    """The default removes the driver's channel0 so that channels isolate."""
+    _mknod(_node(settings, 0), MAJOR, 0, mode=0o666)
+    applied = Devices(settings).apply({3: _want()}, major=MAJOR)
+    assert _names(settings.dev_dir) == ["channel3"]
+    assert not applied.channel0_open
+
+
+@needs_root
+def test_a_failure_on_one_channel_does_not_stop_the_others(settings: ChannelsSettings) -> None:
+    """A folder at channel5 cannot be replaced: MknodFailed names it; channel3 is made."""
+    blocked = _node(settings, 5)
+    blocked.mkdir(parents=True)
+    (blocked / "inside").write_text("x")
+    wants = {3: _want("a", 3), 5: _want("b", 5)}
+    applied = Devices(settings).apply(wants, major=MAJOR)
+    assert list(applied.made) == ["a"]
+    assert applied.held == {3: "a"}
+    assert [(f.workload, f.channel, f.reason) for f in applied.failures] == [
+        ("b", 5, "MknodFailed")
+    ]
+    assert f"remove {blocked}" in applied.failures[0].message
+    assert "Is a directory" in applied.failures[0].message
+    assert applied.ops["remove", "error"] >= 1
+    assert not (Path(settings.cdi_dir) / "imexd-b.json").exists()
+    _assert_device(_node(settings, 3), wants[3])
+
+
+@needs_root
+def test_dev_dir_that_is_a_file_fails_every_channel(settings: ChannelsSettings) -> None:
+    """dev_dir is a regular file: each want is MknodFailed with the path and errno text."""
+    Path(settings.dev_dir).parent.mkdir(parents=True)
+    Path(settings.dev_dir).write_text("oops")
+    applied = Devices(settings).apply({3: _want("a", 3), 4: _want("b", 4)}, major=MAJOR)
+    assert applied.made == {}
+    assert applied.held == {}
+    assert [(f.workload, f.reason) for f in applied.failures] == [
+        ("a", "MknodFailed"),
+        ("b", "MknodFailed"),
+    ]
+    assert str(_node(settings, 3)) in applied.failures[0].message
+    assert "Not a directory" in applied.failures[0].message
+    assert Path(settings.dev_dir).read_text() == "oops"
+
+
+@needs_root
+def test_a_read_only_dev_dir_fails_mknod(settings: ChannelsSettings) -> None:
+    """A read-only file system (a tmpfs mounted ro): MknodFailed, nothing else changes."""
+    dev = Path(settings.dev_dir)
+    dev.mkdir(parents=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(dev)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=10,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {proc.stderr.strip()}")
+    try:
+        applied = Devices(settings).apply({3: _want()}, major=MAJOR)
+    finally:
+        subprocess.run(["umount", str(dev)], check=True, timeout=10)
+    assert [f.reason for f in applied.failures] == ["MknodFailed"]
+    assert f"mknod {_node(settings, 3)}: Read-only file system" in applied.failures[0].message
+    assert applied.ops == {("mknod", "error"): 1}
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("folder", "reason", "op"),
+    [("cdi_dir", "CdiWriteFailed", "cdi"), ("env_dir", "EnvWriteFailed", "env")],
+)
+def test_a_hand_off_write_failure_keeps_the_device(
+    settings: ChannelsSettings, folder: str, reason: str, op: str
+) -> None:
+    """A CDI or env folder that is a file: the workload is refused, its device is held."""
+    path = Path(getattr(settings, folder))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a folder")
+    applied = Devices(settings).apply({3: _want()}, major=MAJOR)
+    assert applied.made == {}
+    assert applied.held == {3: "w1"}
+    assert [(f.workload, f.reason) for f in applied.failures] == [("w1", reason)]
+    assert str(path) in applied.failures[0].message
+    assert applied.ops[op, "error"] == 1
+    _assert_device(_node(settings, 3), _want())
+
+
+@needs_root
+def test_stale_hand_off_files_go_and_foreign_ones_stay(settings: ChannelsSettings) -> None:
+    """Our imexd-*.json and *.env of gone workloads and killed writes' temps are removed."""
+    cdi, env = Path(settings.cdi_dir), Path(settings.env_dir)
+    cdi.mkdir(parents=True)
+    env.mkdir(parents=True)
+    for name in ("imexd-gone.json", "nvidia.yaml", "other.json", "imexd-x.yaml"):
+        (cdi / name).write_text(name)
+    (cdi / ".imexd-gone.json.ab12cd.imexd-tmp").write_text("half")
+    (env / "gone.env").write_text("IMEX_CHANNEL=9\n")
+    (env / "notes.txt").write_text("keep")
+    applied = Devices(settings).apply({3: _want()}, major=MAJOR)
+    assert _names(settings.cdi_dir) == [
+        "imexd-w1.json",
+        "imexd-x.yaml",
+        "nvidia.yaml",
+        "other.json",
+    ]
+    assert _names(settings.env_dir) == ["notes.txt", "w1.env"]
+    assert applied.ops["remove", "ok"] == 2
+
+
+@needs_root
+def test_a_symlink_at_a_hand_off_path_is_replaced(
+    settings: ChannelsSettings, tmp_path: Path
+) -> None:
+    """The CDI spec is written to its own path, never through a symlink to elsewhere."""
+    target = tmp_path / "victim"
+    target.write_text("victim")
+    Path(settings.cdi_dir).mkdir(parents=True)
+    (Path(settings.cdi_dir) / "imexd-w1.json").symlink_to(target)
+    Devices(settings).apply({3: _want()}, major=MAJOR)
+    assert target.read_text() == "victim"
+    assert not (Path(settings.cdi_dir) / "imexd-w1.json").is_symlink()
+
+
+@needs_root
+def test_without_a_major_nothing_is_made_and_stale_nodes_go(settings: ChannelsSettings) -> None:
+    """major None: every want is refused NoChannelDevice; the cleanup still runs."""
+    _mknod(_node(settings, 3), MAJOR, 3)
+    applied = Devices(settings).apply({3: _want()}, major=None)
+    assert [f.reason for f in applied.failures] == ["NoChannelDevice"]
+    assert _names(settings.dev_dir) == []
+
+
+@needs_root
+def test_clear_removes_everything_of_ours(settings: ChannelsSettings) -> None:
+    """A leave: no channel node, CDI spec or env file of ours is left; others stay."""
+    devices = Devices(settings)
+    devices.apply({3: _want("a", 3), 4: _want("b", 4)}, major=MAJOR)
+    (Path(settings.cdi_dir) / "vendor.json").write_text("{}")
+    (Path(settings.dev_dir) / "README").write_text("r")
+    applied = devices.clear()
+    assert applied == Applied(
+        made={}, failures=[], ops=applied.ops, channel0_open=False, held={}, problems=[]
+    )
+    assert applied.ops == {("remove", "ok"): 6}
+    assert _names(settings.dev_dir) == ["README"]
+    assert _names(settings.cdi_dir) == ["vendor.json"]
+    assert _names(settings.env_dir) == []
+
+
+@needs_root
+def test_held_on_disk_survives_a_restart(settings: ChannelsSettings) -> None:
+    """A new Devices reads who holds which channel from our specs and the nodes in place."""
+    Devices(settings).apply({3: _want("a", 3), 4: _want("b", 4)}, major=MAJOR)
+    os.unlink(_node(settings, 4))
+    _mknod(_node(settings, 4), MAJOR, 9)
+    (Path(settings.cdi_dir) / "imexd-junk.json").write_text("{not json")
+    assert Devices(settings).held_on_disk(MAJOR) == {3: "a"}
+    assert Devices(settings).held_on_disk(None) == {}
+
+
+@needs_root
+def test_plan_and_apply_keep_a_conflict_sticky(settings: ChannelsSettings) -> None:
+    """a made channel 5; b arrives on 5 too: a keeps its device, b is refused."""
+    devices = Devices(settings)
+    wants, _ = _plan([_record("a", 5)])
+    first = devices.apply(wants, major=MAJOR)
+    wants, refusals = _plan([_record("a", 5), _record("b", 5)], held=first.held)
+    second = devices.apply(wants, major=MAJOR)
+    assert list(second.made) == ["a"]
+    assert [(r.workload, r.reason) for r in refusals] == [("b", "ChannelConflict")]
+    assert os.lstat(_node(settings, 5)).st_uid == UID
+
+
+def _podman_image() -> str | None:
+    proc = subprocess.run(
+        ["podman", "images", "--format", "{{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    images = [line for line in proc.stdout.splitlines() if line and "<none>" not in line]
+    return images[0] if images else None
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+def test_a_container_sees_only_its_channel(settings: ChannelsSettings) -> None:
+    """podman with our CDI spec gives the container its channel node and env, no other."""
+    image = _podman_image()
+    if image is None:
+        pytest.skip("podman has no local image to run")
+    Devices(settings).apply({3: _want("a", 3), 4: _want("b", 4)}, major=MAJOR)
+    proc = subprocess.run(
+        [
+            "podman",
+            "--cdi-spec-dir",
+            settings.cdi_dir,
+            "run",
+            "--rm",
+            "--network=none",
+            "--pull=never",
+            "--device",
+            f"{CDI_KIND}=a",
+            image,
+            "sh",
+            "-c",
+            f'ls {CONTAINER_DEV_DIR}; echo "IMEX_CHANNEL=$IMEX_CHANNEL"',
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["channel3", "IMEX_CHANNEL=3"]
