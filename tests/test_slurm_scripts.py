@@ -155,7 +155,7 @@ def test_perjob_prolog_creates_the_domain_and_waits(bin_dir: Path, shell: str) -
     assert run.of("scontrol") == [["show", "hostnames", "gpu-[01-02]"]]
     assert run.of("imexd") == [
         ["domain", "create", f"job-{JOB}", "--nodes", NODES, "--channel",
-         "--uid", "1001", "--gid", "2002", "--config", CONFIG],
+         "--uid", "1001", "--gid", "2002", "--mode", "0600", "--config", CONFIG],
         ["domain", "status", f"job-{JOB}", "--wait", "240", "--config", CONFIG],
         ["workload", "status", f"job-{JOB}", "--domain", f"job-{JOB}", "--wait", "60",
          "--config", CONFIG],
@@ -190,7 +190,7 @@ def test_shared_prolog_creates_the_workload(bin_dir: Path, shell: str) -> None:
     assert run.status == 0, run.stderr
     assert run.of("imexd") == [
         ["workload", "create", f"job-{JOB}", "--domain", "rack-07", "--nodes", NODES,
-         "--uid", "1001", "--gid", "2002", "--wait", "60", "--config", CONFIG],
+         "--uid", "1001", "--gid", "2002", "--mode", "0600", "--wait", "60", "--config", CONFIG],
     ]  # fmt: skip
 
 
@@ -232,7 +232,7 @@ def test_shared_prolog_needs_the_domain(bin_dir: Path) -> None:
 
 
 def test_settings_file_and_binary_override(bin_dir: Path, tmp_path: Path) -> None:
-    """IMEXD_SLURM_ENV's file sets IMEXD_DOMAIN, IMEXD and IMEXD_CONFIG for the script."""
+    """IMEXD_SLURM_ENV's file sets IMEXD_DOMAIN, IMEXD, IMEXD_CONFIG and IMEXD_CHANNEL_MODE."""
     other = tmp_path / "opt" / "imexd-1.2"
     other.mkdir(parents=True)
     shutil.copy(bin_dir / "imexd", other / "imexd")
@@ -240,12 +240,14 @@ def test_settings_file_and_binary_override(bin_dir: Path, tmp_path: Path) -> Non
     defaults = tmp_path / "slurm.env"
     defaults.write_text(
         f"IMEXD={other / 'imexd'}\nIMEXD_DOMAIN=rack-09\nIMEXD_CONFIG=/etc/imexd/c2.toml\n"
+        "IMEXD_CHANNEL_MODE=0660\n"
     )
     run = run_script("imexd-prolog-shared.sh", bin_dir, env={"IMEXD_SLURM_ENV": str(defaults)})
     assert run.status == 0, run.stderr
     assert run.of("imexd") == [
         ["workload", "create", f"job-{JOB}", "--domain", "rack-09", "--nodes", NODES,
-         "--uid", "1001", "--gid", "2002", "--wait", "60", "--config", "/etc/imexd/c2.toml"],
+         "--uid", "1001", "--gid", "2002", "--mode", "0660", "--wait", "60",
+         "--config", "/etc/imexd/c2.toml"],
     ]  # fmt: skip
 
 

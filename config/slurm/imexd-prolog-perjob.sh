@@ -20,6 +20,8 @@
 # environment of their own, so the file is where they are set):
 #   IMEXD         the imexd command (default: imexd on PATH)
 #   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
+#   IMEXD_CHANNEL_MODE  the channel device's permission bits (default 0600: the job's
+#                 user only; 0660 also admits every member of the job's group)
 #
 # Exit status: 0 when the domain is UP and every node made the channel. Otherwise
 # imexd's status (1 not ready in time or broker unreachable, 2 usage, for example a node
@@ -58,6 +60,7 @@ fail() { # fail STATUS MESSAGE...
 [ -n "${SLURM_JOB_GID:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_GID is not set"
 imexd=${IMEXD:-imexd}
 config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
+mode=${IMEXD_CHANNEL_MODE:-0600}
 domain=job-$SLURM_JOB_ID
 
 # Slurm's node names, one per line, as imexd's lowercase comma-separated list.
@@ -71,7 +74,8 @@ nodes=${nodes%,}
 log info "$domain: creating the domain on $nodes, channel 0 for uid $SLURM_JOB_UID gid $SLURM_JOB_GID"
 status=0
 "$imexd" domain create "$domain" --nodes "$nodes" --channel \
-    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --config "$config" >&2 || status=$?
+    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode" --config "$config" >&2 ||
+    status=$?
 step="domain create"
 if [ "$status" -eq 0 ]; then
     # Exit 0 as soon as the domain is UP, 1 after 4 minutes; the table goes to the log.

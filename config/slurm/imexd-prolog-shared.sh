@@ -21,6 +21,8 @@
 #   IMEXD_DOMAIN  the shared domain (required), e.g. rack-07
 #   IMEXD         the imexd command (default: imexd on PATH)
 #   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
+#   IMEXD_CHANNEL_MODE  the channel device's permission bits (default 0600: the job's
+#                 user only; 0660 also admits every member of the job's group)
 #
 # Exit status: 0 when every node of the job made its channel. Otherwise imexd's status
 # (1 not ready in time or broker unreachable, 2 usage, 3 no free channel), after
@@ -59,6 +61,7 @@ fail() { # fail STATUS MESSAGE...
 [ -n "${IMEXD_DOMAIN:-}" ] || fail 2 "job $SLURM_JOB_ID: IMEXD_DOMAIN is not set: name the shared domain in $defaults"
 imexd=${IMEXD:-imexd}
 config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
+mode=${IMEXD_CHANNEL_MODE:-0600}
 workload=job-$SLURM_JOB_ID
 
 # Slurm's node names, one per line, as imexd's lowercase comma-separated list.
@@ -72,8 +75,8 @@ nodes=${nodes%,}
 log info "$workload: creating in domain $IMEXD_DOMAIN on $nodes for uid $SLURM_JOB_UID gid $SLURM_JOB_GID"
 status=0
 "$imexd" workload create "$workload" --domain "$IMEXD_DOMAIN" --nodes "$nodes" \
-    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --wait 60 --config "$config" >&2 ||
-    status=$?
+    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode" --wait 60 \
+    --config "$config" >&2 || status=$?
 if [ "$status" -ne 0 ]; then
     log err "$workload: imexd workload create exited $status; deleting the workload"
     "$imexd" workload delete "$workload" --domain "$IMEXD_DOMAIN" --config "$config" >&2 || :
