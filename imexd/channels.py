@@ -52,6 +52,8 @@ ENV_SUFFIX: Final = ".env"
 DEV_DIR_MODE: Final = 0o755
 HANDOFF_MODE: Final = 0o644
 """CDI specs and env files hold no secret; the container runtime and job scripts read them."""
+MAX_ID: Final = 4294967294
+"""The largest uid or gid (4294967295 is chown's "leave as is")."""
 MAX_MAJOR: Final = (1 << 12) - 1
 """The largest major number Linux has."""
 
@@ -311,6 +313,9 @@ def _check_want(want: Want) -> None:
         raise ValueError(f"channel {want.channel!r} is not in 0..{MAX_CHANNEL}")
     if not 0 <= want.mode <= 0o777:
         raise ValueError(f"mode {want.mode:#o} has bits beyond 0o777")
+    for key, value in (("uid", want.uid), ("gid", want.gid)):
+        if not 0 <= value <= MAX_ID:
+            raise ValueError(f"{key} {value!r} is not in 0..{MAX_ID}")
 
 
 def container_path(channel: int) -> str:
@@ -572,6 +577,10 @@ class Devices:
             return _refuse(want, MKNOD_FAILED, f"{message} {want.channel}", channel=channel)
         if not 0 <= want.mode <= 0o777:
             return _refuse(want, MKNOD_FAILED, f"mode {want.mode:#o} has bits beyond 0o777")
+        if not (0 <= want.uid <= MAX_ID and 0 <= want.gid <= MAX_ID):
+            # chown takes -1 as "leave as is": the node would keep a previous owner.
+            message = f"owner {want.uid}:{want.gid} is not in 0..{MAX_ID}"
+            return _refuse(want, MKNOD_FAILED, message)
         path = os.path.join(self._dev_dir, f"channel{channel}")
         try:
             self._ensure_node(path, os.makedev(major, channel), want, ops)
@@ -748,7 +757,8 @@ class Devices:
 def _spec_channel(path: str, workload: str) -> int | None:
     """The channel of our CDI spec at `path` for `workload`; None when it is not one."""
     try:
-        with open(path, "rb") as file:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
             spec = json.loads(file.read(1 << 16))
         devices = spec["devices"]
         if len(devices) != 1 or devices[0]["name"] != workload:
@@ -770,7 +780,9 @@ def _write_handoff(folder: str, name: str, content: str) -> bool:
     path = _inside(folder, name)
     with _step(f"create {folder}"):
         if not os.path.isdir(folder):
+            # Readable by all whatever the umask: a job running as its user reads the env file.
             os.makedirs(folder, mode=DEV_DIR_MODE, exist_ok=True)
+            os.chmod(folder, DEV_DIR_MODE)
     with _step(f"stat {path}"):
         current = _lstat(path)
     if current is not None and not stat.S_ISREG(current.st_mode):

@@ -405,6 +405,8 @@ def test_the_env_file_sources_in_a_shell(tmp_path: Path) -> None:
         ({"clique": "c x"}, "'c x'"),
         ({"channel": -1}, "-1"),
         ({"mode": 0o4755}, "0o4755"),
+        ({"uid": -1}, "uid -1"),
+        ({"gid": 4294967295}, "gid 4294967295"),
     ],
 )
 def test_unsafe_values_are_refused_by_name(changes: dict[str, Any], named: str) -> None:
@@ -474,7 +476,8 @@ def test_apply_makes_the_device_cdi_spec_and_env_file(settings: ChannelsSettings
     assert applied.ops == {("mknod", "ok"): 1, ("cdi", "ok"): 1, ("env", "ok"): 1}
     assert not applied.channel0_open
     _assert_device(_node(settings, 3), want)
-    assert stat.S_IMODE(os.stat(settings.dev_dir).st_mode) == 0o755
+    for folder in (settings.dev_dir, settings.cdi_dir, settings.env_dir):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755, folder
 
     spec_path = Path(settings.cdi_dir) / "imexd-w1.json"
     spec = json.loads(spec_path.read_text())
@@ -627,6 +630,17 @@ def test_a_failure_on_one_channel_does_not_stop_the_others(settings: ChannelsSet
     assert applied.ops["remove", "error"] >= 1
     assert not (Path(settings.cdi_dir) / "imexd-b.json").exists()
     _assert_device(_node(settings, 3), wants[3])
+
+
+@needs_root
+def test_an_owner_chown_would_ignore_is_refused(settings: ChannelsSettings) -> None:
+    """uid -1 would leave a previous owner on the node: MknodFailed, nothing made."""
+    _mknod(_node(settings, 3), MAJOR, 3)
+    applied = Devices(settings).apply({3: _want(uid=-1)}, major=MAJOR)
+    assert [(f.reason, f.message) for f in applied.failures] == [
+        ("MknodFailed", f"owner -1:{GID} is not in 0..4294967294")
+    ]
+    assert _names(settings.dev_dir) == []
 
 
 @needs_root
