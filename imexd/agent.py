@@ -19,6 +19,7 @@ heartbeat that /healthz watches:
   bounds a start, it is not a wait), and a short series of `ctl -N -j` after every
   start and SIGUSR1 (`DOMAIN_PROBE_SERIES_S`) until every member is connected;
 - `report`: turns the facts into conditions, publishes the HealthReport, tells systemd;
+- `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -39,6 +40,7 @@ from typing import Final
 from imexd import fleet
 from imexd import membership as mb
 from imexd.bus import Bus, Event, WillSpec
+from imexd.channel_keeper import ChannelKeeper
 from imexd.daemon import Supervisor
 from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.errors import DiscoveryError, FileWriteError
@@ -138,6 +140,7 @@ class Agent:
         """Held while a report is published and while our records are cleared, so that
         no report follows a clear."""
         self.bus_facts = BusFacts()
+        self.channels = ChannelKeeper.from_settings(settings, on_change=self.changed.set)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class Agent:
                         guard.start(tasks, "reconcile", self._reconcile_loop),
                         guard.start(tasks, "probe", self._probe_loop),
                         guard.start(tasks, "report", self._report_loop),
+                        guard.start(tasks, "channels", lambda: self.channels.run(guard)),
                         guard.start(tasks, "watchdog", self._watchdog_loop),
                     ]
                     if s.node.clique == "auto":
@@ -221,6 +225,7 @@ class Agent:
                     # Only records this agent wrote: a duplicate never clears the other's.
                     await self._clear_records(bus, *shard.current)
                 await supervisor.stop("the agent is leaving")
+                await self.channels.clear()
                 if shard.published or shard.current is None:
                     await asyncio.to_thread(self._reconciler.remove_files)
         except TimeoutError:
@@ -303,6 +308,7 @@ class Agent:
                 self.assigned_domain = event.payload.domain
             elif isinstance(event, Deleted):
                 self.assigned_domain = None
+        self.channels.on_event(event)
         # Refused: the bus logged it (bus_publish_refused); the facts carry it below.
         self._refresh_bus_facts(bus)
         self.wake.set()
@@ -372,6 +378,7 @@ class Agent:
 
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
+        await self.channels.follow(self._parts()[0], self._wanted_domain, self.clique)
         target = self._target()
         shard = self.shard
         if target == shard.current:
@@ -423,7 +430,8 @@ class Agent:
             await self._claim(plan)
         else:
             self._set_desired(plan.desired)  # another agent may run as this node: hold
-        self._view_stepped()
+        if shard.synced:  # `desired` follows the synced snapshot (unless the link went)
+            self.view_ready.set()
         self.changed.set()
 
     async def _claim(self, plan: Plan) -> None:
@@ -494,15 +502,10 @@ class Agent:
         shard = self.shard
         assert shard.current is not None  # noqa: S101 - only called inside a shard
         domain, clique = shard.current
-        record = shard.record(claim, driver=self.driver)
+        record = shard.record(claim, driver=self.driver, channel_count=self.channels.count)
         shard.sending(record)  # before the publish: its echo is the claim's barrier
         await bus.retain(self.topics.member(domain, clique, self.node), record)
         shard.published = shard.published or record is not None
-
-    def _view_stepped(self) -> None:
-        """`desired` now follows the synced snapshot (unless the link went meanwhile)."""
-        if self.shard.synced:
-            self.view_ready.set()
 
     def _set_desired(self, desired: Desired) -> None:
         if desired != self.desired:
@@ -746,6 +749,7 @@ class Agent:
             fabric=self.fabric,
             clique_known=self.clique is not None or shard.current is not None,
             mode=self.settings.domain.mode,
+            channels=self.channels.facts(shard.records.values()),
         )
 
     async def _report_loop(self) -> None:
