@@ -1,7 +1,8 @@
 """A cluster of real agents for scenario tests: one `imexd run` process per node.
 
-Each node gets its own loopback address, state dir, run dir, hosts file, signal log and
-health port; its IMEX daemon is the simulator, pointed at the node's hosts file. Timings
+Each node gets its own loopback address, state dir, run dir, hosts file, signal log,
+health port, and channel folders with a fake driver (`fake_driver`: no agent touches
+/dev); its IMEX daemon is the simulator, pointed at the node's hosts file. Timings
 are the demo's fast ones (`imexd.demo.timings.FAST`: settle, probes, reload window, will
 delay) so scenarios run in seconds; everything else is the agent exactly as shipped.
 Every wait is bounded. The helpers at the end (`formed`, `members`, `slot_of`, `pids`,
@@ -32,6 +33,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
@@ -104,6 +106,7 @@ class Node:
                 },
             },
             "health": {"listen": f"{self.http_host}:{self.health_port}"},
+            "channels": fake_driver(self.dir),
             "log": {"level": "info", "format": "json"},
         }
         _merge(self.sections, FAST)
@@ -124,6 +127,19 @@ class Node:
     @property
     def run_dir(self) -> Path:
         return Path(self.sections["imex"]["run_dir"])
+
+    @property
+    def dev_dir(self) -> Path:
+        """Where the agent makes the channel device nodes (`[channels] dev_dir`)."""
+        return Path(self.sections["channels"]["dev_dir"])
+
+    @property
+    def cdi_dir(self) -> Path:
+        return Path(self.sections["channels"]["cdi_dir"])
+
+    @property
+    def env_dir(self) -> Path:
+        return Path(self.sections["channels"]["env_dir"])
 
     def write_config(self) -> None:
         self.config_path.write_text(render_toml(self.sections))

@@ -2,7 +2,8 @@
 the sweep that finds (and ends) whatever the demo started.
 
 Each node is `imexd run` exactly as shipped, with a simulated IMEX daemon on its own
-loopback address, the fast timings (timings.py) and its own hosts file; the scenario only
+loopback address, the fast timings (timings.py), its own hosts file and a fake driver
+whose channel devices live in the node's folder (`fake_driver`); the scenario only
 starts, signals and reads them.
 """
 
@@ -32,6 +33,10 @@ CLIQUE: Final = "sim.0"
 """The simulated NVLink partition: all nodes share it, as the GPUs of one NVL72 do."""
 AGENT_STOP_TIMEOUT_S: Final = 20.0
 """An agent leaves within stop_timeout_s + 5 s; this adds room for a loaded machine."""
+CHANNEL_MAJOR: Final = 242
+"""The `nvidia-caps-imex-channels` major of the fake /proc/devices of every node."""
+CHANNEL_COUNT: Final = 2048
+"""The ImexChannelCount of the fake driver parameters of every node."""
 
 
 # Small pieces of plumbing.
@@ -80,6 +85,27 @@ async def end_processes(procs: Sequence[psutil.Process], grace_s: float = KILL_W
     await asyncio.to_thread(psutil.wait_procs, alive, grace_s)
 
 
+def fake_driver(
+    folder: Path, *, major: int | None = CHANNEL_MAJOR, count: int = CHANNEL_COUNT
+) -> dict[str, object]:
+    """Write a fake /proc/devices and NVIDIA driver parameters under `folder`, and return
+    the `[channels]` settings that point an agent at them and at channel folders under
+    `folder`: a simulated node makes its channel devices there, never in /dev. `major`
+    None: the driver lists no channel device."""
+    devices = folder / "proc-devices"
+    params = folder / "driver-params"
+    imex = "" if major is None else f"{major} nvidia-caps-imex-channels\n"
+    devices.write_text(f"Character devices:\n  1 mem\n195 nvidia\n{imex}\nBlock devices:\n  8 sd\n")
+    params.write_text(f"ImexChannelCount: {count}\nCreateImexChannel0: 0\n")
+    return {
+        "dev_dir": str(folder / "dev" / "nvidia-caps-imex-channels"),
+        "cdi_dir": str(folder / "cdi"),
+        "env_dir": str(folder / "workloads"),
+        "proc_devices": str(devices),
+        "driver_params": str(params),
+    }
+
+
 # Nodes.
 
 
@@ -120,6 +146,7 @@ class DemoNode:
             },
         }
         sections["health"] |= {"listen": f"127.0.0.1:{self.health_port}"}
+        sections["channels"] = fake_driver(folder)
         self.config_path.write_text(render_toml(sections))
 
     @property
