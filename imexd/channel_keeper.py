@@ -108,6 +108,7 @@ class ChannelKeeper:
 
         # What the last apply did.
         self.driver = _UNREAD
+        self.driver_logged = False
         self.held: dict[int, str] = {}
         """Channel -> workload whose device this agent made (sticky in a conflict)."""
         self.states: tuple[ChannelState, ...] = ()
@@ -125,15 +126,18 @@ class ChannelKeeper:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, on_change: Callable[[], None]) -> ChannelKeeper:
-        """The keeper of the agent configured by `settings`."""
+        """The keeper of the agent configured by `settings`, with the driver read once
+        (two small /proc files), so that the agent's first member record has the count."""
         node = settings.node.name
-        return cls(
+        keeper = cls(
             settings.channels,
             node=node,
             topics=Topics(settings.bus.topic_prefix),
             log=get_logger("channels", node=node),
             on_change=on_change,
         )
+        keeper.driver = read_driver(settings.channels)
+        return keeper
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -226,7 +230,8 @@ class ChannelKeeper:
     async def step(self) -> None:
         """Read the driver, plan, and apply what the current view allows."""
         driver = await asyncio.to_thread(read_driver, self.settings)
-        if driver != self.driver:
+        if driver != self.driver or not self.driver_logged:
+            self.driver_logged = True
             self.log.info(
                 "channels.driver",
                 major=driver.major,

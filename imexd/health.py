@@ -43,6 +43,8 @@ Status = Literal["True", "False", "Unknown"]
 IMEX_READY: Final = fleet.IMEX_READY
 MESSAGE_MAX: Final = 300
 """Characters a condition message keeps: reports travel in 16 KiB bus payloads."""
+CHANNEL_MESSAGE_MAX: Final = 160
+"""Characters a workload's ChannelInfo message keeps: a report lists every workload."""
 
 
 # Conditions
@@ -321,16 +323,16 @@ def channels_view(c: ChannelFacts) -> ChannelsView:
                 generation=w.generation,
                 ready=w.ready,
                 reason=w.reason,
-                message=_clip(w.message),
+                message=_clip(w.message, CHANNEL_MESSAGE_MAX),
             )
             for w in c.workloads
         ],
     )
 
 
-def _clip(text: str) -> str:
+def _clip(text: str, limit: int = MESSAGE_MAX) -> str:
     line = " ".join(text.split())
-    return line if len(line) <= MESSAGE_MAX else line[: MESSAGE_MAX - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport:

@@ -1,0 +1,165 @@
+"""Channels with real agents: workload records on the broker, device nodes on the nodes.
+
+Each node's agent makes its channel devices under its own folder with a fake driver
+(major 242, 2048 channels: `imexd.demo.nodes.fake_driver`); the workload records are
+published as a control plane in another language would, straight onto the broker. Making
+character devices needs root: the module skips otherwise. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from imexd.agent import EXIT_HANDOVER
+from imexd.demo.nodes import CHANNEL_MAJOR
+from imexd.messages import MemberRecord, WorkloadRecord, decode, encode
+from tests.cluster import Cluster, Node
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root"),
+]
+
+WAIT_S = 30.0
+
+
+def publish(c: Cluster, name: str, channel: int, **fields: Any) -> None:
+    """Retain the active WorkloadRecord `name` of d1 on the cluster's broker."""
+    record = WorkloadRecord(workload=name, domain="d1", channel=channel, **fields)
+    with c.client() as client:
+        client.publish(f"imex/v1/domains/d1/workloads/{name}", encode(record), retain=True)
+
+
+def delete(c: Cluster, name: str) -> None:
+    with c.client() as client:
+        client.publish(f"imex/v1/domains/d1/workloads/{name}", b"", retain=True)
+
+
+def device(node: Node, channel: int) -> Path:
+    return node.dev_dir / f"channel{channel}"
+
+
+def handoff_files(node: Node, name: str) -> list[Path]:
+    return [node.cdi_dir / f"imexd-{name}.json", node.env_dir / f"{name}.env"]
+
+
+def listed(node: Node) -> dict[str, dict[str, Any]]:
+    """The workloads in the node's /status `channels`, by name."""
+    view = node.status().get("channels") or {}
+    return {w["workload"]: w for w in view.get("workloads", [])}
+
+
+def ready_with(node: Node, name: str, generation: int) -> bool:
+    entry = listed(node).get(name)
+    return entry is not None and entry["ready"] and entry["generation"] == generation
+
+
+def test_a_workload_gets_its_device_on_its_nodes_only(c: Cluster) -> None:
+    """Listed nodes make 242:N with the owner and mode, report it ready; a new mode is fixed
+    in place; the record deleted, device, CDI spec and env file go."""
+    n1, n2, n3 = (c.add(name) for name in ("n1", "n2", "n3"))
+    c.wait(c.all_ready, timeout=60)
+    publish(c, "job-a", 3, nodes=["n1", "n2"], uid=1000, gid=1001, mode=0o660, generation=1)
+    c.wait(lambda: ready_with(n1, "job-a", 1) and ready_with(n2, "job-a", 1), timeout=WAIT_S)
+    inodes = {}
+    for node in (n1, n2):
+        info = os.lstat(device(node, 3))
+        assert stat.S_ISCHR(info.st_mode), node.name
+        assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (CHANNEL_MAJOR, 3)
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (1000, 1001, 0o660)
+        inodes[node.name] = info.st_ino
+        assert all(path.exists() for path in handoff_files(node, "job-a")), node.name
+        cond = node.condition("ChannelsReady")
+        assert (cond["status"], cond["reason"]) == ("True", "Ready"), cond
+        assert node.status()["channels"]["count"] == 2048
+        code, metrics = node.get("/metrics")
+        assert code == 200
+        assert 'imexd_channel_ready{channel="3",workload="job-a"} 1.0' in metrics
+    assert not device(n3, 3).exists()
+    assert listed(n3) == {}
+    assert n3.condition("ChannelsReady")["reason"] == "NoWorkloads"
+
+    publish(c, "job-a", 3, nodes=["n1", "n2"], uid=1000, gid=1001, mode=0o600, generation=2)
+    c.wait(lambda: ready_with(n1, "job-a", 2) and ready_with(n2, "job-a", 2), timeout=WAIT_S)
+    for node in (n1, n2):
+        info = os.lstat(device(node, 3))
+        assert stat.S_IMODE(info.st_mode) == 0o600, node.name
+        assert info.st_ino == inodes[node.name], f"{node.name}: recreated, not fixed in place"
+
+    delete(c, "job-a")
+    c.wait(lambda: listed(n1) == {} and listed(n2) == {}, timeout=WAIT_S)
+    for node in (n1, n2):
+        assert not device(node, 3).exists(), node.name
+        assert not any(path.exists() for path in handoff_files(node, "job-a")), node.name
+        assert "job-a" not in node.get("/metrics")[1]
+
+
+def test_a_stale_channel_node_is_removed_after_start(c: Cluster) -> None:
+    """A channel node no live workload owns, left before the agent started, goes
+    (CVE-2024-42511), while a live workload's node stays."""
+    n1 = c.add("n1", start=False)
+    publish(c, "job-a", 3, nodes=["n1"], generation=1)
+    n1.dev_dir.mkdir(parents=True)
+    stale = device(n1, 7)
+    os.mknod(stale, stat.S_IFCHR | 0o666, os.makedev(CHANNEL_MAJOR, 7))
+    other = n1.dev_dir / "README"
+    other.write_text("not a channel node: left alone\n")
+    n1.start()
+    c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    assert not stale.exists()
+    assert other.exists()
+    assert device(n1, 3).exists()
+
+
+def test_a_hand_over_keeps_the_devices_and_a_leave_removes_them(c: Cluster) -> None:
+    """SIGUSR2 keeps the device for the next agent (same inode); SIGTERM removes it all."""
+    n1 = c.add("n1")
+    publish(c, "job-a", 3, generation=1)
+    c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    inode = os.lstat(device(n1, 3)).st_ino
+    n1.signal(signal.SIGUSR2)
+    assert n1.wait_exit() == EXIT_HANDOVER
+    assert os.lstat(device(n1, 3)).st_ino == inode
+    assert all(path.exists() for path in handoff_files(n1, "job-a"))
+
+    n1.start()
+    c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    assert os.lstat(device(n1, 3)).st_ino == inode, "the next agent keeps the node"
+    assert n1.stop() == 0
+    assert not device(n1, 3).exists()
+    assert not any(path.exists() for path in handoff_files(n1, "job-a"))
+    assert list(n1.cdi_dir.iterdir()) == []
+    assert list(n1.env_dir.iterdir()) == []
+
+
+def test_members_with_different_channel_counts_say_so(c: Cluster) -> None:
+    """Each member record carries the driver's count; a member with another count makes
+    ChannelsReady False ChannelCountMismatch on the others, naming it and its count."""
+    n1 = c.add("n1")
+    n2 = c.add("n2", start=False)
+    (n2.dir / "driver-params").write_text("ImexChannelCount: 1024\nCreateImexChannel0: 0\n")
+    n2.start()
+    c.wait(c.all_ready, timeout=60)
+
+    def counts() -> dict[str, int | None]:
+        with c.client() as client:
+            found = client.retained("imex/v1/domains/d1/members/#")
+        return {
+            record.node: record.channel_count
+            for record in (decode(p, MemberRecord) for p in found.values())
+            if isinstance(record, MemberRecord)
+        }
+
+    c.wait(lambda: counts() == {"n1": 2048, "n2": 1024}, timeout=WAIT_S)
+    c.wait(lambda: n1.condition("ChannelsReady").get("reason") == "ChannelCountMismatch")
+    message = n1.condition("ChannelsReady")["message"]
+    assert "2048 on n1" in message
+    assert "n2 1024" in message
+    assert n2.condition("ChannelsReady")["reason"] == "ChannelCountMismatch"
+    assert n2.status()["channels"]["count"] == 1024
