@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--channel",
-        type=_int_arg,
+        type=integer,
         nargs="?",
         const=0,
         default=None,
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _int_arg(text: str) -> int:
+def integer(text: str) -> int:
     """An integer option (argparse reports a ValueError as a usage error naming it)."""
     return int(text, 10)
 
@@ -206,13 +206,13 @@ def _owner_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """--uid, --gid and --mode: the owner and mode of the channel's device node."""
     parser.add_argument(
         "--uid",
-        type=_int_arg,
+        type=integer,
         default=None,
         help=f"{prefix}owner user id of the channel device (default 0)",
     )
     parser.add_argument(
         "--gid",
-        type=_int_arg,
+        type=integer,
         default=None,
         help=f"{prefix}owner group id of the channel device (default 0)",
     )
@@ -274,7 +274,7 @@ def _workload_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     q.add_argument(
         "--channel",
-        type=_int_arg,
+        type=integer,
         default=None,
         metavar="N",
         help="this channel (0 only this way); default: the lowest free channel from 1, "

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from imexd.demo.brokers import free_port
+import msgspec
+import pytest
+
+from imexd.demo.brokers import Mosquitto, free_port
+from imexd.messages import ChannelsView, Topics, encode
+from tests.reports import report as health_report
+from tests.test_control import put
 
 
 def _imexd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -64,3 +72,82 @@ def test_a_closed_pipe_is_not_a_traceback() -> None:
         os.close(write_end)
     assert proc.returncode == 141
     assert "Traceback" not in proc.stderr
+
+
+def test_workload_help_states_the_defaults_and_the_exit_codes() -> None:
+    """Each workload action's help gives every option's default and its exit codes."""
+    proc = _imexd("workload", "create", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for phrase in (
+        "(default 0660)",
+        "(default 60; 0: do not wait)",
+        "the lowest free channel from 1",
+        "3 no free channel",
+    ):
+        assert phrase in text, phrase
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["workload", "create", "W1", "--domain", "d1"], "workload name 'W1' is not a DNS-1123"),
+        (["workload", "create", "w1", "--domain", "d_1"], "domain name 'd_1' is not"),
+        (["workload", "create", "w1", "--domain", "d1", "--mode", "0999"], "expected octal"),
+        (["workload", "create", "w1", "--domain", "d1", "--mode", "01777"], "0000 to 0777"),
+        (["workload", "create", "w1", "--domain", "d1", "--uid", "-1"], "--uid -1: expected 0"),
+        (["workload", "create", "w1", "--domain", "d1", "--channel", "1048576"], "expected 0 to"),
+        (["workload", "create", "w1", "--domain", "d1", "--nodes", "n1,n1"], "more than once"),
+        (["workload", "create", "w1", "--domain", "d1", "--wait", "-1"], "expected seconds >= 0"),
+        (["workload", "create", "w1"], "--domain"),
+        (["workload", "status", "w-"], "is not a DNS-1123 label"),
+        (["workload", "env", "w1", "--domain", "D1"], "domain name 'D1' is not"),
+        (["workload", "list", "--domain", "d.1"], "domain name 'd.1' is not"),
+        (["domain", "create", "d1", "--uid", "5"], "--uid only go with --channel"),
+        (["domain", "create", "d1", "--channel", "x"], "invalid integer value: 'x'"),
+    ],
+)
+def test_workload_usage_errors_exit_2_before_any_broker(args: list[str], message: str) -> None:
+    """Bad names, modes, ids and channels are refused with exit 2 and a message naming the
+    value, before a broker is contacted (none listens on the configured port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    env["IMEXD_BUS_URL"] = f"mqtt://127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "imexd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_workload_create_exits_3_when_no_channel_is_free(broker: Mosquitto) -> None:
+    """Through the console script: a domain whose nodes offer 2 channels has one for
+    workloads; the second create exits 3 saying so."""
+    report = msgspec.structs.replace(
+        health_report("n1", 0, {0: "n1"}, at=time.time()),
+        channels=ChannelsView(count=2, major=242),
+    )
+    asyncio.run(put(broker, {Topics("imex/v1").health("d1", "n1"): encode(report)}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    env["IMEXD_BUS_URL"] = broker.url
+    base = [sys.executable, "-m", "imexd", "workload", "create", "--domain", "d1"]
+    runs = [
+        subprocess.run(
+            [*base, name, "--wait", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+        for name in ("w1", "w2")
+    ]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert "workload w1 in d1: created on channel 1" in runs[0].stdout
+    assert runs[1].returncode == 3
+    assert "no free channel in d1: its nodes offer 2 channels" in runs[1].stderr
