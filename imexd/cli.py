@@ -235,7 +235,7 @@ def _domain_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> N
         )
 
 
-WORKLOAD_EXITS = {
+WORKLOAD_EXITS: Final = {
     "create": "exit codes: 0 ready on every listed node (or written, with --wait 0); 1 not "
     "ready by the deadline (the record is kept), a lost race retried too often, or a bus "
     "error; 2 usage error (bad name or mode, --channel used by another workload of the "
