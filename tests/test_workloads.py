@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -709,3 +710,21 @@ async def test_a_second_client_rewriting_the_same_workload_is_caught(
                 assert "did not keep our write" in text
         got = await records(broker, domain)
         assert [d["channel"] for d in got.values()] == [1]
+
+
+async def test_a_claim_the_acl_drops_ends_with_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A broker that silently drops the control plane's workload writes: no echo of the
+    claim comes back, and create exits 1 naming the topic instead of waiting forever."""
+    acl = tmp_path / "acl"
+    acl.write_text("topic read imex/v1/#\ntopic readwrite imex/v1/domains/_control/#\n")
+    b = Mosquitto(tmp_path / "acl-broker", extra_config=f"acl_file {acl}")
+    b.start()
+    try:
+        monkeypatch.setenv("IMEXD_BUS_URL", b.url)
+        code = await cli("workload", "create", "w1", "--domain", "d1", "--wait", "0")
+    finally:
+        b.stop()
+    assert code == 1
+    assert "no echo of our write to imex/v1/domains/d1/workloads/w1" in capsys.readouterr().err
