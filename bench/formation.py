@@ -115,6 +115,7 @@ import structlog
 
 from imexd.agent import Agent
 from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
@@ -469,6 +470,7 @@ class Node:
                 "env": env,
             },
             "health": {"listen": health_listen},
+            "channels": fake_driver(self.dir),
         }
         if self.run.fast:
             sections = with_fast(sections)

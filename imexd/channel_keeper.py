@@ -42,7 +42,14 @@ from imexd.channels import Applied, Devices, Driver, Refusal, Want, plan, read_d
 from imexd.facts import ChannelFacts, ChannelState
 from imexd.guard import BEAT_S, Guard, describe
 from imexd.logs import get_logger
-from imexd.messages import Deleted, MemberRecord, Received, Topics, WorkloadRecord
+from imexd.messages import (
+    Deleted,
+    DomainSpec,
+    MemberRecord,
+    Received,
+    Topics,
+    WorkloadRecord,
+)
 from imexd.retry import backoff_delay
 from imexd.settings import ChannelsSettings, Settings
 
@@ -96,6 +103,9 @@ class ChannelKeeper:
         self.clique: str | None = None
         self.records: dict[str, WorkloadRecord] = {}
         """The domain's workload records by name, as the bus delivered them."""
+        self.deleting = False
+        """The domain's spec says `deleting`: its channels go, whatever records are left
+        (the agent reads the spec of the domain it is in; the keeper only looks)."""
         self.synced = False
         """`records` is the broker's whole set (or there is no domain): removals allowed."""
         self.sync_after = 0.0
@@ -157,6 +167,7 @@ class ChannelKeeper:
         self.told = True
         self.domain, self.clique = domain, clique
         self.records.clear()
+        self.deleting = False
         self.fresh = None
         self.states, self.shown = (), False
         self.retry_at, self.attempt = None, 0
@@ -177,7 +188,17 @@ class ChannelKeeper:
         """Take one bus event in (every event the agent reads; others are ignored)."""
         if isinstance(event, Received | Deleted):
             ref = event.ref
-            if ref.kind != "workload" or not self.told or ref.domain != self.domain:
+            if not self.told or ref.domain != self.domain:
+                return
+            if ref.kind == "spec":
+                payload = event.payload if isinstance(event, Received) else None
+                deleting = isinstance(payload, DomainSpec) and payload.state == "deleting"
+                if deleting != self.deleting:
+                    self.deleting = deleting
+                    self.log.info("channels.domain_deleting", domain=ref.domain, now=deleting)
+                    self._changed()
+                return
+            if ref.kind != "workload":
                 return
             if isinstance(event, Deleted):
                 self.records.pop(ref.workload, None)
@@ -246,7 +267,7 @@ class ChannelKeeper:
             return
         if not self.told or not self.synced:
             return  # nothing is removed before a synced view
-        if self.domain is None:
+        if self.domain is None or self.deleting:
             wants: dict[int, Want] = {}
             refusals: list[Refusal] = []
         elif self.clique is None:

@@ -26,6 +26,7 @@ from imexd.health import Heartbeats
 from imexd.logs import get_logger
 from imexd.messages import (
     Deleted,
+    DomainSpec,
     MemberRecord,
     MemberState,
     Received,
@@ -305,6 +306,30 @@ async def test_leaving_the_domain_removes_everything(tmp_path: Path) -> None:
     assert not dev(keeper, 3).exists()
     assert not cdi(keeper, "job-a").exists()
     assert not env(keeper, "job-a").exists()
+
+
+@needs_root
+async def test_a_domain_being_deleted_loses_its_channels_whatever_records_are_left(
+    tmp_path: Path,
+) -> None:
+    """The spec says `deleting` (a static node keeps naming the domain): its workloads'
+    devices go even while their records are still on the broker, and come back if the
+    domain is created again."""
+    keeper = await joined(tmp_path, record("job-a", 3))
+    assert dev(keeper, 3).exists()
+    topic = "imex/v1/domains/d1/spec"
+    spec = DomainSpec(domain="d1", state="deleting", generation=2)
+    keeper.on_event(Received(topic, TopicRef("spec", domain="d1"), spec, retained=False))
+    await keeper.step()
+    assert not dev(keeper, 3).exists()
+    assert not cdi(keeper, "job-a").exists()
+    other = DomainSpec(domain="d2", state="active", generation=1)
+    keeper.on_event(Received(topic, TopicRef("spec", domain="d2"), other, retained=False))
+    await keeper.step()
+    assert not dev(keeper, 3).exists(), "another domain's spec changes nothing"
+    keeper.on_event(Deleted(topic, TopicRef("spec", domain="d1"), retained=False))
+    await keeper.step()
+    assert dev(keeper, 3).exists()
 
 
 @needs_root
