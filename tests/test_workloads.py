@@ -591,6 +591,26 @@ async def test_create_waits_until_every_listed_node_has_the_channel(
         assert time.monotonic() - started < WAIT_S / 2
     assert "w1 in d1: READY, 2 of 2 nodes ready (channel 1, generation 1" in text
     assert [line.split()[:2] for line in text.splitlines()[3:5]] == [["n1", "yes"], ["n2", "yes"]]
+    async with fake_agent(broker, "n1"):
+        out, err = io.StringIO(), io.StringIO()
+        code = await workloads.create(
+            settings,
+            "w2",
+            domain="d1",
+            nodes=["n1"],
+            channel=None,
+            uid=None,
+            gid=None,
+            mode=None,
+            wait_s=WAIT_S,
+            as_json=True,
+            out=out,
+            err=err,
+        )
+    assert code == 0
+    doc = json.loads(out.getvalue())
+    assert (doc["workload"], doc["channel"], doc["state"], doc["ready"]) == ("w2", 2, "READY", 1)
+    assert "workload w2 in d1: created on channel 2" in err.getvalue()
 
 
 async def test_create_exits_1_when_a_node_lacks_the_channel_at_the_deadline(

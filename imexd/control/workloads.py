@@ -208,7 +208,7 @@ async def create(
                 file=err,
             )
             return EXIT_USAGE
-        if channel is not None and known is not None and channel >= known:
+        if kept is None and channel is not None and known is not None and channel >= known:
             print(
                 f"{command}: --channel {channel} is out of range: the nodes of {domain} offer "
                 f"{known} channels (0 to {known - 1})",
@@ -243,7 +243,7 @@ async def create(
             f"workload {name} in {domain}: {verb} on channel {base.channel} (generation "
             f"{base.generation}, nodes {_nodes_text(base)}, uid {base.uid}, gid {base.gid}, "
             f"mode {base.mode:04o})",
-            file=out,
+            file=err if as_json else out,  # with --json, stdout is one JSON document
         )
         result = _judge(store, base, interval)
 
