@@ -251,6 +251,39 @@ def test_settings_file_and_binary_override(bin_dir: Path, tmp_path: Path) -> Non
     ]  # fmt: skip
 
 
+def test_settings_file_may_use_unset_variables(bin_dir: Path, tmp_path: Path) -> None:
+    """The settings file is sourced with unset variables allowed (`set -u` stays off)."""
+    defaults = tmp_path / "slurm.env"
+    defaults.write_text("IMEXD_DOMAIN=${SLURM_JOB_PARTITION}rack-01\n")
+    run = run_script("imexd-prolog-shared.sh", bin_dir, env={"IMEXD_SLURM_ENV": str(defaults)})
+    assert run.status == 0, run.stderr
+    assert run.of("imexd")[0][3:5] == ["--domain", "rack-01"]
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "calls"),
+    [
+        ("imexd-prolog-perjob.sh", 2, 0),
+        ("imexd-prolog-shared.sh", 2, 0),
+        ("imexd-epilog-perjob.sh", 0, 1),
+        ("imexd-epilog-shared.sh", 0, 1),
+        ("imexd-taskprolog.sh", 0, 0),
+    ],
+)
+def test_broken_settings_file(
+    bin_dir: Path, tmp_path: Path, script: str, status: int, calls: int
+) -> None:
+    """A settings file that does not source fails a prolog (status 2, nothing run) and is
+    skipped, with an error logged, by the epilogs (which still delete) and the TaskProlog."""
+    defaults = tmp_path / "slurm.env"
+    defaults.write_text("IMEXD_DOMAIN=rack-01\nif then fi (\n")
+    env = {"IMEXD_SLURM_ENV": str(defaults), "IMEXD_CHANNELS_ENV_DIR": str(tmp_path)}
+    run = run_script(script, bin_dir, env=env)
+    assert run.status == status
+    assert len(run.of("imexd")) == calls
+    assert f"cannot read the settings in {defaults}" in run.stderr
+
+
 @pytest.mark.parametrize("script", ["imexd-prolog-perjob.sh", "imexd-prolog-shared.sh"])
 def test_prolog_fails_without_nodes(bin_dir: Path, script: str) -> None:
     """A failing `scontrol` or an empty node list fails the prolog before any imexd call."""

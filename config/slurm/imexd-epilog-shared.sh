@@ -22,12 +22,6 @@
 set -eu
 PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
-defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
-if [ -r "$defaults" ]; then
-    set -a
-    . "$defaults"
-    set +a
-fi
 
 log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
     priority=$1
@@ -37,6 +31,19 @@ log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
     fi
     printf 'imexd-slurm: %s\n' "$*" >&2
 }
+
+# The settings file, sourced with unset variables allowed; tried in a subshell first, so
+# that a broken file is reported instead of ending this script half way.
+defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
+if [ -r "$defaults" ]; then
+    if (set +u && . "$defaults") >/dev/null 2>&1; then
+        set -a +u
+        . "$defaults"
+        set +a -u
+    else
+        log err "cannot read the settings in $defaults: run it with sh to see why; going on without"
+    fi
+fi
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
     log err "SLURM_JOB_ID is not set: run this as EpilogSlurmctld; nothing deleted"

@@ -31,12 +31,6 @@
 set -eu
 PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
-defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
-if [ -r "$defaults" ]; then
-    set -a
-    . "$defaults"
-    set +a
-fi
 
 log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
     priority=$1
@@ -53,6 +47,19 @@ fail() { # fail STATUS MESSAGE...
     log err "$*"
     exit "$status"
 }
+
+# The settings file, sourced with unset variables allowed; tried in a subshell first, so
+# that a broken file is reported instead of ending this script half way.
+defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
+if [ -r "$defaults" ]; then
+    if (set +u && . "$defaults") >/dev/null 2>&1; then
+        set -a +u
+        . "$defaults"
+        set +a -u
+    else
+        fail 2 "cannot read the settings in $defaults: run it with sh to see why"
+    fi
+fi
 
 [ -n "${SLURM_JOB_ID:-}" ] || fail 2 "SLURM_JOB_ID is not set: run this as PrologSlurmctld"
 [ -n "${SLURM_JOB_NODELIST:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_NODELIST is not set"
