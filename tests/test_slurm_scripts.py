@@ -135,6 +135,19 @@ def test_syntax(script: Path, shell: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck() -> None:
+    """shellcheck finds nothing in the scripts, read as POSIX sh."""
+    done = subprocess.run(
+        ["shellcheck", "-s", "sh", *map(str, SCRIPTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_header_says_where_to_install(script: Path) -> None:
     """Every script is executable, POSIX sh with `set -eu`, and names its slurm.conf line."""

@@ -52,8 +52,10 @@ fail() { # fail STATUS MESSAGE...
 # that a broken file is reported instead of ending this script half way.
 defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
 if [ -r "$defaults" ]; then
+    # shellcheck source=/dev/null
     if (set +u && . "$defaults") >/dev/null 2>&1; then
         set -a +u
+        # shellcheck source=/dev/null
         . "$defaults"
         set +a -u
     else
