@@ -23,7 +23,6 @@ from imexd.errors import ConfigError, ImexdError
 from imexd.messages import MAX_CHANNEL
 from imexd.names import (
     domain_problem,
-    is_dns1123_label,
     max_nodes_problem,
     node_problem,
     parse_nodes,
@@ -483,15 +482,6 @@ def _usage(command: str, problems: Sequence[str]) -> int:
     return 2
 
 
-def _workload_problem(name: str) -> str | None:
-    if is_dns1123_label(name):
-        return None
-    return (
-        f"workload name {name!r} is not a DNS-1123 label: lowercase letters, digits and '-', "
-        "starting and ending with a letter or digit, at most 63 characters"
-    )
-
-
 def _owner_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with --channel, --uid and --gid (--mode is checked by argparse)."""
     problems: list[str] = []
@@ -630,7 +620,7 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
 
 def _workload_usage(args: argparse.Namespace, command: str) -> list[str]:
     """The usage problems every `workload` action shares: NAME, --domain, --wait."""
-    problems = [p for p in (_workload_problem(args.name),) if p]
+    problems = [p for p in (domain_problem(args.name, kind="workload"),) if p]
     if args.domain is not None and (problem := domain_problem(args.domain)):
         problems.append(problem)
     wait = getattr(args, "wait", None)

@@ -39,12 +39,13 @@ def is_clique_id(value: str) -> bool:
     return bool(CLIQUE_RE.match(value))
 
 
-def domain_problem(name: str) -> str | None:
-    """None when `name` can name a domain, else a sentence saying why not."""
+def domain_problem(name: str, *, kind: str = "domain") -> str | None:
+    """None when `name` can name a domain (or a workload: `kind`), else a sentence saying
+    why not; both are DNS-1123 labels."""
     if is_dns1123_label(name):
         return None
     return (
-        f"domain name {name!r} is not a DNS-1123 label: lowercase letters, digits and '-', "
+        f"{kind} name {name!r} is not a DNS-1123 label: lowercase letters, digits and '-', "
         "starting and ending with a letter or digit, at most 63 characters"
     )
 

@@ -133,13 +133,19 @@ def _calls_fleet_judge(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
+JUDGE_HOMES = {"imexd.fleet", "imexd.workload_fleet"}
+"""The homes of judgements: whether a domain is UP (fleet), whether a workload's channel
+is ready on its nodes (workload_fleet)."""
+
+
 def test_the_domain_is_judged_in_fleet_only() -> None:
-    """One home for "is the domain UP": outside imexd/fleet.py a function named after
-    judging only gathers the inputs and hands them to `fleet.judge`."""
+    """One home for "is the domain UP" (and one for "is the workload's channel READY"):
+    elsewhere a function named after judging only gathers the inputs and hands them to
+    `fleet.judge`."""
     own_rules = sorted(
         f"{_module_name(path)}.{node.name}"
         for path in PACKAGE.rglob("*.py")
-        if _module_name(path) != "imexd.fleet"
+        if _module_name(path) not in JUDGE_HOMES
         for node in ast.walk(ast.parse(path.read_text(), str(path)))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and JUDGE_NAME.match(node.name)

@@ -27,7 +27,7 @@ from imexd.control import workloads
 from imexd.control.commands import load_control_settings
 from imexd.control.link import Logged
 from imexd.demo.brokers import Mosquitto
-from imexd.fleet import SeenReport, judge_workload, render_workload_status
+from imexd.fleet import SeenReport
 from imexd.messages import (
     ChannelInfo,
     ChannelsView,
@@ -38,6 +38,7 @@ from imexd.messages import (
     encode,
 )
 from imexd.settings import Settings
+from imexd.workload_fleet import judge_workload, render_workload_status
 from tests.reports import member_record, report
 from tests.support import raw_client
 from tests.test_control import retained, valid

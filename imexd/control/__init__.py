@@ -16,7 +16,7 @@ and reads the two retained outputs they publish (`MemberRecord`s and `HealthRepo
 - `node assign NODE DOMAIN`, `node unassign NODE`;
 - `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
   IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
-  clients (see `workloads`), judged by the pure `imexd.fleet.judge_workload`.
+  clients (see `workloads`), judged by the pure `imexd.workload_fleet.judge_workload`.
 
 Exit codes: 0 success (for `status`: the domain is UP), 1 failure (broker unreachable, a
 write the broker did not keep, members left at a delete's timeout, a domain not UP),

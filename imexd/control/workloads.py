@@ -42,8 +42,10 @@ import msgspec
 from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
 from imexd.control.link import Link, Logged
 from imexd.control.store import Store
-from imexd.fleet import (
-    SeenReport,
+from imexd.fleet import SeenReport
+from imexd.messages import WorkloadRecord, encode
+from imexd.settings import Settings
+from imexd.workload_fleet import (
     WorkloadStatus,
     judge_workload,
     render_workload_list,
@@ -52,8 +54,6 @@ from imexd.fleet import (
     workload_list_json,
     workload_status_json,
 )
-from imexd.messages import WorkloadRecord, encode
-from imexd.settings import Settings
 
 EXIT_NO_CHANNEL: Final = 3
 DEFAULT_CHANNEL_COUNT: Final = 2048
@@ -134,7 +134,7 @@ def env_lines(record: WorkloadRecord) -> list[str]:
     ]
 
 
-def _judge(store: Store, record: WorkloadRecord, report_interval_s: float) -> WorkloadStatus:
+def _status_of(store: Store, record: WorkloadRecord, report_interval_s: float) -> WorkloadStatus:
     return judge_workload(
         record,
         reports=store.reports_of(record.domain),
@@ -245,15 +245,15 @@ async def create(
             f"mode {base.mode:04o})",
             file=err if as_json else out,  # with --json, stdout is one JSON document
         )
-        result = _judge(store, base, interval)
+        result = _status_of(store, base, interval)
 
         def ready() -> bool:
             nonlocal result
-            result = _judge(store, base, interval)
+            result = _status_of(store, base, interval)
             return result.state == "READY"
 
         if wait_s > 0 and not await link.wait_until(ready, wait_s):
-            result = _judge(store, base, interval)  # as of the deadline
+            result = _status_of(store, base, interval)  # as of the deadline
     if as_json:
         print(workload_status_json(result), file=out)
     elif wait_s > 0:
@@ -410,7 +410,9 @@ async def list_workloads(
         store = await link.read(
             t.workloads_filter(scope), t.all_members_filter(scope), t.health_filter(scope)
         )
-    statuses = [_judge(store, record, interval) for _, record in sorted(store.workloads.items())]
+    statuses = [
+        _status_of(store, record, interval) for _, record in sorted(store.workloads.items())
+    ]
     if as_json:
         print(workload_list_json(statuses), file=out)
     else:
@@ -440,7 +442,7 @@ async def status(
         record = store.workloads[(found, name)]
 
         def judged() -> WorkloadStatus:
-            return _judge(store, store.workloads.get((found, name), record), interval)
+            return _status_of(store, store.workloads.get((found, name), record), interval)
 
         result = judged()
 
