@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ pytestmark = [
 ]
 
 WAIT_S = 30.0
+IMEXD = str(Path(sys.executable).with_name("imexd"))
 
 
 def publish(c: Cluster, name: str, channel: int, **fields: Any) -> None:
@@ -163,3 +166,91 @@ def test_members_with_different_channel_counts_say_so(c: Cluster) -> None:
     assert "n2 1024" in message
     assert n2.condition("ChannelsReady")["reason"] == "ChannelCountMismatch"
     assert n2.status()["channels"]["count"] == 1024
+
+
+# The operator's commands end to end: `imexd workload ...` and `domain create --channel`.
+
+
+def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
+    return subprocess.run(
+        [IMEXD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=c.control_env(),
+        check=False,
+    )
+
+
+def test_a_shared_domain_serves_two_jobs_on_their_own_channels(c: Cluster) -> None:
+    """The shared layout: one rack domain, two jobs created by the CLI get channels 1 and
+    2 on their nodes, `--wait` returns once they are ready, `env` prints what a TaskProlog
+    exports, and deleting one job leaves the other's channel and the IMEX daemons alone."""
+    nodes = [c.add(name) for name in ("n1", "n2", "n3")]
+    c.wait(c.all_ready, timeout=60)
+    pids = {n.name: n.daemon_pid() for n in nodes}
+    a = imexd(c, "workload", "create", "job-a", "--domain", "d1", "--nodes", "n1,n2",
+              "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
+    assert a.returncode == 0, a.stdout + a.stderr
+    b = imexd(c, "workload", "create", "job-b", "--domain", "d1", "--nodes", "n2,n3",
+              "--uid", "1001", "--gid", "1001", "--mode", "0600", "--wait", "30")  # fmt: skip
+    assert b.returncode == 0, b.stdout + b.stderr
+    # Each job's device exists at once: --wait returned when every node reported it ready.
+    for node, channel, owner, mode in (
+        (nodes[0], 1, 1000, 0o660),
+        (nodes[1], 1, 1000, 0o660),
+        (nodes[1], 2, 1001, 0o600),
+        (nodes[2], 2, 1001, 0o600),
+    ):
+        info = os.lstat(device(node, channel))
+        assert (os.minor(info.st_rdev), info.st_uid, stat.S_IMODE(info.st_mode)) == (
+            channel,
+            owner,
+            mode,
+        ), node.name
+    assert not device(nodes[0], 2).exists()
+    assert not device(nodes[2], 1).exists()
+    status = imexd(c, "workload", "status", "job-b")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "READY, 2 of 2 nodes ready" in status.stdout, status.stdout
+    env = imexd(c, "workload", "env", "job-b")
+    assert env.returncode == 0, env.stderr
+    assert "export IMEX_CHANNEL=2" in env.stdout.splitlines()
+    listing = imexd(c, "workload", "list", "--domain", "d1")
+    assert listing.returncode == 0, listing.stderr
+    assert [line.split()[:3] for line in listing.stdout.splitlines()[1:]] == [
+        ["d1", "job-a", "1"],
+        ["d1", "job-b", "2"],
+    ]
+    gone = imexd(c, "workload", "delete", "job-a", "--wait", "30")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert not device(nodes[0], 1).exists()
+    assert not device(nodes[1], 1).exists()
+    assert device(nodes[1], 2).exists(), "the other job keeps its channel"
+    assert {n.name: n.daemon_pid() for n in nodes} == pids, "no IMEX restart for a job"
+    again = imexd(c, "workload", "create", "job-c", "--domain", "d1", "--nodes", "n1",
+                  "--wait", "30")  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert device(nodes[0], 1).exists(), "the freed channel 1 is the lowest free one again"
+
+
+def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
+    """The per-job layout: `domain create --channel` in a prolog makes the domain and
+    workload of the same name on channel 0; `domain delete` in the epilog removes both."""
+    nodes = [c.add(name, domain=None) for name in ("n1", "n2")]
+    c.wait(c.all_ready, timeout=60)
+    made = imexd(c, "domain", "create", "job-7", "--nodes", "n1,n2", "--channel",
+                 "--uid", "1000", "--gid", "1000")  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    c.wait(lambda: all(ready_with(n, "job-7", 1) for n in nodes), timeout=WAIT_S)
+    for node in nodes:
+        info = os.lstat(device(node, 0))
+        assert (os.minor(info.st_rdev), info.st_uid) == (0, 1000), node.name
+    up = imexd(c, "domain", "status", "job-7", "--wait", "30")
+    assert up.returncode == 0, up.stdout + up.stderr
+    ended = imexd(c, "domain", "delete", "job-7")
+    assert ended.returncode == 0, ended.stdout + ended.stderr
+    c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
+    with c.client() as client:
+        assert client.retained("imex/v1/domains/job-7/#") == {}
