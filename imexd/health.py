@@ -335,29 +335,53 @@ def _clip(text: str, limit: int = MESSAGE_MAX) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _fit(rep: HealthReport) -> HealthReport:
+    """`rep` within MAX_PAYLOAD: a node with many workloads first loses the channels'
+    messages, then the last workloads by name (counted in `omitted`); an oversized report
+    would be dropped by every reader, and the node's whole health with it."""
+    view = rep.channels
+    size = len(messages.encode(rep))
+    if view is None or size <= messages.MAX_PAYLOAD:
+        return rep
+    infos = [msgspec.structs.replace(w, message="") for w in view.workloads]
+    size -= sum(len(w.message) for w in view.workloads)  # at least this much went
+    kept = len(infos)
+    while kept and size > messages.MAX_PAYLOAD - 32:  # 32: room for "omitted"
+        kept -= 1
+        size -= len(msgspec.json.encode(infos[kept])) + 1
+    view = msgspec.structs.replace(view, workloads=infos[:kept], omitted=len(infos) - kept)
+    fitted = msgspec.structs.replace(rep, channels=view)
+    if len(messages.encode(fitted)) > messages.MAX_PAYLOAD:  # the rest alone is too big
+        view = msgspec.structs.replace(view, workloads=[], omitted=len(infos))
+        fitted = msgspec.structs.replace(rep, channels=view)
+    return fitted
+
+
 def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport:
     """The HealthReport served at /status and published on the node's health topic."""
     d = facts.daemon
-    return HealthReport(
-        node=facts.node,
-        domain=facts.domain,
-        clique=facts.clique,
-        slot=facts.slot,
-        incarnation=facts.incarnation,
-        at=now,
-        ready=ready(conds),
-        conditions=list(conds),
-        daemon=DaemonInfo(
-            state=d.state,
-            pid=d.pid,
-            restarts=d.restarts,
-            last_exit=d.last_exit,
-            imex_status=d.imex_status or None,
-        ),
-        domain_view=fleet.domain_view(facts),
-        address=facts.address,
-        driver=facts.driver,
-        channels=channels_view(facts.channels),
+    return _fit(
+        HealthReport(
+            node=facts.node,
+            domain=facts.domain,
+            clique=facts.clique,
+            slot=facts.slot,
+            incarnation=facts.incarnation,
+            at=now,
+            ready=ready(conds),
+            conditions=list(conds),
+            daemon=DaemonInfo(
+                state=d.state,
+                pid=d.pid,
+                restarts=d.restarts,
+                last_exit=d.last_exit,
+                imex_status=d.imex_status or None,
+            ),
+            domain_view=fleet.domain_view(facts),
+            address=facts.address,
+            driver=facts.driver,
+            channels=channels_view(facts.channels),
+        )
     )
 
 

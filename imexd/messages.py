@@ -211,6 +211,9 @@ class ChannelsView(msgspec.Struct, frozen=True, kw_only=True):
     """The `nvidia-caps-imex-channels` major of /proc/devices; None when not listed."""
     workloads: list[ChannelInfo] = msgspec.field(default_factory=list)
     """The workloads of the node's domain that list this node, by name."""
+    omitted: Count = 0
+    """Workloads left out of `workloads` (the last by name) so that the report stays
+    within MAX_PAYLOAD; their state is in the agent's /metrics and logs."""
 
 
 class HealthReport(msgspec.Struct, frozen=True, kw_only=True):

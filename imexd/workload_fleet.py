@@ -105,6 +105,12 @@ def _workload_row(
         return row("NoChannels", "its report has no channels (an agent without channel support)")
     info = next((i for i in channels.workloads if i.workload == record.workload), None)
     if info is None:
+        if channels.omitted:
+            return row(
+                "NotListed",
+                f"its report left out {channels.omitted} workloads to stay within 16 KiB; "
+                "see the node's /metrics (imexd_channel_ready)",
+            )
         return row("NotListed", "its report does not list the workload yet")
     if (info.channel, info.generation) != (record.channel, record.generation):
         return row(

@@ -781,3 +781,24 @@ def test_report_carries_the_channels_view() -> None:
     )
     decoded = msgspec.json.decode(messages.encode(report), type=HealthReport)
     assert decoded.channels == report.channels
+
+
+def test_a_report_with_many_workloads_stays_within_the_payload_limit() -> None:
+    """2000 failing workloads with long messages would make a report every reader drops
+    (and the node's whole health with it): messages go first, then the last workloads by
+    name, counted in `omitted`; the report still decodes."""
+    many = tuple(refused(f"job-{i:05d}", i + 1, "MknodFailed", "x" * 150) for i in range(2000))
+    facts = channels(workloads=many)
+    report = health.report(facts, health.conditions(facts, [], T0), T0)
+    data = messages.encode(report)
+    assert len(data) <= messages.MAX_PAYLOAD
+    view = report.channels
+    assert view is not None
+    assert view.omitted > 0
+    assert len(view.workloads) + view.omitted == 2000
+    assert [w.workload for w in view.workloads] == [w.workload for w in many[: len(view.workloads)]]
+    assert isinstance(messages.decode(data, HealthReport), HealthReport)
+    few = channels(workloads=many[:3])
+    kept = health.report(few, health.conditions(few, [], T0), T0).channels
+    assert kept is not None
+    assert (kept.omitted, kept.workloads[0].message) == (0, "x" * 150)
