@@ -125,7 +125,7 @@ VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"
 SIM_CTL: Final = VENV_BIN / "imexd-sim-ctl"
 IMEXD: Final = VENV_BIN / "imexd"
-PREFIX: Final = "imex/v1"
+PREFIX: Final = "imex/v2"
 DOMAIN: Final = "bench"
 CLUSTER: Final = "b3c1d2e4-0000-4000-8000-00000000beef"
 INF: Final = float("inf")
@@ -255,7 +255,7 @@ class BrokerCounts:
     """
 
     publishes: int = 0
-    """Publishes on `imex/v1/#` (seen by the benchmark's subscriber)."""
+    """Publishes on `imex/v2/#` (seen by the benchmark's subscriber)."""
     sent: int = 0
     """`$SYS/broker/publish/messages/sent`: PUBLISH packets the broker delivered."""
     packets_in: int = 0
@@ -277,7 +277,7 @@ class BrokerCounts:
 
 
 class Monitor:
-    """A subscriber on `imex/v1/#` and `$SYS/broker/#` that counts what the agents publish."""
+    """A subscriber on `imex/v2/#` and `$SYS/broker/#` that counts what the agents publish."""
 
     def __init__(self, port: int) -> None:
         self.port = port

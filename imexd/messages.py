@@ -10,7 +10,10 @@ Schemas shipped in docs/schemas/ (`imexd.messages.json_schemas`).
 from __future__ import annotations
 
 import ipaddress
+import re
+import string
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -459,66 +462,115 @@ def now() -> float:
 # Topics
 
 
+_LEVEL_SAFE: Final = frozenset(string.ascii_letters + string.digits + "-_")
+_LEVEL_RE: Final = re.compile(r"^(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*$")
+WILDCARD: Final = "+"
+"""A filter's single-level wildcard: passed as a name to a `*_filter` method it stays one."""
+
+
+def encode_level(value: str) -> str:
+    """One name as a portable topic level: every character but ASCII letters, digits, `-`
+    and `_` becomes `%XX` (its UTF-8 bytes, upper-case hex).
+
+    Levels must hold none of `.`, `/`, `+`, `#` or a space on every broker imexd runs
+    on: NATS refuses a `.` in a level (its subjects use `.` as the separator), RabbitMQ
+    turns it into `/`, and clique ids (`<uuid>.<id>`) and node names (`ip-10-0-1-2.ec2.
+    internal`) hold dots. So `gpu-01` stays `gpu-01`, `c0ffee.1` becomes `c0ffee%2E1`.
+    """
+    return "".join(
+        c if c in _LEVEL_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in value
+    )
+
+
+def decode_level(level: str) -> str | None:
+    """The name a topic level encodes, or None when the level is not `encode_level`'s
+    one spelling of a name (lower-case hex, an escaped safe character, bad UTF-8): two
+    spellings of one name would be two topics, and two records, for one node."""
+    if not _LEVEL_RE.match(level):
+        return None
+    try:
+        value = urllib.parse.unquote(level, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    return value if encode_level(value) == level else None
+
+
 def clique_level(clique: str) -> str:
     """The topic level for a clique id (`none` for the empty clique)."""
-    return clique or NO_CLIQUE_TOPIC
+    return encode_level(clique) if clique else NO_CLIQUE_TOPIC
+
+
+def _level(name: str) -> str:
+    return name if name == WILDCARD else encode_level(name)
 
 
 @dataclass(frozen=True, slots=True)
 class Topics:
-    """Builds and parses every topic under one prefix."""
+    """Builds and parses every topic under one prefix, with names encoded per level
+    (`encode_level`) and decoded back by `parse`."""
 
     prefix: str
 
     def member(self, domain: str, clique: str, node: str) -> str:
-        return f"{self.prefix}/domains/{domain}/members/{clique_level(clique)}/{node}"
+        return f"{self._domain(domain)}/members/{clique_level(clique)}/{_level(node)}"
 
     def members_filter(self, domain: str, clique: str) -> str:
-        return f"{self.prefix}/domains/{domain}/members/{clique_level(clique)}/+"
+        return f"{self._domain(domain)}/members/{_clique(clique)}/+"
 
     def all_members_filter(self, domain: str) -> str:
-        return f"{self.prefix}/domains/{domain}/members/+/+"
+        return f"{self._domain(domain)}/members/+/+"
 
     def health(self, domain: str, node: str) -> str:
-        return f"{self.prefix}/domains/{domain}/health/{node}"
+        return f"{self._domain(domain)}/health/{_level(node)}"
 
     def health_filter(self, domain: str) -> str:
-        return f"{self.prefix}/domains/{domain}/health/+"
+        return f"{self._domain(domain)}/health/+"
 
     def spec(self, domain: str) -> str:
-        return f"{self.prefix}/domains/{domain}/spec"
+        return f"{self._domain(domain)}/spec"
 
     def specs_filter(self) -> str:
         return f"{self.prefix}/domains/+/spec"
 
     def workload(self, domain: str, workload: str) -> str:
-        return f"{self.prefix}/domains/{domain}/workloads/{workload}"
+        return f"{self._domain(domain)}/workloads/{_level(workload)}"
 
     def workloads_filter(self, domain: str) -> str:
         """Every workload of `domain` (`+`: of every domain)."""
-        return f"{self.prefix}/domains/{domain}/workloads/+"
+        return f"{self._domain(domain)}/workloads/+"
 
     def assignment(self, node: str) -> str:
-        return f"{self.prefix}/nodes/{node}/assignment"
+        return f"{self._node(node)}/assignment"
 
     def assignments_filter(self) -> str:
         return f"{self.prefix}/nodes/+/assignment"
 
     def ping(self, node: str) -> str:
-        return f"{self.prefix}/nodes/{node}/ping"
+        return f"{self._node(node)}/ping"
 
     def presence(self, node: str) -> str:
-        return f"{self.prefix}/nodes/{node}/presence"
+        return f"{self._node(node)}/presence"
+
+    def _domain(self, domain: str) -> str:
+        return f"{self.prefix}/domains/{_level(domain)}"
+
+    def _node(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{_level(node)}"
 
     def parse(self, topic: str) -> TopicRef | None:
-        """What a topic under this prefix addresses, or None for a foreign topic."""
+        """What a topic under this prefix addresses (names decoded), or None for a foreign
+        topic or one whose levels are not the one encoding of a name."""
         head = self.prefix + "/"
         if not topic.startswith(head):
             return None
-        parts = topic[len(head) :].split("/")
+        raw = topic[len(head) :].split("/")
+        names = [decode_level(level) for level in raw]
+        if any(name is None for name in names):
+            return None
+        parts = [name or "" for name in names]
         match parts:
             case ["domains", domain, "members", clique, node]:
-                c = "" if clique == NO_CLIQUE_TOPIC else clique
+                c = "" if raw[3] == NO_CLIQUE_TOPIC else clique
                 return TopicRef("member", domain=domain, clique=c, node=node)
             case ["domains", domain, "health", node]:
                 return TopicRef("health", domain=domain, node=node)
@@ -533,6 +585,10 @@ class Topics:
             case ["nodes", node, "presence"]:
                 return TopicRef("presence", node=node)
         return None
+
+
+def _clique(clique: str) -> str:
+    return clique if clique == WILDCARD else clique_level(clique)
 
 
 @dataclass(frozen=True, slots=True)

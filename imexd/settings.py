@@ -41,7 +41,7 @@ ENV_PREFIX = "IMEXD_"
 
 CONFIG_KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-TOPIC_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+TOPIC_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
 
 Check = Callable[[Any], str | None]
 """A check returns None when the value is right, else what was expected."""
@@ -124,7 +124,9 @@ def _positive_int(v: int) -> str | None:
 
 
 def _topic_prefix(v: str) -> str | None:
-    return None if TOPIC_PREFIX_RE.match(v) else "topic levels without wildcards, e.g. imex/v1"
+    if TOPIC_PREFIX_RE.match(v):
+        return None
+    return "topic levels of letters, digits, '-' and '_' (no '.', which NATS refuses), e.g. imex/v2"
 
 
 def _listen(v: str) -> str | None:
@@ -307,7 +309,10 @@ class BusSettings:
         _urls,
     )
     topic_prefix: str = _setting(
-        "imex/v1", "First levels of every topic imexd uses.", _topic_prefix
+        "imex/v2",
+        "First levels of every topic imexd uses (v2: names in topic levels are encoded, "
+        "docs/bus.md; v1 agents do not see v2 ones).",
+        _topic_prefix,
     )
     username: str = _setting("", "MQTT user name; empty: anonymous.")
     password_file: str = _setting(

@@ -265,7 +265,7 @@ async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path:
             assert r.agent.supervisor.state is DaemonState.RUNNING
         connects = [e for e in logs if e["event"] == "bus_connected"]
         assert len(connects) == 1, connects
-        assert connects[0]["will"] == "imex/v1/domains/d1/members/c1/n1"
+        assert connects[0]["will"] == "imex/v2/domains/d1/members/c1/n1"
         assert not [e for e in logs if e["event"] == "bus_disconnected"]
     finally:
         await end_agents([node], runs)

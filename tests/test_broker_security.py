@@ -31,7 +31,7 @@ from tests.support import raw_client, wait_for
 
 pytestmark = pytest.mark.timeout(20)
 
-T = Topics("imex/v1")
+T = Topics("imex/v2")
 DOMAIN = "d1"
 CLIQUE = "4cf6c0d6-8ad0-4e1e-a3a4-3ad6b0e3a3b1.32766"
 WAIT_S = 5.0
@@ -349,7 +349,7 @@ async def test_the_control_plane_writes_specs_and_assignments_nodes_read_their_o
     assert await retained(broker, T.assignment("n2"), name="n2") == b"n2-assigned"
     assert await retained(broker, T.assignment("n2"), name="n1") is None
     async with client(broker, "n1") as n1, client(broker, "n2") as n2:
-        await n1.subscribe("imex/v1/#", qos=1)  # granted; delivery is filtered
+        await n1.subscribe("imex/v2/#", qos=1)  # granted; delivery is filtered
         await n2.publish(T.ping("n2"), b"n2-probe", qos=1)
         await publish(n2, T.health(DOMAIN, "n2"), b"n2-health")
         seen = await topics_until(n1, T.health(DOMAIN, "n2"))

@@ -60,7 +60,7 @@ from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
 
 E = TypeVar("E", bound=Event)
-TOPICS = Topics("imex/v1")
+TOPICS = Topics("imex/v2")
 REPO = Path(__file__).resolve().parent.parent
 AS_ROOT = "user root"
 """Mosquitto started as root drops to user mosquitto, which cannot read the test's files
@@ -163,9 +163,9 @@ def test_topic_filters_match_like_mqtt() -> None:
         (member_topic(), b'{"v": 2, "node": "n1"}', DropReason.VERSION),
         (member_topic(), b'{"v": 1, "node": "n1"}', DropReason.SCHEMA),
         (member_topic("n2"), encode(record("n1")), DropReason.TOPIC_MISMATCH),
-        ("imex/v1/domains/d1/members/none/n1/x", encode(record()), DropReason.UNKNOWN_TOPIC),
-        ("imex/v1/domains/d1/members/none/N_1", b"", DropReason.UNKNOWN_TOPIC),
-        ("imex/v1/domains/D1/health/n1", b"", DropReason.UNKNOWN_TOPIC),
+        ("imex/v2/domains/d1/members/none/n1/x", encode(record()), DropReason.UNKNOWN_TOPIC),
+        ("imex/v2/domains/d1/members/none/N_1", b"", DropReason.UNKNOWN_TOPIC),
+        ("imex/v2/domains/D1/health/n1", b"", DropReason.UNKNOWN_TOPIC),
         ("other/prefix", b"{}", DropReason.UNKNOWN_TOPIC),
         (TOPICS.ping("n1"), b"", DropReason.NOT_JSON),
     ],
@@ -434,12 +434,12 @@ from imexd.messages import MemberRecord, MemberState, Topics
 
 async def main(url: str) -> None:
     configure_logging("warning", "json", stream=sys.stderr)
-    topic = Topics("imex/v1").member("d1", "", "n1")
+    topic = Topics("imex/v2").member("d1", "", "n1")
     settings = BusSettings(url=(url,), will_delay_s=1.0, ping_interval_s=5.0)
     rec = MemberRecord(node="n1", domain="d1", clique="", address="127.0.0.1", slot=0,
                        incarnation=1, state=MemberState.MEMBER, max_nodes=18, mode="names")
     async with Bus(settings, node="n1", client_id="imexd-n1", will=WillSpec(topic)) as bus:
-        await bus.subscribe(Topics("imex/v1").members_filter("d1", ""))
+        await bus.subscribe(Topics("imex/v2").members_filter("d1", ""))
         await bus.retain(topic, rec)
         while bus.synced_at is None:
             await asyncio.sleep(0.01)
@@ -632,11 +632,11 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosqui
         (member_topic("n9"), b'{"v": 7, "node": "n9"}'),
         (member_topic("n9"), encode(record("n8"))),  # spoofed: n8 speaking on n9's topic
         (member_topic("n9"), encode(record("n9")).replace(b"127.0.0.1", b"not-an-ip")),
-        ("imex/v1/domains/d1/whatever", b"{}"),
+        ("imex/v2/domains/d1/whatever", b"{}"),
     ]
     with capture_logs() as logs:
         async with bus_for(fast_settings(broker.url), "n1") as bus:
-            await bus.subscribe("imex/v1/#")
+            await bus.subscribe("imex/v2/#")
             async with asyncio.timeout(5):
                 await synced(bus)
             async with aiomqtt.Client(broker.host, broker.port, identifier="raw") as raw:
@@ -963,7 +963,7 @@ async def test_a_publish_refused_by_the_acl_is_reported(tmp_path: Path) -> None:
     acl = tmp_path / "acl"
     acl.write_text(
         "topic read imex/#\n"
-        "topic readwrite imex/v1/nodes/n1/ping\n"
+        "topic readwrite imex/v2/nodes/n1/ping\n"
         f"topic write {member_topic('n1')}\n"
     )
     broker = Mosquitto(tmp_path / "acl-broker", extra_config=f"acl_file {acl}\n{AS_ROOT}")

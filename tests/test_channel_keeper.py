@@ -37,7 +37,7 @@ from imexd.messages import (
 from imexd.metrics import Metrics
 from imexd.settings import ChannelsSettings
 
-TOPICS = Topics("imex/v1")
+TOPICS = Topics("imex/v2")
 UNTIL_S = 5.0
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
 
@@ -138,7 +138,7 @@ async def test_nothing_is_removed_before_the_snapshot_is_in(tmp_path: Path) -> N
     before = time.monotonic()
     bus = FakeBus()
     await keeper.follow(bus, "d1", "c1")
-    assert bus.filters == ["imex/v1/domains/d1/workloads/+"]
+    assert bus.filters == ["imex/v2/domains/d1/workloads/+"]
     keeper.on_event(Synced(before))  # a snapshot of the subscriptions before ours
     await keeper.step()
     assert stale.exists()
@@ -283,7 +283,7 @@ async def test_another_domain_replaces_the_subscription_and_then_the_devices(
     keeper.on_event(synced())
     await keeper.step()
     await keeper.follow(bus, "d2", "c1")
-    assert bus.filters == ["imex/v1/domains/d2/workloads/+"]
+    assert bus.filters == ["imex/v2/domains/d2/workloads/+"]
     await keeper.step()
     assert dev(keeper, 3).exists()
     assert not keeper.facts([]).synced
@@ -301,7 +301,7 @@ async def test_leaving_the_domain_removes_everything(tmp_path: Path) -> None:
     bus = FakeBus()
     keeper = await joined(tmp_path, record("job-a", 3), bus=bus)
     await keeper.follow(bus, None, None)
-    assert bus.calls[1:] == [("unsubscribe", "imex/v1/domains/d1/workloads/+")]
+    assert bus.calls[1:] == [("unsubscribe", "imex/v2/domains/d1/workloads/+")]
     await keeper.step()
     assert not dev(keeper, 3).exists()
     assert not cdi(keeper, "job-a").exists()
@@ -317,7 +317,7 @@ async def test_a_domain_being_deleted_loses_its_channels_whatever_records_are_le
     domain is created again."""
     keeper = await joined(tmp_path, record("job-a", 3))
     assert dev(keeper, 3).exists()
-    topic = "imex/v1/domains/d1/spec"
+    topic = "imex/v2/domains/d1/spec"
     spec = DomainSpec(domain="d1", state="deleting", generation=2)
     keeper.on_event(Received(topic, TopicRef("spec", domain="d1"), spec, retained=False))
     await keeper.step()

@@ -36,12 +36,12 @@ def publish(c: Cluster, name: str, channel: int, **fields: Any) -> None:
     """Retain the active WorkloadRecord `name` of d1 on the cluster's broker."""
     record = WorkloadRecord(workload=name, domain="d1", channel=channel, **fields)
     with c.client() as client:
-        client.publish(f"imex/v1/domains/d1/workloads/{name}", encode(record), retain=True)
+        client.publish(f"imex/v2/domains/d1/workloads/{name}", encode(record), retain=True)
 
 
 def delete(c: Cluster, name: str) -> None:
     with c.client() as client:
-        client.publish(f"imex/v1/domains/d1/workloads/{name}", b"", retain=True)
+        client.publish(f"imex/v2/domains/d1/workloads/{name}", b"", retain=True)
 
 
 def device(node: Node, channel: int) -> Path:
@@ -152,7 +152,7 @@ def test_members_with_different_channel_counts_say_so(c: Cluster) -> None:
 
     def counts() -> dict[str, int | None]:
         with c.client() as client:
-            found = client.retained("imex/v1/domains/d1/members/#")
+            found = client.retained("imex/v2/domains/d1/members/#")
         return {
             record.node: record.channel_count
             for record in (decode(p, MemberRecord) for p in found.values())
@@ -253,4 +253,4 @@ def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
     assert ended.returncode == 0, ended.stdout + ended.stderr
     c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
     with c.client() as client:
-        assert client.retained("imex/v1/domains/job-7/#") == {}
+        assert client.retained("imex/v2/domains/job-7/#") == {}

@@ -132,7 +132,7 @@ def test_workload_create_exits_3_when_no_channel_is_free(broker: Mosquitto) -> N
         health_report("n1", 0, {0: "n1"}, at=time.time()),
         channels=ChannelsView(count=2, major=242),
     )
-    asyncio.run(put(broker, {Topics("imex/v1").health("d1", "n1"): encode(report)}))
+    asyncio.run(put(broker, {Topics("imex/v2").health("d1", "n1"): encode(report)}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
     env["IMEXD_BUS_URL"] = broker.url
     base = [sys.executable, "-m", "imexd", "workload", "create", "--domain", "d1"]

@@ -52,7 +52,7 @@ from tests.support import IMEXD, raw_client
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
-T = Topics("imex/v1")
+T = Topics("imex/v2")
 WAIT_S = 10.0
 
 
@@ -66,7 +66,7 @@ async def put(broker: Mosquitto, items: Mapping[str, bytes | None]) -> None:
             await c.publish(topic, payload or None, qos=1, retain=True)
 
 
-async def retained(broker: Mosquitto, topic_filter: str = "imex/v1/#") -> dict[str, bytes]:
+async def retained(broker: Mosquitto, topic_filter: str = "imex/v2/#") -> dict[str, bytes]:
     """Every retained message under `topic_filter` now, by topic."""
     barrier = f"test/barrier/{uuid.uuid4().hex}"
     found: dict[str, bytes] = {}
@@ -657,9 +657,9 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
     """A spec the broker silently drops (ACL) makes create exit 1 and name the topic."""
     acl = tmp_path / "acl"
     acl.write_text(
-        "topic read imex/v1/#\n"
-        "topic readwrite imex/v1/domains/_control/#\n"
-        "topic readwrite imex/v1/nodes/+/assignment\n"
+        "topic read imex/v2/#\n"
+        "topic readwrite imex/v2/domains/_control/#\n"
+        "topic readwrite imex/v2/nodes/+/assignment\n"
     )
     b = Mosquitto(tmp_path / "broker", extra_config=f"acl_file {acl}")
     b.start()
@@ -670,7 +670,7 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
     finally:
         b.stop()
     assert proc.returncode == 1
-    assert "did not keep our write to imex/v1/domains/d1/spec" in proc.stderr
+    assert "did not keep our write to imex/v2/domains/d1/spec" in proc.stderr
 
 
 # Schemas.

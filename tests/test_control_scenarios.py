@@ -81,7 +81,7 @@ def crash_until_fatal(node: Node, timeout: float = 30.0) -> int:
     raise AssertionError(f"{node.name} never went FATAL; killed {sorted(killed)}")
 
 
-def retained(c: Cluster, topic_filter: str = "imex/v1/#") -> dict[str, bytes]:
+def retained(c: Cluster, topic_filter: str = "imex/v2/#") -> dict[str, bytes]:
     with c.client() as bus:
         return bus.retained(topic_filter)
 
@@ -93,7 +93,7 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
 
     # One daemon killed each time it comes back: the supervisor gives up (FATAL).
     assert crash_until_fatal(n2) >= 3
-    health = "imex/v1/domains/d1/health/n2"
+    health = "imex/v2/domains/d1/health/n2"
 
     def crash_reported() -> bool:
         payload = retained(c, health).get(health)
@@ -139,8 +139,8 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     # Presence records stay: the agents are alive, idle, and can be assigned again.
     left = {topic for topic in retained(c) if not topic.endswith("/presence")}
     assert left == set(), "spec, assignments, records and reports are all gone"
-    assert sorted(retained(c, "imex/v1/nodes/+/presence")) == [
-        f"imex/v1/nodes/{n.name}/presence" for n in nodes
+    assert sorted(retained(c, "imex/v2/nodes/+/presence")) == [
+        f"imex/v2/nodes/{n.name}/presence" for n in nodes
     ]
     listed = imexd(c, "domain", "list")
     assert (listed.returncode, listed.stdout.split()[0]) == (0, "no"), listed.stdout
@@ -151,7 +151,7 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
     nodes = form_d1(c)
 
     # Everything the agents publish and serve validates against the shipped schemas.
-    c.wait(lambda: len(retained(c, "imex/v1/domains/d1/health/+")) == 3, timeout=10)
+    c.wait(lambda: len(retained(c, "imex/v2/domains/d1/health/+")) == 3, timeout=10)
     kinds = {"members": "MemberRecord", "health": "HealthReport", "spec": "DomainSpec"}
     got = {topic: v for topic, v in retained(c).items() if not topic.endswith("/presence")}
     assert len(got) == 1 + 3 + 3 + 3, "\n".join(sorted(got))  # spec, assignments, records, reports
@@ -199,7 +199,7 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
         assert status["daemon"]["restarts"] == 0, n.name
         assert n.daemon_pids_on_host() == [pids[n.name]], n.name
     # The broker lost its retained state (no persistence): the agents published theirs again.
-    c.wait(lambda: len(retained(c, "imex/v1/domains/d1/members/+/+")) == 3, timeout=10)
+    c.wait(lambda: len(retained(c, "imex/v2/domains/d1/members/+/+")) == 3, timeout=10)
     # The spec was lost with the rest: status cannot tell 3 of 3 from 3 of 4 any more.
     # Right after the restart a member's last domain probe may still be settling
     # (DEGRADED); the verdict that stays is UNKNOWN, never UP.
@@ -227,9 +227,9 @@ def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> 
     try:
         c.broker.stop()
         c.broker.start()
-        members = "imex/v1/domains/d1/members/+/+"
-        c.wait(lambda: list(retained(c, members)) == ["imex/v1/domains/d1/members/c1/n1"])
-        c.wait(lambda: "imex/v1/domains/d1/health/n1" in retained(c, "imex/v1/domains/d1/#"))
+        members = "imex/v2/domains/d1/members/+/+"
+        c.wait(lambda: list(retained(c, members)) == ["imex/v2/domains/d1/members/c1/n1"])
+        c.wait(lambda: "imex/v2/domains/d1/health/n1" in retained(c, "imex/v2/domains/d1/#"))
         partial = imexd(c, "domain", "status", "d1", "--wait", "0")
         assert partial.returncode == 1, partial.stdout + partial.stderr
         assert partial.stdout.startswith("domain d1: UNKNOWN, 1 of 1 members ready"), partial.stdout
@@ -238,7 +238,7 @@ def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> 
         for n in frozen:
             assert n.proc is not None
             os.kill(n.proc.pid, signal.SIGCONT)
-    c.wait(lambda: len(retained(c, "imex/v1/domains/d1/members/+/+")) == 3, timeout=20)
+    c.wait(lambda: len(retained(c, "imex/v2/domains/d1/members/+/+")) == 3, timeout=20)
     again = imexd(c, "domain", "create", "d1", "--nodes", ",".join(NAMES))
     assert again.returncode == 0, again.stdout + again.stderr
     up = imexd(c, "domain", "status", "d1", "--wait", "30")
@@ -256,7 +256,7 @@ def reports_after_leaving(seen: list[tuple[str, bytes]], names: list[str]) -> li
         late += [
             f"{name} at message {i} (record cleared at {cleared})"
             for i, (t, p) in enumerate(seen)
-            if i > cleared and t == f"imex/v1/domains/d1/health/{name}" and p
+            if i > cleared and t == f"imex/v2/domains/d1/health/{name}" and p
         ]
     return late
 
@@ -273,12 +273,12 @@ def test_an_agent_publishes_no_report_after_it_left_a_deleted_domain(c: Cluster)
     # publishing it again after a reconnect. Fixed by stopping reports before the clears.
     nodes = form_d1(c)
     assert len(nodes) == 3
-    with BusClient(c.broker).record("imex/v1/domains/d1/#") as recorder:
+    with BusClient(c.broker).record("imex/v2/domains/d1/#") as recorder:
         # Mark d1 as deleting without clearing anything afterwards: only the agents act.
-        deleting = json.loads(retained(c, "imex/v1/domains/d1/spec")["imex/v1/domains/d1/spec"])
+        deleting = json.loads(retained(c, "imex/v2/domains/d1/spec")["imex/v2/domains/d1/spec"])
         deleting |= {"state": "deleting", "generation": deleting["generation"] + 1}
         with c.client() as bus:
-            bus.publish("imex/v1/domains/d1/spec", json.dumps(deleting).encode(), retain=True)
+            bus.publish("imex/v2/domains/d1/spec", json.dumps(deleting).encode(), retain=True)
 
         def left_and_quiet() -> bool:
             gone = {t.rsplit("/", 1)[1] for t, p in recorder.seen() if "/members/" in t and not p}
@@ -289,13 +289,13 @@ def test_an_agent_publishes_no_report_after_it_left_a_deleted_domain(c: Cluster)
         seen = recorder.seen()
     late = reports_after_leaving(seen, NAMES)
     assert late == [], "; ".join(late) + "\n" + trace(seen)
-    assert retained(c, "imex/v1/domains/d1/health/+") == {}
+    assert retained(c, "imex/v2/domains/d1/health/+") == {}
 
 
 def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) -> None:
     """`node unassign` makes the agent leave d1 for good: no report of it in d1 follows."""
     form_d1(c)
-    with BusClient(c.broker).record("imex/v1/domains/d1/#") as recorder:
+    with BusClient(c.broker).record("imex/v2/domains/d1/#") as recorder:
         done = imexd(c, "node", "unassign", "n1")
         assert done.returncode == 0, done.stderr
         assert "node n1: unassigned (was d1)" in done.stdout
@@ -308,4 +308,4 @@ def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) 
         seen = recorder.seen()
     late = reports_after_leaving(seen, ["n1"])
     assert late == [], "; ".join(late) + "\n" + trace(seen)
-    assert "imex/v1/domains/d1/health/n1" not in retained(c, "imex/v1/domains/d1/health/+")
+    assert "imex/v2/domains/d1/health/n1" not in retained(c, "imex/v2/domains/d1/health/+")

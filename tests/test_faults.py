@@ -25,7 +25,7 @@ from tests.support import IMEXD, during
 
 pytestmark = pytest.mark.slow
 
-MEMBERS = "imex/v1/domains/d1/members/c1/"
+MEMBERS = "imex/v2/domains/d1/members/c1/"
 
 
 def last_protocol(node: Node) -> str | None:

@@ -64,7 +64,7 @@ def test_nodes_started_together_start_their_daemons_once_with_everyone(c: Cluste
         assert [slot for slot in sorted(n.hosts_slots()) if n.hosts_slots()[slot]] == [0, 1, 2, 3]
 
 
-MEMBERS = "imex/v1/domains/+/members/+/+"
+MEMBERS = "imex/v2/domains/+/members/+/+"
 ROUNDS = 20
 DELAYED_PING_S = 6.0
 """The delayed agent's ping interval (and so its ping timeout): above its lagging round trip."""

@@ -142,7 +142,7 @@ def test_bus_connected_but_not_synced_is_not_ready() -> None:
 
 def test_bus_publish_refused_names_the_topics() -> None:
     """A retained publish that never came back is reported as a likely ACL refusal."""
-    topic = "imex/v1/domains/d1/members/c0ffee.1/n1"
+    topic = "imex/v2/domains/d1/members/c0ffee.1/n1"
     facts = working(bus=BusFacts(connected=True, synced=True, refused=(topic,)))
     c = cond(facts, "BusConnected")
     assert (c.status, c.reason) == ("False", "PublishRefused")

@@ -20,7 +20,7 @@ from tests.support import during, loopback_address
 
 pytestmark = pytest.mark.slow
 
-MEMBERS = "imex/v1/domains/d1/members/c1/"
+MEMBERS = "imex/v2/domains/d1/members/c1/"
 WATCH_S = 4.0
 """How long a wrong reaction gets to show (reconcile, reload window, probes)."""
 

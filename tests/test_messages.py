@@ -25,12 +25,14 @@ from imexd.messages import (
     address_problem,
     check_topic,
     decode,
+    decode_level,
     decode_message,
     encode,
+    encode_level,
     json_schemas,
 )
 
-TOPICS = Topics("imex/v1")
+TOPICS = Topics("imex/v2")
 INJECTED = "fe80::1%x\n10.66.6.6 imex-00000000-0000 login-node"
 
 
@@ -190,7 +192,7 @@ def presence(**fields: Any) -> dict[str, Any]:
 def test_presence_topic_round_trip() -> None:
     """The presence topic is built and parsed back; its filter matches every node."""
     topic = TOPICS.presence("ip-10-0-1-2.ec2.internal")
-    assert topic == "imex/v1/nodes/ip-10-0-1-2.ec2.internal/presence"
+    assert topic == "imex/v2/nodes/ip-10-0-1-2%2Eec2%2Einternal/presence"
     assert TOPICS.parse(topic) == TopicRef("presence", node="ip-10-0-1-2.ec2.internal")
 
 
@@ -268,8 +270,8 @@ def workload(**fields: Any) -> dict[str, Any]:
 def test_workload_topic_round_trip_and_decode() -> None:
     """The workload topic is built and parsed back, and a record decodes strictly."""
     topic = TOPICS.workload("d1", "job-7")
-    assert topic == "imex/v1/domains/d1/workloads/job-7"
-    assert TOPICS.workloads_filter("+") == "imex/v1/domains/+/workloads/+"
+    assert topic == "imex/v2/domains/d1/workloads/job-7"
+    assert TOPICS.workloads_filter("+") == "imex/v2/domains/+/workloads/+"
     assert TOPICS.parse(topic) == TopicRef("workload", domain="d1", workload="job-7")
     got = decode_message(TOPICS, topic, raw(workload()), retained=True)
     assert isinstance(got, Received)
@@ -291,17 +293,17 @@ def test_workload_topic_round_trip_and_decode() -> None:
     ("topic", "fields", "reason"),
     [
         # A record may only be published on its own topic: no channel taken in another's name.
-        ("imex/v1/domains/d1/workloads/job-8", {}, DropReason.TOPIC_MISMATCH),
-        ("imex/v1/domains/d2/workloads/job-7", {}, DropReason.TOPIC_MISMATCH),
-        ("imex/v1/domains/d1/workloads/Job_7", {}, DropReason.UNKNOWN_TOPIC),
-        ("imex/v1/domains/d1/workloads/job-7", {"channel": -1}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"channel": 1 << 20}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"mode": 0o4777}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"uid": -1}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"uid": 1 << 32}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"nodes": ["../../etc"]}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"state": "forced"}, DropReason.SCHEMA),
-        ("imex/v1/domains/d1/workloads/job-7", {"v": 2}, DropReason.VERSION),
+        ("imex/v2/domains/d1/workloads/job-8", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v2/domains/d2/workloads/job-7", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v2/domains/d1/workloads/Job_7", {}, DropReason.UNKNOWN_TOPIC),
+        ("imex/v2/domains/d1/workloads/job-7", {"channel": -1}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"channel": 1 << 20}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"mode": 0o4777}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"uid": -1}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"uid": 1 << 32}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"nodes": ["../../etc"]}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"state": "forced"}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/workloads/job-7", {"v": 2}, DropReason.VERSION),
     ],
 )
 def test_a_wrong_workload_record_is_dropped(
@@ -318,3 +320,74 @@ def test_workload_record_has_a_schema() -> None:
     schema = json_schemas()["WorkloadRecord"]["$defs"]["WorkloadRecord"]
     assert schema["required"] == ["channel", "domain", "v", "workload"]
     assert schema["properties"]["mode"]["maximum"] == 0o777
+
+
+# Portable topic levels (issue 13): no `.`, `/`, `+`, `#` or space in any level.
+
+
+@pytest.mark.parametrize(
+    ("name", "level"),
+    [
+        ("gpu-01", "gpu-01"),
+        ("ip-10-0-1-2.ec2.internal", "ip-10-0-1-2%2Eec2%2Einternal"),
+        ("b3c1d2e4-0000-4000-8000-00000000beef.7", "b3c1d2e4-0000-4000-8000-00000000beef%2E7"),
+        ("A_b", "A_b"),
+        ("a/b+c#d e%f", "a%2Fb%2Bc%23d%20e%25f"),
+        ("é", "%C3%A9"),
+        ("", ""),
+    ],
+)
+def test_a_name_is_one_portable_level(name: str, level: str) -> None:
+    """Every character but letters, digits, '-' and '_' is escaped, and decodes back."""
+    assert encode_level(name) == level
+    assert decode_level(level) == name
+
+
+@pytest.mark.parametrize(
+    "level",
+    ["c0ffee.1", "c0ffee%2e1", "gpu%2D01", "%", "%2", "%ZZ", "%FF", "a b", "a+b", "a#b"],
+)
+def test_a_level_that_is_not_the_one_spelling_of_a_name_is_refused(level: str) -> None:
+    """A raw dot, lower-case hex, an escaped safe character, a broken escape or bad UTF-8:
+    two spellings of one node would be two topics and two records for one node."""
+    assert decode_level(level) is None
+    assert TOPICS.parse(f"imex/v2/domains/d1/members/{level}/n1") is None
+    assert TOPICS.parse(f"imex/v2/nodes/{level}/presence") is None
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=300)
+def test_every_name_round_trips_through_its_level(name: str) -> None:
+    """Whatever the name, its level holds none of the characters brokers treat specially
+    and decodes back to it."""
+    level = encode_level(name)
+    assert not set(level) & set("./+# \x00")
+    assert decode_level(level) == name
+
+
+def test_topics_encode_names_and_parse_them_back() -> None:
+    """A dotted clique and node make dot-free topics; parse gives the plain names back;
+    a wildcard passed as a name stays a wildcard."""
+    clique, node = "c0ffee.1", "ip-10-0-1-2.ec2.internal"
+    topic = TOPICS.member("d1", clique, node)
+    assert topic == "imex/v2/domains/d1/members/c0ffee%2E1/ip-10-0-1-2%2Eec2%2Einternal"
+    assert "." not in topic
+    assert TOPICS.parse(topic) == TopicRef("member", domain="d1", clique=clique, node=node)
+    assert TOPICS.members_filter("d1", clique) == "imex/v2/domains/d1/members/c0ffee%2E1/+"
+    assert TOPICS.members_filter("d1", "") == "imex/v2/domains/d1/members/none/+"
+    assert TOPICS.members_filter("+", "+") == "imex/v2/domains/+/members/+/+"
+    assert TOPICS.parse("imex/v2/domains/d1/members/none/n1") == TopicRef(
+        "member", domain="d1", clique="", node="n1"
+    )
+    assert TOPICS.health("d1", node).endswith("/health/ip-10-0-1-2%2Eec2%2Einternal")
+    assert TOPICS.parse(TOPICS.assignment(node)) == TopicRef("assignment", node=node)
+
+
+def test_a_record_on_a_raw_dotted_topic_is_dropped() -> None:
+    """A v1-style topic with a raw dot is not a topic of the contract any more."""
+    body = raw(member(clique="c.1"))
+    got = decode_message(TOPICS, "imex/v2/domains/d1/members/c.1/n1", body, retained=True)
+    assert isinstance(got, Dropped)
+    assert got.reason is DropReason.UNKNOWN_TOPIC
+    good = decode_message(TOPICS, TOPICS.member("d1", "c.1", "n1"), body, retained=True)
+    assert isinstance(good, Received)

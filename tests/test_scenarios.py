@@ -21,7 +21,7 @@ from tests.cluster import Cluster, Node, members, pids, slot_of
 
 pytestmark = pytest.mark.slow
 
-MEMBERS = "imex/v1/domains/d1/members/c1/"
+MEMBERS = "imex/v2/domains/d1/members/c1/"
 
 
 def form(
@@ -188,7 +188,7 @@ def test_a_spec_listing_the_nodes_gives_them_their_list_positions(c: Cluster) ->
     names = [f"n{i}" for i in (5, 2, 8, 1, 7, 3, 6, 4)]
     spec = DomainSpec(domain="d1", nodes=names, max_nodes=8, generation=1)
     with c.client() as client:
-        client.publish("imex/v1/domains/d1/spec", encode(spec), retain=True)
+        client.publish("imex/v2/domains/d1/spec", encode(spec), retain=True)
     nodes = [c.add(name, start=False) for name in sorted(names)]
     for n in nodes:
         n.start()
@@ -316,7 +316,7 @@ def test_a_node_without_a_clique_is_a_member_without_a_daemon(c: Cluster) -> Non
     assert (status["ready"], status["clique"], status["slot"]) == (True, "", 0)
     assert lone.daemon_pids_on_host() == []
     assert lone.daemon_starts() == 0
-    topic = "imex/v1/domains/d1/members/none/n3"
+    topic = "imex/v2/domains/d1/members/none/n3"
     with c.client() as client:
         record = json.loads(client.retained(topic)[topic])
     assert (record["state"], record["slot"], record["clique"]) == ("member", 0, "")

@@ -43,7 +43,7 @@ from tests.reports import member_record, report
 from tests.support import raw_client
 from tests.test_control import retained, valid
 
-T = Topics("imex/v1")
+T = Topics("imex/v2")
 WAIT_S = 10.0
 INTERVAL = 30.0
 """The report interval the control plane is configured with (env fixture)."""
@@ -739,7 +739,7 @@ async def test_a_claim_the_acl_drops_ends_with_exit_1(
     """A broker that silently drops the control plane's workload writes: no echo of the
     claim comes back, and create exits 1 naming the topic instead of waiting forever."""
     acl = tmp_path / "acl"
-    acl.write_text("topic read imex/v1/#\ntopic readwrite imex/v1/domains/_control/#\n")
+    acl.write_text("topic read imex/v2/#\ntopic readwrite imex/v2/domains/_control/#\n")
     b = Mosquitto(tmp_path / "acl-broker", extra_config=f"acl_file {acl}")
     b.start()
     try:
@@ -748,4 +748,4 @@ async def test_a_claim_the_acl_drops_ends_with_exit_1(
     finally:
         b.stop()
     assert code == 1
-    assert "no echo of our write to imex/v1/domains/d1/workloads/w1" in capsys.readouterr().err
+    assert "no echo of our write to imex/v2/domains/d1/workloads/w1" in capsys.readouterr().err
