@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeAlias
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import Mosquitto, Nats, NatsCluster, free_port
 from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
@@ -41,6 +41,19 @@ from tests.faultproxy import FaultProxy
 from tests.support import loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
+
+BusBroker: TypeAlias = Mosquitto | Nats | NatsCluster
+"""What a `Cluster` runs its agents on: a Mosquitto, one nats-server, or a NATS cluster."""
+
+
+def broker_urls(broker: BusBroker) -> list[str]:
+    """Every MQTT URL of `broker` (one per server)."""
+    return [broker.url] if isinstance(broker, Mosquitto) else broker.urls
+
+
+def broker_protocol(broker: BusBroker) -> str | None:
+    """The `[bus] protocol` clients of `broker` must use; None: the default (auto)."""
+    return None if isinstance(broker, Mosquitto) else broker.protocol
 
 
 def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any]]) -> None:
@@ -338,16 +351,17 @@ class Node:
 
 
 class BusClient:
-    """A plain MQTT 5 client for tests: publish anything, read the retained snapshot."""
+    """A plain MQTT client for tests (MQTT 5; 3.1.1 on NATS, on its first server):
+    publish anything, read the retained snapshot."""
 
     _ids = itertools.count()
 
-    def __init__(self, broker: Mosquitto, timeout: float = 10.0) -> None:
+    def __init__(self, broker: BusBroker, timeout: float = 10.0) -> None:
         self.timeout = timeout
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=f"test-{os.getpid()}-{next(self._ids)}",
-            protocol=paho.MQTTv5,
+            protocol=paho.MQTTv5 if broker_protocol(broker) is None else paho.MQTTv311,
         )
         self._lock = threading.Lock()
         self._messages: list[tuple[str, bytes]] = []
@@ -435,11 +449,17 @@ class BusClient:
 
 
 class Cluster:
-    """A broker and some nodes; `close()` ends every process it started."""
+    """A broker and some nodes; `close()` ends every process it started.
 
-    def __init__(self, root: Path, *, broker: Mosquitto | None = None) -> None:
+    The broker is a Mosquitto (started here when none is given) or a started `Nats` or
+    `NatsCluster`: agents on NATS get `[bus] protocol = "3.1.1"` (it speaks nothing else;
+    "auto" would cost a refused MQTT 5 attempt and a warning at every connect) and all of
+    the cluster's URLs, rotated by one per node so that the agents spread over the servers.
+    """
+
+    def __init__(self, root: Path, *, broker: BusBroker | None = None) -> None:
         self.root = root
-        self.broker = broker or Mosquitto(root / "broker", persistence=False)
+        self.broker: BusBroker = broker or Mosquitto(root / "broker", persistence=False)
         if broker is None:
             self.broker.start()
         self.nodes: dict[str, Node] = {}
@@ -468,14 +488,22 @@ class Cluster:
         its health endpoint on `address`.
         """
         proxy = FaultProxy(self.broker.host, self.broker.port).start() if via_proxy else None
-        urls = [proxy.url] if proxy is not None else [bus_url or self.broker.url]
+        spread = broker_urls(self.broker)
+        shift = len(self.nodes) % len(spread)
+        spread = spread[shift:] + spread[:shift]
+        urls = [proxy.url] if proxy is not None else [bus_url] if bus_url else spread
+        protocol = broker_protocol(self.broker)
+        settings: dict[str, dict[str, Any]] = (
+            {} if protocol is None else {"bus": {"protocol": protocol}}
+        )
+        _merge(settings, overrides or {})
         node = Node(
             self.root,
             name,
             urls,
             domain=domain,
             clique=clique,
-            overrides=overrides,
+            overrides=settings,
             address=address,
             dir_name=key,
             netns=netns,
@@ -501,11 +529,16 @@ class Cluster:
         """The environment of `imexd domain ...` as the control plane of this cluster:
         no settings file, the fleet's settings as IMEXD_ variables."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-        return env | {
-            "IMEXD_BUS_URL": self.broker.url,
-            "IMEXD_DOMAIN_MAX_NODES": "8",
-            "IMEXD_HEALTH_REPORT_INTERVAL_S": str(FAST["health"]["report_interval_s"]),
-        }
+        protocol = broker_protocol(self.broker)
+        return (
+            env
+            | {
+                "IMEXD_BUS_URL": ",".join(broker_urls(self.broker)),
+                "IMEXD_DOMAIN_MAX_NODES": "8",
+                "IMEXD_HEALTH_REPORT_INTERVAL_S": str(FAST["health"]["report_interval_s"]),
+            }
+            | ({} if protocol is None else {"IMEXD_BUS_PROTOCOL": protocol})
+        )
 
     def close(self) -> None:
         """SIGTERM every agent (they leave), then kill whatever they left behind.
