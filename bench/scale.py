@@ -1,0 +1,1114 @@
+"""Benchmark at scale: hundreds of membership-only agents in many cliques, on one broker or
+a three-server NATS cluster.
+
+    .venv/bin/python bench/scale.py --nodes 256 --cliques 16
+    .venv/bin/python bench/scale.py --nodes 1024 --cliques 57 --broker nats-cluster
+    .venv/bin/python bench/scale.py --nodes 64 --cliques 4 --workers 2   # a quick look
+
+bench/formation.py times a few dozen agents with their (simulated) IMEX daemons; this
+script asks what the bus and membership do with a fleet: N agents in C cliques, the
+cliques as even as they can be (1024 in 57: 55 of 18 and 2 of 17).
+
+The agents are membership-only: `[node] clique = ""` (a member without a daemon, as on a
+node without multi-node NVLink), so no IMEX daemon, ctl probe or IMEX file exists and the
+loop measured is the bus and membership: connect, snapshot, claim, the claim's echo, the
+member record, every peer's view. Membership is sharded per (domain, clique); a member
+without a clique is alone in its domain's "" clique, so each clique of this benchmark is
+a domain of its own (`scale-cNN`), one shard each, exactly as one domain's cliques are.
+Node names hold dots (`n0007.c03.scale`), so their topic levels are encoded.
+
+The agents run in `--workers` processes (default 4), whole cliques dealt round-robin,
+each process one event loop with its share of `imexd.agent.Agent(settings).run()`
+coroutines (this same script with `--worker SPEC`, steered over its stdin and stdout), so
+that one core's loop is not the limit. One more process hosts a single agent of clique 0,
+the crash victim. Every agent has the shipped settings but what makes it distinct (name,
+address, state dir, run dir, hosts file, health port 0, a fake driver under its folder)
+and `[bus] will_delay_s` = `--will-delay-s` (2 s, so the crash is short), plus the
+broker's URLs (NATS: all three, `[bus] protocol = "3.1.1"`, as NATS speaks nothing else).
+
+Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden):
+1. formation: every agent starts at once. Measured from the last agent's first link up
+   (`bus_connected`) until, in every clique, every member's view (its settled members,
+   slot -> address) holds every member of the clique and the views are identical; the
+   views are polled every 10 ms in each worker. Also: start -> last connected, the agent
+   CPU (the worker processes, psutil) per node from start to formed, the broker's CPU
+   seconds and RSS, the messages delivered to each agent.
+2. idle: `--idle-s` seconds once formed: messages per node per second, CPU of the agents
+   and of the broker.
+3. leave: one agent of clique 0 stops (its stop event, what SIGTERM does): until the rest
+   of clique 0 agree without it.
+4. join: a new agent of clique 0 starts (in the worker of clique 0): until all of clique
+   0 agree with it (from its start, and from its first link up).
+5. crash: SIGKILL of the victim's process (its link dies without DISCONNECT): until the
+   rest of clique 0 agree without it; the Will Delay is part of this by design.
+In phases 3 to 5 every agent of the other cliques must receive no member record: the
+count of member records each agent received per (domain) is kept by a subclass of the
+agent's Bus (`CountingBus`, put in place of `imexd.agent.Bus` in the workers), so
+deliveries across cliques are counted at the receiver at any time.
+
+Every process the script starts (broker, workers) has the run's work folder on its
+command line; on exit, failure, SIGINT or SIGTERM the agents leave (bounded), then
+whatever still runs from that folder is killed and the folder removed (`--keep` keeps it,
+with each worker's JSON log). Runs are bounded: each wait by its own limit, the whole run
+by `--limit-s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import psutil
+import structlog
+
+import imexd.agent
+from imexd.agent import Agent
+from imexd.bus import Bus
+from imexd.demo.brokers import Mosquitto
+from imexd.demo.nodes import fake_driver
+from imexd.messages import Topics
+from imexd.settings import settings_from_mapping
+
+SCRIPT: Final = Path(__file__).resolve()
+"""This script: the workers run it with `--worker SPEC`."""
+PREFIX: Final = "imex/v2"
+POLL_S: Final = 0.01
+"""How often a worker looks at its agents' views (an identity check while nothing moved)."""
+LAG_PERIOD_S: Final = 0.01
+FORMATION_TARGETS_S: Final = {256: 3.0, 1024: 10.0}
+"""N -> seconds from the last connect to formed (issue 13, on a 2-core machine)."""
+CPU_TARGET_MS: Final = 15.0
+"""Agent CPU per node per formation."""
+MAX_NODES: Final = 18
+READY_TIMEOUT_S: Final = 120.0
+"""A worker's start-up (imports, settings, agents built) at most."""
+CHANGE_LIMIT_S: Final = 30.0
+"""A leave or join converged at most this long after it began (a crash: plus the delay)."""
+QUIT_LIMIT_S: Final = 40.0
+
+
+class BenchError(Exception):
+    """A phase did not complete in time, or the setup failed."""
+
+
+# The plan: nodes, cliques, workers -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    name: str
+    clique: int
+    address: str
+    initial: bool = True
+    """Started at formation (False: the joiner, started in the join phase)."""
+
+    @property
+    def domain(self) -> str:
+        return f"scale-c{self.clique:02d}"
+
+
+def clique_sizes(n: int, cliques: int) -> list[int]:
+    """`n` nodes in `cliques` cliques as even as can be (the larger ones first)."""
+    return [n // cliques + (1 if i < n % cliques else 0) for i in range(cliques)]
+
+
+def plan_nodes(n: int, cliques: int) -> list[NodePlan]:
+    nodes: list[NodePlan] = []
+    for c, size in enumerate(clique_sizes(n, cliques)):
+        for h in range(size):
+            i = len(nodes)
+            nodes.append(NodePlan(f"n{i:04d}.c{c:02d}.scale", c, f"127.200.{c}.{10 + h}"))
+    return nodes
+
+
+def deal(nodes: Sequence[NodePlan], workers: int) -> list[list[NodePlan]]:
+    """Whole cliques to workers, round-robin (clique c to worker c mod `workers`)."""
+    out: list[list[NodePlan]] = [[] for _ in range(workers)]
+    for node in nodes:
+        out[node.clique % workers].append(node)
+    return [w for w in out if w]
+
+
+# The worker: one process, one event loop, many agents ------------------------------------
+
+
+class CountingBus(Bus):
+    """The agent's bus, counting every message the broker delivered to it by topic (the
+    worker sorts them by kind and domain when asked): deliveries are counted at the
+    receiver, on any broker."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: Counter[str] = Counter()
+
+    def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
+        self.received[topic] += 1
+        super()._dispatch(topic, payload, retained=retained)
+
+
+@dataclass
+class Hosted:
+    """One agent of a worker, and what the worker last told the bench about it."""
+
+    plan: NodePlan
+    agent: Agent
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[int] | None = None
+    seen_desired: object = None
+    view: dict[int, str] = field(default_factory=dict)
+
+
+class Worker:
+    """Runs the agents of its spec; reads commands on stdin, writes events on stdout, one
+    JSON object a line, times on the machine's monotonic clock (the same in every process).
+
+    Commands: start (every initial agent), join NAME, leave NAME, stats, quit.
+    Events: ready, up (an agent's first link), view (an agent's settled members changed),
+    exit (an agent ended), stats, bye.
+    """
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self.spec = spec
+        self.root = Path(spec["root"])
+        self.hosted: dict[str, Hosted] = {}
+        self.up: set[str] = set()
+        self.lag_max = 0.0
+        self.lag_total = 0.0
+        self.topics = Topics(PREFIX)
+
+    def emit(self, **event: Any) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    def capture(
+        self, _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        """A structlog processor: an agent's first `bus_connected` is its link up."""
+        if event_dict.get("event") == "bus_connected":
+            node = str(event_dict.get("bench_node", ""))
+            if node and node not in self.up:
+                self.up.add(node)
+                self.emit(ev="up", node=node, at=time.monotonic())
+        return event_dict
+
+    def configure_logs(self, out: TextIO) -> None:
+        """The agents' logs as shipped (JSON, level info) into the worker's log file."""
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                self.capture,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(default=str),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+            logger_factory=structlog.PrintLoggerFactory(out),
+            cache_logger_on_first_use=False,
+        )
+
+    def sections(self, node: NodePlan) -> dict[str, dict[str, Any]]:
+        """The node's settings: the shipped defaults but what the module docstring lists."""
+        folder = self.root / "nodes" / node.name
+        folder.mkdir(parents=True, exist_ok=True)
+        bus: dict[str, Any] = {"url": list(self.spec["urls"])}
+        bus["will_delay_s"] = float(self.spec["will_delay_s"])
+        if self.spec["protocol"] != "auto":
+            bus["protocol"] = self.spec["protocol"]
+        return {
+            "node": {
+                "name": node.name,
+                "address": node.address,
+                "clique": "",
+                "state_dir": str(folder / "state"),
+            },
+            "domain": {"name": node.domain, "max_nodes": MAX_NODES},
+            "bus": bus,
+            "imex": {"run_dir": str(folder / "run"), "hosts_file": str(folder / "hosts")},
+            "health": {"listen": "127.0.0.1:0"},
+            "channels": fake_driver(folder),
+        }
+
+    def build(self) -> None:
+        for raw in self.spec["nodes"]:
+            plan = NodePlan(**raw)
+            settings = settings_from_mapping(self.sections(plan))
+            self.hosted[plan.name] = Hosted(plan, Agent(settings))
+
+    async def _agent(self, h: Hosted) -> int:
+        # Tasks the agent creates inherit this context: its events carry our name.
+        structlog.contextvars.bind_contextvars(bench_node=h.plan.name)
+        try:
+            return await h.agent.run(stop=h.stop, handover=asyncio.Event())
+        finally:
+            self.emit(ev="exit", node=h.plan.name, at=time.monotonic())
+
+    def start(self, h: Hosted) -> None:
+        if h.task is None:
+            h.task = asyncio.create_task(self._agent(h), name=f"agent-{h.plan.name}")
+
+    async def watch(self) -> None:
+        """Tell the bench every change of an agent's settled members (slot -> address)."""
+        while True:
+            for h in self.hosted.values():
+                desired = h.agent.desired
+                if desired is h.seen_desired:
+                    continue
+                h.seen_desired = desired
+                view = {slot: m.address for slot, m in desired.members.items()}
+                if view != h.view:
+                    h.view = view
+                    self.emit(
+                        ev="view", node=h.plan.name, at=time.monotonic(), view=sorted(view.items())
+                    )
+            await asyncio.sleep(POLL_S)
+
+    async def lag(self) -> None:
+        """How late this loop runs a 10 ms timer: time every agent here waited for others."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(LAG_PERIOD_S)
+            late = loop.time() - before - LAG_PERIOD_S
+            if late > 0.005:
+                self.lag_total += late
+                self.lag_max = max(self.lag_max, late)
+
+    def stats(self) -> dict[str, Any]:
+        """Per agent: deliveries by kind, and by kind and domain for the member records;
+        the loop's lateness since the last call."""
+        per_node: dict[str, dict[str, int]] = {}
+        for name, h in self.hosted.items():
+            if h.task is None:
+                continue  # not started (the joiner before its phase)
+            bus = h.agent.bus
+            counts: Counter[str] = Counter()
+            if isinstance(bus, CountingBus):
+                for topic, count in bus.received.items():
+                    ref = self.topics.parse(topic)
+                    kind = "other" if ref is None else ref.kind
+                    counts[kind] += count
+                    if ref is not None and ref.kind == "member":
+                        counts[f"member@{ref.domain}"] += count
+            per_node[name] = dict(counts)
+        out = {"nodes": per_node, "lag_max": self.lag_max, "lag_total": self.lag_total}
+        self.lag_max = self.lag_total = 0.0
+        return out
+
+    async def quit(self) -> None:
+        """Every agent leaves (bounded), then the rest is cancelled."""
+        for h in self.hosted.values():
+            h.stop.set()
+        tasks = [h.task for h in self.hosted.values() if h.task is not None and not h.task.done()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=QUIT_LIMIT_S - 10)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        self.build()
+        profiler_path: str | None = self.spec.get("profile")
+        profiler = cProfile.Profile() if profiler_path else None
+        helpers = [
+            asyncio.create_task(self.watch(), name="watch"),
+            asyncio.create_task(self.lag(), name="lag"),
+        ]
+        self.emit(ev="ready", pid=os.getpid(), nodes=len(self.hosted))
+        try:
+            while line := await reader.readline():
+                command = line.decode().split()
+                match command:
+                    case ["start"]:
+                        if profiler is not None:
+                            profiler.enable()
+                        for h in self.hosted.values():
+                            if h.plan.initial:
+                                self.start(h)
+                    case ["join", name]:
+                        self.start(self.hosted[name])
+                    case ["leave", name]:
+                        self.hosted[name].stop.set()
+                    case ["stats"]:
+                        if profiler is not None and profiler_path is not None:
+                            profiler.disable()
+                            profiler.dump_stats(profiler_path)
+                            profiler = profiler_path = None  # the formation only
+                        self.emit(ev="stats", **self.stats())
+                    case ["quit"]:
+                        break
+                    case _:
+                        self.emit(ev="error", text=f"unknown command {line!r}")
+            await self.quit()
+        finally:
+            for task in helpers:
+                task.cancel()
+            self.emit(ev="bye")
+
+
+def worker_main(spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    # The agents' bus counts what it receives (see CountingBus); the agent builds it by
+    # this name, so the worker (a process of its own) swaps the class before any agent runs.
+    setattr(imexd.agent, "Bus", CountingBus)  # noqa: B010 - a module attribute, on purpose
+    worker = Worker(spec)
+    with Path(spec["log"]).open("w") as out:
+        worker.configure_logs(out)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(worker.serve())
+    return 0
+
+
+# The bench's side of a worker --------------------------------------------------------------
+
+
+class WorkerProc:
+    """A worker process as the bench sees it: its commands, its events, its CPU."""
+
+    def __init__(self, bench: Bench, index: int, nodes: Sequence[NodePlan]) -> None:
+        self.bench = bench
+        self.index = index
+        self.nodes = list(nodes)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ps: psutil.Process | None = None
+        self.ready = asyncio.Event()
+        self.stats_due: asyncio.Future[dict[str, Any]] | None = None
+        self.bye = asyncio.Event()
+        self.reader: asyncio.Task[None] | None = None
+
+    async def spawn(self, spec: Mapping[str, Any]) -> None:
+        root = self.bench.root
+        spec_path = root / f"worker{self.index}.json"
+        spec_path.write_text(json.dumps(spec))
+        with (root / f"worker{self.index}.stderr").open("wb") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(SCRIPT),
+                "--worker",
+                str(spec_path),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                limit=2**24,
+                start_new_session=True,
+            )
+        self.ps = psutil.Process(self.proc.pid)
+        self.reader = asyncio.create_task(self.read(), name=f"worker{self.index}")
+
+    async def read(self) -> None:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            event = json.loads(line)
+            ev = event.pop("ev")
+            if ev == "ready":
+                self.ready.set()
+            elif ev == "stats":
+                if self.stats_due is not None and not self.stats_due.done():
+                    self.stats_due.set_result(event)
+            elif ev == "bye":
+                self.bye.set()
+            else:
+                self.bench.on_event(ev, event)
+        self.bye.set()
+
+    def send(self, command: str) -> None:
+        if self.proc is not None and self.proc.stdin is not None and self.alive:
+            self.proc.stdin.write(command.encode() + b"\n")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def stats(self) -> dict[str, Any]:
+        self.stats_due = asyncio.get_running_loop().create_future()
+        self.send("stats")
+        async with asyncio.timeout(30):
+            return await self.stats_due
+
+    def cpu(self) -> float:
+        if self.ps is None:
+            return 0.0
+        with contextlib.suppress(psutil.Error):
+            t = self.ps.cpu_times()
+            return t.user + t.system
+        return 0.0
+
+    def kill(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+
+
+# Brokers -------------------------------------------------------------------------------
+
+
+@dataclass
+class BrokerUnderTest:
+    """The broker (or cluster) of a run: what the agents are given and its processes."""
+
+    kind: str
+    urls: list[str]
+    protocol: str
+    processes: Callable[[], list[psutil.Process]]
+    stop: Callable[[], None]
+
+
+def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
+    if kind == "mosquitto":
+        mosquitto = Mosquitto(folder)
+        mosquitto.start()
+
+        def mosquitto_procs() -> list[psutil.Process]:
+            return [psutil.Process(mosquitto.proc.pid)] if mosquitto.proc is not None else []
+
+        return BrokerUnderTest(kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop)
+    raise BenchError(f"broker {kind!r}: not available in this checkout")
+
+
+# Figures -------------------------------------------------------------------------------
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float | None
+    unit: str
+    target: str = ""
+    ok: bool | None = None
+    """True: PASS, False: MISS, None: no target (information)."""
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "" if self.ok is None else "PASS" if self.ok else "MISS"
+
+    def shown(self) -> str:
+        if self.value is None:
+            return "n/a"
+        if self.unit == "s":
+            return f"{self.value:.3f} s"
+        if self.unit in ("", "count"):
+            return f"{self.value:g}"
+        return f"{self.value:.2f} {self.unit}"
+
+
+# One run -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    nodes: int
+    cliques: int
+    broker: str
+    workers: int
+    will_delay_s: float
+    idle_s: float
+    limit_s: float
+    keep: bool
+    workdir: Path | None
+    json_out: Path | None
+    profile: bool = False
+
+
+def processes_cpu(procs: Iterable[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def interpolate(samples: Sequence[tuple[float, ...]], at: float, index: int) -> float:
+    """Field `index` of time-stamped `samples` at time `at`, linearly between two samples."""
+    before = [s for s in samples if s[0] <= at]
+    after = [s for s in samples if s[0] > at]
+    if not before:
+        return samples[0][index]
+    if not after:
+        return before[-1][index]
+    (t0, v0), (t1, v1) = (before[-1][0], before[-1][index]), (after[0][0], after[0][index])
+    return v0 + (v1 - v0) * (at - t0) / (t1 - t0)
+
+
+def rss_mb(procs: Iterable[psutil.Process]) -> float:
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return total / 2**20
+
+
+class Bench:
+    """One run: the broker, the workers, the phases."""
+
+    def __init__(self, opts: Options, root: Path) -> None:
+        self.opts = opts
+        self.root = root
+        self.plan = plan_nodes(opts.nodes, opts.cliques)
+        self.clique0 = [p for p in self.plan if p.clique == 0]
+        self.victim = self.clique0[-1]
+        self.leaver = self.clique0[0]
+        self.joiner = NodePlan(
+            f"n{opts.nodes:04d}.c00.scale", 0, f"127.200.0.{10 + len(self.clique0)}", False
+        )
+        self.broker: BrokerUnderTest | None = None
+        self.workers: list[WorkerProc] = []
+        self.victim_worker: WorkerProc | None = None
+        self.figures: list[Figure] = []
+        self.error = ""
+        self.ups: dict[str, float] = {}
+        self.views: dict[str, tuple[float, frozenset[tuple[int, str]]]] = {}
+        self.exited: dict[str, float] = {}
+        self.changed = asyncio.Event()
+        self.load = ""
+        self.c0 = list(self.clique0)
+        """Clique 0 as it should be now (the changes happen there)."""
+        self.last_lag = 0.0
+        """The workers' loop lateness at most, seconds, over the last `counts()` interval."""
+
+    # Events from the workers.
+
+    def on_event(self, ev: str, event: Mapping[str, Any]) -> None:
+        node = str(event.get("node", ""))
+        if ev == "up":
+            self.ups.setdefault(node, float(event["at"]))
+        elif ev == "view":
+            view = frozenset((int(s), str(a)) for s, a in event["view"])
+            self.views[node] = (float(event["at"]), view)
+            self.changed.set()
+        elif ev == "exit":
+            self.exited[node] = float(event["at"])
+            self.changed.set()
+        elif ev == "error":
+            self.log(f"worker: {event.get('text')}")
+
+    def log(self, text: str) -> None:
+        print(f"  [{self.opts.broker} N={self.opts.nodes}] {text}", flush=True)
+
+    def add(self, name: str, value: float | None, unit: str = "s", **kw: Any) -> None:
+        self.figures.append(Figure(name, value, unit, **kw))
+
+    # Convergence.
+
+    def agreed(self, members: Sequence[NodePlan]) -> float | None:
+        """When `members` last changed their views, if every one maps exactly them (the same
+        map on all); None while they do not."""
+        want = {m.address for m in members}
+        first: frozenset[tuple[int, str]] | None = None
+        latest = 0.0
+        for m in members:
+            at_view = self.views.get(m.name)
+            if at_view is None:
+                return None
+            at, view = at_view
+            if {a for _, a in view} != want or len(view) != len(want):
+                return None
+            if first is None:
+                first = view
+            elif view != first:
+                return None
+            latest = max(latest, at)
+        return latest
+
+    async def wait_cliques(
+        self, groups: Mapping[int, Sequence[NodePlan]], limit_s: float, what: str
+    ) -> dict[int, float]:
+        """Until every clique of `groups` agrees; each one's time. BenchError after
+        `limit_s`, naming the cliques that did not."""
+        deadline = time.monotonic() + limit_s
+        done: dict[int, float] = {}
+        while True:
+            self.changed.clear()
+            for c, members in groups.items():
+                if c not in done:
+                    at = self.agreed(members)
+                    if at is not None:
+                        done[c] = at
+            if len(done) == len(groups):
+                return done
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(groups) - set(done))
+                detail = []
+                for c in missing[:3]:
+                    views = [len(self.views.get(m.name, (0, frozenset()))[1]) for m in groups[c]]
+                    detail.append(f"clique {c}: views of {views} for {len(groups[c])} members")
+                raise BenchError(
+                    f"{what}: {len(missing)} of {len(groups)} cliques not agreed in "
+                    f"{limit_s:g} s ({'; '.join(detail)})"
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self.changed.wait()
+
+    def cliques(self, live: Iterable[NodePlan]) -> dict[int, list[NodePlan]]:
+        out: dict[int, list[NodePlan]] = {}
+        for p in live:
+            out.setdefault(p.clique, []).append(p)
+        return out
+
+    # Counts.
+
+    async def counts(self) -> dict[str, dict[str, int]]:
+        """Every live agent's deliveries so far (by kind, and member records by domain)."""
+        out: dict[str, dict[str, int]] = {}
+        lag: list[float] = []
+        for w in self.all_workers():
+            if w.alive:
+                stats = await w.stats()
+                out.update(stats["nodes"])
+                lag.append(float(stats["lag_max"]))
+        self.last_lag = max(lag, default=0.0)
+        return out
+
+    def all_workers(self) -> list[WorkerProc]:
+        extra = [self.victim_worker] if self.victim_worker is not None else []
+        return [*self.workers, *extra]
+
+    def agent_procs(self) -> list[psutil.Process]:
+        return [w.ps for w in self.all_workers() if w.ps is not None and w.alive]
+
+    # The run.
+
+    async def setup(self) -> None:
+        load = os.getloadavg()
+        self.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
+        self.broker = start_broker(self.opts.broker, self.root / "broker")
+        sizes = clique_sizes(self.opts.nodes, self.opts.cliques)
+        self.log(
+            f"{self.opts.cliques} cliques of {min(sizes)}..{max(sizes)}, "
+            f"{self.opts.workers} worker processes + 1 (the crash victim); {self.load}"
+        )
+        if max(sizes) > MAX_NODES or min(sizes) < 2:
+            raise BenchError(f"cliques of {min(sizes)}..{max(sizes)}: expected 2..{MAX_NODES}")
+        rest = [p for p in self.plan if p != self.victim]
+        dealt = deal(rest, self.opts.workers)
+        for index, nodes in enumerate(dealt):
+            if any(p.clique == 0 for p in nodes):
+                nodes.append(self.joiner)
+            self.workers.append(WorkerProc(self, index, nodes))
+        self.victim_worker = WorkerProc(self, len(dealt), [self.victim])
+        base = {
+            "root": str(self.root),
+            "urls": self.broker.urls,
+            "protocol": self.broker.protocol,
+            "will_delay_s": self.opts.will_delay_s,
+        }
+        for w in self.all_workers():
+            spec = dict(base)
+            spec["nodes"] = [asdict(p) for p in w.nodes]
+            spec["log"] = str(self.root / f"worker{w.index}.log")
+            if self.opts.profile:
+                spec["profile"] = str(self.root / f"worker{w.index}.prof")
+            await w.spawn(spec)
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            for w in self.all_workers():
+                await w.ready.wait()
+
+    async def formation(self) -> None:
+        n = self.opts.nodes
+        assert self.broker is not None
+        broker = self.broker.processes()
+        groups = self.cliques(self.plan)
+        samples = [self._sample_now(broker)]
+        sampler = asyncio.create_task(self._sample(broker, samples), name="sampler")
+        cpu0, broker0, rss0 = samples[0][1:]
+        t0 = time.monotonic()
+        for w in self.all_workers():
+            w.send("start")
+        limit = 30.0 + n / 20
+        try:
+            done = await self.wait_cliques(groups, limit, "formation")
+        finally:
+            sampler.cancel()
+        cpu1 = processes_cpu(self.agent_procs())
+        broker1 = processes_cpu(broker)
+        t_formed = max(done.values())
+        ups = [self.ups.get(p.name) for p in self.plan]
+        if any(u is None for u in ups):
+            raise BenchError("formation: an agent agreed before its link was up")
+        t_conn = max(u for u in ups if u is not None)
+        self.add(
+            "formation: start -> last agent connected",
+            t_conn - t0,
+            note=f"first {min(u for u in ups if u is not None) - t0:.3f} s",
+        )
+        target = FORMATION_TARGETS_S.get(n)
+        per_clique = sorted(at - t_conn for at in done.values())
+        self.add(
+            "formation: last connected -> every clique agreed",
+            t_formed - t_conn,
+            target=f"<= {target:g} s" if target else "",
+            ok=None if target is None else t_formed - t_conn <= target,
+            note=f"per clique p50 {statistics.median(per_clique):.3f} s; "
+            f"start -> formed {t_formed - t0:.3f} s",
+        )
+        per_node_ms = (cpu1 - cpu0) / n * 1000
+        after_conn = (cpu1 - interpolate(samples, t_conn, 1)) / n * 1000
+        self.add(
+            "formation: agent CPU per node",
+            per_node_ms,
+            "ms",
+            target=f"<= {CPU_TARGET_MS:g} ms",
+            ok=per_node_ms <= CPU_TARGET_MS,
+            note=f"the worker processes from start to formed: {cpu1 - cpu0:.2f} CPU-s for {n} "
+            f"agents (their start, their logs and the bench's view polling included); "
+            f"{after_conn:.1f} ms of it after the last connect",
+        )
+        self.add(
+            "formation: broker CPU",
+            broker1 - broker0,
+            "CPU-s",
+            note=f"start -> formed ({(broker1 - broker0) / max(t_formed - t0, 1e-9) * 100:.0f} "
+            f"% of a core over {t_formed - t0:.2f} s)",
+        )
+        self.add(
+            "formation: broker RSS (peak)",
+            max(rss for *_, rss in samples),
+            "MB",
+            note=f"{len(broker)} process(es), sampled every 0.1 s; {rss0:.1f} MB before",
+        )
+        await asyncio.sleep(1.0)
+        counts = await self.counts()
+        totals = [sum(v for k, v in c.items() if "@" not in k) for c in counts.values()]
+        members = [c.get("member", 0) for c in counts.values()]
+        kinds: Counter[str] = Counter()
+        for c in counts.values():
+            kinds.update({k: v for k, v in c.items() if "@" not in k})
+        self.add(
+            "formation: messages delivered per node",
+            statistics.mean(totals),
+            "msgs",
+            note=f"max {max(totals)}; member records mean {statistics.mean(members):.1f}, max "
+            f"{max(members)}; all nodes by kind: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+            + " (start -> formed + 1 s, counted by each agent's bus)",
+        )
+        self.add_foreign("formation", counts)
+        self.add(
+            "formation: worker event loop late by (max)",
+            self.last_lag * 1000,
+            "ms",
+            note="a 10 ms timer in each worker: how long an agent waited for the others "
+            "of its process (start -> formed + 1 s)",
+        )
+        self.log(f"formed: {t_formed - t_conn:.3f} s after the last connect")
+
+    async def _sample(
+        self, broker: list[psutil.Process], out: list[tuple[float, float, float, float]]
+    ) -> None:
+        """Every 0.1 s, `_sample_now` into `out`."""
+        while True:
+            await asyncio.sleep(0.1)
+            out.append(self._sample_now(broker))
+
+    def _sample_now(self, broker: list[psutil.Process]) -> tuple[float, float, float, float]:
+        """(when, agent CPU-s, broker CPU-s, broker RSS MB)."""
+        agents = processes_cpu(self.agent_procs())
+        return time.monotonic(), agents, processes_cpu(broker), rss_mb(broker)
+
+    def add_foreign(self, phase: str, counts: Mapping[str, Mapping[str, int]]) -> None:
+        """Member records an agent received from a clique not its own (must be none)."""
+        domain = {p.name: p.domain for p in [*self.plan, self.joiner]}
+        foreign = 0
+        for node, c in counts.items():
+            for key, v in c.items():
+                if key.startswith("member@") and key != f"member@{domain[node]}":
+                    foreign += v
+        self.add(
+            f"{phase}: member records delivered across cliques",
+            foreign,
+            "count",
+            target="0",
+            ok=foreign == 0,
+            note="to any agent from another clique's shard, counted at the receiver",
+        )
+
+    async def idle(self) -> None:
+        assert self.broker is not None
+        broker = self.broker.processes()
+        c0 = await self.counts()
+        a0, b0, t0 = processes_cpu(self.agent_procs()), processes_cpu(broker), time.monotonic()
+        await asyncio.sleep(self.opts.idle_s)
+        c1 = await self.counts()
+        a1, b1, t1 = processes_cpu(self.agent_procs()), processes_cpu(broker), time.monotonic()
+        span = t1 - t0
+        n = len(c1)
+        delivered = sum(
+            v - c0.get(node, {}).get(k, 0)
+            for node, c in c1.items()
+            for k, v in c.items()
+            if "@" not in k
+        )
+        self.add(
+            "idle: messages delivered per node per second",
+            delivered / n / span,
+            "/s",
+            note=f"{n} agents over {span:.1f} s (shipped timings: a ping every 10 s)",
+        )
+        self.add(
+            "idle: agent CPU per node",
+            (a1 - a0) / n / span * 100,
+            "% core",
+            note=f"all workers {(a1 - a0) / span * 100:.0f} % of a core",
+        )
+        self.add("idle: broker CPU", (b1 - b0) / span * 100, "% core")
+        self.add("idle: broker RSS", rss_mb(broker), "MB")
+
+    async def change(
+        self, phase: str, act: Callable[[], None], members: Sequence[NodePlan]
+    ) -> float:
+        """Run `act` (a change in clique 0) and wait until `members` (clique 0 after it)
+        agree; count what the other cliques received meanwhile. The time from `act`."""
+        c0 = await self.counts()
+        t0 = time.monotonic()
+        act()
+        limit = CHANGE_LIMIT_S + (self.opts.will_delay_s if phase == "crash" else 0.0)
+        done = await self.wait_cliques({0: members}, limit, phase)
+        await asyncio.sleep(0.5)  # what is still in flight reaches the other cliques too
+        c1 = await self.counts()
+        in_clique0 = {p.name for p in [*self.clique0, self.joiner]}
+        others = [node for node in c1 if node not in in_clique0]
+        received = 0
+        for node in others:
+            before = c0.get(node, {})
+            received += sum(
+                v - before.get(k, 0) for k, v in c1[node].items() if k.startswith("member@")
+            )
+        self.add(
+            f"{phase}: member records delivered to other cliques",
+            received,
+            "count",
+            target="0",
+            ok=received == 0,
+            note=f"to {len(others)} agents of {self.opts.cliques - 1} other cliques, from the "
+            "change until clique 0 agreed + 0.5 s",
+        )
+        self.c0 = list(members)
+        return done[0] - t0
+
+    async def leave(self) -> None:
+        leaver = self.leaver
+        w = next(w for w in self.workers if leaver in w.nodes)
+        rest = [p for p in self.c0 if p != leaver]
+        took = await self.change("leave", lambda: w.send(f"leave {leaver.name}"), rest)
+        self.add("leave: stop -> clique 0 agrees without it", took)
+
+    async def join(self) -> None:
+        joiner = self.joiner
+        w = next(w for w in self.workers if joiner in w.nodes)
+        t0 = time.monotonic()
+        took = await self.change("join", lambda: w.send(f"join {joiner.name}"), [*self.c0, joiner])
+        up = self.ups.get(joiner.name)
+        self.add(
+            "join: start -> clique 0 agrees with it",
+            took,
+            note=(
+                f"its link up at +{up - t0:.3f} s, agreed {t0 + took - up:.3f} s after"
+                if up is not None
+                else "its link-up time unknown"
+            ),
+        )
+
+    async def crash(self) -> None:
+        w = self.victim_worker
+        assert w is not None
+        rest = [p for p in self.c0 if p != self.victim]
+        took = await self.change("crash", w.kill, rest)
+        d = self.opts.will_delay_s
+        self.add(
+            "crash: SIGKILL -> clique 0 agrees without it",
+            took,
+            note=f"the Will Delay ({d:g} s) included by design: +{took - d:.3f} s beyond it",
+        )
+
+    async def execute(self) -> None:
+        await self.setup()
+        await self.formation()
+        await self.idle()
+        await self.leave()
+        await self.join()
+        await self.crash()
+
+    async def close(self) -> None:
+        for w in self.all_workers():
+            w.send("quit")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(QUIT_LIMIT_S):
+                for w in self.all_workers():
+                    if w.alive:
+                        await w.bye.wait()
+        for w in self.all_workers():
+            w.kill()
+            if w.reader is not None:
+                w.reader.cancel()
+        if self.broker is not None:
+            self.broker.stop()
+        sweep(self.root)
+
+
+def sweep(root: Path) -> int:
+    """SIGKILL every process (but this one) whose command line names `root`."""
+    needle = str(root)
+    killed = 0
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid == os.getpid():
+            continue
+        cmdline = proc.info.get("cmdline") or []
+        if any(needle in part for part in cmdline):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                killed += 1
+    return killed
+
+
+# Output and main -----------------------------------------------------------------------
+
+
+def print_figures(bench: Bench) -> None:
+    o = bench.opts
+    print(
+        f"\nN = {o.nodes} in {o.cliques} cliques, broker {o.broker}, {o.workers} worker "
+        f"processes; {bench.load}"
+    )
+    if bench.error:
+        print(f"  ERROR: {bench.error}")
+    width = max((len(f.name) for f in bench.figures), default=10)
+    print(f"  {'figure':<{width}}  {'value':>12}  {'target':<10}  verdict  note")
+    for f in bench.figures:
+        print(f"  {f.name:<{width}}  {f.shown():>12}  {f.target:<10}  {f.verdict:<7}  {f.note}")
+
+
+async def run_bench(opts: Options, root: Path) -> Bench:
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
+    bench = Bench(opts, root)
+    try:
+        async with asyncio.timeout(opts.limit_s):
+            await bench.execute()
+    except (BenchError, TimeoutError) as exc:
+        bench.error = str(exc) or f"the run took more than --limit-s {opts.limit_s:g} s"
+        bench.log(f"FAILED: {bench.error}")
+    finally:
+        await bench.close()
+    return bench
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nodes", type=int, default=256, help="agents (256)")
+    parser.add_argument("--cliques", type=int, default=16, help="cliques, 18 nodes at most (16)")
+    parser.add_argument(
+        "--broker", choices=("mosquitto", "nats-cluster"), default="mosquitto", help="(mosquitto)"
+    )
+    parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
+    parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="idle sampling seconds (10)")
+    parser.add_argument("--limit-s", type=float, default=300.0, help="bound of the run (300)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
+    parser.add_argument("--workdir", type=Path, default=None, help="parent of the work folder")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile each worker from start to formed + 1 s: workerN.prof in the kept "
+        "work folder (implies --keep; the profiler slows the agents)",
+    )
+    args = parser.parse_args(argv)
+    if args.nodes < 4:
+        parser.error(f"--nodes {args.nodes}: expected at least 4")
+    if not 1 <= args.cliques <= args.nodes // 2:
+        parser.error(f"--cliques {args.cliques}: expected 1..{args.nodes // 2}")
+    if -(-args.nodes // args.cliques) > MAX_NODES:
+        parser.error(
+            f"--nodes {args.nodes} in {args.cliques} cliques: more than {MAX_NODES} a clique"
+        )
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: expected at least 1")
+    return Options(
+        nodes=args.nodes,
+        cliques=args.cliques,
+        broker=args.broker,
+        workers=args.workers,
+        will_delay_s=args.will_delay_s,
+        idle_s=args.idle_s,
+        limit_s=args.limit_s,
+        keep=args.keep or args.profile,
+        workdir=args.workdir,
+        json_out=args.json,
+        profile=args.profile,
+    )
+
+
+def raise_fd_limit() -> None:
+    """Every agent holds a few sockets and the broker one per agent: the soft limit of
+    open files goes up to the hard one (inherited by the broker and the workers)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--worker"] and len(args) == 2:
+        return worker_main(Path(args[1]))
+    opts = parse_args(args)
+    raise_fd_limit()
+    root = Path(tempfile.mkdtemp(prefix="imexd-scale-", dir=opts.workdir))
+    print(f"work folder: {root}", flush=True)
+    bench: Bench | None = None
+    try:
+        bench = asyncio.run(run_bench(opts, root))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: cleaning up")
+        return 130
+    finally:
+        sweep(root)
+        if opts.keep or (bench is not None and bench.error):
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print_figures(bench)
+    if opts.json_out is not None:
+        data = {
+            "options": {k: str(v) for k, v in asdict(opts).items()},
+            "load": bench.load,
+            "error": bench.error,
+            "figures": [asdict(f) for f in bench.figures],
+        }
+        opts.json_out.write_text(json.dumps(data, indent=1))
+    misses = [f for f in bench.figures if f.ok is False]
+    return 1 if bench.error or misses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
