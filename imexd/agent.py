@@ -298,8 +298,7 @@ class Agent:
         elif identity is Identity.BACK:
             bus.set_client_id(self._client_id)
             if shard.current is not None:
-                domain, clique = shard.current
-                bus.set_will(WillSpec(self.topics.member(domain, clique, self.node)))
+                bus.set_will(shard.will(self.topics, *shard.current))
         if not shard.synced:
             self.view_ready.clear()
         ref = getattr(event, "ref", None)
@@ -325,6 +324,7 @@ class Agent:
             refused=tuple(sorted(bus.refused_topics)),
             reconnects=bus.reconnects,
             dropped=MappingProxyType(dict(bus.dropped)),
+            no_retained_wildcard=bus.no_retained_wildcard,
         )
         return self.bus_facts
 
@@ -344,7 +344,7 @@ class Agent:
             clique = saved.clique
         if domain is None or clique is None:
             return None
-        return WillSpec(self.topics.member(domain, clique, self.node))
+        return self.shard.will(self.topics, domain, clique)
 
     # -- membership -----------------------------------------------------------------
 
@@ -409,7 +409,7 @@ class Agent:
         # The will moves to the new member topic, which reconnects (a fresh snapshot).
         await bus.subscribe(self.topics.spec(domain))
         await bus.subscribe(self.topics.members_filter(domain, clique))
-        bus.set_will(WillSpec(self.topics.member(domain, clique, self.node)))
+        bus.set_will(shard.will(self.topics, domain, clique))
 
     async def _step(self, now: float) -> None:
         """One membership step: the shard view derives, the agent publishes and applies."""

@@ -23,9 +23,18 @@ Why it is built this way:
   suppresses the will (hand-over keeps the record; a leave clears it first).
 - Every connect asks for MQTT 5 (its Will Delay keeps a link blip from dropping the node)
   and falls back to 3.1.1 for that connect only when the broker says so (`imexd.mqtt`
-  decides). The reason code of the broker's DISCONNECT is reported
-  (`Disconnected.reason_code`, e.g. a session taken over by a second client with our id;
-  `set_client_id` ends such a fight).
+  decides). On MQTT 5 the bus resumes its session (Clean Start off, the session outlives
+  the Will Delay), so a reconnect within the delay suppresses the will on every broker
+  that follows the spec. The will is a tombstone (`WillSpec.tombstone`, state lost) whose
+  `hold_s` tells peers how long to keep the node: 0 where the broker already waited its
+  Will Delay, the delay itself on 3.1.1 (no Will Delay there).
+- A broker must deliver retained messages to wildcard subscriptions, or the snapshot
+  says nothing: once our own record (on the will's topic) came back live, the bus
+  subscribes its filter again and expects the record back flagged retained before a
+  round trip returns (`BrokerChecked`); until a link passes that check, no `Synced`.
+- The reason code of the broker's DISCONNECT is reported (`Disconnected.reason_code`,
+  e.g. a session taken over by a second client with our id; `set_client_id` ends such a
+  fight).
 - The MQTT client drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
@@ -33,9 +42,10 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-Why one module of about 900 lines: the reconnect loop, the replay of the desired state,
-the sync by ping and the echo tracking all read and write one link state (the current
-client, its leave event, the lock that orders replay against callers' changes); split
+Why one module of about 1100 lines: the reconnect loop, the replay of the desired state,
+the sync by ping, the echo tracking and the retained check all read and write one link
+state (the current client, its leave event, the lock that orders replay against callers'
+changes, the check's verdict that holds `Synced` back); split
 over modules, that state machine would be spread over several files sharing private state.
 Everything that is not that state machine already lives elsewhere: the MQTT client in
 `imexd.mqtt`, decoding in `imexd.messages`, the backoff rule in `imexd.retry`.
@@ -57,12 +67,15 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Literal, Self
 
+import msgspec
+
 from imexd.errors import BusError
 from imexd.logs import get_logger
 from imexd.messages import (
     Deleted,
     Dropped,
     DropReason,
+    MemberRecord,
     Payload,
     Ping,
     Received,
@@ -163,20 +176,46 @@ class Refused:
     detail: str
 
 
-Event = Connected | Disconnected | ConnectFailed | Synced | Received | Deleted | Refused
+NO_RETAINED_WILDCARD: Final = "BrokerNoRetainedWildcard"
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerChecked:
+    """Whether the broker delivered our own record, flagged retained, to a new wildcard
+    subscription (checked once per link, after the record first came back live)."""
+
+    broker: str
+    ok: bool
+    detail: str = ""
+    """Why not, naming the broker; "" when ok."""
+
+
+Event = (
+    Connected | Disconnected | ConnectFailed | Synced | Received | Deleted | Refused | BrokerChecked
+)
 
 
 @dataclass(frozen=True, slots=True)
 class WillSpec:
-    """The Last Will: an empty retained payload (QoS 1) on `topic`, the node's member topic.
+    """The Last Will, retained (QoS 1) on `topic`, the node's member topic: `tombstone`
+    (state lost) with its `hold_s` set per link, or an empty payload without one.
 
     The broker publishes it when the link ends without DISCONNECT, after `delay_s`
     (MQTT 5 Will Delay; None: `BusSettings.will_delay_s`) so that a quick reconnect does not
-    flap membership.
+    flap membership. Where the broker does not wait (3.1.1, or `[bus] broker_will_delay =
+    false`), the tombstone's hold_s is the delay: the peers wait instead.
     """
 
     topic: str
     delay_s: float | None = None
+    tombstone: MemberRecord | None = None
+
+    def payload(self, delay_s: float, *, broker_waits: bool) -> bytes:
+        """The will's payload on a link whose broker waits the Will Delay, or not."""
+        if self.tombstone is None:
+            return b""
+        hold_s = 0.0 if broker_waits else float(delay_s)
+        return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s))
 
 
 def _check_topic_name(topic: str) -> None:
@@ -195,6 +234,16 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError(f"{topic_filter!r} is not a topic filter")
     if any(("+" in lv and lv != "+") or ("#" in lv and lv != "#") for lv in levels):
         raise ValueError(f"{topic_filter!r} is not a topic filter")
+
+
+async def _first_set(events: set[asyncio.Event], timeout_s: float) -> None:
+    """Wait until one of `events` is set, or `timeout_s` passed."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
 
 
 async def _unless(leave: asyncio.Event, operation: Coroutine[Any, Any, object]) -> bool:
@@ -370,6 +419,8 @@ class Bus:
         # Desired state, replayed on every connection.
         self._filters: dict[str, None] = {}
         self._retained: dict[str, _Retained] = {}
+        self._dropped_filters: set[str] = set()
+        """Filters given up while no link was up: a resumed MQTT 5 session may hold them."""
 
         # Link state.
         self._lock = asyncio.Lock()
@@ -405,6 +456,19 @@ class Bus:
         """time.monotonic() of the last `Synced` on the current link; None while down."""
         self.dropped: Counter[str] = Counter({reason.value: 0 for reason in DropReason})
         """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
+        self.no_retained_wildcard = ""
+        """Why the broker cannot be trusted with the retained snapshot (it did not send our
+        own record back, flagged retained, to a new wildcard subscription); "" while no
+        link failed that check since one passed it. No `Synced` while it is set."""
+        self.retained_checked = False
+        """The current link passed the retained-wildcard check."""
+        self._own_echo = asyncio.Event()
+        """Set when our own record (on the will's topic) came back live on this link."""
+        self._checking: str | None = None
+        """The will topic whose retained copy the check is waiting for."""
+        self._check_seen = False
+        self._sync_withheld = False
+        """A snapshot completed while the broker was not trusted: `Synced` once it is."""
 
     # Public state.
 
@@ -485,6 +549,7 @@ class Bus:
             if topic_filter in self._filters:
                 return
             self._filters[topic_filter] = None
+            self._dropped_filters.discard(topic_filter)
             live = self._live()
             if live is None:
                 return
@@ -506,11 +571,14 @@ class Bus:
             self._echoes.forget(self._covered)
             live = self._live()
             if live is None:
+                self._dropped_filters.add(topic_filter)
                 return
             client, leave = live
             try:
-                await _unless(leave, client.unsubscribe(topic_filter))
+                if not await _unless(leave, client.unsubscribe(topic_filter)):
+                    self._dropped_filters.add(topic_filter)
             except BusError as exc:
+                self._dropped_filters.add(topic_filter)
                 self._declare_dead(client, f"unsubscribe failed: {exc}")
 
     async def retain(
@@ -724,7 +792,13 @@ class Bus:
         s = self.settings
         mqtt_will = None
         if will is not None:
-            mqtt_will = Will(will.topic, s.will_delay_s if will.delay_s is None else will.delay_s)
+            delay_s = s.will_delay_s if will.delay_s is None else will.delay_s
+            mqtt_will = Will(
+                will.topic,
+                delay_s,
+                payload=will.payload(delay_s, broker_waits=s.broker_will_delay),
+                payload_311=will.payload(delay_s, broker_waits=False),
+            )
 
         def fallback(error: str, message: str) -> None:
             self._log.warning(
@@ -742,6 +816,7 @@ class Bus:
             timeout_s=self._timeout_s,
             will=mqtt_will,
             on_fallback=fallback,
+            resume=True,
         )
         return client, client.v5
 
@@ -761,16 +836,22 @@ class Bus:
             if not leave.is_set():
                 async with self._lock:
                     self._client = client
+                    await self._forget_filters(client)
                     await self._subscribe(client, [self._ping_topic, *self._filters])
                     for topic, entry in list(self._retained.items()):
                         await self._put_retained(client, topic, entry)
                 await self._round_trip(client)
                 self._mark_synced()
+            checked = False
             while not leave.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._ping_interval_s):
-                        await leave.wait()
-                if not leave.is_set():
+                waits = {leave} if checked else {leave, self._own_echo}
+                await _first_set(waits, self._ping_interval_s)
+                if leave.is_set():
+                    break
+                if not checked and self._own_echo.is_set():
+                    checked = True
+                    await self._check_retained(client)
+                else:
                     await self._round_trip(client)
         except BusError as exc:
             # Drop the link and let the reader end the session: it takes the client's
@@ -779,6 +860,62 @@ class Bus:
             await asyncio.wait({reader}, timeout=self._timeout_s)
             raise _LinkLostError(str(exc)) from None
         reader.cancel()
+
+    async def _forget_filters(self, client: Client) -> None:
+        """Unsubscribe what a resumed MQTT 5 session may still hold from an older link."""
+        stale = sorted(self._dropped_filters - set(self._filters))
+        self._dropped_filters.clear()
+        if client.v5:
+            for topic_filter in stale:
+                await client.unsubscribe(topic_filter)
+
+    def _check_target(self) -> tuple[str, str] | None:
+        """(our record's topic, a wildcard filter of ours covering it), if we have both."""
+        will = self._will
+        if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
+            return None
+        for topic_filter in self._filters:
+            if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
+                return will.topic, topic_filter
+        return None
+
+    async def _check_retained(self, client: Client) -> None:
+        """Subscribe our record's wildcard filter again: the broker must send our record,
+        flagged retained, before a round trip returns, or its snapshots cannot be trusted."""
+        target = self._check_target()
+        if target is None:
+            return
+        topic, topic_filter = target
+        self._check_seen = False
+        self._checking = topic
+        try:
+            async with self._lock:
+                await self._subscribe(client, [topic_filter])
+            await self._round_trip(client)
+        finally:
+            self._checking = None
+        broker = self._broker or ""
+        if self._check_seen:
+            self.retained_checked = True
+            if self.no_retained_wildcard:
+                self._log.info("bus_retained_wildcard_ok", broker=broker)
+            self.no_retained_wildcard = ""
+            self._emit(BrokerChecked(broker, ok=True))
+            if self._sync_withheld:
+                self._mark_synced()
+            return
+        detail = (
+            f"the broker {broker} did not send our retained record back to a new "
+            f"subscription of {topic_filter}: it does not deliver retained messages to "
+            "wildcard subscriptions, so the member snapshot cannot be trusted"
+        )
+        if not self.no_retained_wildcard:
+            self._log.warning(
+                "bus_broker_check_failed", reason=NO_RETAINED_WILDCARD, broker=broker, detail=detail
+            )
+        self.no_retained_wildcard = detail
+        self.synced_at = None
+        self._emit(BrokerChecked(broker, ok=False, detail=detail))
 
     async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
         wanted = list(filters)
@@ -857,6 +994,9 @@ class Bus:
         self._ever_connected = True
         self._link_since = time.monotonic()
         self._dead_reason = None
+        self._own_echo = asyncio.Event()
+        self.retained_checked = False
+        self._sync_withheld = False
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"
@@ -899,6 +1039,12 @@ class Bus:
         self._emit(ConnectFailed(str(broker), error))
 
     def _mark_synced(self) -> None:
+        """Emit `Synced`, unless the broker failed the retained check and a check of this
+        link is still to come (our record is replayed, so its echo starts one)."""
+        self._sync_withheld = bool(self.no_retained_wildcard) and self._check_target() is not None
+        if self._sync_withheld:
+            return
+        self.no_retained_wildcard = ""
         self.synced_at = time.monotonic()
         self._emit(Synced(self.synced_at))
 
@@ -913,6 +1059,12 @@ class Bus:
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""
         self._echoes.seen(topic, payload)
+        will = self._will
+        if will is not None and topic == will.topic and payload:
+            if retained:
+                self._check_seen = self._check_seen or self._checking == topic
+            elif self._retained.get(topic, _Retained(b"", None)).payload == payload:
+                self._own_echo.set()
         result = decode_message(self.topics, topic, payload, retained=retained)
         if isinstance(result, Dropped):
             self._drop(topic, result)

@@ -67,6 +67,9 @@ class BusFacts:
     refused: tuple[str, ...] = ()
     """Topics whose retained publish did not come back in time: the broker most likely
     refused them (ACL), which MQTT 3.1.1 and aiomqtt 2.x cannot report otherwise."""
+    no_retained_wildcard: str = ""
+    """Why the broker's retained snapshot cannot be trusted: it did not send our own
+    record, flagged retained, to a new wildcard subscription; "" when it did."""
     reconnects: int = 0
     """Reconnections since the agent started (cumulative, for metrics)."""
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)

@@ -42,6 +42,7 @@ from imexd.messages import (
     DomainView,
     HealthReport,
     MemberRecord,
+    MemberState,
     Mode,
     SlotView,
     describe,
@@ -67,6 +68,8 @@ START_WORDS: Final = frozenset(
 VERSION_MISMATCH: Final = "VersionMismatch"
 CLOCK_SKEW: Final = "ClockSkew"
 BUS_DOWN: Final = "BusDown"
+LOST: Final = "Lost"
+"""A member whose record is its Last Will (state lost): its link ended without DISCONNECT."""
 """The DomainUp reason of an agent whose link to the broker is down or not synced yet."""
 IMEX_READY: Final = ImexState.READY.value
 UNKNOWN_REASONS: Final = ("NoSpec", "NoMembers", "Partial", BUS_DOWN)
@@ -162,9 +165,19 @@ class _Node:
     failed_by_peers: bool = False
 
     @property
+    def lost(self) -> bool:
+        """The node's record is its Last Will: its link ended without DISCONNECT."""
+        return self.record is not None and self.record.state is MemberState.LOST
+
+    @property
     def ready(self) -> bool:
-        """A fresh report that says ready, of a node that holds a member record."""
-        return self.record is not None and self.fresh is not None and self.fresh.ready
+        """A fresh report that says ready, of a node that holds a member record (not lost)."""
+        return (
+            self.record is not None
+            and not self.lost
+            and self.fresh is not None
+            and self.fresh.ready
+        )
 
     @property
     def bus_down(self) -> bool:
@@ -469,6 +482,13 @@ def _row(e: _Node, now: float) -> NodeRow:
             "NoRecord: a health report but no member record (not joined, left, or the broker "
             "lost the record): the report is not counted"
         )
+    if e.lost:
+        hold = e.record.hold_s if e.record is not None else 0.0
+        reasons.append(LOST)
+        details.append(
+            f"{LOST}: its link to the broker ended without a goodbye (its Last Will is on "
+            f"the bus); peers drop it from their node lists {hold:g} s after the will"
+        )
     if seen is None:
         reasons.append("NoReport")
         details.append("NoReport: no health report on the bus (not joined yet, or gone)")
@@ -487,10 +507,14 @@ def _row(e: _Node, now: float) -> NodeRow:
     for reason, text in e.notes:
         reasons.append(reason)
         details.append(f"{reason}: {text}")
-    pending = not e.ready and (
-        seen is None
-        or (report is not None and (record is None or _forming(report)))
-        or (record is None and not e.future)
+    pending = (
+        not e.ready
+        and not e.lost
+        and (
+            seen is None
+            or (report is not None and (record is None or _forming(report)))
+            or (record is None and not e.future)
+        )
     )
     failed = (
         (not e.ready and not pending)

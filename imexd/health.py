@@ -101,6 +101,8 @@ def _bus(f: Facts) -> _Verdict:
             f"the broker did not echo our retained publish on {fleet.name_list(bus.refused)}: "
             "check its ACL for this node",
         )
+    if bus.no_retained_wildcard:
+        return _Verdict("False", "BrokerNoRetainedWildcard", bus.no_retained_wildcard)
     if not bus.synced:
         return _Verdict("False", "Syncing", f"connected{at}, waiting for the retained state")
     return _Verdict("True", "Connected", f"connected{at}")
@@ -110,7 +112,7 @@ def _slot(f: Facts) -> _Verdict:
     m = f.membership
     if f.domain is None:
         return _Verdict("True", "NoDomain", "no domain assigned: the node is idle")
-    where = f"{f.domain}/{messages.clique_level(f.clique)}"
+    where = f"{f.domain}/{f.clique or messages.NO_CLIQUE_TOPIC}"
     detail = f": {m.detail}" if m.detail else ""
     if m.reason == "DomainFull":
         return _Verdict(

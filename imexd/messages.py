@@ -26,6 +26,8 @@ from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
 MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
+MAX_HOLD_S: Final = 300.0
+"""The longest a peer keeps the record of a lost node, whatever its tombstone's hold_s."""
 MAX_CHANNEL: Final = (1 << 20) - 1
 """The largest minor number Linux has; agents refuse any channel >= the driver's count."""
 NO_CLIQUE_TOPIC: Final = "none"
@@ -117,6 +119,9 @@ class MemberState(StrEnum):
     MEMBER = "member"
     STANDBY = "standby"
     LEAVING = "leaving"
+    LOST = "lost"
+    """The node's link ended without DISCONNECT: its Last Will, a tombstone. Peers keep the
+    node's previous record for `hold_s`, then drop it as if it had been cleared."""
 
 
 class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +148,9 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     released: bool = False
     """Standby only: the node gave its slot up (its daemon cannot run) and seeks none
     while that lasts, so peers do not rank it among the nodes waiting for a slot."""
+    hold_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Lost only: seconds the peers keep the node's previous record before dropping it
+    (0 when the broker already waited a Will Delay; peers clamp it to MAX_HOLD_S)."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)
@@ -154,6 +162,8 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"a {self.state.value} record needs a slot")
         if self.released and self.state is not MemberState.STANDBY:
             raise ValueError(f"a {self.state.value} record cannot be released")
+        if self.hold_s and self.state is not MemberState.LOST:
+            raise ValueError(f"a {self.state.value} record cannot have hold_s {self.hold_s}")
 
 
 class Condition(msgspec.Struct, frozen=True, kw_only=True):

@@ -160,11 +160,17 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Will:
-    """The Last Will: an empty retained payload (QoS 1) on `topic`, delayed by `delay_s`
-    (MQTT 5 Will Delay; the session must outlive it, so it is also the session expiry)."""
+    """The Last Will: a retained payload (QoS 1) on `topic`, delayed by `delay_s` (MQTT 5
+    Will Delay; the session must outlive it, so it is also the session expiry).
+
+    `payload` goes out on an MQTT 5 link, `payload_311` (None: the same) on a 3.1.1 one,
+    which has no Will Delay: the payload may tell readers to wait instead.
+    """
 
     topic: str
     delay_s: float
+    payload: bytes = b""
+    payload_311: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -333,12 +339,17 @@ def _client(
     password: str | None,
     timeout_s: float,
     will: Will | None,
+    resume: bool = False,
 ) -> aiomqtt.Client:
     """An aiomqtt client for one connection attempt to `broker` (TLS, Unix socket, auth).
 
-    Every connection starts a fresh session: the agent's bus replays its state anyway,
-    and the control plane's links are short-lived. On MQTT 5 the broker is told the
-    largest packet we take (it discards larger messages instead of making us buffer them).
+    `resume` (the agent's bus, MQTT 5 only): Clean Start off, and the session outlives
+    the Will Delay (Session Expiry Interval = the delay, at least 1 s), so that a reconnect
+    within the delay resumes the session and the broker drops the delayed will. Otherwise
+    (3.1.1, where a persistent session of a departed node would never expire, and the
+    control plane's short links) every connection starts a fresh session. On MQTT 5 the
+    broker is told the largest packet we take (it discards larger messages instead of
+    making us buffer them).
     """
     tls = None
     if broker.tls:
@@ -352,16 +363,18 @@ def _client(
         connect_properties = _properties(PacketTypes.CONNECT)
         connect_properties.MaximumPacketSize = _MAX_PACKET
     aio_will: aiomqtt.Will | None = None
+    delay = _whole_seconds(will.delay_s if will is not None else settings.will_delay_s)
+    if connect_properties is not None and (will is not None or resume):
+        # The will is delayed only while the session lives: it must outlive the delay.
+        connect_properties.SessionExpiryInterval = max(1, delay) if resume else delay
     if will is not None:
-        delay = _whole_seconds(will.delay_s)
         will_properties: Properties | None = None
         if connect_properties is not None:
             will_properties = _properties(PacketTypes.WILLMESSAGE)
             will_properties.WillDelayInterval = delay
-            # The will is delayed only while the session lives: it must outlive the delay.
-            connect_properties.SessionExpiryInterval = delay
+        payload = will.payload if v5 or will.payload_311 is None else will.payload_311
         aio_will = aiomqtt.Will(
-            will.topic, payload=None, qos=QOS, retain=True, properties=will_properties
+            will.topic, payload=payload or None, qos=QOS, retain=True, properties=will_properties
         )
     unix = broker.scheme == "unix"
     return aiomqtt.Client(
@@ -374,7 +387,7 @@ def _client(
         protocol=aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311,
         will=aio_will,
         clean_session=None if v5 else True,
-        clean_start=True if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
+        clean_start=not resume if v5 else paho.MQTT_CLEAN_START_FIRST_ONLY,
         properties=connect_properties,
         keepalive=max(1, round(settings.keepalive_s)),
         timeout=timeout_s,
@@ -395,6 +408,7 @@ async def connect(
     will: Will | None = None,
     connect_timeout_s: float | None = None,
     on_fallback: Fallback | None = None,
+    resume: bool = False,
 ) -> Client:
     """Connect to `broker` with the first MQTT version it accepts.
 
@@ -402,6 +416,7 @@ async def connect(
     fallback to 3.1.1 holds for this connect only, and only when the broker said so.
     `timeout_s` bounds every broker round trip of the client (aiomqtt's own bound, the
     connect included); `connect_timeout_s`, when given, bounds each attempt as a whole.
+    `resume`: on MQTT 5, resume the session of `client_id` (see `_client`).
     Raises BusError naming the broker when the connect failed.
     """
     versions = protocol_versions(settings)
@@ -415,6 +430,7 @@ async def connect(
             password=password,
             timeout_s=timeout_s,
             will=will,
+            resume=resume,
         )
         client = Client(inner, v5=v5)
         try:

@@ -329,7 +329,10 @@ class BusSettings:
     will_delay_s: float = _setting(
         5.0,
         "MQTT 5 Will Delay: how long a vanished node keeps its member record, so that a "
-        "quick reconnect does not flap membership.",
+        "quick reconnect does not flap membership (the agent's MQTT 5 session outlives it, "
+        "at least 1 s, so a reconnect within it resumes the session and drops the will). "
+        "On MQTT 3.1.1, which has no Will Delay, the will is a tombstone and the peers "
+        "keep the node this long instead.",
         _nonneg,
     )
     reconnect_initial_s: float = _setting(
@@ -340,6 +343,13 @@ class BusSettings:
         10.0,
         "Seconds between round trips through the broker that prove the link is alive.",
         _positive,
+    )
+    broker_will_delay: bool = _setting(
+        True,
+        "Whether the MQTT 5 broker applies the Will Delay (Mosquitto, EMQX, HiveMQ do): "
+        "then a lost node's tombstone says hold_s 0 and peers drop it at once. Set false "
+        "for an MQTT 5 broker that publishes wills at once: the tombstone then says "
+        "hold_s = will_delay_s and the peers wait instead (as on MQTT 3.1.1).",
     )
     protocol: Literal["auto", "5", "3.1.1"] = _setting(
         "auto",

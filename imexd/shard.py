@@ -14,6 +14,10 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   SIGUSR1 sent twice) for a membership that never changed;
 - a broker shutdown: it publishes every will at once before dropping the link, so
   deletions just before a link loss are taken back (`DOUBT_S`);
+- a peer's link blip where the broker applies no Will Delay (MQTT 3.1.1): its will is a
+  tombstone (state `lost`, `hold_s`), and the peer's previous record stays for hold_s
+  (at most MAX_HOLD_S) before it is dropped like a clear; its record coming back within
+  that cancels the drop, so files and SIGUSR1 never see the blip;
 - claims that never settle: they stop counting after `claim_stale_s`;
 - a claim settled by a stale barrier: the live echo of our own claim settles it (see
   imexd.membership), so the view counts what we published and is still in flight, takes
@@ -37,15 +41,25 @@ from typing import Final
 import structlog
 
 from imexd import membership as mb
-from imexd.bus import Connected, ConnectFailed, Disconnected, Event, Synced
+from imexd.bus import (
+    BrokerChecked,
+    Connected,
+    ConnectFailed,
+    Disconnected,
+    Event,
+    Synced,
+    WillSpec,
+)
 from imexd.facts import Member, MembershipFacts, MembershipState
 from imexd.messages import (
+    MAX_HOLD_S,
     Deleted,
     DomainSpec,
     MemberRecord,
     MemberState,
     Mode,
     Received,
+    Topics,
     encode,
 )
 from imexd.reconcile import Desired
@@ -136,6 +150,9 @@ class ShardView:
         """`now` after which the unconfirmed records are dropped."""
         self.deleted: dict[str, tuple[MemberRecord, float]] = {}
         """Peers' records deleted lately, with `now` of the deletion."""
+        self.lost: dict[str, float] = {}
+        """Peers whose tombstone (state lost) came: `now` at which their previous record,
+        kept in `records` meanwhile, is dropped."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
         self.published = False
@@ -203,6 +220,7 @@ class ShardView:
         self.unconfirmed.clear()
         self.confirm_by = None
         self.deleted.clear()
+        self.lost.clear()
         self.spec = None
         self.synced = False
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
@@ -245,7 +263,11 @@ class ShardView:
                 return self._on_taken_over()
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
-        elif isinstance(event, ConnectFailed):
+        elif isinstance(event, ConnectFailed) or (
+            isinstance(event, BrokerChecked) and not event.ok
+        ):
+            # A broker that keeps retained messages from wildcard subscriptions shows no
+            # peers: nothing it says settles a claim (BrokerNoRetainedWildcard).
             self.synced = False
         elif isinstance(event, Synced):
             if event.at >= self.sync_after:
@@ -261,8 +283,11 @@ class ShardView:
     def _on_received(self, event: Received, now: float) -> Identity | None:
         ref, payload = event.ref, event.payload
         if ref.kind == "member" and isinstance(payload, MemberRecord):
+            if (ref.domain, ref.clique) == self.current and payload.state is MemberState.LOST:
+                return self._on_lost(event, payload, now)
             if (ref.domain, ref.clique) == self.current:
                 self.records[ref.node] = payload
+                self.lost.pop(ref.node, None)
                 self.unconfirmed.discard(ref.node)
                 self._track_claim(payload, now)
                 if ref.node == self.node and not event.retained:
@@ -292,6 +317,7 @@ class ShardView:
         ref = event.ref
         if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
             record = self.records.pop(ref.node, None)
+            self.lost.pop(ref.node, None)
             self.unconfirmed.discard(ref.node)
             self.claims_seen.pop(ref.node, None)
             if record is not None and ref.node != self.node:
@@ -305,6 +331,56 @@ class ShardView:
         elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
             self.spec = None
         return None
+
+    def _on_lost(self, event: Received, tombstone: MemberRecord, now: float) -> Identity | None:
+        """A node's Last Will (state lost): keep its previous record for its hold_s.
+
+        Ours (a past link's will, or a duplicate's): as if our record were cleared, so a
+        running agent publishes it again. A peer's without a record of it here (a
+        leftover of a long-gone node, or a tombstone in a new link's snapshot) stays out
+        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once.
+        """
+        node = tombstone.node
+        if node == self.node:
+            return self._on_deleted(Deleted(event.topic, event.ref, retained=True), now)
+        if node not in self.records:
+            return None
+        hold = min(max(tombstone.hold_s, 0.0), MAX_HOLD_S)
+        self.unconfirmed.discard(node)
+        if hold <= 0.0:
+            return self._on_deleted(Deleted(event.topic, event.ref, retained=event.retained), now)
+        if node not in self.lost:
+            self.lost[node] = now + hold
+            self.log.info("membership.peer_lost", peer=node, hold_s=round(hold, 3))
+        return None
+
+    def _drop_lost(self, now: float) -> None:
+        """Drop the peers whose tombstone's hold ran out, as if their records were cleared."""
+        gone = sorted(node for node, until in self.lost.items() if now >= until)
+        for node in gone:
+            del self.lost[node]
+            record = self.records.pop(node, None)
+            self.claims_seen.pop(node, None)
+            if record is not None:
+                self._remember_deletion(record, now)
+        if gone:
+            self.log.info("membership.records_gone", nodes=gone, why="lost: hold_s passed")
+
+    def will(self, topics: Topics, domain: str, clique: str) -> WillSpec:
+        """Our Last Will on our member topic of (domain, clique): a tombstone that says
+        who we are as of now (the bus sets hold_s per link)."""
+        tombstone = MemberRecord(
+            node=self.node,
+            domain=domain,
+            clique=clique,
+            address=self.address,
+            slot=None,
+            incarnation=self.incarnation,
+            state=MemberState.LOST,
+            max_nodes=self.max_nodes,
+            mode=self.mode,
+        )
+        return WillSpec(topics.member(domain, clique, self.node), tombstone=tombstone)
 
     def sending(self, record: MemberRecord | None) -> None:
         """We publish `record` on our member topic now (None: clear ours).
@@ -473,6 +549,7 @@ class ShardView:
         if not self.synced:
             return Plan()
         self._drop_unconfirmed(now)
+        self._drop_lost(now)
         domain, clique = self.current
         if self.spec is not None and self.spec.state == "deleting":
             return Plan(
@@ -546,7 +623,7 @@ class ShardView:
             publish=decision.publish
             or (self.own_cleared and decision.claim.record_state is not None)
             or (self.republish and claiming),
-            wake_at=wake_at,
+            wake_at=min((t for t in (wake_at, *self.lost.values()) if t is not None), default=None),
             outbid=outbid,
             mismatch=mismatch,
             mismatch_detail=detail,
@@ -717,6 +794,7 @@ class ShardView:
         )
         for node in gone:
             self.records.pop(node, None)
+            self.lost.pop(node, None)
             self.unconfirmed.discard(node)
         if not self.unconfirmed:
             self.confirm_by = None

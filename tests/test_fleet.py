@@ -17,7 +17,7 @@ from imexd.fleet import (
     judge,
     render_status,
 )
-from imexd.messages import DOMAIN_UP, DomainSpec, HealthReport, MemberRecord
+from imexd.messages import DOMAIN_UP, DomainSpec, HealthReport, MemberRecord, MemberState
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 
 
@@ -343,3 +343,19 @@ def test_the_json_document_round_trips() -> None:
     status = judged([report(n, s, THREE) for s, n in THREE.items()])
     doc = msgspec.json.encode(status)
     assert msgspec.json.decode(doc, type=DomainStatus) == status
+
+
+def test_a_lost_member_is_not_ready_with_reason_lost() -> None:
+    """A member whose record is its Last Will (state lost) is not ready: Lost, a failure,
+    even while its last report still says ready."""
+    n2 = member_record("n2", 1)
+    lost = msgspec.structs.replace(n2, state=MemberState.LOST, slot=None, settled=None, hold_s=5.0)
+    recs = [member_record("n1", 0), lost, member_record("n3", 2)]
+    status = judged([report(n, s, THREE) for s, n in THREE.items()], recs=recs)
+    assert status.state == "DEGRADED"
+    n2_row = row(status, "n2")
+    assert not n2_row.ready
+    assert n2_row.failed
+    assert n2_row.reasons[0] == "Lost"
+    assert n2_row.slot == 1  # from its last report
+    assert "Lost: n2" in status.reasons

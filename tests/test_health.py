@@ -150,6 +150,15 @@ def test_bus_publish_refused_names_the_topics() -> None:
     assert "ACL" in c.message
 
 
+def test_a_broker_without_retained_wildcards_is_not_trusted() -> None:
+    """The broker did not send our record back to a wildcard subscription: BusConnected
+    False with BrokerNoRetainedWildcard and the bus's words, whatever synced says."""
+    why = "the broker mqtt://b:1883 did not send our retained record back"
+    facts = working(bus=BusFacts(connected=True, synced=True, no_retained_wildcard=why))
+    c = cond(facts, "BusConnected")
+    assert (c.status, c.reason, c.message) == ("False", "BrokerNoRetainedWildcard", why)
+
+
 # SlotSettled
 
 

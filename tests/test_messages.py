@@ -17,6 +17,7 @@ from imexd.messages import (
     DropReason,
     HealthReport,
     MemberRecord,
+    MemberState,
     Presence,
     Received,
     TopicRef,
@@ -245,6 +246,34 @@ def test_only_a_standby_record_can_be_released(state: str) -> None:
     ok = decode(raw(member(state="standby", slot=None, released=True)), MemberRecord)
     assert isinstance(ok, MemberRecord)
     assert ok.released
+
+
+def test_a_lost_record_carries_hold_s_and_needs_no_slot() -> None:
+    """The tombstone (state lost) decodes without a slot and with hold_s; its schema
+    lists the state and the field."""
+    got = decode(raw(member(state="lost", slot=None, hold_s=5.0)), MemberRecord)
+    assert isinstance(got, MemberRecord)
+    assert (got.state, got.slot, got.hold_s) == (MemberState.LOST, None, 5.0)
+    schema = json_schemas()["MemberRecord"]["$defs"]
+    assert "lost" in schema["MemberState"]["enum"]
+    assert schema["MemberRecord"]["properties"]["hold_s"]["minimum"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"state": "member", "hold_s": 5.0}, "a member record cannot have hold_s 5.0"),
+        ({"state": "lost", "slot": None, "hold_s": -1}, "Expected `float` >= 0.0 - at `$.hold_s`"),
+    ],
+)
+def test_hold_s_is_for_lost_records_only_and_never_negative(
+    fields: dict[str, Any], why: str
+) -> None:
+    """hold_s on a live record, or below 0, is dropped naming the value."""
+    got = decode(raw(member(**fields)), MemberRecord)
+    assert isinstance(got, Dropped)
+    assert got.reason is DropReason.SCHEMA
+    assert why in got.detail
 
 
 # Workload records: a hostile or mistaken one is dropped before any agent acts on it.

@@ -7,18 +7,21 @@ bus would deliver and reads what `derive` tells the agent to do.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import msgspec
 from hypothesis import given
 
 from imexd import membership as mb
-from imexd.bus import Connected, Disconnected, Synced
+from imexd.bus import BrokerChecked, Connected, Disconnected, Synced
 from imexd.logs import get_logger
 from imexd.messages import (
+    MAX_HOLD_S,
     Deleted,
     DomainSpec,
     MemberRecord,
     MemberState,
     Received,
     TopicRef,
+    Topics,
 )
 from imexd.shard import DOUBT_S, FIRST_START_WINDOWS, Identity, Plan, ShardView
 from imexd.state import NodeState
@@ -467,3 +470,133 @@ def test_a_formed_shard_starts_at_once() -> None:
     assert plan.desired is not None
     assert plan.desired.run
     assert plan.wake_at is None
+
+
+# Lost tombstones: a peer's will (state lost) holds its record for hold_s.
+
+
+def tombstone(node: str, hold_s: float, *, inc: int = 1) -> MemberRecord:
+    """The Last Will of `node`: state lost, no slot, `hold_s`."""
+    base = rec(node, None, MemberState.STANDBY, inc=inc)
+    return msgspec.structs.replace(base, state=MemberState.LOST, settled=None, hold_s=hold_s)
+
+
+def members(plan: Plan) -> dict[int, str]:
+    assert plan.desired is not None
+    return {slot: m.node for slot, m in plan.desired.members.items()}
+
+
+def with_peer() -> tuple[ShardView, MemberRecord]:
+    """A settled view of n1 (slot 0) with the member n2 on slot 1."""
+    v = view()
+    n2 = rec("n2", 1)
+    v.apply(received(n2), 0.0)
+    settle(v)
+    assert members(derive(v, 2.0)) == {0: ME, 1: "n2"}
+    return v, n2
+
+
+def test_a_lost_peer_keeps_its_record_until_hold_s_then_is_dropped() -> None:
+    """A peer's tombstone keeps its previous record (and slot) for hold_s, then drops it
+    as a clear would, and the plan asks to be derived again when the hold ends."""
+    v, n2 = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    assert v.records["n2"] == n2
+    plan = derive(v, 14.9)
+    assert members(plan) == {0: ME, 1: "n2"}
+    assert plan.wake_at == 15.0
+    assert members(derive(v, 15.0)) == {0: ME}
+    assert "n2" not in v.records
+    assert not v.lost
+
+
+def test_a_lost_peer_that_comes_back_within_hold_s_is_kept() -> None:
+    """A new record of a lost peer cancels the hold: nothing changes, ever."""
+    v, n2 = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    v.apply(received(n2, retained=False), 11.0)
+    assert not v.lost
+    assert members(derive(v, 20.0)) == {0: ME, 1: "n2"}
+
+
+def test_a_second_tombstone_keeps_the_first_deadline() -> None:
+    """The tombstone again (a new link's snapshot) does not extend the hold."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 12.0)
+    v.apply(received(tombstone("n2", 5.0)), 12.0)
+    v.apply(Synced(at=12.0), 12.0)
+    assert "n2" not in v.unconfirmed
+    assert members(derive(v, 15.0)) == {0: ME}
+
+
+def test_a_leave_during_the_hold_drops_the_peer_at_once() -> None:
+    """A clear (empty payload) while the hold runs drops the peer now."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    v.apply(deleted("n2"), 11.0)
+    assert not v.lost
+    assert members(derive(v, 11.0)) == {0: ME}
+
+
+def test_a_tombstone_of_an_unknown_node_stays_out_of_membership() -> None:
+    """A lost node this view never had a record of is not a member, not even held."""
+    v = view()
+    v.apply(received(tombstone("n9", 5.0)), 0.0)
+    assert "n9" not in v.records
+    assert not v.lost
+    settle(v)
+    assert members(derive(v, 2.0)) == {0: ME}
+
+
+def test_a_tombstone_without_hold_drops_the_peer_at_once() -> None:
+    """hold_s 0: the broker already waited its Will Delay; the peer goes now."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 0.0), retained=False), 10.0)
+    assert "n2" not in v.records
+    assert members(derive(v, 10.0)) == {0: ME}
+
+
+def test_the_hold_is_clamped() -> None:
+    """A tombstone asking for a day is held MAX_HOLD_S at most."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 86400.0), retained=False), 10.0)
+    assert v.lost["n2"] == 10.0 + MAX_HOLD_S
+    assert members(derive(v, 10.0 + MAX_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
+    assert members(derive(v, 10.0 + MAX_HOLD_S)) == {0: ME}
+
+
+def test_our_own_tombstone_makes_us_publish_again() -> None:
+    """Our own will while we run (a past link's): as if our record were cleared."""
+    v = view()
+    settle(v)
+    v.apply(received(tombstone(ME, 5.0, inc=3), retained=False), 3.0)
+    assert v.own_cleared
+    assert not v.lost
+    assert derive(v, 3.0).publish
+
+
+def test_the_will_is_a_tombstone_of_this_node() -> None:
+    """The will names node, domain, clique, address, incarnation, max_nodes and mode."""
+    v = view()
+    will = v.will(Topics("imex/v2"), DOMAIN, CLIQUE)
+    assert will.topic == Topics("imex/v2").member(DOMAIN, CLIQUE, ME)
+    assert will.tombstone is not None
+    assert (will.tombstone.node, will.tombstone.address) == (ME, MY_ADDRESS)
+    assert (will.tombstone.incarnation, will.tombstone.max_nodes) == (3, 4)
+    assert will.tombstone.state is MemberState.LOST
+    assert will.tombstone.slot is None
+    held = msgspec.json.decode(will.payload(5.0, broker_waits=False))
+    assert held["state"] == "lost"
+    assert held["hold_s"] == 5.0
+    assert msgspec.json.decode(will.payload(5.0, broker_waits=True))["hold_s"] == 0.0
+
+
+def test_a_broker_without_retained_wildcards_unsyncs_the_view() -> None:
+    """BrokerChecked not ok: the snapshot cannot be trusted, nothing is derived."""
+    v = view()
+    v.apply(BrokerChecked(broker="b", ok=False, detail="no"), 0.0)
+    assert not v.synced
+    assert derive(v, 1.0) == Plan()
+    v.apply(BrokerChecked(broker="b", ok=True), 1.0)
+    assert not v.synced  # only the next Synced of a trusted link syncs it
