@@ -81,7 +81,7 @@ import structlog
 import imexd.agent
 from imexd.agent import Agent
 from imexd.bus import Bus
-from imexd.demo.brokers import Mosquitto
+from imexd.demo.brokers import Mosquitto, Nats, NatsCluster
 from imexd.demo.nodes import fake_driver
 from imexd.messages import Topics
 from imexd.settings import settings_from_mapping
@@ -89,6 +89,7 @@ from imexd.settings import settings_from_mapping
 SCRIPT: Final = Path(__file__).resolve()
 """This script: the workers run it with `--worker SPEC`."""
 PREFIX: Final = "imex/v2"
+INF: Final = float("inf")
 POLL_S: Final = 0.01
 """How often a worker looks at its agents' views (an identity check while nothing moved)."""
 LAG_PERIOD_S: Final = 0.01
@@ -116,6 +117,7 @@ class NodePlan:
     name: str
     clique: int
     address: str
+    index: int
     initial: bool = True
     """Started at formation (False: the joiner, started in the join phase)."""
 
@@ -134,7 +136,7 @@ def plan_nodes(n: int, cliques: int) -> list[NodePlan]:
     for c, size in enumerate(clique_sizes(n, cliques)):
         for h in range(size):
             i = len(nodes)
-            nodes.append(NodePlan(f"n{i:04d}.c{c:02d}.scale", c, f"127.200.{c}.{10 + h}"))
+            nodes.append(NodePlan(f"n{i:04d}.c{c:02d}.scale", c, f"127.200.{c}.{10 + h}", i))
     return nodes
 
 
@@ -228,7 +230,9 @@ class Worker:
         """The node's settings: the shipped defaults but what the module docstring lists."""
         folder = self.root / "nodes" / node.name
         folder.mkdir(parents=True, exist_ok=True)
-        bus: dict[str, Any] = {"url": list(self.spec["urls"])}
+        urls = list(self.spec["urls"])
+        turn = node.index % len(urls)  # the agents spread over a cluster's servers
+        bus: dict[str, Any] = {"url": urls[turn:] + urls[:turn]}
         bus["will_delay_s"] = float(self.spec["will_delay_s"])
         if self.spec["protocol"] != "auto":
             bus["protocol"] = self.spec["protocol"]
@@ -476,6 +480,8 @@ class BrokerUnderTest:
 
 
 def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
+    """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`.
+    Blocking (NATS's readiness check runs an event loop of its own): run it in a thread."""
     if kind == "mosquitto":
         mosquitto = Mosquitto(folder)
         mosquitto.start()
@@ -484,7 +490,23 @@ def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
             return [psutil.Process(mosquitto.proc.pid)] if mosquitto.proc is not None else []
 
         return BrokerUnderTest(kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop)
-    raise BenchError(f"broker {kind!r}: not available in this checkout")
+    if kind == "nats":
+        single = Nats(folder)
+        single.start()
+        servers = [single]
+    else:
+        cluster = NatsCluster(folder, size=3)
+        cluster.start()
+        servers = cluster.servers
+
+    def nats_procs() -> list[psutil.Process]:
+        return [psutil.Process(s.pid) for s in servers if s.pid is not None]
+
+    def nats_stop() -> None:
+        for server in servers:
+            server.stop()
+
+    return BrokerUnderTest(kind, [s.url for s in servers], Nats.protocol, nats_procs, nats_stop)
 
 
 # Figures -------------------------------------------------------------------------------
@@ -571,9 +593,8 @@ class Bench:
         self.clique0 = [p for p in self.plan if p.clique == 0]
         self.victim = self.clique0[-1]
         self.leaver = self.clique0[0]
-        self.joiner = NodePlan(
-            f"n{opts.nodes:04d}.c00.scale", 0, f"127.200.0.{10 + len(self.clique0)}", False
-        )
+        address = f"127.200.0.{10 + len(self.clique0)}"
+        self.joiner = NodePlan(f"n{opts.nodes:04d}.c00.scale", 0, address, opts.nodes, False)
         self.broker: BrokerUnderTest | None = None
         self.workers: list[WorkerProc] = []
         self.victim_worker: WorkerProc | None = None
@@ -588,6 +609,11 @@ class Bench:
         """Clique 0 as it should be now (the changes happen there)."""
         self.last_lag = 0.0
         """The workers' loop lateness at most, seconds, over the last `counts()` interval."""
+
+    @property
+    def anomalous(self) -> bool:
+        """An error or a clique that never agreed: the logs should explain it (kept)."""
+        return bool(self.error) or any(f.ok is False and f.value is None for f in self.figures)
 
     # Events from the workers.
 
@@ -635,9 +661,9 @@ class Bench:
 
     async def wait_cliques(
         self, groups: Mapping[int, Sequence[NodePlan]], limit_s: float, what: str
-    ) -> dict[int, float]:
-        """Until every clique of `groups` agrees; each one's time. BenchError after
-        `limit_s`, naming the cliques that did not."""
+    ) -> tuple[dict[int, float], str]:
+        """Until every clique of `groups` agrees, at most `limit_s`: each agreed clique's
+        time, and what was wrong with the others ("" when none was)."""
         deadline = time.monotonic() + limit_s
         done: dict[int, float] = {}
         while True:
@@ -648,18 +674,31 @@ class Bench:
                     if at is not None:
                         done[c] = at
             if len(done) == len(groups):
-                return done
+                return done, ""
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(groups) - set(done))
                 detail = []
                 for c in missing[:3]:
-                    views = [len(self.views.get(m.name, (0, frozenset()))[1]) for m in groups[c]]
-                    detail.append(f"clique {c}: views of {views} for {len(groups[c])} members")
-                raise BenchError(
-                    f"{what}: {len(missing)} of {len(groups)} cliques not agreed in "
-                    f"{limit_s:g} s ({'; '.join(detail)})"
+                    want = {m.address for m in groups[c]}
+                    wrong = []
+                    for m in groups[c]:
+                        view = self.views.get(m.name, (0.0, frozenset()))[1]
+                        have = {a for _, a in view}
+                        if have != want:
+                            lacks = sorted(want - have)
+                            extra = sorted(have - want)
+                            wrong.append(f"{m.name} lacks {lacks} has extra {extra}")
+                    detail.append(
+                        f"clique {c} ({len(want)} members): "
+                        + ("; ".join(wrong[:3]) or "views differ in their slots")
+                    )
+                problem = (
+                    f"{len(missing)} of {len(groups)} cliques not agreed in {limit_s:g} s "
+                    f"({'; '.join(detail)})"
                 )
+                self.log(f"{what}: {problem}")
+                return done, problem
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.5)):
                     await self.changed.wait()
@@ -696,7 +735,7 @@ class Bench:
     async def setup(self) -> None:
         load = os.getloadavg()
         self.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
-        self.broker = start_broker(self.opts.broker, self.root / "broker")
+        self.broker = await asyncio.to_thread(start_broker, self.opts.broker, self.root / "broker")
         sizes = clique_sizes(self.opts.nodes, self.opts.cliques)
         self.log(
             f"{self.opts.cliques} cliques of {min(sizes)}..{max(sizes)}, "
@@ -741,15 +780,15 @@ class Bench:
             w.send("start")
         limit = 30.0 + n / 20
         try:
-            done = await self.wait_cliques(groups, limit, "formation")
+            done, problem = await self.wait_cliques(groups, limit, "formation")
         finally:
             sampler.cancel()
         cpu1 = processes_cpu(self.agent_procs())
         broker1 = processes_cpu(broker)
-        t_formed = max(done.values())
+        t_formed = time.monotonic() if problem else max(done.values())
         ups = [self.ups.get(p.name) for p in self.plan]
         if any(u is None for u in ups):
-            raise BenchError("formation: an agent agreed before its link was up")
+            raise BenchError(f"formation: {ups.count(None)} agents never connected")
         t_conn = max(u for u in ups if u is not None)
         self.add(
             "formation: start -> last agent connected",
@@ -757,13 +796,14 @@ class Bench:
             note=f"first {min(u for u in ups if u is not None) - t0:.3f} s",
         )
         target = FORMATION_TARGETS_S.get(n)
-        per_clique = sorted(at - t_conn for at in done.values())
+        per_clique = sorted(at - t_conn for at in done.values()) or [INF]
         self.add(
             "formation: last connected -> every clique agreed",
-            t_formed - t_conn,
+            None if problem else t_formed - t_conn,
             target=f"<= {target:g} s" if target else "",
-            ok=None if target is None else t_formed - t_conn <= target,
-            note=f"per clique p50 {statistics.median(per_clique):.3f} s; "
+            ok=(False if problem else None if target is None else t_formed - t_conn <= target),
+            note=problem
+            or f"per clique p50 {statistics.median(per_clique):.3f} s; "
             f"start -> formed {t_formed - t0:.3f} s",
         )
         per_node_ms = (cpu1 - cpu0) / n * 1000
@@ -880,14 +920,15 @@ class Bench:
 
     async def change(
         self, phase: str, act: Callable[[], None], members: Sequence[NodePlan]
-    ) -> float:
+    ) -> tuple[float | None, str]:
         """Run `act` (a change in clique 0) and wait until `members` (clique 0 after it)
-        agree; count what the other cliques received meanwhile. The time from `act`."""
+        agree; count what the other cliques received meanwhile. The time from `act` (None:
+        no agreement), and what was wrong then."""
         c0 = await self.counts()
         t0 = time.monotonic()
         act()
         limit = CHANGE_LIMIT_S + (self.opts.will_delay_s if phase == "crash" else 0.0)
-        done = await self.wait_cliques({0: members}, limit, phase)
+        done, problem = await self.wait_cliques({0: members}, limit, phase)
         await asyncio.sleep(0.5)  # what is still in flight reaches the other cliques too
         c1 = await self.counts()
         in_clique0 = {p.name for p in [*self.clique0, self.joiner]}
@@ -908,41 +949,50 @@ class Bench:
             "change until clique 0 agreed + 0.5 s",
         )
         self.c0 = list(members)
-        return done[0] - t0
+        return (None, problem) if problem else (done[0] - t0, "")
 
     async def leave(self) -> None:
         leaver = self.leaver
         w = next(w for w in self.workers if leaver in w.nodes)
         rest = [p for p in self.c0 if p != leaver]
-        took = await self.change("leave", lambda: w.send(f"leave {leaver.name}"), rest)
-        self.add("leave: stop -> clique 0 agrees without it", took)
+        took, problem = await self.change("leave", lambda: w.send(f"leave {leaver.name}"), rest)
+        self.add(
+            "leave: stop -> clique 0 agrees without it",
+            took,
+            ok=False if took is None else None,
+            note=problem,
+        )
 
     async def join(self) -> None:
         joiner = self.joiner
         w = next(w for w in self.workers if joiner in w.nodes)
         t0 = time.monotonic()
-        took = await self.change("join", lambda: w.send(f"join {joiner.name}"), [*self.c0, joiner])
+        took, problem = await self.change(
+            "join", lambda: w.send(f"join {joiner.name}"), [*self.c0, joiner]
+        )
         up = self.ups.get(joiner.name)
+        note = problem or "its link-up time unknown"
+        if took is not None and up is not None:
+            note = f"its link up at +{up - t0:.3f} s, agreed {t0 + took - up:.3f} s after"
         self.add(
             "join: start -> clique 0 agrees with it",
             took,
-            note=(
-                f"its link up at +{up - t0:.3f} s, agreed {t0 + took - up:.3f} s after"
-                if up is not None
-                else "its link-up time unknown"
-            ),
+            ok=False if took is None else None,
+            note=note,
         )
 
     async def crash(self) -> None:
         w = self.victim_worker
         assert w is not None
         rest = [p for p in self.c0 if p != self.victim]
-        took = await self.change("crash", w.kill, rest)
+        took, problem = await self.change("crash", w.kill, rest)
         d = self.opts.will_delay_s
         self.add(
             "crash: SIGKILL -> clique 0 agrees without it",
             took,
-            note=f"the Will Delay ({d:g} s) included by design: +{took - d:.3f} s beyond it",
+            ok=False if took is None else None,
+            note=problem
+            or f"the Will Delay ({d:g} s) included by design: +{(took or 0) - d:.3f} s beyond it",
         )
 
     async def execute(self) -> None:
@@ -1028,7 +1078,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--nodes", type=int, default=256, help="agents (256)")
     parser.add_argument("--cliques", type=int, default=16, help="cliques, 18 nodes at most (16)")
     parser.add_argument(
-        "--broker", choices=("mosquitto", "nats-cluster"), default="mosquitto", help="(mosquitto)"
+        "--broker",
+        choices=("mosquitto", "nats", "nats-cluster"),
+        default="mosquitto",
+        help="mosquitto (default), one nats-server, or a cluster of three",
     )
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
@@ -1093,7 +1146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         sweep(root)
-        if opts.keep or (bench is not None and bench.error):
+        if opts.keep or (bench is not None and bench.anomalous):
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
