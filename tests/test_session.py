@@ -1,0 +1,343 @@
+"""Bus semantics of clustered brokers (issue 13) against a real Mosquitto: the resumed
+MQTT 5 session, the lost tombstone and the peers' hold, the retained-wildcard check.
+
+A link is cut without DISCONNECT by a fault proxy (tests/faultproxy.py); a broker that
+keeps retained messages from wildcard subscriptions is a small MQTT-aware relay in front
+of a real Mosquitto (`NoRetainedRelay`). Every wait is bounded; loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
+from imexd.demo.brokers import Mosquitto, free_port
+from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
+from imexd.settings import BusSettings
+from tests.faultproxy import FaultProxy
+from tests.support import loopback_address
+from tests.test_bus import MEMBERS, TOPICS, bus_for, fast_settings, next_event, no_event
+
+DOMAIN, CLIQUE = "d1", ""
+NODE = "n1"
+
+
+def tombstone(node: str = NODE) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain=DOMAIN,
+        clique=CLIQUE,
+        address="127.0.0.1",
+        slot=None,
+        incarnation=1,
+        state=MemberState.LOST,
+        max_nodes=18,
+        mode="names",
+    )
+
+
+def live(node: str = NODE) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain=DOMAIN,
+        clique=CLIQUE,
+        address="127.0.0.1",
+        slot=0,
+        incarnation=1,
+        state=MemberState.MEMBER,
+        max_nodes=18,
+        mode="names",
+    )
+
+
+def will(node: str = NODE) -> WillSpec:
+    return WillSpec(TOPICS.member(DOMAIN, CLIQUE, node), tombstone=tombstone(node))
+
+
+class Watch:
+    """The live member messages a plain observer gets straight from the broker, as
+    decoded JSON (None for an empty payload); its own snapshot left out."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any] | None] = []
+        self._changed = asyncio.Event()
+
+    def add(self, payload: dict[str, Any] | None) -> None:
+        self.seen.append(payload)
+        self._changed.set()
+
+    def states(self) -> list[str]:
+        return [p["state"] if p is not None else "" for p in self.seen]
+
+    def tombstone(self) -> dict[str, Any] | None:
+        return next((p for p in self.seen if p is not None and p["state"] == "lost"), None)
+
+    async def until(self, predicate: Callable[[], object], within: float) -> None:
+        """Until `predicate()` holds, at most `within` seconds (AssertionError then)."""
+        try:
+            async with asyncio.timeout(within):
+                while not predicate():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"not within {within} s; seen {self.states()}") from None
+
+
+@contextlib.asynccontextmanager
+async def watcher(port: int) -> AsyncIterator[Watch]:
+    """A `Watch` of the member records of d1, straight from the broker on `port`."""
+    watch = Watch()
+    bus = bus_for(fast_settings(f"mqtt://127.0.0.1:{port}"), "watch")
+    async with bus:
+        await bus.subscribe(MEMBERS)
+        await next_event(bus, Synced)
+
+        async def collect() -> None:
+            async for event in bus.events():
+                if isinstance(event, Received) and not event.retained:
+                    watch.add(to_builtins(event.payload))
+                elif isinstance(event, Deleted) and not event.retained:
+                    watch.add(None)
+
+        task = asyncio.create_task(collect())
+        try:
+            yield watch
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def agent_bus(settings: BusSettings) -> Bus:
+    """The agent's bus of n1 with its tombstone will, its record retained and synced."""
+    bus = bus_for(settings, NODE, will=will())
+    bus.start()
+    await bus.subscribe(MEMBERS)
+    await bus.retain(TOPICS.member(DOMAIN, CLIQUE, NODE), live())
+    await next_event(bus, Synced)
+    return bus
+
+
+# Session resume (MQTT 5).
+
+
+async def test_a_blip_within_the_will_delay_resumes_the_session_without_a_will(
+    broker: Mosquitto,
+) -> None:
+    """A link cut without DISCONNECT and back within will_delay_s: the agent resumes its
+    session (Clean Start off): what was published to its subscriptions meanwhile is
+    delivered live after the reconnect, and the broker never publishes the will."""
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        settings = fast_settings(proxy.url, will_delay_s=3.0, ping_interval_s=0.5)
+        async with watcher(broker.port) as watch:
+            bus = await agent_bus(settings)
+            try:
+                proxy.cut()
+                lost = await next_event(bus, Disconnected)
+                assert not lost.deliberate
+                async with bus_for(fast_settings(broker.url), "n2") as peer:
+                    await next_event(peer, Synced)
+                    await peer.publish(TOPICS.member(DOMAIN, CLIQUE, "n2"), live("n2"))
+                proxy.heal()
+                up = await next_event(bus, Connected, within=5)
+                assert up.protocol == "5"
+                queued = await next_event(
+                    bus, Received, lambda e: e.topic == TOPICS.member(DOMAIN, CLIQUE, "n2")
+                )
+                assert not queued.retained  # kept by the session, not from a snapshot
+                await asyncio.sleep(settings.will_delay_s + 1.0)
+            finally:
+                await bus.close()
+        assert "lost" not in watch.states()
+        assert "" not in watch.states()
+
+
+async def test_a_link_away_past_the_will_delay_leaves_a_tombstone_held_zero(
+    broker: Mosquitto,
+) -> None:
+    """MQTT 5, away for longer than the Will Delay: the broker waited, so the tombstone
+    (state lost, the node's identity, no slot) says hold_s 0."""
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        settings = fast_settings(proxy.url, will_delay_s=1.0)
+        async with watcher(broker.port) as watch:
+            bus = await agent_bus(settings)
+            try:
+                proxy.cut()
+                cut = time.monotonic()
+                await watch.until(watch.tombstone, 5)
+                waited = time.monotonic() - cut
+            finally:
+                proxy.heal()
+                await bus.close()
+        got = watch.tombstone()
+        assert got is not None
+        assert waited >= 0.8, waited
+        assert got["hold_s"] == 0
+        assert (got["node"], got["domain"], got["slot"], got["incarnation"]) == (
+            NODE,
+            DOMAIN,
+            None,
+            1,
+        )
+
+
+async def test_on_311_the_tombstone_comes_at_once_and_asks_peers_to_hold(
+    broker: Mosquitto,
+) -> None:
+    """MQTT 3.1.1 has no Will Delay: the tombstone comes at once with hold_s =
+    will_delay_s, and the agent's record comes back when its link does."""
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        settings = fast_settings(proxy.url, will_delay_s=4.0, protocol="3.1.1")
+        async with watcher(broker.port) as watch:
+            bus = await agent_bus(settings)
+            try:
+                proxy.cut()
+                cut = time.monotonic()
+                await watch.until(watch.tombstone, 3)
+                assert time.monotonic() - cut < 2.0
+                proxy.heal()
+                await watch.until(lambda: watch.states()[-1] == "member", 5)
+            finally:
+                await bus.close()
+        got = watch.tombstone()
+        assert got is not None
+        assert got["hold_s"] == 4.0
+
+
+async def test_broker_will_delay_false_makes_peers_hold_on_mqtt5(broker: Mosquitto) -> None:
+    """`[bus] broker_will_delay = false`: an MQTT 5 broker is not trusted to delay the
+    will, so the tombstone asks the peers to hold it for will_delay_s."""
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        settings = fast_settings(proxy.url, will_delay_s=1.0, broker_will_delay=False)
+        async with watcher(broker.port) as watch:
+            bus = await agent_bus(settings)
+            try:
+                proxy.cut()
+                await watch.until(watch.tombstone, 5)
+            finally:
+                proxy.heal()
+                await bus.close()
+        got = watch.tombstone()
+        assert got is not None
+        assert got["hold_s"] == 1.0
+
+
+# The retained-wildcard check.
+
+
+async def test_a_normal_broker_passes_the_retained_wildcard_check(broker: Mosquitto) -> None:
+    """Mosquitto sends our record, flagged retained, to a new wildcard subscription."""
+    bus = await agent_bus(fast_settings(broker.url))
+    try:
+        checked = await next_event(bus, BrokerChecked)
+        assert checked.ok
+        assert bus.retained_checked
+        assert bus.no_retained_wildcard == ""
+        assert bus.synced_at is not None
+    finally:
+        await bus.close()
+
+
+class NoRetainedRelay:
+    """An MQTT-aware relay in front of a real broker that never delivers retained
+    messages: every PUBLISH from the broker with the retain flag is dropped (and, at QoS
+    1, acknowledged to the broker on the client's behalf). Live messages pass."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.host = loopback_address()
+        self.port = free_port(self.host)
+        self.dropped = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    async def __aenter__(self) -> NoRetainedRelay:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        pumps = [
+            asyncio.create_task(self._pump(client_r, up_w, None)),
+            asyncio.create_task(self._pump(up_r, client_w, up_w)),
+        ]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pumps:
+                task.cancel()
+                self._tasks.discard(task)
+            client_w.close()
+            up_w.close()
+
+    async def _pump(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        ack_to: asyncio.StreamWriter | None,
+    ) -> None:
+        """Forward whole packets; on the way down (`ack_to` set) drop retained PUBLISHes."""
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await src.readexactly(1)
+                length, multiplier, raw_length = 0, 1, b""
+                while True:
+                    byte = await src.readexactly(1)
+                    raw_length += byte
+                    length += (byte[0] & 0x7F) * multiplier
+                    multiplier *= 128
+                    if not byte[0] & 0x80:
+                        break
+                body = await src.readexactly(length)
+                kind, flags = head[0] >> 4, head[0] & 0x0F
+                if ack_to is not None and kind == 3 and flags & 0x01:
+                    self.dropped += 1
+                    qos = (flags >> 1) & 0x03
+                    if qos:
+                        topic_length = int.from_bytes(body[:2], "big")
+                        packet_id = body[2 + topic_length : 4 + topic_length]
+                        ack_to.write(b"\x40\x02" + packet_id)
+                    continue
+                dst.write(head + raw_length + body)
+                await dst.drain()
+
+
+async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_again(
+    broker: Mosquitto,
+) -> None:
+    """A broker that keeps retained messages from wildcard subscriptions: once our record
+    came back live, the check fails (BrokerChecked not ok, naming the broker), the bus
+    is no longer synced, and on the next link no Synced comes while the check fails."""
+    async with NoRetainedRelay(broker.port) as relay:
+        bus = await agent_bus(fast_settings(relay.url))
+        try:
+            checked = await next_event(bus, BrokerChecked)
+            assert not checked.ok
+            assert relay.url in checked.detail
+            assert bus.no_retained_wildcard == checked.detail
+            assert bus.synced_at is None
+            assert relay.dropped > 0
+            bus._kill(bus._client, "test: drop the link")  # type: ignore[arg-type]
+            await next_event(bus, Connected)
+            again = await next_event(bus, BrokerChecked, within=5)
+            assert not again.ok
+            await no_event(bus, Synced, lambda _: True, 1.0)
+            assert bus.synced_at is None
+        finally:
+            await bus.close()
