@@ -4,6 +4,7 @@ a three-server NATS cluster.
     .venv/bin/python bench/scale.py --nodes 256 --cliques 16
     .venv/bin/python bench/scale.py --nodes 1024 --cliques 57 --broker nats-cluster
     .venv/bin/python bench/scale.py --nodes 64 --cliques 4 --workers 2   # a quick look
+    .venv/bin/python bench/scale.py --nodes 256 --cliques 16 --profile   # where CPU goes
 
 bench/formation.py times a few dozen agents with their (simulated) IMEX daemons; this
 script asks what the bus and membership do with a fleet: N agents in C cliques, the
@@ -24,7 +25,8 @@ that one core's loop is not the limit. One more process hosts a single agent of 
 the crash victim. Every agent has the shipped settings but what makes it distinct (name,
 address, state dir, run dir, hosts file, health port 0, a fake driver under its folder)
 and `[bus] will_delay_s` = `--will-delay-s` (2 s, so the crash is short), plus the
-broker's URLs (NATS: all three, `[bus] protocol = "3.1.1"`, as NATS speaks nothing else).
+broker's URLs (`--broker nats-cluster`: all three, in an order rotated per agent so the
+agents spread over the servers; NATS: `[bus] protocol = "3.1.1"`, all it speaks).
 
 Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden):
 1. formation: every agent starts at once. Measured from the last agent's first link up
@@ -50,7 +52,9 @@ Every process the script starts (broker, workers) has the run's work folder on i
 command line; on exit, failure, SIGINT or SIGTERM the agents leave (bounded), then
 whatever still runs from that folder is killed and the folder removed (`--keep` keeps it,
 with each worker's JSON log). Runs are bounded: each wait by its own limit, the whole run
-by `--limit-s`.
+by `--limit-s`. The first lines printed say what ran: the machine, its load average, the
+commit and whether the agent's code had uncommitted changes. `--profile` writes a cProfile
+of each worker from the start to formed + 1 s (workerN.prof in the kept folder).
 """
 
 from __future__ import annotations
@@ -62,10 +66,12 @@ import cProfile
 import json
 import logging
 import os
+import platform
 import resource
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,7 +89,7 @@ from imexd.agent import Agent
 from imexd.bus import Bus
 from imexd.demo.brokers import Mosquitto, Nats, NatsCluster
 from imexd.demo.nodes import fake_driver
-from imexd.messages import Topics
+from imexd.messages import Payload, Topics
 from imexd.settings import settings_from_mapping
 
 SCRIPT: Final = Path(__file__).resolve()
@@ -159,6 +165,14 @@ class CountingBus(Bus):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.received: Counter[str] = Counter()
+        self.retained: Counter[str] = Counter()
+        """Records it set or cleared, by topic (a claim, a member record, a report...)."""
+
+    async def retain(
+        self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
+    ) -> None:
+        self.retained[topic] += 1
+        await super().retain(topic, payload, message_expiry_s=message_expiry_s)
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         self.received[topic] += 1
@@ -311,6 +325,9 @@ class Worker:
                     counts[kind] += count
                     if ref is not None and ref.kind == "member":
                         counts[f"member@{ref.domain}"] += count
+                for topic, count in bus.retained.items():
+                    ref = self.topics.parse(topic)
+                    counts[f"sent@{'other' if ref is None else ref.kind}"] += count
             per_node[name] = dict(counts)
         out = {"nodes": per_node, "lag_max": self.lag_max, "lag_total": self.lag_total}
         self.lag_max = self.lag_total = 0.0
@@ -778,7 +795,7 @@ class Bench:
         t0 = time.monotonic()
         for w in self.all_workers():
             w.send("start")
-        limit = 30.0 + n / 20
+        limit = 30.0 + n / 10
         try:
             done, problem = await self.wait_cliques(groups, limit, "formation")
         finally:
@@ -835,6 +852,7 @@ class Bench:
         counts = await self.counts()
         totals = [sum(v for k, v in c.items() if "@" not in k) for c in counts.values()]
         members = [c.get("member", 0) for c in counts.values()]
+        sent = [c.get("sent@member", 0) for c in counts.values()]
         kinds: Counter[str] = Counter()
         for c in counts.values():
             kinds.update({k: v for k, v in c.items() if "@" not in k})
@@ -846,6 +864,13 @@ class Bench:
             f"{max(members)}; all nodes by kind: "
             + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
             + " (start -> formed + 1 s, counted by each agent's bus)",
+        )
+        self.add(
+            "formation: member records published per node",
+            statistics.mean(sent),
+            "msgs",
+            note=f"max {max(sent)}: every claim (a lost one is claimed again on the next "
+            "free slot) and the member record",
         )
         self.add_foreign("formation", counts)
         self.add(
@@ -1122,6 +1147,34 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     )
 
 
+def machine() -> str:
+    """The machine and the code measured: CPUs, memory, load, the commit (and whether the
+    agent's code differs from it)."""
+    load = os.getloadavg()
+    tree = "not a git checkout"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        top = SCRIPT.parent.parent
+        head = subprocess.run(
+            ["git", "-C", str(top), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(top), "status", "--porcelain", "--", "imexd"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        tree = f"commit {head}" + (" with uncommitted changes in imexd/" if dirty else "")
+    return (
+        f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
+        f"{platform.python_version()}, loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {tree}"
+    )
+
+
 def raise_fd_limit() -> None:
     """Every agent holds a few sockets and the broker one per agent: the soft limit of
     open files goes up to the hard one (inherited by the broker and the workers)."""
@@ -1137,6 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(args)
     raise_fd_limit()
     root = Path(tempfile.mkdtemp(prefix="imexd-scale-", dir=opts.workdir))
+    print(f"machine: {machine()}")
     print(f"work folder: {root}", flush=True)
     bench: Bench | None = None
     try:
@@ -1155,6 +1209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = {
             "options": {k: str(v) for k, v in asdict(opts).items()},
             "load": bench.load,
+            "machine": machine(),
             "error": bench.error,
             "figures": [asdict(f) for f in bench.figures],
         }
