@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import pytest
 
 from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
+from tests.cluster import Cluster, Node, formed, members, pids, slot_of
 from tests.faultproxy import FaultProxy
 from tests.support import loopback_address
 from tests.test_bus import MEMBERS, TOPICS, bus_for, fast_settings, next_event, no_event
@@ -341,3 +345,89 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
             assert bus.synced_at is None
         finally:
             await bus.close()
+
+
+# Agents on MQTT 3.1.1: the peers hold a lost node for will_delay_s.
+
+HOLD_S = 4.0
+ON_311 = {"bus": {"protocol": "3.1.1", "will_delay_s": HOLD_S}}
+
+
+def cluster_member(node: Node) -> str:
+    return TOPICS.member("d1", "c1", node.name)
+
+
+def files(node: Node) -> tuple[str, str]:
+    """The node's hosts file and IMEX nodes file, as the daemon reads them."""
+    return node.hosts_file.read_text(), (node.run_dir / "nodes_config.cfg").read_text()
+
+
+def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
+    """Three agents on MQTT 3.1.1 (will_delay_s HOLD_S) formed into d1/c1."""
+    nodes = [c.add(f"n{i}", overrides=ON_311, via_proxy=f"n{i}" == proxied) for i in (1, 2, 3)]
+    formed(c, nodes)
+    return nodes
+
+
+@pytest.mark.slow
+def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr1(
+    c: Cluster,
+) -> None:
+    """SIGKILL on 3.1.1: the broker publishes the tombstone at once; the peers keep the
+    node's slot in their hosts and nodes files for will_delay_s, then drop it with one
+    SIGUSR1 each, and their daemons keep running."""
+    nodes = form_311(c)
+    victim, stay = nodes[2], nodes[:2]
+    slot = slot_of(victim)
+    before = pids(stay)
+    kept = {n.name: files(n) for n in stay}
+    reloads = {n.name: len(n.reloads()) for n in stay}
+    killed = time.monotonic()
+    victim.crash()
+    with c.client() as client:
+        c.wait(
+            lambda: (
+                b'"lost"'
+                in client.retained(cluster_member(victim)).get(cluster_member(victim), b"")
+            ),
+            timeout=3,
+        )
+        record = json.loads(client.retained(cluster_member(victim))[cluster_member(victim)])
+    assert (record["state"], record["hold_s"], record["slot"]) == ("lost", HOLD_S, None)
+    time.sleep(max(0.0, killed + HOLD_S - 1.0 - time.monotonic()))
+    held = {n.name: files(n) for n in stay}
+    assert held == kept, "a peer changed its files within the hold"
+    c.wait(lambda: all(n.hosts_slots().get(slot, "") is None for n in stay), timeout=15)
+    gone = time.monotonic() - killed
+    assert gone >= HOLD_S - 0.5, f"dropped {gone:.1f} s after the kill, hold {HOLD_S} s"
+    c.wait(lambda: all(len(n.reloads()) > reloads[n.name] for n in stay), timeout=10)
+    time.sleep(2.0)
+    assert {n.name: len(n.reloads()) - reloads[n.name] for n in stay} == {"n1": 1, "n2": 1}
+    assert all(victim.address not in members(n).values() for n in stay)
+    assert pids(stay) == before
+
+
+@pytest.mark.slow
+def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Cluster) -> None:
+    """n3's link is cut and back within will_delay_s on 3.1.1: its tombstone came, but its
+    record came back in time, so no peer sends SIGUSR1 or rewrites a file."""
+    nodes = form_311(c, proxied="n3")
+    victim, stay = nodes[2], nodes[:2]
+    assert victim.proxy is not None
+    kept = {n.name: files(n) for n in stay}
+    signals = {n.name: n.signals() for n in stay}
+    before = pids(nodes)
+    with c.client() as watch:
+        watch.record(cluster_member(victim))
+        victim.proxy.cut()
+        c.wait(lambda: any(b'"lost"' in p for _, p in watch.seen()), timeout=5)
+        time.sleep(0.5)
+        victim.proxy.heal()
+        c.wait(lambda: victim.condition("BusConnected").get("status") == "True", timeout=10)
+        time.sleep(HOLD_S + 1.0)
+        last = json.loads(watch.seen()[-1][1])
+    assert last["state"] == "member"
+    assert {n.name: files(n) for n in stay} == kept
+    assert {n.name: n.signals() for n in stay} == signals
+    assert pids(nodes) == before
+    c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=15)
