@@ -681,9 +681,10 @@ class Devices:
                 continue
             channel = int(match.group(1))
             canonical = name == f"channel{channel}"
-            if canonical and (channel in keep or (channel == 0 and keep0)):
+            path = _inside(self._dev_dir, name)
+            if canonical and (channel in keep or (channel == 0 and keep0 and _drivers(path))):
                 continue
-            self._remove(_inside(self._dev_dir, name), ops, problems)
+            self._remove(path, ops, problems)
 
     # --- hand-off files ---
 
@@ -795,3 +796,23 @@ def _write_handoff(folder: str, name: str, content: str) -> bool:
             os.chmod(path, HANDOFF_MODE)
         changed = True
     return changed
+
+
+DRIVER_CHANNEL0_MODE: Final = 0o666
+"""How the driver makes channel 0 (NVreg_CreateImexChannel0=1): root's, world-writable."""
+
+
+def _drivers(path: str) -> bool:
+    """Whether the node at `path` is channel 0 as the driver makes it (root:root 0666),
+    not one a finished workload was given: `keep_channel0` keeps only the driver's, so a
+    job's channel 0 never outlives the job with the job's owner."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISCHR(info.st_mode)
+        and os.minor(info.st_rdev) == 0
+        and (info.st_uid, info.st_gid) == (0, 0)
+        and stat.S_IMODE(info.st_mode) == DRIVER_CHANNEL0_MODE
+    )

@@ -661,6 +661,20 @@ def test_a_workload_on_channel0_owns_it_even_with_keep_channel0(
 
 
 @needs_root
+def test_keep_channel0_does_not_keep_a_finished_workloads_channel0(
+    settings: ChannelsSettings,
+) -> None:
+    """A channel 0 given to a workload keeps the job's owner and mode: once the workload is
+    gone it is no longer the driver's and goes, even with keep_channel0."""
+    devices = Devices(replace(settings, keep_channel0=True))
+    devices.apply({0: _want(channel=0, mode=0o600)}, major=MAJOR)
+    assert _names(settings.dev_dir) == ["channel0"]
+    applied = devices.apply({}, major=MAJOR)
+    assert _names(settings.dev_dir) == []
+    assert applied.ops["remove", "ok"] >= 1
+
+
+@needs_root
 def test_without_keep_channel0_it_is_removed(settings: ChannelsSettings) -> None:
     """The default removes the driver's channel0 so that channels isolate."""
     _mknod(_node(settings, 0), MAJOR, 0, mode=0o666)

@@ -285,6 +285,20 @@ def test_written_paths_are_writable_mounts(name: str, doc: Doc, spec: Doc, conta
     assert mount_of(container, "/etc/hosts") is None
 
 
+def test_the_daemonset_makes_channels_on_the_node() -> None:
+    """The DaemonSet agent makes workloads' channel nodes, CDI specs and env files in the
+    node's folders (hostPath), not in its container's copy of /dev, where no pod sees them."""
+    name, doc, spec, container = next(a for a in AGENTS if a[1]["kind"] == "DaemonSet")
+    settings = effective(doc, spec, container)
+    assert settings.channels.manage
+    assert container["securityContext"]["privileged"] is True  # mknod, chown, any device
+    for path in (settings.channels.dev_dir, settings.channels.cdi_dir, settings.channels.env_dir):
+        mount = mounts(container).get(path)
+        assert mount is not None, f"{name}: {path} is not a volume"
+        assert not mount.get("readOnly", False), f"{path} is mounted read-only"
+        assert volume(spec, mount["name"])["hostPath"]["path"] == path, f"{path} is not the node's"
+
+
 @pytest.mark.parametrize(("name", "doc", "spec", "container"), AGENTS, ids=AGENT_IDS)
 def test_imex_binaries_and_secrets_are_mounted(
     name: str, doc: Doc, spec: Doc, container: Doc

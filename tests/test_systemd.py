@@ -236,14 +236,19 @@ def writable_paths(unit: Unit) -> set[str]:
 
 
 def test_writable_paths_are_exactly_what_is_written(unit: Unit) -> None:
-    """Only the default run dir, state dir, hosts file and IMEX's persist dir are writable."""
+    """Only the default run dir, state dir, hosts file, IMEX's persist dir and the CDI
+    folder are writable (the channel nodes and env files live in /dev and the run dir)."""
     assert single(unit, "Service", "ProtectSystem") == "strict"
+    cdi_dir = str(default("channels", "cdi_dir"))
     expected = {
         default("imex", "run_dir"),
         default("node", "state_dir"),
         default("imex", "hosts_file"),
         IMEX_PERSIST_DIR,
+        cdi_dir.replace("/var/run/", "/run/", 1),
     }
+    assert str(default("channels", "env_dir")).startswith(str(default("imex", "run_dir")) + "/")
+    assert str(default("channels", "dev_dir")).startswith("/dev/")
     assert writable_paths(unit) == expected
     assert single(unit, "Service", "RuntimeDirectoryPreserve") == "yes"
 
