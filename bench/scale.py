@@ -205,6 +205,9 @@ class Worker:
         self.root = Path(spec["root"])
         self.hosted: dict[str, Hosted] = {}
         self.up: set[str] = set()
+        self.connects: Counter[str] = Counter()
+        """Links up per agent (more than one: a link was lost or declared dead)."""
+        self.starter: asyncio.Task[None] | None = None
         self.lag_max = 0.0
         self.lag_total = 0.0
         self.topics = Topics(PREFIX)
@@ -219,6 +222,7 @@ class Worker:
         """A structlog processor: an agent's first `bus_connected` is its link up."""
         if event_dict.get("event") == "bus_connected":
             node = str(event_dict.get("bench_node", ""))
+            self.connects[node] += 1
             if node and node not in self.up:
                 self.up.add(node)
                 self.emit(ev="up", node=node, at=time.monotonic())
@@ -282,6 +286,15 @@ class Worker:
         if h.task is None:
             h.task = asyncio.create_task(self._agent(h), name=f"agent-{h.plan.name}")
 
+    async def start_all(self, hosted: Sequence[Hosted], ramp_s: float) -> None:
+        """Start `hosted`, spread evenly over `ramp_s` seconds (0: all at once)."""
+        t0 = time.monotonic()
+        for i, h in enumerate(hosted):
+            due = t0 + ramp_s * i / len(hosted)
+            if due > time.monotonic():
+                await asyncio.sleep(due - time.monotonic())
+            self.start(h)
+
     async def watch(self) -> None:
         """Tell the bench every change of an agent's settled members (slot -> address)."""
         while True:
@@ -325,6 +338,7 @@ class Worker:
                     counts[kind] += count
                     if ref is not None and ref.kind == "member":
                         counts[f"member@{ref.domain}"] += count
+                counts["link@connects"] = self.connects[name]
                 for topic, count in bus.retained.items():
                     ref = self.topics.parse(topic)
                     counts[f"sent@{'other' if ref is None else ref.kind}"] += count
@@ -361,12 +375,11 @@ class Worker:
             while line := await reader.readline():
                 command = line.decode().split()
                 match command:
-                    case ["start"]:
+                    case ["start", ramp]:
                         if profiler is not None:
                             profiler.enable()
-                        for h in self.hosted.values():
-                            if h.plan.initial:
-                                self.start(h)
+                        initial = [h for h in self.hosted.values() if h.plan.initial]
+                        self.starter = asyncio.create_task(self.start_all(initial, float(ramp)))
                     case ["join", name]:
                         self.start(self.hosted[name])
                     case ["leave", name]:
@@ -569,6 +582,7 @@ class Options:
     workdir: Path | None
     json_out: Path | None
     profile: bool = False
+    ramp_s: float = 0.0
 
 
 def processes_cpu(procs: Iterable[psutil.Process]) -> float:
@@ -794,8 +808,8 @@ class Bench:
         cpu0, broker0, rss0 = samples[0][1:]
         t0 = time.monotonic()
         for w in self.all_workers():
-            w.send("start")
-        limit = 30.0 + n / 10
+            w.send(f"start {self.opts.ramp_s}")
+        limit = 30.0 + n / 15
         try:
             done, problem = await self.wait_cliques(groups, limit, "formation")
         finally:
@@ -873,6 +887,14 @@ class Bench:
             "free slot) and the member record",
         )
         self.add_foreign("formation", counts)
+        links = [c.get("link@connects", 0) for c in counts.values()]
+        self.add(
+            "formation: links up per agent",
+            statistics.mean(links),
+            "",
+            note=f"max {max(links)}; more than 1: a link lost or declared dead (no ping echo "
+            "within [bus] ping_interval_s, a timed-out operation) and reconnected",
+        )
         self.add(
             "formation: worker event loop late by (max)",
             self.last_lag * 1000,
@@ -958,20 +980,24 @@ class Bench:
         c1 = await self.counts()
         in_clique0 = {p.name for p in [*self.clique0, self.joiner]}
         others = [node for node in c1 if node not in in_clique0]
-        received = 0
+        mine = f"member@{self.clique0[0].domain}"
+        crossed = own = 0
         for node in others:
             before = c0.get(node, {})
-            received += sum(
-                v - before.get(k, 0) for k, v in c1[node].items() if k.startswith("member@")
-            )
+            for k, v in c1[node].items():
+                if k == mine:
+                    crossed += v - before.get(k, 0)
+                elif k.startswith("member@"):
+                    own += v - before.get(k, 0)
         self.add(
-            f"{phase}: member records delivered to other cliques",
-            received,
+            f"{phase}: clique 0's member records delivered to other cliques",
+            crossed,
             "count",
             target="0",
-            ok=received == 0,
+            ok=crossed == 0,
             note=f"to {len(others)} agents of {self.opts.cliques - 1} other cliques, from the "
-            "change until clique 0 agreed + 0.5 s",
+            f"change until clique 0 agreed + 0.5 s; their own cliques' records meanwhile: "
+            f"{own} (0 when the rest is idle)",
         )
         self.c0 = list(members)
         return (None, problem) if problem else (done[0] - t0, "")
@@ -1024,6 +1050,10 @@ class Bench:
         await self.setup()
         await self.formation()
         await self.idle()
+        if self.agreed(self.c0) is None:
+            for phase in ("leave", "join", "crash"):
+                self.add(f"{phase}: not run", None, ok=False, note="clique 0 never agreed")
+            return
         await self.leave()
         await self.join()
         await self.crash()
@@ -1111,6 +1141,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle sampling seconds (10)")
+    parser.add_argument(
+        "--ramp-s",
+        type=float,
+        default=0.0,
+        help="start the agents spread evenly over this many seconds (0: all at once)",
+    )
     parser.add_argument("--limit-s", type=float, default=300.0, help="bound of the run (300)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the work folder")
@@ -1144,6 +1180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         workdir=args.workdir,
         json_out=args.json,
         profile=args.profile,
+        ramp_s=args.ramp_s,
     )
 
 
