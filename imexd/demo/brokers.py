@@ -500,11 +500,13 @@ def retained_flow(servers: list[Nats], deadline: float) -> None:
                     f"reach {server.name}: {problem}\n{log_tail(server.log_path)}"
                 )
             time.sleep(0.2)
-    asyncio.run(_publish(first, topic, b""))
+    # Clearing the marker is tidiness: a slow acknowledgement must not fail the start.
+    with contextlib.suppress(aiomqtt.MqttError, OSError):
+        asyncio.run(_publish(first, topic, b"", wait_s=10.0))
 
 
-async def _publish(server: Nats, topic: str, payload: bytes) -> None:
-    async with _client(server) as client:
+async def _publish(server: Nats, topic: str, payload: bytes, *, wait_s: float = 2.0) -> None:
+    async with _client(server, wait_s) as client:
         await client.publish(topic, payload, qos=1, retain=True)
 
 
@@ -513,7 +515,7 @@ async def _retained_problem(first: Nats, other: Nats, topic: str, payload: bytes
     went wrong, or the empty string."""
     try:
         await _publish(first, topic, payload)
-        async with _client(other) as client, asyncio.timeout(2.0):
+        async with _client(other, 2.0) as client, asyncio.timeout(2.0):
             await client.subscribe(topic, qos=1)
             async for message in client.messages:
                 if message.retain and message.payload == payload:
@@ -523,13 +525,13 @@ async def _retained_problem(first: Nats, other: Nats, topic: str, payload: bytes
     return "no message"
 
 
-def _client(server: Nats) -> aiomqtt.Client:
+def _client(server: Nats, timeout: float) -> aiomqtt.Client:
     return aiomqtt.Client(
         server.host,
         server.port,
         identifier=f"imexd-ready-{secrets.token_hex(4)}",
         protocol=aiomqtt.ProtocolVersion.V311,
-        timeout=2.0,
+        timeout=timeout,
     )
 
 
