@@ -44,10 +44,10 @@ def tombstone(node: str = NODE) -> MemberRecord:
     )
 
 
-def live(node: str = NODE) -> MemberRecord:
+def live(node: str = NODE, domain: str = DOMAIN) -> MemberRecord:
     return MemberRecord(
         node=node,
-        domain=DOMAIN,
+        domain=domain,
         clique=CLIQUE,
         address="127.0.0.1",
         slot=0,
@@ -158,6 +158,30 @@ async def test_a_blip_within_the_will_delay_resumes_the_session_without_a_will(
                 await bus.close()
         assert "lost" not in watch.states()
         assert "" not in watch.states()
+
+
+async def test_a_filter_given_up_while_away_is_dropped_from_the_resumed_session(
+    broker: Mosquitto,
+) -> None:
+    """A filter unsubscribed while the link was down is still in the broker's session:
+    the resumed link unsubscribes it, so nothing published there reaches the agent."""
+    other = TOPICS.members_filter("d2", CLIQUE)
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        bus = await agent_bus(fast_settings(proxy.url, will_delay_s=5.0))
+        try:
+            await bus.subscribe(other)
+            await next_event(bus, Synced)
+            proxy.cut()
+            await next_event(bus, Disconnected)
+            await bus.unsubscribe(other)
+            proxy.heal()
+            await next_event(bus, Synced, within=5)
+            async with bus_for(fast_settings(broker.url), "n2") as peer:
+                await next_event(peer, Synced)
+                await peer.publish(TOPICS.member("d2", CLIQUE, "n2"), live("n2", domain="d2"))
+            await no_event(bus, Received, lambda e: "d2" in e.topic, 1.5)
+        finally:
+            await bus.close()
 
 
 async def test_a_link_away_past_the_will_delay_leaves_a_tombstone_held_zero(
