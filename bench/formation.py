@@ -81,7 +81,8 @@ One file on purpose (about 1500 lines): a script that is run, read and changed a
 experiment, not a library; its sections (log capture, the broker's view, nodes, figures,
 one run with one method per phase, output, main) follow the order of a run. What it
 shares with the demo and the tests (free ports, the Mosquitto launcher) it imports from
-`imexd.demo.brokers`.
+`imexd.demo.brokers`. Hundreds of membership-only agents in many cliques, on Mosquitto or
+a NATS cluster, are bench/scale.py's job.
 """
 
 from __future__ import annotations
