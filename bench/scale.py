@@ -195,7 +195,8 @@ class Worker:
     """Runs the agents of its spec; reads commands on stdin, writes events on stdout, one
     JSON object a line, times on the machine's monotonic clock (the same in every process).
 
-    Commands: start (every initial agent), join NAME, leave NAME, stats, quit.
+    Commands: start RAMP_S (every initial agent, spread over RAMP_S seconds), join NAME,
+    leave NAME, stats, quit.
     Events: ready, up (an agent's first link), view (an agent's settled members changed),
     exit (an agent ended), stats, bye.
     """
@@ -349,6 +350,8 @@ class Worker:
 
     async def quit(self) -> None:
         """Every agent leaves (bounded), then the rest is cancelled."""
+        if self.starter is not None:
+            self.starter.cancel()
         for h in self.hosted.values():
             h.stop.set()
         tasks = [h.task for h in self.hosted.values() if h.task is not None and not h.task.done()]
@@ -430,6 +433,7 @@ class WorkerProc:
         self.stats_due: asyncio.Future[dict[str, Any]] | None = None
         self.bye = asyncio.Event()
         self.reader: asyncio.Task[None] | None = None
+        self.killed = False
 
     async def spawn(self, spec: Mapping[str, Any]) -> None:
         root = self.bench.root
@@ -473,7 +477,7 @@ class WorkerProc:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.proc is not None and self.proc.returncode is None and not self.killed
 
     async def stats(self) -> dict[str, Any]:
         self.stats_due = asyncio.get_running_loop().create_future()
@@ -493,6 +497,7 @@ class WorkerProc:
         if self.alive:
             assert self.proc is not None
             self.proc.send_signal(signal.SIGKILL)
+            self.killed = True
 
 
 # Brokers -------------------------------------------------------------------------------
