@@ -143,6 +143,10 @@ class ShardView:
         self.decision: mb.Decision | None = None
         self.wake_at: float | None = None
         self.synced = False
+        self.trusted = False
+        """The broker of this link gave our own record back, flagged retained, to a new
+        wildcard subscription (`BrokerChecked`): only then does our claim's echo settle
+        it, since a snapshot without the peers' records would let two nodes win a slot."""
         self.sync_after = 0.0
         self.unconfirmed: set[str] = set()
         """Nodes whose records come from a previous link and were not seen again yet."""
@@ -256,6 +260,7 @@ class ShardView:
             self.in_flight.clear()
             self.echo = None
             self.republish = True
+            self.trusted = False
         elif isinstance(event, Disconnected):
             self.synced = False
             self._doubt_recent_deletions(now)
@@ -263,12 +268,13 @@ class ShardView:
                 return self._on_taken_over()
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
-        elif isinstance(event, ConnectFailed) or (
-            isinstance(event, BrokerChecked) and not event.ok
-        ):
+        elif isinstance(event, ConnectFailed):
+            self.synced = False
+        elif isinstance(event, BrokerChecked):
             # A broker that keeps retained messages from wildcard subscriptions shows no
             # peers: nothing it says settles a claim (BrokerNoRetainedWildcard).
-            self.synced = False
+            self.trusted = event.ok
+            self.synced = self.synced and event.ok
         elif isinstance(event, Synced):
             if event.at >= self.sync_after:
                 self.synced = True
@@ -561,6 +567,11 @@ class ShardView:
             # Another agent may run as this node: hold everything, publish nothing.
             self.decision = None
             return Plan(desired=Desired(domain=domain, clique=clique))
+        echo = self.echo
+        if echo is not None and echo.rival is None and not self.trusted:
+            # Our claim is back and would settle: it does once the broker passed the
+            # retained check of this link (BrokerChecked). Keep what runs meanwhile.
+            return Plan()
         outbid = False
         if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
             # A record of our name that no live agent re-published within the watch: a

@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 
 from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
 from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.timings import FAST
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
 from tests.cluster import Cluster, Node, formed, members, pids, slot_of
@@ -375,6 +377,7 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
 
 HOLD_S = 4.0
 ON_311 = {"bus": {"protocol": "3.1.1", "will_delay_s": HOLD_S}}
+QUIET_S = 2 * float(FAST["imex"]["reload_min_interval_s"])
 
 
 def cluster_member(node: Node) -> str:
@@ -387,9 +390,22 @@ def files(node: Node) -> tuple[str, str]:
 
 
 def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
-    """Three agents on MQTT 3.1.1 (will_delay_s HOLD_S) formed into d1/c1."""
+    """Three agents on MQTT 3.1.1 (will_delay_s HOLD_S) formed into d1/c1, and quiet: a
+    SIGUSR1 of the formation, paced by reload_min_interval_s, may still be on its way
+    when the domain is up, so wait until no daemon got a signal for QUIET_S."""
     nodes = [c.add(f"n{i}", overrides=ON_311, via_proxy=f"n{i}" == proxied) for i in (1, 2, 3)]
     formed(c, nodes)
+    seen = {n.name: n.signals() for n in nodes}
+    since = time.monotonic()
+
+    def quiet() -> bool:
+        nonlocal seen, since
+        now = {n.name: n.signals() for n in nodes}
+        if now != seen:
+            seen, since = now, time.monotonic()
+        return time.monotonic() - since >= QUIET_S
+
+    c.wait(quiet, timeout=20)
     return nodes
 
 
@@ -455,3 +471,45 @@ def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Clus
     assert {n.name: n.signals() for n in stay} == signals
     assert pids(nodes) == before
     c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=15)
+
+
+@contextlib.contextmanager
+def no_retained_relay(port: int) -> Iterator[NoRetainedRelay]:
+    """A `NoRetainedRelay` to the broker on `port`, served by a thread of its own (for
+    tests that drive agent processes synchronously)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="no-retained-relay", daemon=True)
+    thread.start()
+    relay = NoRetainedRelay(port)
+    try:
+        asyncio.run_coroutine_threadsafe(relay.__aenter__(), loop).result(5)
+        yield relay
+    finally:
+        asyncio.run_coroutine_threadsafe(relay.__aexit__(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+@pytest.mark.slow
+def test_an_agent_on_a_broker_without_retained_wildcards_says_so_and_never_settles(
+    c: Cluster,
+) -> None:
+    """The agent's BusConnected is False with BrokerNoRetainedWildcard naming the broker,
+    and its slot never settles while that holds."""
+    assert isinstance(c.broker, Mosquitto)
+    with no_retained_relay(c.broker.port) as relay:
+        node = c.add("n1", bus_url=relay.url)
+        c.wait(
+            lambda: node.condition("BusConnected").get("reason") == "BrokerNoRetainedWildcard",
+            timeout=20,
+        )
+        bus = node.condition("BusConnected")
+        assert bus["status"] == "False"
+        assert relay.url in bus["message"]
+        time.sleep(2.0)
+        assert node.condition("SlotSettled").get("status") != "True"
+        assert node.condition("BusConnected").get("reason") == "BrokerNoRetainedWildcard"
+        assert not node.ready()
+        assert len(node.log_events("bus_broker_check_failed")) == 1
+        node.stop()

@@ -102,6 +102,9 @@ def publish(v: ShardView, plan: Plan, now: float) -> None:
         v.own_cleared = False
         if record is not None:
             v.apply(received(record, retained=False), now)
+            # After the first live echo of our record on a link, the bus checks that the
+            # broker gives it back retained to a wildcard subscription.
+            v.apply(BrokerChecked(broker="b", ok=True), now)
     v.commit(plan)
 
 
@@ -357,6 +360,7 @@ def test_a_rival_claim_after_my_echo_loses_even_with_a_lower_name() -> None:
     mine = claim(v, 0.0)
     v.apply(received(mine, retained=False), 0.1)
     v.apply(received(rec("n0", mine.slot, CLAIMING), retained=False), 0.1)
+    v.apply(BrokerChecked(broker="b", ok=True), 0.1)
     slot, phase, _ = slot_phase(v, 0.2)
     assert (phase, slot) == (mb.Phase.MEMBER, mine.slot)
 
@@ -414,6 +418,7 @@ def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
     assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING  # published again, not settled
     assert v.in_flight
     v.apply(received(mine, retained=False), 0.3)  # the new echo
+    v.apply(BrokerChecked(broker="b", ok=True), 0.3)  # the new link's broker check
     assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.MEMBER)
 
 
@@ -600,3 +605,23 @@ def test_a_broker_without_retained_wildcards_unsyncs_the_view() -> None:
     assert derive(v, 1.0) == Plan()
     v.apply(BrokerChecked(broker="b", ok=True), 1.0)
     assert not v.synced  # only the next Synced of a trusted link syncs it
+
+
+def test_a_claim_settles_only_once_the_broker_passed_the_retained_check() -> None:
+    """Our claim's echo settles it only on a link whose broker passed the check: a
+    snapshot without the peers' records would let two nodes win one slot."""
+    v = view()
+    plan = derive(v, 0.0)
+    assert plan.decision is not None
+    record = v.record(plan.decision.claim, driver="")
+    v.sending(record)
+    v.published = True
+    assert record is not None
+    v.apply(received(record, retained=False), 0.1)
+    v.commit(plan)
+    assert derive(v, SETTLE_S + 0.2) == Plan()  # held: nothing settles, nothing changes
+    assert v.claim.phase is mb.Phase.CLAIMING
+    v.apply(BrokerChecked(broker="b", ok=True), SETTLE_S + 0.3)
+    settled = derive(v, SETTLE_S + 0.4)
+    assert settled.decision is not None
+    assert settled.decision.settled
