@@ -28,6 +28,12 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   or nodes the spec lists are not members yet, so that it starts once with all of them;
 - a second agent running with this node's name: it stands aside (`duplicate`), and a
   record of our name that we did not write is watched before we claim over it.
+
+Why one module of about 900 lines: every guard above reads and writes the same records of
+the shard (kept, unconfirmed, held for a lost peer, doubted after a deletion) and the
+same claim in flight (its echo, the link's broker check); split by guard, each piece
+would reach into the others' private state. The slot rules themselves live in
+`imexd.membership`, the records' wire format in `imexd.messages`.
 """
 
 from __future__ import annotations
