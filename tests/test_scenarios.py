@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import pytest
 
 from imexd.agent import EXIT_HANDOVER
@@ -106,7 +107,8 @@ def test_a_graceful_leave_frees_the_slot_without_restarts(c: Cluster) -> None:
 
 
 def test_a_crashed_node_is_dropped_after_the_will_delay(c: Cluster) -> None:
-    """SIGKILL: the will clears the record after its delay and peers map the sentinel."""
+    """SIGKILL: after its delay the will replaces the record with a lost tombstone (hold 0:
+    this Mosquitto applied the Will Delay) and peers map the sentinel."""
     nodes = form(c, 4)
     victim, stay = nodes[3], nodes[:3]
     slot = slot_of(victim)
@@ -117,7 +119,9 @@ def test_a_crashed_node_is_dropped_after_the_will_delay(c: Cluster) -> None:
     gone = time.monotonic() - killed
     assert gone >= 1.5, f"the slot was freed after {gone:.1f} s, before the will delay"
     with c.client() as client:
-        assert MEMBERS + victim.name not in client.retained(MEMBERS + "+")
+        tombstone = client.retained(MEMBERS + "+")[MEMBERS + victim.name]
+    lost = msgspec.json.decode(tombstone, type=MemberRecord)
+    assert (lost.state, lost.slot, lost.hold_s) == (MemberState.LOST, None, 0.0)
     c.wait(lambda: all(n.up_with(3) for n in stay))
     assert_untouched(stay, before)
 
