@@ -25,7 +25,7 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from imexd.messages import MAX_PAYLOAD, Topics
+from imexd.messages import MAX_PAYLOAD, Topics, encode_level
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
 from tests.support import raw_client, wait_for
 
@@ -307,6 +307,35 @@ async def test_a_node_cannot_overwrite_or_clear_another_nodes_records(
     assert await retained(broker, member) == b"n2-member"
     assert await retained(broker, health) == b"n2-health"
     assert await retained(broker, T.member(DOMAIN, "none", "n2")) is None
+
+
+async def test_a_dotted_node_writes_as_its_encoded_name_and_not_as_its_raw_name(
+    broker: ShippedBroker,
+) -> None:
+    """The ACL's %u meets the encoded topic level: ip-10-0-1-2.ec2.internal writes its
+    records with the CN ip-10-0-1-2%2Eec2%2Einternal, and with its raw dotted CN nothing."""
+    node = "ip-10-0-1-2.ec2.internal"
+    encoded = encode_level(node)
+    assert encoded == "ip-10-0-1-2%2Eec2%2Einternal"
+    member, health = T.member(DOMAIN, CLIQUE, node), T.health(DOMAIN, node)
+    async with client(broker, node) as raw_name:
+        await publish(raw_name, member, b"raw-name")
+        await publish(raw_name, health, b"raw-name")
+        await publish(raw_name, T.presence(node), b"raw-name")
+    assert await retained(broker, member) is None
+    assert await retained(broker, health) is None
+    assert await retained(broker, T.presence(node)) is None
+    async with client(broker, encoded) as encoded_name:
+        await publish(encoded_name, member, b"encoded-name")
+        await publish(encoded_name, health, b"encoded-name")
+        await publish(encoded_name, T.presence(node), b"encoded-name")
+        # Its link probe makes the round trip too.
+        await encoded_name.subscribe(T.ping(node), qos=1)
+        await encoded_name.publish(T.ping(node), b"probe", qos=1)
+        assert await topics_until(encoded_name, T.ping(node)) == [T.ping(node)]
+    assert await retained(broker, member) == b"encoded-name"
+    assert await retained(broker, health) == b"encoded-name"
+    assert await retained(broker, T.presence(node)) == b"encoded-name"
 
 
 async def test_a_node_writes_only_its_own_presence_and_the_control_plane_reads_it(
