@@ -14,6 +14,11 @@
 #   IMEXD_DOMAIN  the shared domain; without it the workload's name must be unique
 #   IMEXD         the imexd command (default: imexd on PATH)
 #   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
+#   IMEXD_PARTITIONS, IMEXD_MIN_NODES  the prologs' filter: a job that it skips has
+#                 nothing to delete, and is left alone here too
+#
+# Every step is logged through `logger -t imexd-slurm` (syslog), with a copy on stderr:
+# the command line, every line imexd printed and its exit status.
 #
 # Exit status: always 0. A failed delete is logged (syslog tag imexd-slurm, priority
 # err) and left to an operator (`imexd workload list`, `imexd workload delete job-<id>`):
@@ -54,6 +59,58 @@ fi
 imexd=${IMEXD:-imexd}
 config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
 workload=job-$SLURM_JOB_ID
+
+# The prolog's filter (IMEXD_PARTITIONS, IMEXD_MIN_NODES): a job that it skipped has no
+# IMEX channel to delete. When the filter cannot be judged, delete anyway (a miss is harmless).
+min_nodes=${IMEXD_MIN_NODES:-2}
+case $min_nodes in
+    '' | *[!0-9]*)
+        log err "IMEXD_MIN_NODES=$min_nodes: expected a whole number of nodes; deleting regardless"
+        min_nodes=0
+        ;;
+esac
+if [ -n "${IMEXD_PARTITIONS:-}" ]; then
+    listed=no
+    set -f
+    for partition in $(printf '%s\n' "$IMEXD_PARTITIONS" | tr ',' ' '); do
+        [ "$partition" != "${SLURM_JOB_PARTITION:-}" ] || listed=yes
+    done
+    set +f
+    if [ "$listed" = no ]; then
+        log info "job $SLURM_JOB_ID: partition ${SLURM_JOB_PARTITION:-(none)} is not in IMEXD_PARTITIONS ($IMEXD_PARTITIONS): no IMEX channel, nothing to do"
+        exit 0
+    fi
+fi
+if [ "$min_nodes" -gt 0 ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    if hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST"); then
+        count=$(printf '%s\n' "$hosts" | grep -c .) || :
+        if [ "$count" -lt "$min_nodes" ]; then
+            log info "job $SLURM_JOB_ID: $count node(s), fewer than IMEXD_MIN_NODES=$min_nodes: no IMEX channel, nothing to do"
+            exit 0
+        fi
+    else
+        log err "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed; deleting regardless"
+    fi
+fi
+
+# run_imexd STEP ARGS...: run imexd with ARGS, logging the command line, every line it
+# prints (at err when it fails: imexd's own reason) and its exit status, which it
+# returns.
+run_imexd() {
+    step=$1
+    shift
+    log info "$workload: running $imexd $*"
+    result=0
+    output=$("$imexd" "$@" 2>&1) || result=$?
+    level=info
+    [ "$result" -eq 0 ] || level=err
+    printf '%s\n' "$output" | while IFS= read -r line; do
+        [ -z "$line" ] || log "$level" "$workload: $step: $line"
+    done
+    log "$level" "$workload: imexd $step exited $result"
+    return "$result"
+}
+
 set -- "$workload"
 if [ -n "${IMEXD_DOMAIN:-}" ]; then
     set -- "$@" --domain "$IMEXD_DOMAIN"
@@ -61,7 +118,7 @@ fi
 
 log info "$workload: deleting the workload"
 status=0
-"$imexd" workload delete "$@" --config "$config" >&2 || status=$?
+run_imexd "workload delete" workload delete "$@" --config "$config" || status=$?
 if [ "$status" -ne 0 ]; then
     log err "$workload: imexd workload delete exited $status; run 'imexd workload delete $workload' by hand if it is still listed"
     exit 0

@@ -23,11 +23,24 @@
 #   IMEXD_CONFIG  the control plane's settings file (default /etc/imexd/control.toml)
 #   IMEXD_CHANNEL_MODE  the channel device's permission bits (default 0600: the job's
 #                 user only; 0660 also admits every member of the job's group)
+#   IMEXD_PARTITIONS  the partitions whose jobs get a channel, separated by commas or
+#                 spaces (default: empty, every partition); other jobs exit 0 at once
+#   IMEXD_MIN_NODES  the fewest nodes a job needs to get a channel (default 2: a
+#                 single-node job shares memory over NVLink without IMEX)
+#   IMEXD_WAIT    seconds `workload create --wait` waits for every node to report the
+#                 channel made (default 60); a node without a live agent never does
 #
-# Exit status: 0 when every node of the job made its channel. Otherwise imexd's status
-# (1 not ready in time or broker unreachable, 2 usage, 3 no free channel), after
-# deleting the workload again so that a requeued job holds no channel; Slurm then
-# requeues or cancels the job (PrologSlurmctld in slurm.conf(5)).
+# Every step is logged through `logger -t imexd-slurm` (syslog; slurmctld itself logs
+# only the exit status), with a copy on stderr: the command line, every line imexd
+# printed (at priority err when it failed: imexd's own reason, and its table of nodes)
+# and its exit status; a failure ends with one line naming the nodes that lack the
+# channel and why.
+#
+# Exit status: 0 when every node of the job made its channel, or when the job needs no
+# IMEX (the filter above). Otherwise imexd's status (1 not ready in time or broker
+# unreachable, 2 usage, 3 no free channel), after deleting the workload again so that
+# a requeued job holds no channel; Slurm then requeues or cancels the job
+# (PrologSlurmctld in slurm.conf(5); docs/operations.md says what 22.05 does).
 set -eu
 PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
@@ -71,7 +84,29 @@ fi
 imexd=${IMEXD:-imexd}
 config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
 mode=${IMEXD_CHANNEL_MODE:-0600}
+wait=${IMEXD_WAIT:-60}
 workload=job-$SLURM_JOB_ID
+min_nodes=${IMEXD_MIN_NODES:-2}
+case $min_nodes in
+    '' | *[!0-9]*) fail 2 "IMEXD_MIN_NODES=$min_nodes: expected a whole number of nodes" ;;
+esac
+case $wait in
+    '' | *[!0-9]*) fail 2 "IMEXD_WAIT=$wait: expected a whole number of seconds" ;;
+esac
+
+# The filter: a job on a partition that IMEXD_PARTITIONS does not list needs no IMEX.
+if [ -n "${IMEXD_PARTITIONS:-}" ]; then
+    listed=no
+    set -f
+    for partition in $(printf '%s\n' "$IMEXD_PARTITIONS" | tr ',' ' '); do
+        [ "$partition" != "${SLURM_JOB_PARTITION:-}" ] || listed=yes
+    done
+    set +f
+    if [ "$listed" = no ]; then
+        log info "job $SLURM_JOB_ID: partition ${SLURM_JOB_PARTITION:-(none)} is not in IMEXD_PARTITIONS ($IMEXD_PARTITIONS): no IMEX channel, nothing to do"
+        exit 0
+    fi
+fi
 
 # Slurm's node names, one per line, as imexd's lowercase comma-separated list.
 hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
@@ -81,14 +116,46 @@ nodes=${nodes#,}
 nodes=${nodes%,}
 [ -n "$nodes" ] || fail 1 "job $SLURM_JOB_ID: no nodes in $SLURM_JOB_NODELIST"
 
+# The filter: a job on fewer than IMEXD_MIN_NODES nodes needs no IMEX.
+count=$(printf '%s\n' "$hosts" | grep -c .) || :
+if [ "$count" -lt "$min_nodes" ]; then
+    log info "job $SLURM_JOB_ID: $count node(s) ($nodes), fewer than IMEXD_MIN_NODES=$min_nodes: no IMEX channel, nothing to do"
+    exit 0
+fi
+
+# run_imexd STEP ARGS...: run imexd with ARGS, logging the command line, every line it
+# prints (at err when it fails: imexd's own reason) and its exit status, which it
+# returns. The output is also kept in $output.
+run_imexd() {
+    step=$1
+    shift
+    log info "$workload: running $imexd $*"
+    result=0
+    output=$("$imexd" "$@" 2>&1) || result=$?
+    level=info
+    [ "$result" -eq 0 ] || level=err
+    printf '%s\n' "$output" | while IFS= read -r line; do
+        [ -z "$line" ] || log "$level" "$workload: $step: $line"
+    done
+    log "$level" "$workload: imexd $step exited $result"
+    return "$result"
+}
+
 log info "$workload: creating in domain $IMEXD_DOMAIN on $nodes for uid $SLURM_JOB_UID gid $SLURM_JOB_GID"
 status=0
-"$imexd" workload create "$workload" --domain "$IMEXD_DOMAIN" --nodes "$nodes" \
-    --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode" --wait 60 \
-    --config "$config" >&2 || status=$?
+run_imexd "workload create" workload create "$workload" --domain "$IMEXD_DOMAIN" \
+    --nodes "$nodes" --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode" \
+    --wait "$wait" --config "$config" || status=$?
 if [ "$status" -ne 0 ]; then
-    log err "$workload: imexd workload create exited $status; deleting the workload"
-    "$imexd" workload delete "$workload" --domain "$IMEXD_DOMAIN" --config "$config" >&2 || :
+    # The table's rows of the nodes that lack the channel: NODE READY REASON AGE.
+    lacking=$(printf '%s\n' "$output" |
+        awk '$2 == "no" { printf "%s%s (%s)", sep, $1, $3; sep = ", " }')
+    if [ -n "$lacking" ]; then
+        log err "$workload: no channel on $lacking after ${wait} s: a node without a running imexd agent never reports one (imexd check, systemctl status imexd there)"
+    fi
+    log err "$workload: imexd workload create exited $status (its reason is above); deleting the workload, the job does not start"
+    run_imexd "workload delete" workload delete "$workload" --domain "$IMEXD_DOMAIN" \
+        --config "$config" || :
     exit "$status"
 fi
 log info "$workload: channel ready on $nodes"
