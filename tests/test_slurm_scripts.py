@@ -3,10 +3,12 @@
 Each script runs under `sh` and `bash` with a fake `imexd`, `scontrol` and `logger` on
 PATH: small shell scripts written into tmp_path that append their argv to a log and exit
 with a status chosen per command (`FAKE_EXIT_<command>_<action>`). No broker, no Slurm.
-The rule the tests hold the scripts to: a prolog fails (non-zero, imexd's own status)
-when imexd does, and deletes what it created; an epilog or the TaskProlog always exits 0
-(a failing epilog would only be logged by Slurm, and a failing TaskProlog would kill the
-task of every job on the cluster), logging what went wrong at priority err.
+The rule the tests hold the scripts to: a prolog skips a job that needs no IMEX
+(IMEXD_PARTITIONS, IMEXD_MIN_NODES) and otherwise fails (non-zero, imexd's own status)
+when imexd does, logging imexd's own reason (every step goes to `logger -t imexd-slurm`),
+and deletes what it created; an epilog or the TaskProlog always exits 0 (a failing
+epilog would only be logged by Slurm, and a failing TaskProlog would kill the task of
+every job on the cluster), logging what went wrong at priority err.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ fi
 if [ "$name" = imexd ] && [ "${1:-}" = workload ] && [ "${2:-}" = env ]; then
     printf 'export IMEX_CHANNEL=7\nexport IMEXD_WORKLOAD=%s\nnoise\n' "$3"
 fi
+eval "out=\${FAKE_OUT_${name}_${1:-}_${2:-}:-}"
+if [ -n "$out" ]; then
+    printf '%s\n' "$out" >&2
+fi
 eval "status=\${FAKE_EXIT_${name}_${1:-}_${2:-}:-0}"
 exit "$status"
 """
@@ -66,6 +72,14 @@ class Run:
     def of(self, program: str) -> list[list[str]]:
         """The argument lists of the calls of one program."""
         return [call[1:] for call in self.calls if call[0] == program]
+
+    def logged(self, priority: str = "") -> list[str]:
+        """The messages given to `logger -t imexd-slurm` (at `user.<priority>`, or any)."""
+        return [
+            call[4]
+            for call in self.of("logger")
+            if call[:2] == ["-t", "imexd-slurm"] and call[3].startswith(f"user.{priority}")
+        ]
 
 
 @pytest.fixture
@@ -453,3 +467,192 @@ def test_every_command_line_parses(bin_dir: Path, tmp_path: Path) -> None:
     parser = build_parser()
     for call in calls:
         parser.parse_args(call)
+
+
+PROLOGS = ["imexd-prolog-perjob.sh", "imexd-prolog-shared.sh"]
+CONTROLLER_SCRIPTS = [*PROLOGS, "imexd-epilog-perjob.sh", "imexd-epilog-shared.sh"]
+
+
+@pytest.mark.parametrize("script", CONTROLLER_SCRIPTS)
+@pytest.mark.parametrize("partitions", ["gpu,nvl72", "gpu nvl72", " nvl72 , gpu "])
+def test_filter_skips_other_partitions(bin_dir: Path, script: str, partitions: str) -> None:
+    """A job on a partition IMEXD_PARTITIONS does not list (commas or spaces) exits 0 at
+    once, logging why, and runs no imexd; a listed partition's job is handled."""
+    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_PARTITIONS": partitions}
+    other = run_script(script, bin_dir, env=env | {"SLURM_JOB_PARTITION": "cpu"})
+    assert (other.status, other.of("imexd")) == (0, [])
+    assert other.logged("info") == [
+        f"job {JOB}: partition cpu is not in IMEXD_PARTITIONS ({partitions}): "
+        f"no IMEX {'domain' if 'perjob' in script else 'channel'}, nothing to do"
+    ]
+    assert other.logged("info")[0] in other.stderr
+    listed = run_script(script, bin_dir, env=env | {"SLURM_JOB_PARTITION": "nvl72"})
+    assert listed.status == 0, listed.stderr
+    assert len(listed.of("imexd")) >= 1
+
+
+@pytest.mark.parametrize("script", CONTROLLER_SCRIPTS)
+def test_filter_without_partition_variable(bin_dir: Path, script: str) -> None:
+    """With IMEXD_PARTITIONS set, a job without SLURM_JOB_PARTITION is not listed."""
+    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_PARTITIONS": "gpu"}
+    run = run_script(script, bin_dir, env=env)
+    assert (run.status, run.of("imexd")) == (0, [])
+    assert "partition (none) is not in IMEXD_PARTITIONS (gpu)" in run.logged("info")[0]
+
+
+@pytest.mark.parametrize("script", CONTROLLER_SCRIPTS)
+def test_filter_skips_single_node_jobs(bin_dir: Path, script: str) -> None:
+    """A one-node job is skipped by default (IMEXD_MIN_NODES=2) and handled with 1."""
+    env = {"IMEXD_DOMAIN": "rack-07", "FAKE_HOSTS": "gpu-01\n"}
+    single = run_script(script, bin_dir, env=env)
+    assert (single.status, single.of("imexd")) == (0, [])
+    assert "1 node(s)" in single.logged("info")[0]
+    assert "fewer than IMEXD_MIN_NODES=2" in single.logged("info")[0]
+    allowed = run_script(script, bin_dir, env=env | {"IMEXD_MIN_NODES": "1"})
+    assert allowed.status == 0, allowed.stderr
+    assert allowed.of("imexd")[0][2] == f"job-{JOB}"
+    more = run_script(script, bin_dir, env={"IMEXD_DOMAIN": "rack-07", "IMEXD_MIN_NODES": "3"})
+    assert (more.status, more.of("imexd")) == (0, [])
+
+
+@pytest.mark.parametrize("script", PROLOGS)
+@pytest.mark.parametrize("value", ["two", "-1", "2.5"])
+def test_prolog_refuses_a_bad_min_nodes(bin_dir: Path, script: str, value: str) -> None:
+    """A prolog fails with status 2 naming a bad IMEXD_MIN_NODES, before running imexd."""
+    run = run_script(script, bin_dir, env={"IMEXD_DOMAIN": "r", "IMEXD_MIN_NODES": value})
+    assert (run.status, run.of("imexd")) == (2, [])
+    assert f"IMEXD_MIN_NODES={value}: expected a whole number of nodes" in run.logged("err")[0]
+
+
+@pytest.mark.parametrize("script", ["imexd-epilog-perjob.sh", "imexd-epilog-shared.sh"])
+def test_epilog_deletes_despite_a_bad_min_nodes(bin_dir: Path, script: str) -> None:
+    """An epilog logs a bad IMEXD_MIN_NODES at err and deletes regardless (exit 0)."""
+    run = run_script(script, bin_dir, env={"IMEXD_MIN_NODES": "x", "FAKE_HOSTS": "gpu-01\n"})
+    assert run.status == 0
+    assert [c[1] for c in run.of("imexd")] == ["delete"]
+    assert "IMEXD_MIN_NODES=x" in run.logged("err")[0]
+
+
+def test_shared_prolog_refuses_a_bad_wait(bin_dir: Path) -> None:
+    """IMEXD_WAIT sets `workload create --wait`; a value that is no whole number fails."""
+    bad = run_script(
+        "imexd-prolog-shared.sh", bin_dir, env={"IMEXD_DOMAIN": "r", "IMEXD_WAIT": "1m"}
+    )
+    assert (bad.status, bad.of("imexd")) == (2, [])
+    assert "IMEXD_WAIT=1m: expected a whole number of seconds" in bad.stderr
+    good = run_script(
+        "imexd-prolog-shared.sh", bin_dir, env={"IMEXD_DOMAIN": "r", "IMEXD_WAIT": "15"}
+    )
+    create = good.of("imexd")[0]
+    assert create[create.index("--wait") + 1] == "15"
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_prolog_logs_every_step(bin_dir: Path, shell: str) -> None:
+    """Each imexd call is logged (command line, each output line, exit status) through
+    `logger -t imexd-slurm` at info, with the same lines on stderr."""
+    table = "domain job-4242: UP\nNODE    SLOT  STATE\ngpu-01  0     READY"
+    run = run_script(
+        "imexd-prolog-perjob.sh",
+        bin_dir,
+        shell=shell,
+        env={"FAKE_OUT_imexd_domain_status": table},
+    )
+    assert run.status == 0, run.stderr
+    logged = run.logged("info")
+    domain = f"job-{JOB}"
+    assert f"{domain}: running imexd domain status {domain} --wait 240 --config {CONFIG}" in logged
+    assert [m for m in logged if m.startswith(f"{domain}: domain status: ")] == [
+        f"{domain}: domain status: {line}" for line in table.splitlines()
+    ]
+    assert [m for m in logged if " exited " in m] == [
+        f"{domain}: imexd domain create exited 0",
+        f"{domain}: imexd domain status exited 0",
+        f"{domain}: imexd workload status exited 0",
+    ]
+    assert run.logged("err") == []
+    assert run.stderr.splitlines() == [f"imexd-slurm: {m}" for m in logged]
+
+
+def test_logging_survives_a_missing_logger(bin_dir: Path) -> None:
+    """Without `logger` (or with a failing one) the lines still reach stderr."""
+    (bin_dir / "logger").unlink()
+    run = run_script("imexd-prolog-perjob.sh", bin_dir)
+    assert run.status == 0, run.stderr
+    assert f"imexd-slurm: job-{JOB}: imexd domain create exited 0" in run.stderr.splitlines()
+
+
+def test_perjob_prolog_fails_fast_on_a_node_without_agent(bin_dir: Path) -> None:
+    """`domain create` refusing a node that no agent reported (exit 2) fails the prolog at
+    once with imexd's message at err, passing IMEXD_SEEN_WITHIN; nothing waits."""
+    reason = (
+        "imexd domain create: no agent reported node gpu-02 within 120 s (never): a typo, "
+        "or a node without a running agent"
+    )
+    run = run_script(
+        "imexd-prolog-perjob.sh",
+        bin_dir,
+        env={
+            "IMEXD_SEEN_WITHIN": "120",
+            "FAKE_EXIT_imexd_domain_create": "2",
+            "FAKE_OUT_imexd_domain_create": reason,
+        },
+    )
+    assert run.status == 2
+    create, delete = run.of("imexd")
+    assert create[create.index("--seen-within") + 1] == "120"
+    assert delete[:2] == ["domain", "delete"]
+    errors = run.logged("err")
+    assert f"job-{JOB}: domain create: {reason}" in errors
+    assert f"job-{JOB}: imexd domain create exited 2" in errors
+    assert any("deleting the domain, the job does not start" in m for m in errors)
+
+
+def test_perjob_prolog_passes_no_seen_within_by_default(bin_dir: Path) -> None:
+    """Without IMEXD_SEEN_WITHIN the prolog leaves `domain create`'s own default."""
+    run = run_script("imexd-prolog-perjob.sh", bin_dir)
+    assert "--seen-within" not in run.of("imexd")[0]
+
+
+def test_shared_prolog_names_the_nodes_without_channel(bin_dir: Path) -> None:
+    """A `workload create` that times out logs imexd's table and reason at err, then one
+    line naming each node that lacks the channel with its reason."""
+    output = (
+        "workload job-4242 in rack-07: created on channel 3 (generation 1, nodes "
+        "gpu-01,gpu-02, uid 1001, gid 2002, mode 0600)\n"
+        "workload job-4242 in rack-07: PENDING, 0 of 2 nodes ready (channel 3)\n"
+        "NODE    READY  REASON       AGE\n"
+        "gpu-01  no     MknodFailed  1s\n"
+        "gpu-02  no     NoReport     -\n"
+        "imexd: workload job-4242 in rack-07: not ready after 5 s (the record is kept): "
+        "gpu-02 NoReport"
+    )
+    run = run_script(
+        "imexd-prolog-shared.sh",
+        bin_dir,
+        env={
+            "IMEXD_DOMAIN": "rack-07",
+            "IMEXD_WAIT": "5",
+            "FAKE_EXIT_imexd_workload_create": "1",
+            "FAKE_OUT_imexd_workload_create": output,
+        },
+    )
+    assert run.status == 1
+    errors = run.logged("err")
+    for line in output.splitlines():
+        assert f"job-{JOB}: workload create: {line}" in errors
+    assert (
+        f"job-{JOB}: no channel on gpu-01 (MknodFailed), gpu-02 (NoReport) after 5 s: a node "
+        "without a running imexd agent never reports one (imexd check, systemctl status "
+        "imexd there)"
+    ) in errors
+    assert run.of("imexd")[-1][:2] == ["workload", "delete"]
+
+
+@pytest.mark.parametrize("script", PROLOGS)
+def test_prolog_logs_a_missing_imexd(bin_dir: Path, script: str) -> None:
+    """An IMEXD that does not exist fails the prolog (127) with the shell's reason logged."""
+    run = run_script(script, bin_dir, env={"IMEXD_DOMAIN": "r", "IMEXD": str(bin_dir / "no-imexd")})
+    assert run.status == 127
+    errors = run.logged("err")
+    assert any("no-imexd" in m and "not found" in m for m in errors), errors
