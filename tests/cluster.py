@@ -51,6 +51,14 @@ def broker_urls(broker: BusBroker) -> list[str]:
     return [broker.url] if isinstance(broker, Mosquitto) else broker.urls
 
 
+def broker_endpoint(broker: BusBroker) -> tuple[str, int]:
+    """Where a test client connects: the broker, or the first NATS server that runs."""
+    if isinstance(broker, NatsCluster):
+        server = next((s for s in broker.servers if s.alive()), broker.servers[0])
+        return server.host, server.port
+    return broker.host, broker.port
+
+
 def broker_protocol(broker: BusBroker) -> str | None:
     """The `[bus] protocol` clients of `broker` must use; None: the default (auto)."""
     return None if isinstance(broker, Mosquitto) else broker.protocol
@@ -351,7 +359,7 @@ class Node:
 
 
 class BusClient:
-    """A plain MQTT client for tests (MQTT 5; 3.1.1 on NATS, on its first server):
+    """A plain MQTT client for tests (MQTT 5; 3.1.1 on NATS, on its first live server):
     publish anything, read the retained snapshot."""
 
     _ids = itertools.count()
@@ -370,7 +378,7 @@ class BusClient:
         self._subacks: set[int] = set()
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
-        self._client.connect(broker.host, broker.port)
+        self._client.connect(*broker_endpoint(broker))
         self._client.loop_start()
 
     def _on_message(self, _client: Any, _userdata: Any, message: paho.MQTTMessage) -> None:

@@ -270,6 +270,7 @@ class Nats:
         cluster_port: int | None = None,
         routes: tuple[int, ...] = (),
         stream_replicas: int | None = None,
+        consumer_replicas: int | None = None,
     ) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -284,6 +285,10 @@ class Nats:
         self.routes = routes
         """Cluster ports of every server of the cluster (its own one is ignored)."""
         self.stream_replicas = stream_replicas
+        """Replicas of the MQTT streams (sessions, messages, retained); None: one."""
+        self.consumer_replicas = consumer_replicas
+        """Replicas of the consumer behind each QoS 1 subscription, held in memory; None:
+        nats-server's default (the streams' replicas, on disk)."""
         self.binary = binary
         """The nats-server binary; None: `find_nats_server()` when started."""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -307,6 +312,9 @@ class Nats:
         ]
         if self.stream_replicas is not None:
             lines.append(f"  stream_replicas: {self.stream_replicas}")
+        if self.consumer_replicas is not None:
+            lines.append(f"  consumer_replicas: {self.consumer_replicas}")
+            lines.append("  consumer_memory_storage: true")
         lines.append("}")
         if self.cluster_port is not None:
             routes = ", ".join(f"nats-route://{self.host}:{p}" for p in self.routes)
@@ -358,8 +366,8 @@ class Nats:
         self.launch()
         try:
             self.wait_ready(time.monotonic() + timeout)
-        except DemoError:
-            self.stop()
+        except BaseException:
+            self.stop()  # no server outlives a failed start
             raise
 
     def restart(self, *, timeout: float = NATS_START_TIMEOUT_S) -> None:
@@ -415,7 +423,14 @@ class NatsCluster:
 
     protocol: Final = "3.1.1"
 
-    def __init__(self, workdir: Path, *, size: int = 3, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        size: int = 3,
+        binary: str | None = None,
+        consumer_replicas: int | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a NATS cluster needs at least one server, not {size}")
         self.workdir = workdir
@@ -428,6 +443,7 @@ class NatsCluster:
                 cluster_port=port,
                 routes=cluster_ports,
                 stream_replicas=min(size, 3),
+                consumer_replicas=consumer_replicas,
             )
             for i, port in enumerate(cluster_ports)
         ]
@@ -456,8 +472,8 @@ class NatsCluster:
                 if not server.alive():
                     server.launch()
             self.wait_ready(deadline)
-        except DemoError:
-            self.stop()
+        except BaseException:
+            self.stop()  # no server outlives a failed start
             raise
 
     def wait_ready(self, deadline: float) -> None:
