@@ -39,6 +39,13 @@ import."""
 DEFAULT_CONFIG_PATH = "/etc/imexd/imexd.toml"
 ENV_PREFIX = "IMEXD_"
 
+UNIT_TIMEOUT_STOP_S = 30.0
+"""TimeoutStopSec= of the shipped systemd/imexd.service (a test keeps them equal): the
+default of [daemon] service_stop_timeout_s."""
+SHUTDOWN_MARGIN_S = 5.0
+"""What the agent's bounded shutdown adds to [daemon] stop_timeout_s (clearing its
+records, disconnecting); imexd.agent bounds its shutdown with the same value."""
+
 CONFIG_KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TOPIC_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
@@ -424,7 +431,18 @@ class DaemonSettings:
         600.0, "Seconds in FATAL before one more start is tried (never spun).", _positive
     )
     stop_timeout_s: float = _setting(
-        10.0, "Seconds between SIGTERM and SIGKILL when stopping the daemon.", _positive
+        10.0,
+        "Seconds between SIGTERM and SIGKILL when stopping the daemon. With the agent's "
+        f"{SHUTDOWN_MARGIN_S:g} s shutdown margin it must end before service_stop_timeout_s.",
+        _positive,
+    )
+    service_stop_timeout_s: float = _setting(
+        UNIT_TIMEOUT_STOP_S,
+        "How long the service manager waits for the agent to stop before it kills it: "
+        "systemd's TimeoutStopSec (30 s in the shipped unit), Kubernetes' "
+        "terminationGracePeriodSeconds. Raise it together with that (a drop-in: systemctl "
+        "edit imexd) to allow a longer stop_timeout_s.",
+        _positive,
     )
     probe_interval_s: float = _setting(5.0, "Seconds between local probes (`ctl -q`).", _positive)
     domain_probe_interval_s: float = _setting(
@@ -779,6 +797,18 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     if daemon.backoff_max_s < daemon.backoff_initial_s:
         problems.append(
             f"daemon.backoff_max_s = {daemon.backoff_max_s}: expected >= daemon.backoff_initial_s"
+        )
+    bound = daemon.stop_timeout_s + SHUTDOWN_MARGIN_S
+    if bound >= daemon.service_stop_timeout_s:
+        problems.append(
+            f"daemon.stop_timeout_s = {daemon.stop_timeout_s}: expected less than "
+            f"daemon.service_stop_timeout_s - {SHUTDOWN_MARGIN_S:g} s (the agent's shutdown "
+            f"margin) = {daemon.service_stop_timeout_s - SHUTDOWN_MARGIN_S:g} s, or the service "
+            f"manager kills the agent before it has stopped IMEX (the unit's "
+            f"TimeoutStopSec={daemon.service_stop_timeout_s:g}s). To allow it, raise "
+            "TimeoutStopSec in a drop-in (systemctl edit imexd: [Service] "
+            f"TimeoutStopSec={math.ceil(bound) + 10}s) or Kubernetes' "
+            "terminationGracePeriodSeconds, and daemon.service_stop_timeout_s to match"
         )
     if domain.claim_stale_s <= 4 * domain.settle_s:
         problems.append(

@@ -319,3 +319,21 @@ def test_render_toml_is_read_back_by_tomllib() -> None:
         "bus": {"url": ["mqtt://127.0.0.1:1"], "will_delay_s": 2.0},
         "imex": {"env": {"A": "b"}},
     }
+
+
+def test_a_stop_timeout_the_unit_would_cut_is_refused() -> None:
+    """[daemon] stop_timeout_s + the agent's shutdown margin must fit in the unit's
+    TimeoutStopSec (service_stop_timeout_s): 40 s is refused with both keys and the
+    drop-in named; raising both together is accepted."""
+    problems = problems_of({**BASE, "daemon": {"stop_timeout_s": 40}})
+    assert len(problems) == 1
+    text = problems[0]
+    assert text.startswith("daemon.stop_timeout_s = 40.0")
+    assert "daemon.service_stop_timeout_s" in text
+    assert "TimeoutStopSec=30" in text
+    assert "systemctl edit imexd" in text
+    assert "terminationGracePeriodSeconds" in text
+    raised = {**BASE, "daemon": {"stop_timeout_s": 40, "service_stop_timeout_s": 60}}
+    assert settings_from_mapping(raised, environ={}).daemon.stop_timeout_s == 40.0
+    assert problems_of({**BASE, "daemon": {"stop_timeout_s": 25}})  # 25 + 5 leaves no margin
+    assert settings_from_mapping({**BASE, "daemon": {"stop_timeout_s": 24}}, environ={})

@@ -13,14 +13,23 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from imexd import agent
 from imexd.cli import build_parser
-from imexd.settings import DEFAULT_CONFIG_PATH, ENV_PREFIX, iter_settings
+from imexd.settings import (
+    DEFAULT_CONFIG_PATH,
+    ENV_PREFIX,
+    SHUTDOWN_MARGIN_S,
+    UNIT_TIMEOUT_STOP_S,
+    iter_settings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "imexd.service"
@@ -31,8 +40,6 @@ HANDOVER_EXIT = 75
 """The agent's exit status after SIGUSR2 (hand-over): EX_TEMPFAIL, restarted by systemd."""
 CONFIG_ERROR_EXIT = 2
 """`imexd run` exits 2 on an invalid configuration (imexd/cli.py): no restart helps."""
-SHUTDOWN_MARGIN_S = 5.0
-"""What the agent's bounded shutdown adds to [daemon] stop_timeout_s (record, disconnect)."""
 IMEX_PERSIST_DIR = "/run/nvidia-imex"
 """Where nvidia-imex keeps persist.dat (as /var/run/nvidia-imex) for its recovery."""
 HOST_UNIT_DIRS = ("/lib/systemd/", "/usr/lib/systemd/", "/etc/systemd/", "/run/systemd/")
@@ -206,6 +213,58 @@ def test_stop_timeout_exceeds_the_agents_bounded_shutdown(unit: Unit) -> None:
     assert seconds(single(unit, "Service", "TimeoutStopSec")) >= bound + 10
 
 
+def test_the_stop_timeout_settings_know_the_units(unit: Unit) -> None:
+    """settings.UNIT_TIMEOUT_STOP_S is the unit's TimeoutStopSec, the default of
+    [daemon] service_stop_timeout_s, and the agent's shutdown margin is the one validation
+    adds to [daemon] stop_timeout_s."""
+    assert seconds(single(unit, "Service", "TimeoutStopSec")) == UNIT_TIMEOUT_STOP_S
+    assert default("daemon", "service_stop_timeout_s") == UNIT_TIMEOUT_STOP_S
+    assert agent.SHUTDOWN_MARGIN_S == SHUTDOWN_MARGIN_S
+
+
+def test_reload_is_the_hand_over(unit: Unit, tmp_path: Path) -> None:
+    """ExecReload= sends SIGUSR2 to the main process only: run as systemd would (with
+    $MAINPID replaced), it reaches a process that exits 75 on it, as the agent does."""
+    argv = shlex.split(single(unit, "Service", "ExecReload"))
+    assert "$MAINPID" in argv, "the signal must go to the agent only, never to the daemon"
+    assert Path(argv[0]).is_absolute()
+    ready = tmp_path / "ready"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import pathlib, signal, sys, time\n"
+            "signal.signal(signal.SIGUSR2, lambda *_: sys.exit(75))\n"
+            f"pathlib.Path({str(ready)!r}).touch()\n"
+            "time.sleep(30)\n",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the stand-in agent did not start"
+            assert child.poll() is None
+            time.sleep(0.02)
+        reload = [a.replace("$MAINPID", str(child.pid)) for a in argv]
+        subprocess.run(reload, check=True, timeout=10)
+        assert child.wait(timeout=10) == HANDOVER_EXIT
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=10)
+
+
+def test_docs_make_reload_the_upgrade_path() -> None:
+    """docs/systemd.md and docs/install.md name `systemctl reload imexd` for upgrades and
+    configuration changes, and how to recover after the start limit."""
+    doc = DOC.read_text()
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "systemctl reload imexd" in doc
+    assert "systemctl reload imexd" in install
+    assert "systemctl reset-failed imexd && systemctl start imexd" in doc
+    assert "systemctl kill --kill-whom=main" not in install
+
+
 def test_restart_covers_crash_and_hand_over(unit: Unit) -> None:
     """Crashes restart, the hand-over exit restarts cleanly, a config error does not."""
     assert single(unit, "Service", "Restart") == "on-failure"
@@ -214,6 +273,7 @@ def test_restart_covers_crash_and_hand_over(unit: Unit) -> None:
     assert str(CONFIG_ERROR_EXIT) in values(unit, "Service", "RestartPreventExitStatus")
     assert seconds(single(unit, "Unit", "StartLimitIntervalSec")) >= 60
     assert 2 <= int(single(unit, "Unit", "StartLimitBurst")) <= 10
+    assert f"StartLimitBurst={single(unit, 'Unit', 'StartLimitBurst')}" in DOC.read_text()
 
 
 def test_conflicts_with_the_package_unit_and_waits_for_its_stop(unit: Unit) -> None:
