@@ -552,15 +552,10 @@ def server_kill(run: Run, marker: Marker) -> None:
     assert isinstance(run.target, NatsTarget)
     servers = run.target.servers
     victim = servers[0]
-    before = daemon_state(run.nodes)
+    before, linked = daemon_state(run.nodes), links(run.nodes)
+    moved = [name for name, (_, broker) in linked.items() if broker == victim.url]
     victim.kill()
-    took = until(
-        lambda: (
-            all(n.condition("BusConnected").get("status") == "True" for n in run.nodes)
-            and all_up(run.nodes, len(run.nodes))()
-        ),
-        RECOVER_S,
-    )
+    took = until(lambda: back(run.nodes, linked, moved), RECOVER_S)
     kept = marker.kept()
     code, line = domain_status(run, 30.0)
     run.row(
@@ -620,6 +615,9 @@ def bench(name: str, folder: Path) -> Run:
     except DemoError as exc:
         run.row("start", "SKIP", str(exc).splitlines()[0])
         return run
+    except BaseException:
+        target.stop()
+        raise
     try:
         if not formation(run):
             run.row("the rest", "SKIP", "the domain never formed")
@@ -649,6 +647,8 @@ def main() -> int:
     unknown = [b for b in names if b not in BROKERS]
     if unknown:
         parser.error(f"unknown broker(s) {unknown}: expected some of {', '.join(BROKERS)}")
+    # SIGTERM ends the run as Ctrl-C does: through the cleanup of every `bench`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = Path(tempfile.mkdtemp(prefix="imexd-brokers-"))
     runs: list[Run] = []
     load = os.getloadavg()
