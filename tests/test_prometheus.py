@@ -45,6 +45,7 @@ PODMONITOR = ROOT / "config" / "kubernetes" / "podmonitor.yaml"
 PROMETHEUSRULE = ROOT / "config" / "kubernetes" / "prometheusrule.yaml"
 DAEMONSET = ROOT / "config" / "kubernetes" / "daemonset.yaml"
 TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+MONITORING = ROOT / "docs" / "monitoring.md"
 
 PROMTOOL = shutil.which("promtool") or (
     "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
@@ -251,6 +252,12 @@ def test_runbook_urls_point_at_troubleshooting_anchors() -> None:
         page, _, anchor = url.partition("#")
         assert page == "docs/troubleshooting.md", f"{rule['alert']}: {url}"
         assert anchor in anchors, f"{rule['alert']}: no heading for #{anchor} in {TROUBLESHOOTING}"
+
+
+def test_every_alert_is_documented() -> None:
+    """docs/monitoring.md has a row for each alert, and none for an alert that is gone."""
+    documented = set(re.findall(r"^\| `(Imexd\w+)` \|", MONITORING.read_text(), re.MULTILINE))
+    assert documented == {rule["alert"] for rule in alerts(load_yaml(RULES)["groups"])}
 
 
 def test_metric_names_are_parsed_from_expressions() -> None:
