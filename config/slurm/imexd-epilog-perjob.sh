@@ -89,7 +89,8 @@ if [ "$min_nodes" -gt 0 ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
             exit 0
         fi
     else
-        log err "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed; deleting regardless"
+        why=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1 >/dev/null) || :
+        log err "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed: ${why:-no message}; deleting regardless"
     fi
 fi
 

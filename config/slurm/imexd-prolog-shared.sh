@@ -109,8 +109,10 @@ if [ -n "${IMEXD_PARTITIONS:-}" ]; then
 fi
 
 # Slurm's node names, one per line, as imexd's lowercase comma-separated list.
-hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
-    fail 1 "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed"
+if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST"); then
+    why=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1 >/dev/null) || :
+    fail 1 "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed: ${why:-no message}"
+fi
 nodes=$(printf '%s\n' "$hosts" | tr '[:upper:]' '[:lower:]' | tr -s '\n' ',')
 nodes=${nodes#,}
 nodes=${nodes%,}
