@@ -43,6 +43,7 @@ class Metrics:
         self._version = version
         self._facts: Facts | None = None
         self._ready = False
+        self._conditions: tuple[Condition, ...] = ()
         self.registry.register(_FactsCollector(self))
         self._reconcile = Histogram(
             "imexd_reconcile_seconds",
@@ -86,6 +87,7 @@ class Metrics:
         """Take the snapshot that the fact-derived series show from now on."""
         self._facts = facts
         self._ready = messages.ready(conds)
+        self._conditions = tuple(conds)
 
     def observe_reconcile(self, seconds: float) -> None:
         self._reconcile.observe(seconds)
@@ -113,6 +115,17 @@ class Metrics:
         if f is None:
             return
         d, bus = f.daemon, f.bus
+
+        condition = GaugeMetricFamily(
+            "imexd_condition",
+            "1 per condition of the node's health with its current status and reason "
+            "(the HealthReport's conditions: alert on a reason such as PublishRefused, "
+            "NodeMapMismatch or BrokerNoRetainedWildcard).",
+            labels=["type", "status", "reason"],
+        )
+        for c in self._conditions:
+            condition.add_metric([c.type, c.status, c.reason], 1.0)
+        yield condition
 
         state = GaugeMetricFamily(
             "imexd_daemon_state",

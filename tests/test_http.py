@@ -576,3 +576,26 @@ def test_metrics_idle_node() -> None:
     assert "imexd_slot -1.0" in text
     assert 'imexd_domain_state{state="FORMING"} 0.0' in text
     assert "imexd_ready 1.0" in text
+
+
+def test_metrics_carry_each_condition_with_its_reason() -> None:
+    """imexd_condition shows every condition's current status and reason, one series per
+    type, so alert rules can name a reason (PublishRefused, NodeMapMismatch, ...)."""
+    m = Metrics()
+    refused = Facts(
+        node="n1",
+        bus=BusFacts(connected=True, synced=True, refused=("imex/v2/domains/d1/health/n1",)),
+    )
+    m.update_from(refused, health.conditions(refused, [], 0.0))
+    conditions = {
+        s.labels["type"]: (s.labels["status"], s.labels["reason"], s.value)
+        for f in text_string_to_metric_families(m.render().decode())
+        if f.name == "imexd_condition"
+        for s in f.samples
+    }
+    assert conditions["BusConnected"] == ("False", "PublishRefused", 1.0)
+    assert set(conditions) == set(messages.CONDITION_TYPES)
+    idle = Facts(node="n1", bus=BusFacts(connected=True, synced=True))
+    m.update_from(idle, health.conditions(idle, [], 0.0))
+    text = m.render().decode()
+    assert 'reason="PublishRefused"' not in text, "a changed condition leaves no stale series"
