@@ -106,12 +106,13 @@ IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
 """
 
 
-def free_port() -> int:
-    """A TCP port on which nothing listens now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on which nothing listens now (all held while picking)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -195,12 +196,13 @@ def _write_files(folder: Path) -> tuple[Path, str]:
     task = folder / "taskprolog.sh"
     task.write_text(WRAPPER.format(dir=folder, script=SLURM / "imexd-taskprolog.sh"))
     task.chmod(0o755)
+    ctld_port, slurmd_port = free_ports(2)
     conf = folder / "slurm.conf"
     conf.write_text(
         f"""ClusterName=imexdtest
 SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -244,50 +246,63 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
                 process.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """munged, slurmctld and slurmd of this module, up and the node idle."""
-    folder = tmp_path_factory.mktemp("slurm")
+def _start(folder: Path, processes: list[subprocess.Popen[bytes]]) -> tuple[Cluster, str]:
+    """Start munged, slurmctld and slurmd in `folder`, appending them to `processes`;
+    return the cluster and "" once the node is idle, or why not after START_S."""
     conf, node = _write_files(folder)
     env = {"PATH": "/usr/sbin:/usr/bin:/bin", "SLURM_CONF": str(conf), "HOME": str(folder)}
-    processes: list[subprocess.Popen[bytes]] = []
     started = Cluster(folder, env)
-    try:
-        daemons = [
-            ["munged", "--foreground", "--force", f"--socket={folder}/munge/socket",
-             f"--key-file={folder}/munge/munge.key", f"--pid-file={folder}/munge/pid",
-             f"--log-file={folder}/log/munged.log", f"--seed-file={folder}/munge/seed"],
-            ["slurmctld", "-D", "-i", "-f", str(conf)],
-            ["slurmd", "-D", "-N", node, "-f", str(conf)],
-        ]  # fmt: skip
-        for argv in daemons:
-            out = (folder / "log" / f"{argv[0]}.out").open("wb")
+    daemons = [
+        ["munged", "--foreground", "--force", f"--socket={folder}/munge/socket",
+         f"--key-file={folder}/munge/munge.key", f"--pid-file={folder}/munge/pid",
+         f"--log-file={folder}/log/munged.log", f"--seed-file={folder}/munge/seed"],
+        ["slurmctld", "-D", "-i", "-f", str(conf)],
+        ["slurmd", "-D", "-N", node, "-f", str(conf)],
+    ]  # fmt: skip
+    for argv in daemons:
+        with (folder / "log" / f"{argv[0]}.out").open("wb") as out:
             processes.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
-            out.close()
-            if argv[0] == "munged":
-                # slurmctld needs munge's socket at once.
-                deadline = time.monotonic() + START_S
-                while not (folder / "munge" / "socket").exists():
-                    if time.monotonic() > deadline or processes[0].poll() is not None:
-                        pytest.skip(f"munged did not start within {START_S:g} s\n{started.logs()}")
-                    time.sleep(0.1)
-        deadline = time.monotonic() + START_S
-        while True:
-            state = started.command("sinfo", "-h", "-N", "-o", "%T", timeout=10).stdout.split()
-            if state and all(s == "idle" for s in state):
-                break
-            exited = [a[0] for a, p in zip(daemons, processes, strict=True) if p.poll() is not None]
-            if exited or time.monotonic() > deadline:
-                why = (
-                    f"{', '.join(exited)} exited" if exited else f"node {state} after {START_S:g} s"
-                )
-                pytest.skip(f"Slurm did not come up ({why})\n{started.logs()}")
-            time.sleep(0.3)
-        yield started
-    finally:
-        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-            started.command("scancel", "--user=root", timeout=10)
-        _stop(processes)
+        if argv[0] == "munged":
+            # slurmctld needs munge's socket at once.
+            deadline = time.monotonic() + START_S
+            while not (folder / "munge" / "socket").exists():
+                if time.monotonic() > deadline or processes[0].poll() is not None:
+                    return started, f"munged did not start within {START_S:g} s"
+                time.sleep(0.1)
+    deadline = time.monotonic() + START_S
+    while True:
+        state = started.command("sinfo", "-h", "-N", "-o", "%T", timeout=10).stdout.split()
+        if state and all(s == "idle" for s in state):
+            return started, ""
+        exited = [a[0] for a, p in zip(daemons, processes, strict=True) if p.poll() is not None]
+        if exited:
+            return started, f"{', '.join(exited)} exited"
+        if time.monotonic() > deadline:
+            return started, f"node {state} after {START_S:g} s"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """munged, slurmctld and slurmd of this module, up and the node idle. A start that
+    fails because another program took a port between picking and binding is tried
+    again on new ports (three times at most)."""
+    why = ""
+    for _ in range(3):
+        processes: list[subprocess.Popen[bytes]] = []
+        try:
+            started, why = _start(tmp_path_factory.mktemp("slurm"), processes)
+            if not why:
+                yield started
+                with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                    started.command("scancel", "--user=root", timeout=10)
+                return
+            logs = started.logs()
+        finally:
+            _stop(processes)
+        if "Address already in use" not in logs:
+            break
+    pytest.skip(f"Slurm did not come up ({why})\n{logs}")
 
 
 @pytest.fixture
