@@ -451,7 +451,7 @@ def _parser_has_workloads() -> bool:
 @pytest.mark.skipif(not _parser_has_workloads(), reason="imexd has no `workload` commands yet")
 def test_every_command_line_parses(bin_dir: Path, tmp_path: Path) -> None:
     """Every imexd command line the scripts run is accepted by the real CLI parser."""
-    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_TASKPROLOG_BUS": "yes"}
+    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_TASKPROLOG_BUS": "yes", "IMEXD_SEEN_WITHIN": "120"}
     env |= {"IMEXD_CHANNELS_ENV_DIR": str(tmp_path)}
     failing = {f"FAKE_EXIT_imexd_{c}": "1" for c in ("workload_create", "workload_status")}
     calls = [
