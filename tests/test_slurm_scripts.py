@@ -16,16 +16,21 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from imexd.cli import build_parser
+from imexd.demo.brokers import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "config" / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sh"))
+IMEXD = Path(sys.executable).parent / "imexd"
+"""The installed imexd of this virtual environment."""
 SHELLS = [shell for shell in ("sh", "bash", "dash") if shutil.which(shell)]
 CONFIG = "/etc/imexd/control.toml"
 JOB = "4242"
@@ -656,3 +661,40 @@ def test_prolog_logs_a_missing_imexd(bin_dir: Path, script: str) -> None:
     assert run.status == 127
     errors = run.logged("err")
     assert any("no-imexd" in m and "not found" in m for m in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        (
+            "imexd-prolog-perjob.sh",
+            [
+                f"job-{JOB}: domain create: imexd domain create: no agent reported node {node} "
+                "within 600 s (never)"
+                for node in ("gpu-01", "gpu-02")
+            ],
+        ),
+        (
+            "imexd-prolog-shared.sh",
+            [f"job-{JOB}: no channel on gpu-01 (NoReport), gpu-02 (NoReport) after 2 s: a node"],
+        ),
+    ],
+)
+def test_prolog_fails_fast_with_the_real_imexd(
+    bin_dir: Path, broker: Mosquitto, script: str, expected: list[str]
+) -> None:
+    """Against a real broker with no agents, the real `imexd` refuses the job's nodes:
+    the prolog fails within seconds (2 per job, 1 shared: not ready by IMEXD_WAIT), its
+    err lines name every node and why, and it deletes what it created."""
+    config = bin_dir.parent / "control.toml"
+    config.write_text(f'[bus]\nurl = ["{broker.url}"]\n')
+    env = {"IMEXD": str(IMEXD), "IMEXD_CONFIG": str(config), "IMEXD_DOMAIN": "rack-07"}
+    started = time.monotonic()
+    run = run_script(script, bin_dir, env=env | {"IMEXD_WAIT": "2"})
+    assert run.status == (2 if "perjob" in script else 1), run.stderr
+    assert time.monotonic() - started < 15
+    errors = run.logged("err")
+    for line in expected:
+        assert any(m.startswith(line) for m in errors), (line, errors)
+    kind = "domain" if "perjob" in script else "workload"
+    assert run.logged("info")[-1] == f"job-{JOB}: imexd {kind} delete exited 0"

@@ -102,7 +102,8 @@ run_imexd() {
     shift
     log info "$domain: running $imexd $*"
     result=0
-    output=$("$imexd" "$@" 2>&1) || result=$?
+    # Unbuffered: imexd's lines (stdout and stderr) in the order it printed them.
+    output=$(PYTHONUNBUFFERED=1 "$imexd" "$@" 2>&1) || result=$?
     level=info
     [ "$result" -eq 0 ] || level=err
     printf '%s\n' "$output" | while IFS= read -r line; do
