@@ -123,7 +123,7 @@ fi
 
 # run_imexd STEP ARGS...: run imexd with ARGS, logging the command line, every line it
 # prints (at err when it fails: imexd's own reason) and its exit status, which it
-# returns. The output is also kept in $output.
+# returns.
 run_imexd() {
     step=$1
     shift
