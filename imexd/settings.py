@@ -676,10 +676,12 @@ def load_settings(
     *,
     environ: Mapping[str, str] | None = None,
     required: bool = False,
+    env_labels: Mapping[str, str] | None = None,
 ) -> Settings:
     """Load settings from `path` (absent file = defaults unless `required`) and `environ`.
 
-    Raises ConfigError listing every wrong key.
+    Raises ConfigError listing every wrong key; `env_labels` names where a variable came
+    from (an environment file's line) in those problems.
     """
     env = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
@@ -695,7 +697,9 @@ def load_settings(
         raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
     except OSError as exc:
         raise ConfigError([f"{source}: cannot read: {exc.strerror}"]) from None
-    return settings_from_mapping(raw, environ=env, source=source, problems=problems)
+    return settings_from_mapping(
+        raw, environ=env, source=source, problems=problems, env_labels=env_labels
+    )
 
 
 def settings_from_mapping(
@@ -704,9 +708,11 @@ def settings_from_mapping(
     environ: Mapping[str, str] | None = None,
     source: str = "<settings>",
     problems: list[str] | None = None,
+    env_labels: Mapping[str, str] | None = None,
 ) -> Settings:
     """Validate a parsed TOML document (plus environment overrides) into Settings."""
     problems = [] if problems is None else problems
+    labels = env_labels or {}
     kinds = {(s.section, s.key): s.kind for s in iter_settings()}
     merged: dict[str, dict[str, tuple[Any, str]]] = {}
     for section, table in raw.items():
@@ -729,7 +735,7 @@ def settings_from_mapping(
             continue  # IMEXD_SIM_* and other tools' variables
         key = rest[len(env_section) + 1 :]
         kind = kinds.get((env_section, key), "str")
-        merged.setdefault(env_section, {})[key] = (_env_value(kind, text), name)
+        merged.setdefault(env_section, {})[key] = (_env_value(kind, text), labels.get(name, name))
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values: dict[str, Any] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from imexd.cli import build_parser
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import ChannelsView, Topics, encode
 from tests.reports import report as health_report
@@ -151,3 +153,50 @@ def test_workload_create_exits_3_when_no_channel_is_free(broker: Mosquitto) -> N
     assert "workload w1 in d1: created on channel 1" in runs[0].stdout
     assert runs[1].returncode == 3
     assert "no free channel in d1: its nodes offer 2 channels" in runs[1].stderr
+
+
+def _leaf_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every subcommand that runs something, e.g. ("imexd domain create", its parser)."""
+    found: list[tuple[str, argparse.ArgumentParser]] = []
+
+    def walk(name: str, parser: argparse.ArgumentParser) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            found.append((name, parser))
+        for action in subs:
+            for child, sub in action.choices.items():
+                walk(f"{name} {child}", sub)
+
+    walk("imexd", build_parser())
+    return found
+
+
+def test_every_option_has_help_with_its_default_and_every_command_its_exit_codes() -> None:
+    """Walking the parser: each argument of each subcommand has help text, an option
+    with a default names it, and each subcommand's help ends with its exit codes."""
+    leaves = _leaf_parsers()
+    assert len(leaves) >= 19
+    for name, parser in leaves:
+        assert (parser.epilog or "").startswith("exit codes: 0 "), name
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            label = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{label}: no help"
+            assert action.help != argparse.SUPPRESS, label
+            shown = parser._get_formatter()._expand_help(action)
+            if action.option_strings and action.default not in (None, False):
+                assert "default" in shown, f"{label}: the help does not give the default"
+                assert "%(" not in shown, label
+
+
+def test_domain_status_help_describes_wait_and_json() -> None:
+    """`domain status --help` says --wait waits for UP and returns at once when it is, and
+    --json has help; the defaults are shown."""
+    proc = _imexd("domain", "status", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "wait up to this long for the domain to be UP, returning the moment it is" in text
+    assert "(default 2; 0: judge the snapshot only)" in text
+    assert "--json print the judgement as JSON" in text
+    assert "exit codes: 0 the domain is UP; 1 not UP" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -304,7 +305,8 @@ def test_cli_config_prints_effective_values(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=True,
-        env={"IMEXD_NODE_NAME": "gpu-7", "PATH": "/usr/bin:/bin"},
+        # No NVLink here: without a clique the node needs no nvidia-imex on PATH.
+        env={"IMEXD_NODE_NAME": "gpu-7", "IMEXD_NODE_CLIQUE": "", "PATH": "/usr/bin:/bin"},
     )
     assert "node.name = 'gpu-7'" in proc.stdout
     assert "domain.max_nodes = 18" in proc.stdout
@@ -337,3 +339,105 @@ def test_a_stop_timeout_the_unit_would_cut_is_refused() -> None:
     assert settings_from_mapping(raised, environ={}).daemon.stop_timeout_s == 40.0
     assert problems_of({**BASE, "daemon": {"stop_timeout_s": 25}})  # 25 + 5 leaves no margin
     assert settings_from_mapping({**BASE, "daemon": {"stop_timeout_s": 24}}, environ={})
+
+
+def _imexd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "imexd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+    )
+
+
+def _node_file(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "imexd.toml"
+    path.write_text(
+        '[node]\nname = "n1"\naddress = "127.0.0.1"\nclique = "c.0"\n'
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[imex]\nbinary = "{sys.executable}"\nctl = "{sys.executable}"\n'
+        f'run_dir = "{tmp_path / "run"}"\nhosts_file = "{tmp_path / "hosts"}"\n' + extra
+    )
+    return path
+
+
+def test_missing_bus_files_are_named_by_config_run_and_the_control_plane(tmp_path: Path) -> None:
+    """A [bus] TLS or password file that does not exist is one problem naming the key and
+    the path: `imexd config` and `imexd run` exit 2, and so does a control-plane command,
+    before any broker is tried."""
+    missing = tmp_path / "bus" / "ca.crt"
+    key = tmp_path / "node.key"
+    key.write_text("key")
+    path = _node_file(
+        tmp_path,
+        f'[bus]\nurl = "mqtts://127.0.0.1:1"\nca_file = "{missing}"\n'
+        f'cert_file = "{tmp_path}"\nkey_file = "{key}"\n',
+    )
+    for args in (["config"], ["run"], ["domain", "list"]):
+        proc = _imexd(*args, "--config", str(path))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert f"bus.ca_file = '{missing}': cannot read it: No such file or directory" in (
+            proc.stderr
+        )
+        assert f"bus.cert_file = '{tmp_path}': cannot read it: Is a directory" in proc.stderr
+        assert "key_file" not in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_imex_binary_fails_run_at_once(tmp_path: Path) -> None:
+    """`imexd run` exits 2 naming a missing [imex] binary or ctl instead of retrying;
+    `imexd config` reports it the same way; a node without NVLink (clique "") needs none."""
+    path = _node_file(tmp_path)
+    text = path.read_text().replace(f'binary = "{sys.executable}"', 'binary = "nvidia-imex-x"')
+    path.write_text(text.replace(f'ctl = "{sys.executable}"', f'ctl = "{tmp_path}/ctl"'))
+    for command in ("run", "config"):
+        started = time.monotonic()
+        proc = _imexd(command, "--config", str(path))
+        assert proc.returncode == 2, proc.stderr
+        assert time.monotonic() - started < 30
+        assert "imex.binary = 'nvidia-imex-x': not found on PATH (/usr/bin:/bin)" in proc.stderr
+        assert f"imex.ctl = '{tmp_path}/ctl': no such file" in proc.stderr
+    path.write_text(path.read_text().replace('clique = "c.0"', 'clique = ""'))
+    assert _imexd("config", "--config", str(path)).returncode == 0
+
+
+def test_config_reads_an_env_file_as_systemd_does(tmp_path: Path) -> None:
+    """`imexd config --env-file` applies the file's IMEXD_* variables (not the shell's)
+    over the config file, and a wrong value names the env file's line."""
+    path = _node_file(tmp_path)
+    env_file = tmp_path / "imexd.env"
+    env_file.write_text("# per node\nIMEXD_DOMAIN_NAME=job-7\n\nIMEXD_NODE_NAME = 'gpu-9'\n")
+    proc = _imexd(
+        "config", "--config", str(path), "--env-file", str(env_file),
+        env={"IMEXD_DOMAIN_MAX_NODES": "0"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "domain.name = 'job-7'" in proc.stdout
+    assert "node.name = 'gpu-9'" in proc.stdout
+    env_file.write_text(
+        "# the node's address on the network IMEX should use\n"
+        "IMEXD_NODE_ADDRESS=10.40.7.11    # the old install.md example\n"
+    )
+    proc = _imexd("config", "--config", str(path), "--env-file", str(env_file))
+    assert proc.returncode == 2
+    assert f"{env_file}:2: IMEXD_NODE_ADDRESS = '10.40.7.11    # the old install.md" in proc.stderr
+    assert f"warning: {env_file}:2: the value of IMEXD_NODE_ADDRESS" in proc.stderr
+    env_file.write_text("export IMEXD_NODE_NAME=x\n")
+    proc = _imexd("config", "--config", str(path), "--env-file", str(env_file))
+    assert proc.returncode == 2
+    assert f"{env_file}:1: 'export IMEXD_NODE_NAME': not a variable name" in proc.stderr
+
+
+def test_the_install_docs_env_example_validates(tmp_path: Path) -> None:
+    """The env-file block of docs/install.md, as an operator copies it, passes."""
+    doc = (ROOT / "docs" / "install.md").read_text()
+    marker = "and in `/etc/imexd/imexd.env` on that node"
+    block = doc[doc.index(marker) :].split("```sh\n", 1)[1].split("```", 1)[0]
+    env_file = tmp_path / "imexd.env"
+    env_file.write_text(block)
+    proc = _imexd("config", "--config", str(_node_file(tmp_path)), "--env-file", str(env_file))
+    assert proc.returncode == 0, proc.stderr
+    assert "node.address = '10.40.7.11'" in proc.stdout
+    assert "warning" not in proc.stderr

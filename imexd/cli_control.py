@@ -1,0 +1,563 @@
+"""The control plane's subcommands: `imexd domain`, `imexd node` and `imexd workload`.
+
+Their parsers and their handlers: each handler checks its arguments (a usage error exits
+2 before any broker is tried), loads the settings with
+`imexd.control.commands.load_control_settings`, and runs one coroutine of imexd.control.
+Apart from imexd.cli, which holds the agent's own commands and the entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Final
+
+from imexd.cli_args import (
+    SubParsers,
+    command,
+    config_arg,
+    integer,
+    owner_args,
+    owner_problems,
+    usage,
+)
+from imexd.names import domain_problem, max_nodes_problem, node_problem, parse_nodes
+
+SEEN_WITHIN_DEFAULT_S: Final = 600.0
+"""`--seen-within` default of `domain create` and `node assign`: imexd.control.commands'
+SEEN_WITHIN_S (not imported here: the parser must not pay for the control plane)."""
+BUS_EXITS: Final = "1 a bus error (broker unreachable, or it did not keep a write)"
+
+DOMAIN_EXITS: Final = {
+    "create": "0 written; 1 "
+    + BUS_EXITS[2:]
+    + ", or with --channel the workload's failure; 2 usage error, a listed node in "
+    "another live domain (without --steal), or a listed node that no agent reported "
+    "within --seen-within (without --force), nothing written; 3 with --channel: no free "
+    "channel",
+    "delete": "0 deleted (or nothing to delete, or the spec kept for nodes that name the "
+    "domain in their settings); 1 members still hold records at the --timeout (run it "
+    "again), or a bus error; 2 usage error",
+    "list": f"0 listed; {BUS_EXITS}; 2 usage error",
+    "status": "0 the domain is UP; 1 not UP (at the end of --wait), nothing on the bus "
+    "about it, or a bus error; 2 usage error; with --watch: that of the last state drawn",
+}
+NODE_EXITS: Final = {
+    "assign": f"0 assigned; {BUS_EXITS}; 2 usage error, the node in another live domain "
+    "(without --steal), or no agent reported it within --seen-within (without --force)",
+    "unassign": f"0 unassigned; {BUS_EXITS}; 2 usage error",
+}
+WORKLOAD_EXITS: Final = {
+    "create": "0 ready on every listed node (or written, with --wait 0); 1 not "
+    "ready by the deadline (the record is kept), a lost race retried too often, or a bus "
+    "error; 2 usage error (bad name or mode, --channel used by another workload of the "
+    "domain, the workload exists on another channel); 3 no free channel",
+    "delete": "0 deleted and no node lists it any more; 1 no such workload, "
+    "nodes still list it at the deadline, or a bus error; 2 usage error",
+    "list": "0 listed; 1 bus error; 2 usage error",
+    "status": "0 every listed node has the channel ready; 1 not ready, no such "
+    "workload, or a bus error; 2 usage error (also: NAME in several domains and no --domain)",
+    "env": "0 printed; 1 no such workload, or not active; 2 usage error",
+}
+
+
+def add_control_commands(sub: SubParsers[argparse.ArgumentParser]) -> None:
+    """Add `domain`, `workload` and `node` with their actions."""
+    _domain_parser(sub)
+    _workload_parser(sub)
+    _node_parser(sub)
+
+
+def _seen_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"{what} even when no agent reported it within --seen-within seconds",
+    )
+    parser.add_argument(
+        "--seen-within",
+        type=float,
+        default=SEEN_WITHIN_DEFAULT_S,
+        metavar="SECONDS",
+        help="how recently an agent must have reported the node: its presence record or "
+        "health report, sent every [health] report_interval_s (30 s), or a live member "
+        "record (default %(default)g)",
+    )
+
+
+def _domain_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "domain",
+        help="control plane: create, delete, list, status",
+        description="Control plane: IMEX domains. exit codes: see each action's --help.",
+    )
+    dsub = p.add_subparsers(dest="domain_command", required=True, metavar="ACTION")
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        q = command(dsub, name, help_text, DOMAIN_EXITS[name])
+        config_arg(q)
+        return q
+
+    q = action("create", "publish a DomainSpec (and assignments)")
+    q.add_argument("name", help="the domain's name (DNS-1123 label)")
+    q.add_argument(
+        "--nodes",
+        default=None,
+        help="comma-separated node names, in slot order, each assigned to the domain "
+        "(default: no list, any node assigned to it joins)",
+    )
+    q.add_argument(
+        "--max-nodes",
+        type=integer,
+        default=None,
+        help="slots per clique (default: the existing spec's, else [domain] max_nodes)",
+    )
+    q.add_argument(
+        "--steal",
+        action="store_true",
+        help="take listed nodes out of another live domain (stops their daemons there)",
+    )
+    _seen_args(q, "list a node")
+    q.add_argument(
+        "--channel",
+        type=integer,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="N",
+        help="also create workload NAME in this domain on IMEX channel N (no value: 0), "
+        "for one domain per job (default: no workload)",
+    )
+    owner_args(q, "with --channel: ")
+    q.set_defaults(handler=_cmd_domain_create)
+
+    q = action("delete", "delete a domain: agents stop their daemons; its workloads are cleared")
+    q.add_argument("name", help="the domain's name")
+    q.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the members to leave (default %(default)g)",
+    )
+    q.set_defaults(handler=_cmd_domain_delete)
+
+    q = action("list", "list domains with a spec or members")
+    q.set_defaults(handler=_cmd_domain_list)
+
+    q = action("status", "one table from the members' HealthReports")
+    q.add_argument("name", help="the domain's name")
+    q.add_argument(
+        "--json", action="store_true", help="print the judgement as JSON (default: a table)"
+    )
+    q.add_argument(
+        "--watch",
+        action="store_true",
+        help="redraw on every change until Ctrl-C (--wait does not apply)",
+    )
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="after the retained snapshot, wait up to this long for the domain to be UP, "
+        "returning the moment it is (default %(default)g; 0: judge the snapshot only)",
+    )
+    q.add_argument(
+        "--nodes",
+        default=None,
+        help="comma-separated nodes the domain must have (default: the spec's list)",
+    )
+    q.set_defaults(handler=_cmd_domain_status)
+
+
+def _node_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "node",
+        help="control plane: assign nodes to domains",
+        description="Control plane: node assignments. exit codes: see each action's --help.",
+    )
+    nsub = p.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    q = command(nsub, "assign", "assign NODE to DOMAIN", NODE_EXITS["assign"])
+    config_arg(q)
+    q.add_argument("node", help="the node's name ([node] name)")
+    q.add_argument("domain", help="the domain's name")
+    q.add_argument(
+        "--steal",
+        action="store_true",
+        help="move the node out of another live domain (stops its daemon there)",
+    )
+    _seen_args(q, "assign the node")
+    q.set_defaults(handler=_cmd_node_assign)
+    q = command(nsub, "unassign", "take NODE out of its domain", NODE_EXITS["unassign"])
+    config_arg(q)
+    q.add_argument("node", help="the node's name")
+    q.set_defaults(handler=_cmd_node_unassign)
+
+
+def _domain_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    if required:
+        parser.add_argument("--domain", required=True, help="the workload's domain (required)")
+    else:
+        parser.add_argument(
+            "--domain",
+            default=None,
+            help="the workload's domain (default: the one domain that has a workload NAME)",
+        )
+
+
+def _workload_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
+    """`imexd workload create|delete|list|status|env`: IMEX channels for named workloads."""
+    p = sub.add_parser(
+        "workload",
+        help="control plane: IMEX channels for workloads (create, delete, ...)",
+        description="Control plane: IMEX channels for workloads. exit codes: see each "
+        "action's --help.",
+    )
+    wsub = p.add_subparsers(dest="workload_command", required=True, metavar="ACTION")
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        q = command(wsub, name, help_text, WORKLOAD_EXITS[name])
+        config_arg(q)
+        return q
+
+    q = action("create", "create or update a workload: a channel on its domain's nodes")
+    q.add_argument("name", help="the workload's name (DNS-1123 label)")
+    _domain_arg(q, required=True)
+    q.add_argument(
+        "--nodes",
+        default=None,
+        help="comma-separated nodes that get the channel (default: the domain spec's node "
+        "list, else every node of the domain)",
+    )
+    q.add_argument(
+        "--channel",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="this channel (0 only this way); default: the lowest free channel from 1, "
+        "kept when the workload exists",
+    )
+    owner_args(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="wait this long for every listed node to have the channel ready (default 60; "
+        "0: do not wait)",
+    )
+    q.add_argument("--json", action="store_true", help="print the status as JSON (default: text)")
+    q.set_defaults(handler=_cmd_workload_create)
+
+    q = action("delete", "delete a workload: its nodes remove the channel")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="wait this long for the nodes to remove the channel (default 30; 0: do not wait)",
+    )
+    q.set_defaults(handler=_cmd_workload_delete)
+
+    q = action("list", "list workloads: channel, state, nodes and how many are ready")
+    q.add_argument("--domain", default=None, help="only this domain's (default: every domain)")
+    q.add_argument("--json", action="store_true", help="print a JSON array (default: a table)")
+    q.set_defaults(handler=_cmd_workload_list)
+
+    q = action("status", "a workload's channel on each of its nodes")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="wait this long for every listed node to be ready (default 2; 0: do not wait)",
+    )
+    q.add_argument("--json", action="store_true", help="print JSON (default: a table)")
+    q.set_defaults(handler=_cmd_workload_status)
+
+    q = action("env", "print `export` lines for the workload's channel (Slurm TaskProlog)")
+    q.add_argument("name", help="the workload's name")
+    _domain_arg(q)
+    q.set_defaults(handler=_cmd_workload_env)
+
+
+def _cmd_domain_create(args: argparse.Namespace) -> int:
+    """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal] [--force]
+    [--seen-within S] [--channel [N] [--uid U] [--gid G] [--mode M]]`: with --channel,
+    workload NAME of the domain too."""
+    nodes, problems = parse_nodes(args.nodes)
+    problems = [
+        p for p in (domain_problem(args.name), max_nodes_problem(args.max_nodes)) if p
+    ] + problems
+    problems += owner_problems(args) + _seen_problems(args)
+    if args.channel is None:
+        given = [f"--{o}" for o in ("uid", "gid", "mode") if getattr(args, o) is not None]
+        if given:
+            problems.append(f"{', '.join(given)} only go with --channel")
+    if problems:
+        return usage("domain create", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+
+    async def create() -> int:
+        code = await commands.create(
+            settings,
+            args.name,
+            nodes=nodes,
+            max_nodes=args.max_nodes,
+            out=sys.stdout,
+            err=sys.stderr,
+            steal=args.steal,
+            force=args.force,
+            seen_within_s=args.seen_within,
+        )
+        if code != 0 or args.channel is None:
+            return code
+        return await workloads.create(
+            settings,
+            args.name,
+            domain=args.name,
+            nodes=None,
+            channel=args.channel,
+            uid=args.uid,
+            gid=args.gid,
+            mode=args.mode,
+            wait_s=0.0,
+            as_json=False,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+
+    return asyncio.run(create())
+
+
+def _seen_problems(args: argparse.Namespace) -> list[str]:
+    if 0 <= args.seen_within < float("inf"):
+        return []
+    return [f"--seen-within {args.seen_within:g}: expected seconds >= 0"]
+
+
+def _cmd_domain_delete(args: argparse.Namespace) -> int:
+    """`imexd domain delete NAME [--timeout S]`."""
+    problems = [p for p in (domain_problem(args.name),) if p]
+    if not args.timeout >= 0:
+        problems.append(f"--timeout {args.timeout}: expected seconds >= 0")
+    if problems:
+        return usage("domain delete", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.delete(settings, args.name, wait_s=args.timeout, out=sys.stdout, err=sys.stderr)
+    )
+
+
+def _cmd_domain_list(args: argparse.Namespace) -> int:
+    """`imexd domain list`."""
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(commands.list_domains(settings, out=sys.stdout))
+
+
+def _cmd_domain_status(args: argparse.Namespace) -> int:
+    """`imexd domain status NAME [--nodes a,b] [--json] [--watch] [--wait S]`.
+
+    With --watch, SIGINT and SIGTERM only set the watch's stop event: it returns the exit
+    status of the last state it drew.
+    """
+    nodes, problems = parse_nodes(args.nodes)
+    problems = [p for p in (domain_problem(args.name),) if p] + problems
+    if not args.wait >= 0:
+        problems.append(f"--wait {args.wait}: expected seconds >= 0")
+    if problems:
+        return usage("domain status", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    if not args.watch:
+        return asyncio.run(
+            commands.status(
+                settings,
+                args.name,
+                as_json=args.json,
+                wait=args.wait,
+                out=sys.stdout,
+                err=sys.stderr,
+                nodes=nodes,
+            )
+        )
+
+    async def watching() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handled: list[signal.Signals] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+                handled.append(sig)
+        try:
+            return await commands.watch(
+                settings,
+                args.name,
+                as_json=args.json,
+                stop=stop,
+                out=sys.stdout,
+                err=sys.stderr,
+                nodes=nodes,
+            )
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(watching())
+
+
+def _workloadusage(args: argparse.Namespace, command: str) -> list[str]:
+    """The usage problems every `workload` action shares: NAME, --domain, --wait."""
+    problems = [p for p in (domain_problem(args.name, kind="workload"),) if p]
+    if args.domain is not None and (problem := domain_problem(args.domain)):
+        problems.append(problem)
+    wait = getattr(args, "wait", None)
+    if wait is not None and not 0 <= wait < float("inf"):
+        problems.append(f"--wait {wait}: expected seconds >= 0")
+    if command == "create":
+        problems += owner_problems(args)
+    return problems
+
+
+def _cmd_workload_create(args: argparse.Namespace) -> int:
+    """`imexd workload create NAME --domain D [--nodes a,b] [--channel N] [--uid U]
+    [--gid G] [--mode M] [--wait S] [--json]`."""
+    nodes, problems = parse_nodes(args.nodes)
+    problems = _workloadusage(args, "create") + problems
+    if problems:
+        return usage("workload create", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.create(
+            settings,
+            args.name,
+            domain=args.domain,
+            nodes=nodes,
+            channel=args.channel,
+            uid=args.uid,
+            gid=args.gid,
+            mode=args.mode,
+            wait_s=args.wait,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_delete(args: argparse.Namespace) -> int:
+    """`imexd workload delete NAME [--domain D] [--wait S]`."""
+    problems = _workloadusage(args, "delete")
+    if problems:
+        return usage("workload delete", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.delete(
+            settings,
+            args.name,
+            domain=args.domain,
+            wait_s=args.wait,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_list(args: argparse.Namespace) -> int:
+    """`imexd workload list [--domain D] [--json]`."""
+    if args.domain is not None and (problem := domain_problem(args.domain)):
+        return usage("workload list", [problem])
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.list_workloads(settings, domain=args.domain, as_json=args.json, out=sys.stdout)
+    )
+
+
+def _cmd_workload_status(args: argparse.Namespace) -> int:
+    """`imexd workload status NAME [--domain D] [--wait S] [--json]`."""
+    problems = _workloadusage(args, "status")
+    if problems:
+        return usage("workload status", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.status(
+            settings,
+            args.name,
+            domain=args.domain,
+            wait_s=args.wait,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    )
+
+
+def _cmd_workload_env(args: argparse.Namespace) -> int:
+    """`imexd workload env NAME [--domain D]`."""
+    problems = _workloadusage(args, "env")
+    if problems:
+        return usage("workload env", problems)
+    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        workloads.env(settings, args.name, domain=args.domain, out=sys.stdout, err=sys.stderr)
+    )
+
+
+def _cmd_node_assign(args: argparse.Namespace) -> int:
+    """`imexd node assign NODE DOMAIN [--steal] [--force] [--seen-within S]`."""
+    problems = [p for p in (node_problem(args.node), domain_problem(args.domain)) if p]
+    problems += _seen_problems(args)
+    if problems:
+        return usage("node assign", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.assign(
+            settings,
+            args.node,
+            args.domain,
+            out=sys.stdout,
+            err=sys.stderr,
+            steal=args.steal,
+            force=args.force,
+            seen_within_s=args.seen_within,
+        )
+    )
+
+
+def _cmd_node_unassign(args: argparse.Namespace) -> int:
+    """`imexd node unassign NODE`."""
+    problems = [p for p in (node_problem(args.node),) if p]
+    if problems:
+        return usage("node unassign", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
