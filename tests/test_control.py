@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
@@ -40,6 +42,7 @@ from imexd.fleet import (
 from imexd.messages import (
     Assignment,
     DomainSpec,
+    MemberState,
     Presence,
     Topics,
     encode,
@@ -139,12 +142,22 @@ def run_imexd(
 # Components: each command against a real broker.
 
 
+async def seen(broker: Mosquitto, *nodes: str) -> dict[str, bytes]:
+    """Retain a fresh presence record for each node, as their running agents do."""
+    items = {T.presence(n): presence(n) for n in nodes}
+    await put(broker, items)
+    return items
+
+
 async def test_create_publishes_exactly_the_spec_and_the_assignments(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`domain create` leaves one spec and one assignment per listed node, all valid."""
+    presences = await seen(broker, "n1", "n2", "n3")
     assert await control_async("domain", "create", "d1", "--nodes", "n1,n2,n3") == 0
     got = await retained(broker)
+    for topic in presences:
+        got.pop(topic)
     assert sorted(got) == sorted([T.spec("d1"), *(T.assignment(n) for n in ("n1", "n2", "n3"))])
     assert valid("DomainSpec", got[T.spec("d1")]) == {
         "v": 1,
@@ -166,6 +179,7 @@ async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
 ) -> None:
     """A second create is an update: generation + 1, the spec's max_nodes kept."""
     assert await control_async("domain", "create", "d1", "--max-nodes", "4") == 0
+    await seen(broker, "n2")
     assert await control_async("domain", "create", "d1", "--nodes", "n2") == 0
     got = await retained(broker)
     spec = valid("DomainSpec", got[T.spec("d1")])
@@ -178,6 +192,7 @@ async def test_create_says_when_a_node_moves_from_another_domain(
 ) -> None:
     """Assigning a node that belongs elsewhere moves it, and says so."""
     await put(broker, {T.assignment("n1"): encode(Assignment(domain="d0"))})
+    await seen(broker, "n1")
     assert await control_async("domain", "create", "d1", "--nodes", "n1") == 0
     assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
 
@@ -284,6 +299,7 @@ async def test_create_with_steal_moves_the_node(
 ) -> None:
     """`--steal` moves a node out of a live domain and says so."""
     await put(broker, LIVE_D0)
+    await seen(broker, "n1")
     assert await control_async("domain", "create", "d1", "--nodes", "n1", "--steal") == 0
     assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
     got = await retained(broker)
@@ -303,6 +319,7 @@ async def test_a_deleting_or_missing_spec_holds_no_node(
             T.assignment("n2"): encode(Assignment(domain="gone")),
         },
     )
+    await seen(broker, "n1", "n2")
     assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 0
 
 
@@ -336,6 +353,48 @@ async def test_assign_refuses_a_node_no_agent_reported_unless_force(
     assert await control_async("node", "assign", "typo-n1", "d1", "--force") == 0
     got = await retained(broker, T.assignments_filter())
     assert sorted(got) == [T.assignment("n2"), T.assignment("typo-n1")]
+
+
+def unseen(lines: list[str]) -> list[str]:
+    """The nodes `domain create` refused as not reported, in the order it named them."""
+    return [m.group(1) for line in lines if (m := re.search(r"reported node (\S+) within", line))]
+
+
+async def test_create_refuses_nodes_no_live_agent_reported_unless_force(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`domain create --nodes` names every listed node that no agent reported within
+    --seen-within (never, too long ago, or only its will's lost record) and writes nothing
+    (exit 2), so a Slurm prolog fails at once; --force or a longer window creates it."""
+    lost = msgspec.structs.replace(
+        member_record("n4", 3, domain="d1"), state=MemberState.LOST, slot=None
+    )
+    before = {
+        T.presence("n1"): presence("n1"),
+        T.presence("n2"): presence("n2", at=time.time() - 1000),
+        T.member("d1", "c1", "n4"): encode(lost),
+        T.presence("n4"): presence("n4", at=time.time() - 900),
+    }
+    await put(broker, before)
+    args = ("domain", "create", "d1", "--nodes", "n1,n2,n3,n4")
+    assert await control_async(*args) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert unseen(err) == ["n2", "n3", "n4"]
+    assert err[0].startswith(
+        "imexd domain create: no agent reported node n2 within 600 s (last 1000 s ago): "
+        "a typo, or a node without a running agent; d1 would wait for it forever. Give "
+        "--force"
+    )
+    assert "node n3 within 600 s (never)" in err[1]
+    assert "node n4 within 600 s (last 900 s ago)" in err[2]
+    assert await retained(broker) == before, "nothing was written"
+    assert await control_async(*args, "--seen-within", "950") == 2
+    assert unseen(capsys.readouterr().err.splitlines()) == ["n2", "n3"]
+    assert await control_async(*args, "--seen-within", "-1") == 2
+    assert "--seen-within -1: expected seconds >= 0" in capsys.readouterr().err
+    assert await control_async(*args, "--force") == 0
+    got = await retained(broker, T.assignments_filter())
+    assert sorted(got) == sorted(T.assignment(n) for n in ("n1", "n2", "n3", "n4"))
 
 
 async def test_a_health_report_or_a_record_is_a_sighting(
@@ -665,7 +724,9 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
     b.start()
     try:
         proc = await asyncio.to_thread(
-            run_imexd, {"IMEXD_BUS_URL": b.url}, "domain", "create", "d1", "--nodes", "n1"
+            run_imexd,
+            {"IMEXD_BUS_URL": b.url},
+            *("domain", "create", "d1", "--nodes", "n1", "--force"),
         )
     finally:
         b.stop()

@@ -18,6 +18,7 @@ from typing import Final, TextIO
 
 import msgspec
 
+from imexd import preflight
 from imexd.control.link import Link
 from imexd.control.store import Store, summarize
 from imexd.errors import BusError
@@ -32,6 +33,7 @@ from imexd.fleet import (
 from imexd.messages import (
     Assignment,
     DomainSpec,
+    MemberState,
     encode,
     reason_line,
 )
@@ -53,10 +55,13 @@ host name that is not DNS-1123 must not make its settings invalid."""
 
 def load_control_settings(config: str | None, environ: Mapping[str, str] | None = None) -> Settings:
     """The same settings file and IMEXD_* environment as the agent's; only [bus], [domain]
-    max_nodes and [health] report_interval_s matter here."""
+    max_nodes and [health] report_interval_s matter here. A [bus] file (CA, certificate,
+    key, password) that cannot be read is a ConfigError naming it."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault("IMEXD_NODE_NAME", CONTROL_NAME)
-    return load_settings(config, environ=env)
+    settings = load_settings(config, environ=env)
+    preflight.check(settings, programs=False)
+    return settings
 
 
 def next_spec(
@@ -93,6 +98,41 @@ def say_refused(refused: Sequence[str], err: TextIO) -> int:
     return EXIT_FAILED
 
 
+def _unseen(
+    store: Store,
+    nodes: Iterable[str],
+    domain: str,
+    command: str,
+    err: TextIO,
+    *,
+    seen_within_s: float,
+) -> int:
+    """EXIT_USAGE after naming each node of `nodes` that no agent reported within
+    `seen_within_s` seconds (presence record or health report; a member record counts
+    as seen, a lost one, its agent's will, does not), else EXIT_OK: a typo, or a node whose
+    agent is not running, would leave the domain waiting for it (a Slurm prolog until its
+    timeout)."""
+    now = time.time()
+    unseen: list[str] = []
+    for node in nodes:
+        at, _ = store.last_seen(node)
+        live = any(
+            n == node and record.state is not MemberState.LOST
+            for (_, _, n), record in store.members.items()
+        )
+        if live or (at is not None and now - at <= seen_within_s):
+            continue
+        when = "never" if at is None else f"last {now - at:.0f} s ago"
+        unseen.append(node)
+        print(
+            f"imexd {command}: no agent reported node {node} within {seen_within_s:g} s "
+            f"({when}): a typo, or a node without a running agent; {domain} would wait for "
+            "it forever. Give --force to use it anyway",
+            file=err,
+        )
+    return EXIT_USAGE if unseen else EXIT_OK
+
+
 def _taken(store: Store, nodes: Iterable[str], domain: str, command: str, err: TextIO) -> int:
     """EXIT_USAGE after naming each node of `nodes` that another live domain holds, else
     EXIT_OK. Moving such a node stops the IMEX daemon a running job there may use."""
@@ -116,19 +156,30 @@ async def create(
     out: TextIO,
     err: TextIO,
     steal: bool = False,
+    force: bool = False,
+    seen_within_s: float = SEEN_WITHIN_S,
 ) -> int:
     """Write the domain's spec, then the listed nodes' assignments (so that an assigned
     node already finds the spec, and its list position, when it joins).
 
     Refuses (EXIT_USAGE, writing nothing) when a listed node is in another live domain
-    (`Store.elsewhere`), unless `steal`."""
+    (`Store.elsewhere`), unless `steal`, and when a listed node was not reported by an
+    agent within `seen_within_s` seconds (see `assign`), unless `force`: a Slurm prolog
+    then fails at once, naming the node, instead of waiting for a domain that cannot
+    form."""
     async with Link(settings.bus) as link:
         t = link.topics
         filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
-        if nodes and not steal:
+        if nodes and not (steal and force):
             filters += [t.specs_filter(), t.all_members_filter("+")]
+        if nodes and not force:
+            filters += [t.health_filter("+"), *(t.presence(n) for n in nodes)]
         store = await link.read(*filters)
         if not steal and _taken(store, nodes or (), name, "domain create", err):
+            return EXIT_USAGE
+        if not force and _unseen(
+            store, nodes or (), name, "domain create", err, seen_within_s=seen_within_s
+        ):
             return EXIT_USAGE
         previous = store.specs.get(name)
         before = {n: store.assignments.get(n) for n in nodes or ()}
@@ -342,18 +393,12 @@ async def assign(
         store = await link.read(*filters)
         if domain is not None and not steal and _taken(store, [node], domain, "node assign", err):
             return EXIT_USAGE
-        if domain is not None and not force:
-            at, recorded = store.last_seen(node)
-            if not recorded and (at is None or time.time() - at > seen_within_s):
-                when = "never" if at is None else f"last {time.time() - at:.0f} s ago"
-                print(
-                    f"imexd node assign: no agent reported node {node} within "
-                    f"{seen_within_s:g} s ({when}): a typo, or a node without a running agent; "
-                    f"assigning it to {domain} would wait for it forever. Give --force to "
-                    "assign it anyway",
-                    file=err,
-                )
-                return EXIT_USAGE
+        if (
+            domain is not None
+            and not force
+            and _unseen(store, [node], domain, "node assign", err, seen_within_s=seen_within_s)
+        ):
+            return EXIT_USAGE
         before = store.assignments.get(node)
         spec = store.specs.get(domain) if domain else None
         payload = encode(Assignment(domain=domain)) if domain else b""
