@@ -3,10 +3,11 @@
 The alert rules (config/prometheus/imexd-rules.yaml) pass `promtool check rules` and
 their unit tests (`promtool test rules`, every alert firing and not firing); every query
 of the Grafana dashboard passes the same promtool check as a recording rule; every
-metric name in the rules and the dashboard is one the agent exports (read from a real
-exposition of `Metrics` fed with typical facts); the Prometheus Operator objects in
-config/kubernetes match the CRD fields they use, select the DaemonSet's pods and carry
-the same rule groups.
+metric name in the rules, their annotations' queries and the dashboard is one the agent
+exports (read from a real exposition of `Metrics` fed with typical facts and their
+conditions), and every imexd_condition type and reason they select is a real one; the
+Prometheus Operator objects in config/kubernetes match the CRD fields they use, select
+the DaemonSet's pods and carry the same rule groups.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from imexd import health
 from imexd.facts import (
     BusFacts,
     ChannelFacts,
@@ -35,6 +37,7 @@ from imexd.facts import (
     MembershipFacts,
 )
 from imexd.http import PATHS
+from imexd.messages import CONDITION_TYPES
 from imexd.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,13 +140,36 @@ def exported_names() -> set[str]:
             operations={("mknod", "ok"): 1},
         ),
     )
-    metrics.update_from(facts, [])
+    metrics.update_from(facts, health.conditions(facts, [], 0.0))
     metrics.observe_reconcile(0.02)
     metrics.count_write("hosts", ok=False)
     metrics.count_probe_failure("local")
     metrics.count_task_failure("bus")
     text = metrics.render().decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def annotation_queries(rule: Doc) -> list[str]:
+    """The expressions that an alert's annotations query (`printf "EXPR" ... | query`)."""
+    text = " ".join(rule.get("annotations", {}).values())
+    return re.findall(r'printf "((?:[^"\\]|\\.)*)"[^}]*\|\s*query', text)
+
+
+def condition_matchers(expr: str) -> Iterator[tuple[str, str]]:
+    """(label, value) of each `type` and `reason` that an imexd_condition selector matches,
+    a regex alternative split into its values; quotes single or double."""
+    for selector in re.findall(r"imexd_condition\{([^}]*)\}", expr):
+        for label, values in re.findall(
+            r"\b(type|reason)\s*(?:=~|!~|!=|=)\s*[\"']([^\"']*)[\"']", selector
+        ):
+            for value in values.split("|"):
+                yield label, value
+
+
+def documented_reasons() -> set[str]:
+    """The reasons in the first column of troubleshooting.md's condition tables."""
+    cells = re.findall(r"^\| ([^|]*`[^|]*)\|", TROUBLESHOOTING.read_text(), re.MULTILINE)
+    return {name for cell in cells for name in re.findall(r"`(\w+)`", cell)}
 
 
 def dashboard() -> Doc:
@@ -278,6 +304,49 @@ def test_rules_use_only_exported_metrics() -> None:
         assert not unknown, f"{rule.get('alert', rule.get('record'))}: not exported: {unknown}"
 
 
+def test_annotation_queries_use_only_exported_metrics() -> None:
+    """The series an annotation queries for its wording are in the agent's /metrics too."""
+    known = exported_names() | SCRAPE_SERIES
+    queried = [
+        (r["alert"], q) for r in alerts(load_yaml(RULES)["groups"]) for q in annotation_queries(r)
+    ]
+    assert any("imexd_condition" in q for _, q in queried), "the parser found no query"
+    for name, query in queried:
+        unknown = metric_names(query) - known
+        assert not unknown, f"{name}: its annotations query {unknown}, not exported"
+
+
+def test_condition_types_and_reasons_are_real() -> None:
+    """Every condition type that a rule or dashboard query selects is one of CONDITION_TYPES,
+    and every reason one that troubleshooting.md explains."""
+    rules = list(alerts(load_yaml(RULES)["groups"]))
+    exprs = [r["expr"] for r in rules] + [q for r in rules for q in annotation_queries(r)]
+    exprs += [e for _, e in dashboard_queries(dashboard())]
+    matched = [m for e in exprs for m in condition_matchers(e)]
+    assert {label for label, _ in matched} == {"type", "reason"}, matched
+    reasons = documented_reasons()
+    assert {"PublishRefused", "NodeMapMismatch", "ChannelConflict"} <= reasons
+    for label, value in matched:
+        known = set(CONDITION_TYPES) if label == "type" else reasons
+        assert value in known, f"imexd_condition {label} {value!r} is not a real one"
+
+
+def test_condition_matchers_are_parsed() -> None:
+    """The matcher parser reads both quotes, regex alternatives and negations, and only
+    inside imexd_condition selectors."""
+    expr = (
+        'imexd_condition{type=~"SlotSettled|DaemonReady", reason!="Ready"}'
+        ' * on (job, instance) imexd_bus_dropped_total{reason="schema"}'
+        " and imexd_condition{job='a',type='BusConnected'}"
+    )
+    assert list(condition_matchers(expr)) == [
+        ("type", "SlotSettled"),
+        ("type", "DaemonReady"),
+        ("reason", "Ready"),
+        ("type", "BusConnected"),
+    ]
+
+
 # Dashboard
 
 
@@ -299,8 +368,9 @@ def test_dashboard_is_well_formed() -> None:
 
 
 def test_dashboard_covers_what_an_operator_reads() -> None:
-    """The dashboard shows domain state, readiness, restarts, reloads, the bus link, drops,
-    channels per workload and the reconcile latency histogram."""
+    """The dashboard shows domain state, readiness, the conditions that are not True with
+    their reasons, restarts, reloads, the bus link, drops, channels per workload and the
+    reconcile latency histogram."""
     used = set().union(*(metric_names(literal(e)) for _, e in dashboard_queries(dashboard())))
     assert {
         "imexd_domain_state",
@@ -310,6 +380,7 @@ def test_dashboard_covers_what_an_operator_reads() -> None:
         "imexd_bus_connected",
         "imexd_bus_dropped_total",
         "imexd_channel_ready",
+        "imexd_condition",
         "imexd_reconcile_seconds_bucket",
     } <= used
 
