@@ -54,13 +54,19 @@ import random
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, Self
 
 import psutil
 
-from imexd.daemon_output import OUTPUT_MAX_BYTES, OUTPUT_POLL_S, DaemonOutput, Tail
+from imexd.daemon_output import (
+    OUTPUT_MAX_BYTES,
+    OUTPUT_POLL_S,
+    DaemonOutput,
+    Tail,
+    quote_lines,
+)
 from imexd.daemon_process import (
     KILL_WAIT_S,
     DaemonProcess,
@@ -68,6 +74,7 @@ from imexd.daemon_process import (
     end_stray,
     kill_group,
     launch,
+    spawn_error,
 )
 from imexd.daemon_state import DaemonReason, DaemonState, DaemonStatus
 from imexd.logs import get_logger
@@ -142,6 +149,8 @@ class Supervisor:
         self._detail = "not started yet"
         self._since = time.time()
         self._child: DaemonProcess | None = None
+        self._last_tail: Tail | None = None
+        """The output of the running daemon, or of the last one; None after a failed spawn."""
         self._want_running = False
         self._adopt_ok = False
         self._restart_reason: str | None = None
@@ -212,7 +221,11 @@ class Supervisor:
 
     @property
     def last_lines(self) -> tuple[str, ...]:
-        return self._output.lines
+        return self._lines()
+
+    def _lines(self) -> tuple[str, ...]:
+        tail = self._last_tail
+        return tuple(tail.lines) if tail is not None else ()
 
     @property
     def reloads_sent(self) -> int:
@@ -249,7 +262,7 @@ class Supervisor:
             next_start_at=next_start,
             reloads_sent=self._reloads_sent,
             reload_pending=self._reload_pending is not None,
-            last_lines=self._output.lines,
+            last_lines=self._lines(),
             identified=child.output.identified if child is not None else None,
         )
 
@@ -602,6 +615,7 @@ class Supervisor:
         """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
+        self._last_tail = child.output
         if self._last_ran:
             self._restarts += 1
             self._last_ran = False
@@ -615,12 +629,9 @@ class Supervisor:
         try:
             pid, outputs = launch(self._binary, self._config_path, self._env, self._output)
         except OSError as exc:
-            self._crashed(
-                f"cannot run {self._binary}: {exc.strerror or exc}",
-                "not started",
-                uptime=0.0,
-                ran=False,
-            )
+            self._last_tail = None  # no daemon: no lines, never the previous one's
+            path = self._env.get("PATH", os.defpath)
+            self._crashed(spawn_error(self._binary, exc, path), "not started", ran=False)
             return
         pidfd = os.pidfd_open(pid)  # our unreaped child: cannot be gone yet
         child = DaemonProcess(
@@ -677,19 +688,37 @@ class Supervisor:
         """The daemon exited on its own: a crash, whatever the code (IMEX never exits by itself)."""
         uptime = time.monotonic() - child.started
         exit_desc = await self._finish(child)
-        last_stderr = child.output.last_stderr
-        detail = exit_desc if last_stderr is None else f"{exit_desc}: {last_stderr}"
+        how = exit_desc
         if child.adopted:
-            detail = f"adopted daemon pid {child.pid} exited (status unknown: not our child)"
-        self._crashed(detail, exit_desc, uptime=uptime, ran=child.ran)
+            how = f"adopted daemon pid {child.pid} exited (status unknown: not our child)"
+        self._crashed(
+            f"{how} after {_seconds(uptime)}",
+            exit_desc,
+            uptime=uptime,
+            ran=child.ran,
+            lines=child.output.lines,
+        )
 
-    def _crashed(self, detail: str, exit_desc: str, *, uptime: float, ran: bool) -> None:
+    def _crashed(
+        self,
+        cause: str,
+        exit_desc: str,
+        *,
+        ran: bool,
+        uptime: float = 0.0,
+        lines: Sequence[str] | None = None,
+    ) -> None:
         """Count a failure; BACKOFF with a growing delay, or FATAL in a crash loop.
 
         Failures count since the last stable run (`stable_s` alive clears them),
         inside `crash_loop_window_s`: a crash in RUNNING counts like one in STARTING,
         since a daemon dying every minute is looping too. The one try after FATAL is on
         probation: failing again goes straight back to FATAL.
+
+        `cause` is how it ended (`exit 3 after 0.4 s`, `cannot run PATH: ...`); `lines`
+        are the exited daemon's own output (None: no daemon ran, a failed spawn). The
+        reason is `DaemonCrashed`, or `DaemonStartFailed` when the binary could not
+        run; `DaemonCrashLoop` in FATAL. Its detail quotes the last `EXIT_LINES`.
         """
         s = self._settings
         now = time.monotonic()
@@ -701,14 +730,24 @@ class Supervisor:
         while self._failures and now - self._failures[0] > s.crash_loop_window_s:
             self._failures.popleft()
         self._failures.append(now)
+        if lines is None:
+            said = ""
+        else:
+            quoted = quote_lines(lines)
+            said = f"; last lines: {quoted}" if quoted else "; no output"
         if self._probation or len(self._failures) >= s.crash_loop_starts:
             self._next_start = now + s.fatal_cooldown_s
+            loop = (
+                f"{len(self._failures)} failures within {s.crash_loop_window_s:g} s, "
+                f"next try in {_seconds(s.fatal_cooldown_s)}"
+            )
+            detail = f"{cause}, {loop}{said}"
             self._log.error(
                 "daemon.crash_loop",
                 failures=len(self._failures),
                 window_s=s.crash_loop_window_s,
                 retry_in_s=s.fatal_cooldown_s,
-                last_lines=list(self._output.lines)[-5:],
+                last_lines=list(lines or ())[-5:],
             )
             self._set(DaemonState.FATAL, DaemonReason.CRASH_LOOP, detail)
         else:
@@ -717,13 +756,17 @@ class Supervisor:
             )
             self._backoff_step += 1
             self._next_start = now + delay
+            again = "retry" if lines is None else "restart"
+            detail = f"{cause}, {again} in {_seconds(delay)}{said}"
             self._log.warning(
                 "daemon.crashed",
                 exit=exit_desc,
+                cause=cause,
                 uptime_s=round(uptime, 2),
                 retry_in_s=round(delay, 2),
             )
-            self._set(DaemonState.BACKOFF, DaemonReason.CRASHED, detail)
+            code = DaemonReason.START_FAILED if lines is None else DaemonReason.CRASHED
+            self._set(DaemonState.BACKOFF, code, detail)
         if (self._state, self._reason, self._detail) == before:
             self._notify()  # same state and reason (a failed try after FATAL): new counters
 
@@ -820,3 +863,8 @@ class Supervisor:
                 self._on_change(self.status)
             except Exception:
                 self._log.exception("daemon.on_change_failed")
+
+
+def _seconds(value: float) -> str:
+    """A duration for a reason: `0.4 s`, `12 s`, `600 s`."""
+    return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"

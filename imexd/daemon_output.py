@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,13 @@ STREAM_FDS = {"stdout": 1, "stderr": 2}
 """The daemon's file descriptor of each stream."""
 
 LAST_LINES = 50
-"""How many lines of the daemon's output are kept for status and error reasons."""
+"""How many lines of each daemon's output are kept for status and error reasons."""
+
+EXIT_LINES = 3
+"""How many of an exited daemon's last lines its crash reason quotes."""
+
+EXIT_LINE_CHARS = 240
+"""A quoted line is cut there: the reason travels in health reports of bounded size."""
 
 MAX_LINE_BYTES = 16 * 1024
 """A longer line is cut there: one runaway line must not grow the agent's memory."""
@@ -135,6 +141,9 @@ class Tail:
     def __init__(self, pid: int, streams: list[Stream]) -> None:
         self.pid = pid
         self.streams = streams
+        self.lines: deque[str] = deque(maxlen=LAST_LINES)
+        """Its own last lines of output (both streams, in the order read), oldest first:
+        never another daemon's, so a reason quoting them is about this daemon."""
         self.last_stderr: str | None = None
         """Its last line on stderr: why it exited, most often."""
         self.identified: int | None = None
@@ -149,12 +158,12 @@ class Tail:
 
 
 class DaemonOutput:
-    """The output files in one folder and the last lines read from them, of any daemon.
+    """The output files in one folder, read for whichever daemon writes to them.
 
     `create` opens fresh files for a spawn, `adopt` finds those an adopted daemon
-    writes to, `poll` and `read` log what was written since; `lines` keeps the last
-    `LAST_LINES` of them for the status and error reasons. `on_lines` is called after
-    a read that found new lines (in the event loop, must not block).
+    writes to, `poll` and `read` log what was written since; each daemon's `Tail`
+    keeps its last `LAST_LINES` lines for the status and error reasons. `on_lines` is
+    called after a read that found new lines (in the event loop, must not block).
     """
 
     def __init__(self, folder: str, *, max_bytes: int, on_lines: Callable[[], None]) -> None:
@@ -162,14 +171,8 @@ class DaemonOutput:
         """The output files by stream (`stdout`, `stderr`)."""
         self._max = max_bytes
         self._on_lines = on_lines
-        self._lines: deque[str] = deque(maxlen=LAST_LINES)
         self._count = 0
         self._log = get_logger("daemon")
-
-    @property
-    def lines(self) -> tuple[str, ...]:
-        """The last `LAST_LINES` lines of output, oldest first."""
-        return tuple(self._lines)
 
     def create(self, stream: str) -> tuple[int, Stream] | None:
         """Truncate `stream`'s file for a new daemon: (its write end, our reader), or None.
@@ -201,9 +204,10 @@ class DaemonOutput:
         """Readers of our output files that daemon `pid` writes to, at their end.
 
         A daemon started by an older agent, or by hand, writes elsewhere: nothing to
-        tail. The end of each file is read back into `lines` (not logged again).
+        tail. The end of each file is read back into its `lines` (not logged again).
         """
         streams: list[Stream] = []
+        seeded: list[str] = []
         identified: int | None = None
         for stream, path in self.paths.items():
             try:
@@ -228,11 +232,12 @@ class DaemonOutput:
             for raw in lines:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r")
                 if line.strip():
-                    self._lines.append(line)
+                    seeded.append(line)
                     said = identified_id(parse_imex_line(line).message)
                     identified = said if said is not None else identified
             streams.append(Stream(fd, stream, path))
         adopted = Tail(pid, streams)
+        adopted.lines.extend(seeded)
         adopted.identified = identified
         return adopted
 
@@ -322,7 +327,7 @@ class DaemonOutput:
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if not line.strip():
             return
-        self._lines.append(line)
+        tail.lines.append(line)
         self._count += 1
         if stream == "stderr":
             tail.last_stderr = line
@@ -343,3 +348,19 @@ class DaemonOutput:
             pid=tail.pid,
             **extra,
         )
+
+
+def quote_lines(lines: Sequence[str], count: int = EXIT_LINES) -> str:
+    """The last `count` of a daemon's lines for a reason: IMEX's time and tid dropped.
+
+    `[Sep 18 2026 06:40:33] [ERROR] [tid 7] boom` reads `[ERROR] boom`; other lines as
+    they are; each cut at `EXIT_LINE_CHARS`; joined with " | ", oldest first.
+    """
+    quoted: list[str] = []
+    for line in list(lines)[-count:] if count > 0 else []:
+        m = _IMEX_LINE.match(line)
+        text = f"[{m['level']}] {m['message']}" if m is not None else line.strip()
+        if len(text) > EXIT_LINE_CHARS:
+            text = text[: EXIT_LINE_CHARS - 3] + "..."
+        quoted.append(text)
+    return " | ".join(quoted)

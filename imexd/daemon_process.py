@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import select
+import shutil
 import signal
 import time
 from collections.abc import Mapping
@@ -95,6 +97,25 @@ def launch(
         for writer in writers:
             os.close(writer)
     return pid, streams
+
+
+def spawn_error(binary: str, exc: OSError, path: str | None = None) -> str:
+    """Why `binary` could not be run, naming the file: `cannot run /usr/bin/nvidia-imex: ...`.
+
+    A bare name is looked up on `path` (the agent's PATH by default, where `posix_spawnp`
+    looks): not found reads `not found on PATH (...)`. An existing file that fails with
+    ENOENT lacks its interpreter or loader, which the error alone does not say.
+    """
+    why = exc.strerror or str(exc)
+    search = os.environ.get("PATH", os.defpath) if path is None else path
+    if "/" not in binary:
+        found = shutil.which(binary, path=search)
+        if found is None:
+            return f"cannot run {binary}: not found on PATH ({search})"
+        binary = found
+    if exc.errno == errno.ENOENT and os.path.exists(binary):
+        why += " (the file exists: its interpreter or dynamic loader is missing)"
+    return f"cannot run {binary}: {why}"
 
 
 class DaemonProcess:

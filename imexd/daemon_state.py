@@ -37,6 +37,7 @@ class DaemonReason(enum.StrEnum):
     STARTING = "DaemonStarting"
     STOPPING = "DaemonStopping"
     CRASHED = "DaemonCrashed"
+    START_FAILED = "DaemonStartFailed"
     CRASH_LOOP = "DaemonCrashLoop"
     CONFLICT = "ConflictingDaemon"
 
@@ -47,9 +48,11 @@ class DaemonStatus:
 
     `reason` is None only while RUNNING; otherwise it is a machine-readable code
     (`DaemonStopped`, `DaemonStarting`, `DaemonStopping`, `DaemonCrashed`,
-    `DaemonCrashLoop`, `ConflictingDaemon`) and `detail` says the rest for a person,
-    e.g. `exit 3: <the daemon's last stderr line>`. Two fields, so that health reads
-    the code without parsing a sentence.
+    `DaemonStartFailed`, `DaemonCrashLoop`, `ConflictingDaemon`) and `detail` says the
+    rest for a person, e.g. `exit 3 after 0.4 s, restart in 1 s; last lines: A | B | C`
+    (the exited daemon's own last lines, never another's) or `cannot run
+    /usr/bin/nvidia-imex: No such file or directory, retry in 1 s`. Two fields, so that
+    health reads the code without parsing a sentence.
     """
 
     state: DaemonState
@@ -83,7 +86,9 @@ class DaemonStatus:
     reload_pending: bool
     """A SIGUSR1 is owed to the daemon and will be sent when its window ends."""
     last_lines: tuple[str, ...]
-    """The last `daemon_output.LAST_LINES` lines of the daemon's stdout and stderr, oldest first."""
+    """The last `daemon_output.LAST_LINES` lines of the running daemon's stdout and stderr,
+    or of the last one that ran when none runs, oldest first; empty when the last start
+    could not run the binary."""
     identified: int | None = None
     """The node id the running daemon logged (`Identified this node as ID <n>`); None
     before it did, without a daemon, or when its output is not read."""

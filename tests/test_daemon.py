@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import itertools
 import os
+import re
 import signal
 import socket
 import stat
@@ -25,8 +27,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd.daemon import Supervisor
-from imexd.daemon_output import parse_imex_line
-from imexd.daemon_process import daemon_environment
+from imexd.daemon_output import EXIT_LINE_CHARS, parse_imex_line, quote_lines
+from imexd.daemon_process import daemon_environment, spawn_error
 from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.demo.brokers import free_port
 from imexd.imex import PACKAGE_CONFIG
@@ -109,6 +111,42 @@ def test_exit_descriptions_name_the_code_or_the_signal() -> None:
     assert describe_exit(3) == "exit 3"
     assert describe_exit(-9) == "SIGKILL"
     assert describe_exit(-11) == "SIGSEGV"
+
+
+def test_a_crash_reason_quotes_the_last_three_lines_without_imex_time_and_tid() -> None:
+    """IMEX's time and tid are dropped, the level kept; only the last 3; long lines cut."""
+    lines = [
+        "IMEX Log initializing at: 9/18/2026 06:40:33.561",
+        "[Sep 18 2026 06:40:33] [INFO] [tid 77] IMEX version 570.148.08 is running",
+        "WARNING: failed to open IMEX log file",
+        "[Sep 18 2026 06:40:34] [ERROR] [tid 77] Lost the GPU, exiting",
+    ]
+    assert quote_lines(lines) == (
+        "[INFO] IMEX version 570.148.08 is running | WARNING: failed to open IMEX log file"
+        " | [ERROR] Lost the GPU, exiting"
+    )
+    assert quote_lines([]) == ""
+    long = quote_lines(["x" * 1000])
+    assert (len(long), long[-3:]) == (EXIT_LINE_CHARS, "...")
+
+
+def test_a_binary_that_cannot_run_is_named_with_its_path(tmp_path: Path) -> None:
+    """The start failure names the file, PATH for a bare name, and a missing interpreter."""
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory")
+    gone = str(tmp_path / "nvidia-imex")
+    assert spawn_error(gone, missing) == f"cannot run {gone}: No such file or directory"
+    assert spawn_error("nvidia-imex", missing, str(tmp_path)) == (
+        f"cannot run nvidia-imex: not found on PATH ({tmp_path})"
+    )
+    script = tmp_path / "nvidia-imex"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    assert spawn_error("nvidia-imex", missing, str(tmp_path)) == (
+        f"cannot run {script}: No such file or directory "
+        "(the file exists: its interpreter or dynamic loader is missing)"
+    )
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    assert spawn_error(str(script), denied) == f"cannot run {script}: Permission denied"
 
 
 def test_a_signal_is_survived_when_caught_blocked_or_ignored() -> None:
@@ -500,8 +538,8 @@ async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Nod
         first = (await sup.ensure_started()).pid
         await until(sup, lambda s: s.state is DaemonState.BACKOFF)
         assert sup.reason == "DaemonCrashed"
-        assert sup.detail.startswith("exit 3: ")
-        assert sup.detail.endswith("Lost the GPU, exiting")
+        assert re.fullmatch(r"exit 3 after 0\.\d s, restart in 0\.1 s; last lines: .*", sup.detail)
+        assert sup.detail.endswith("| [ERROR] Lost the GPU, exiting")
         status = await until(sup, lambda s: s.state is DaemonState.RUNNING and s.pid != first)
         assert (status.restarts, status.crashes, status.last_exit) == (1, 1, "exit 3")
         assert (status.start_failures, status.fatal_since) == (0, None)
@@ -539,10 +577,13 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
         await sup.ensure_started()
         fatal = await until(sup, lambda s: s.state is DaemonState.FATAL)
         fatal_at = time.monotonic()
-        assert (fatal.reason, fatal.detail) == (
-            "DaemonCrashLoop",
-            "exit 3: fatal: no usable node configuration",
-        )
+        assert fatal.reason == "DaemonCrashLoop"
+        assert re.fullmatch(
+            r"exit 3 after \d\.\d s, 3 failures within 10 s, next try in 1\.0 s; last lines: "
+            r"IMEX Log initializing at: .* \| \[ERROR\] Failed to read node configuration file "
+            r"for .* \| fatal: no usable node configuration",
+            fatal.detail,
+        ), fatal.detail
         assert (fatal.crashes, fatal.start_failures, fatal.restarts, fatal.pid) == (3, 3, 0, None)
         assert fatal.fatal_since == pytest.approx(fatal_at, abs=0.3)
         assert fatal.last_lines[-1] == "fatal: no usable node configuration"
@@ -573,8 +614,47 @@ async def test_a_daemon_that_cannot_be_executed_ends_fatal_with_the_reason(node:
         status = await until(sup, lambda s: s.state is DaemonState.FATAL)
     assert (status.restarts, status.start_failures) == (0, FAST.crash_loop_starts)
     assert status.reason == "DaemonCrashLoop"
-    assert status.detail.startswith("cannot run ")
-    assert status.detail.endswith("No such file or directory")
+    assert status.detail == (
+        f"cannot run {node.path('no-such-nvidia-imex')}: No such file or directory, "
+        "3 failures within 10 s, next try in 1.0 s"
+    )
+
+
+async def test_a_missing_binary_is_named_at_the_first_failure(node: Node) -> None:
+    """ENOENT at spawn is DaemonStartFailed in BACKOFF at once, naming the path, not a crash."""
+    binary = node.path("no-such-nvidia-imex")
+    changes: list[DaemonStatus] = []
+    async with node.supervisor(binary=binary, on_change=changes) as sup:
+        first = await sup.ensure_started()
+    assert (first.state, first.reason) == (DaemonState.BACKOFF, "DaemonStartFailed")
+    assert first.detail == f"cannot run {binary}: No such file or directory, retry in 0.1 s"
+    assert (first.crashes, first.start_failures, first.last_lines) == (1, 1, ())
+    assert (changes[0].reason, changes[0].detail) == (first.reason, first.detail)
+
+
+async def test_a_crash_quotes_only_the_exited_daemons_own_lines(node: Node, tmp_path: Path) -> None:
+    """A daemon that dies silently reads `no output`, never the previous daemon's lines."""
+    quiet = tmp_path / "quiet"
+    script = tmp_path / "nvidia-imex"
+    script.write_text(
+        f'#!/bin/sh\n[ -e "{quiet}" ] && kill -9 $$\n'
+        'echo "[Sep 18 2026 06:40:33] [INFO] [tid $$] first daemon line" >&2\nexec sleep 30\n'
+    )
+    script.chmod(0o755)
+    async with node.supervisor(binary=str(script)) as sup:
+        first = await sup.ensure_started()
+        await until(sup, lambda s: any("first daemon line" in line for line in s.last_lines))
+        assert first.pid is not None
+        quiet.touch()
+        os.kill(first.pid, signal.SIGKILL)
+        own = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert own.reason == "DaemonCrashed"
+        assert own.detail.startswith("SIGKILL after ")
+        assert own.detail.endswith("; last lines: [INFO] first daemon line")
+        silent = await until(sup, lambda s: s.state is DaemonState.BACKOFF and s.crashes == 2)
+    assert silent.reason == "DaemonCrashed"
+    assert re.fullmatch(r"SIGKILL after 0\.\d s, restart in 0\.\d s; no output", silent.detail)
+    assert silent.last_lines == ()
 
 
 async def test_fatal_since_holds_through_failed_probation_tries(node: Node) -> None:
@@ -678,10 +758,11 @@ async def test_a_matching_running_daemon_is_adopted_and_its_death_noticed(node: 
             assert status.restarts == 0
             outside.kill()
             crashed = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
-            assert (crashed.reason, crashed.detail) == (
-                "DaemonCrashed",
-                f"adopted daemon pid {outside.pid} exited (status unknown: not our child)",
+            assert crashed.reason == "DaemonCrashed"
+            assert crashed.detail.startswith(
+                f"adopted daemon pid {outside.pid} exited (status unknown: not our child) after "
             )
+            assert crashed.detail.endswith(", restart in 0.1 s; no output")
             status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
             assert status.pid != outside.pid
             assert (status.adopted, status.restarts) == (False, 1)
@@ -896,7 +977,8 @@ async def test_sim_crash_backs_off_and_restarts_with_the_restart_counted(sim: No
         first = (await sup.ensure_started()).pid
         status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
         assert status.reason == "DaemonCrashed"
-        assert status.detail.startswith("exit 7: ")
+        assert status.detail.startswith("exit 7 after ")
+        assert "; last lines: " in status.detail
         assert status.last_exit == "exit 7"
         status = await until(sup, lambda s: s.pid not in (None, first))
         assert (status.restarts, status.crashes, status.start_failures) == (1, 1, 0)
@@ -914,7 +996,10 @@ async def test_sim_crash_loop_is_fatal_with_exit_code_and_last_stderr_line(sim: 
     assert (status.start_failures, status.restarts) == (FAST.crash_loop_starts, 0)
     last = status.last_lines[-1]
     assert "Simulated failure at start: exiting with code 3" in last
-    assert (status.reason, status.detail) == ("DaemonCrashLoop", f"exit 3: {last}")
+    assert status.reason == "DaemonCrashLoop"
+    assert status.detail.startswith("exit 3 after ")
+    assert status.detail.endswith(quote_lines(status.last_lines))
+    assert "Simulated failure at start: exiting with code 3" in status.detail
 
 
 async def test_sim_ignoring_sigterm_is_killed_after_the_stop_timeout(sim: Node) -> None:
