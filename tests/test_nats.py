@@ -1,0 +1,291 @@
+"""Agents on NATS: nats-server's MQTT listener (3.1.1 only, retained messages in a
+JetStream stream), alone and as a three-server JetStream cluster.
+
+A real clique id holds a dot (`<uuid>.<clique>`) and so may a node name; NATS makes every
+topic level a subject token, where a dot would split the level, so these tests use both
+(the portable topics encode them). The agents are real `imexd run` processes with
+simulated daemons (tests/cluster.py) told `[bus] protocol = "3.1.1"`; the control plane
+is the `imexd` CLI with the same settings (`Cluster.control_env`). Every wait is bounded.
+
+The cluster test is an expected failure for now (its xfail says why): with nats-server
+2.9.10 a server's death leaves some new subscriptions refused for tens of seconds, which
+the bus does not yet retry. Remove the mark once it does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from imexd.demo.brokers import Nats, NatsCluster, find_nats_server
+from imexd.messages import Topics
+from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
+from tests.support import IMEXD
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        find_nats_server() is None,
+        reason="nats-server is not installed (apt-get install nats-server)",
+    ),
+]
+
+CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
+"""A clique id as the driver reports it: the cluster UUID, a dot, the clique number."""
+NAMES = ["n1", "n2.rack-a", "n3"]
+"""The agents' node names: one holds a dot."""
+TOPICS = Topics("imex/v2")
+MEMBERS = TOPICS.members_filter("d1", CLIQUE)
+
+
+def check_closed(cluster: Cluster) -> None:
+    """What the `c` fixture checks after a test: nothing left behind, no traceback."""
+    assert cluster.forced == [], "close() had to kill what the agents left"
+    for node in cluster.nodes.values():
+        assert not node.alive(), node.name
+        assert node.daemon_pids_on_host() == [], node.name
+        assert node.log_problems() == [], node.name
+
+
+@pytest.fixture
+def one(tmp_path: Path) -> Iterator[Cluster]:
+    """Agents on one nats-server (JetStream in tmp_path, so it survives a restart)."""
+    server = Nats(tmp_path / "nats")
+    server.start()
+    cluster = Cluster(tmp_path, broker=server)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+    check_closed(cluster)
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[Cluster]:
+    """Agents on a cluster of three nats-servers; each agent has all three URLs."""
+    servers = NatsCluster(tmp_path / "nats", size=3)
+    servers.start()
+    cluster = Cluster(tmp_path, broker=servers)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+    check_closed(cluster)
+
+
+def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
+    return subprocess.run(
+        [IMEXD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=c.control_env(),
+        check=False,
+    )
+
+
+def until_ok(c: Cluster, *args: str, within: float) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS`, run again while it fails, for at most `within` seconds.
+
+    For a one-shot command right after a NATS server died: for tens of seconds (measured
+    with nats-server 2.9.10) some QoS 1 subscriptions are refused (SUBACK 0x80) while
+    JetStream places the consumer behind each one, and the CLI gives up on a refusal.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        done = imexd(c, *args)
+        if done.returncode == 0 or time.monotonic() > deadline:
+            return done
+        time.sleep(0.5)
+
+
+def domain_up(c: Cluster, count: int, *, retry_s: float = 0.0) -> None:
+    """`imexd domain status d1 --wait` says UP with `count` of `count` members ready."""
+    up = until_ok(c, "domain", "status", "d1", "--wait", "30", within=retry_s)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert up.stdout.startswith(f"domain d1: UP, {count} of {count} members ready"), up.stdout
+
+
+def form(c: Cluster, names: list[str]) -> list[Node]:
+    """Start idle agents `names` in the dotted clique, create d1 listing them through the
+    CLI, and wait until every agent judges it UP and `domain status` says so."""
+    nodes = [c.add(name, domain=None, clique=CLIQUE) for name in names]
+    c.wait(c.all_ready, timeout=30)
+    created = imexd(c, "domain", "create", "d1", "--nodes", ",".join(names))
+    assert created.returncode == 0, created.stdout + created.stderr
+    c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
+    assert [n.slot() for n in nodes] == list(range(len(nodes))), "list order is slot order"
+    domain_up(c, len(nodes))
+    return nodes
+
+
+def member_records(c: Cluster) -> dict[str, dict[str, object]]:
+    """Node name -> its retained member record, read through a new client."""
+    with c.client() as client:
+        snapshot = client.retained(MEMBERS)
+    records = {}
+    for topic, payload in snapshot.items():
+        parsed = TOPICS.parse(topic)
+        assert parsed is not None, topic
+        records[parsed.node] = json.loads(payload)
+    return records
+
+
+def sees_members(c: Cluster, names: list[str]) -> bool:
+    """Whether a new client reads exactly `names`' member records; False when its
+    subscription was refused (see `until_ok`) or another record is there."""
+    try:
+        return sorted(member_records(c)) == sorted(names)
+    except AssertionError:  # BusClient's bounded wait for the snapshot's end
+        return False
+
+
+def broker_of(node: Node) -> str:
+    """The URL of the broker the agent is connected to ("" while it is not)."""
+    cond = node.condition("BusConnected")
+    if cond.get("status") != "True":
+        return ""
+    return str(cond.get("message", "")).removeprefix("connected to ")
+
+
+def server_with_agent(
+    c: Cluster, servers: NatsCluster, nodes: list[Node], *, besides: Nats | None = None
+) -> Nats:
+    """A server (not `besides`) that one of `nodes` is connected and synced to."""
+    found: list[Nats] = []
+
+    def look() -> bool:
+        used = {broker_of(n) for n in nodes}
+        found[:] = [s for s in servers.servers if s is not besides and s.url in used]
+        return bool(found)
+
+    c.wait(look, timeout=30)
+    return found[0]
+
+
+def fail_over(c: Cluster, nodes: list[Node], dead: Nats) -> None:
+    """Wait until every agent of `nodes` is connected and synced to a server other than
+    `dead` (an agent on a live server may have lost its link too, while JetStream moved
+    its leaders)."""
+    c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=45)
+
+
+def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) -> None:
+    """Three agents (one dotted name) form d1 in a dotted clique on 3.1.1; a fourth joins
+    with a reload, not a restart; a leave clears its record and frees its slot."""
+    c = one
+    nodes = form(c, NAMES)
+    for n in nodes:
+        connects = n.log_events("bus_connected")
+        assert connects[-1]["protocol"] == "3.1.1", (n.name, connects)
+        assert n.log_events("bus_protocol_fallback") == [], n.name
+        assert members(n) == {slot_of(m): m.address for m in nodes}, n.name
+    assert sorted(member_records(c)) == sorted(NAMES)
+
+    before = pids(nodes)
+    n4 = c.add("n4.rack-b", domain=None, clique=CLIQUE)
+    created = imexd(c, "domain", "create", "d1", "--nodes", ",".join([*NAMES, "n4.rack-b"]))
+    assert created.returncode == 0, created.stdout + created.stderr
+    c.wait(lambda: all(n.up_with(4) for n in [*nodes, n4]), timeout=30)
+    domain_up(c, 4)
+    assert untouched(nodes, before) == []
+    for n in nodes:
+        assert "ignored" not in n.reloads(), (n.name, n.signals())
+
+    slot = slot_of(n4)
+    assert n4.stop() == 0
+    assert "n4.rack-b" not in member_records(c)
+    c.wait(lambda: all(n.hosts_slots().get(slot, "") is None for n in nodes))
+    c.wait(lambda: all(n.up_with(3) for n in nodes))
+    assert untouched(nodes, before) == []
+
+
+def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) -> None:
+    """SIGKILL on 3.1.1 (no Will Delay at the broker): the will is a `lost` tombstone with
+    hold_s = will_delay_s, so peers keep the node that long, then drop it."""
+    c = one
+    nodes = form(c, NAMES)
+    victim, stay = nodes[1], [nodes[0], nodes[2]]
+    slot = slot_of(victim)
+    before = pids(stay)
+    killed = time.monotonic()
+    victim.crash()
+    c.wait(lambda: all(n.hosts_slots().get(slot, "") is None for n in stay), timeout=20)
+    gone = time.monotonic() - killed
+    will_delay = float(victim.sections["bus"]["will_delay_s"])
+    assert gone >= 0.75 * will_delay, f"dropped after {gone:.1f} s, before the hold"
+    record = member_records(c).get(victim.name)
+    assert record is None or record.get("state") == "lost", record
+    c.wait(lambda: all(n.up_with(2) for n in stay))
+    assert untouched(stay, before) == []
+
+
+def test_a_nats_restart_keeps_the_retained_state_and_the_daemons(one: Cluster) -> None:
+    """nats-server stopped and started on the same store: the spec (which no agent
+    republishes) and the member records are still there; no daemon restarts or reloads."""
+    c = one
+    nodes = form(c, NAMES)
+    before = pids(nodes)
+    hosts = {n.name: n.hosts_file.read_text() for n in nodes}
+    signals = {n.name: n.signals() for n in nodes}
+    c.broker.stop()
+    c.wait(lambda: all(n.condition("BusConnected").get("status") == "False" for n in nodes))
+    c.broker.start()
+    c.wait(lambda: all(n.condition("BusConnected").get("status") == "True" for n in nodes))
+    assert sorted(member_records(c)) == sorted(NAMES)
+    domain_up(c, 3)
+    assert untouched(nodes, before) == []
+    assert {n.name: n.hosts_file.read_text() for n in nodes} == hosts
+    for n in nodes:
+        assert n.signals() == signals[n.name], n.name
+        assert n.log_events("bus_connected")[-1]["reconnects"] >= 1, n.name
+
+
+@pytest.mark.timeout(300)  # the waits below are bounded; this only backs them up
+@pytest.mark.xfail(
+    strict=False,
+    reason="nats-server 2.9.10 refuses some QoS 1 SUBSCRIBEs (SUBACK 0x80) for 30 s and more "
+    "after a server dies, and the bus keeps a link whose members subscription was refused "
+    "(PublishRefused until the link breaks); the CLI gives up on such a refusal",
+)
+def test_agents_fail_over_across_a_nats_cluster(three: Cluster) -> None:
+    """Three servers, agents with all three URLs: killing the server an agent is on, and
+    later another, moves the agents over; the domain stays UP, the retained state is
+    whole, no daemon restarts, and a spec change made between the kills reaches all."""
+    c = three
+    servers = c.broker
+    assert isinstance(servers, NatsCluster)
+    nodes = form(c, NAMES)
+    idle = c.add("n4.rack-b", domain=None, clique=CLIQUE)
+    c.wait(idle.ready, timeout=30)
+    before = pids(nodes)
+
+    first = server_with_agent(c, servers, nodes)
+    first.kill()
+    fail_over(c, [*nodes, idle], first)
+    c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=30)
+    domain_up(c, 3, retry_s=20)
+    c.wait(lambda: sees_members(c, NAMES), timeout=30)
+    assert untouched(nodes, before) == []
+
+    # Back to three servers, then a spec change, then the next kill: only one server is
+    # ever down (two of three would leave JetStream without a quorum).
+    first.start()
+    servers.wait_ready(time.monotonic() + 30)
+    everyone = [*nodes, idle]
+    names = [n.name for n in everyone]
+    created = until_ok(c, "domain", "create", "d1", "--nodes", ",".join(names), within=30)
+    assert created.returncode == 0, created.stdout + created.stderr
+    second = server_with_agent(c, servers, nodes, besides=first)
+    second.kill()
+    fail_over(c, everyone, second)
+    c.wait(lambda: all(n.up_with(4) for n in everyone), timeout=30)
+    domain_up(c, 4, retry_s=20)
+    c.wait(lambda: sees_members(c, names), timeout=30)
+    assert untouched(nodes, before) == []
