@@ -292,6 +292,12 @@ class ImexProcess:
     """Absolute path of its `-c` argument; the package config when it has none."""
     create_time: float
     """psutil's creation time: tells a process from a later one with the same pid."""
+    config_file: tuple[int, int] | None = None
+    """(st_dev, st_ino) of its config as the process itself sees it, through
+    `/proc/<pid>/root`: a daemon in another container or pod (seen with hostPID) may run
+    the same path with another file. None when unknown (no access, no such file)."""
+    config_view: str | None = None
+    """Where this agent reads that config (`/proc/<pid>/root/...`); None: `config_path`."""
 
     @property
     def command(self) -> str:
@@ -419,6 +425,15 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
 
 
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file at `path`, None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _overlap(a: Endpoint, b: Endpoint) -> bool:
     return a.port == b.port and (a.host == b.host or not a.host or not b.host)
 
@@ -429,13 +444,17 @@ def classify_processes(
     config_path: str,
     read_config: Callable[[str], Mapping[str, str] | None] = read_imex_config,
     package_config: str = PACKAGE_CONFIG,
+    own_file: tuple[int, int] | None = None,
 ) -> Survey:
-    """Sort IMEX daemons into ours (same config path) and conflicts.
+    """Sort IMEX daemons into ours (same config file) and conflicts.
 
-    A conflict uses the package config (the distribution's service is running) or
-    listens where our daemon must (same address, or every interface, and same port,
-    per both config files). Daemons of simulated nodes on other loopback addresses
-    are neither. When our own config cannot be read, only the package config counts.
+    A conflict uses the package config (the distribution's service is running), runs
+    our config path with another file (`own_file`, our config's (st_dev, st_ino), differs
+    from the file the process sees: a daemon of another container or pod, visible with
+    hostPID; never adopted or ended), or listens where our daemon must (same address, or
+    every interface, and same port, per both config files). Daemons of simulated nodes on
+    other loopback addresses are neither. When our own config cannot be read, only the
+    package config and other files at our path count.
     """
     own_config = read_config(config_path)
     own = daemon_endpoints(own_config) if own_config is not None else ()
@@ -443,6 +462,15 @@ def classify_processes(
     conflicts: list[tuple[ImexProcess, str]] = []
     for proc in processes:
         if _same_path(proc.config_path, config_path):
+            if None not in (proc.config_file, own_file) and proc.config_file != own_file:
+                conflicts.append(
+                    (
+                        proc,
+                        f"runs {proc.config_path} from another mount namespace (another "
+                        "container or pod on this node: not this agent's file)",
+                    )
+                )
+                continue
             ours.append(proc)
             continue
         if _same_path(proc.config_path, package_config):
@@ -450,7 +478,7 @@ def classify_processes(
                 (proc, f"runs the package config {package_config} (nvidia-imex.service?)")
             )
             continue
-        theirs = read_config(proc.config_path)
+        theirs = read_config(proc.config_view or proc.config_path)
         if theirs is None:
             continue
         clash = next(
@@ -483,15 +511,29 @@ def find_imex_processes(*, exclude: Collection[int] = ()) -> list[ImexProcess]:
         elif not os.path.isabs(config):
             with contextlib.suppress(psutil.Error):
                 config = os.path.join(proc.cwd(), config)
+        config = os.path.normpath(config)
+        view = f"/proc/{info['pid']}/root{config}"
+        seen = file_identity(view)
         found.append(
-            ImexProcess(info["pid"], cmdline, os.path.normpath(config), info["create_time"] or 0.0)
+            ImexProcess(
+                info["pid"],
+                cmdline,
+                config,
+                info["create_time"] or 0.0,
+                config_file=seen,
+                config_view=view if seen is not None else None,
+            )
         )
     return found
 
 
 def survey_processes(config_path: str, *, exclude: Collection[int] = ()) -> Survey:
     """`classify_processes` over `find_imex_processes` (blocking: run it in a thread)."""
-    return classify_processes(find_imex_processes(exclude=exclude), config_path=config_path)
+    return classify_processes(
+        find_imex_processes(exclude=exclude),
+        config_path=config_path,
+        own_file=file_identity(config_path),
+    )
 
 
 def group_members(pgid: int) -> list[int]:

@@ -11,6 +11,7 @@ import errno
 import itertools
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -297,6 +298,37 @@ def test_without_our_own_config_only_the_package_config_conflicts() -> None:
         read_config={"/run/c/config.cfg": {}}.get,
     )
     assert [p.pid for p, _ in survey.conflicts] == [5]
+
+
+def test_our_config_path_with_another_file_is_a_conflict_not_ours() -> None:
+    """Another container's daemon on our path (hostPID) is a conflict, never adopted or ended."""
+    mine = ImexProcess(
+        3, ("nvidia-imex", "-c", "/run/imexd/config.cfg"), "/run/imexd/config.cfg", 1.0
+    )
+    same = dataclasses.replace(mine, pid=4, config_file=(10, 7))
+    theirs = dataclasses.replace(mine, pid=5, config_file=(11, 7))
+    survey = classify_processes(
+        [mine, same, theirs],
+        config_path="/run/imexd/config.cfg",
+        read_config={}.get,
+        own_file=(10, 7),
+    )
+    assert [p.pid for p in survey.ours] == [3, 4]
+    [(proc, why)] = survey.conflicts
+    assert proc.pid == 5
+    assert why == (
+        "runs /run/imexd/config.cfg from another mount namespace (another container or pod "
+        "on this node: not this agent's file)"
+    )
+    unknown = classify_processes([theirs], config_path="/run/imexd/config.cfg", read_config={}.get)
+    assert [p.pid for p in unknown.ours] == [5]
+
+
+def _can_unshare_mounts() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
+    return probe.returncode == 0
 
 
 # ---------------------------------------------------------------------------------
@@ -804,6 +836,47 @@ async def test_a_conflicting_daemon_blocks_the_start_until_it_exits(node: Node) 
         outside.terminate()
         status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
         assert status.reason is None
+
+
+def _run_in_mount_namespace(node: Node, theirs: Path, pidfile: Path) -> subprocess.Popen[bytes]:
+    """The fake daemon on `node.config`, where its own mount namespace binds `theirs`."""
+    script = f'mount --bind "{theirs}" "{node.config}" && exec "{node.binary}" -c "{node.config}"'
+    proc = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        env={**os.environ, "FAKE_IMEX_PIDFILE": str(pidfile)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    node.children.append(proc)
+    return proc
+
+
+@pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs root and unshare(1) to make a mount namespace"
+)
+async def test_a_daemon_of_another_container_on_our_path_blocks_the_start(node: Node) -> None:
+    """As with hostPID: a daemon whose mount namespace has another file at our config path
+    (another imexd pod's) is ConflictingDaemon; it is neither adopted nor ended."""
+    theirs = node.root / "theirs.cfg"
+    theirs.write_text(node.config.read_text())
+    pidfile = node.root / "theirs.pid"
+    proc = _run_in_mount_namespace(node, theirs, pidfile)
+    [pid] = await asyncio.to_thread(read_pids, pidfile)
+    assert pid == proc.pid
+    async with node.supervisor() as sup:
+        status = await sup.ensure_started(adopt=True)
+        assert (status.state, status.reason) == (DaemonState.STOPPED, "ConflictingDaemon")
+        assert status.detail.startswith(f"pid {pid} (")
+        assert "from another mount namespace" in status.detail
+        await asyncio.sleep(0.3)
+        assert proc.poll() is None
+        assert sup.pid is None
+        proc.kill()
+        await asyncio.to_thread(proc.wait, 5)
+        status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        assert status.adopted is False
 
 
 async def test_simulated_nodes_on_other_addresses_do_not_conflict(node: Node) -> None:
