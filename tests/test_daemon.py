@@ -300,6 +300,10 @@ def test_without_our_own_config_only_the_package_config_conflicts() -> None:
     assert [p.pid for p, _ in survey.conflicts] == [5]
 
 
+def _no_config(path: str) -> Mapping[str, str] | None:
+    return None
+
+
 def test_our_config_path_with_another_file_is_a_conflict_not_ours() -> None:
     """Another container's daemon on our path (hostPID) is a conflict, never adopted or ended."""
     mine = ImexProcess(
@@ -310,7 +314,7 @@ def test_our_config_path_with_another_file_is_a_conflict_not_ours() -> None:
     survey = classify_processes(
         [mine, same, theirs],
         config_path="/run/imexd/config.cfg",
-        read_config={}.get,
+        read_config=_no_config,
         own_file=(10, 7),
     )
     assert [p.pid for p in survey.ours] == [3, 4]
@@ -320,7 +324,9 @@ def test_our_config_path_with_another_file_is_a_conflict_not_ours() -> None:
         "runs /run/imexd/config.cfg from another mount namespace (another container or pod "
         "on this node: not this agent's file)"
     )
-    unknown = classify_processes([theirs], config_path="/run/imexd/config.cfg", read_config={}.get)
+    unknown = classify_processes(
+        [theirs], config_path="/run/imexd/config.cfg", read_config=_no_config
+    )
     assert [p.pid for p in unknown.ours] == [5]
 
 
