@@ -29,7 +29,8 @@ import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
 from imexd import facts as fx
-from imexd.cli import main
+from imexd.cli import build_parser, main
+from imexd.cli_control import SEEN_WITHIN_DEFAULT_S
 from imexd.control import commands
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
@@ -776,3 +777,12 @@ def test_the_payload_types_and_the_schemas_agree() -> None:
     validator("Assignment").validate({"v": 1, "domain": None})
     assert not validator("DomainSpec").is_valid({**spec, "state": "gone"})
     assert not validator("Assignment").is_valid({"domain": "d1"})
+
+
+def test_the_parser_default_of_seen_within_is_the_commands() -> None:
+    """`--seen-within`'s default in the parser (which must not import the control plane)
+    is commands.SEEN_WITHIN_S, for `domain create` and `node assign` alike."""
+    parser = build_parser()
+    for argv in (["domain", "create", "d1"], ["node", "assign", "n1", "d1"]):
+        assert parser.parse_args(argv).seen_within == commands.SEEN_WITHIN_S
+    assert SEEN_WITHIN_DEFAULT_S == commands.SEEN_WITHIN_S
