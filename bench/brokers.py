@@ -17,10 +17,14 @@ measures, each step bounded (a miss is printed as MISS, never hidden):
 2. bus: the agents' BusConnected condition (True, or False with its reason, e.g.
    BrokerNoRetainedWildcard);
 3. broker restart (SIGTERM, start on the same ports and store): from the stop until
-   every agent judges the domain UP again; whether a retained marker published before
-   survived; daemons restarted and SIGUSR1 per node meanwhile;
+   every agent linked up again, is synced and judges the domain UP; whether a retained
+   marker published before survived (a new subscriber gets it; a refused subscription
+   is retried, and none granted is "unknown", not "no"); daemons restarted and SIGUSR1
+   per node meanwhile; what `imexd domain status` said (retried within 30 s);
 4. server kill (NATS cluster only): SIGKILL the server the first agent is on; from the
-   kill until every agent is connected, synced and UP again (failover); the same checks;
+   kill until that agent linked up elsewhere and every agent is connected, synced and UP
+   (failover); how many agents lost their link; the same checks. Then the server
+   rejoins: until the cluster and every agent are well again;
 5. agent crash: SIGKILL one agent and its daemon; from the kill until neither peer's
    hosts block maps it (the Will Delay of 2 s, through the broker or the peers' hold).
 
