@@ -190,6 +190,7 @@ def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) ->
 
     before = pids(nodes)
     n4 = c.add("n4.rack-b", domain=None, clique=CLIQUE)
+    c.wait(n4.ready, timeout=30)
     created = imexd(c, "domain", "create", "d1", "--nodes", ",".join([*NAMES, "n4.rack-b"]))
     assert created.returncode == 0, created.stdout + created.stderr
     c.wait(lambda: all(n.up_with(4) for n in [*nodes, n4]), timeout=30)
