@@ -58,7 +58,7 @@ from imexd.probe import Prober
 from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
-from imexd.settings import Settings
+from imexd.settings import SHUTDOWN_MARGIN_S, Settings
 from imexd.shard import Identity, Plan, ShardView
 from imexd.state import NodeState, StateStore
 
@@ -75,8 +75,6 @@ member connected: the daemons reconnect at once (the real one retries every 0.5 
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
 """Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
-SHUTDOWN_MARGIN_S: Final = 5.0
-"""Added to [daemon] stop_timeout_s to bound the whole shutdown."""
 
 
 class Agent:

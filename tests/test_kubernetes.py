@@ -10,9 +10,15 @@ writable. The Containerfile cannot be built here (no container engine): it is li
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
+import threading
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,7 +30,14 @@ import yaml
 
 from imexd.cli import build_parser
 from imexd.http import PATHS
-from imexd.settings import DEFAULT_CONFIG_PATH, Settings, iter_settings, parse_listen
+from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView, encode
+from imexd.settings import (
+    DEFAULT_CONFIG_PATH,
+    SHUTDOWN_MARGIN_S,
+    Settings,
+    iter_settings,
+    parse_listen,
+)
 from imexd.settings import settings_from_mapping as load_mapping
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +47,6 @@ CONTAINERFILE = ROOT / "Containerfile"
 
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 """1.29: the oldest release with native sidecars on by default (sidecar.yaml)."""
-SHUTDOWN_MARGIN_S = 5.0
-"""What the agent's bounded shutdown adds to [daemon] stop_timeout_s (record, disconnect)."""
 IMEX_PERSIST_DIR = "/run/nvidia-imex"
 """Where nvidia-imex keeps persist.dat; it must outlive the container."""
 AGENT_RSS_BYTES = 55 * 2**20
@@ -354,19 +365,191 @@ def test_daemonset_is_replaced_only_on_delete() -> None:
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
 
 
-def test_sidecar_starts_before_the_workload() -> None:
-    """The sidecar agent is a native sidecar whose startup probe waits for readiness."""
-    (doc,) = [d for _, _, d in DOCS if d["kind"] == "Job"]
+def test_the_daemonset_sees_the_hosts_processes() -> None:
+    """hostPID: a host nvidia-imex.service or another IMEX pod is visible to the conflict check."""
+    (doc,) = [d for _, _, d in DOCS if d["kind"] == "DaemonSet"]
     spec = doc["spec"]["template"]["spec"]
-    (agent,) = spec["initContainers"]
+    assert spec["hostPID"] is True
+    assert "shareProcessNamespace" not in spec, "a shared pod namespace hides the host's"
+    (agent,) = spec["containers"]
+    assert environment(agent)["TINI_SUBREAPER"] == "1", "tini is not PID 1 with hostPID"
+
+
+def _job() -> tuple[Doc, Doc]:
+    (doc,) = [d for _, _, d in DOCS if d["kind"] == "Job"]
+    return doc, doc["spec"]["template"]["spec"]
+
+
+def test_sidecar_starts_before_the_workload() -> None:
+    """The agent is a native sidecar gated on readiness; the domain gate runs after it."""
+    _, spec = _job()
+    agent, gate = spec["initContainers"]
     assert agent["name"] == "imexd"
     assert agent["restartPolicy"] == "Always"
     assert agent["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert gate["name"] == "imex-domain-gate"
+    assert "restartPolicy" not in gate, "a plain init container: it must finish first"
     assert [c["name"] for c in spec["containers"]] == ["workload"]
     domain = next(v for v in agent["env"] if v["name"] == "IMEXD_DOMAIN_NAME")
     assert domain["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.labels['batch.kubernetes.io/job-name']"
     )
+
+
+def test_sidecar_pods_share_one_clique_one_per_node() -> None:
+    """Pod affinity on the clique label keeps the Job in one clique; anti-affinity, one per node."""
+    doc, spec = _job()
+    job = {"batch.kubernetes.io/job-name": doc["metadata"]["name"]}
+    affinity = spec["affinity"]
+    (together,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert together == {
+        "labelSelector": {"matchLabels": job},
+        "topologyKey": "nvidia.com/gpu.clique",
+    }
+    (apart,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert apart == {"labelSelector": {"matchLabels": job}, "topologyKey": "kubernetes.io/hostname"}
+    (term,) = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.clique", "operator": "Exists"}]
+
+
+def _gate() -> tuple[str, dict[str, str]]:
+    """The domain gate's Python program and its environment, downward API faked."""
+    _, spec = _job()
+    (gate,) = [c for c in spec["initContainers"] if c["name"] == "imex-domain-gate"]
+    assert gate["command"] == ["python3", "-c"]
+    (program,) = gate["args"]
+    return str(program), environment(gate)
+
+
+def test_the_domain_gate_asks_the_sidecar_for_the_whole_job() -> None:
+    """The gate reads the sidecar's /status where it listens and waits for every pod's node."""
+    doc, spec = _job()
+    _, env = _gate()
+    (agent,) = [c for c in spec["initContainers"] if c["name"] == "imexd"]
+    listen = environment(agent)["IMEXD_HEALTH_LISTEN"]
+    assert env["AGENT_URL"] == f"http://{listen}"
+    assert int(env["GATE_NODES"]) == doc["spec"]["completions"] == doc["spec"]["parallelism"]
+    assert float(env["GATE_TIMEOUT_S"]) > 0
+
+
+class _StatusServer:
+    """A stand-in agent answering /status with one HealthReport, on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def serve(self, up: bool, ready: int, of: int = 4) -> None:
+        nodes = {
+            str(slot): SlotView(
+                node=f"gpu-{slot}",
+                status="READY" if slot < ready else "UNAVAILABLE",
+                connected=slot < ready,
+            )
+            for slot in range(of)
+        }
+        condition = Condition(
+            type="DomainUp",
+            status="True" if up else "False",
+            reason="Up" if up else "PeersUnreachable",
+            message="",
+            since=0.0,
+        )
+        report = HealthReport(
+            node="gpu-0",
+            domain="train-42",
+            clique="c.1",
+            slot=0,
+            incarnation=1,
+            at=0.0,
+            ready=True,
+            conditions=[condition],
+            daemon=DaemonInfo(state="RUNNING", pid=7),
+            domain_view=DomainView(status="UP" if up else "DEGRADED", nodes=nodes),
+        )
+        self.body = encode(report)
+
+
+@pytest.fixture
+def status_server() -> Iterator[_StatusServer]:
+    server = _StatusServer()
+    server.thread.start()
+    try:
+        yield server
+    finally:
+        server.server.shutdown()
+        server.server.server_close()
+
+
+def _run_gate(url: str, timeout_s: str = "0.5") -> subprocess.CompletedProcess[str]:
+    program, env = _gate()
+    env |= {"AGENT_URL": url, "GATE_TIMEOUT_S": timeout_s}
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("up", "ready", "said"),
+    [
+        (True, 3, "DomainUp True Up; 3 of 4 nodes READY and connected: gpu-0 gpu-1 gpu-2"),
+        (False, 4, "DomainUp False PeersUnreachable; 4 of 4 nodes READY"),
+    ],
+)
+def test_the_domain_gate_holds_until_every_node_is_up(
+    status_server: _StatusServer, up: bool, ready: int, said: str
+) -> None:
+    """3 of 4 nodes, or DomainUp False, fails the gate at its deadline, saying what it saw."""
+    status_server.serve(up=up, ready=ready)
+    run = _run_gate(status_server.url)
+    assert run.returncode == 1
+    assert run.stderr.startswith("imex-domain-gate: not up within 0.5 s: ")
+    assert said in run.stderr
+
+
+def test_the_domain_gate_passes_when_the_domain_is_up(status_server: _StatusServer) -> None:
+    """Every node READY and connected with DomainUp True lets the workload start."""
+    status_server.serve(up=True, ready=4)
+    run = _run_gate(status_server.url, timeout_s="30")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == (
+        "imex-domain-gate: domain up: DomainUp True Up; 4 of 4 nodes READY and connected: "
+        "gpu-0 gpu-1 gpu-2 gpu-3\n"
+    )
+
+
+def test_the_domain_gate_names_an_unreachable_agent() -> None:
+    """No agent answering: the gate fails at its deadline naming the URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    run = _run_gate(url)
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"imex-domain-gate: not up within 0.5 s: {url}/status: ")
 
 
 def instructions(text: str) -> list[tuple[str, str]]:

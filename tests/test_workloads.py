@@ -692,7 +692,9 @@ async def test_domain_create_with_channel_and_domain_delete(
 ) -> None:
     """`domain create --channel` makes workload NAME of domain NAME (no value: channel 0,
     on the spec's nodes); `domain delete` clears the domain's workloads."""
+    # --force: no agent runs here to report n1 and n2 (domain create refuses unseen nodes).
     args = ["domain", "create", "job-1", "--nodes", "n1,n2", "--channel", "--uid", "1000"]
+    args.append("--force")
     assert await cli(*args) == 0
     out = capsys.readouterr().out
     assert "domain job-1: created" in out
