@@ -1,5 +1,10 @@
 """The operator docs stay true to the code: reasons, commands, links and the README's start.
 
+The `imexd` commands of the docs' fenced blocks are examples run as written where they can
+run here (`RUN`: the version, the example settings, the schemas, `discover` without NVML,
+the control plane against a test broker), and every other one is said not to be (`NOT_RUN`,
+with why); all of them must parse with the real CLI, and the `--help` of each runs.
+
 Reasons are read from the source with `ast` rather than listed here, so a new condition
 reason or supervisor code in `imexd/health.py` or `imexd/daemon_state.py` fails this file until
 docs/troubleshooting.md explains it.
@@ -9,13 +14,24 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import io
+import os
 import re
-from collections.abc import Iterator
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from subprocess import CompletedProcess
+
+import pytest
 
 from imexd import messages
 from imexd.cli import build_parser
+from imexd.demo.brokers import Mosquitto, find_mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -212,3 +228,312 @@ def test_readme_opens_with_the_two_setup_commands() -> None:
     end = next(i for i in range(5, len(lines)) if _FENCE.match(lines[i]))
     commands = [line.strip() for line in lines[5:end] if line.strip()]
     assert commands == [DEMO_COMMAND, TEST_COMMAND]
+
+
+# ---------------------------------------------------------------------------------
+# The docs' shell examples, run as written where they can run here
+
+_COMMAND_LANGS = frozenset({"sh", "bash", "shell", "console"})
+"""Fenced blocks whose every `imexd ...` line is a command; in other blocks (transcripts
+with output) only lines after a `$ ` prompt are."""
+_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+_OPENING_FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+-]*)")
+_IMEX_BINARIES = ("nvidia-imex", "nvidia-imex-ctl")
+"""What a node with the IMEX package has on PATH; `imexd config` checks for both."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One `imexd` command line of a fenced block, with where it is and what follows it."""
+
+    page: str
+    line: int
+    command: str
+    """The command as written, without its `$ ` prompt, environment or `# comment`."""
+    env: tuple[str, ...]
+    """`NAME=value` words written before it."""
+    after: tuple[str, ...]
+    """The block's lines after it (a transcript's output)."""
+
+
+def _logical_lines(lines: list[str]) -> Iterator[tuple[int, str]]:
+    """(index of the first line, the line) with backslash continuations joined."""
+    start, parts = 0, list[str]()
+    for i, line in enumerate(lines):
+        if not parts:
+            start = i
+        stripped = line.rstrip()
+        if stripped.endswith("\\"):
+            parts.append(stripped[:-1].strip())
+            continue
+        parts.append(stripped.strip())
+        yield start, " ".join(p for p in parts if p)
+        parts = []
+
+
+def _examples() -> list[Example]:
+    """Every `imexd` command of every fenced block in README.md and docs/*.md."""
+    found: list[Example] = []
+    for page in _markdown_files():
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            opening = _OPENING_FENCE.match(lines[i])
+            if opening is None:
+                i += 1
+                continue
+            end = next((j for j in range(i + 1, len(lines)) if _FENCE.match(lines[j])), len(lines))
+            body = lines[i + 1 : end]
+            commands_only = opening.group(2) in _COMMAND_LANGS
+            for k, text in _logical_lines(body):
+                prompt = text.startswith("$ ")
+                if not (prompt or commands_only):
+                    continue
+                words = text.removeprefix("$ ").split()
+                env = []
+                while words and _ASSIGNMENT.match(words[0]):
+                    env.append(words.pop(0))
+                if not words or words[0] != "imexd":
+                    continue
+                command = " ".join(words).split(" #", 1)[0].strip()
+                found.append(
+                    Example(
+                        page=str(page.relative_to(ROOT)),
+                        line=i + 2 + k,
+                        command=command,
+                        env=tuple(env),
+                        after=tuple(body[k + 1 :]),
+                    )
+                )
+            i = end + 1
+    return found
+
+
+HELP_FORM = re.compile(r"^imexd(?: [a-z][a-z-]*)* (?:--help|-h)$")
+"""`imexd [COMMAND ...] --help`: always runnable, so always run."""
+
+RUN: dict[str, str] = {
+    "imexd --version": "prints the version",
+    "imexd config --example > /etc/imexd/imexd.toml": "writes the example settings",
+    "imexd config --config /etc/imexd/imexd.toml": "validates the example just written",
+    "imexd schemas --check docs/schemas": "the checked-in schemas are current",
+    "imexd discover": "without NVML: the documented message (a GPU host skips it)",
+    "imexd domain list": "against a broker started by the test",
+    "imexd domain status job-42": "against a broker started by the test: nothing there, exit 1",
+}
+"""The examples that are executed, as written (paths under /etc mapped to a temporary
+folder, the broker to the test's): adding an example to the docs means adding it here or
+to NOT_RUN, on purpose."""
+
+NOT_RUN: tuple[tuple[str, str], ...] = (
+    (r"imexd run\b", "starts agents: the README tour runs in tests/test_demo.py"),
+    (r"imexd (status|check)\b", "asks a running agent's HTTP endpoint"),
+    (r"imexd render --config n1/", "needs the README tour's files"),
+    (r"imexd domain status (tour\b|<domain>)", "needs the tour's or an operator's domain"),
+    (
+        r"imexd domain (create|delete|status) (d1|job-1234)\b",
+        "needs agents reporting on a broker (tests/test_control.py runs these)",
+    ),
+    (r"imexd workload ", "needs agents that make channels (tests/test_workloads.py)"),
+    (r"imexd schemas --write\b", "rewrites the checked-in schemas: a developer's step"),
+    (r"imexd config .*--env-file /etc/", "the operator's env file (tests/test_envfile.py)"),
+)
+"""Documented commands that cannot run here, each pattern with why."""
+
+
+def _not_run_reason(command: str) -> str | None:
+    return next((why for pattern, why in NOT_RUN if re.match(pattern, command)), None)
+
+
+def test_every_documented_command_is_run_or_said_not_to_be() -> None:
+    """Each `imexd` example is run (RUN or a --help form) or matches one NOT_RUN reason."""
+    examples = _examples()
+    commands = {e.command for e in examples}
+    assert {"imexd --version", "imexd domain list", "imexd discover"} <= commands
+    unsorted = sorted(
+        f"{e.page}:{e.line}: {e.command}"
+        for e in examples
+        if e.command not in RUN
+        and not HELP_FORM.match(e.command)
+        and _not_run_reason(e.command) is None
+    )
+    assert not unsorted, "add to RUN (and run it) or to NOT_RUN (with why):\n" + "\n".join(unsorted)
+    both = sorted(c for c in RUN if _not_run_reason(c) is not None)
+    assert not both, f"in RUN and NOT_RUN: {both}"
+    stale = sorted(c for c in RUN if c not in commands)
+    assert not stale, f"RUN names commands the docs no longer show: {stale}"
+    unused = [p for p, _ in NOT_RUN if not any(re.match(p, c) for c in commands)]
+    assert not unused, f"NOT_RUN patterns that match no example: {unused}"
+
+
+@dataclass
+class _Shell:
+    """Runs documented commands with the venv's imexd, /etc/imexd mapped to `etc`."""
+
+    root: Path
+    env: dict[str, str]
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc-imexd"
+
+    def run(self, command: str, extra: Mapping[str, str] | None = None) -> CompletedProcess[str]:
+        words = shlex.split(command.replace("/etc/imexd/", f"{self.etc}/"))
+        target = None
+        if ">" in words:
+            at = words.index(">")
+            words, target = words[:at], Path(words[at + 1])
+        imexd = Path(sys.executable).with_name("imexd")
+        result = subprocess.run(
+            [str(imexd), *words[1:]],
+            env={**self.env, **(extra or {})},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if target is not None and result.returncode == 0:
+            target.write_text(result.stdout)
+        return result
+
+
+@pytest.fixture
+def shell(tmp_path: Path) -> _Shell:
+    """A clean environment (no IMEXD_* of ours) whose PATH has stand-in IMEX binaries."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name in _IMEX_BINARIES:
+        fake = bindir / name
+        fake.write_text("#!/bin/sh\nexit 0\n")
+        fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    env["HOME"] = str(tmp_path)
+    (tmp_path / "etc-imexd").mkdir()
+    return _Shell(tmp_path, env)
+
+
+def _documented(command: str) -> Example:
+    return next(e for e in _examples() if e.command == command)
+
+
+_SHELL_OPERATORS = frozenset({">", ">>", "<", "|", "||", "&", "&&", ";"})
+_SAMPLES = {r"\$\{?[A-Z_][A-Z0-9_]*\}?": "1001", r"<([a-z-]+)>": r"\1"}
+"""Shell variables and `<placeholders>` of the examples, and what stands for them."""
+
+
+def _argv(command: str) -> list[str]:
+    """The example's words up to the first shell operator, placeholders filled in."""
+    for pattern, sample in _SAMPLES.items():
+        command = re.sub(pattern, sample, command)
+    words: list[str] = []
+    for word in shlex.split(command):
+        if word in _SHELL_OPERATORS or re.match(r"^\d?>", word):
+            break
+        words.append(word)
+    return words
+
+
+def _command_path(argv: list[str]) -> list[str]:
+    """The subcommand words of `argv` (`imexd domain status`), options and values left out."""
+    parser, path = build_parser(), ["imexd"]
+    for word in argv[1:]:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            break
+        parser = subs[0].choices[word]
+        path.append(word)
+    return path
+
+
+def test_every_documented_command_parses() -> None:
+    """Every example, run here or not, is accepted by the real CLI's parser: its options exist."""
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        build_parser().parse_args(_argv("imexd domain status job-42 --no-such-option")[1:])
+    assert _argv("imexd check && echo ready") == ["imexd", "check"]
+    assert _argv("imexd domain status <domain> --uid $SLURM_JOB_UID")[3:] == [
+        "domain",
+        "--uid",
+        "1001",
+    ]
+    refused: list[str] = []
+    for example in _examples():
+        argv = _argv(example.command)
+        if HELP_FORM.match(" ".join(argv)):
+            continue
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                build_parser().parse_args(argv[1:])
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                refused.append(
+                    f"{example.page}:{example.line}: {example.command}: {err.getvalue()}"
+                )
+    assert not refused, "\n".join(refused)
+
+
+def test_the_help_of_every_documented_command_runs() -> None:
+    """`--help` of each documented command (and each documented --help form) exits 0 with usage."""
+    paths = {" ".join(_command_path(_argv(e.command))) for e in _examples()}
+    forms = {e.command for e in _examples() if HELP_FORM.match(e.command)}
+    assert {"imexd", "imexd domain status", "imexd config"} <= paths
+    for command in sorted({f"{p} --help" for p in paths} | forms):
+        run = subprocess.run(
+            [str(Path(sys.executable).with_name("imexd")), *command.split()[1:]],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert run.returncode == 0, f"{command}: {run.stderr}"
+        usage = command.rsplit(" ", 1)[0]
+        assert run.stdout.startswith(f"usage: {usage}"), (command, run.stdout[:200])
+
+
+def test_version_and_schemas_examples_run(shell: _Shell) -> None:
+    """`imexd --version` names the version; `schemas --check docs/schemas` finds them current."""
+    version = shell.run("imexd --version")
+    assert version.returncode == 0, version.stderr
+    assert re.fullmatch(r"imexd \d+\.\d+\.\d+\S*\n", version.stdout)
+    documented = _documented("imexd --version")
+    assert documented.page == "docs/install.md"
+    schemas = shell.run("imexd schemas --check docs/schemas")
+    assert schemas.returncode == 0, schemas.stdout + schemas.stderr
+
+
+def test_the_example_settings_written_as_documented_validate(shell: _Shell) -> None:
+    """`config --example > FILE`, then `config --config FILE`: valid, every key printed."""
+    written = shell.run("imexd config --example > /etc/imexd/imexd.toml")
+    assert written.returncode == 0, written.stderr
+    path = shell.etc / "imexd.toml"
+    assert path.read_text() == written.stdout
+    assert "[bus]" in written.stdout
+    checked = shell.run("imexd config --config /etc/imexd/imexd.toml")
+    assert checked.returncode == 0, checked.stderr
+    printed = {line.split(" = ", 1)[0] for line in checked.stdout.splitlines()}
+    assert {"node.name", "domain.max_nodes", "bus.url", "imex.binary"} <= printed
+
+
+def test_discover_without_nvml_prints_what_the_docs_show(shell: _Shell) -> None:
+    """On a host without the NVIDIA driver, `imexd discover` exits 1 with the documented line."""
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this host has the NVIDIA driver: the documented failure cannot happen")
+    example = next(e for e in _examples() if e.command == "imexd discover" and e.after)
+    run = shell.run("imexd discover")
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[0] == example.after[0]
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_control_plane_examples_against_a_broker(shell: _Shell, broker: Mosquitto) -> None:
+    """`domain list` exits 0 on an empty bus; `domain status job-42` exits 1: nothing there."""
+    example = _documented("imexd domain list")
+    env = dict(word.split("=", 1) for word in example.env)
+    assert env.get("IMEXD_BUS_URL", "").startswith("mqtts://"), "the example names its broker"
+    listed = shell.run("imexd domain list", {"IMEXD_BUS_URL": broker.url})
+    assert listed.returncode == 0, listed.stderr
+    status = shell.run("imexd domain status job-42", {"IMEXD_BUS_URL": broker.url})
+    assert status.returncode == 1
+    assert "domain job-42: nothing on the bus" in status.stderr
