@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final
 
 
 class DaemonState(enum.Enum):
@@ -40,6 +41,18 @@ class DaemonReason(enum.StrEnum):
     START_FAILED = "DaemonStartFailed"
     CRASH_LOOP = "DaemonCrashLoop"
     CONFLICT = "ConflictingDaemon"
+
+
+PROBLEMS: Final = frozenset(
+    {
+        DaemonReason.CRASHED,
+        DaemonReason.START_FAILED,
+        DaemonReason.CRASH_LOOP,
+        DaemonReason.CONFLICT,
+    }
+)
+"""The reasons that are problems, shown as they are as DaemonReady's reason (with the
+supervisor's detail as its message); health names the ordinary states itself."""
 
 
 @dataclass(frozen=True, slots=True)
