@@ -42,6 +42,7 @@ from imexd import membership as mb
 from imexd.bus import Bus, Event, WillSpec
 from imexd.channel_keeper import ChannelKeeper
 from imexd.daemon import Supervisor
+from imexd.daemon_state import PROBLEMS as DAEMON_PROBLEMS
 from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
@@ -733,7 +734,7 @@ class Agent:
                 reloads=status.reloads_sent,
                 last_exit=status.last_exit,
                 # Only problems are reasons; health names the ordinary states itself.
-                reason=reason if reason in ("DaemonCrashLoop", "ConflictingDaemon") else "",
+                reason=reason if reason in DAEMON_PROBLEMS else "",
                 message=message if status.state is not DaemonState.RUNNING else "",
                 last_line=last_line,
                 write_error=self._reconciler.write_error,

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from imexd import agent
 from imexd.cli import build_parser
 from imexd.settings import (
     DEFAULT_CONFIG_PATH,
@@ -215,11 +214,10 @@ def test_stop_timeout_exceeds_the_agents_bounded_shutdown(unit: Unit) -> None:
 
 def test_the_stop_timeout_settings_know_the_units(unit: Unit) -> None:
     """settings.UNIT_TIMEOUT_STOP_S is the unit's TimeoutStopSec, the default of
-    [daemon] service_stop_timeout_s, and the agent's shutdown margin is the one validation
-    adds to [daemon] stop_timeout_s."""
+    [daemon] service_stop_timeout_s (the agent's shutdown margin is settings.SHUTDOWN_MARGIN_S
+    itself, which validation adds to [daemon] stop_timeout_s)."""
     assert seconds(single(unit, "Service", "TimeoutStopSec")) == UNIT_TIMEOUT_STOP_S
     assert default("daemon", "service_stop_timeout_s") == UNIT_TIMEOUT_STOP_S
-    assert agent.SHUTDOWN_MARGIN_S == SHUTDOWN_MARGIN_S
 
 
 def test_reload_is_the_hand_over(unit: Unit, tmp_path: Path) -> None:
