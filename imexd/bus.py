@@ -35,6 +35,12 @@ Why it is built this way:
 - The reason code of the broker's DISCONNECT is reported (`Disconnected.reason_code`,
   e.g. a session taken over by a second client with our id; `set_client_id` ends such a
   fight).
+- A subscription the broker refuses (SUBACK failure) leaves a partial view: a clustered
+  broker (NATS 2.9) refuses some for tens of seconds after a server died, an ACL for
+  good. The bus subscribes a refused filter again with backoff on the same link, then
+  drops the link for the next broker (`SubscribeRefused`, `subscribe_refused`); until
+  every filter is granted there is no `Synced`, and a record whose echo could only come
+  through a refused filter is not judged refused.
 - The MQTT client drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
@@ -42,10 +48,11 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-Why one module of about 1100 lines: the reconnect loop, the replay of the desired state,
-the sync by ping, the echo tracking and the retained check all read and write one link
-state (the current client, its leave event, the lock that orders replay against callers'
-changes, the check's verdict that holds `Synced` back); split
+Why one module of about 1200 lines: the reconnect loop, the replay of the desired state,
+the sync by ping, the echo tracking, the retries of refused subscriptions and the retained
+check all read and write one link state (the current client, its leave event, the lock
+that orders replay against callers' changes, the filters still refused and the check's
+verdict, both of which hold `Synced` back); split
 over modules, that state machine would be spread over several files sharing private state.
 Everything that is not that state machine already lives elsewhere: the MQTT client in
 `imexd.mqtt`, decoding in `imexd.messages`, the backoff rule in `imexd.retry`.
@@ -99,6 +106,10 @@ from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""
+
+_SUBSCRIBE_RETRIES: Final = 3
+"""SUBSCRIBEs of a refused filter retried on one link (with backoff) before the link is
+dropped for the next broker."""
 
 _MAX_DROP_LOG_KEYS: Final = 4096
 """Distinct (topic, reason) pairs remembered for log-once; a flood cannot grow memory."""
@@ -176,6 +187,22 @@ class Refused:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class SubscribeRefused:
+    """The broker refused a subscription we need (SUBACK failure): the bus subscribes it
+    again with backoff, then drops the link for the next broker; no `Synced` meanwhile."""
+
+    broker: str
+    topic_filter: str
+    code: str
+    """The broker's refusal (e.g. "128", or an MQTT 5 reason such as "Not authorized")."""
+    detail: str
+    """What `Bus.subscribe_refused` says: naming the broker and every refused filter."""
+
+
+SUBSCRIBE_REFUSED: Final = "SubscribeRefused"
+"""The reason BusConnected gives while a subscription we need is refused."""
+
 NO_RETAINED_WILDCARD: Final = "BrokerNoRetainedWildcard"
 
 
@@ -191,7 +218,15 @@ class BrokerChecked:
 
 
 Event = (
-    Connected | Disconnected | ConnectFailed | Synced | Received | Deleted | Refused | BrokerChecked
+    Connected
+    | Disconnected
+    | ConnectFailed
+    | Synced
+    | Received
+    | Deleted
+    | Refused
+    | BrokerChecked
+    | SubscribeRefused
 )
 
 
@@ -301,9 +336,17 @@ class _Echoes:
     delays the echo, and the late echo clears the verdict.
     """
 
-    def __init__(self, timeout: float, on_refused: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        on_refused: Callable[[str], None],
+        can_tell: Callable[[str], bool] = lambda _: True,
+    ) -> None:
         self._timeout = timeout
         self._on_refused = on_refused
+        self._can_tell = can_tell
+        """Whether an echo on a topic could come at all now (a subscription covering it is
+        granted); when not, an expired wait starts over instead of judging."""
         self._pending: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
         self._late: dict[str, bytes] = {}
         """Payloads that timed out: their echo may still arrive and clear `refused`."""
@@ -342,6 +385,10 @@ class _Echoes:
             waiting[1].cancel()
 
     def _expired(self, topic: str) -> None:
+        if not self._can_tell(topic) and topic in self._pending:
+            payload = self._pending[topic][0]
+            self.expect(topic, payload)
+            return
         waiting = self._pending.pop(topic, None)
         if waiting is not None:
             self._late[topic] = waiting[0]
@@ -441,7 +488,7 @@ class Bus:
         self._ever_connected = False
         self._link_since = 0.0
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._echoes = _Echoes(echo_timeout_s, self._refused)
+        self._echoes = _Echoes(echo_timeout_s, self._refused, self._echo_can_come)
         self._drop_logged: set[tuple[str, str]] = set()
 
         self._connected = False
@@ -469,6 +516,15 @@ class Bus:
         self._check_seen = False
         self._sync_withheld = False
         """A snapshot completed while the broker was not trusted: `Synced` once it is."""
+        self._missing: dict[str, str] = {}
+        """Filters (ours, or the ping topic) the broker refused on this link: the refusal."""
+        self._refusal = asyncio.Event()
+        """Set when a subscription was refused (or a refused one dropped): retry, resync."""
+        self._refusal_drop = False
+        """The current link was dropped for refused subscriptions: not a stable link."""
+        self.subscribe_refused = ""
+        """Which subscriptions the broker of this link refuses, naming it and them; "" when
+        none. No `Synced` while it is set (BusConnected reason `SubscribeRefused`)."""
 
     # Public state.
 
@@ -560,6 +616,8 @@ class Bus:
             except BusError as exc:
                 self._declare_dead(client, f"subscribe failed: {exc}")
                 return
+            if topic_filter in self._missing:
+                return  # the link's task retries it, then resyncs
         await _unless(leave, self._resync(client))
 
     async def unsubscribe(self, topic_filter: str) -> None:
@@ -569,6 +627,8 @@ class Bus:
                 return
             del self._filters[topic_filter]
             self._echoes.forget(self._covered)
+            if self._missing.pop(topic_filter, None) is not None:
+                self._refusal.set()  # maybe nothing is refused now: resync
             live = self._live()
             if live is None:
                 self._dropped_filters.add(topic_filter)
@@ -710,7 +770,8 @@ class Bus:
                 # _link_down logged why. Only a link that held resets the backoff, so a
                 # broker that drops us right after each connect is not hammered.
                 self._unplanned = True
-                if time.monotonic() - self._link_since >= _STABLE_S:
+                stable = time.monotonic() - self._link_since >= _STABLE_S
+                if stable and not self._refusal_drop:
                     rounds = 0
                 left = 1
             except BusError as exc:
@@ -840,17 +901,19 @@ class Bus:
                     await self._subscribe(client, [self._ping_topic, *self._filters])
                     for topic, entry in list(self._retained.items()):
                         await self._put_retained(client, topic, entry)
-                await self._round_trip(client)
-                self._mark_synced()
+                await self._settle(client, leave)
             checked = False
             while not leave.is_set():
-                waits = {leave} if checked else {leave, self._own_echo}
+                waits = (
+                    {leave, self._refusal} if checked else {leave, self._refusal, self._own_echo}
+                )
                 await _first_set(waits, self._ping_interval_s)
                 if leave.is_set():
                     break
-                if not checked and self._own_echo.is_set():
-                    checked = True
-                    await self._check_retained(client)
+                if self._refusal.is_set():
+                    await self._settle(client, leave)
+                elif not checked and self._own_echo.is_set():
+                    checked = await self._check_retained(client)
                 else:
                     await self._round_trip(client)
         except BusError as exc:
@@ -860,6 +923,57 @@ class Bus:
             await asyncio.wait({reader}, timeout=self._timeout_s)
             raise _LinkLostError(str(exc)) from None
         reader.cancel()
+
+    async def _settle(self, client: Client, leave: asyncio.Event) -> None:
+        """Get every refused subscription granted, then prove the snapshot (`Synced`).
+
+        A refused filter is subscribed again after a backoff (`imexd.retry`), at most
+        `_SUBSCRIBE_RETRIES` times on this link; one still refused then is a link problem:
+        BusError, and the reconnect loop tries the next broker (its backoff then grows, as
+        such a link does not count as stable, so an ACL refusal does not spin).
+        """
+        self._refusal.clear()
+        s = self.settings
+        for attempt in range(_SUBSCRIBE_RETRIES):
+            if not self._wanted_missing():
+                break
+            delay = backoff_delay(attempt, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
+            await _first_set({leave}, delay)
+            if leave.is_set():
+                return
+            async with self._lock:
+                wanted = self._wanted_missing()
+                if wanted:
+                    await self._subscribe(client, wanted)
+        if self._wanted_missing():
+            self._refusal_drop = True
+            raise BusError(
+                f"{self.subscribe_refused}; still refused after {_SUBSCRIBE_RETRIES} retries: "
+                "dropping the link for the next broker"
+            )
+        self._refusal.clear()
+        await self._round_trip(client)
+        self._mark_synced()
+
+    def _wanted_missing(self) -> list[str]:
+        """The refused filters we still want (a caller may have unsubscribed some)."""
+        self._missing = {
+            f: code
+            for f, code in self._missing.items()
+            if f == self._ping_topic or f in self._filters
+        }
+        self.subscribe_refused = self._refusal_detail()
+        return list(self._missing)
+
+    def _refusal_detail(self) -> str:
+        if not self._missing:
+            return ""
+        refused = ", ".join(f"{f} (code {code})" for f, code in self._missing.items())
+        return f"the broker {self._broker} refused our subscription to {refused}"
+
+    def _echo_can_come(self, topic: str) -> bool:
+        """Whether a granted subscription of ours covers `topic` (so its echo can come)."""
+        return any(topic_matches(f, topic) for f in self._filters if f not in self._missing)
 
     async def _forget_filters(self, client: Client) -> None:
         """Unsubscribe what a resumed MQTT 5 session may still hold from an older link."""
@@ -879,18 +993,23 @@ class Bus:
                 return will.topic, topic_filter
         return None
 
-    async def _check_retained(self, client: Client) -> None:
+    async def _check_retained(self, client: Client) -> bool:
         """Subscribe our record's wildcard filter again: the broker must send our record,
-        flagged retained, before a round trip returns, or its snapshots cannot be trusted."""
+        flagged retained, before a round trip returns, or its snapshots cannot be trusted.
+
+        False when the check could not answer (that subscription was refused: the link's
+        task retries it, and the check runs again once it is granted)."""
         target = self._check_target()
         if target is None:
-            return
+            return True
         topic, topic_filter = target
         self._check_seen = False
         self._checking = topic
         try:
             async with self._lock:
                 await self._subscribe(client, [topic_filter])
+            if topic_filter in self._missing:
+                return False
             await self._round_trip(client)
         finally:
             self._checking = None
@@ -903,7 +1022,7 @@ class Bus:
             self._emit(BrokerChecked(broker, ok=True))
             if self._sync_withheld:
                 self._mark_synced()
-            return
+            return True
         detail = (
             f"the broker {broker} did not send our retained record back to a new "
             f"subscription of {topic_filter}: it does not deliver retained messages to "
@@ -916,13 +1035,34 @@ class Bus:
         self.no_retained_wildcard = detail
         self.synced_at = None
         self._emit(BrokerChecked(broker, ok=False, detail=detail))
+        return True
 
     async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
+        """Subscribe; a refused filter is noted (`_missing`) for the link's task to retry."""
         wanted = list(filters)
         refusals = await client.subscribe(wanted)
+        refused: list[tuple[str, str]] = []
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
-            if refusal is not None:
-                self._log.warning("bus_subscribe_refused", filter=topic_filter, code=refusal)
+            if refusal is None:
+                self._missing.pop(topic_filter, None)
+            else:
+                self._missing[topic_filter] = refusal
+                refused.append((topic_filter, refusal))
+        self.subscribe_refused = self._refusal_detail()
+        if not refused:
+            return
+        self.synced_at = None
+        self._refusal.set()
+        broker = self._broker or ""
+        for topic_filter, refusal in refused:
+            self._log.warning(
+                "bus_subscribe_refused",
+                reason=SUBSCRIBE_REFUSED,
+                broker=broker,
+                filter=topic_filter,
+                code=refusal,
+            )
+            self._emit(SubscribeRefused(broker, topic_filter, refusal, self.subscribe_refused))
 
     async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
         if self._covered(topic):
@@ -997,6 +1137,10 @@ class Bus:
         self._own_echo = asyncio.Event()
         self.retained_checked = False
         self._sync_withheld = False
+        self._missing.clear()
+        self._refusal.clear()
+        self._refusal_drop = False
+        self.subscribe_refused = ""
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"
@@ -1016,6 +1160,7 @@ class Bus:
         self._broker = None
         self._protocol = None
         self.synced_at = None
+        self.subscribe_refused = ""
         self._echoes.reset()
         for echo in self._pings.values():
             echo.cancel()
@@ -1040,7 +1185,10 @@ class Bus:
 
     def _mark_synced(self) -> None:
         """Emit `Synced`, unless the broker failed the retained check and a check of this
-        link is still to come (our record is replayed, so its echo starts one)."""
+        link is still to come (our record is replayed, so its echo starts one), or a
+        subscription we need is refused (the link's task retries it, then resyncs)."""
+        if self._missing:
+            return
         self._sync_withheld = bool(self.no_retained_wildcard) and self._check_target() is not None
         if self._sync_withheld:
             return

@@ -29,12 +29,14 @@ from paho.mqtt.reasoncodes import ReasonCode
 from structlog.testing import capture_logs
 
 from imexd.bus import (
+    BrokerChecked,
     Bus,
     Connected,
     ConnectFailed,
     Disconnected,
     Event,
     Refused,
+    SubscribeRefused,
     Synced,
     WillSpec,
     _Echoes,
@@ -1079,3 +1081,258 @@ async def test_a_barrier_comes_back_on_a_live_link_only(broker: Mosquitto) -> No
         broker.stop()
         await next_event(bus, Disconnected)
         assert not await bus.barrier()
+
+
+# Refused subscriptions: a clustered broker refuses some for a while, an ACL for good.
+
+
+def _remaining_length(length: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, length = length & 0x7F, length >> 7
+        out.append(byte | (0x80 if length else 0))
+        if not length:
+            return bytes(out)
+
+
+class RefusingRelay:
+    """An MQTT 3.1.1 relay in front of a real broker that refuses SUBSCRIBEs as a NATS
+    cluster does after a server died: it answers the filters of `refuse` itself with a
+    SUBACK failure (0x80) and passes the others on. `refuse[filter]` holds which of that
+    filter's SUBSCRIBEs (counted from 1, over all connections) are refused; None: all."""
+
+    def __init__(self, target_port: int, refuse: dict[str, set[int] | None]) -> None:
+        self.target_port = target_port
+        self.refuse = refuse
+        self.seen: dict[str, int] = dict.fromkeys(refuse, 0)
+        """SUBSCRIBEs seen per filter of `refuse`."""
+        self.refused: dict[str, int] = dict.fromkeys(refuse, 0)
+        self.connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> RefusingRelay:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _refuses(self, topic_filter: str) -> bool:
+        if topic_filter not in self.refuse:
+            return False
+        self.seen[topic_filter] += 1
+        which = self.refuse[topic_filter]
+        refused = which is None or self.seen[topic_filter] in which
+        self.refused[topic_filter] += refused
+        return refused
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        pending: dict[bytes, list[bool]] = {}
+        """Per packet id of a SUBSCRIBE passed on in part: which of its filters we refused."""
+        pumps = [
+            asyncio.create_task(self._up(client_r, up_w, client_w, pending)),
+            asyncio.create_task(self._down(up_r, client_w, pending)),
+        ]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pumps:
+                task.cancel()
+                self._tasks.discard(task)
+            client_w.close()
+            up_w.close()
+
+    async def _up(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        client: asyncio.StreamWriter,
+        pending: dict[bytes, list[bool]],
+    ) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                packet = await _read_packet(src)
+                if packet[0] == 0x82:  # SUBSCRIBE
+                    packet = self._subscribe(packet, client, pending)
+                if packet:
+                    dst.write(packet)
+                    await dst.drain()
+
+    def _subscribe(
+        self, packet: bytes, client: asyncio.StreamWriter, pending: dict[bytes, list[bool]]
+    ) -> bytes:
+        """The SUBSCRIBE to pass on (b"": none; the SUBACK was answered here)."""
+        i = 1
+        while packet[i] & 0x80:
+            i += 1
+        body = packet[i + 1 :]
+        packet_id, rest = body[:2], body[2:]
+        entries: list[tuple[bytes, bool]] = []
+        while rest:
+            size = int.from_bytes(rest[:2], "big")
+            entry, rest = rest[: 2 + size + 1], rest[2 + size + 1 :]
+            entries.append((entry, self._refuses(entry[2 : 2 + size].decode())))
+        refused = [r for _, r in entries]
+        if not any(refused):
+            return packet
+        if all(refused):
+            codes = bytes([0x80] * len(entries))
+            client.write(b"\x90" + _remaining_length(2 + len(codes)) + packet_id + codes)
+            return b""
+        pending[packet_id] = refused
+        kept = packet_id + b"".join(e for e, r in entries if not r)
+        return b"\x82" + _remaining_length(len(kept)) + kept
+
+    async def _down(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        pending: dict[bytes, list[bool]],
+    ) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                packet = await _read_packet(src)
+                if packet[0] == 0x90 and (refused := pending.pop(packet[2:4], None)):
+                    granted = iter(packet[4:])
+                    codes = bytes(0x80 if r else next(granted) for r in refused)
+                    packet = b"\x90" + _remaining_length(2 + len(codes)) + packet[2:4] + codes
+                dst.write(packet)
+                await dst.drain()
+
+
+def settings_311(*urls: str, **overrides: object) -> BusSettings:
+    return fast_settings(*urls, protocol="3.1.1", **overrides)
+
+
+async def test_a_refused_subscription_is_retried_on_the_link_until_granted(
+    broker: Mosquitto,
+) -> None:
+    """A filter refused twice is subscribed again with backoff on the same link; no
+    Synced comes before it is granted, and our record's missing echo meanwhile is not
+    judged refused (its filter was not granted yet)."""
+    async with RefusingRelay(broker.port, {MEMBERS: {1, 2}}) as relay:
+        # Retries after 0.4-0.8 s and 0.8-1.6 s: longer than the echo may take.
+        settings = settings_311(relay.url, reconnect_initial_s=0.8, reconnect_max_s=2.0)
+        bus = bus_for(settings, "n1", echo_timeout_s=0.5)
+        await bus.subscribe(MEMBERS)
+        await bus.retain(member_topic("n1"), record("n1"))
+        seen: list[Event] = []
+        with capture_logs() as logs:
+            async with bus:
+                await next_event(bus, Synced, within=10, seen=seen)
+                assert bus.subscribe_refused == ""
+        refusals = [e for e in seen if isinstance(e, SubscribeRefused)]
+        assert [e.topic_filter for e in refusals] == [MEMBERS, MEMBERS]
+        assert relay.url in refusals[0].detail
+        assert MEMBERS in refusals[0].detail
+        assert not [e for e in seen if isinstance(e, Disconnected | Refused)]
+        assert relay.connections == 1
+        assert relay.seen[MEMBERS] == 3
+        warned = [e for e in logs if e["event"] == "bus_subscribe_refused"]
+        assert [(e["filter"], e["reason"]) for e in warned] == [(MEMBERS, "SubscribeRefused")] * 2
+
+
+async def test_a_subscription_that_stays_refused_fails_over_to_the_next_broker(
+    broker: Mosquitto,
+) -> None:
+    """After a few refused retries the link is dropped, naming the broker and the filter,
+    and the next broker of [bus] url serves the whole desired state."""
+    async with RefusingRelay(broker.port, {MEMBERS: None}) as relay:
+        bus = bus_for(settings_311(relay.url, broker.url), "n1")
+        await bus.subscribe(MEMBERS)
+        async with bus:
+            seen: list[Event] = []
+            down = await next_event(bus, Disconnected, within=10, seen=seen)
+            assert not [e for e in seen if isinstance(e, Synced)]
+            assert down.broker == relay.url
+            assert MEMBERS in down.reason
+            assert relay.url in down.reason
+            assert "refused" in down.reason
+            assert relay.refused[MEMBERS] == 4  # the first try and three retries
+            connected = await next_event(bus, Connected, within=10)
+            assert connected.broker == broker.url
+            await next_event(bus, Synced, within=10)
+            assert bus.subscribe_refused == ""
+            assert MEMBERS in (bus.last_error or "")
+
+
+async def test_a_new_subscription_refused_while_linked_holds_synced_back(
+    broker: Mosquitto,
+) -> None:
+    """A filter subscribed on a synced link and refused gets no Synced until a retry is
+    granted; the link stays."""
+    async with RefusingRelay(broker.port, {MEMBERS: {1}}) as relay:
+        settings = settings_311(relay.url, reconnect_initial_s=0.4, reconnect_max_s=1.0)
+        async with bus_for(settings, "n1") as bus:
+            await next_event(bus, Synced)
+            await bus.subscribe(MEMBERS)
+            refused = await next_event(bus, SubscribeRefused)
+            assert refused.topic_filter == MEMBERS
+            assert bus.synced_at is None
+            assert MEMBERS in bus.subscribe_refused
+            await next_event(bus, Synced, within=5)
+            assert bus.subscribe_refused == ""
+            assert relay.connections == 1
+
+
+async def test_a_refused_retained_check_subscription_is_retried_not_judged(
+    broker: Mosquitto,
+) -> None:
+    """The retained-wildcard check subscribes our filter again; refused, it is retried
+    and the check answers once granted (never BrokerNoRetainedWildcard for a refusal)."""
+    async with RefusingRelay(broker.port, {MEMBERS: {2}}) as relay:
+        lost = msgspec.structs.replace(record("n1"), state=MemberState.LOST, slot=None)
+        will = WillSpec(member_topic("n1"), tombstone=lost)
+        bus = bus_for(settings_311(relay.url), "n1", will=will)
+        await bus.subscribe(MEMBERS)
+        await bus.retain(member_topic("n1"), record("n1"))
+        seen: list[Event] = []
+        async with bus:
+            checked = await next_event(bus, BrokerChecked, within=10, seen=seen)
+            assert checked.ok
+            assert bus.no_retained_wildcard == ""
+        assert [e.topic_filter for e in seen if isinstance(e, SubscribeRefused)] == [MEMBERS]
+        assert relay.seen[MEMBERS] == 4  # replay, the check (refused), retry, the check
+        assert relay.connections == 1
+
+
+async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
+    broker: Mosquitto,
+) -> None:
+    """A broker that refuses our members filter for good (an ACL that refuses SUBSCRIBEs;
+    Mosquitto 2.0's acl_file grants them and filters delivery instead): the bus says so,
+    naming the broker and the filter, never syncs, and reconnects with the capped backoff
+    (a link dropped for a refusal never counts as stable)."""
+    async with RefusingRelay(broker.port, {MEMBERS: None}) as relay:
+        settings = settings_311(relay.url, reconnect_initial_s=0.05, reconnect_max_s=0.4)
+        bus = bus_for(settings, "n1")
+        await bus.subscribe(MEMBERS)
+        with capture_logs() as logs:
+            async with bus:
+                refused = await next_event(bus, SubscribeRefused)
+                assert refused.broker == relay.url
+                assert MEMBERS in bus.subscribe_refused
+                assert relay.url in bus.subscribe_refused
+                await no_event(bus, Synced, lambda _: True, 3.0)
+                assert MEMBERS in (bus.last_error or "")
+        waits = [e["delay_s"] for e in logs if e["event"] == "bus_reconnect_wait"]
+        # Each link: the first try and three retries (0.35 s at most), then a wait that
+        # grows to its cap: a handful of links in 3 s, not a spin.
+        assert 2 <= relay.connections <= 8
+        assert max(waits) >= 0.2
+        lost = [e["reason"] for e in logs if e["event"] == "bus_disconnected"]
+        assert all(MEMBERS in reason for reason in lost if reason != "closed")
