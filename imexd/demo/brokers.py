@@ -23,10 +23,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-import aiomqtt
-
 from imexd.demo import DemoError
-from imexd.settings import parse_broker_url
+from imexd.errors import BusError
+from imexd.mqtt import Client, connect
+from imexd.settings import BusSettings, parse_broker_url
 
 BROKER_ENV: Final = "IMEXD_DEMO_BROKER"
 """`mosquitto` or `amqtt` forces the embedded broker; unset or `auto`: Mosquitto when
@@ -517,13 +517,16 @@ def retained_flow(servers: list[Nats], deadline: float) -> None:
                 )
             time.sleep(0.2)
     # Clearing the marker is tidiness: a slow acknowledgement must not fail the start.
-    with contextlib.suppress(aiomqtt.MqttError, OSError):
+    with contextlib.suppress(BusError, TimeoutError, OSError):
         asyncio.run(_publish(first, topic, b"", wait_s=10.0))
 
 
 async def _publish(server: Nats, topic: str, payload: bytes, *, wait_s: float = 2.0) -> None:
-    async with _client(server, wait_s) as client:
-        await client.publish(topic, payload, qos=1, retain=True)
+    client = await _connect(server, wait_s)
+    try:
+        await client.publish(topic, payload, retain=True)
+    finally:
+        await client.close(wait_s)
 
 
 async def _retained_problem(first: Nats, other: Nats, topic: str, payload: bytes) -> str:
@@ -531,23 +534,31 @@ async def _retained_problem(first: Nats, other: Nats, topic: str, payload: bytes
     went wrong, or the empty string."""
     try:
         await _publish(first, topic, payload)
-        async with _client(other, 2.0) as client, asyncio.timeout(2.0):
-            await client.subscribe(topic, qos=1)
-            async for message in client.messages:
-                if message.retain and message.payload == payload:
-                    return ""
-    except (aiomqtt.MqttError, TimeoutError, OSError) as exc:
+        client = await _connect(other, 2.0)
+        try:
+            async with asyncio.timeout(2.0):
+                refusals = await client.subscribe([topic])
+                if refusals[0] is not None:
+                    return f"subscription refused (code {refusals[0]})"
+                async for message in client.messages():
+                    if message.retained and message.payload == payload:
+                        return ""
+        finally:
+            await client.close(2.0)
+    except (BusError, TimeoutError, OSError) as exc:
         return str(exc) or type(exc).__name__
     return "no message"
 
 
-def _client(server: Nats, timeout: float) -> aiomqtt.Client:
-    return aiomqtt.Client(
-        server.host,
-        server.port,
-        identifier=f"imexd-ready-{secrets.token_hex(4)}",
-        protocol=aiomqtt.ProtocolVersion.V311,
-        timeout=timeout,
+async def _connect(server: Nats, wait_s: float) -> Client:
+    """A clean-session MQTT 3.1.1 client of `server` with a fresh client id."""
+    settings = BusSettings(url=(server.url,), protocol="3.1.1")
+    return await connect(
+        settings,
+        parse_broker_url(server.url),
+        client_id=f"imexd-ready-{secrets.token_hex(4)}",
+        timeout_s=wait_s,
+        connect_timeout_s=wait_s,
     )
 
 
