@@ -53,6 +53,7 @@ from imexd.mqtt import topic_matches
 from imexd.settings import BusSettings
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, raw_client
+from tests.test_bus import RefusingRelay
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
@@ -733,6 +734,80 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
         b.stop()
     assert proc.returncode == 1
     assert "did not keep our write to imex/v2/domains/d1/spec" in proc.stderr
+
+
+# Refused subscriptions: a clustered broker refuses some for a while after a server died.
+
+
+def settings_311(*urls: str) -> BusSettings:
+    return BusSettings(url=urls, protocol="3.1.1")
+
+
+async def test_a_refused_subscription_is_asked_for_again_on_the_same_broker(
+    broker: Mosquitto,
+) -> None:
+    """A filter refused twice is granted on the third try within the operation timeout,
+    on the same link: the read returns the snapshot."""
+    members = T.all_members_filter("d1")
+    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+        async with Link(settings_311(broker.url)) as writer:
+            await writer.put(T.spec("d1"), encode(SPEC))
+        async with Link(settings_311(relay.url)) as link:
+            store = await link.read(T.spec("d1"), members)
+            assert link.broker == relay.url
+            assert "d1" in store.specs
+        assert relay.refused[members] == 2
+        assert relay.connections == 1
+
+
+async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
+    broker: Mosquitto,
+) -> None:
+    """Still refused at the end of the timeout, the read goes on at the next URL with every
+    subscription of the link, its snapshot included."""
+    members = T.all_members_filter("d1")
+    async with RefusingRelay(broker.port, {members: None}) as relay:
+        async with Link(settings_311(broker.url)) as writer:
+            await writer.put(T.spec("d1"), encode(SPEC))
+        async with Link(settings_311(relay.url, broker.url), timeout_s=1.0) as link:
+            assert link.broker == relay.url
+            store = await link.read(T.spec("d1"))
+            store = await link.read(members)
+            assert link.broker == broker.url
+            assert "d1" in store.specs
+            assert link._filters[-2:] == [T.spec("d1"), members]
+            await link.sync()
+        assert relay.refused[members] >= 2
+
+
+async def test_a_subscription_every_broker_refuses_names_each_and_the_filter(
+    broker: Mosquitto,
+) -> None:
+    """When no broker grants it, the error names every broker and the filter."""
+    members = T.all_members_filter("d1")
+    async with (
+        RefusingRelay(broker.port, {members: None}) as one,
+        RefusingRelay(broker.port, {members: None}) as two,
+    ):
+        async with Link(settings_311(one.url, two.url), timeout_s=0.6) as link:
+            with pytest.raises(BusError) as failed:
+                await link.read(members)
+    message = str(failed.value)
+    assert f"the broker {one.url} refused the subscription to {members}" in message
+    assert f"the broker {two.url} refused the subscription to {members}" in message
+
+
+async def test_after_a_write_a_refused_subscription_does_not_move_the_link(
+    broker: Mosquitto,
+) -> None:
+    """A link that wrote stays where it wrote: a refusal then fails the command."""
+    members = T.all_members_filter("d1")
+    async with RefusingRelay(broker.port, {members: None}) as relay:
+        async with Link(settings_311(relay.url, broker.url), timeout_s=0.6) as link:
+            await link.put(T.spec("d1"), encode(SPEC))
+            with pytest.raises(BusError, match="refused the subscription"):
+                await link.read(members)
+            assert link.broker == relay.url
 
 
 # Schemas.

@@ -13,6 +13,12 @@ under the shipped ACL's `{p}/domains/#` grant, and matched by no agent subscript
 is not a DNS-1123 label, so it is never a domain). Both links connect through `imexd.mqtt`
 (the same client factory, TLS, password and protocol fallback) and decode with
 `imexd.messages.decode_message`, so both sides drop the same malformed messages.
+
+A refused subscription (SUBACK failure) is asked for again with backoff within the
+operation timeout, then, while nothing was written on the link, the next broker of `[bus]
+url` is tried with every subscription so far: a clustered broker (NATS 2.9) refuses some
+for tens of seconds after one of its servers died, and another server may grant it. An ACL
+refusal fails the same way on every broker, and the error names each broker and filter.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
@@ -32,12 +38,16 @@ from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, Topics, WorkloadRecord, decode_message
 from imexd.mqtt import Client, connect, topic_matches
+from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 
 CONNECT_TIMEOUT_S: Final = 5.0
 """Bound on reaching a broker (TCP, TLS, CONNACK); each URL of `[bus] url` gets it."""
 OPERATION_TIMEOUT_S: Final = 5.0
 """Bound on each broker round trip (SUBACK, PUBACK, the sync echo)."""
+SUBSCRIBE_RETRY_S: Final = (0.25, 2.0)
+"""First and largest wait before a refused subscription is asked for again (doubling,
+jittered: `imexd.retry.backoff_delay`), within OPERATION_TIMEOUT_S."""
 SYNC_LEVEL: Final = "_control"
 """Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
 
@@ -50,6 +60,10 @@ class Logged:
     payload: bytes
     record: WorkloadRecord | None
     """The decoded record; None for a deletion (an empty payload)."""
+
+
+class _NotGrantedError(BusError):
+    """A broker kept refusing (or did not answer) a subscription: another may grant it."""
 
 
 def default_client_id() -> str:
@@ -67,7 +81,9 @@ class Link:
     naming each broker and why. `read` subscribes and returns once the retained snapshot
     is in `store`; `put` publishes a retained message; `verify` proves the broker kept
     what was put (a refused publish is otherwise invisible). A lost link raises BusError
-    from the next call.
+    from the next call. A subscription refused for longer than the operation timeout moves
+    the link to the next broker, while nothing was written on it (`store` keeps what it
+    read, and the new broker's snapshot is applied over it).
     """
 
     def __init__(
@@ -94,6 +110,10 @@ class Link:
         self.broker: str | None = None
         self.lost: str | None = None
         self._client: Client | None = None
+        self._index = 0
+        """Which of `brokers` the link is on."""
+        self._wrote = False
+        """Something was published on this link: it may no longer move to another broker."""
         self._reader: asyncio.Task[None] | None = None
         self._sync_topic = f"{self.topics.prefix}/domains/{SYNC_LEVEL}/sync/{self.client_id}"
         self._filters: list[str] = []
@@ -105,24 +125,34 @@ class Link:
         retained snapshot first (see `put_echoed`)."""
 
     async def __aenter__(self) -> Self:
+        await self._open(range(len(self.brokers)), [self._sync_topic])
+        return self
+
+    async def _open(self, order: Iterable[int], filters: Sequence[str]) -> None:
+        """Link to the first broker of `order` (indexes into `brokers`) that answers and
+        grants every filter of `filters`; BusError naming each broker and why otherwise."""
         errors: list[str] = []
-        for broker in self.brokers:
+        for index in order:
+            broker = self.brokers[index]
             try:
-                self._client = await self._connect(broker)
+                client = await self._connect(broker)
             except BusError as exc:
                 errors.append(str(exc))
                 continue
-            self.broker = str(broker)
-            break
-        else:
-            raise BusError("; ".join(errors))
-        self._reader = asyncio.create_task(self._read(self._client), name="control-read")
-        try:
-            await self._subscribe([self._sync_topic])
-        except BaseException:
-            await self._close()
-            raise
-        return self
+            self._client, self._index, self.broker, self.lost = client, index, str(broker), None
+            self._reader = asyncio.create_task(self._read(client), name="control-read")
+            try:
+                await self._grant(client, filters)
+            except _NotGrantedError as exc:
+                errors.append(str(exc))
+                await self._close()
+                continue
+            except BaseException:
+                await self._close()
+                raise
+            self._filters = list(filters)
+            return
+        raise BusError("; ".join(errors))
 
     async def __aexit__(
         self,
@@ -211,18 +241,49 @@ class Link:
         self._live()
 
     async def _subscribe(self, filters: Sequence[str]) -> None:
+        """Subscribe `filters` here, or (nothing written yet) on the next broker that
+        grants them along with every earlier subscription."""
         client = self._live()
         try:
-            refusals = await client.subscribe(filters)
-        except BusError as exc:
-            raise BusError(f"cannot subscribe at {self.broker}: {exc}") from None
-        for topic_filter, refusal in zip(filters, refusals, strict=True):
-            if refusal is not None:
-                raise BusError(
-                    f"the broker {self.broker} refused the subscription to {topic_filter} "
-                    f"(code {refusal}): check its ACL for this user"
-                )
+            await self._grant(client, filters)
+        except _NotGrantedError as exc:
+            others = [(self._index + k) % len(self.brokers) for k in range(1, len(self.brokers))]
+            if self._wrote or not others:
+                raise BusError(str(exc)) from None
+            await self._close()
+            try:
+                await self._open(others, [*self._filters, *filters])
+            except BusError as failed:
+                raise BusError(f"{exc}; {failed}") from None
+            return
         self._filters.extend(filters)
+
+    async def _grant(self, client: Client, filters: Sequence[str]) -> None:
+        """Subscribe `filters`, asking again with backoff for those the broker refused
+        until the operation timeout; `_NotGrantedError` naming the broker and what it
+        refused (or that it did not answer) when that did not do."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        wanted = list(filters)
+        for attempt in itertools.count():
+            try:
+                refusals = await client.subscribe(wanted)
+            except BusError as exc:
+                raise _NotGrantedError(f"cannot subscribe at {self.broker}: {exc}") from None
+            refused = [(f, r) for f, r in zip(wanted, refusals, strict=True) if r is not None]
+            if not refused:
+                return
+            wanted = [f for f, _ in refused]
+            delay = backoff_delay(attempt, *SUBSCRIBE_RETRY_S)
+            if loop.time() + delay - started > self.timeout_s:
+                named = ", ".join(f"{f} (code {r})" for f, r in refused)
+                raise _NotGrantedError(
+                    f"the broker {self.broker} refused the subscription to {named}, "
+                    f"{attempt + 1} times in {loop.time() - started:.1f} s: check its ACL for "
+                    "this user (a clustered broker also refuses some for a while after one "
+                    "of its servers died)"
+                )
+            await asyncio.sleep(delay)
 
     async def read(self, *filters: str) -> Store:
         """Subscribe to `filters`; returns once their retained snapshot is in `store`."""
@@ -260,6 +321,7 @@ class Link:
         if not any(topic_matches(f, topic) for f in self._filters):
             await self._subscribe([topic])
         client = self._live()
+        self._wrote = True
         try:
             await client.publish(topic, payload, retain=True)
         except BusError as exc:
