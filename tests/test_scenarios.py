@@ -8,6 +8,7 @@ that the agents left no process behind and logged no traceback.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Mapping
@@ -366,3 +367,18 @@ def test_addresses_mode_restarts_on_a_join_and_lists_addresses(c: Cluster) -> No
         assert n.status()["daemon"]["restarts"] >= 1, n.name
         restarts = n.log_events("reconcile.restart")
         assert "addresses" in restarts[-1]["why"], n.name
+
+
+def test_a_killed_daemon_says_daemon_crashed_with_its_own_last_lines(c: Cluster) -> None:
+    """While a killed daemon waits for its restart, the node's DaemonReady reads
+    DaemonCrashed with how it ended and the daemon's own last lines (not an unrelated
+    line, not a bare Backoff), and then it runs again."""
+    (node,) = form(c, 1, overrides={"daemon": {"backoff_initial_s": 5.0, "backoff_max_s": 5.0}})
+    pid = node.daemon_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    c.wait(lambda: node.condition("DaemonReady")["reason"] == "DaemonCrashed", timeout=10)
+    message = node.condition("DaemonReady")["message"]
+    assert "SIGKILL" in message, message
+    assert "last lines:" in message or "no output" in message, message
+    c.wait(lambda: node.ready() and node.daemon_pid() not in (None, pid), timeout=30)
