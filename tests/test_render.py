@@ -743,3 +743,26 @@ def test_the_simulator_reads_what_we_render(tmp_path: Path) -> None:
     assert names == [slot_name("job-1", "c.1", i) for i in range(3)]
     hosts = parse_hosts(merge_hosts("127.0.0.1 localhost\n", "job-1", "c.1", {1: "10.0.0.1"}, 3))
     assert [hosts[name] for name in names] == [EMPTY_SLOT_ADDRESS, "10.0.0.1", EMPTY_SLOT_ADDRESS]
+
+
+def test_imex_tls_between_daemons_is_rendered_from_extra() -> None:
+    """docs/security.md's example turns on IMEX's own TLS between daemons through
+    `[imex] extra`: the keys replace the documented defaults where they stand."""
+    tls = {
+        "IMEX_ENABLE_AUTH_ENCRYPTION": "1",
+        "IMEX_AUTH_ENCRYPTION_MODE": "SSL_TLS",
+        "IMEX_AUTH_SOURCE": "FILE",
+        "IMEX_SERVER_KEY": "/etc/nvidia-imex/pki/node.key",
+        "IMEX_SERVER_CERT": "/etc/nvidia-imex/pki/node.crt",
+        "IMEX_SERVER_CERT_AUTH": "/etc/nvidia-imex/pki/ca.crt",
+        "IMEX_CLIENT_KEY": "/etc/nvidia-imex/pki/node.key",
+        "IMEX_CLIENT_CERT": "/etc/nvidia-imex/pki/node.crt",
+        "IMEX_CLIENT_CERT_AUTH": "/etc/nvidia-imex/pki/ca.crt",
+    }
+    plain = render_config(_settings())
+    assert "IMEX_ENABLE_AUTH_ENCRYPTION=0\n" in plain
+    text = render_config(_settings(extra=tls))
+    for key, value in tls.items():
+        assert f"{key}={value}\n" in text
+    keys = [line.partition("=")[0] for line in text.splitlines()[1:]]
+    assert keys == list(_config_values(plain)), "no key added: each replaces its default"
