@@ -907,7 +907,8 @@ class Bench:
             note="a 10 ms timer in each worker: how long an agent waited for the others "
             "of its process (start -> formed + 1 s)",
         )
-        self.log(f"formed: {t_formed - t_conn:.3f} s after the last connect")
+        if not problem:
+            self.log(f"formed: {t_formed - t_conn:.3f} s after the last connect")
 
     async def _sample(
         self, broker: list[psutil.Process], out: list[tuple[float, float, float, float]]
