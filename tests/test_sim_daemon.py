@@ -326,16 +326,18 @@ def test_unclean_exit_waits_for_recovery_unless_the_list_changed(
     for node in cluster.nodes:
         node.signal(signal.SIGKILL)
         node.wait()
-    cluster[0].start(IMEXD_SIM_RECOVERY_TIMEOUT_S="1.5")
-    wait_for(lambda: cluster[0].state() == "WAITING_FOR_RECOVERY", timeout=5)
-    wait_for(lambda: cluster[0].state() == "READY", timeout=5)
+    # 5 s of recovery: long enough to be seen on a loaded machine, where starting the
+    # simulator and asking its state can take seconds (1.5 s was missed at load 13).
+    cluster[0].start(IMEXD_SIM_RECOVERY_TIMEOUT_S="5")
+    wait_for(lambda: cluster[0].state() == "WAITING_FOR_RECOVERY", timeout=20)
+    wait_for(lambda: cluster[0].state() == "READY", timeout=20)
     assert "Recovery timed out" in cluster[0].log_text()
 
     cluster[0].signal(signal.SIGKILL)
     cluster[0].wait()
     cluster[0].nodes_file.write_text("".join(f"{n}\n" for n in [*cluster.names, "spare"]))
     cluster[0].start(IMEXD_SIM_RECOVERY_TIMEOUT_S="30")
-    wait_for(lambda: cluster[0].state() == "READY", timeout=5)
+    wait_for(lambda: cluster[0].state() == "READY", timeout=20)
     assert "discarding recovery data" in cluster[0].log_text()
 
 
