@@ -324,6 +324,7 @@ class Agent:
             reconnects=bus.reconnects,
             dropped=MappingProxyType(dict(bus.dropped)),
             no_retained_wildcard=bus.no_retained_wildcard,
+            subscribe_refused=bus.subscribe_refused,
         )
         return self.bus_facts
 

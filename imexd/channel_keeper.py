@@ -37,7 +37,7 @@ from typing import Final, Protocol
 
 import structlog
 
-from imexd.bus import Connected, ConnectFailed, Disconnected, Event, Synced
+from imexd.bus import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
 from imexd.channels import Applied, Devices, Driver, Refusal, Want, plan, read_driver
 from imexd.facts import ChannelFacts, ChannelState
 from imexd.guard import BEAT_S, Guard, describe
@@ -212,7 +212,7 @@ class ChannelKeeper:
         elif isinstance(event, Connected):
             self.synced = False
             self.fresh = set()
-        elif isinstance(event, Disconnected | ConnectFailed):
+        elif isinstance(event, Disconnected | ConnectFailed | SubscribeRefused):
             self.synced = False
         elif isinstance(event, Synced) and event.at >= self.sync_after:
             if self.fresh is not None:

@@ -70,6 +70,9 @@ class BusFacts:
     no_retained_wildcard: str = ""
     """Why the broker's retained snapshot cannot be trusted: it did not send our own
     record, flagged retained, to a new wildcard subscription; "" when it did."""
+    subscribe_refused: str = ""
+    """Which filter the broker refuses to subscribe us to, and where (a clustered broker
+    refuses some for a while after a server died); "" when none."""
     reconnects: int = 0
     """Reconnections since the agent started (cumulative, for metrics)."""
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)

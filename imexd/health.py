@@ -94,6 +94,8 @@ def _bus(f: Facts) -> _Verdict:
     if not bus.connected:
         why = f": {bus.last_error}" if bus.last_error else ""
         return _Verdict("False", "Disconnected", f"not connected{at}{why}")
+    if bus.subscribe_refused:
+        return _Verdict("False", "SubscribeRefused", bus.subscribe_refused)
     if bus.refused:
         return _Verdict(
             "False",

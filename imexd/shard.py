@@ -53,6 +53,7 @@ from imexd.bus import (
     ConnectFailed,
     Disconnected,
     Event,
+    SubscribeRefused,
     Synced,
     WillSpec,
 )
@@ -274,7 +275,8 @@ class ShardView:
                 return self._on_taken_over()
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
-        elif isinstance(event, ConnectFailed):
+        elif isinstance(event, ConnectFailed | SubscribeRefused):
+            # A refused filter leaves a partial view until the bus gets it (then Synced).
             self.synced = False
         elif isinstance(event, BrokerChecked):
             # A broker that keeps retained messages from wildcard subscriptions shows no

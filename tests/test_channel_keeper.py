@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from imexd.bus import Connected, Disconnected, Synced
+from imexd.bus import Connected, Disconnected, SubscribeRefused, Synced
 from imexd.channel_keeper import ChannelKeeper
 from imexd.demo.nodes import CHANNEL_MAJOR, fake_driver
 from imexd.facts import ChannelFacts, ChannelState, Facts
@@ -247,6 +247,22 @@ async def test_records_of_another_domain_are_ignored(tmp_path: Path) -> None:
     """A late event of a domain the node left makes nothing."""
     keeper = await joined(tmp_path)
     keeper.on_event(received(record("job-x", 3, domain="d2")))
+    await keeper.step()
+    assert not dev(keeper, 3).exists()
+
+
+@needs_root
+async def test_a_refused_subscription_removes_nothing_until_synced_again(tmp_path: Path) -> None:
+    """The broker refuses the workloads filter: the view may be partial, so nothing is
+    removed (a live job's device stays) until the bus syncs again."""
+    keeper = await joined(tmp_path, record("job-a", 3))
+    keeper.on_event(
+        SubscribeRefused("mqtt://b:1883", "imex/v2/domains/d1/workloads/+", "128", "refused")
+    )
+    keeper.on_event(deleted("job-a"))
+    await keeper.step()
+    assert dev(keeper, 3).exists(), "a partial view removes nothing"
+    keeper.on_event(synced())
     await keeper.step()
     assert not dev(keeper, 3).exists()
 

@@ -150,6 +150,18 @@ def test_bus_publish_refused_names_the_topics() -> None:
     assert "ACL" in c.message
 
 
+def test_a_refused_subscription_says_which_filter_and_broker() -> None:
+    """The broker refuses a filter we need (a NATS cluster after a server died): False
+    SubscribeRefused with the bus's words, ahead of PublishRefused (whose echo could only
+    come through that filter)."""
+    why = "the broker mqtt://b:1883 refused our subscription to imex/v2/x/+ (code 128)"
+    facts = working(
+        bus=BusFacts(connected=True, synced=False, subscribe_refused=why, refused=("t",))
+    )
+    c = cond(facts, "BusConnected")
+    assert (c.status, c.reason, c.message) == ("False", "SubscribeRefused", why)
+
+
 def test_a_broker_without_retained_wildcards_is_not_trusted() -> None:
     """The broker did not send our record back to a wildcard subscription: BusConnected
     False with BrokerNoRetainedWildcard and the bus's words, whatever synced says."""

@@ -11,7 +11,7 @@ import msgspec
 from hypothesis import given
 
 from imexd import membership as mb
-from imexd.bus import BrokerChecked, Connected, Disconnected, Synced
+from imexd.bus import BrokerChecked, Connected, Disconnected, SubscribeRefused, Synced
 from imexd.logs import get_logger
 from imexd.messages import (
     MAX_HOLD_S,
@@ -124,6 +124,22 @@ def test_nothing_is_derived_before_the_snapshot() -> None:
     assert derive(v, 10.0) == Plan()
     v.apply(Synced(at=10.5), now=10.5)
     assert derive(v, 10.5).publish
+
+
+def test_a_refused_subscription_holds_the_view_until_the_bus_syncs_again() -> None:
+    """A filter the broker refuses (a clustered broker after a server died) leaves a
+    partial view: nothing is derived until the bus got it and synced again."""
+    v = view()
+    v.join((DOMAIN, CLIQUE), now=10.0)
+    v.apply(Synced(at=10.5), now=10.5)
+    assert v.synced
+    topic_filter = f"imex/v2/domains/{DOMAIN}/members/+"
+    v.apply(SubscribeRefused("mqtt://b:1883", topic_filter, "code 128", "refused"), now=11.0)
+    assert not v.synced
+    assert derive(v, 11.0) == Plan()
+    v.apply(Synced(at=11.5), now=11.5)
+    assert v.synced
+    assert derive(v, 11.5).publish
 
 
 def test_a_lone_node_claims_then_settles_and_runs() -> None:
