@@ -11,13 +11,15 @@ In the cluster test, nats-server 2.9.10 refuses some new subscriptions for tens 
 after a server died: the agents' bus and the control plane's link ask again, then move to
 another server; `until_ok` still backs the one-shot CLI commands up. It is an expected
 failure on a small machine (its xfail says why): the CLI's subscriptions may still time out
-on every server there.
+on every server there. It runs only with IMEXD_TEST_NATS_CLUSTER=1, so that CI does not
+spend minutes on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -272,6 +274,11 @@ def test_a_nats_restart_keeps_the_retained_state_and_the_daemons(one: Cluster) -
 
 
 @pytest.mark.timeout(300)  # the waits below are bounded; this only backs them up
+@pytest.mark.skipif(
+    os.environ.get("IMEXD_TEST_NATS_CLUSTER") != "1",
+    reason="an expected failure on this machine (see its xfail) that costs 2 to 4 minutes of "
+    "the suite: run it with IMEXD_TEST_NATS_CLUSTER=1",
+)
 @pytest.mark.xfail(
     strict=False,
     reason="on 2 shared cores nats-server 2.9.10 lets QoS 1 SUBSCRIBEs time out (over the "
