@@ -486,6 +486,9 @@ class Bus:
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._dead_reason: str | None = None
         self._ever_connected = False
+        self._took_v5: set[str] = set()
+        """Brokers that accepted MQTT 5 on this bus: a later hang-up before CONNACK from
+        one of them is a link fault, not a refusal (`imexd.mqtt.connect`)."""
         self._link_since = 0.0
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._echoes = _Echoes(echo_timeout_s, self._refused, self._echo_can_come)
@@ -849,7 +852,8 @@ class Bus:
 
     async def _connect(self, broker: BrokerURL, will: WillSpec | None) -> tuple[Client, bool]:
         """Connect to `broker` (`imexd.mqtt.connect`: MQTT 5 first, 3.1.1 only when the
-        broker says so, for this connect only); (client, v5). BusError when it failed."""
+        broker says so, for this connect only; a broker that took MQTT 5 before says so
+        only with its CONNACK); (client, v5). BusError when it failed."""
         s = self.settings
         mqtt_will = None
         if will is not None:
@@ -878,7 +882,10 @@ class Bus:
             will=mqtt_will,
             on_fallback=fallback,
             resume=True,
+            took_v5=str(broker) in self._took_v5,
         )
+        if client.v5:
+            self._took_v5.add(str(broker))
         return client, client.v5
 
     async def _read(self, client: Client) -> None:

@@ -409,6 +409,7 @@ async def connect(
     connect_timeout_s: float | None = None,
     on_fallback: Fallback | None = None,
     resume: bool = False,
+    took_v5: bool = False,
 ) -> Client:
     """Connect to `broker` with the first MQTT version it accepts.
 
@@ -417,6 +418,9 @@ async def connect(
     `timeout_s` bounds every broker round trip of the client (aiomqtt's own bound, the
     connect included); `connect_timeout_s`, when given, bounds each attempt as a whole.
     `resume`: on MQTT 5, resume the session of `client_id` (see `_client`).
+    `took_v5`: this broker accepted MQTT 5 before, so a hang-up before CONNACK is a link
+    fault (a load balancer with no backend, a broker restarting), not a refusal: only
+    its CONNACK "unsupported protocol version" falls back then.
     Raises BusError naming the broker when the connect failed.
     """
     versions = protocol_versions(settings)
@@ -446,6 +450,8 @@ async def connect(
         except aiomqtt.MqttError as exc:
             client.abort()
             refused = v5 and refuses_protocol(exc)
+            if took_v5 and isinstance(exc, _ClosedBeforeConnackError):
+                refused = False
             if refused and attempt < len(versions):
                 if on_fallback is not None:
                     on_fallback(

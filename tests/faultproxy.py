@@ -11,6 +11,9 @@ the outside with thread-safe calls that return once the change is in effect:
   lost"). What was held back is delivered, in order, at `heal()`, as TCP retransmission
   would: if one end closed meanwhile, the other sees the close then.
 - `cut()`: every connection is reset (both sides) and new ones are reset at once.
+- `hang_up(count)`: like `cut()`, but a new connection is closed only once its first
+  bytes (the client's CONNECT) arrived, as a load balancer with no backend does; after
+  `count` such connections (None: until `heal()`) the link is transparent again.
 - `heal()`: back to a transparent link (no delay, no drop, no cut).
 
 Directions: "up" is client -> broker, "down" broker -> client, "both" is both. Only
@@ -140,8 +143,12 @@ class FaultProxy:
         self.up = _Way()
         self.down = _Way()
         self.is_cut = False
+        self.hangs_up = False
+        self._hang_ups_left: int | None = None
         self.accepted = 0
         """Connections accepted so far (refused ones while cut included)."""
+        self.hung_up = 0
+        """Connections closed after their first bytes by `hang_up()`."""
         self.bytes_up = [0]
         self.bytes_down = [0]
         self._conns: set[_Conn] = set()
@@ -214,11 +221,23 @@ class FaultProxy:
 
         self._call(apply())
 
+    def hang_up(self, count: int | None = None) -> None:
+        """Reset every connection; read each new one's first bytes, then close it; after
+        `count` of them (None: until `heal()`) the link is transparent again."""
+        self.cut()
+
+        async def apply() -> None:
+            self.hangs_up = True
+            self._hang_ups_left = count
+
+        self._call(apply())
+
     def heal(self) -> None:
         """A transparent link again; what a drop held back is delivered now, in order."""
 
         async def apply() -> None:
             self.is_cut = False
+            self.hangs_up = False
             for way in (self.up, self.down):
                 way.delay_s = 0.0
                 way.set_held(False)
@@ -263,6 +282,16 @@ class FaultProxy:
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.accepted += 1
         if self.is_cut:
+            if self.hangs_up:
+                if self._hang_ups_left is not None:
+                    self._hang_ups_left -= 1
+                    if self._hang_ups_left <= 0:
+                        self.is_cut = self.hangs_up = False
+                with contextlib.suppress(OSError, TimeoutError):
+                    await asyncio.wait_for(client_r.read(1), timeout=_CONTROL_TIMEOUT_S)
+                client_w.close()
+                self.hung_up += 1
+                return
             _reset(client_w)
             return
         conn = _Conn(client_w)

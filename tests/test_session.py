@@ -162,6 +162,25 @@ async def test_a_blip_within_the_will_delay_resumes_the_session_without_a_will(
         assert "" not in watch.states()
 
 
+async def test_a_hang_up_before_connack_from_a_broker_that_took_mqtt_5_keeps_mqtt_5(
+    broker: Mosquitto,
+) -> None:
+    """Seen in CI: while the link was cut, a reconnect reached something that accepted the
+    socket and closed it before CONNACK (as a load balancer with no backend does). The
+    agent took that for a broker refusing MQTT 5 and came back on 3.1.1, without the Will
+    Delay. A broker that accepted MQTT 5 before is not taken to refuse it on a hang-up."""
+    with FaultProxy("127.0.0.1", broker.port) as proxy:
+        settings = fast_settings(proxy.url, will_delay_s=3.0, ping_interval_s=0.5)
+        bus = await agent_bus(settings)
+        try:
+            proxy.hang_up(count=1)  # one reconnect hung up on after its CONNECT
+            await next_event(bus, Disconnected)
+            up = await next_event(bus, Connected, within=5)
+            assert up.protocol == "5"
+        finally:
+            await bus.close()
+
+
 async def test_a_filter_given_up_while_away_is_dropped_from_the_resumed_session(
     broker: Mosquitto,
 ) -> None:
