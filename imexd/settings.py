@@ -362,7 +362,7 @@ class BusSettings:
         "auto",
         '"auto": MQTT 5 at every connect, 3.1.1 for that connect only when the broker '
         'refuses 5 (CONNACK "unsupported protocol version") or closes before CONNACK (the '
-        'latter only from a broker that has not taken MQTT 5 since the agent started); a '
+        "latter only from a broker that has not taken MQTT 5 since the agent started); a "
         'timeout is an outage, not a verdict. "5": never 3.1.1 (keeps the Will Delay). '
         '"3.1.1": never 5.',
         _one_of("auto", "5", "3.1.1"),
