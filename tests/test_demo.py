@@ -389,3 +389,14 @@ async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
     assert scenario.cleanup_text(run.cleanup) == (
         "nothing left running, folder removed (had to end 2 process(es))"
     )
+
+
+def test_free_ports_lie_outside_the_kernels_ephemeral_range() -> None:
+    """Seen in CI: an agent's health port, picked by free_port() when the test began, was
+    taken by an outgoing connection's ephemeral port before the agent bound it ("address
+    already in use"). free_port() hands out ports the kernel never picks for outgoing
+    connections, and never the same one twice in a process."""
+    low, high = brokers.ephemeral_ports()
+    ports = [brokers.free_port() for _ in range(200)]
+    assert not [p for p in ports if low <= p <= high]
+    assert len(set(ports)) == len(ports)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from imexd.demo.brokers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "config" / "slurm"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "scancel")
@@ -107,12 +109,9 @@ IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports on which nothing listens now (all held while picking)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+    """`count` distinct TCP ports on which nothing listens now, outside the ephemeral range
+    (`imexd.demo.brokers.free_port`)."""
+    return [free_port() for _ in range(count)]
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:

@@ -41,17 +41,54 @@ LOG_TAIL_LINES: Final = 6
 # Ports, addresses, logs.
 
 
+EPHEMERAL_FILE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LISTEN_PORTS: Final = (10000, 65535)
+"""Where free_port() looks, less the kernel's ephemeral range."""
+_handed_out: set[int] = set()
+_pick = secrets.SystemRandom()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default when
+    unreadable)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
+    """A TCP port that was free on `host` a moment ago, for a listener started later.
+
+    Outside the kernel's ephemeral range, so that no outgoing connection takes it before
+    its listener binds it, and never the same one twice in this process. (A port the
+    kernel picks with bind(0) comes from the ephemeral range: under load a client's
+    connection took such a port between the pick and the bind.)
+    """
+    low, high = ephemeral_ports()
+    candidates = [
+        r for r in (range(_LISTEN_PORTS[0], low), range(high + 1, _LISTEN_PORTS[1] + 1)) if r
+    ]
+    for _ in range(200):
+        span = _pick.choice(candidates) if candidates else None
+        if span is None:
+            break
+        port = _pick.choice(span)
+        if port not in _handed_out and _bindable(host, port, reuse=False):
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        sock.bind((host, 0))  # no room outside the ephemeral range: the kernel's pick
+        chosen: int = sock.getsockname()[1]
+    _handed_out.add(chosen)
+    return chosen
 
 
-def _bindable(address: str, port: int) -> bool:
+def _bindable(address: str, port: int, *, reuse: bool = True) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((address, port))
         except OSError:
