@@ -49,6 +49,10 @@ NODE_EXITS: Final = {
     "assign": f"0 assigned; {BUS_EXITS}; 2 usage error, the node in another live domain "
     "(without --steal), or no agent reported it within --seen-within (without --force)",
     "unassign": f"0 unassigned; {BUS_EXITS}; 2 usage error",
+    "forget": f"0 forgotten (or nothing to forget); {BUS_EXITS}; 2 usage error, the node "
+    "is live (an agent reported it within --seen-within and it holds a record that is not "
+    "lost), or it holds such a record and was not reported (without --force), nothing "
+    "written",
 }
 WORKLOAD_EXITS: Final = {
     "create": "0 ready on every listed node (or written, with --wait 0); 1 not "
@@ -71,11 +75,13 @@ def add_control_commands(sub: SubParsers[argparse.ArgumentParser]) -> None:
     _node_parser(sub)
 
 
-def _seen_args(parser: argparse.ArgumentParser, what: str) -> None:
+def _seen_args(
+    parser: argparse.ArgumentParser, what: str, *, force_help: str | None = None
+) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help=f"{what} even when no agent reported it within --seen-within seconds",
+        help=force_help or f"{what} even when no agent reported it within --seen-within seconds",
     )
     parser.add_argument(
         "--seen-within",
@@ -196,6 +202,21 @@ def _node_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
     config_arg(q)
     q.add_argument("node", help="the node's name")
     q.set_defaults(handler=_cmd_node_unassign)
+    q = command(
+        nsub,
+        "forget",
+        "clear what a node gone for good left: its lost member record, reports, presence",
+        NODE_EXITS["forget"],
+    )
+    config_arg(q)
+    q.add_argument("node", help="the node's name")
+    _seen_args(
+        q,
+        "clear",
+        force_help="also clear a record that is not lost (a will that never fired) when no "
+        "agent reported the node within --seen-within seconds; never a live node's",
+    )
+    q.set_defaults(handler=_cmd_node_forget)
 
 
 def _domain_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -561,3 +582,24 @@ def _cmd_node_unassign(args: argparse.Namespace) -> int:
 
     settings = commands.load_control_settings(args.config)
     return asyncio.run(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
+
+
+def _cmd_node_forget(args: argparse.Namespace) -> int:
+    """`imexd node forget NODE [--force] [--seen-within S]`."""
+    problems = [p for p in (node_problem(args.node),) if p]
+    problems += _seen_problems(args)
+    if problems:
+        return usage("node forget", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return asyncio.run(
+        commands.forget(
+            settings,
+            args.node,
+            out=sys.stdout,
+            err=sys.stderr,
+            force=args.force,
+            seen_within_s=args.seen_within,
+        )
+    )

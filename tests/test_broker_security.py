@@ -393,12 +393,16 @@ async def test_the_control_plane_clears_a_gone_nodes_records(broker: ShippedBrok
     async with client(broker, "n1") as n1:
         await publish(n1, member, b"n1-member")
         await publish(n1, health, b"n1-health")
+        await publish(n1, T.presence("n1"), b"n1-presence")
+    assert await retained(broker, T.presence("n1")) == b"n1-presence"
     async with client(broker, CONTROL_USER) as control:
         await publish(control, member, None)
         await publish(control, health, None)
+        await publish(control, T.presence("n1"), None)  # `imexd node forget`
         await publish(control, T.spec(DOMAIN), None)
     assert await retained(broker, member) is None
     assert await retained(broker, health) is None
+    assert await retained(broker, T.presence("n1")) is None
     assert await retained(broker, T.spec(DOMAIN)) is None
 
 

@@ -357,6 +357,66 @@ async def test_assign_refuses_a_node_no_agent_reported_unless_force(
     assert sorted(got) == [T.assignment("n2"), T.assignment("typo-n1")]
 
 
+def lost(node: str, domain: str = "d1") -> bytes:
+    """The tombstone a crashed agent's will leaves on its member topic."""
+    record = member_record(node, 0, domain=domain)
+    return encode(msgspec.structs.replace(record, slot=None, state=MemberState.LOST))
+
+
+async def test_forget_clears_a_lost_node_everywhere_but_its_assignment(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node gone for good leaves its tombstone (state lost, the domain DEGRADED for good),
+    its last health report and its presence: `node forget` clears those, keeps the
+    assignment (that is `node unassign`) and touches no other node."""
+    old = time.time() - 1000
+    kept = {
+        T.member("d1", "c1", "n2"): encode(member_record("n2", 1)),
+        T.assignment("n1"): encode(Assignment(domain="d1")),
+    }
+    await put(
+        broker,
+        {
+            **kept,
+            T.member("d1", "c1", "n1"): lost("n1"),
+            T.health("d1", "n1"): encode(report("n1", 0, {0: "n1"}, at=old)),
+            T.presence("n1"): presence("n1", at=old),
+        },
+    )
+    assert await control_async("node", "forget", "n1") == 0
+    assert await retained(broker) == kept
+    out = capsys.readouterr().out
+    assert "node n1: forgot the lost member record in d1, 1 health report(s), its presence" in out
+    assert "still assigned to d1" in out
+    assert await control_async("node", "forget", "n1") == 0
+    assert "node n1: nothing to forget" in capsys.readouterr().out
+
+
+async def test_forget_refuses_a_live_node_and_a_stale_record_without_force(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Forgetting a running agent's record would drop it from its peers' files: refused,
+    exit 2, nothing written. A record that is not a tombstone but whose node no agent
+    reported within --seen-within (a broker restored without the session that would fire
+    the will) is cleared only with --force."""
+    live = {
+        T.member("d1", "c1", "n1"): encode(member_record("n1", 0)),
+        T.presence("n1"): presence("n1"),
+    }
+    await put(broker, live)
+    assert await control_async("node", "forget", "n1") == 2
+    err = capsys.readouterr().err
+    assert "node n1 is live (member record in d1, reported" in err
+    assert await retained(broker) == live
+    assert await control_async("node", "forget", "n1", "--force") == 2
+    assert await retained(broker) == live
+    await put(broker, {T.presence("n1"): presence("n1", at=time.time() - 1000)})
+    assert await control_async("node", "forget", "n1") == 2
+    assert "not reported within 600 s" in capsys.readouterr().err
+    assert await control_async("node", "forget", "n1", "--force") == 0
+    assert await retained(broker) == {}
+
+
 def unseen(lines: list[str]) -> list[str]:
     """The nodes `domain create` refused as not reported, in the order it named them."""
     return [m.group(1) for line in lines if (m := re.search(r"reported node (\S+) within", line))]

@@ -423,6 +423,86 @@ async def assign(
     return EXIT_OK
 
 
+async def forget(
+    settings: Settings,
+    node: str,
+    *,
+    out: TextIO,
+    err: TextIO,
+    force: bool = False,
+    seen_within_s: float = SEEN_WITHIN_S,
+) -> int:
+    """Clear what a node gone for good left on the bus: its member records, health
+    reports and presence record (not its assignment: that is `node unassign`).
+
+    A lost record (its agent's will) is cleared; any other record means an agent may run
+    as the node: refused (EXIT_USAGE, nothing written) while an agent reported the node
+    within `seen_within_s`, even with `force` (clearing a running agent's record drops it
+    from its peers' files); otherwise only with `force`."""
+    async with Link(settings.bus) as link:
+        t = link.topics
+        store = await link.read(
+            t.all_members_filter("+"),
+            t.health_filter("+"),
+            t.presence(node),
+            t.assignment(node),
+        )
+        records = {
+            t.member(d, c, n): r for (d, c, n), r in sorted(store.members.items()) if n == node
+        }
+        standing = [r for r in records.values() if r.state is not MemberState.LOST]
+        at, _ = store.last_seen(node)
+        now = time.time()
+        age = None if at is None else now - at
+        if standing:
+            where = ", ".join(f"{r.state.value} record in {r.domain}" for r in standing)
+            if age is not None and age <= seen_within_s:
+                print(
+                    f"imexd node forget: node {node} is live ({where}, reported {age:.0f} "
+                    "s ago): its agent clears its records when it stops or leaves. Forgetting "
+                    "a running agent's record would drop it from its peers' files; nothing "
+                    "written",
+                    file=err,
+                )
+                return EXIT_USAGE
+            if not force:
+                when = "never" if age is None else f"last {age:.0f} s ago"
+                print(
+                    f"imexd node forget: node {node} holds a {where} but was not reported "
+                    f"within {seen_within_s:g} s ({when}). If its agent is gone for good, give "
+                    "--force to clear it; nothing written",
+                    file=err,
+                )
+                return EXIT_USAGE
+        written = dict.fromkeys(records, b"")
+        reports = [d for (d, n) in sorted(store.reports) if n == node]
+        written.update((t.health(d, node), b"") for d in reports)
+        presence = node in store.presences
+        if presence:
+            written[t.presence(node)] = b""
+        if not written:
+            print(f"node {node}: nothing to forget", file=out)
+            return EXIT_OK
+        for topic, payload in written.items():
+            await link.put(topic, payload)
+        refused = await link.verify(written)
+        assigned = store.assignments.get(node)
+    if refused:
+        return say_refused(refused, err)
+    parts = [f"the {r.state.value} member record in {r.domain}" for r in records.values()]
+    parts.append(f"{len(reports)} health report(s)")
+    if presence:
+        parts.append("its presence")
+    print(f"node {node}: forgot {', '.join(parts)}", file=out)
+    if assigned is not None:
+        print(
+            f"node {node}: still assigned to {assigned}: an agent started as {node} joins it "
+            f"again; `imexd node unassign {node}` clears that",
+            file=out,
+        )
+    return EXIT_OK
+
+
 def _fingerprint(status: DomainStatus) -> bytes:
     """The judgement without what changes with every second (ages, the time)."""
     still = msgspec.structs.replace(
