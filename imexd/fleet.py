@@ -487,7 +487,8 @@ def _row(e: _Node, now: float) -> NodeRow:
         reasons.append(LOST)
         details.append(
             f"{LOST}: its link to the broker ended without a goodbye (its Last Will is on "
-            f"the bus); peers drop it from their node lists {hold:g} s after the will"
+            f"the bus); peers drop it from their node lists {hold:g} s after the will. "
+            f"Bring it back, or if it is gone for good: imexd node forget {e.name}"
         )
     if seen is None:
         reasons.append("NoReport")
