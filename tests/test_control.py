@@ -553,6 +553,26 @@ async def test_delete_times_out_when_members_stay_and_keeps_a_deleting_spec(
     assert "Run `imexd domain delete d1` again" in err
 
 
+async def test_delete_clears_a_crashed_members_tombstone_without_waiting_for_it(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A member that crashed left its will, a `lost` tombstone, and will not leave: the
+    delete (a Slurm epilog after a node failure) clears it with the rest instead of
+    waiting out its timeout and keeping a deleting spec; the node is then free for the
+    next domain."""
+    state = domain_state("d1", ["n1", "n2"])
+    state[T.member("d1", "c1", "n2")] = lost("n2")
+    await put(broker, state)
+    async with fake_agents(broker, ["n1"]) as left:
+        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+        assert left == ["n1"]
+    assert await retained(broker) == {}
+    out = capsys.readouterr().out
+    assert "waiting up to 20 s for 1 member(s) to leave: n1; clearing the lost record of n2" in out
+    await seen(broker, "n2")
+    assert await control_async("domain", "create", "d2", "--nodes", "n2") == 0
+
+
 async def test_delete_keeps_a_tombstone_for_static_members(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,6 +33,7 @@ from imexd.fleet import (
 from imexd.messages import (
     Assignment,
     DomainSpec,
+    MemberRecord,
     MemberState,
     encode,
     reason_line,
@@ -226,7 +227,10 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
     Agents that see `deleting` clear their member record and health report, stop their
     daemon and remove their files. Once no member record of the domain is left, the
     assignments that point at it are cleared first (an assigned agent then goes idle and
-    does not rejoin), then the spec, then health reports left by vanished nodes. Two cases
+    does not rejoin), then the spec, then health reports left by vanished nodes. A lost
+    record (a crashed member's will) is not waited for: nobody is left to clear it, so
+    the delete clears it with the rest (a node that comes back meanwhile sees `deleting`
+    and leaves). Two cases
     keep the spec in state `deleting` (a tombstone), so that nodes still pointing at the
     domain stay out of it:
 
@@ -277,22 +281,28 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
             refused = await link.verify({t.spec(name): encode(spec)})
             if refused:
                 return say_refused(refused, err)
-        members = sorted({r.node for r in records})
+        members = sorted({r.node for r in records if r.state is not MemberState.LOST})
+        lost = sorted({r.node for r in records} - set(members))
         print(
             f"domain {name}: deleting (generation {spec.generation}); waiting up to {wait_s:g} s "
             f"for {len(members)} member(s) to leave"
-            + (f": {', '.join(members)}" if members else ""),
+            + (f": {', '.join(members)}" if members else "")
+            + (f"; clearing the lost record of {', '.join(lost)}" if lost else ""),
             file=out,
         )
         started = time.monotonic()
-        await link.wait_until(lambda: not store.records_of(name), wait_s)
-        left = sorted({r.node for r in store.records_of(name)})
+        await link.wait_until(lambda: not _standing(store, name), wait_s)
+        left = sorted({r.node for r in _standing(store, name)})
         # Agents clear their health report right after their record: give those a moment.
         grace = min(HEALTH_GRACE_S, max(0.0, wait_s - (time.monotonic() - started)))
         await link.wait_until(
             lambda: not any(s.report.node in members for s in store.reports_of(name)), grace
         )
-        written: dict[str, bytes] = {}
+        written: dict[str, bytes] = {
+            t.member(d, c, n): b""
+            for (d, c, n), r in store.members.items()
+            if d == name and r.state is MemberState.LOST and n not in left
+        }
         for node in store.assigned_to(name):
             written[t.assignment(node)] = b""
         keep_spec = bool(left or static)
@@ -333,6 +343,12 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
         return EXIT_OK
     print(f"domain {name}: deleted (cleared the spec, {cleared})", file=out)
     return EXIT_OK
+
+
+def _standing(store: Store, domain: str) -> list[MemberRecord]:
+    """The domain's member records but the lost ones (a crashed agent's will: nobody is
+    left to clear it, so a delete does not wait for it)."""
+    return [r for r in store.records_of(domain) if r.state is not MemberState.LOST]
 
 
 def _describe_member(store: Store, domain: str, node: str) -> str:
