@@ -28,11 +28,14 @@ Claiming (`step`)
     claim is settled by a barrier, not a clock: the moment the node's own claim comes back
     live from the broker (its echo, `Echo`), it becomes `member` if no competing record (a
     member, or a claim of another allowed node that is not stale) stands on the slot in
-    its view at that moment, and gives the slot up at once otherwise. A competing record
-    that reaches it before the echo gives the slot up at once too. Only a member starts
-    its daemon. A node that finds no slot waits as `standby` and claims again when a slot
-    frees. A member never yields to a claim: it yields only to a member that ranks first
-    on the same slot, which exists only when both sides of a partition settled it.
+    its view at that moment, and gives the slot up otherwise, claiming the next one at
+    once. A competing record that reaches it before the echo was accepted first, so the
+    claim is lost; the node still waits for the echo before it claims again, because the
+    view at the echo is the one that deals its next slot the same way on every node
+    (below). Only a member starts its daemon. A node that finds no slot waits as
+    `standby` and claims again when a slot frees. A member never yields to a claim: it
+    yields only to a member that ranks first on the same slot, which exists only when
+    both sides of a partition settled it.
 
 Which slot (`preferred_slot`)
     A slot is *owned* by right when it is the node's position in the spec's list, or
@@ -40,13 +43,28 @@ Which slot (`preferred_slot`)
     owned slot only when no competing record stands there: a claim on a slot that holds
     one would lose to it (it was accepted first), so pre-empting one only costs a round.
     Any other slot is taken only when nobody holds it at all, so newcomers never disturb
-    claims in flight. Those *free* slots are dealt out by rank: the nodes looking for one
-    (losers of a conflict, standby nodes, and this node), sorted by name, take the free
-    slots in order. Nodes that see the same records thus pick distinct slots, and eight
-    nodes started at once need a few claim rounds, not eight. Slots that a spec reserves
-    for a listed node that holds nothing yet are not free to others, so list positions
-    survive and edits of the list never cascade. Names only shape these preferences (how
-    likely two claims meet); who wins a slot is the broker's order below.
+    claims in flight. Those *free* slots are dealt out in turn, smallest first, to the
+    nodes looking for one (the *seekers*), less those that will take their own list
+    position:
+      1. the losers of a conflict, by name (their claims came first);
+      2. the standby nodes and a node claiming afresh, by name;
+      3. a node whose claim just lost, dealing at its echo: after every seeker in that
+         view, and from that view (`Echo.view`), unless the slot dealt is held by now.
+    Seekers that see the same records thus pick distinct slots. Turn 3 is what keeps a
+    herd from claiming in k rounds: the view at the echo of a claim holds exactly what
+    the broker accepted before it, so every seeker in it claimed before us and is dealt
+    before us. k nodes started at once on an empty shard all claim slot 0; the i-th
+    claim the broker accepts sees at its echo the i - 1 before it, each still on slot 0
+    (a loser, which will move at its own echo, never before) or moved to the slot its
+    own echo dealt it, and takes the slot left for it, i - 1. So a fresh clique of k
+    settles in two claim rounds, with at most two claims per node, whatever the delays
+    (tests/test_membership.py shows it as a property). Nodes that claim afresh let the
+    losers they see take the first free slots, since those claimed before them. Slots
+    that a spec reserves for a listed node that holds nothing yet are not free to
+    others, so list positions survive and edits of the list never cascade. Names and
+    turns only shape these preferences (how likely two claims meet), and so does when a
+    lost claim moves; who wins a slot is the broker's order below, and the argument
+    below holds for any choice of slot and any time of claiming.
 
 Why two members never share a slot (one broker, any delivery delay)
     Assumption: the broker forwards the messages of our shard to each session in the
@@ -69,10 +87,14 @@ Why two members never share a slot (one broker, any delivery delay)
     broker's state at tB holds A's record on s, B sees it at its echo and does not
     settle: a contradiction, whatever the delays. Rival claims are ordered by the broker,
     not by name: one that reaches me before my echo was accepted before my claim and
-    beats it; one that reaches me after my echo was accepted after it, sees my claim (or
-    my member record) at its own echo, and loses. Progress: a claim accepted while no
-    competing record stands on its slot settles, so each round of rivals for a free slot
-    ends with one member; the losers move at once, and free slots are dealt by rank.
+    beats it, unless it had moved away when the broker accepted mine (then my view at
+    the echo no longer holds it, and the slot was free at that moment); one that reaches
+    me after my echo was accepted after it, sees my claim (or my member record) at its
+    own echo, and loses. Which slot a node claims and when it claims it play no part in
+    this argument: only the settling at the echo does. Progress: a claim accepted while
+    no competing record stands on its slot settles, so each round of rivals for a free
+    slot ends with one member; the losers move at their echo, and free slots are dealt
+    by turn.
 
 What still needs a clock
     - A reconnect. The old link's echoes are gone and the new link's retained snapshot
@@ -91,8 +113,8 @@ What still needs a clock
 
 Why it converges
     Once the records stop changing from outside, a claim accepted while no competing
-    record stands on its slot settles within one round trip, and a node that sees a
-    competing record on its slot moves at once to a slot where none stands. Members are
+    record stands on its slot settles within one round trip, and a node whose claim
+    lost moves at its echo (one round trip) to a slot where none stood. Members are
     never displaced by claims, so each claim round adds at least one member until the
     slots or the claimants run out, and the standby nodes are woken by the record change
     that frees a slot. In the simulator of tests/test_membership.py (one broker, any
@@ -228,6 +250,10 @@ class Echo:
     slot: int
     rival: MemberRecord | None
     """The competing record on the slot at that moment (None: the slot was ours)."""
+    view: SlotMap | None = None
+    """The other nodes' records at that moment, resolved: the broker accepted every one
+    of them before our claim. A claim that lost deals its next slot from it (None: not
+    taken by `barrier`; the next slot comes from the records as they stand)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -425,14 +451,15 @@ def preferred_slot(
 
     In order: its list position when the spec lists it and no member or lower-named
     claim holds that position; else its previous slot on the same terms; else a free
-    slot by rank (see the module docstring). Our own record is left out: the question
-    is where we would stand if we claimed afresh.
+    slot dealt by turn (see the module docstring). Our own record is left out: the
+    question is where we would stand if we claimed afresh.
     """
     if not allowed(node, spec):
         return None
-    others = [r for r in records if r.node != node]
-    view = resolve(others, max_nodes=max_nodes, spec=spec, wall_now=wall_now, stale=stale)
-    return _choose(node, view, spec, previous_slot)
+    latest = _latest(records)
+    own = latest.pop(node, None)
+    view = resolve(latest.values(), max_nodes=max_nodes, spec=spec, wall_now=wall_now, stale=stale)
+    return _choose(node, view, spec, previous_slot, losing=_losing(own, view))
 
 
 def barrier(
@@ -452,7 +479,7 @@ def barrier(
     """
     others = [r for r in records if r.node != node]
     view = resolve(others, max_nodes=max_nodes, spec=spec, stale=stale - {node})
-    return Echo(slot=slot, rival=view.winners.get(slot))
+    return Echo(slot=slot, rival=view.winners.get(slot), view=view)
 
 
 def step(
@@ -490,6 +517,7 @@ def step(
     )
     at = _Step(
         me=me,
+        own=own,
         view=view,
         spec=spec,
         previous_slot=previous_slot,
@@ -551,31 +579,28 @@ def step(
 def _claiming(at: _Step, slot: int, echo: Echo | None) -> Decision:
     """The step of a claim in flight on `slot`: wait for its echo, then settle or move."""
     view = at.view
-    if echo is None:
-        rival = view.winners.get(slot)
-        if rival is not None:
-            # It reached us before our own claim came back: the broker accepted it first.
-            return at.reclaim(
-                Reason.LOST_CONFLICT,
-                f"{rival.state.value} {rival.node} on slot {slot} came before our claim's echo",
-            )
     position = _position(at.me.node, at.spec, view.max_nodes)
     if position is not None and position != slot and not _blocked(view, position, at.me.node):
         # A spec arrived or changed while we claimed: move to our position while no
         # daemon runs yet (a member would stay put).
         return at.claim(position, Reason.CLAIMED, "the spec's position")
     if echo is None:
+        # A rival already in view was accepted first and our claim is lost; we still
+        # wait for the echo, whose view deals our next slot (see "Which slot").
+        rival = view.winners.get(slot)
+        first = f"; {rival.state.value} {rival.node} came first" if rival is not None else ""
         return at.hold(
             Phase.CLAIMING,
             slot,
             Reason.WAITING_FOR_ECHO,
-            f"claim on slot {slot} not yet back from the broker",
+            f"claim on slot {slot} not yet back from the broker{first}",
         )
     if echo.rival is not None:
         return at.reclaim(
             Reason.LOST_CONFLICT,
             f"{echo.rival.state.value} {echo.rival.node} stood on slot {slot} when the "
             "broker accepted our claim",
+            dealer=echo.view,
         )
     late = view.winners.get(slot)
     if at.beats(late, MemberState.MEMBER, at.wall_now):
@@ -662,10 +687,32 @@ def _reserved(view: SlotMap, spec: DomainSpec | None, node: str) -> set[int]:
     }
 
 
+def _losing(own: MemberRecord | None, view: SlotMap) -> bool:
+    """Whether our own record (`own`) is a claim or member that another record beats:
+    the others count us among the losers, and so do we when dealing free slots."""
+    return (
+        own is not None
+        and own.state in _COMPETING
+        and own.slot is not None
+        and _blocked(view, own.slot, own.node)
+    )
+
+
 def _choose(
-    node: str, view: SlotMap, spec: DomainSpec | None, previous_slot: int | None
+    node: str,
+    view: SlotMap,
+    spec: DomainSpec | None,
+    previous_slot: int | None,
+    *,
+    losing: bool,
+    dealer: SlotMap | None = None,
 ) -> int | None:
-    """The slot rule of `preferred_slot`, given the map of the other nodes' records."""
+    """The slot rule of `preferred_slot`, given the map of the other nodes' records.
+
+    `losing`: our own record loses a conflict in the full map (we rank among the
+    losers). `dealer`: the map at the echo of our claim that just lost: free slots are
+    dealt from it, after every seeker in it, unless the slot it gives is held by now.
+    """
     position = _position(node, spec, view.max_nodes)
     if position is not None and not _blocked(view, position, node):
         return position
@@ -677,14 +724,36 @@ def _choose(
         and not _blocked(view, previous_slot, node)
     ):
         return previous_slot
+    if dealer is not None:
+        dealt = _deal(node, dealer, spec, _LAST)
+        if dealt is not None and dealt not in view.winners and dealt not in reserved:
+            return dealt
+    return _deal(node, view, spec, _LOSER if losing else _WAITING)
+
+
+_LOSER, _WAITING, _LAST = 0, 1, 2
+"""The turns of `_deal`: losers of a conflict, then standby and fresh nodes, then a
+node dealing at its lost claim's echo."""
+
+
+def _deal(node: str, view: SlotMap, spec: DomainSpec | None, turn: int) -> int | None:
+    """The free slot of `view` that falls to `node`, whose turn is `turn` (None: none is
+    left for it).
+
+    Free slots are neither held nor reserved. They go in order to the seekers: the
+    losers and standby nodes of `view`, less those that will take their own list
+    position, and `node`; ordered by turn (a loser's is _LOSER, a standby node's
+    _WAITING), then by name.
+    """
+    reserved = _reserved(view, spec, node)
     free = [s for s in range(view.max_nodes) if s not in view.winners and s not in reserved]
-    # Seekers that will take their own list position do not compete for free slots.
-    seekers = sorted(
-        n
-        for n in view.losers | view.standby | {node}
-        if n == node or (p := _position(n, spec, view.max_nodes)) is None or _blocked(view, p, n)
+    rank = sum(
+        1
+        for n in view.losers | view.standby
+        if n != node
+        and ((p := _position(n, spec, view.max_nodes)) is None or _blocked(view, p, n))
+        and ((_LOSER if n in view.losers else _WAITING), n) < (turn, node)
     )
-    rank = seekers.index(node)
     return free[rank] if rank < len(free) else None
 
 
@@ -693,6 +762,8 @@ class _Step:
     """The inputs of one `step`, shared by the ways it can end."""
 
     me: ClaimState
+    own: MemberRecord | None
+    """Our own record as the bus gave it back (None: none)."""
     view: SlotMap
     """The other nodes' records, resolved."""
     spec: DomainSpec | None
@@ -758,9 +829,17 @@ class _Step:
             view=self.view,
         )
 
-    def reclaim(self, reason: Reason, message: str) -> Decision:
-        """Claim the preferred slot, or wait as standby when there is none."""
-        slot = _choose(self.me.node, self.view, self.spec, self.previous_slot)
+    def reclaim(self, reason: Reason, message: str, *, dealer: SlotMap | None = None) -> Decision:
+        """Claim the preferred slot, or wait as standby when there is none; `dealer`: the
+        map at the echo of our claim that lost (`_choose`)."""
+        slot = _choose(
+            self.me.node,
+            self.view,
+            self.spec,
+            self.previous_slot,
+            losing=_losing(self.own, self.view),
+            dealer=dealer,
+        )
         if slot is not None:
             return self.claim(slot, reason, message)
         text = f"no free slot among {self.view.max_nodes}; waiting as standby"

@@ -269,7 +269,7 @@ def test_a_claim_settles_at_its_echo_not_on_a_clock() -> None:
             False,
         )
     clear = barrier("a", 0, [own(me)], max_nodes=8)
-    assert clear == Echo(slot=0, rival=None)
+    assert (clear.slot, clear.rival) == (0, None)
     done = run(me, [own(me)], now=10.001, echo=clear)
     assert done.settled
     assert done.publish
@@ -292,10 +292,14 @@ def test_settled_member_is_quiet() -> None:
     assert (d.claim, d.publish, d.settled) == (me, False, True)
 
 
-def test_claim_lost_to_a_member_claims_again() -> None:
-    """A claim beaten by a member moves to another slot at once."""
+def test_claim_lost_to_a_member_claims_again_at_its_echo() -> None:
+    """A claim beaten by a member waits for its echo, then moves to another slot."""
     me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
-    d = run(me, [own(me), rec("b", 0, MEMBER)], now=0.5)
+    records = [own(me), rec("b", 0, MEMBER)]
+    waiting = run(me, records, now=0.4)
+    assert (waiting.reason, waiting.claim, waiting.publish) == (Reason.WAITING_FOR_ECHO, me, False)
+    assert "member b came first" in waiting.message
+    d = run(me, records, now=0.5, echo=barrier("a", 0, records, max_nodes=8))
     assert d.reason is Reason.LOST_CONFLICT
     assert (d.claim.phase, d.claim.slot, d.claim.since, d.publish) == (
         Phase.CLAIMING,
@@ -306,20 +310,65 @@ def test_claim_lost_to_a_member_claims_again() -> None:
 
 
 def test_a_rival_before_my_echo_beats_me_even_with_a_higher_name() -> None:
-    """A rival claim that reached us before our echo was accepted first: we move at once."""
+    """A rival claim that reached us before our echo was accepted first: our claim is
+    lost whatever the names, and we move once the echo comes."""
     me = ClaimState(node="a", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
     d = run(me, [own(me), rec("z", 0)], now=0.1)
-    assert (d.reason, d.claim.phase, d.claim.slot, d.publish) == (
-        Reason.LOST_CONFLICT,
-        Phase.CLAIMING,
-        1,
-        True,
-    )
-    # Taken at the echo, the same rival in view beats us too.
+    assert (d.reason, d.claim, d.publish, d.settled) == (Reason.WAITING_FOR_ECHO, me, False, False)
+    # Taken at the echo, the same rival in view beats us.
     echo = barrier("a", 0, [own(me), rec("z", 0)], max_nodes=8)
     assert echo.rival == rec("z", 0)
     lost = run(me, [own(me), rec("z", 0)], now=0.2, echo=echo)
-    assert (lost.reason, lost.claim.slot) == (Reason.LOST_CONFLICT, 1)
+    assert (lost.reason, lost.claim.slot, lost.publish) == (Reason.LOST_CONFLICT, 1, True)
+
+
+def test_a_rival_that_moved_away_before_my_claim_does_not_beat_it() -> None:
+    """A rival seen before our echo that had moved on when the broker accepted our
+    claim is gone from the view at the echo: the slot is ours."""
+    me = ClaimState(node="z", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    assert run(me, [own(me), rec("a", 0)], now=0.1).reason is Reason.WAITING_FOR_ECHO
+    moved = [own(me), rec("a", 1)]
+    d = run(me, moved, now=0.2, echo=barrier("z", 0, moved, max_nodes=8), wall_now=WALL)
+    assert (d.claim.phase, d.claim.slot, d.settled) == (Phase.MEMBER, 0, True)
+
+
+def test_a_lost_claim_is_dealt_a_slot_after_every_seeker_in_its_echo() -> None:
+    """At the echo of a lost claim every record in view was accepted before it: the
+    node takes the free slot after those the losers there will take, whatever the names.
+    """
+    first, second, third = "x", "y", "a"  # the broker's order; "a" has the lowest name
+    # "y" at its echo saw only "x" on slot 0: the first free slot.
+    y = ClaimState(node=second, incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    at_y = [rec(first, 0), own(y)]
+    d_y = run(y, at_y, echo=barrier(second, 0, at_y, max_nodes=8))
+    # "a" at its echo saw "x" and "y" on slot 0, "y" yet to move: the second free slot,
+    # although "a" ranks before "y" by name.
+    a = ClaimState(node=third, incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    at_a = [rec(first, 0), rec(second, 0), own(a)]
+    d_a = run(a, at_a, echo=barrier(third, 0, at_a, max_nodes=8))
+    assert (d_y.claim.slot, d_a.claim.slot) == (1, 2)
+    # Had "y" moved already when the broker accepted "a"'s claim, "a" still takes 2.
+    at_a_moved = [rec(first, 0), rec(second, 1), own(a)]
+    d_moved = run(a, at_a_moved, echo=barrier(third, 0, at_a_moved, max_nodes=8))
+    assert d_moved.claim.slot == 2
+
+
+def test_a_dealt_slot_held_by_now_is_not_claimed() -> None:
+    """A slot dealt at the echo that a later record holds by the step is skipped: the
+    node takes a free slot of the records as they stand."""
+    me = ClaimState(node="b", incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+    at_echo = [rec("a", 0), own(me)]
+    echo = barrier("b", 0, at_echo, max_nodes=8)
+    d = run(me, [*at_echo, rec("n", 1)], echo=echo)
+    assert (d.reason, d.claim.slot) == (Reason.LOST_CONFLICT, 2)
+
+
+def test_fresh_nodes_leave_the_first_free_slots_to_the_losers_in_view() -> None:
+    """A node that claims afresh lets the losers it sees (their claims came first) take
+    the first free slots; losers and waiting nodes that see the same records differ."""
+    records = [rec("a", 0), rec("b", 0), rec("c", 0), rec("w", None, STANDBY)]
+    picks = {n: preferred_slot(n, records, max_nodes=8) for n in ("b", "c", "w", "z")}
+    assert picks == {"b": 1, "c": 2, "w": 3, "z": 4}
 
 
 def test_a_rival_after_my_echo_loses_even_with_a_lower_name() -> None:
@@ -345,7 +394,7 @@ def test_the_barrier_counts_only_competing_records() -> None:
     ]
     spec = spec_of("a", "old", "s", "l")
     got = barrier("a", 0, records, max_nodes=8, spec=spec, stale=frozenset({"old", "a"}))
-    assert got == Echo(slot=0, rival=None)
+    assert (got.slot, got.rival) == (0, None)
     assert barrier("a", 0, records, max_nodes=8, spec=spec).rival == rec("old", 0)
 
 
@@ -824,6 +873,35 @@ def test_winners_are_unique_and_beat_every_rival(
             assert w == r or r.node in m.losers
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(NAMES), min_size=2, max_size=18, unique=True),
+    data=st.data(),
+    member=st.booleans(),
+)
+def test_losers_of_one_herd_are_dealt_distinct_slots_in_the_brokers_order(
+    names: list[str], data: st.DataObject, member: bool
+) -> None:
+    """Nodes that all claimed slot 0 at once, in the broker's order `names`, each move at
+    their echo; whichever earlier losers had moved by then, each takes the slot of its
+    place in that order, so no loser picks a slot an earlier one picks."""
+    dealt: dict[str, int] = {}
+    moved: set[str] = set()
+    for i, node in enumerate(names[1:], start=1):
+        earlier = names[1:i]
+        moved |= set(data.draw(st.sets(st.sampled_from(earlier)) if earlier else st.just(set())))
+        state, stamp = (MEMBER, WALL) if member else (CLAIMING, None)
+        first = rec(names[0], 0, state, settled=stamp, max_nodes=18)
+        me = ClaimState(node=node, incarnation=1, phase=Phase.CLAIMING, slot=0, since=0.0)
+        records = [first, own(me, max_nodes=18)]
+        records += [rec(n, dealt[n] if n in moved else 0, max_nodes=18) for n in earlier]
+        d = run(me, records, max_nodes=18, echo=barrier(node, 0, records, max_nodes=18))
+        assert d.reason is Reason.LOST_CONFLICT
+        assert d.claim.slot is not None
+        dealt[node] = d.claim.slot
+    assert dealt == {node: i for i, node in enumerate(names) if i}
+
+
 @settings(max_examples=200, deadline=None)
 @given(records=records_st, max_nodes=st.integers(1, 8))
 def test_seekers_that_see_the_same_records_pick_distinct_free_slots(
@@ -863,10 +941,13 @@ class Agent:
     """What it published on this connection whose live echo has not come back yet."""
     echo: Echo | None = None
     """The barrier of its claim, taken at the live echo of its last publication."""
+    published: int = 0
+    """Records it published (claims, member and standby records, clears)."""
 
     def sent(self, record: MemberRecord | None) -> None:
         self.in_flight.append(record)
         self.echo = None
+        self.published += 1
 
 
 @dataclass(order=True)
@@ -892,11 +973,15 @@ class Group:
         spec: DomainSpec | None = None,
         *,
         delay: int = DELAY,
+        step_each: bool = False,
     ) -> None:
         self.rng = rng
         self.max_nodes = max_nodes
         self.spec = spec
         self.delay = delay
+        self.step_each = step_each
+        """Step an agent after every delivery, as the agent does when its loop keeps up
+        (else once a tick, after all of the tick's deliveries: a loop running late)."""
         self.t = 0
         self.seq = 0
         self.conns = 0
@@ -1009,6 +1094,8 @@ class Group:
             agent.dirty = True
             if d.node == agent.name and d.live:
                 self.echoed(agent, d.record)
+            if self.step_each and self.t >= agent.synced_at:
+                self.step(agent)
         order = list(self.agents.values())
         self.rng.shuffle(order)
         for agent in order:
@@ -1226,6 +1313,24 @@ def test_simultaneous_start_needs_two_rounds(seed: int) -> None:
     assert group.settle(500) <= rounds(SIMULTANEOUS_ROUNDS) - WILL
     assert all(a.claim.phase is Phase.MEMBER for a in group.agents.values())
     assert sorted(a.claim.slot or 0 for a in group.agents.values()) == list(range(18))
+
+
+@settings(max_examples=100, deadline=None)
+@given(nodes=st.integers(2, 18), seed=st.integers(0, 2**32 - 1), delay=st.integers(1, 20))
+def test_a_herd_stepping_on_every_delivery_needs_two_claims_each(
+    nodes: int, seed: int, delay: int
+) -> None:
+    """Nodes started at once that step on every record they receive, as a real agent,
+    each claim at most twice (slot 0, then the slot dealt at its echo) before they hold
+    slots 0 to nodes - 1; with the lowest free slot for every loser they needed up to
+    `nodes` claims each."""
+    group = Group(random.Random(seed), 18, delay=delay, step_each=True)
+    for i in range(nodes):
+        group.join(f"n{i:02d}")
+    group.settle(rounds(SIMULTANEOUS_ROUNDS, delay) - WILL)
+    assert all(a.claim.phase is Phase.MEMBER for a in group.agents.values())
+    assert sorted(a.claim.slot or 0 for a in group.agents.values()) == list(range(nodes))
+    assert max(a.published for a in group.agents.values()) <= 3  # two claims, one member
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -359,16 +359,28 @@ def slot_phase(v: ShardView, now: float) -> tuple[int | None, mb.Phase, bool]:
     return v.claim.slot, v.claim.phase, bool(plan.desired and plan.desired.run)
 
 
+def reason(v: ShardView) -> mb.Reason | None:
+    """The reason of the last step (None: no step yet)."""
+    return v.decision.reason if v.decision is not None else None
+
+
+def barrier_of(v: ShardView) -> mb.Echo | None:
+    """The barrier of our claim as the view holds it now."""
+    return v.echo
+
+
 def test_a_rival_claim_before_my_echo_beats_me_even_with_a_higher_name() -> None:
-    """n9's claim on our slot reached us before our echo: the broker accepted it first."""
+    """n9's claim on our slot reached us before our echo: the broker accepted it first.
+    We wait for the echo, whose view deals our next slot, and move then."""
     v = view()
     mine = claim(v, 0.0)
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.1)
+    assert slot_phase(v, 0.1)[:2] == (mine.slot, mb.Phase.CLAIMING)
+    assert reason(v) is mb.Reason.WAITING_FOR_ECHO
     v.apply(received(mine, retained=False), 0.2)
     slot, phase, _ = slot_phase(v, 0.2)
     assert (phase, slot) == (mb.Phase.CLAIMING, 1)
-    assert v.decision is not None
-    assert v.decision.reason is mb.Reason.LOST_CONFLICT
+    assert reason(v) is mb.Reason.LOST_CONFLICT
 
 
 def test_a_rival_claim_after_my_echo_loses_even_with_a_lower_name() -> None:
@@ -390,29 +402,38 @@ def test_a_retained_copy_of_my_claim_is_no_echo() -> None:
     assert v.echo is None
     assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.3)
-    assert slot_phase(v, 0.3)[:2] == (1, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.3)[:2] == (0, mb.Phase.CLAIMING)  # lost; waits for the echo
+    v.apply(received(mine, retained=False), 0.4)
+    echo = barrier_of(v)
+    assert echo is not None
+    assert echo.rival is not None
+    assert slot_phase(v, 0.4)[:2] == (1, mb.Phase.CLAIMING)
 
 
 def test_an_old_echo_with_the_same_bytes_is_not_the_barrier() -> None:
     """Slot 0, then 1, then 0 again: the echo of the first claim is not the last one's."""
     v = view()
     first = claim(v, 0.0)
-    v.apply(received(rec("n9", 0, CLAIMING), retained=False), 0.1)
-    assert slot_phase(v, 0.1)[:2] == (1, mb.Phase.CLAIMING)  # lost; claims 1
-    v.apply(deleted("n9"), 0.2)
-    v.apply(received(rec("n8", 1, MemberState.MEMBER), retained=False), 0.2)
-    assert slot_phase(v, 0.2)[:2] == (0, mb.Phase.CLAIMING)  # lost 1; claims 0 again
+    other = msgspec.structs.replace(first, slot=1)
+    v.sending(other)  # moved before any echo (a spec's position does that)
+    v.sending(first)  # and back
     v.apply(received(first, retained=False), 0.3)  # the echo of the FIRST claim of 0
     assert v.echo is None
+    v.apply(received(other, retained=False), 0.35)
+    assert v.echo is None
+    assert v.in_flight  # the last claim of 0 is still on its way
     v.apply(received(rec("n7", 0, CLAIMING), retained=False), 0.4)  # accepted before ours
-    assert v.in_flight  # two of our claims are still on their way
-    assert slot_phase(v, 0.4)[1] is mb.Phase.CLAIMING
-    assert v.claim.slot != 0
+    v.apply(received(first, retained=False), 0.5)  # the last claim's echo
+    echo = barrier_of(v)
+    assert echo is not None
+    assert echo.rival == rec("n7", 0, CLAIMING)
+    assert slot_phase(v, 0.5)[:2] == (1, mb.Phase.CLAIMING)
 
 
 def test_a_claim_in_flight_loses_to_a_rival_in_the_new_snapshot() -> None:
     """A reconnect voids the old echo (the bus's replay before the sync is none); a
-    rival in the new link's snapshot counts as earlier than our claim: we move."""
+    rival in the new link's snapshot counts as earlier than our claim, which is
+    published again: we move at its new echo."""
     v = view()
     mine = claim(v, 0.0)
     v.apply(Connected(broker="b", protocol="5", will_delay=True), 0.1)
@@ -420,7 +441,10 @@ def test_a_claim_in_flight_loses_to_a_rival_in_the_new_snapshot() -> None:
     assert v.echo is None
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=True), 0.2)
     v.apply(Synced(at=0.3), 0.3)
-    assert slot_phase(v, 0.3)[:2] == (1, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.CLAIMING)
+    assert v.in_flight  # published again, waiting for the new link's echo
+    v.apply(received(mine, retained=False), 0.4)  # the new link's echo
+    assert slot_phase(v, 0.4)[:2] == (1, mb.Phase.CLAIMING)
 
 
 def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
