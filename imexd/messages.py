@@ -9,6 +9,8 @@ Schemas shipped in docs/schemas/ (`imexd.messages.json_schemas`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ipaddress
 import re
 import string
@@ -82,6 +84,14 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Mode = Literal["names", "addresses"]
 
 
+ADDRESS_CACHE_SIZE: Final = 4096
+"""Distinct addresses whose verdict `address_problem` remembers (least recently used go
+first): a fleet's agents and control plane see a few thousand; more only costs rechecks."""
+ADDRESS_CACHE_MAX_LEN: Final = 64
+"""Longer strings (no IP address is) are judged afresh, so that hostile inputs cannot
+make the cache hold more than ADDRESS_CACHE_SIZE short strings."""
+
+
 def address_problem(address: str) -> str | None:
     """None when `address` may be a node's address on the bus and in files, else why not.
 
@@ -91,7 +101,16 @@ def address_problem(address: str) -> str | None:
     multicast addresses (no peer can reach a node there), IPv4-mapped IPv6 addresses (use
     the IPv4 address; Python versions print them differently) and EMPTY_SLOT_ADDRESS.
     The texts quote the address with repr(), so a hostile one cannot forge log lines.
+
+    Every record and report is checked where it is decoded and where it is built, so the
+    verdict is remembered per distinct address (bounded: ADDRESS_CACHE_SIZE).
     """
+    if len(address) > ADDRESS_CACHE_MAX_LEN:
+        return _address_problem(address)
+    return _remembered_address_problem(address)
+
+
+def _address_problem(address: str) -> str | None:
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -110,6 +129,11 @@ def address_problem(address: str) -> str | None:
     if address == EMPTY_SLOT_ADDRESS:
         return f"address {address!r} is the empty-slot sentinel"
     return None
+
+
+_remembered_address_problem: Final = functools.lru_cache(maxsize=ADDRESS_CACHE_SIZE)(
+    _address_problem
+)
 
 
 class MemberState(StrEnum):
@@ -416,10 +440,31 @@ class Dropped:
 
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
+_typed_decoders: Final[dict[type[Any], msgspec.json.Decoder[Any]]] = {
+    kind: msgspec.json.Decoder(kind)
+    for kind in (MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord)
+}
 
 
 def decode(payload: bytes, kind: type[P]) -> P | Dropped:
-    """Decode and validate one payload; never raises for bad input."""
+    """Decode and validate one payload; never raises for bad input.
+
+    A valid payload is decoded in one pass by the type's own decoder (its checks are the
+    same ones, `__post_init__` included); only one that fails is decoded again step by
+    step, to say why in the order of the reasons below.
+    """
+    if len(payload) > MAX_PAYLOAD:
+        return Dropped(DropReason.OVERSIZED, f"{len(payload)} bytes > {MAX_PAYLOAD}")
+    typed = _typed_decoders.get(kind)
+    if typed is not None:
+        with contextlib.suppress(msgspec.DecodeError):
+            result: P = typed.decode(payload)
+            return result
+    return _decode_stepwise(payload, kind)
+
+
+def _decode_stepwise(payload: bytes, kind: type[P]) -> P | Dropped:
+    """`decode` one check at a time, so that a bad payload gets the first reason."""
     if len(payload) > MAX_PAYLOAD:
         return Dropped(DropReason.OVERSIZED, f"{len(payload)} bytes > {MAX_PAYLOAD}")
     try:
@@ -478,6 +523,11 @@ WILDCARD: Final = "+"
 """A filter's single-level wildcard: passed as a name to a `*_filter` method it stays one."""
 
 
+_LEVEL_ESCAPES: Final = {b: f"%{b:02X}" for b in range(256) if chr(b) not in _LEVEL_SAFE}
+"""`str.translate` table from each byte (as the Latin-1 character of that value) to its
+escape: every byte that is not a safe ASCII character."""
+
+
 def encode_level(value: str) -> str:
     """One name as a portable topic level: every character but ASCII letters, digits, `-`
     and `_` becomes `%XX` (its UTF-8 bytes, upper-case hex).
@@ -487,9 +537,7 @@ def encode_level(value: str) -> str:
     turns it into `/`, and clique ids (`<uuid>.<id>`) and node names (`ip-10-0-1-2.ec2.
     internal`) hold dots. So `gpu-01` stays `gpu-01`, `c0ffee.1` becomes `c0ffee%2E1`.
     """
-    return "".join(
-        c if c in _LEVEL_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in value
-    )
+    return value.encode().decode("latin-1").translate(_LEVEL_ESCAPES)
 
 
 def decode_level(level: str) -> str | None:
@@ -498,6 +546,8 @@ def decode_level(level: str) -> str | None:
     spellings of one name would be two topics, and two records, for one node."""
     if not _LEVEL_RE.match(level):
         return None
+    if "%" not in level:
+        return level  # only safe characters: the level is the name
     try:
         value = urllib.parse.unquote(level, errors="strict")
     except UnicodeDecodeError:
@@ -570,31 +620,59 @@ class Topics:
     def parse(self, topic: str) -> TopicRef | None:
         """What a topic under this prefix addresses (names decoded), or None for a foreign
         topic or one whose levels are not the one encoding of a name."""
-        head = self.prefix + "/"
-        if not topic.startswith(head):
-            return None
-        raw = topic[len(head) :].split("/")
-        names = [decode_level(level) for level in raw]
-        if any(name is None for name in names):
-            return None
-        parts = [name or "" for name in names]
-        match parts:
-            case ["domains", domain, "members", clique, node]:
-                c = "" if raw[3] == NO_CLIQUE_TOPIC else clique
-                return TopicRef("member", domain=domain, clique=c, node=node)
-            case ["domains", domain, "health", node]:
-                return TopicRef("health", domain=domain, node=node)
-            case ["domains", domain, "spec"]:
-                return TopicRef("spec", domain=domain)
-            case ["domains", domain, "workloads", workload]:
-                return TopicRef("workload", domain=domain, workload=workload)
-            case ["nodes", node, "assignment"]:
-                return TopicRef("assignment", node=node)
-            case ["nodes", node, "ping"]:
-                return TopicRef("ping", node=node)
-            case ["nodes", node, "presence"]:
-                return TopicRef("presence", node=node)
+        return _route(self.prefix, topic)[0]
+
+
+TOPIC_CACHE_SIZE: Final = 2048
+"""Distinct topics whose parse `_route` remembers (least recently used go first): an agent
+hears a few dozen (its shard, spec, assignment, ping), a control plane one per node."""
+TOPIC_CACHE_MAX_LEN: Final = 512
+"""Longer topics are parsed afresh, so that hostile ones cannot make the cache hold more
+than TOPIC_CACHE_SIZE short strings."""
+
+
+def _route(prefix: str, topic: str) -> tuple[TopicRef | None, str | None]:
+    """`_parse` of `topic` and what is wrong with its names (`_topic_problem`), remembered
+    per distinct topic: every delivery on a shard repeats one of a few dozen topics."""
+    if len(topic) > TOPIC_CACHE_MAX_LEN:
+        return _route_of(prefix, topic)
+    return _remembered_route(prefix, topic)
+
+
+def _route_of(prefix: str, topic: str) -> tuple[TopicRef | None, str | None]:
+    ref = _parse(prefix, topic)
+    return ref, None if ref is None else _topic_problem(ref)
+
+
+_remembered_route: Final = functools.lru_cache(maxsize=TOPIC_CACHE_SIZE)(_route_of)
+
+
+def _parse(prefix: str, topic: str) -> TopicRef | None:
+    head = prefix + "/"
+    if not topic.startswith(head):
         return None
+    raw = topic[len(head) :].split("/")
+    names = [decode_level(level) for level in raw]
+    if any(name is None for name in names):
+        return None
+    parts = [name or "" for name in names]
+    match parts:
+        case ["domains", domain, "members", clique, node]:
+            c = "" if raw[3] == NO_CLIQUE_TOPIC else clique
+            return TopicRef("member", domain=domain, clique=c, node=node)
+        case ["domains", domain, "health", node]:
+            return TopicRef("health", domain=domain, node=node)
+        case ["domains", domain, "spec"]:
+            return TopicRef("spec", domain=domain)
+        case ["domains", domain, "workloads", workload]:
+            return TopicRef("workload", domain=domain, workload=workload)
+        case ["nodes", node, "assignment"]:
+            return TopicRef("assignment", node=node)
+        case ["nodes", node, "ping"]:
+            return TopicRef("ping", node=node)
+        case ["nodes", node, "presence"]:
+            return TopicRef("presence", node=node)
+    return None
 
 
 def _clique(clique: str) -> str:
@@ -690,10 +768,9 @@ def decode_message(
 
     A record must agree with its topic (`check_topic`): a node can only speak for itself.
     """
-    ref = topics.parse(topic)
+    ref, problem = _route(topics.prefix, topic)
     if ref is None:
         return Dropped(DropReason.UNKNOWN_TOPIC, "not a topic of the imexd contract")
-    problem = _topic_problem(ref)
     if problem is not None:
         return Dropped(DropReason.UNKNOWN_TOPIC, problem)
     if not payload:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import string
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from imexd import messages
 from imexd.imex import EMPTY_SLOT_ADDRESS
 from imexd.messages import (
     Deleted,
@@ -394,6 +396,15 @@ def test_every_name_round_trips_through_its_level(name: str) -> None:
     assert decode_level(level) == name
 
 
+@given(st.text(max_size=40))
+@settings(max_examples=300)
+def test_a_level_escapes_each_utf8_byte_of_each_unsafe_character(name: str) -> None:
+    """encode_level is the contract's rule written out one character at a time."""
+    safe = set(string.ascii_letters + string.digits + "-_")
+    spelled = "".join(c if c in safe else "".join(f"%{b:02X}" for b in c.encode()) for c in name)
+    assert encode_level(name) == spelled
+
+
 def test_topics_encode_names_and_parse_them_back() -> None:
     """A dotted clique and node make dot-free topics; parse gives the plain names back;
     a wildcard passed as a name stays a wildcard."""
@@ -420,3 +431,81 @@ def test_a_record_on_a_raw_dotted_topic_is_dropped() -> None:
     assert got.reason is DropReason.UNKNOWN_TOPIC
     good = decode_message(TOPICS, TOPICS.member("d1", "c.1", "n1"), body, retained=True)
     assert isinstance(good, Received)
+
+
+def test_remembered_address_verdicts_stay_bounded_and_equal_fresh_ones() -> None:
+    """Verdicts are remembered per address, at most ADDRESS_CACHE_SIZE of them, and a
+    hostile sender of ever new (or very long) addresses cannot grow that."""
+    remembered = messages._remembered_address_problem
+    for i in range(messages.ADDRESS_CACHE_SIZE + 500):
+        address = f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
+        assert address_problem(address) == messages._address_problem(address)
+        assert address_problem(f"x{i}") == f"address {'x' + str(i)!r} is not an IP address"
+    assert remembered.cache_info().currsize <= messages.ADDRESS_CACHE_SIZE
+    before = remembered.cache_info().currsize
+    long = "1" * (messages.ADDRESS_CACHE_MAX_LEN + 1)
+    assert address_problem(long) == f"address {long!r} is not an IP address"
+    assert remembered.cache_info().currsize == before
+    # A remembered verdict is the verdict: a refused address stays refused.
+    for _ in range(2):
+        assert address_problem("224.0.0.1") == "address '224.0.0.1' is multicast"
+        assert address_problem("10.0.0.1") is None
+
+
+def test_remembered_topics_stay_bounded_and_parse_as_fresh_ones() -> None:
+    """Topics are parsed once per distinct topic, at most TOPIC_CACHE_SIZE remembered; a
+    flood of new topics (or very long ones) cannot grow that, and each is still judged."""
+    remembered = messages._remembered_route
+    for i in range(messages.TOPIC_CACHE_SIZE + 500):
+        topic = f"imex/v2/domains/d1/members/c%2E1/n{i}"
+        assert TOPICS.parse(topic) == TopicRef("member", domain="d1", clique="c.1", node=f"n{i}")
+        bad = f"imex/v2/domains/d1/members/c%2E1/N{i}"
+        got = decode_message(TOPICS, bad, raw(member()), retained=False)
+        assert isinstance(got, Dropped)
+        assert got.reason is DropReason.UNKNOWN_TOPIC
+    assert remembered.cache_info().currsize <= messages.TOPIC_CACHE_SIZE
+    before = remembered.cache_info().currsize
+    long = "imex/v2/domains/d1/members/c%2E1/" + "n" * messages.TOPIC_CACHE_MAX_LEN
+    assert TOPICS.parse(long) == TopicRef(
+        "member", domain="d1", clique="c.1", node="n" * messages.TOPIC_CACHE_MAX_LEN
+    )
+    got = decode_message(TOPICS, long, raw(member()), retained=False)
+    assert isinstance(got, Dropped)  # a node name longer than 253 characters
+    assert remembered.cache_info().currsize == before
+    # The same topic under another prefix is another topic.
+    assert Topics("imex/v3").parse("imex/v2/nodes/n1/ping") is None
+    assert TOPICS.parse("imex/v2/nodes/n1/ping") == TopicRef("ping", node="n1")
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.sampled_from(["10.0.0.1", "::1", "member", "claiming", "names", "", "n1", "d1"]),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([(MemberRecord, member), (HealthReport, health)]),
+    st.dictionaries(
+        st.sampled_from(["v", "node", "domain", "clique", "address", "slot", "state", "at"])
+        | st.text(max_size=8),
+        JSON_VALUES,
+        max_size=3,
+    ),
+)
+def test_the_one_pass_decode_says_what_the_stepwise_one_says(
+    kind_and_body: Any, changes: dict[str, Any]
+) -> None:
+    """The typed one-pass decoder accepts exactly what the stepwise checks accept, with
+    the same result, and a bad payload gets the stepwise reason and detail."""
+    kind, body = kind_and_body
+    payload = raw(body(**changes))
+    assert decode(payload, kind) == messages._decode_stepwise(payload, kind)
