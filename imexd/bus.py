@@ -41,6 +41,18 @@ Why it is built this way:
   drops the link for the next broker (`SubscribeRefused`, `subscribe_refused`); until
   every filter is granted there is no `Synced`, and a record whose echo could only come
   through a refused filter is not judged refused.
+- A clustered broker may deliver a stale retained copy, or lose a live update: nats-server
+  2.9 sends a new subscription's retained copies (from the server's own, possibly lagging,
+  copy of the retained map) after live messages its JetStream consumer already delivered,
+  and updates published while that consumer is being set up never arrive live. So a
+  retained copy that comes after a live message on its topic (since the filter was last
+  subscribed on this link) is stale and dropped (`stale_retained`), and every
+  `[bus] resync_interval_s` the bus re-reads its filters on the live link (anti-entropy):
+  it subscribes them again, waits for the fresh snapshot (a round trip) and emits only the
+  differences with what it delivered (`Received`, or `Deleted` for a record the snapshot no
+  longer holds, both flagged retained), leaving alone topics that changed within
+  `resync_quiet_s` or live during the re-read, and publishes its own records again where
+  the broker lost them (`resync_corrections`, log `bus_resync_corrected`).
 - The MQTT client drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
@@ -48,12 +60,13 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-Why one module of about 1200 lines: the reconnect loop, the replay of the desired state,
-the sync by ping, the echo tracking, the retries of refused subscriptions and the retained
-check all read and write one link state (the current client, its leave event, the lock
-that orders replay against callers' changes, the filters still refused and the check's
-verdict, both of which hold `Synced` back); split
-over modules, that state machine would be spread over several files sharing private state.
+Why one module of about 1400 lines: the reconnect loop, the replay of the desired state,
+the sync by ping, the echo tracking, the retries of refused subscriptions, the retained
+check, the stale-copy filter and the periodic re-read all read and write one link state
+(the current client, its leave event, the lock that orders replay against callers'
+changes, the filters still refused and the check's verdict, both of which hold `Synced`
+back, what the link delivered per topic); split over modules, that state machine would
+be spread over several files sharing private state.
 Everything that is not that state machine already lives elsewhere: the MQTT client in
 `imexd.mqtt`, decoding in `imexd.messages`, the backoff rule in `imexd.retry`.
 
@@ -66,6 +79,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import random
 import time
 from collections import Counter
@@ -110,6 +124,11 @@ _STABLE_S: Final = 10.0
 _SUBSCRIBE_RETRIES: Final = 3
 """SUBSCRIBEs of a refused filter retried on one link (with backoff) before the link is
 dropped for the next broker."""
+
+RESYNC_QUIET_S: Final = 5.0
+"""A re-read leaves alone a topic whose record changed this recently: a clustered
+broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
+server's retained map asynchronously), and a "correction" would then flap it."""
 
 _MAX_DROP_LOG_KEYS: Final = 4096
 """Distinct (topic, reason) pairs remembered for log-once; a flood cannot grow memory."""
@@ -418,6 +437,7 @@ class Bus:
         ping_timeout_s: float | None = None,
         echo_timeout_s: float = 5.0,
         close_timeout_s: float = 5.0,
+        resync_quiet_s: float = RESYNC_QUIET_S,
         rand: Callable[[], float] = random.random,
     ) -> None:
         """Validate everything up front; connect nothing yet.
@@ -431,6 +451,8 @@ class Bus:
         echo_timeout_s: how long a retained publication may take to come back before it
             counts as refused.
         close_timeout_s: bound on the clean DISCONNECT at close.
+        resync_quiet_s: a periodic re-read (`[bus] resync_interval_s`) corrects no topic
+            whose record changed within this many seconds (`RESYNC_QUIET_S`).
         rand: source of jitter in [0, 1).
         """
         if not is_dns1123_subdomain(node):
@@ -443,6 +465,8 @@ class Bus:
         ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
+        if not resync_quiet_s >= 0:
+            raise ValueError(f"resync_quiet_s must be >= 0, not {resync_quiet_s!r}")
         if will is not None:
             _check_topic_name(will.topic)
         self.settings = settings
@@ -459,6 +483,8 @@ class Bus:
             ping_timeout_s if ping_timeout_s is not None else max(2.0, settings.ping_interval_s)
         )
         self._close_timeout_s = close_timeout_s
+        self._resync_s = settings.resync_interval_s
+        self._resync_quiet_s = resync_quiet_s
         self._rand = rand
         self._ping_topic = self.topics.ping(node)
         self._log = get_logger("bus", client_id=client_id)
@@ -528,6 +554,22 @@ class Bus:
         self.subscribe_refused = ""
         """Which subscriptions the broker of this link refuses, naming it and them; "" when
         none. No `Synced` while it is set (BusConnected reason `SubscribeRefused`)."""
+        self._live_topics: set[str] = set()
+        """Topics that got a live message on this link since a filter covering them was
+        last subscribed: a retained copy of one of them arriving now is stale."""
+        self._known: dict[str, tuple[bytes, float]] = {}
+        """Per topic, the payload we delivered last on this link (b"": deleted) and
+        time.monotonic() then: what a re-read compares the broker's snapshot with."""
+        self._snapshot: dict[str, bytes] | None = None
+        """While a re-read runs: the retained copies it got, held back from the caller."""
+        self._snapshot_filters: list[str] = []
+        self.stale_retained = 0
+        """Retained copies dropped because a live message on their topic came first."""
+        self.resyncs = 0
+        """Periodic re-reads completed (`[bus] resync_interval_s`)."""
+        self.resync_corrections = 0
+        """Topics a re-read corrected: a record delivered, changed or deleted, or one of
+        ours published again, because the broker's snapshot said otherwise."""
 
     # Public state.
 
@@ -630,6 +672,7 @@ class Bus:
                 return
             del self._filters[topic_filter]
             self._echoes.forget(self._covered)
+            self._known = {t: k for t, k in self._known.items() if self._covered(t)}
             if self._missing.pop(topic_filter, None) is not None:
                 self._refusal.set()  # maybe nothing is refused now: resync
             live = self._live()
@@ -910,19 +953,26 @@ class Bus:
                         await self._put_retained(client, topic, entry)
                 await self._settle(client, leave)
             checked = False
+            next_ping = time.monotonic() + self._ping_interval_s
+            next_resync = self._next_resync()
             while not leave.is_set():
                 waits = (
                     {leave, self._refusal} if checked else {leave, self._refusal, self._own_echo}
                 )
-                await _first_set(waits, self._ping_interval_s)
+                await _first_set(waits, max(0.0, min(next_ping, next_resync) - time.monotonic()))
                 if leave.is_set():
                     break
                 if self._refusal.is_set():
                     await self._settle(client, leave)
                 elif not checked and self._own_echo.is_set():
                     checked = await self._check_retained(client)
-                else:
+                elif time.monotonic() >= next_resync:
+                    await self._reread(client)  # its round trip proves the link too
+                    next_resync = self._next_resync()
+                    next_ping = time.monotonic() + self._ping_interval_s
+                elif time.monotonic() >= next_ping:
                     await self._round_trip(client)
+                    next_ping = time.monotonic() + self._ping_interval_s
         except BusError as exc:
             # Drop the link and let the reader end the session: it takes the client's
             # disconnect result, which would otherwise be left unread.
@@ -1044,9 +1094,100 @@ class Bus:
         self._emit(BrokerChecked(broker, ok=False, detail=detail))
         return True
 
+    def _next_resync(self) -> float:
+        """time.monotonic() of the next re-read: the interval jittered by +-25 % (so that
+        a fleet does not re-read in step), or never."""
+        if self._resync_s <= 0:
+            return math.inf
+        return time.monotonic() + self._resync_s * (0.75 + 0.5 * self._rand())
+
+    async def _reread(self, client: Client) -> None:
+        """Anti-entropy: subscribe every granted filter again on this link and correct
+        what we delivered by the broker's fresh retained snapshot (`_correct`).
+
+        The snapshot's copies are held back (`_snapshot`) until a round trip marks its end,
+        so a copy equal to what we delivered is never emitted again; live messages meanwhile
+        are delivered as usual and win over the snapshot. A refused SUBSCRIBE is left to
+        the link's task (it retries, then resyncs); a lost round trip ends the link.
+        """
+        filters = [f for f in self._filters if f not in self._missing]
+        if not filters:
+            return
+        started = time.monotonic()
+        async with self._lock:
+            self._snapshot, self._snapshot_filters = {}, filters
+            try:
+                await self._subscribe(client, filters)
+                if any(f in self._missing for f in filters):
+                    return
+                await self._round_trip(client)
+                snapshot = self._snapshot
+            finally:
+                self._snapshot, self._snapshot_filters = None, []
+            self.resyncs += 1
+            await self._correct(client, filters, snapshot, started)
+
+    async def _correct(
+        self, client: Client, filters: list[str], snapshot: dict[str, bytes], started: float
+    ) -> None:
+        """Emit what the fresh `snapshot` of `filters` says differently from what we
+        delivered; publish our own records again where the broker's copy is not ours.
+
+        Left alone: topics with a live message during the re-read (it is newer) and
+        topics whose record changed within `resync_quiet_s` before it (the snapshot may
+        lag). A record we hold that the snapshot lacks comes out as `Deleted`; a record we
+        never delivered, or a different one, as `Received`; both flagged retained.
+        """
+        quiet_from = started - self._resync_quiet_s
+        self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
+        scope = {
+            t
+            for t in itertools.chain(self._known, self._retained)
+            if any(topic_matches(f, t) for f in filters)
+        }
+        corrected: list[str] = []
+        for topic in sorted(scope | set(snapshot)):
+            if topic == self._ping_topic or topic in self._live_topics:
+                continue
+            fresh = snapshot.get(topic, b"")
+            held, at = self._known.get(topic, (b"", -math.inf))
+            if at >= quiet_from:
+                continue
+            ours = self._retained.get(topic)
+            if ours is not None and ours.payload:
+                if fresh != ours.payload:
+                    corrected.append(topic)
+                    await self._put_retained(client, topic, ours)
+                continue
+            if fresh == held:
+                continue
+            result = decode_message(self.topics, topic, fresh, retained=True)
+            if isinstance(result, Dropped):
+                self._drop(topic, result)
+                continue
+            corrected.append(topic)
+            self._known[topic] = (fresh, time.monotonic())
+            self._emit(result)
+        if corrected:
+            self.resync_corrections += len(corrected)
+            self._log.warning(
+                "bus_resync_corrected",
+                broker=self._broker,
+                topics=corrected[:20],
+                count=len(corrected),
+                total=self.resync_corrections,
+                why="the broker's retained snapshot differed from what the link delivered",
+            )
+
     async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
-        """Subscribe; a refused filter is noted (`_missing`) for the link's task to retry."""
+        """Subscribe; a refused filter is noted (`_missing`) for the link's task to retry.
+
+        Topics these filters cover start over as not live: their retained copies that the
+        broker sends now are a fresh snapshot (see `_dispatch`)."""
         wanted = list(filters)
+        self._live_topics = {
+            t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
+        }
         refusals = await client.subscribe(wanted)
         refused: list[tuple[str, str]] = []
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
@@ -1148,6 +1289,8 @@ class Bus:
         self._refusal.clear()
         self._refusal_drop = False
         self.subscribe_refused = ""
+        self._live_topics.clear()
+        self._known.clear()
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"
@@ -1220,6 +1363,20 @@ class Bus:
                 self._check_seen = self._check_seen or self._checking == topic
             elif self._retained.get(topic, _Retained(b"", None)).payload == payload:
                 self._own_echo.set()
+        if topic != self._ping_topic:
+            if not retained:
+                self._live_topics.add(topic)
+            elif topic in self._live_topics:
+                # Older than the live message that came first (NATS 2.9 sends a new
+                # subscription's retained copies after its consumer's live deliveries).
+                self.stale_retained += 1
+                self._log.debug("bus_stale_retained_dropped", topic=topic[:300])
+                return
+            elif self._snapshot is not None and any(
+                topic_matches(f, topic) for f in self._snapshot_filters
+            ):
+                self._snapshot[topic] = payload  # a re-read's copy: `_correct` judges it
+                return
         result = decode_message(self.topics, topic, payload, retained=retained)
         if isinstance(result, Dropped):
             self._drop(topic, result)
@@ -1229,6 +1386,7 @@ class Bus:
             if echo is not None and not echo.done():
                 echo.set_result(None)
         else:
+            self._known[topic] = (payload, time.monotonic())
             self._emit(result)
 
     def _drop(self, topic: str, dropped: Dropped) -> None:

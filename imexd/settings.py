@@ -351,6 +351,17 @@ class BusSettings:
         "Seconds between round trips through the broker that prove the link is alive.",
         _positive,
     )
+    resync_interval_s: float = _setting(
+        30.0,
+        "Seconds (jittered by +-25 %) between re-reads of the bus's subscriptions on a live "
+        "link: each filter is subscribed again, the broker's fresh retained snapshot is "
+        "compared with what the agent holds, and only differences come out (a record the "
+        "snapshot no longer holds as a deletion), so a clustered broker that lost a live "
+        "update (NATS 2.9) is corrected within this time. Each re-read costs one SUBSCRIBE "
+        "per filter and one copy of every retained record of the node's shard and domain "
+        "(about 20 messages for a rack of 18), plus a round trip. 0: never.",
+        _nonneg,
+    )
     broker_will_delay: bool = _setting(
         True,
         "Whether the MQTT 5 broker applies the Will Delay (Mosquitto, EMQX, HiveMQ do): "

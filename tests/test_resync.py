@@ -1,0 +1,245 @@
+"""Lost and stale updates of retained topics, and the bus's periodic re-read that repairs
+them (`[bus] resync_interval_s`).
+
+On a three-server nats-server 2.9.10 cluster, a subscriber that subscribes while a
+record is being updated through another server gets the live updates first and then the
+server's own, older retained copy, flagged retained (measured: 8 of 8 rounds when 20 other
+clients subscribe at the same time); a view applied in arrival order ends on the stale
+copy. The bus drops a retained copy that comes after a live message on its topic, and
+re-reads its filters periodically. The re-read's rules are checked on a real Mosquitto by
+putting a wrong view into the bus through its message path, as a lost update leaves it.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from imexd.bus import Bus, Event, Synced
+from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
+from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
+from imexd.mqtt import Client, connect
+from imexd.settings import BusSettings, parse_broker_url
+
+TOPICS = Topics("imex/v2")
+CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
+FILTER = TOPICS.members_filter("d1", CLIQUE)
+
+
+def record(node: str, slot: int, state: MemberState = MemberState.CLAIMING) -> MemberRecord:
+    return MemberRecord(
+        node=node,
+        domain="d1",
+        clique=CLIQUE,
+        address="127.0.0.1",
+        slot=slot,
+        incarnation=1,
+        state=state,
+        max_nodes=18,
+        mode="names",
+    )
+
+
+def topic(node: str) -> str:
+    return TOPICS.member("d1", CLIQUE, node)
+
+
+def settings(*urls: str, **overrides: object) -> BusSettings:
+    values: dict[str, object] = {
+        "url": urls,
+        "reconnect_initial_s": 0.05,
+        "reconnect_max_s": 0.4,
+        "ping_interval_s": 5.0,
+        "will_delay_s": 1.0,
+        "resync_interval_s": 0.0,
+    }
+    values.update(overrides)
+    return BusSettings(**values)  # type: ignore[arg-type]
+
+
+class View:
+    """What a consumer of the bus holds per topic, applying events in order (as the
+    shard does), and every event it got."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.records: dict[str, bytes] = {}
+        self.events: list[Event] = []
+        self.synced = asyncio.Event()
+        self.changed = asyncio.Event()
+        self._task = asyncio.create_task(self._read(), name="view")
+
+    async def _read(self) -> None:
+        async for event in self.bus.events():
+            self.events.append(event)
+            if isinstance(event, Received):
+                self.records[event.topic] = encode(event.payload)
+            elif isinstance(event, Deleted):
+                self.records.pop(event.topic, None)
+            elif isinstance(event, Synced):
+                self.synced.set()
+            self.changed.set()
+
+    async def until(self, wanted: dict[str, bytes], within: float) -> None:
+        """Wait until the view is exactly `wanted` (AssertionError after `within` s)."""
+        try:
+            async with asyncio.timeout(within):
+                while self.records != wanted:
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"the view is {self.records}, not {wanted}") from None
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def until_at_least(count: Callable[[], int], wanted: int, within: float) -> None:
+    """Until the bus counter read by `count` reaches `wanted`."""
+    async with asyncio.timeout(within):
+        while count() < wanted:  # noqa: ASYNC110 - a plain counter of the bus: no event
+            await asyncio.sleep(0.05)
+
+
+async def client_of(url: str) -> Client:
+    """A plain clean-session 3.1.1 client (a peer that writes records)."""
+    s = BusSettings(url=(url,), protocol="3.1.1")
+    return await connect(
+        s, parse_broker_url(url), client_id=f"peer-{secrets.token_hex(4)}", timeout_s=10.0
+    )
+
+
+async def test_a_retained_copy_after_a_live_update_of_its_topic_is_dropped(
+    broker: Mosquitto,
+) -> None:
+    """A retained copy that arrives after a live message on the same topic (NATS 2.9's
+    order for a new subscription) is older than it: the bus drops and counts it, so the
+    view keeps the live record; after a new SUBSCRIBE its copies count again."""
+    async with Bus(settings(broker.url), node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        newer, older = encode(record("n2", 4)), encode(record("n2", 3))
+        # What the broker's link delivers, in NATS's order: live first, stale copy after.
+        bus._dispatch(topic("n2"), newer, retained=False)
+        bus._dispatch(topic("n2"), older, retained=True)
+        await asyncio.sleep(0.1)
+        assert view.records == {topic("n2"): newer}
+        assert bus.stale_retained == 1
+        view.stop()
+
+
+async def test_a_reread_corrects_a_view_that_lost_updates_and_emits_nothing_else(
+    broker: Mosquitto,
+) -> None:
+    """The periodic re-read subscribes again and compares the broker's snapshot with what
+    the bus delivered: a record it holds stale comes out again as the broker has it, one
+    the broker no longer holds as a deletion, one it never delivered as a record; records
+    it holds right come out no second time, and a second re-read changes nothing."""
+    peer = await client_of(broker.url)
+    current = {topic("n2"): encode(record("n2", 4, MemberState.MEMBER))}
+    current[topic("n3")] = encode(record("n3", 1, MemberState.MEMBER))
+    for t, payload in current.items():
+        await peer.publish(t, payload, retain=True)
+    s = settings(broker.url, resync_interval_s=0.4)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        await view.until(current, within=5)
+        # The view lost updates leave: n2's older claim, n4 (whose clear was lost), and
+        # n3 gone (a clear that the broker did not keep).
+        bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=True)
+        bus._dispatch(topic("n4"), encode(record("n4", 2)), retained=True)
+        bus._dispatch(topic("n3"), b"", retained=True)
+        await until_at_least(lambda: bus.resync_corrections, 3, within=10)
+        await view.until(current, within=5)
+        corrected = bus.resync_corrections
+        assert corrected == 3
+        deleted = [e.topic for e in view.events if isinstance(e, Deleted)]
+        assert deleted == [topic("n3"), topic("n4")], "the injected clear, then n4's"
+        before = len(view.events)
+        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        assert view.records == current
+        assert bus.resync_corrections == corrected, "a later re-read corrected again"
+        later = [e for e in view.events[before:] if isinstance(e, Received | Deleted)]
+        assert later == [], "a re-read emitted records the view already held"
+        view.stop()
+    await peer.close(2.0)
+
+
+async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
+    broker: Mosquitto,
+) -> None:
+    """Our own retained record, cleared on the broker behind our back (a broker that lost
+    it), is published again by the next re-read; the peers then see it again."""
+    s = settings(broker.url, resync_interval_s=0.4)
+    mine = record("n1", 0, MemberState.MEMBER)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        await bus.retain(topic("n1"), mine)
+        await view.until({topic("n1"): encode(mine)}, within=5)
+        peer = await client_of(broker.url)
+        await peer.publish(topic("n1"), b"", retain=True)
+        await peer.close(2.0)
+        await until_at_least(lambda: bus.resync_corrections, 1, within=10)
+        await view.until({topic("n1"): encode(mine)}, within=10)
+        assert any(isinstance(e, Deleted) and e.topic == topic("n1") for e in view.events)
+        view.stop()
+
+
+@pytest.fixture
+def nats3(tmp_path: Path) -> Iterator[NatsCluster]:
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed (apt-get install nats-server)")
+    servers = NatsCluster(tmp_path / "nats", size=3)
+    servers.start()
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_subscriber_on_another_nats_server_ends_on_the_last_update(
+    nats3: NatsCluster,
+) -> None:
+    """Four updates of one retained member topic through server 1 (QoS 1), published
+    while a bus on server 2 subscribes among 20 other new subscriptions: what the bus's
+    view holds in the end is the last update, in every round."""
+    first, second = nats3.servers[0], nats3.servers[1]
+    peer = await client_of(first.url)
+    try:
+        for round_ in range(3):
+            node = f"p{round_}"
+            await peer.publish(topic(node), encode(record(node, 0)), retain=True)
+            others = [await client_of(second.url) for _ in range(20)]
+            s = settings(second.url, protocol="3.1.1", resync_interval_s=1.0)
+            async with Bus(
+                s, node="n1", client_id=f"imexd-n1-{round_}", timeout_s=10.0, resync_quiet_s=1.0
+            ) as bus:
+                view = View(bus)
+                async with asyncio.timeout(30):
+                    await view.synced.wait()  # the link is up: the SUBSCRIBE goes out now
+
+                async def updates(node: str = node) -> None:
+                    for slot in range(1, 5):
+                        await peer.publish(topic(node), encode(record(node, slot)), retain=True)
+                        await asyncio.sleep(0.05)
+
+                busy = [o.subscribe([f"imex/v2/load/{i}/+"]) for i, o in enumerate(others)]
+                await asyncio.gather(bus.subscribe(FILTER), updates(), *busy)
+                wanted = {topic(f"p{i}"): encode(record(f"p{i}", 4)) for i in range(round_ + 1)}
+                await view.until(wanted, within=30)
+                view.stop()
+            for other in others:
+                await other.close(2.0)
+    finally:
+        await peer.close(2.0)
