@@ -3,7 +3,9 @@
 The module starts its own munged (own key and socket), slurmctld and slurmd (one node:
 this host, two CPUs) from a slurm.conf in a temporary folder, on free ports, without
 systemd or cgroups (`ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`).
-`PrologSlurmctld`, `EpilogSlurmctld` and `TaskProlog` are the shipped scripts, each
+`PrologSlurmctld`, `EpilogSlurmctld` and `TaskProlog` are the shipped scripts, installed
+into a folder of their own by the `install` lines of docs/operations.md (the scripts of
+both layouts, and beside them the common file that the prologs and epilogs source), each
 started by a two-line wrapper that only sets what /etc/imexd/slurm.env and the system
 PATH would give them on a real controller (slurmctld passes its scripts no environment):
 `IMEXD_SLURM_ENV` (this folder's settings file), `SLURM_CONF` (for `scontrol`; a real
@@ -38,7 +40,7 @@ import pytest
 from imexd.demo.brokers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SLURM = ROOT / "config" / "slurm"
+OPERATIONS = ROOT / "docs" / "operations.md"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "scancel")
 MISSING = [name for name in PROGRAMS if shutil.which(name, path="/usr/sbin:/usr/bin") is None]
 START_S = 30.0
@@ -104,8 +106,28 @@ IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
 """
 WRAPPER_BY_LAYOUT = """#!/bin/sh
 IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
-    exec /bin/sh {slurm}/imexd-{kind}-"$(cat {dir}/layout)".sh "$@"
+    exec /bin/sh {installed}/imexd-{kind}-"$(cat {dir}/layout)".sh "$@"
 """
+
+
+def install_scripts(folder: Path) -> None:
+    """Run the `install` lines of docs/operations.md with `folder` for /etc/slurm, the
+    per-job line also for the shared layout; fail unless they install every script."""
+    lines = [
+        line
+        for line in OPERATIONS.read_text().splitlines()
+        if line.startswith("install ") and "config/slurm/" in line
+    ]
+    lines += [line.replace("-perjob", "-shared") for line in lines if "-perjob" in line]
+    for line in lines:
+        subprocess.run(
+            ["sh", "-c", line.replace("/etc/slurm/", f"{folder}/")],
+            cwd=ROOT,
+            check=True,
+            timeout=10,
+        )
+    shipped = sorted(path.name for path in (ROOT / "config" / "slurm").glob("*.sh"))
+    assert sorted(path.name for path in folder.iterdir()) == shipped, lines
 
 
 def free_ports(count: int) -> list[int]:
@@ -173,8 +195,10 @@ def _write_files(folder: Path) -> tuple[Path, str]:
     """Write slurm.conf, the settings file, the wrappers and the fakes; return the conf
     and the node name."""
     node = socket.gethostname().split(".")[0]
-    for sub in ("munge", "state", "spool", "log", "bin", "workloads"):
+    for sub in ("munge", "state", "spool", "log", "bin", "workloads", "etc-slurm"):
         (folder / sub).mkdir(mode=0o700)
+    installed = folder / "etc-slurm"
+    install_scripts(installed)
     key = folder / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
@@ -190,10 +214,10 @@ def _write_files(folder: Path) -> tuple[Path, str]:
     )
     for kind in ("prolog", "epilog"):
         wrapper = folder / f"{kind}.sh"
-        wrapper.write_text(WRAPPER_BY_LAYOUT.format(dir=folder, slurm=SLURM, kind=kind))
+        wrapper.write_text(WRAPPER_BY_LAYOUT.format(dir=folder, installed=installed, kind=kind))
         wrapper.chmod(0o755)
     task = folder / "taskprolog.sh"
-    task.write_text(WRAPPER.format(dir=folder, script=SLURM / "imexd-taskprolog.sh"))
+    task.write_text(WRAPPER.format(dir=folder, script=installed / "imexd-taskprolog.sh"))
     task.chmod(0o755)
     ctld_port, slurmd_port = free_ports(2)
     conf = folder / "slurm.conf"

@@ -28,7 +28,9 @@ from imexd.demo.brokers import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "config" / "slurm"
-SCRIPTS = sorted(SLURM.glob("*.sh"))
+COMMON = SLURM / "imexd-slurm-common.sh"
+"""The code the prologs and epilogs source from beside themselves."""
+SCRIPTS = sorted(path for path in SLURM.glob("*.sh") if path != COMMON)
 IMEXD = Path(sys.executable).parent / "imexd"
 """The installed imexd of this virtual environment."""
 SHELLS = [shell for shell in ("sh", "bash", "dash") if shutil.which(shell)]
@@ -106,8 +108,10 @@ def run_script(
     shell: str = "sh",
     env: dict[str, str] | None = None,
     drop: tuple[str, ...] = (),
+    folder: Path = SLURM,
 ) -> Run:
-    """Run config/slurm/<script> with the fakes first on PATH and a Slurm job's variables."""
+    """Run <folder>/<script> (config/slurm by default) with the fakes first on PATH and a
+    Slurm job's variables."""
     log = bin_dir.parent / "calls.log"
     log.unlink(missing_ok=True)
     base = {
@@ -122,7 +126,7 @@ def run_script(
     }
     full = {key: value for key, value in (base | (env or {})).items() if key not in drop}
     done = subprocess.run(
-        [shell, str(SLURM / script)],
+        [shell, str(folder / script)],
         env=full,
         capture_output=True,
         text=True,
@@ -134,7 +138,8 @@ def run_script(
 
 
 def test_the_five_scripts_are_there() -> None:
-    """config/slurm holds the two layouts' prologs and epilogs and the TaskProlog."""
+    """config/slurm holds the two layouts' prologs and epilogs, the TaskProlog, and the
+    code that the prologs and epilogs share."""
     assert [p.name for p in SCRIPTS] == [
         "imexd-epilog-perjob.sh",
         "imexd-epilog-shared.sh",
@@ -142,9 +147,10 @@ def test_the_five_scripts_are_there() -> None:
         "imexd-prolog-shared.sh",
         "imexd-taskprolog.sh",
     ]
+    assert sorted(SLURM.glob("*.sh")) == sorted([*SCRIPTS, COMMON])
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [*SCRIPTS, COMMON], ids=lambda p: p.name)
 @pytest.mark.parametrize("shell", SHELLS)
 def test_syntax(script: Path, shell: str) -> None:
     """Every script parses under sh, bash and dash (`-n`)."""
@@ -156,9 +162,10 @@ def test_syntax(script: Path, shell: str) -> None:
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck() -> None:
-    """shellcheck finds nothing in the scripts, read as POSIX sh."""
+    """shellcheck finds nothing in the scripts and the common file, read as POSIX sh and
+    following each `.` of the common file."""
     done = subprocess.run(
-        ["shellcheck", "-s", "sh", *map(str, SCRIPTS)],
+        ["shellcheck", "-s", "sh", "-x", *map(str, [*SCRIPTS, COMMON])],
         capture_output=True,
         text=True,
         timeout=60,
@@ -177,6 +184,51 @@ def test_header_says_where_to_install(script: Path) -> None:
     key = "TaskProlog" if "taskprolog" in script.name else "Slurmctld"
     line = f"=/etc/slurm/{script.name}"
     assert any(key in row and line in row for row in text.splitlines() if row.startswith("#"))
+
+
+def test_common_file_is_sourced_not_run() -> None:
+    """The common file is not executable, only defines functions, and its header names
+    where it goes: beside the scripts that source it, in /etc/slurm."""
+    text = COMMON.read_text()
+    assert not os.access(COMMON, os.X_OK)
+    assert text.startswith("# shellcheck shell=sh\n")
+    assert "install -m 0644 imexd-slurm-common.sh /etc/slurm/imexd-slurm-common.sh" in text
+    assert "\nset " not in text
+    sourcing = [s for s in SCRIPTS if '. "$common"' in s.read_text()]
+    assert [s.name for s in sourcing] == [s.name for s in SCRIPTS if "taskprolog" not in s.name]
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "imexd-prolog-perjob.sh",
+        "imexd-prolog-shared.sh",
+        "imexd-epilog-perjob.sh",
+        "imexd-epilog-shared.sh",
+    ],
+)
+@pytest.mark.parametrize("shell", SHELLS)
+def test_missing_common_file(bin_dir: Path, tmp_path: Path, shell: str, script: str) -> None:
+    """A script installed without imexd-slurm-common.sh beside it logs at err which file
+    it misses and exits as its header promises: 2 from a prolog, 0 from an epilog."""
+    prolog = "prolog" in script
+    status, consequence = (2, "the job does not start") if prolog else (0, "nothing deleted")
+    installed = tmp_path / "etc-slurm"
+    installed.mkdir()
+    shutil.copy(SLURM / script, installed / script)
+    env = {"IMEXD_DOMAIN": "rack-07"}
+    run = run_script(script, bin_dir, shell=shell, env=env, folder=installed)
+    assert (run.status, run.of("imexd"), run.of("scontrol")) == (status, [], [])
+    message = (
+        f"cannot read {installed}/imexd-slurm-common.sh: install it beside this script; "
+        f"{consequence}"
+    )
+    assert run.logged("err") == [message]
+    assert run.stderr.splitlines() == [f"imexd-slurm: {message}"]
+    (installed / "imexd-slurm-common.sh").write_text(COMMON.read_text())
+    works = run_script(script, bin_dir, shell=shell, env=env, folder=installed)
+    assert (works.status, works.logged("err")) == (0, [])
+    assert len(works.of("imexd")) >= 1
 
 
 @pytest.mark.parametrize("shell", SHELLS)

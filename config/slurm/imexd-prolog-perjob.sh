@@ -10,6 +10,9 @@
 # Install on the slurmctld host (it runs once per job, at allocation, as SlurmUser, who
 # must be able to read the control plane's broker credentials):
 #   install -m 0755 imexd-prolog-perjob.sh /etc/slurm/imexd-prolog-perjob.sh
+#   install -m 0644 imexd-slurm-common.sh /etc/slurm/imexd-slurm-common.sh
+#   (beside it: the code that the prologs and epilogs share, sourced from this
+#   script's folder; without it this prolog logs so at err and exits 2)
 #   slurm.conf:
 #     PrologSlurmctld=/etc/slurm/imexd-prolog-perjob.sh
 #     EpilogSlurmctld=/etc/slurm/imexd-epilog-perjob.sh
@@ -46,99 +49,23 @@ set -eu
 PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 
-log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
-    priority=$1
-    shift
-    if command -v logger >/dev/null 2>&1; then
-        logger -t imexd-slurm -p "user.$priority" "$*" 2>/dev/null || :
-    fi
-    printf 'imexd-slurm: %s\n' "$*" >&2
-}
-
-fail() { # fail STATUS MESSAGE...
-    status=$1
-    shift
-    log err "$*"
-    exit "$status"
-}
-
-# The settings file, sourced with unset variables allowed; tried in a subshell first, so
-# that a broken file is reported instead of ending this script half way.
-defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
-if [ -r "$defaults" ]; then
-    # shellcheck source=/dev/null
-    if (set +u && . "$defaults") >/dev/null 2>&1; then
-        set -a +u
-        # shellcheck source=/dev/null
-        . "$defaults"
-        set +a -u
-    else
-        fail 2 "cannot read the settings in $defaults: run it with sh to see why"
-    fi
+# The code the slurmctld scripts share (log, the settings, the filter, run_imexd).
+common=$(dirname -- "$0")/imexd-slurm-common.sh
+if [ ! -r "$common" ]; then
+    why="cannot read $common: install it beside this script; the job does not start"
+    logger -t imexd-slurm -p user.err "$why" 2>/dev/null || :
+    printf 'imexd-slurm: %s\n' "$why" >&2
+    exit 2
 fi
+# shellcheck source-path=SCRIPTDIR source=imexd-slurm-common.sh
+. "$common"
 
-[ -n "${SLURM_JOB_ID:-}" ] || fail 2 "SLURM_JOB_ID is not set: run this as PrologSlurmctld"
-[ -n "${SLURM_JOB_NODELIST:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_NODELIST is not set"
-[ -n "${SLURM_JOB_UID:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_UID is not set"
-[ -n "${SLURM_JOB_GID:-}" ] || fail 2 "job $SLURM_JOB_ID: SLURM_JOB_GID is not set"
-imexd=${IMEXD:-imexd}
+read_settings prolog
+need_job prolog
 config=${IMEXD_CONFIG:-/etc/imexd/control.toml}
 mode=${IMEXD_CHANNEL_MODE:-0600}
 domain=job-$SLURM_JOB_ID
-min_nodes=${IMEXD_MIN_NODES:-2}
-case $min_nodes in
-    '' | *[!0-9]*) fail 2 "IMEXD_MIN_NODES=$min_nodes: expected a whole number of nodes" ;;
-esac
-
-# The filter: a job on a partition that IMEXD_PARTITIONS does not list needs no IMEX.
-if [ -n "${IMEXD_PARTITIONS:-}" ]; then
-    listed=no
-    set -f
-    for partition in $(printf '%s\n' "$IMEXD_PARTITIONS" | tr ',' ' '); do
-        [ "$partition" != "${SLURM_JOB_PARTITION:-}" ] || listed=yes
-    done
-    set +f
-    if [ "$listed" = no ]; then
-        log info "job $SLURM_JOB_ID: partition ${SLURM_JOB_PARTITION:-(none)} is not in IMEXD_PARTITIONS ($IMEXD_PARTITIONS): no IMEX domain, nothing to do"
-        exit 0
-    fi
-fi
-
-# Slurm's node names, one per line, as imexd's lowercase comma-separated list.
-if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST"); then
-    why=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>&1 >/dev/null) || :
-    fail 1 "job $SLURM_JOB_ID: scontrol show hostnames $SLURM_JOB_NODELIST failed: ${why:-no message}"
-fi
-nodes=$(printf '%s\n' "$hosts" | tr '[:upper:]' '[:lower:]' | tr -s '\n' ',')
-nodes=${nodes#,}
-nodes=${nodes%,}
-[ -n "$nodes" ] || fail 1 "job $SLURM_JOB_ID: no nodes in $SLURM_JOB_NODELIST"
-
-# The filter: a job on fewer than IMEXD_MIN_NODES nodes needs no IMEX.
-count=$(printf '%s\n' "$hosts" | grep -c .) || :
-if [ "$count" -lt "$min_nodes" ]; then
-    log info "job $SLURM_JOB_ID: $count node(s) ($nodes), fewer than IMEXD_MIN_NODES=$min_nodes: no IMEX domain, nothing to do"
-    exit 0
-fi
-
-# run_imexd STEP ARGS...: run imexd with ARGS, logging the command line, every line it
-# prints (at err when it fails: imexd's own reason) and its exit status, which it
-# returns.
-run_imexd() {
-    step=$1
-    shift
-    log info "$domain: running $imexd $*"
-    result=0
-    # Unbuffered: imexd's lines (stdout and stderr) in the order it printed them.
-    output=$(PYTHONUNBUFFERED=1 "$imexd" "$@" 2>&1) || result=$?
-    level=info
-    [ "$result" -eq 0 ] || level=err
-    printf '%s\n' "$output" | while IFS= read -r line; do
-        [ -z "$line" ] || log "$level" "$domain: $step: $line"
-    done
-    log "$level" "$domain: imexd $step exited $result"
-    return "$result"
-}
+skip_unless_imex prolog domain
 
 set -- --nodes "$nodes" --channel --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode"
 if [ -n "${IMEXD_SEEN_WITHIN:-}" ]; then
