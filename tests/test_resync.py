@@ -8,7 +8,7 @@ clients subscribe at the same time); a view applied in arrival order ends on the
 copy. The bus drops a retained copy that comes after a live message on its topic, and
 re-reads its filters periodically. The re-read's rules are checked on a real Mosquitto by
 putting a wrong view into the bus through its message path, as a lost update leaves it.
-Every wait is bounded.
+The control plane's link drops stale copies the same way. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from imexd.bus import Bus, Event, Synced
+from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
 from imexd.mqtt import Client, connect
@@ -192,6 +193,20 @@ async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
         await view.until({topic("n1"): encode(mine)}, within=10)
         assert any(isinstance(e, Deleted) and e.topic == topic("n1") for e in view.events)
         view.stop()
+
+
+async def test_the_control_link_drops_a_retained_copy_after_a_live_update(
+    broker: Mosquitto,
+) -> None:
+    """The control plane's link keeps the live record when the older retained copy of its
+    topic comes after it (NATS 2.9's order), and counts the copy."""
+    async with Link(settings(broker.url)) as link:
+        store = await link.read(FILTER)
+        newer, older = record("n2", 4), record("n2", 3)
+        link._on_message(topic("n2"), encode(newer), retained=False, expiry_s=None)
+        link._on_message(topic("n2"), encode(older), retained=True, expiry_s=None)
+        assert store.members[("d1", CLIQUE, "n2")] == newer
+        assert link.stale_retained == 1
 
 
 @pytest.fixture

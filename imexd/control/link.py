@@ -19,6 +19,10 @@ operation timeout, then, while nothing was written on the link, the next broker 
 url` is tried with every subscription so far: a clustered broker (NATS 2.9) refuses some
 for tens of seconds after one of its servers died, and another server may grant it. An ACL
 refusal fails the same way on every broker, and the error names each broker and filter.
+
+A retained copy that arrives after a live message on its topic is dropped: nats-server 2.9
+sends a new subscription's retained copies after live messages it already delivered, and
+the older copy would undo them in `store` and in `workload_log` (the channel race's order).
 """
 
 from __future__ import annotations
@@ -120,6 +124,11 @@ class Link:
         self._seq = itertools.count(1)
         self._echoes: dict[int, asyncio.Future[None]] = {}
         self._last: dict[str, bytes] = {}
+        self._live_topics: set[str] = set()
+        """Topics that got a live message on this link: a retained copy of one of them
+        arriving later is older than that message (`_on_message`)."""
+        self.stale_retained = 0
+        """Retained copies dropped because a live message on their topic came first."""
         self.workload_log: list[Logged] = []
         """Every valid workload message in the order the broker delivered it, the
         retained snapshot first (see `put_echoed`)."""
@@ -140,6 +149,7 @@ class Link:
                 errors.append(str(exc))
                 continue
             self._client, self._index, self.broker, self.lost = client, index, str(broker), None
+            self._live_topics = set()
             self._reader = asyncio.create_task(self._read(client), name="control-read")
             try:
                 await self._grant(client, filters)
@@ -209,6 +219,14 @@ class Link:
                 echo = self._echoes.get(int(payload))
                 if echo is not None and not echo.done():
                     echo.set_result(None)
+            return
+        if not retained:
+            self._live_topics.add(topic)
+        elif topic in self._live_topics:
+            # nats-server 2.9 may send a new subscription's retained copies after live
+            # messages on the same topic (any subscription of this link covers it, so
+            # every later change comes live too): the copy is older and would undo them.
+            self.stale_retained += 1
             return
         self._last[topic] = payload
         result = decode_message(self.topics, topic, payload, retained=retained)
