@@ -344,6 +344,36 @@ def test_settings_file_may_use_unset_variables(bin_dir: Path, tmp_path: Path) ->
     assert run.of("imexd")[0][3:5] == ["--domain", "rack-01"]
 
 
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize(("partition", "domain"), [("", "rack-01"), ("gpu", "gpu")])
+def test_settings_file_may_have_failing_commands(
+    bin_dir: Path, tmp_path: Path, shell: str, partition: str, domain: str
+) -> None:
+    """A settings file with commands that fail, such as a `[ ... ] && KEY=value` that
+    does not apply to this job as its last line, is read like any other, under `set -e`
+    too: only a file that does not parse or that ends the shell is broken."""
+    defaults = tmp_path / "slurm.env"
+    defaults.write_text(
+        "IMEXD_DOMAIN=$(cat /nonexistent/imexd-domain 2>/dev/null)\n"
+        "IMEXD_DOMAIN=${IMEXD_DOMAIN:-rack-01}\n"
+        '[ -n "$SLURM_JOB_PARTITION" ] && IMEXD_DOMAIN=$SLURM_JOB_PARTITION\n'
+    )
+    env = {"IMEXD_SLURM_ENV": str(defaults), "SLURM_JOB_PARTITION": partition}
+    run = run_script("imexd-prolog-shared.sh", bin_dir, shell=shell, env=env)
+    assert run.status == 0, run.stderr
+    assert run.of("imexd")[0][3:5] == ["--domain", domain]
+    env_dir = tmp_path / "workloads"
+    env_dir.mkdir()
+    (env_dir / f"job-{JOB}.env").write_text("IMEX_CHANNEL=5\n")
+    task = run_script(
+        "imexd-taskprolog.sh",
+        bin_dir,
+        shell=shell,
+        env=env | {"IMEXD_CHANNELS_ENV_DIR": str(env_dir)},
+    )
+    assert (task.status, task.stdout, task.stderr) == (0, "export IMEX_CHANNEL=5\n", "")
+
+
 @pytest.mark.parametrize(
     ("script", "status", "calls"),
     [

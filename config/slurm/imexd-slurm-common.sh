@@ -36,18 +36,21 @@ fail() { # fail STATUS MESSAGE...
 }
 
 # read_settings ROLE: source the settings file ($IMEXD_SLURM_ENV, default
-# /etc/imexd/slurm.env) with unset variables allowed, its settings exported. It is tried
-# in a subshell first, so that a broken file is reported instead of ending the script
-# half way: a prolog then fails 2, an epilog goes on without it.
+# /etc/imexd/slurm.env) with unset variables allowed, its settings exported. It is
+# parsed (`sh -n`) and tried in a subshell first, so that a broken file (one that does
+# not parse, or that ends the shell) is reported instead of ending the script half way:
+# a prolog then fails 2, an epilog goes on without it. The status of the file's last
+# command does not count: `[ -n "$X" ] && KEY=$X` may end it.
 read_settings() {
     defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
     [ -r "$defaults" ] || return 0
     # shellcheck source=/dev/null
-    if (set +u && . "$defaults") >/dev/null 2>&1; then
-        set -a +u
+    if sh -n "$defaults" 2>/dev/null && (set +eu && . "$defaults"; exit 0) >/dev/null 2>&1
+    then
+        set -a +eu
         # shellcheck source=/dev/null
         . "$defaults"
-        set +a -u
+        set +a -eu
     elif [ "$1" = prolog ]; then
         fail 2 "cannot read the settings in $defaults: run it with sh to see why"
     else

@@ -40,16 +40,18 @@ log() { # log PRIORITY MESSAGE...: to syslog when logger exists, and to stderr
     printf 'imexd-slurm: %s\n' "$*" >&2 || :
 }
 
-# The settings file, sourced with unset variables allowed; tried in a subshell first, so
-# that a broken file is reported instead of ending this script half way.
+# The settings file, sourced with unset variables allowed; parsed and tried in a
+# subshell first, so that a broken file is reported instead of ending this script half
+# way (as in imexd-slurm-common.sh: the status of its last command does not count).
 defaults=${IMEXD_SLURM_ENV:-/etc/imexd/slurm.env}
 if [ -r "$defaults" ]; then
     # shellcheck source=/dev/null
-    if (set +u && . "$defaults") >/dev/null 2>&1; then
-        set -a +u
+    if sh -n "$defaults" 2>/dev/null && (set +eu && . "$defaults"; exit 0) >/dev/null 2>&1
+    then
+        set -a +eu
         # shellcheck source=/dev/null
         . "$defaults"
-        set +a -u
+        set +a -eu
     else
         log err "cannot read the settings in $defaults: run it with sh to see why; going on without"
     fi
