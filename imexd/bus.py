@@ -32,6 +32,9 @@ Why it is built this way:
   says nothing: once our own record (on the will's topic) came back live, the bus
   subscribes its filter again and expects the record back flagged retained before a
   round trip returns (`BrokerChecked`); until a link passes that check, no `Synced`.
+- A busy loop is not a dead link: the ping's deadline grows by the time this process's
+  own event loop ran late while waiting (up to 3 ping timeouts), so hundreds of agents
+  in one loop, or a stalled disk, do not tear down links that work.
 - The reason code of the broker's DISCONNECT is reported (`Disconnected.reason_code`,
   e.g. a session taken over by a second client with our id; `set_client_id` ends such a
   fight).
@@ -129,6 +132,13 @@ RESYNC_QUIET_S: Final = 5.0
 """A re-read leaves alone a topic whose record changed this recently: a clustered
 broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
 server's retained map asynchronously), and a "correction" would then flap it."""
+
+_LATENESS_SLICE_S: Final = 0.25
+"""A ping deadline is watched in slices this long; a slice that ends late measures how
+late this process's own event loop ran (see `_within_loop_time`)."""
+
+_MAX_LATENESS: Final = 3.0
+"""The ping deadline grows by the loop's lateness up to this many ping timeouts."""
 
 _MAX_DROP_LOG_KEYS: Final = 4096
 """Distinct (topic, reason) pairs remembered for log-once; a flood cannot grow memory."""
@@ -316,6 +326,43 @@ async def _unless(leave: asyncio.Event, operation: Coroutine[Any, Any, object]) 
         return False
     task.result()  # re-raises the operation's error
     return True
+
+
+async def _within_loop_time(
+    operation: Coroutine[Any, Any, None], timeout_s: float
+) -> tuple[bool, float]:
+    """Run `operation` for `timeout_s` seconds of time that the event loop was free to
+    notice it: (whether it completed, seconds the loop ran late meanwhile).
+
+    A ping echo that came in time but was read late because this process's own event loop
+    was busy (hundreds of agents in one loop, a slow disk) proves a live link, not a dead
+    one. So the deadline is watched in slices of `_LATENESS_SLICE_S`; each slice that ends
+    later than it asked for adds its overrun to the deadline, up to `_MAX_LATENESS` x
+    `timeout_s`, so that a link that is really dead is still given up. The operation's
+    error is raised; it is cancelled when it did not complete.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(operation)
+    deadline = loop.time() + timeout_s
+    late = 0.0
+    try:
+        while True:
+            remaining = deadline + late - loop.time()
+            if remaining <= 0:
+                return False, late
+            step = min(remaining, _LATENESS_SLICE_S)
+            asked = loop.time()
+            done, _ = await asyncio.wait({task}, timeout=step)
+            if done:
+                task.result()
+                return True, late
+            overrun = max(0.0, loop.time() - asked - step)
+            late = min(late + overrun, _MAX_LATENESS * timeout_s)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, BusError):
+                await task
 
 
 class _LinkLostError(BusError):
@@ -1230,16 +1277,24 @@ class Bus:
         echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pings[seq] = echo
         started = time.monotonic()
+
+        async def exchange() -> None:
+            ping = Ping(node=self.node, seq=seq, sent=now())
+            await client.publish(self._ping_topic, encode(ping), qos=QOS)
+            await echo
+
         try:
-            async with asyncio.timeout(self._ping_timeout_s):
-                ping = Ping(node=self.node, seq=seq, sent=now())
-                await client.publish(self._ping_topic, encode(ping), qos=QOS)
-                await echo
-        except TimeoutError:
-            reason = f"no ping echo within {self._ping_timeout_s:g} s: the link is dead"
-            raise _LinkLostError(reason) from None
+            came, late = await _within_loop_time(exchange(), self._ping_timeout_s)
         finally:
             self._pings.pop(seq, None)
+        if not came:
+            reason = (
+                f"no ping echo within {self._ping_timeout_s:g} s (+{late:.1f} s that this "
+                "agent's event loop ran late): the link is dead"
+            )
+            raise _LinkLostError(reason)
+        if late >= self._ping_timeout_s / 2:
+            self._log.info("bus_ping_loop_late", late_s=round(late, 3))
         return time.monotonic() - started
 
     async def _resync(self, client: Client) -> None:

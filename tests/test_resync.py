@@ -8,24 +8,28 @@ clients subscribe at the same time); a view applied in arrival order ends on the
 copy. The bus drops a retained copy that comes after a live message on its topic, and
 re-reads its filters periodically. The re-read's rules are checked on a real Mosquitto by
 putting a wrong view into the bus through its message path, as a lost update leaves it.
-The control plane's link drops stale copies the same way. Every wait is bounded.
+The control plane's link drops stale copies the same way. And a link check that a busy
+event loop must not fail: the ping's deadline grows by the loop's own lateness. Every
+wait is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from imexd.bus import Bus, Event, Synced
+from imexd.bus import Bus, Disconnected, Event, Synced
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
 from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
+from tests.faultproxy import FaultProxy
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -207,6 +211,26 @@ async def test_the_control_link_drops_a_retained_copy_after_a_live_update(
         link._on_message(topic("n2"), encode(older), retained=True, expiry_s=None)
         assert store.members[("d1", CLIQUE, "n2")] == newer
         assert link.stale_retained == 1
+
+
+async def test_a_busy_event_loop_does_not_end_a_link_that_works(broker: Mosquitto) -> None:
+    """This process's own event loop is blocked for longer than the ping timeout while
+    the echo is on its way (the link delays it 0.3 s): the echo, read late, still proves
+    the link (no Disconnected), where a deadline in wall-clock time would end it."""
+    with FaultProxy(broker.host, broker.port) as proxy:
+        s = settings(proxy.url)
+        async with Bus(
+            s, node="n1", client_id="imexd-n1", timeout_s=5.0, ping_timeout_s=0.5
+        ) as bus:
+            view = View(bus)
+            async with asyncio.timeout(5):
+                await view.synced.wait()
+            proxy.delay(0.3, "down")
+            asyncio.get_running_loop().call_later(0.05, time.sleep, 1.2)  # a busy loop
+            assert await bus.barrier()
+            assert bus.connected
+            assert not [e for e in view.events if isinstance(e, Disconnected)]
+            view.stop()
 
 
 @pytest.fixture
