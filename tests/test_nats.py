@@ -281,11 +281,13 @@ def test_a_nats_restart_keeps_the_retained_state_and_the_daemons(one: Cluster) -
 )
 @pytest.mark.xfail(
     strict=False,
-    reason="on 2 shared cores nats-server 2.9.10 lets QoS 1 SUBSCRIBEs time out (over the "
-    "control plane's 5 s) or be refused on every live server for 30 s and more after a server "
-    "dies or rejoins: the agents now fail over and sync (the bus retries refused "
-    "subscriptions, then moves), but one-shot CLI commands (domain create, domain status) "
-    "often get no subscription through within the test's bound",
+    reason="on 2 shared cores nats-server 2.9.10 lets QoS 1 SUBSCRIBEs time out or be "
+    "refused on every live server for 30 s and more after a server dies or rejoins: "
+    "one-shot CLI commands (domain create, domain status) often get no subscription "
+    "through within the test's bound, and (measured at load average 16) neither does the "
+    "agent of the killed server on a surviving one (its ping filter refused after 6 s, "
+    "nothing granted in the next 30 s), even with the CLI's reads at QoS 0; at that load "
+    "the simulated daemons' ctl probes also time out (3 s), so formation misses its 30 s",
 )
 def test_agents_fail_over_across_a_nats_cluster(three: Cluster) -> None:
     """Three servers, agents with all three URLs: killing the server an agent is on, and

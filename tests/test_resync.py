@@ -3,14 +3,14 @@ them (`[bus] resync_interval_s`).
 
 On a three-server nats-server 2.9.10 cluster, a subscriber that subscribes while a
 record is being updated through another server gets the live updates first and then the
-server's own, older retained copy, flagged retained (measured: 8 of 8 rounds when 20 other
-clients subscribe at the same time); a view applied in arrival order ends on the stale
-copy. The bus drops a retained copy that comes after a live message on its topic, and
-re-reads its filters periodically. The re-read's rules are checked on a real Mosquitto by
-putting a wrong view into the bus through its message path, as a lost update leaves it.
-The control plane's link drops stale copies the same way. And a link check that a busy
-event loop must not fail: the ping's deadline grows by the loop's own lateness. Every
-wait is bounded.
+server's own, older retained copy, flagged retained (measured with plain clients: 8 of 8
+rounds when 20 other clients subscribe at the same time); a view applied in arrival order
+ends on the stale copy. The bus drops a retained copy that comes after a live message on
+its topic, and re-reads its filters periodically. The re-read's rules are checked on a
+real Mosquitto by putting a wrong view into the bus through its message path, as a lost
+update leaves it. The control plane's link drops stale copies the same way. And a link
+check that a busy event loop must not fail: the ping's deadline grows by the loop's own
+lateness. Every wait is bounded.
 """
 
 from __future__ import annotations
