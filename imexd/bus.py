@@ -1193,6 +1193,18 @@ class Bus:
             if any(topic_matches(f, t) for f in filters)
         }
         corrected: list[str] = []
+        # An empty snapshot while we hold records is a broker that did not send the
+        # retained messages again for a SUBSCRIBE of an existing filter (Mosquitto, amqtt
+        # and nats-server 2.9 do; MQTT 5's Retain Handling 1 would not): it deletes nothing.
+        blind = not snapshot and any(self._known.get(t, (b"", 0.0))[0] for t in scope)
+        if blind:
+            self._log.warning(
+                "bus_resync_empty",
+                broker=self._broker,
+                filters=filters,
+                why="the broker sent no retained message for a re-read of filters that "
+                "hold records: nothing is deleted on its word",
+            )
         for topic in sorted(scope | set(snapshot)):
             if topic == self._ping_topic or topic in self._live_topics:
                 continue
@@ -1206,7 +1218,7 @@ class Bus:
                     corrected.append(topic)
                     await self._put_retained(client, topic, ours)
                 continue
-            if fresh == held:
+            if fresh == held or (blind and not fresh):
                 continue
             result = decode_message(self.topics, topic, fresh, retained=True)
             if isinstance(result, Dropped):

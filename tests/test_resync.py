@@ -178,6 +178,25 @@ async def test_a_reread_corrects_a_view_that_lost_updates_and_emits_nothing_else
     await peer.close(2.0)
 
 
+async def test_an_empty_reread_deletes_nothing(broker: Mosquitto) -> None:
+    """A re-read whose snapshot is empty while the bus holds records (a broker that does
+    not send retained messages again for a SUBSCRIBE of an existing filter) deletes none
+    of them: it says nothing about the records, where deletions would flap the shard."""
+    s = settings(broker.url, resync_interval_s=0.3)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        held = {topic(n): encode(record(n, i)) for i, n in enumerate(["n2", "n4"])}
+        for t, payload in held.items():
+            bus._dispatch(t, payload, retained=True)  # records the broker does not hold
+        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        assert view.records == held
+        assert bus.resync_corrections == 0
+        view.stop()
+
+
 async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
     broker: Mosquitto,
 ) -> None:
