@@ -63,7 +63,7 @@ Why it is built this way:
   health module as `imexd_bus_dropped_total{reason}`) and logged once per sender topic
   and reason; it never ends or stalls the connection.
 
-Why one module of about 1400 lines: the reconnect loop, the replay of the desired state,
+Why one module of about 1500 lines: the reconnect loop, the replay of the desired state,
 the sync by ping, the echo tracking, the retries of refused subscriptions, the retained
 check, the stale-copy filter and the periodic re-read all read and write one link state
 (the current client, its leave event, the lock that orders replay against callers'
