@@ -124,7 +124,7 @@ async def test_a_retained_copy_after_a_live_update_of_its_topic_is_dropped(
 ) -> None:
     """A retained copy that arrives after a live message on the same topic (NATS 2.9's
     order for a new subscription) is older than it: the bus drops and counts it, so the
-    view keeps the live record; after a new SUBSCRIBE its copies count again."""
+    view keeps the live record."""
     async with Bus(settings(broker.url), node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
