@@ -18,7 +18,8 @@ heartbeat that /healthz watches:
   `STARTING_PROBE_S` while it is STARTING (READY makes it RUNNING at once: `start_s`
   bounds a start, it is not a wait), and a short series of `ctl -N -j` after every
   start and SIGUSR1 (`DOMAIN_PROBE_SERIES_S`) until every member is connected;
-- `report`: turns the facts into conditions, publishes the HealthReport, tells systemd;
+- `report`: turns the facts into conditions (in a burst of changes once per
+  `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
@@ -49,12 +50,13 @@ from imexd.fabric import discover
 from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts, LinkFacts
 from imexd.files import remove_stale_temps
 from imexd.guard import BEAT_S, Guard, describe
-from imexd.health import Health, Heartbeats
+from imexd.health import REPORT_PACE_S, Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.logs import get_logger
 from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Topics
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
+from imexd.pacer import Pacer
 from imexd.probe import Prober
 from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
@@ -135,6 +137,7 @@ class Agent:
         self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
         """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
+        self.report_pace = Pacer(REPORT_PACE_S)
         self.report_lock = asyncio.Lock()
         """Held while a report is published and while our records are cleared, so that
         no report follows a clear."""
@@ -276,15 +279,12 @@ class Agent:
         events = aiter(bus.events())
         while True:
             self.heartbeats.beat("events")
-            try:
+            # One timer per heartbeat, not one per event: a formation brings dozens a second.
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(BEAT_S):
-                    event = await anext(events)
-            except TimeoutError:
-                continue
-            except StopAsyncIteration:
-                await asyncio.Event().wait()  # the bus closed: shutting down
-                return
-            self._on_event(event, bus)
+                    async for event in events:
+                        self._on_event(event, bus)
+                    await asyncio.Event().wait()  # the bus closed: shutting down
 
     def _on_event(self, event: Event, bus: Bus) -> None:
         shard = self.shard
@@ -314,8 +314,7 @@ class Agent:
 
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
         """The bus facts as of now (drop counters move without any event)."""
-        self.bus_facts = replace(
-            self.bus_facts,
+        self.bus_facts = BusFacts(  # every field: faster than dataclasses.replace
             connected=bus.connected,
             synced=bus.connected and self.shard.synced,
             broker=bus.broker or self.bus_facts.broker,
@@ -369,9 +368,10 @@ class Agent:
                 timeout = max(0.0, min(timeout, shard.wake_at - loop.time()))
             if shard.confirm_by is not None:
                 timeout = max(0.0, min(timeout, shard.confirm_by - time.monotonic()))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self.wake.wait()
+            if not self.wake.is_set():  # else no timer: the step is due now
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self.wake.wait()
             self.wake.clear()
             await self._retarget()
             await self._step(loop.time())
@@ -757,10 +757,7 @@ class Agent:
         next_report = 0.0
         while True:
             self.heartbeats.beat("report")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(BEAT_S):
-                    await self.changed.wait()
-            self.changed.clear()
+            await self.report_pace.wait(self.changed, BEAT_S)  # changes in a burst: one turn
             changed = self.health.update(self.facts())
             self.notifier.status(self.health.summary())
             now = time.monotonic()

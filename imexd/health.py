@@ -45,6 +45,12 @@ MESSAGE_MAX: Final = 300
 """Characters a condition message keeps: reports travel in 16 KiB bus payloads."""
 CHANNEL_MESSAGE_MAX: Final = 160
 """Characters a workload's ChannelInfo message keeps: a report lists every workload."""
+REPORT_PACE_S: Final = 0.1
+"""Seconds between two judgements of the facts while changes keep coming (a formation
+delivers dozens of records per node in a second): the first change after a quiet period
+is judged at once, the ones within this pause after it together at its end
+(`imexd.pacer.Pacer`). So /readyz, the report and systemd's STATUS= lag a burst by at most
+this much, and never miss its last change."""
 
 
 # Conditions
@@ -415,6 +421,8 @@ class Health:
         self._facts = facts
         self._conditions: tuple[Condition, ...] = tuple(conditions(facts, (), clock()))
         self._fingerprint = self._fingerprint_of()
+        self._summary: str | None = None
+        """`summary()` of the current facts and conditions, once asked (None: not yet)."""
 
     @property
     def facts(self) -> Facts:
@@ -429,8 +437,15 @@ class Health:
         return ready(self._conditions)
 
     def update(self, facts: Facts) -> bool:
-        """Take a new snapshot; True when the report changed (publish it on change)."""
+        """Take a new snapshot; True when the report changed (publish it on change).
+
+        The same facts make the same conditions (each keeps its `since`) and the same
+        report: most snapshots of a formation are, and cost only the comparison.
+        """
+        if facts == self._facts:
+            return False
         self._facts = facts
+        self._summary = None
         self._conditions = tuple(conditions(facts, self._conditions, self._clock()))
         fingerprint = self._fingerprint_of()
         changed = fingerprint != self._fingerprint
@@ -442,7 +457,9 @@ class Health:
         return report(self._facts, self._conditions, self._clock())
 
     def summary(self) -> str:
-        return summary(self._facts, self._conditions)
+        if self._summary is None:
+            self._summary = summary(self._facts, self._conditions)
+        return self._summary
 
     def _fingerprint_of(self) -> bytes:
         return messages.encode(msgspec.structs.replace(self.report(), at=0.0))

@@ -552,6 +552,25 @@ def test_health_update_reports_changes_only() -> None:
     assert h.summary().startswith("not ready: DaemonReady=False NotReady")
 
 
+def test_the_same_facts_again_change_nothing_and_new_ones_are_judged_afresh() -> None:
+    """An update with equal facts keeps conditions, report and summary exactly; the next
+    different facts are judged as if every snapshot had been (the summary follows)."""
+    now = [T0]
+    h = Health(daemon(imex_status="WAITING_FOR_PEERS"), clock=lambda: now[0])
+    before = (h.conditions, h.summary(), messages.encode(h.report()))
+    now[0] = T0 + 5
+    assert not h.update(daemon(imex_status="WAITING_FOR_PEERS"))  # equal, not the same object
+    assert (h.conditions, h.summary()) == before[:2]
+    assert messages.encode(msgspec.structs.replace(h.report(), at=T0)) == before[2]
+    now[0] = T0 + 9
+    assert h.update(working())
+    assert h.is_ready
+    assert {c.type: c for c in h.conditions}["DaemonReady"].since == T0 + 9
+    assert h.summary() == health.summary(working(), h.conditions)
+    fresh = health.conditions(working(), before[0], T0 + 9)
+    assert list(h.conditions) == fresh
+
+
 # Heartbeats
 
 

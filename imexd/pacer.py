@@ -1,0 +1,55 @@
+"""Leading-edge coalescing for a loop that recomputes on every change.
+
+The agent's report loop judges the facts and conditions again after every bus event; a
+formation delivers dozens of member records per node within a second or two, and each
+recomputation costs about as much as the event itself. A `Pacer` keeps the first change
+after a quiet period immediate and folds the changes that follow within `pause_s` into
+one turn at the end of the pause. The event is cleared only after the pause, so a change
+that arrives during it is taken by that turn: the last change is never lost, only
+delayed by at most `pause_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+
+class Pacer:
+    """At most one turn per `pause_s` while changes keep coming; the first one at once."""
+
+    def __init__(
+        self,
+        pause_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        if pause_s < 0:
+            raise ValueError(f"pause_s must be >= 0, not {pause_s}")
+        self.pause_s = pause_s
+        self._clock = clock
+        self._sleep = sleep
+        self._quiet_at = float("-inf")
+        """clock() from which a change starts a turn at once (`pause_s` after the last)."""
+
+    async def wait(self, changed: asyncio.Event, limit_s: float) -> bool:
+        """Wait up to `limit_s` for `changed`, then clear it; True when it was set.
+
+        A change within `pause_s` of the previous changed turn waits for the end of the
+        pause first; what is set meanwhile is cleared with it, for this turn to take. A
+        turn without a change (`limit_s` ran out) starts no pause.
+        """
+        if not changed.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit_s):
+                    await changed.wait()
+            if not changed.is_set():
+                return False
+        if (hold := self._quiet_at - self._clock()) > 0:
+            await self._sleep(hold)
+        self._quiet_at = self._clock() + self.pause_s
+        changed.clear()
+        return True
