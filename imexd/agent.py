@@ -321,6 +321,8 @@ class Agent:
             last_error=bus.last_error or "",
             refused=tuple(sorted(bus.refused_topics)),
             reconnects=bus.reconnects,
+            stale_retained=bus.stale_retained,
+            resync_corrections=bus.resync_corrections,
             dropped=MappingProxyType(dict(bus.dropped)),
             no_retained_wildcard=bus.no_retained_wildcard,
             subscribe_refused=bus.subscribe_refused,

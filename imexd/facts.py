@@ -75,6 +75,12 @@ class BusFacts:
     refuses some for a while after a server died); "" when none."""
     reconnects: int = 0
     """Reconnections since the agent started (cumulative, for metrics)."""
+    stale_retained: int = 0
+    """Retained copies dropped because a live message on their topic came first (a
+    clustered broker's late snapshot; cumulative, for metrics)."""
+    resync_corrections: int = 0
+    """Records the periodic re-read found different from the view (lost updates;
+    cumulative, for metrics)."""
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Messages dropped since the agent started, by `messages.DropReason` value
     (cumulative, for metrics)."""

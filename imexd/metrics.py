@@ -155,6 +155,18 @@ class Metrics:
         yield CounterMetricFamily(
             "imexd_bus_reconnects", "Reconnections to the broker.", bus.reconnects
         )
+        yield CounterMetricFamily(
+            "imexd_bus_stale_retained",
+            "Retained copies dropped because a live message on their topic came first (a "
+            "clustered broker's late snapshot).",
+            bus.stale_retained,
+        )
+        yield CounterMetricFamily(
+            "imexd_bus_resync_corrections",
+            "Records the periodic re-read of the bus found different from the agent's view "
+            "(updates the broker lost).",
+            bus.resync_corrections,
+        )
         dropped = CounterMetricFamily(
             "imexd_bus_dropped",
             "Bus messages dropped as invalid, by reason.",

@@ -313,6 +313,8 @@ async def test_metrics_parse_and_follow_the_facts(agent: Agent) -> None:
         "imexd_daemon_reloads",
         "imexd_bus_connected",
         "imexd_bus_reconnects",
+        "imexd_bus_stale_retained",
+        "imexd_bus_resync_corrections",
         "imexd_bus_dropped",
         "imexd_domain_members",
         "imexd_slot",
@@ -344,11 +346,20 @@ async def test_metrics_parse_and_follow_the_facts(agent: Agent) -> None:
     assert value("imexd_file_write_failures", file="hosts") == 1.0
     assert value("imexd_info", node="n1", domain="d1", clique="c0ffee.1") == 1.0
 
-    agent.health.update(replace(READY, bus=BusFacts(reconnects=3, dropped={"schema": 4})))
+    agent.health.update(
+        replace(
+            READY,
+            bus=BusFacts(
+                reconnects=3, stale_retained=2, resync_corrections=1, dropped={"schema": 4}
+            ),
+        )
+    )
     text = (await get(agent.server.port, "/metrics")).body.decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert value("imexd_bus_connected") == 0.0
     assert value("imexd_bus_reconnects") == 3.0
+    assert value("imexd_bus_stale_retained") == 2.0
+    assert value("imexd_bus_resync_corrections") == 1.0
     assert value("imexd_bus_dropped", reason="schema") == 4.0
     assert value("imexd_bus_dropped", reason="not_json") == 0.0
     assert value("imexd_ready") == 0.0
