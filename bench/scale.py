@@ -368,7 +368,8 @@ class Worker:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         self.build()
         profiler_path: str | None = self.spec.get("profile")
-        profiler = cProfile.Profile() if profiler_path else None
+        # CPU time, not wall time: on a loaded machine a wall clock charges the waits.
+        profiler = cProfile.Profile(time.process_time) if profiler_path else None
         helpers = [
             asyncio.create_task(self.watch(), name="watch"),
             asyncio.create_task(self.lag(), name="lag"),
