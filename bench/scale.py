@@ -253,6 +253,8 @@ class Worker:
         turn = node.index % len(urls)  # the agents spread over a cluster's servers
         bus: dict[str, Any] = {"url": urls[turn:] + urls[:turn]}
         bus["will_delay_s"] = float(self.spec["will_delay_s"])
+        if self.spec.get("resync_interval_s") is not None:
+            bus["resync_interval_s"] = float(self.spec["resync_interval_s"])
         if self.spec["protocol"] != "auto":
             bus["protocol"] = self.spec["protocol"]
         return {
@@ -582,6 +584,7 @@ class Options:
     broker: str
     workers: int
     will_delay_s: float
+    resync_interval_s: float | None
     idle_s: float
     limit_s: float
     keep: bool
@@ -792,6 +795,7 @@ class Bench:
             "urls": self.broker.urls,
             "protocol": self.broker.protocol,
             "will_delay_s": self.opts.will_delay_s,
+            "resync_interval_s": self.opts.resync_interval_s,
         }
         for w in self.all_workers():
             spec = dict(base)
@@ -1147,6 +1151,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     )
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
+    parser.add_argument(
+        "--resync-interval-s",
+        type=float,
+        default=None,
+        help="[bus] resync_interval_s (default: the shipped one; 0: no periodic re-read)",
+    )
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle sampling seconds (10)")
     parser.add_argument(
         "--ramp-s",
@@ -1181,6 +1191,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         broker=args.broker,
         workers=args.workers,
         will_delay_s=args.will_delay_s,
+        resync_interval_s=args.resync_interval_s,
         idle_s=args.idle_s,
         limit_s=args.limit_s,
         keep=args.keep or args.profile,

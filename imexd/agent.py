@@ -307,7 +307,7 @@ class Agent:
             elif isinstance(event, Deleted):
                 self.assigned_domain = None
         self.channels.on_event(event)
-        # Refused: the bus logged it (bus_publish_refused); the facts carry it below.
+        # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
         self.wake.set()
         self.changed.set()

@@ -103,6 +103,7 @@ from imexd.messages import (
     Payload,
     Ping,
     Received,
+    TopicRef,
     Topics,
     decode_message,
     encode,
@@ -129,6 +130,11 @@ _SUBSCRIBE_RETRIES: Final = 3
 dropped for the next broker."""
 
 RESYNC_QUIET_S: Final = 5.0
+RESYNC_SETTLE_S: Final = 1.0
+"""A re-read also follows every burst of changes, `resync_quiet_s` + this many seconds
+after its last live message, so that an update lost in a formation is corrected seconds
+after it, not a whole `[bus] resync_interval_s` later (measured on a three-server NATS
+cluster: a peer's member record lost on a server that had sent no stale copy)."""
 """A re-read leaves alone a topic whose record changed this recently: a clustered
 broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
 server's retained map asynchronously), and a "correction" would then flap it."""
@@ -210,10 +216,13 @@ class Synced:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """Our retained publication did not come back in time: the broker refused it (ACL)."""
+    """Our retained publication did not come back in time: the broker refused it (ACL),
+    or a clustered broker lost its echo (the shard publishes a claim again then)."""
 
     topic: str
     detail: str
+    ref: TopicRef | None = None
+    """What the topic addresses (None: not an imexd topic)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,6 +624,10 @@ class Bus:
         self.resyncs = 0
         """Periodic re-reads completed (`[bus] resync_interval_s`)."""
         self.resync_corrections = 0
+        self._last_live = -math.inf
+        """time.monotonic() of the last live message on a filter (not a ping)."""
+        self._last_reread = -math.inf
+        """time.monotonic() when the last re-read began."""
         """Topics a re-read corrected: a record delivered, changed or deleted, or one of
         ours published again, because the broker's snapshot said otherwise."""
 
@@ -1006,14 +1019,15 @@ class Bus:
                 waits = (
                     {leave, self._refusal} if checked else {leave, self._refusal, self._own_echo}
                 )
-                await _first_set(waits, max(0.0, min(next_ping, next_resync) - time.monotonic()))
+                due = min(next_ping, next_resync, self._next_settle())
+                await _first_set(waits, max(0.0, due - time.monotonic()))
                 if leave.is_set():
                     break
                 if self._refusal.is_set():
                     await self._settle(client, leave)
                 elif not checked and self._own_echo.is_set():
                     checked = await self._check_retained(client)
-                elif time.monotonic() >= next_resync:
+                elif time.monotonic() >= min(next_resync, self._next_settle()):
                     await self._reread(client)  # its round trip proves the link too
                     next_resync = self._next_resync()
                     next_ping = time.monotonic() + self._ping_interval_s
@@ -1148,6 +1162,13 @@ class Bus:
             return math.inf
         return time.monotonic() + self._resync_s * (0.75 + 0.5 * self._rand())
 
+    def _next_settle(self) -> float:
+        """time.monotonic() of the re-read that follows a burst of changes (when re-reads
+        are on and a live message came since the last one began), or never."""
+        if self._resync_s <= 0 or self._last_live <= self._last_reread:
+            return math.inf
+        return self._last_live + self._resync_quiet_s + RESYNC_SETTLE_S
+
     async def _reread(self, client: Client) -> None:
         """Anti-entropy: subscribe every granted filter again on this link and correct
         what we delivered by the broker's fresh retained snapshot (`_correct`).
@@ -1157,10 +1178,10 @@ class Bus:
         are delivered as usual and win over the snapshot. A refused SUBSCRIBE is left to
         the link's task (it retries, then resyncs); a lost round trip ends the link.
         """
+        started = self._last_reread = time.monotonic()
         filters = [f for f in self._filters if f not in self._missing]
         if not filters:
             return
-        started = time.monotonic()
         async with self._lock:
             self._snapshot, self._snapshot_filters = {}, filters
             try:
@@ -1419,7 +1440,7 @@ class Bus:
     def _refused(self, topic: str) -> None:
         detail = "our retained publication did not come back: the broker refused it (ACL?)"
         self._log.warning("bus_publish_refused", topic=topic, detail=detail)
-        self._emit(Refused(topic, detail))
+        self._emit(Refused(topic, detail, ref=self.topics.parse(topic)))
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""
@@ -1433,6 +1454,7 @@ class Bus:
         if topic != self._ping_topic:
             if not retained:
                 self._live_topics.add(topic)
+                self._last_live = time.monotonic()
             elif topic in self._live_topics:
                 # Older than the live message that came first (NATS 2.9 sends a new
                 # subscription's retained copies after its consumer's live deliveries).

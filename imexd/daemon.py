@@ -185,6 +185,8 @@ class Supervisor:
         self._tail_task: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
         self._changed = asyncio.Event()
+        self._watching = asyncio.Event()
+        """Set while a daemon is watched: without one, `_tail` sleeps on it, not a timer."""
         self._acks: list[asyncio.Future[DaemonStatus]] = []
 
     @classmethod
@@ -621,6 +623,7 @@ class Supervisor:
         """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
+        self._watching.set()
         self._last_tail = child.output
         if self._last_ran:
             self._restarts += 1
@@ -666,11 +669,15 @@ class Supervisor:
         self._kick.set()
 
     async def _tail(self) -> None:
-        """Read the daemon's output files every `output_poll_s` (files cannot be awaited)."""
+        """Read the daemon's output files every `output_poll_s` (files cannot be awaited),
+        while a daemon is watched; without one, no timer runs (an agent without a daemon,
+        or between daemons, costs no wake-ups)."""
         while True:
+            await self._watching.wait()
             await asyncio.sleep(self._output_poll)
             child = self._child
             if child is None or child.released:
+                self._watching.clear()
                 continue
             self._output.poll(child.output)
 

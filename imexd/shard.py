@@ -53,6 +53,7 @@ from imexd.bus import (
     ConnectFailed,
     Disconnected,
     Event,
+    Refused,
     SubscribeRefused,
     Synced,
     WillSpec,
@@ -80,6 +81,11 @@ CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
 SUSPECT_LOSSES: Final = 2
 """Link losses during the watch of a record of our name that make it a live duplicate."""
+RECLAIMS_ON_LOST_ECHO: Final = 3
+"""Times a claim whose echo did not come back in time (`Refused`) is published again on
+one link: a clustered broker (NATS 2.9) may keep the claim and never deliver its echo to
+the claimant, which would wait for it until the link ends; a broker that refuses the
+publication for good (an ACL) is not asked forever."""
 FIRST_START_WINDOWS: Final = 5
 """The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
 default) for claims in flight and listed nodes that are not members yet. A claim settles
@@ -188,7 +194,10 @@ class ShardView:
         self.echo: mb.Echo | None = None
         """The barrier of our claim: taken at the live echo of `last_sent`."""
         self.republish = False
-        """A new link: a claim in flight must be published again and wait for its echo."""
+        """A new link, or a lost echo: a claim in flight must be published again and wait
+        for its echo."""
+        self.reclaims = 0
+        """Claims published again on this link because their echo was lost."""
         self.started = False
         """The daemon was asked to run in this shard: its first start is behind us."""
         self.hold_until: float | None = None
@@ -267,6 +276,7 @@ class ShardView:
             self.in_flight.clear()
             self.echo = None
             self.republish = True
+            self.reclaims = 0
             self.trusted = False
         elif isinstance(event, Disconnected):
             self.synced = False
@@ -275,6 +285,8 @@ class ShardView:
                 return self._on_taken_over()
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
+        elif isinstance(event, Refused):
+            self._on_refused(event)
         elif isinstance(event, ConnectFailed | SubscribeRefused):
             # A refused filter leaves a partial view until the bus gets it (then Synced).
             self.synced = False
@@ -326,6 +338,26 @@ class ShardView:
         ):
             self.spec = payload
         return None
+
+    def _on_refused(self, event: Refused) -> None:
+        """Our claim's echo did not come back in time: publish the claim again and settle
+        on that publication's echo only (the lost one's, should it come late, no longer
+        counts: like a claim carried over to a new link)."""
+        ref, record = event.ref, self.last_sent
+        if (
+            ref is None
+            or ref.kind != "member"
+            or ref.node != self.node
+            or (ref.domain, ref.clique) != self.current
+            or record is None
+            or record.state is not MemberState.CLAIMING
+            or self.echo is not None
+            or self.reclaims >= RECLAIMS_ON_LOST_ECHO
+        ):
+            return
+        self.reclaims += 1
+        self.in_flight.clear()
+        self.republish = True
 
     def _on_deleted(self, event: Deleted, now: float) -> Identity | None:
         ref = event.ref

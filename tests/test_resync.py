@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.bus import Bus, Disconnected, Event, Synced
+from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
@@ -301,3 +301,31 @@ async def test_a_subscriber_on_another_nats_server_ends_on_the_last_update(
                 await other.close(2.0)
     finally:
         await peer.close(2.0)
+
+
+async def test_a_reread_follows_each_burst_of_changes(broker: Mosquitto) -> None:
+    """Seen on a three-server NATS cluster at 64 nodes: a peer's member record lost during
+    a formation stayed lost until the periodic re-read, up to `resync_interval_s` (30 s)
+    later. A re-read also follows each burst of changes, `resync_quiet_s` +
+    RESYNC_SETTLE_S after its last live message, and corrects it; without a change since
+    the last re-read there is none."""
+    peer = await client_of(broker.url)
+    current = {topic("n2"): encode(record("n2", 4, MemberState.MEMBER))}
+    await peer.publish(topic("n2"), current[topic("n2")], retain=True)
+    s = settings(broker.url, resync_interval_s=600.0)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.2) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        await view.until(current, within=5)
+        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        assert bus.resyncs == 0, "a re-read without any change"
+        # The lost update: n2's older claim stands in the view (delivered live, as a
+        # later update that never arrived leaves it); a burst of changes ends here.
+        bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=False)
+        await until_at_least(lambda: bus.resync_corrections, 1, within=5)
+        assert view.records == current
+        resyncs = bus.resyncs
+        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        assert bus.resyncs == resyncs, "a re-read without a change since the last one"
+        view.stop()
+    await peer.close(2.0)

@@ -11,7 +11,14 @@ import msgspec
 from hypothesis import given
 
 from imexd import membership as mb
-from imexd.bus import BrokerChecked, Connected, Disconnected, SubscribeRefused, Synced
+from imexd.bus import (
+    BrokerChecked,
+    Connected,
+    Disconnected,
+    Refused,
+    SubscribeRefused,
+    Synced,
+)
 from imexd.logs import get_logger
 from imexd.messages import (
     MAX_HOLD_S,
@@ -23,7 +30,14 @@ from imexd.messages import (
     TopicRef,
     Topics,
 )
-from imexd.shard import DOUBT_S, FIRST_START_WINDOWS, Identity, Plan, ShardView
+from imexd.shard import (
+    DOUBT_S,
+    FIRST_START_WINDOWS,
+    RECLAIMS_ON_LOST_ECHO,
+    Identity,
+    Plan,
+    ShardView,
+)
 from imexd.state import NodeState
 
 CLAIMING = MemberState.CLAIMING
@@ -461,6 +475,44 @@ def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
     v.apply(received(mine, retained=False), 0.3)  # the new echo
     v.apply(BrokerChecked(broker="b", ok=True), 0.3)  # the new link's broker check
     assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.MEMBER)
+
+
+def refused(record: MemberRecord) -> Refused:
+    """The bus's verdict when our publication of `record` did not come back in time."""
+    topic = Topics("imex/v2").member(record.domain, record.clique, record.node)
+    ref = TopicRef("member", record.domain, record.clique, record.node)
+    return Refused(topic, "did not come back", ref=ref)
+
+
+def test_a_claim_whose_echo_was_lost_is_published_again_and_settles_on_the_new_echo() -> None:
+    """Seen on a three-server NATS cluster: the broker kept a claim but never delivered
+    its echo to the claimant, which waited for it until the link ended (a member missing
+    from the whole clique). A claim whose echo timed out is published again (at most
+    RECLAIMS_ON_LOST_ECHO times) and settles on that publication's echo only."""
+    v = view()
+    mine = claim(v, 0.0)
+    assert v.in_flight
+    assert v.echo is None
+    v.apply(refused(mine), 5.0)
+    plan = derive(v, 5.0)
+    assert plan.publish, "the claim is published again"
+    assert not v.in_flight, "the lost publication's echo no longer counts"
+    publish(v, plan, 5.1)  # published again; its echo comes back
+    assert slot_phase(v, 5.2)[:2] == (mine.slot, mb.Phase.MEMBER)
+
+
+def test_a_claim_is_published_again_on_a_lost_echo_only_a_few_times() -> None:
+    """A broker that refuses our publications for good (an ACL) is not asked forever."""
+    v = view()
+    mine = claim(v, 0.0)
+    for attempt in range(RECLAIMS_ON_LOST_ECHO):
+        v.apply(refused(mine), 5.0 * (attempt + 1))
+        plan = derive(v, 5.0 * (attempt + 1))
+        assert plan.publish
+        v.sending(v.record(plan.decision.claim, driver="") if plan.decision else None)
+        v.commit(plan)
+    v.apply(refused(mine), 100.0)
+    assert not derive(v, 100.0).publish
 
 
 # The first start: held while the shard forms, bounded.
