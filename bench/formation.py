@@ -1412,7 +1412,11 @@ class Run:
         for member in everyone:
             sig = member.signals()
             signals += sig
-            per_node.append(sig.get("SIGUSR1 honoured", 0) + sig.get("SIGUSR1 ignored", 0))
+            per_node.append(
+                sig.get("SIGUSR1 honoured", 0)
+                + sig.get("SIGUSR1 ignored", 0)
+                + sig.get("SIGUSR1 early", 0)
+            )
         r.add(
             "SIGUSR1 per node over the run (max)",
             max(per_node),

@@ -283,13 +283,15 @@ class Node:
         return {} if parsed is None else parsed[1]
 
     def signals(self) -> list[str]:
-        """The simulator's signal log lines (`<time> <SIGNAME> honoured|ignored`)."""
+        """The simulator's signal log lines (`<time> <SIGNAME> honoured|ignored|early`)."""
         if not self.signal_log.exists():
             return []
         return self.signal_log.read_text().splitlines()
 
     def reloads(self) -> list[str]:
-        """The daemon's fate of every SIGUSR1 it got: `honoured` or `ignored`."""
+        """The daemon's fate of every SIGUSR1 it got: `honoured`, `ignored` (the reload
+        window dropped it: a change not taken) or `early` (before its names were read:
+        nothing to take; a loaded machine delays the simulator's start)."""
         return [line.split()[2] for line in self.signals() if line.split()[1:2] == ["SIGUSR1"]]
 
     def ctl(self, *args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:

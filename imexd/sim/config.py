@@ -310,7 +310,7 @@ class SimEnv:
     state_dir: str | None = None
     """IMEXD_SIM_STATE_DIR: folder of the recovery state; default the config's folder."""
     signal_log: str | None = None
-    """IMEXD_SIM_SIGNAL_LOG: append `<time> <SIGNAME> honoured|ignored` per signal."""
+    """IMEXD_SIM_SIGNAL_LOG: append `<time> <SIGNAME> honoured|ignored|early` per signal."""
     reload_window_s: float = 5.0
     """IMEXD_SIM_RELOAD_WINDOW_S: SIGUSR1 is honoured at most once per this window."""
     start_delay_s: float = 0.0

@@ -636,7 +636,7 @@ class SignalDesk:
 
 
 def record_signal(env: SimEnv, at: float, name: str, verdict: str) -> bool:
-    """Append `<time> <SIGNAME> honoured|ignored` to IMEXD_SIM_SIGNAL_LOG, if set."""
+    """Append `<time> <SIGNAME> honoured|ignored|early` to IMEXD_SIM_SIGNAL_LOG, if set."""
     if not env.signal_log:
         return True
     try:
@@ -650,16 +650,19 @@ def record_signal(env: SimEnv, at: float, name: str, verdict: str) -> bool:
 def install_early_handlers(env: SimEnv) -> None:
     """Signals that arrive before the event loop runs: never a default-action death.
 
-    A stop request exits 0 at once (there are no peers to tell yet); SIGUSR1 is
-    ignored (the names are about to be, or were just, read anyway); all are recorded
-    like later ones. The loop's handlers replace these once it runs.
+    A stop request exits 0 at once (there are no peers to tell yet); SIGUSR1 has
+    nothing to do (the names are about to be, or were just, read anyway) and is recorded
+    as `early`, so that a test can tell it from one the reload window dropped
+    (`ignored`: a change the daemon did not take); the rest are recorded like later
+    ones. The loop's handlers replace these once it runs.
     """
 
     def early(signum: int, _frame: object) -> None:
         sig = signal.Signals(signum)
         stop = sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
         honoured = sig == signal.SIGHUP or (stop and not env.ignore_sigterm)
-        record_signal(env, time.time(), sig.name, "honoured" if honoured else "ignored")
+        verdict = "early" if sig == signal.SIGUSR1 else "honoured" if honoured else "ignored"
+        record_signal(env, time.time(), sig.name, verdict)
         if stop and honoured:
             raise SystemExit(0)
 
