@@ -1268,7 +1268,15 @@ class Bus:
         self._live_topics = {
             t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
         }
-        refusals = await client.subscribe(wanted)
+        # The ping topic at QoS 0: only this agent reads it, a lost echo costs a reconnect,
+        # and a clustered NATS serves QoS 0 with a plain subscription, where QoS 1 needs a
+        # JetStream consumer that it refuses for tens of seconds after a server died.
+        pinged = [f for f in wanted if f == self._ping_topic]
+        rest = [f for f in wanted if f != self._ping_topic]
+        answers = dict(zip(rest, await client.subscribe(rest), strict=True)) if rest else {}
+        if pinged:
+            answers.update(zip(pinged, await client.subscribe(pinged, qos=0), strict=True))
+        refusals = [answers[f] for f in wanted]
         refused: list[tuple[str, str]] = []
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
             if refusal is None:

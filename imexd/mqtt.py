@@ -228,11 +228,12 @@ class Client:
         reason = self._watch.server_reason
         return int(reason.value) if reason is not None else None
 
-    async def subscribe(self, filters: Sequence[str]) -> list[str | None]:
-        """Subscribe (QoS 1); per filter None when granted, else the broker's refusal."""
+    async def subscribe(self, filters: Sequence[str], *, qos: int = QOS) -> list[str | None]:
+        """Subscribe at QoS `qos` (1; 0 only where at-most-once delivery will do); per
+        filter None when granted, else the broker's refusal."""
         try:
             codes: list[int | ReasonCode] = list(
-                await self._inner.subscribe([(f, QOS) for f in filters])
+                await self._inner.subscribe([(f, qos) for f in filters])
             )
         except aiomqtt.MqttError as exc:
             raise _failure(exc) from exc

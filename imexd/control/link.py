@@ -52,6 +52,12 @@ OPERATION_TIMEOUT_S: Final = 5.0
 SUBSCRIBE_RETRY_S: Final = (0.25, 2.0)
 """First and largest wait before a refused subscription is asked for again (doubling,
 jittered: `imexd.retry.backoff_delay`), within OPERATION_TIMEOUT_S."""
+READ_QOS: Final = 0
+"""QoS of the control plane's subscriptions, except workload filters (QoS 1). Its reads
+need the retained snapshot, which a broker sends at SUBACK at any QoS, and live reports
+that agents send again every report interval; at QoS 0 a clustered NATS serves them with
+a plain subscription, where QoS 1 makes it create a JetStream consumer per subscription,
+which times out or is refused for tens of seconds after a server died (nats-server 2.9)."""
 SYNC_LEVEL: Final = "_control"
 """Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
 
@@ -285,7 +291,7 @@ class Link:
         wanted = list(filters)
         for attempt in itertools.count():
             try:
-                refusals = await client.subscribe(wanted)
+                refusals = await self._subscribe_qos(client, wanted)
             except BusError as exc:
                 raise _NotGrantedError(f"cannot subscribe at {self.broker}: {exc}") from None
             refused = [(f, r) for f, r in zip(wanted, refusals, strict=True) if r is not None]
@@ -302,6 +308,22 @@ class Link:
                     "of its servers died)"
                 )
             await asyncio.sleep(delay)
+
+    def qos(self, topic_filter: str) -> int:
+        """QoS 1 for a workload filter (the channel race judges by every message of it, in
+        the broker's order: none may be missed), `READ_QOS` for every other filter."""
+        levels = topic_filter.split("/")
+        base = self.topics.prefix.count("/") + 1
+        workloads = levels[base : base + 1] == ["domains"] and len(levels) > base + 2
+        return 1 if workloads and levels[base + 2] == "workloads" else READ_QOS
+
+    async def _subscribe_qos(self, client: Client, filters: Sequence[str]) -> list[str | None]:
+        """Subscribe each filter at its `qos`; per filter None when granted, else why not."""
+        refusals: dict[str, str | None] = {}
+        for qos in sorted({self.qos(f) for f in filters}):
+            group = [f for f in filters if self.qos(f) == qos]
+            refusals.update(zip(group, await client.subscribe(group, qos=qos), strict=True))
+        return [refusals[f] for f in filters]
 
     async def read(self, *filters: str) -> Store:
         """Subscribe to `filters`; returns once their retained snapshot is in `store`."""
