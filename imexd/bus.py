@@ -130,14 +130,21 @@ _SUBSCRIBE_RETRIES: Final = 3
 dropped for the next broker."""
 
 RESYNC_QUIET_S: Final = 5.0
-RESYNC_SETTLE_S: Final = 1.0
-"""A re-read also follows every burst of changes, `resync_quiet_s` + this many seconds
-after its last live message, so that an update lost in a formation is corrected seconds
-after it, not a whole `[bus] resync_interval_s` later (measured on a three-server NATS
-cluster: a peer's member record lost on a server that had sent no stale copy)."""
 """A re-read leaves alone a topic whose record changed this recently: a clustered
 broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
 server's retained map asynchronously), and a "correction" would then flap it."""
+RESYNC_SETTLE_S: Final = 1.0
+"""On a link that may lose updates, a re-read also follows every burst of changes,
+`resync_quiet_s` + this many seconds after its last live message, so that an update lost
+in a formation is corrected seconds after it, not a whole `[bus] resync_interval_s` later
+(measured on a three-server NATS cluster: a peer's member record lost on a server that
+had sent no stale copy). Such a link runs MQTT 3.1.1 (NATS speaks nothing else), or its
+broker has dropped or reordered an update already (`Bus.lossy`); on an MQTT 5 broker that
+never did (Mosquitto) it would cost every agent a snapshot per burst (about 20 ms of CPU
+per node at 256 nodes) for nothing."""
+RESYNC_SETTLE_MAX_S: Final = 15.0
+"""A burst that never ends (links that keep dropping on an overloaded cluster) defers its
+re-read at most this long after its first live message."""
 
 _LATENESS_SLICE_S: Final = 0.25
 """A ping deadline is watched in slices this long; a slice that ends late measures how
@@ -223,6 +230,10 @@ class Refused:
     detail: str
     ref: TopicRef | None = None
     """What the topic addresses (None: not an imexd topic)."""
+    lossy_link: bool = False
+    """The link may lose an echo (MQTT 3.1.1, or a broker seen to drop or reorder an
+    update: see RESYNC_SETTLE_S); on an MQTT 5 broker that never did, a missing echo is a
+    refusal or an overloaded agent, and publishing again would only add load."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -624,7 +635,14 @@ class Bus:
         self.resyncs = 0
         """Periodic re-reads completed (`[bus] resync_interval_s`)."""
         self.resync_corrections = 0
+        self.lossy = False
+        """The broker dropped or reordered an update: a stale retained copy came, or a
+        re-read corrected something (see RESYNC_SETTLE_S)."""
         self._last_live = -math.inf
+        self._first_live = -math.inf
+        """time.monotonic() of the first live message since the last re-read began."""
+        self._burst = asyncio.Event()
+        """Set by that first live message: the link's task then schedules its re-read."""
         """time.monotonic() of the last live message on a filter (not a ping)."""
         self._last_reread = -math.inf
         """time.monotonic() when the last re-read began."""
@@ -1016,9 +1034,10 @@ class Bus:
             next_ping = time.monotonic() + self._ping_interval_s
             next_resync = self._next_resync()
             while not leave.is_set():
-                waits = (
-                    {leave, self._refusal} if checked else {leave, self._refusal, self._own_echo}
-                )
+                waits = {leave, self._refusal, self._burst}
+                if not checked:
+                    waits.add(self._own_echo)
+                self._burst.clear()
                 due = min(next_ping, next_resync, self._next_settle())
                 await _first_set(waits, max(0.0, due - time.monotonic()))
                 if leave.is_set():
@@ -1164,10 +1183,18 @@ class Bus:
 
     def _next_settle(self) -> float:
         """time.monotonic() of the re-read that follows a burst of changes (when re-reads
-        are on and a live message came since the last one began), or never."""
-        if self._resync_s <= 0 or self._last_live <= self._last_reread:
+        are on, the link may lose updates, and a live message came since the last one
+        began), or never."""
+        if (
+            self._resync_s <= 0
+            or not (self.lossy or self._protocol == "3.1.1")
+            or self._last_live <= self._last_reread
+        ):
             return math.inf
-        return self._last_live + self._resync_quiet_s + RESYNC_SETTLE_S
+        return min(
+            self._last_live + self._resync_quiet_s + RESYNC_SETTLE_S,
+            self._first_live + RESYNC_SETTLE_MAX_S,
+        )
 
     async def _reread(self, client: Client) -> None:
         """Anti-entropy: subscribe every granted filter again on this link and correct
@@ -1249,6 +1276,7 @@ class Bus:
             self._known[topic] = (fresh, time.monotonic())
             self._emit(result)
         if corrected:
+            self.lossy = True
             self.resync_corrections += len(corrected)
             self._log.warning(
                 "bus_resync_corrected",
@@ -1448,7 +1476,8 @@ class Bus:
     def _refused(self, topic: str) -> None:
         detail = "our retained publication did not come back: the broker refused it (ACL?)"
         self._log.warning("bus_publish_refused", topic=topic, detail=detail)
-        self._emit(Refused(topic, detail, ref=self.topics.parse(topic)))
+        lossy = self.lossy or self._protocol == "3.1.1"
+        self._emit(Refused(topic, detail, ref=self.topics.parse(topic), lossy_link=lossy))
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""
@@ -1462,11 +1491,16 @@ class Bus:
         if topic != self._ping_topic:
             if not retained:
                 self._live_topics.add(topic)
-                self._last_live = time.monotonic()
+                at = time.monotonic()
+                if self._last_live <= self._last_reread:
+                    self._first_live = at
+                    self._burst.set()
+                self._last_live = at
             elif topic in self._live_topics:
                 # Older than the live message that came first (NATS 2.9 sends a new
                 # subscription's retained copies after its consumer's live deliveries).
                 self.stale_retained += 1
+                self.lossy = True
                 self._log.debug("bus_stale_retained_dropped", topic=topic[:300])
                 return
             elif self._snapshot is not None and any(

@@ -357,11 +357,11 @@ class BusSettings:
         "link: each filter is subscribed again, the broker's fresh retained snapshot is "
         "compared with what the agent holds, and only differences come out (a record the "
         "snapshot no longer holds as a deletion), so a clustered broker that lost a live "
-        "update (NATS 2.9) is corrected within this time; a re-read also follows every "
-        "burst of changes, 6 s after its last message (only when this is not 0). Each "
-        "re-read costs one SUBSCRIBE "
-        "per filter and one copy of every retained record of the node's shard and domain "
-        "(about 20 messages for a rack of 18), plus a round trip. 0: never.",
+        "update (NATS 2.9) is corrected within this time; on an MQTT 3.1.1 link, or once "
+        "the broker dropped or reordered an update, a re-read also follows every burst of "
+        "changes, 6 s after its last message (only when this is not 0). Each re-read costs "
+        "one SUBSCRIBE per filter and one copy of every retained record of the node's shard "
+        "and domain (about 20 messages for a rack of 18), plus a round trip. 0: never.",
         _nonneg,
     )
     broker_will_delay: bool = _setting(

@@ -83,9 +83,10 @@ SUSPECT_LOSSES: Final = 2
 """Link losses during the watch of a record of our name that make it a live duplicate."""
 RECLAIMS_ON_LOST_ECHO: Final = 3
 """Times a claim whose echo did not come back in time (`Refused`) is published again on
-one link: a clustered broker (NATS 2.9) may keep the claim and never deliver its echo to
-the claimant, which would wait for it until the link ends; a broker that refuses the
-publication for good (an ACL) is not asked forever."""
+one link that may lose echoes (`Refused.lossy_link`): a clustered broker (NATS 2.9) may
+keep the claim and never deliver its echo to the claimant, which would wait for it until
+the link ends; a broker that refuses the publication for good (an ACL) is not asked
+forever."""
 FIRST_START_WINDOWS: Final = 5
 """The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
 default) for claims in flight and listed nodes that are not members yet. A claim settles
@@ -340,12 +341,15 @@ class ShardView:
         return None
 
     def _on_refused(self, event: Refused) -> None:
-        """Our claim's echo did not come back in time: publish the claim again and settle
-        on that publication's echo only (the lost one's, should it come late, no longer
-        counts: like a claim carried over to a new link)."""
+        """Our claim's echo did not come back in time on a link that may lose it: publish
+        the claim again and settle on that publication's echo only (the lost one's, should
+        it come late, no longer counts: like a claim carried over to a new link). On a
+        link that loses nothing (Mosquitto over MQTT 5) a late echo means an overloaded
+        agent, which a second claim would only load more (1024 agents on 2 cores)."""
         ref, record = event.ref, self.last_sent
         if (
-            ref is None
+            not event.lossy_link
+            or ref is None
             or ref.kind != "member"
             or ref.node != self.node
             or (ref.domain, ref.clique) != self.current
