@@ -139,7 +139,7 @@ RESYNC_SETTLE_S: Final = 1.0
 in a formation is corrected seconds after it, not a whole `[bus] resync_interval_s` later
 (measured on a three-server NATS cluster: a peer's member record lost on a server that
 had sent no stale copy). Such a link runs MQTT 3.1.1 (NATS speaks nothing else), or its
-broker has dropped or reordered an update already (`Bus.lossy`); on an MQTT 5 broker that
+broker lost an update already (a re-read corrected one: `Bus.lossy`); on an MQTT 5 broker that
 never did (Mosquitto) it would cost every agent a snapshot per burst (about 20 ms of CPU
 per node at 256 nodes) for nothing."""
 RESYNC_SETTLE_MAX_S: Final = 15.0
@@ -231,7 +231,7 @@ class Refused:
     ref: TopicRef | None = None
     """What the topic addresses (None: not an imexd topic)."""
     lossy_link: bool = False
-    """The link may lose an echo (MQTT 3.1.1, or a broker seen to drop or reorder an
+    """The link may lose an echo (MQTT 3.1.1, or a broker a re-read found losing an
     update: see RESYNC_SETTLE_S); on an MQTT 5 broker that never did, a missing echo is a
     refusal or an overloaded agent, and publishing again would only add load."""
 
@@ -636,8 +636,9 @@ class Bus:
         """Periodic re-reads completed (`[bus] resync_interval_s`)."""
         self.resync_corrections = 0
         self.lossy = False
-        """The broker dropped or reordered an update: a stale retained copy came, or a
-        re-read corrected something (see RESYNC_SETTLE_S)."""
+        """The broker lost an update: a re-read corrected something (see RESYNC_SETTLE_S).
+        A stale retained copy does not count: on Mosquitto a live message queued before
+        a SUBSCRIBE was processed comes before that SUBSCRIBE's copy of it, harmlessly."""
         self._last_live = -math.inf
         self._first_live = -math.inf
         """time.monotonic() of the first live message since the last re-read began."""
@@ -1142,12 +1143,21 @@ class Bus:
         topic, topic_filter = target
         self._check_seen = False
         self._checking = topic
+        started = time.monotonic()
         try:
             async with self._lock:
-                await self._subscribe(client, [topic_filter])
-            if topic_filter in self._missing:
-                return False
-            await self._round_trip(client)
+                # The broker sends the whole filter's snapshot again: held back and judged
+                # like a re-read's, so the records we hold are not delivered a second time.
+                self._snapshot, self._snapshot_filters = {}, [topic_filter]
+                try:
+                    await self._subscribe(client, [topic_filter])
+                    if topic_filter in self._missing:
+                        return False
+                    await self._round_trip(client)
+                    snapshot = self._snapshot
+                finally:
+                    self._snapshot, self._snapshot_filters = None, []
+                await self._correct(client, [topic_filter], snapshot, started)
         finally:
             self._checking = None
         broker = self._broker or ""
@@ -1500,7 +1510,6 @@ class Bus:
                 # Older than the live message that came first (NATS 2.9 sends a new
                 # subscription's retained copies after its consumer's live deliveries).
                 self.stale_retained += 1
-                self.lossy = True
                 self._log.debug("bus_stale_retained_dropped", topic=topic[:300])
                 return
             elif self._snapshot is not None and any(

@@ -353,15 +353,13 @@ class BusSettings:
     )
     resync_interval_s: float = _setting(
         30.0,
-        "Seconds (jittered by +-25 %) between re-reads of the bus's subscriptions on a live "
-        "link: each filter is subscribed again, the broker's fresh retained snapshot is "
-        "compared with what the agent holds, and only differences come out (a record the "
-        "snapshot no longer holds as a deletion), so a clustered broker that lost a live "
-        "update (NATS 2.9) is corrected within this time; on an MQTT 3.1.1 link, or once "
-        "the broker dropped or reordered an update, a re-read also follows every burst of "
-        "changes, 6 s after its last message (only when this is not 0). Each re-read costs "
-        "one SUBSCRIBE per filter and one copy of every retained record of the node's shard "
-        "and domain (about 20 messages for a rack of 18), plus a round trip. 0: never.",
+        "Seconds (jittered by +-25 %) between re-reads of the subscriptions on a live link: "
+        "the broker's fresh retained snapshot is compared with what the agent holds and "
+        "only differences come out, so an update a clustered broker lost (NATS 2.9) is "
+        "corrected within this time; on MQTT 3.1.1, or once a re-read found a loss, one "
+        "also follows each burst of changes by 6 s. Each costs one SUBSCRIBE per filter, "
+        "a copy of every record of the shard and domain (~20 for a rack of 18) and a round "
+        "trip. 0: never.",
         _nonneg,
     )
     broker_will_delay: bool = _setting(
