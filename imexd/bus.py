@@ -219,6 +219,9 @@ class Synced:
 
     at: float
     """time.monotonic() when the snapshot was complete."""
+    filters: frozenset[str] | None = None
+    """The filters whose snapshot it proves: those granted on this link before its round
+    trip began (None: not said). A filter subscribed meanwhile has its own Synced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,6 +386,10 @@ async def _within_loop_time(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, BusError):
                 await task
+        elif not task.cancelled():
+            # Done as we were cancelled (the link went down): its error is retrieved
+            # here, or asyncio logs it as never retrieved.
+            task.exception()
 
 
 class _LinkLostError(BusError):
@@ -612,6 +619,8 @@ class Bus:
         self._check_seen = False
         self._sync_withheld = False
         """A snapshot completed while the broker was not trusted: `Synced` once it is."""
+        self._granted: set[str] = set()
+        """Filters the broker granted on this link (what a `Synced` can cover)."""
         self._missing: dict[str, str] = {}
         """Filters (ours, or the ping topic) the broker refused on this link: the refusal."""
         self._refusal = asyncio.Event()
@@ -750,6 +759,7 @@ class Bus:
             if topic_filter not in self._filters:
                 return
             del self._filters[topic_filter]
+            self._granted.discard(topic_filter)
             self._echoes.forget(self._covered)
             self._known = {t: k for t, k in self._known.items() if self._covered(t)}
             if self._missing.pop(topic_filter, None) is not None:
@@ -1090,8 +1100,9 @@ class Bus:
                 "dropping the link for the next broker"
             )
         self._refusal.clear()
+        covered = frozenset(self._granted)
         await self._round_trip(client)
-        self._mark_synced()
+        self._mark_synced(covered)
 
     def _wanted_missing(self) -> list[str]:
         """The refused filters we still want (a caller may have unsubscribed some)."""
@@ -1319,6 +1330,7 @@ class Bus:
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
             if refusal is None:
                 self._missing.pop(topic_filter, None)
+                self._granted.add(topic_filter)
             else:
                 self._missing[topic_filter] = refusal
                 refused.append((topic_filter, refusal))
@@ -1378,13 +1390,14 @@ class Bus:
 
     async def _resync(self, client: Client) -> None:
         """After a new subscription: prove its snapshot arrived, or replace the link."""
+        covered = frozenset(self._granted)
         try:
             await self._round_trip(client)
         except BusError as exc:
             self._declare_dead(client, str(exc))
             return
         if self._client is client:
-            self._mark_synced()
+            self._mark_synced(covered)
 
     async def _disconnect(self, client: Client) -> None:
         """Clean DISCONNECT (the broker drops our will), bounded in time."""
@@ -1420,6 +1433,7 @@ class Bus:
         self.retained_checked = False
         self._sync_withheld = False
         self._missing.clear()
+        self._granted.clear()
         self._refusal.clear()
         self._refusal_drop = False
         self.subscribe_refused = ""
@@ -1467,10 +1481,11 @@ class Bus:
         self._log.warning("bus_connect_failed", broker=str(broker), error=error)
         self._emit(ConnectFailed(str(broker), error))
 
-    def _mark_synced(self) -> None:
-        """Emit `Synced`, unless the broker failed the retained check and a check of this
-        link is still to come (our record is replayed, so its echo starts one), or a
-        subscription we need is refused (the link's task retries it, then resyncs)."""
+    def _mark_synced(self, covered: frozenset[str] | None = None) -> None:
+        """Emit `Synced` for the filters `covered` (None: all granted now), unless the
+        broker failed the retained check and a check of this link is still to come (our
+        record is replayed, so its echo starts one), or a subscription we need is refused
+        (the link's task retries it, then resyncs)."""
         if self._missing:
             return
         self._sync_withheld = bool(self.no_retained_wildcard) and self._check_target() is not None
@@ -1478,7 +1493,8 @@ class Bus:
             return
         self.no_retained_wildcard = ""
         self.synced_at = time.monotonic()
-        self._emit(Synced(self.synced_at))
+        filters = frozenset(self._granted) if covered is None else covered
+        self._emit(Synced(self.synced_at, filters=filters & set(self._filters)))
 
     def _emit(self, event: Event) -> None:
         self._queue.put_nowait(event)

@@ -214,7 +214,7 @@ class ChannelKeeper:
             self.fresh = set()
         elif isinstance(event, Disconnected | ConnectFailed | SubscribeRefused):
             self.synced = False
-        elif isinstance(event, Synced) and event.at >= self.sync_after:
+        elif isinstance(event, Synced) and event.at >= self.sync_after and self._covers(event):
             if self.fresh is not None:
                 gone = sorted(set(self.records) - self.fresh)
                 for name in gone:
@@ -224,6 +224,13 @@ class ChannelKeeper:
                 self.fresh = None
             self.synced = True
             self._changed()
+
+    def _covers(self, event: Synced) -> bool:
+        """Whether `event` proves our workloads filter's snapshot (a Synced that does not
+        say which filters it covers counts, as before)."""
+        assert self.domain is not None  # noqa: S101 - on_event checked it
+        wanted = self.topics.workloads_filter(self.domain)
+        return event.filters is None or wanted in event.filters
 
     def _changed(self) -> None:
         self.wake.set()

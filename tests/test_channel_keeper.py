@@ -143,6 +143,13 @@ async def test_nothing_is_removed_before_the_snapshot_is_in(tmp_path: Path) -> N
     await keeper.step()
     assert stale.exists()
     assert not keeper.facts([]).synced
+    # Seen in CI after a hand-over: a snapshot completed after our follow, but of the
+    # filters subscribed before ours (the link's first sync, still in flight): it removed
+    # the devices the previous agent left, which were made anew a moment later.
+    keeper.on_event(Synced(time.monotonic(), filters=frozenset()))
+    await keeper.step()
+    assert stale.exists()
+    assert not keeper.facts([]).synced
     keeper.on_event(synced())
     await keeper.step()
     assert not stale.exists()

@@ -16,6 +16,8 @@ lateness. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ import imexd.bus
 from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
+from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
 from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
@@ -367,3 +370,29 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(
             bus._dispatch(topic("n3"), encode(record("n3", 1)), retained=False)
             await asyncio.sleep(0.1)
         view.stop()
+
+
+async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error() -> None:
+    """Seen in CI (a broker restart): the link's task was cancelled just as the ping's
+    publish failed, and asyncio logged "Task exception was never retrieved" with the
+    BusError into the agent's log. The watch of the ping retrieves it in every case."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+
+        async def publish_fails() -> None:
+            raise BusError("the client is not currently connected")
+
+        watch = asyncio.create_task(imexd.bus._within_loop_time(publish_fails(), 1.0))
+        await asyncio.sleep(0)  # the watch waits on the publish, which fails next
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, BusError):
+            await watch
+        del watch
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert unretrieved == []
