@@ -644,20 +644,20 @@ class Bus:
         self.resyncs = 0
         """Periodic re-reads completed (`[bus] resync_interval_s`)."""
         self.resync_corrections = 0
+        """Topics a re-read corrected: a record delivered, changed or deleted, or one of
+        ours published again, because the broker's snapshot said otherwise."""
         self.lossy = False
         """The broker lost an update: a re-read corrected something (see RESYNC_SETTLE_S).
         A stale retained copy does not count: on Mosquitto a live message queued before
         a SUBSCRIBE was processed comes before that SUBSCRIBE's copy of it, harmlessly."""
         self._last_live = -math.inf
+        """time.monotonic() of the last live message on a filter (not a ping)."""
         self._first_live = -math.inf
         """time.monotonic() of the first live message since the last re-read began."""
         self._burst = asyncio.Event()
         """Set by that first live message: the link's task then schedules its re-read."""
-        """time.monotonic() of the last live message on a filter (not a ping)."""
         self._last_reread = -math.inf
         """time.monotonic() when the last re-read began."""
-        """Topics a re-read corrected: a record delivered, changed or deleted, or one of
-        ours published again, because the broker's snapshot said otherwise."""
 
     # Public state.
 
@@ -1154,21 +1154,11 @@ class Bus:
         topic, topic_filter = target
         self._check_seen = False
         self._checking = topic
-        started = time.monotonic()
         try:
-            async with self._lock:
-                # The broker sends the whole filter's snapshot again: held back and judged
-                # like a re-read's, so the records we hold are not delivered a second time.
-                self._snapshot, self._snapshot_filters = {}, [topic_filter]
-                try:
-                    await self._subscribe(client, [topic_filter])
-                    if topic_filter in self._missing:
-                        return False
-                    await self._round_trip(client)
-                    snapshot = self._snapshot
-                finally:
-                    self._snapshot, self._snapshot_filters = None, []
-                await self._correct(client, [topic_filter], snapshot, started)
+            # The broker sends the whole filter's snapshot again: read like a re-read's,
+            # so the records we hold are not delivered a second time.
+            if not await self._read_again(client, [topic_filter]):
+                return False
         finally:
             self._checking = None
         broker = self._broker or ""
@@ -1226,22 +1216,28 @@ class Bus:
         are delivered as usual and win over the snapshot. A refused SUBSCRIBE is left to
         the link's task (it retries, then resyncs); a lost round trip ends the link.
         """
-        started = self._last_reread = time.monotonic()
+        self._last_reread = time.monotonic()
         filters = [f for f in self._filters if f not in self._missing]
-        if not filters:
-            return
+        if filters and await self._read_again(client, filters):
+            self.resyncs += 1
+
+    async def _read_again(self, client: Client, filters: list[str]) -> bool:
+        """Subscribe `filters` again, hold the fresh snapshot's copies back until a round
+        trip marks its end, and emit only what it says differently (`_correct`). False when
+        a SUBSCRIBE was refused (nothing judged: the link's task retries it)."""
+        started = time.monotonic()
         async with self._lock:
             self._snapshot, self._snapshot_filters = {}, filters
             try:
                 await self._subscribe(client, filters)
                 if any(f in self._missing for f in filters):
-                    return
+                    return False
                 await self._round_trip(client)
                 snapshot = self._snapshot
             finally:
                 self._snapshot, self._snapshot_filters = None, []
-            self.resyncs += 1
             await self._correct(client, filters, snapshot, started)
+        return True
 
     async def _correct(
         self, client: Client, filters: list[str], snapshot: dict[str, bytes], started: float
