@@ -34,6 +34,7 @@ from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics,
 from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
 from tests.faultproxy import FaultProxy
+from tests.test_bus import fast_settings
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -59,16 +60,8 @@ def topic(node: str) -> str:
 
 
 def settings(*urls: str, **overrides: object) -> BusSettings:
-    values: dict[str, object] = {
-        "url": urls,
-        "reconnect_initial_s": 0.05,
-        "reconnect_max_s": 0.4,
-        "ping_interval_s": 5.0,
-        "will_delay_s": 1.0,
-        "resync_interval_s": 0.0,
-    }
-    values.update(overrides)
-    return BusSettings(**values)  # type: ignore[arg-type]
+    """`fast_settings`, with no periodic re-read unless a test asks for one."""
+    return fast_settings(*urls, **{"resync_interval_s": 0.0, **overrides})
 
 
 class View:
