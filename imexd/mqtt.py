@@ -60,8 +60,26 @@ properties; oversized payloads up to this size still arrive and are counted."""
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
-    """Whether an MQTT topic filter (with `+` and `#`) matches a topic name (aiomqtt's rule)."""
-    return aiomqtt.Topic(topic).matches(topic_filter)
+    """Whether an MQTT topic filter (with `+` and `#`) matches a topic name.
+
+    aiomqtt's rule (`aiomqtt.Topic.matches`, `$share/<group>/` stripped, `a/#` matching
+    `a`), without its validation of both strings: the bus checks its own filters and
+    topics when they are given to it, and this runs several times per delivered message
+    (tests/test_mqtt.py holds it equal to aiomqtt's rule).
+    """
+    if topic_filter == topic and not topic.startswith("$share/"):
+        return True
+    pattern = topic_filter.split("/")
+    if pattern[0] == "$share":
+        pattern = pattern[2:]
+    levels = topic.split("/")
+    depth = len(levels)
+    for i, level in enumerate(pattern):
+        if level == "#":
+            return True
+        if i >= depth or (level != "+" and level != levels[i]):
+            return False
+    return depth == len(pattern)
 
 
 def protocol_versions(settings: BusSettings) -> tuple[bool, ...]:
@@ -143,6 +161,59 @@ def _properties(packet_type: int) -> Properties:
     return Properties(packet_type)  # type: ignore[no-untyped-call] # paho leaves it untyped
 
 
+# paho's cost per packet.
+
+
+def _lighten_properties() -> bool:
+    """Make paho's MQTT 5 `Properties` cheap to create and to clear; whether it was done.
+
+    paho 2.x builds two tables of 27 property names and types in every `Properties()`,
+    which it creates for every PUBLISH and PUBACK it decodes, and `unpack` first clears
+    the new object by trying all 27 names. That made an MQTT 5 link cost twice what a
+    3.1.1 link costs in CPU (bench/scale.py, docs/performance.md). The tables are the same
+    for every instance and paho never changes them, so every instance now shares one
+    copy, and `clear` drops the set properties from the instance's own attributes (where
+    paho's `__setattr__` puts them). Everything else, validation included, is paho's own.
+    Done only where `Properties` looks as expected (paho 2: `types`, `names` and
+    `properties` set in `__init__`, properties held as instance attributes); otherwise
+    paho is left as it is, which is only slower.
+    """
+    cls = Properties
+    if getattr(cls, "_imexd_light", False):
+        return True
+    original = cls.__init__
+    probe = object.__new__(cls)
+    try:
+        original(probe, PacketTypes.PUBLISH)  # type: ignore[no-untyped-call] # paho's
+        tables = {name: probe.__dict__[name] for name in ("types", "names", "properties")}
+    except (KeyError, TypeError):
+        return False
+    if not isinstance(tables["names"], dict) or not isinstance(tables["properties"], dict):
+        return False
+    compressed = tuple(name.replace(" ", "") for name in tables["names"])
+
+    def __init__(self: Properties, packetType: int) -> None:  # noqa: N803, N807 - paho's names
+        fields = self.__dict__
+        fields["packetType"] = packetType
+        fields.update(tables)
+
+    def clear(self: Properties) -> None:
+        fields = self.__dict__
+        for name in compressed:
+            fields.pop(name, None)
+
+    cls._imexd_paho_init = original  # type: ignore[attr-defined] # paho's own, for tests
+    cls._imexd_paho_clear = cls.clear  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.clear = clear  # type: ignore[method-assign]
+    cls._imexd_light = True  # type: ignore[attr-defined]
+    return True
+
+
+LIGHT_PROPERTIES: Final = _lighten_properties()
+"""Whether paho's `Properties` were made cheap (`_lighten_properties`)."""
+
+
 # What a client reports.
 
 
@@ -181,13 +252,18 @@ class _Watch:
     """The reason code of a DISCONNECT the broker sent (MQTT 5)."""
 
 
+_LINK_ENDED: Final = object()
+"""Put into aiomqtt's message queue once its link ended: `MessageStream` raises then."""
+
+
 def _watch(client: aiomqtt.Client) -> _Watch:
     """Hook paho's disconnect callback of `client`, in front of aiomqtt's own.
 
     aiomqtt 2.x ignores a socket closed before CONNACK (the connect then waits for its
     timeout) and drops whether a DISCONNECT came from the broker. The hook fails the
     pending connect at once with `_ClosedBeforeConnackError` and keeps the broker's
-    DISCONNECT reason in the returned `_Watch`.
+    DISCONNECT reason in the returned `_Watch`. Once aiomqtt took the link's end, the hook
+    also queues `_LINK_ENDED` behind the messages still to be read (`MessageStream`).
     """
     watch = _Watch()
     inner = client._client
@@ -207,7 +283,10 @@ def _watch(client: aiomqtt.Client) -> _Watch:
             connecting.set_exception(
                 _ClosedBeforeConnackError("the broker closed the connection before CONNACK")
             )
+        ended = client._disconnected.done()
         forward(paho_client, userdata, flags, reason_code, properties)
+        if not ended and client._disconnected.done():
+            client._queue.put_nowait(_LINK_ENDED)  # type: ignore[arg-type] # read by us only
 
     inner.on_disconnect = on_disconnect
     return watch
@@ -308,19 +387,29 @@ class Client:
 
 
 class MessageStream:
-    """The incoming messages of one link, translated to `Message`."""
+    """The incoming messages of one link, translated to `Message`.
+
+    Read from aiomqtt's message queue itself: aiomqtt's own iterator makes a task and an
+    `asyncio.wait` for every message, about a third of what a delivered message cost the
+    agent in CPU before it. The link's end arrives in the same queue (`_watch`), after the
+    messages that came before it, and raises like aiomqtt's iterator did.
+    """
 
     def __init__(self, inner: aiomqtt.Client) -> None:
-        self._messages = inner.messages
+        self._inner = inner
+        self._queue = inner._queue
 
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> Message:
-        try:
-            message = await self._messages.__anext__()
-        except aiomqtt.MqttError as exc:
-            raise _failure(exc) from exc
+        message = await self._queue.get()
+        if message is _LINK_ENDED:
+            self._queue.put_nowait(message)  # every later read ends too
+            cause = self._inner._disconnected.exception()
+            error = aiomqtt.MqttError("Disconnected during message iteration")
+            error.__cause__ = cause
+            raise _failure(error)
         raw = message.payload
         expiry = getattr(message.properties, "MessageExpiryInterval", None)
         return Message(
