@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import psutil
 
@@ -107,6 +108,9 @@ def _kill_group(pid: int | None) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+_REAP_S: Final = 5.0
+"""Seconds a SIGKILLed child is waited for (reaped) before `run_bounded` goes on."""
+
 async def run_bounded(
     argv: Sequence[str],
     *,
@@ -117,8 +121,9 @@ async def run_bounded(
     """Run `argv` in a new session (own process group) and collect its output.
 
     On timeout the whole group is SIGKILLed and the child reaped before TimeoutError
-    is raised; on cancellation the group is killed too. OSError when it cannot start.
-    Shared by the ctl probes and the NVML discovery child.
+    is raised; on cancellation too, before the cancellation goes on (an agent that stops
+    during a probe must not leave a child that outlives its event loop). OSError when it
+    cannot start. Shared by the ctl probes and the NVML discovery child.
     """
     loop = asyncio.get_running_loop()
     started = time.monotonic()
@@ -139,11 +144,15 @@ async def run_bounded(
         except TimeoutError:
             _kill_group(pid)
             # Reap before reporting: bounded, since SIGKILL cannot be ignored.
-            async with asyncio.timeout(5.0):
+            async with asyncio.timeout(_REAP_S):
                 await asyncio.shield(proto.exited)
             raise
     except BaseException:
         _kill_group(pid)
+        # Reap, bounded (SIGKILL cannot be ignored), then go on with the cancellation.
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            async with asyncio.timeout(_REAP_S):
+                await asyncio.shield(proto.exited)
         raise
     finally:
         transport.close()

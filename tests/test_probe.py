@@ -578,8 +578,10 @@ async def test_hung_ctl_probe_reports_instead_of_raising(tmp_path: Path) -> None
     assert isinstance(domain.error, ProbeError)
 
 
-async def test_cancelled_probe_kills_the_group(tmp_path: Path) -> None:
-    """Cancelling a probe task mid-run kills the ctl instead of leaking it."""
+async def test_cancelled_probe_kills_and_reaps_the_ctl_before_it_returns(tmp_path: Path) -> None:
+    """Cancelling a probe task mid-run kills the ctl and reaps it before the cancellation
+    completes: an agent that shuts down during a probe leaves no child behind its event
+    loop (one reaped later finds its loop closed: 'subprocess ... is still running')."""
     pid_file = tmp_path / "pid"
     ctl = _script(tmp_path, "ctl", f"echo $$ > {pid_file}\nexec sleep 1000\n")
     task = asyncio.create_task(_prober(ctl, tmp_path).run(["-q"], timeout=30))
@@ -587,10 +589,7 @@ async def test_cancelled_probe_kills_the_group(tmp_path: Path) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    deadline = time.monotonic() + 3
-    while psutil.pid_exists(pid):
-        assert time.monotonic() < deadline, "the cancelled ctl was not killed and reaped"
-        await asyncio.sleep(0.02)
+    assert not psutil.pid_exists(pid), "the cancelled ctl was not reaped when the task ended"
 
 
 async def test_missing_binary_names_the_setting(tmp_path: Path) -> None:
