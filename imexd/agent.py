@@ -178,9 +178,13 @@ class Agent:
                 )
             )
             await stack.enter_async_context(supervisor)
-            await stack.enter_async_context(bus)
+            # What is known at start is subscribed before the first connect, so that it
+            # rides on that connect's one SUBSCRIBE and one snapshot round trip.
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node))
+            if self._target() is not None:
+                await self._retarget()
+            await stack.enter_async_context(bus)
             self.notifier.ready()
             failed = False
             try:
@@ -396,8 +400,11 @@ class Agent:
                     await self._clear_records(bus, domain, clique)
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
-        # Only a snapshot completed after this point covers the new subscriptions.
-        if shard.join(target, time.monotonic()):
+        # Only a snapshot completed after this point, of both filters, covers the shard.
+        needs: frozenset[str] = frozenset()
+        if target is not None:
+            needs = frozenset({self.topics.members_filter(*target), self.topics.spec(target[0])})
+        if shard.join(target, time.monotonic(), needs=needs):
             bus.set_client_id(self._client_id)
         self.view_ready.clear()
         if target is None:
@@ -409,8 +416,7 @@ class Agent:
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
         # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        await bus.subscribe(self.topics.spec(domain))
-        await bus.subscribe(self.topics.members_filter(domain, clique))
+        await bus.subscribe(self.topics.spec(domain), self.topics.members_filter(domain, clique))
         bus.set_will(shard.will(self.topics, domain, clique))
 
     async def _step(self, now: float) -> None:

@@ -731,25 +731,30 @@ class Bus:
 
     # Desired state.
 
-    async def subscribe(self, topic_filter: str) -> None:
-        """Add a filter (QoS 1), kept across reconnects; `Synced` follows its snapshot."""
-        _check_filter(topic_filter)
+    async def subscribe(self, *topic_filters: str) -> None:
+        """Add filters (QoS 1), kept across reconnects; one `Synced` follows their snapshot
+        (one SUBSCRIBE and one round trip for all of them). Before the first connect they
+        are only noted: that connect subscribes them with the rest."""
+        for topic_filter in topic_filters:
+            _check_filter(topic_filter)
         async with self._lock:
-            if topic_filter in self._filters:
+            new = [f for f in dict.fromkeys(topic_filters) if f not in self._filters]
+            if not new:
                 return
-            self._filters[topic_filter] = None
-            self._dropped_filters.discard(topic_filter)
+            for topic_filter in new:
+                self._filters[topic_filter] = None
+                self._dropped_filters.discard(topic_filter)
             live = self._live()
             if live is None:
                 return
             client, leave = live
             try:
-                if not await _unless(leave, self._subscribe(client, [topic_filter])):
+                if not await _unless(leave, self._subscribe(client, new)):
                     return
             except BusError as exc:
                 self._declare_dead(client, f"subscribe failed: {exc}")
                 return
-            if topic_filter in self._missing:
+            if any(f in self._missing for f in new):
                 return  # the link's task retries it, then resyncs
         await _unless(leave, self._resync(client))
 
@@ -1133,35 +1138,56 @@ class Bus:
                 await client.unsubscribe(topic_filter)
 
     def _check_target(self) -> tuple[str, str] | None:
-        """(our record's topic, a wildcard filter of ours covering it), if we have both."""
+        """(our record's topic, the check's wildcard filter), if a wildcard filter of ours
+        covers that record (so that its snapshot depends on the broker's retained store).
+
+        The check's filter matches that one topic only: `{p}/domains/D/+/C/N` for the
+        member topic `{p}/domains/D/members/C/N` (no other kind of topic has three levels
+        under a domain). Subscribing the shard's own filter again would make the broker
+        send every record of the shard once more: k messages to each of k nodes."""
         will = self._will
         if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
             return None
-        for topic_filter in self._filters:
-            if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
-                return will.topic, topic_filter
-        return None
+        if not any(f != will.topic and topic_matches(f, will.topic) for f in self._filters):
+            return None
+        levels = will.topic.split("/")
+        if len(levels) < 3:
+            return None
+        levels[-3] = "+"
+        return will.topic, "/".join(levels)
 
     async def _check_retained(self, client: Client) -> bool:
-        """Subscribe our record's wildcard filter again: the broker must send our record,
-        flagged retained, before a round trip returns, or its snapshots cannot be trusted.
+        """Subscribe the check's wildcard filter (`_check_target`): the broker must send our
+        record, flagged retained, before a round trip returns, or its snapshots cannot be
+        trusted. The filter is subscribed at QoS 0 (a plain subscription on a clustered
+        NATS, where QoS 1 is a JetStream consumer) and dropped again at once.
 
-        False when the check could not answer (that subscription was refused: the link's
-        task retries it, and the check runs again once it is granted)."""
+        The bus lock is held throughout, so no record of ours is published while the
+        check's filter overlaps our shard's (the broker would deliver its echo once per
+        matching subscription, and a second echo could pass for a later record's); the
+        retained copy it brings is not delivered (`_dispatch`). A broker that refuses the
+        filter gives no verdict: logged, and the next link checks again (a broker already
+        found wanting stays untrusted meanwhile). True when this link's check is over."""
         target = self._check_target()
         if target is None:
             return True
         topic, topic_filter = target
-        self._check_seen = False
-        self._checking = topic
-        try:
-            # The broker sends the whole filter's snapshot again: read like a re-read's,
-            # so the records we hold are not delivered a second time.
-            if not await self._read_again(client, [topic_filter]):
-                return False
-        finally:
-            self._checking = None
+        async with self._lock:
+            self._check_seen = False
+            self._checking = topic
+            try:
+                (refusal,) = await client.subscribe([topic_filter], qos=0)
+                if refusal is None:
+                    await self._round_trip(client)
+                    await client.unsubscribe(topic_filter)
+            finally:
+                self._checking = None
         broker = self._broker or ""
+        if refusal is not None:
+            self._log.warning(
+                "bus_broker_check_refused", broker=broker, filter=topic_filter, code=refusal
+            )
+            return True
         if self._check_seen:
             self.retained_checked = True
             if self.no_retained_wildcard:
@@ -1506,9 +1532,10 @@ class Bus:
         self._echoes.seen(topic, payload)
         will = self._will
         if will is not None and topic == will.topic and payload:
-            if retained:
-                self._check_seen = self._check_seen or self._checking == topic
-            elif self._retained.get(topic, _Retained(b"", None)).payload == payload:
+            if retained and self._checking == topic:
+                self._check_seen = True
+                return  # the retained check's copy: what we published, already delivered
+            if not retained and self._retained.get(topic, _Retained(b"", None)).payload == payload:
                 self._own_echo.set()
         if topic != self._ping_topic:
             if not retained:

@@ -162,6 +162,8 @@ class ShardView:
         wildcard subscription (`BrokerChecked`): only then does our claim's echo settle
         it, since a snapshot without the peers' records would let two nodes win a slot."""
         self.sync_after = 0.0
+        self.needs: frozenset[str] = frozenset()
+        """The bus filters a `Synced` must cover to sync the view (`join`)."""
         self.unconfirmed: set[str] = set()
         """Nodes whose records come from a previous link and were not seen again yet."""
         self.confirm_by: float | None = None
@@ -229,10 +231,18 @@ class ShardView:
 
     # -- shards ---------------------------------------------------------------------
 
-    def join(self, target: tuple[str, str] | None, now: float) -> bool:
-        """Forget the old shard and follow `target`; True when we stood aside in it."""
+    def join(
+        self, target: tuple[str, str] | None, now: float, *, needs: frozenset[str] = frozenset()
+    ) -> bool:
+        """Forget the old shard and follow `target`; True when we stood aside in it.
+
+        `needs`: the bus filters whose snapshot the view is made of (the shard's members
+        filter and the domain's spec); only a `Synced` covering all of them syncs it, so
+        that the round trip of an earlier subscription cannot pass for theirs.
+        """
         was_duplicate = bool(self.duplicate)
         self.current = target
+        self.needs = needs
         self.published = self.own_cleared = False
         self.claims_seen.clear()
         self.suspect_until = None
@@ -297,7 +307,8 @@ class ShardView:
             self.trusted = event.ok
             self.synced = self.synced and event.ok
         elif isinstance(event, Synced):
-            if event.at >= self.sync_after:
+            covered = event.filters is None or self.needs <= event.filters
+            if event.at >= self.sync_after and covered:
                 self.synced = True
                 if self.unconfirmed and self.confirm_by is None:
                     self.confirm_by = now + self.confirm_grace_s

@@ -591,6 +591,24 @@ def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
     c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
 
 
+def quiet(c: Cluster, nodes: list[Node], quiet_s: float, timeout: float = 20) -> None:
+    """Wait until no daemon of `nodes` got a signal for `quiet_s`: a SIGUSR1 of the
+    formation (a node that started before a peer joined), paced by the daemon's reload
+    window, may still be on its way when the domain is UP. A test that compares the
+    signals before and after a change takes its "before" after this."""
+    seen = {n.name: n.signals() for n in nodes}
+    since = time.monotonic()
+
+    def still() -> bool:
+        nonlocal seen, since
+        now = {n.name: n.signals() for n in nodes}
+        if now != seen:
+            seen, since = now, time.monotonic()
+        return time.monotonic() - since >= quiet_s
+
+    c.wait(still, timeout=timeout)
+
+
 def members(node: Node) -> dict[int, str]:
     """The hosts block's member slots (the sentinel left out)."""
     return {slot: addr for slot, addr in node.hosts_slots().items() if addr is not None}

@@ -1289,25 +1289,33 @@ async def test_a_new_subscription_refused_while_linked_holds_synced_back(
             assert relay.connections == 1
 
 
-async def test_a_refused_retained_check_subscription_is_retried_not_judged(
+async def test_a_refused_retained_check_gives_no_verdict_and_the_next_link_asks_again(
     broker: Mosquitto,
 ) -> None:
-    """The retained-wildcard check subscribes our filter again; refused, it is retried
-    and the check answers once granted (never BrokerNoRetainedWildcard for a refusal)."""
-    async with RefusingRelay(broker.port, {MEMBERS: {2}}) as relay:
+    """The retained-wildcard check's own filter refused: no verdict (never
+    BrokerNoRetainedWildcard for a refusal, and the link stays synced), logged, and not
+    asked again on that link (it would spin: our record's echo stays seen); the next link
+    asks again, and passes once granted."""
+    check = member_topic("n1").replace("/members/", "/+/")
+    async with RefusingRelay(broker.port, {check: {1}, MEMBERS: set()}) as relay:
         lost = msgspec.structs.replace(record("n1"), state=MemberState.LOST, slot=None)
         will = WillSpec(member_topic("n1"), tombstone=lost)
         bus = bus_for(settings_311(relay.url), "n1", will=will)
         await bus.subscribe(MEMBERS)
         await bus.retain(member_topic("n1"), record("n1"))
-        seen: list[Event] = []
-        async with bus:
-            checked = await next_event(bus, BrokerChecked, within=10, seen=seen)
-            assert checked.ok
-            assert bus.no_retained_wildcard == ""
-        assert [e.topic_filter for e in seen if isinstance(e, SubscribeRefused)] == [MEMBERS]
-        assert relay.seen[MEMBERS] == 4  # replay, the check (refused), retry, the check
-        assert relay.connections == 1
+        with capture_logs() as logs:
+            async with bus:
+                await no_event(bus, BrokerChecked, lambda _: True, 1.5)
+                assert bus.synced_at is not None
+                assert bus.no_retained_wildcard == ""
+                assert relay.seen[check] == 1
+                bus._kill(bus._client, "test: drop the link")  # type: ignore[arg-type]
+                checked = await next_event(bus, BrokerChecked, within=10)
+                assert checked.ok
+                assert relay.seen[check] == 2
+        refused = [e for e in logs if e["event"] == "bus_broker_check_refused"]
+        assert [e["filter"] for e in refused] == [check]
+        assert relay.seen[MEMBERS] == 2  # each link's replay: the check never takes it again
 
 
 async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import aiomqtt
+import msgspec
 import pytest
 
 from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
@@ -23,7 +25,7 @@ from imexd.demo.brokers import Mosquitto, free_port
 from imexd.demo.timings import FAST
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
-from tests.cluster import Cluster, Node, formed, members, pids, slot_of
+from tests.cluster import Cluster, Node, formed, members, pids, quiet, slot_of
 from tests.faultproxy import FaultProxy
 from tests.support import loopback_address
 from tests.test_bus import MEMBERS, TOPICS, bus_for, fast_settings, next_event, no_event
@@ -291,6 +293,56 @@ async def test_a_normal_broker_passes_the_retained_wildcard_check(broker: Mosqui
         await bus.close()
 
 
+class CountingBus(Bus):
+    """The agent's bus, counting the retained copies the broker delivers, per topic."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.copies: dict[str, int] = {}
+
+    def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
+        if retained:
+            self.copies[topic] = self.copies.get(topic, 0) + 1
+        super()._dispatch(topic, payload, retained=retained)
+
+
+PEERS = ("p1", "p2", "p3")
+
+
+async def retain_peers(port: int) -> None:
+    """The records of PEERS, retained on the broker (each acknowledged)."""
+    async with aiomqtt.Client("127.0.0.1", port, identifier="peers") as c:
+        for peer in PEERS:
+            payload = msgspec.json.encode(live(peer))
+            await c.publish(TOPICS.member(DOMAIN, CLIQUE, peer), payload, qos=1, retain=True)
+
+
+async def test_the_retained_check_brings_back_our_record_alone(broker: Mosquitto) -> None:
+    """The check's wildcard filter matches our own record only: the shard's other records
+    come once, with the snapshot, and not once more for the check (k messages to each of
+    k nodes in a formation); our record comes back flagged retained and is not delivered
+    to the caller a second time."""
+    await retain_peers(broker.port)
+    bus = CountingBus(
+        fast_settings(broker.url), node=NODE, client_id=f"imexd-{NODE}", will=will(), timeout_s=2.0
+    )
+    bus.start()
+    try:
+        await bus.subscribe(MEMBERS)
+        await bus.retain(TOPICS.member(DOMAIN, CLIQUE, NODE), live())
+        seen: list[object] = []
+        checked = await next_event(bus, BrokerChecked, seen=seen)  # type: ignore[arg-type]
+        assert checked.ok
+        peers = {TOPICS.member(DOMAIN, CLIQUE, p): 1 for p in PEERS}
+        own = TOPICS.member(DOMAIN, CLIQUE, NODE)
+        assert {t: n for t, n in bus.copies.items() if t != own} == peers
+        assert bus.copies.get(own) == 1
+        ours = [e for e in seen if isinstance(e, Received) and e.topic == own and e.retained]
+        assert ours == []
+    finally:
+        await bus.close()
+
+
 class NoRetainedRelay:
     """An MQTT-aware relay in front of a real broker that never delivers retained
     messages: every PUBLISH from the broker with the retain flag is dropped (and, at QoS
@@ -414,17 +466,7 @@ def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
     when the domain is up, so wait until no daemon got a signal for QUIET_S."""
     nodes = [c.add(f"n{i}", overrides=ON_311, via_proxy=f"n{i}" == proxied) for i in (1, 2, 3)]
     formed(c, nodes)
-    seen = {n.name: n.signals() for n in nodes}
-    since = time.monotonic()
-
-    def quiet() -> bool:
-        nonlocal seen, since
-        now = {n.name: n.signals() for n in nodes}
-        if now != seen:
-            seen, since = now, time.monotonic()
-        return time.monotonic() - since >= QUIET_S
-
-    c.wait(quiet, timeout=20)
+    quiet(c, nodes, QUIET_S)
     return nodes
 
 

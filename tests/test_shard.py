@@ -140,6 +140,22 @@ def test_nothing_is_derived_before_the_snapshot() -> None:
     assert derive(v, 10.5).publish
 
 
+def test_only_a_snapshot_of_the_shards_filters_syncs_the_view() -> None:
+    """A Synced that proves other filters (an earlier subscription's round trip, ended
+    after the join) does not sync the view; one that covers its filters does."""
+    v = view()
+    members = f"imex/v2/domains/{DOMAIN}/members/{CLIQUE}/+"
+    spec = f"imex/v2/domains/{DOMAIN}/spec"
+    v.join((DOMAIN, CLIQUE), now=10.0, needs=frozenset({members, spec}))
+    v.apply(Synced(at=10.5, filters=frozenset({"imex/v2/nodes/n1/ping", spec})), now=10.5)
+    synced = [v.synced]
+    assert derive(v, 10.5) == Plan()
+    v.apply(Synced(at=10.6, filters=frozenset({members, spec, "x/+"})), now=10.6)
+    synced.append(v.synced)
+    assert synced == [False, True]
+    assert derive(v, 10.6).publish
+
+
 def test_a_refused_subscription_holds_the_view_until_the_bus_syncs_again() -> None:
     """A filter the broker refuses (a clustered broker after a server died) leaves a
     partial view: nothing is derived until the bus got it and synced again."""
