@@ -50,7 +50,7 @@ from imexd.fabric import discover
 from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts, LinkFacts
 from imexd.files import remove_stale_temps
 from imexd.guard import BEAT_S, Guard, describe
-from imexd.health import REPORT_PACE_S, Health, Heartbeats
+from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
 from imexd.http import HealthServer
 from imexd.logs import get_logger
 from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Topics
@@ -761,17 +761,19 @@ class Agent:
         )
 
     async def _report_loop(self) -> None:
-        s = self.settings
-        next_report = 0.0
+        schedule = ReportSchedule(self.settings.health.report_interval_s)
         while True:
             self.heartbeats.beat("report")
-            await self.report_pace.wait(self.changed, BEAT_S)  # changes in a burst: one turn
-            changed = self.health.update(self.facts())
-            self.notifier.status(self.health.summary())
+            limit = max(0.0, min(BEAT_S, schedule.next_at() - time.monotonic()))
+            await self.report_pace.wait(self.changed, limit)  # changes in a burst: one turn
+            health = self.health
+            if health.update(self.facts()):
+                schedule.changed(health.gist(), time.monotonic())
+            self.notifier.status(health.summary())
             now = time.monotonic()
-            if changed or now >= next_report:
-                next_report = now + s.health.report_interval_s
-                await self._publish_report(self.health.report())
+            if now >= schedule.next_at():
+                schedule.published(health.gist(), now)
+                await self._publish_report(health.report())
 
     async def _publish_report(self, report: HealthReport) -> None:
         """Publish our report and presence, unless we are leaving or may be a duplicate.

@@ -222,10 +222,11 @@ def test_slot_node_map_mismatch_names_offending_members() -> None:
     assert not messages.ready(health.conditions(facts, [], T0))
 
 
-def test_slot_settled_counts_members() -> None:
-    """A settled slot says where it is and how full the domain is."""
+def test_slot_settled_says_where() -> None:
+    """A settled slot says where it is, not how full the shard is: a peer's join or leave
+    changes no other member's report."""
     c = cond(working(), "SlotSettled")
-    assert c.message == "slot 0 of d1/c0ffee.1 (3 of 18 slots taken)"
+    assert c.message == "slot 0 of d1/c0ffee.1"
 
 
 def test_empty_clique_topic_level_is_none() -> None:
@@ -842,3 +843,36 @@ def test_a_report_with_many_workloads_stays_within_the_payload_limit() -> None:
     kept = health.report(few, health.conditions(few, [], T0), T0).channels
     assert kept is not None
     assert (kept.omitted, kept.workloads[0].message) == (0, "x" * 150)
+
+
+# When reports are published.
+
+
+def test_the_gist_is_readiness_and_condition_statuses() -> None:
+    """A settled slot's message is detail; a claim losing its slot flips a status."""
+    h = Health(membership(state="claiming", reason="Claimed"))
+    claiming = h.gist()
+    h.update(membership(state="claiming", reason="LostConflict"))
+    assert h.gist() == claiming
+    h.update(working())
+    assert h.gist() != claiming
+    assert h.gist()[0] is True
+
+
+def test_a_gist_change_is_published_at_once_a_detail_after_the_hold() -> None:
+    """The first report and every gist change go out at once; a change of detail only
+    waits until `hold_s` after the last publication, taking later changes with it; an
+    unchanged report goes out every interval."""
+    s = health.ReportSchedule(interval_s=30.0, hold_s=1.0)
+    assert s.next_at() <= 0.0  # the first turn publishes
+    s.published(("a",), 10.0)
+    s.changed(("a",), 10.2)  # detail only
+    assert s.next_at() == 11.0
+    s.changed(("a",), 10.7)  # folded into the held one
+    assert s.next_at() == 11.0
+    s.changed(("b",), 10.8)  # the gist moved: now
+    assert s.next_at() == 10.8
+    s.published(("b",), 10.8)
+    assert s.next_at() == 40.8
+    s.changed(("b",), 15.0)  # a detail long after the last publication: due already
+    assert s.next_at() <= 15.0
