@@ -76,6 +76,12 @@ DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
 """Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs until it shows every
 member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
+STEP_PACE_S: Final = 0.05
+"""Seconds between two membership steps while records keep coming (`imexd.pacer.Pacer`):
+the first record after a quiet period is stepped at once, those within this pause after
+it together at its end. A formation delivers about three records per peer; the claim's
+barrier is taken as its echo arrives (`ShardView.apply`), so a later step changes only
+when its outcome is acted on, never which claim wins."""
 STARTING_PROBE_S: Final = 0.2
 """Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
 
@@ -115,6 +121,7 @@ class Agent:
         self.released_until = 0.0
         """time.monotonic() until which our slot stays given up (FATAL daemon)."""
         self.wake = asyncio.Event()
+        self.step_pace = Pacer(STEP_PACE_S)
 
         # Reconcile state.
         self.desired = Desired()
@@ -374,11 +381,7 @@ class Agent:
                 timeout = max(0.0, min(timeout, shard.wake_at - loop.time()))
             if shard.confirm_by is not None:
                 timeout = max(0.0, min(timeout, shard.confirm_by - time.monotonic()))
-            if not self.wake.is_set():  # else no timer: the step is due now
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await self.wake.wait()
-            self.wake.clear()
+            await self.step_pace.wait(self.wake, timeout)  # a burst of records: few steps
             await self._retarget()
             await self._step(loop.time())
 

@@ -787,7 +787,9 @@ class ShardView:
             self.decision.reason,
             self.decision.settled,
         ):
-            self.log.info(
+            # Every claim waits for its echo: only the claim and what its echo said are news.
+            waiting = decision.reason is mb.Reason.WAITING_FOR_ECHO
+            (self.log.debug if waiting else self.log.info)(
                 "membership.step",
                 phase=decision.claim.phase.value,
                 slot=decision.claim.slot,
