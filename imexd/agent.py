@@ -14,10 +14,8 @@ heartbeat that /healthz watches:
 - `reconcile`: applies the first change after a quiet period at once and coalesces what
   follows within `[domain] settle_s`, writes the files and asks the supervisor for
   exactly what the change needs: start, SIGUSR1, restart, or nothing;
-- `probe`: `ctl -q` and `ctl -N -j` against the running daemon: `ctl -q` every
-  `STARTING_PROBE_S` while it is STARTING (READY makes it RUNNING at once: `start_s`
-  bounds a start, it is not a wait), and a short series of `ctl -N -j` after every
-  start and SIGUSR1 (`DOMAIN_PROBE_SERIES_S`) until every member is connected;
+- `probe`: `ctl -q` and `ctl -N -j` against the running daemon, after every start and
+  delivered SIGUSR1 and then periodically (imexd.daemon_probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
@@ -38,16 +36,16 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Final
 
-from imexd import fleet
 from imexd import membership as mb
 from imexd.bus import Bus, Event, WillSpec
 from imexd.channel_keeper import ChannelKeeper
 from imexd.daemon import Supervisor
+from imexd.daemon_probes import DaemonProbes
 from imexd.daemon_state import PROBLEMS as DAEMON_PROBLEMS
 from imexd.daemon_state import DaemonState, DaemonStatus
 from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
-from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts, LinkFacts
+from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts
 from imexd.files import remove_stale_temps
 from imexd.guard import BEAT_S, Guard, describe
 from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
@@ -72,18 +70,12 @@ DISCOVERY_RETRY_S: Final = 30.0
 """Retry delay after a failed discovery (shorter than discover_interval_s)."""
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
-DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs until it shows every
-member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
-a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STEP_PACE_S: Final = 0.05
 """Seconds between two membership steps while records keep coming (`imexd.pacer.Pacer`):
 the first record after a quiet period is stepped at once, those within this pause after
 it together at its end. A formation delivers about three records per peer; the claim's
 barrier is taken as its echo arrives (`ShardView.apply`), so a later step changes only
 when its outcome is acted on, never which claim wins."""
-STARTING_PROBE_S: Final = 0.2
-"""Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
 
 
 class Agent:
@@ -101,7 +93,6 @@ class Agent:
         self.guard = Guard(self.heartbeats, self.metrics, self.log)
         self.notifier = Notifier.from_env()
         self.health = Health(Facts(node=self.node, address=settings.node.address))
-        self.prober = Prober.from_settings(settings)
         self.bus: Bus | None = None
         self.supervisor: Supervisor | None = None
 
@@ -128,22 +119,20 @@ class Agent:
         self.dirty = asyncio.Event()
         self.reconciler: Reconciler | None = None
 
-        # Probes and reports.
-        self.imex_status = ""
-        self.probe_error = ""
-        self.domain_probe: LinkFacts | None = None
-        self.probe_now = asyncio.Event()
+        # Reports.
         self.presence_said: tuple[int, str | None] | None = None
         self.presence_due = 0.0
         """Wall-clock time of the next presence record (also sent when `presence_said` moves)."""
-        """Probe at once (`ctl -q`, and `ctl -N -j` unless a series is pending)."""
-        self.probe_wake = asyncio.Event()
-        """Look at the probe timers again (a new series of domain probes)."""
-        self.domain_probe_due: list[float] = []
-        """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
         self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
         """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
+        self.probes = DaemonProbes(
+            settings,
+            Prober.from_settings(settings),
+            metrics=self.metrics,
+            log=self.log,
+            on_change=self.changed.set,
+        )
         self.report_pace = Pacer(REPORT_PACE_S)
         self.report_lock = asyncio.Lock()
         """Held while a report is published and while our records are cleared, so that
@@ -200,7 +189,7 @@ class Agent:
                         guard.start(tasks, "events", lambda: self._events_loop(bus)),
                         guard.start(tasks, "membership", self._membership_loop),
                         guard.start(tasks, "reconcile", self._reconcile_loop),
-                        guard.start(tasks, "probe", self._probe_loop),
+                        guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon_probes
                         guard.start(tasks, "report", self._report_loop),
                         guard.start(tasks, "channels", lambda: self.channels.run(guard)),
                         guard.start(tasks, "watchdog", self._watchdog_loop),
@@ -592,7 +581,7 @@ class Agent:
                 retry_at, attempt = None, 0
                 reconciler.write_error = reconciler.write_path = ""
                 if probe == "now":
-                    self.probe_now.set()
+                    self.probes.now()
                 # "soon": the start or the paced SIGUSR1 starts the domain probes
                 # (_on_daemon_change), not this write.
             self.metrics.observe_reconcile(time.monotonic() - started)
@@ -618,105 +607,17 @@ class Agent:
 
     def _on_daemon_change(self, status: DaemonStatus) -> None:
         seen, self.daemon_seen = self.daemon_seen, (status.state, status.reloads_sent)
-        if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
-            self.probe_now.set()
-            self._probe_domain_soon()
-        elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
-            self.probe_now.set()  # ctl -q at once: READY makes it RUNNING
-        elif status.reloads_sent > seen[1]:
-            self._probe_domain_soon()  # SIGUSR1 delivered: the links move now
+        self.probes.on_daemon_change(status, seen)
         self.changed.set()
 
-    def _probe_domain_soon(self) -> None:
-        """Probe the domain DOMAIN_PROBE_SERIES_S after now, until every member is connected."""
-        self.domain_probe_due = [time.monotonic() + d for d in DOMAIN_PROBE_SERIES_S]
-        self.probe_wake.set()
-
-    def _domain_complete(self) -> bool:
-        """Whether the last domain probe shows every member READY and connected."""
-        view = self.domain_probe
-        return (
-            view is not None
-            and not view.error
-            and not view.unreachable
-            and set(view.slots) == set(self.desired.members)
-        )
-
     async def _probe_loop(self) -> None:
-        s = self.settings
-        next_local = 0.0
-        next_domain = 0.0
         _, supervisor = self._parts()
-        while True:
-            self.heartbeats.beat("probe")
-            wake = min([next_local, *self.domain_probe_due[:1]])
-            timeout = min(BEAT_S, max(0.0, wake - time.monotonic()))
-            if not self.probe_wake.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await _first_of(self.probe_now, self.probe_wake)
-            self.probe_wake.clear()
-            now = time.monotonic()
-            if self.probe_now.is_set():
-                self.probe_now.clear()
-                next_local = now
-                if not self.domain_probe_due:
-                    next_domain = now
-            if not self.desired.run or supervisor.state not in (
-                DaemonState.RUNNING,
-                DaemonState.STARTING,
-            ):
-                if self.imex_status or self.probe_error or self.domain_probe:
-                    self.imex_status, self.probe_error, self.domain_probe = "", "", None
-                    self.changed.set()
-                # Nothing to probe: wake on the next start (probe_now), not on stale timers.
-                self.domain_probe_due.clear()
-                next_local = max(next_local, now + BEAT_S)
-                continue
-            # A hung ctl (or IMEX command service) is bounded by probe_timeout_s and shows
-            # in DaemonReady; it must not stall this task's heartbeat and fail /healthz.
-            bound = s.daemon.probe_timeout_s
-            if now >= next_local:
-                await self.guard.beating("probe", self._probe_local(), limit=bound)
-                starting = supervisor.state is DaemonState.STARTING
-                interval = s.daemon.probe_interval_s
-                next_local = now + (min(STARTING_PROBE_S, interval) if starting else interval)
-            due = self.domain_probe_due
-            if due and now >= due[0]:
-                while due and now >= due[0]:
-                    due.pop(0)
-                next_domain = now
-            if now >= next_domain and supervisor.state is DaemonState.RUNNING:
-                next_domain = now + s.daemon.domain_probe_interval_s
-                await self.guard.beating("probe", self._probe_domain(), limit=bound)
-                if self._domain_complete():
-                    due.clear()
-
-    async def _probe_local(self) -> None:
-        result = await self.prober.local()
-        if result.ready:
-            _, supervisor = self._parts()
-            supervisor.report_ready()  # a STARTING daemon is RUNNING now
-        status = result.state.value if result.state is not None else ""
-        error = "" if result.ready or result.state is not None else result.reason
-        if not result.ready and result.state is None:
-            self.metrics.count_probe_failure("local")
-        if (status, error) != (self.imex_status, self.probe_error):
-            self.imex_status, self.probe_error = status, error
-            self.log.info("probe.local", imex_state=status or None, error=error or None)
-            self.changed.set()
-
-    async def _probe_domain(self) -> None:
-        result = await self.prober.domain()
-        if result.status is None:
-            self.metrics.count_probe_failure("domain")
-            view = LinkFacts(error=result.reason)
-        else:
-            names = {slot: m.node for slot, m in self.desired.members.items()}
-            view = fleet.links(result.status, names, self.settings.domain.mode)
-        if view != self.domain_probe:
-            self.domain_probe = view
-            self.changed.set()
+        await self.probes.run(
+            self.guard,
+            supervisor,
+            wanted=lambda: self.desired.run,
+            members=lambda: {slot: m.node for slot, m in self.desired.members.items()},
+        )
 
     # -- facts, reports, discovery, watchdog -------------------------------------------
 
@@ -752,11 +653,11 @@ class Agent:
                 write_error=self._reconciler.write_error,
                 write_path=self._reconciler.write_path,
                 write_method=self._reconciler.write_method,
-                imex_status=self.imex_status,
-                probe_error=self.probe_error,
+                imex_status=self.probes.imex_status,
+                probe_error=self.probes.probe_error,
                 identified=status.identified,
             ),
-            domain_probe=self.domain_probe,
+            domain_probe=self.probes.domain_view,
             fabric=self.fabric,
             clique_known=self.clique is not None or shard.current is not None,
             mode=self.settings.domain.mode,

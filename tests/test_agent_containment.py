@@ -118,7 +118,7 @@ async def test_a_failing_task_is_restarted_and_counted(
     monkeypatch.setattr(guard, "TASK_RESTART_INITIAL_S", 0.05)
     async with running_agent(tmp_path) as r:
         pid = daemon_pid(r.agent)
-        original = r.agent._probe_local
+        original = r.agent.probes._local
         fail = {"left": 3}
 
         async def flaky() -> None:
@@ -127,9 +127,9 @@ async def test_a_failing_task_is_restarted_and_counted(
                 raise ValueError("probe bug")
             await original()
 
-        monkeypatch.setattr(r.agent, "_probe_local", flaky)
+        monkeypatch.setattr(r.agent.probes, "_local", flaky)
         with capture_logs() as logs:
-            r.agent.probe_now.set()
+            r.agent.probes.now()
             await until(lambda: fail["left"] == 0 and task_failures(r.agent, "probe") >= 3)
         events = [e for e in logs if e["event"] == "agent.task_failed"]
         assert [e["task"] for e in events] == ["probe"] * 3
@@ -173,8 +173,8 @@ async def test_a_hung_ctl_does_not_fail_healthz(
             hung.set()
             await asyncio.sleep(6.0)  # > 3 x BEAT_S; below probe_timeout_s + the margin
 
-        monkeypatch.setattr(r.agent, "_probe_local", hang)
-        r.agent.probe_now.set()
+        monkeypatch.setattr(r.agent.probes, "_local", hang)
+        r.agent.probes.now()
         await asyncio.wait_for(hung.wait(), WAIT_S)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
@@ -289,7 +289,7 @@ async def test_a_join_is_probed_after_the_signal_not_after_the_interval(tmp_path
         runs.append(second := start_agent(nodes[1]))
 
         def sees_both(r: Running) -> bool:
-            view = r.agent.domain_probe
+            view = r.agent.probes.domain_view
             return (
                 view is not None
                 and len(view.slots) == 2

@@ -1,0 +1,183 @@
+"""The agent's probes of its running daemon: when to ask `ctl`, and what it last said.
+
+`ctl -q` runs every `STARTING_PROBE_S` while the daemon is STARTING (READY makes it
+RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait), then every
+`[daemon] probe_interval_s`. `ctl -N -j` runs in a short series after every start and
+every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until it shows every member
+connected, then every `[daemon] domain_probe_interval_s`. A membership change alone
+probes nothing: its SIGUSR1, paced by the daemon's reload window, starts the series when
+it is sent. How the ctl runs (bounded, killed with its process group) is `imexd.probe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Final
+
+import structlog
+
+from imexd import fleet
+from imexd.daemon_state import DaemonState, DaemonStatus
+from imexd.facts import LinkFacts
+from imexd.guard import BEAT_S, Guard
+from imexd.metrics import Metrics
+from imexd.probe import Prober
+
+if TYPE_CHECKING:
+    from imexd.daemon import Supervisor
+    from imexd.settings import Settings
+
+DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs until it shows every
+member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
+a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
+STARTING_PROBE_S: Final = 0.2
+"""Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
+
+
+class DaemonProbes:
+    """What the last probes said (`imex_status`, `probe_error`, `domain_view`) and the
+    task that keeps asking (`run`); `on_change` is called whenever one of them moved."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        prober: Prober,
+        *,
+        metrics: Metrics,
+        log: structlog.typing.FilteringBoundLogger,
+        on_change: Callable[[], object],
+    ) -> None:
+        self.settings = settings
+        self.prober = prober
+        self.metrics = metrics
+        self.log = log
+        self.on_change = on_change
+        self.imex_status = ""
+        """The daemon's state word from `ctl -q` ("" while none was read)."""
+        self.probe_error = ""
+        """Why `ctl -q` gave no state word ("" when it did)."""
+        self.domain_view: LinkFacts | None = None
+        """What the last `ctl -N -j` showed of the members' links (None: not probed)."""
+        self._now = False
+        """Probe at once (`ctl -q`, and `ctl -N -j` unless a series is pending)."""
+        self._wake = asyncio.Event()
+        """Look at the flags and timers again."""
+        self._due: list[float] = []
+        """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
+        self._supervisor: Supervisor | None = None
+        self._members: Callable[[], Mapping[int, str]] = dict
+        """Slot -> node of the members the daemon was given (the agent's `desired`)."""
+
+    def now(self) -> None:
+        """Probe at once: the daemon was just started, adopted or restarted."""
+        self._now = True
+        self._wake.set()
+
+    def on_daemon_change(self, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
+        """The supervisor's news, `seen` being (state, reloads_sent) before it."""
+        if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
+            self.now()
+            self._domain_soon()
+        elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
+            self.now()  # ctl -q at once: READY makes it RUNNING
+        elif status.reloads_sent > seen[1]:
+            self._domain_soon()  # SIGUSR1 delivered: the links move now
+
+    def _domain_soon(self) -> None:
+        """Probe the domain DOMAIN_PROBE_SERIES_S after now, until every member is connected."""
+        self._due = [time.monotonic() + d for d in DOMAIN_PROBE_SERIES_S]
+        self._wake.set()
+
+    def _domain_complete(self) -> bool:
+        """Whether the last domain probe shows every member READY and connected."""
+        view = self.domain_view
+        return (
+            view is not None
+            and not view.error
+            and not view.unreachable
+            and set(view.slots) == set(self._members())
+        )
+
+    async def run(
+        self,
+        guard: Guard,
+        supervisor: Supervisor,
+        *,
+        wanted: Callable[[], bool],
+        members: Callable[[], Mapping[int, str]],
+    ) -> None:
+        """The probe task: `wanted()` says whether a daemon should run, `members()` which
+        members it was given."""
+        s = self.settings
+        self._supervisor, self._members = supervisor, members
+        next_local = 0.0
+        next_domain = 0.0
+        while True:
+            guard.heartbeats.beat("probe")
+            wake = min([next_local, *self._due[:1]])
+            timeout = min(BEAT_S, max(0.0, wake - time.monotonic()))
+            if not self._wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
+            self._wake.clear()
+            now = time.monotonic()
+            if self._now:
+                self._now = False
+                next_local = now
+                if not self._due:
+                    next_domain = now
+            if not wanted() or supervisor.state not in (DaemonState.RUNNING, DaemonState.STARTING):
+                if self.imex_status or self.probe_error or self.domain_view:
+                    self.imex_status, self.probe_error, self.domain_view = "", "", None
+                    self.on_change()
+                # Nothing to probe: wake on the next start (`now`), not on stale timers.
+                self._due.clear()
+                next_local = max(next_local, now + BEAT_S)
+                continue
+            # A hung ctl (or IMEX command service) is bounded by probe_timeout_s and shows
+            # in DaemonReady; it must not stall this task's heartbeat and fail /healthz.
+            bound = s.daemon.probe_timeout_s
+            if now >= next_local:
+                await guard.beating("probe", self._local(), limit=bound)
+                starting = supervisor.state is DaemonState.STARTING
+                interval = s.daemon.probe_interval_s
+                next_local = now + (min(STARTING_PROBE_S, interval) if starting else interval)
+            due = self._due
+            if due and now >= due[0]:
+                while due and now >= due[0]:
+                    due.pop(0)
+                next_domain = now
+            if now >= next_domain and supervisor.state is DaemonState.RUNNING:
+                next_domain = now + s.daemon.domain_probe_interval_s
+                await guard.beating("probe", self._domain(), limit=bound)
+                if self._domain_complete():
+                    due.clear()
+
+    async def _local(self) -> None:
+        result = await self.prober.local()
+        if result.ready and self._supervisor is not None:
+            self._supervisor.report_ready()  # a STARTING daemon is RUNNING now
+        status = result.state.value if result.state is not None else ""
+        error = "" if result.ready or result.state is not None else result.reason
+        if not result.ready and result.state is None:
+            self.metrics.count_probe_failure("local")
+        if (status, error) != (self.imex_status, self.probe_error):
+            self.imex_status, self.probe_error = status, error
+            self.log.info("probe.local", imex_state=status or None, error=error or None)
+            self.on_change()
+
+    async def _domain(self) -> None:
+        result = await self.prober.domain()
+        if result.status is None:
+            self.metrics.count_probe_failure("domain")
+            view = LinkFacts(error=result.reason)
+        else:
+            view = fleet.links(result.status, self._members(), self.settings.domain.mode)
+        if view != self.domain_view:
+            self.domain_view = view
+            self.on_change()
