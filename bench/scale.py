@@ -896,6 +896,17 @@ class Bench:
             note=f"max {max(sent)}: every claim (a lost one is claimed again on the next "
             "free slot) and the member record",
         )
+        sent_kinds: Counter[str] = Counter()
+        for c in counts.values():
+            sent_kinds.update({k[5:]: v for k, v in c.items() if k.startswith("sent@")})
+        self.add(
+            "formation: records published per node, all kinds",
+            sum(sent_kinds.values()) / max(len(counts), 1),
+            "msgs",
+            note="by kind, all nodes: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(sent_kinds.items()))
+            + " (retained records only; pings not counted)",
+        )
         self.add_foreign("formation", counts)
         links = [c.get("link@connects", 0) for c in counts.values()]
         self.add(
