@@ -111,6 +111,7 @@ def _kill_group(pid: int | None) -> None:
 _REAP_S: Final = 5.0
 """Seconds a SIGKILLed child is waited for (reaped) before `run_bounded` goes on."""
 
+
 async def run_bounded(
     argv: Sequence[str],
     *,
