@@ -1137,51 +1137,59 @@ class Bus:
             for topic_filter in stale:
                 await client.unsubscribe(topic_filter)
 
-    def _check_target(self) -> tuple[str, str] | None:
-        """(our record's topic, the check's wildcard filter), if a wildcard filter of ours
-        covers that record (so that its snapshot depends on the broker's retained store).
+    def _check_target(self) -> tuple[str, str, str] | None:
+        """(our record's topic, the shard's wildcard filter covering it, the check's own
+        filter), if we have both a record and such a filter.
 
         The check's filter matches that one topic only: `{p}/domains/D/+/C/N` for the
         member topic `{p}/domains/D/members/C/N` (no other kind of topic has three levels
-        under a domain). Subscribing the shard's own filter again would make the broker
-        send every record of the shard once more: k messages to each of k nodes."""
+        under a domain)."""
         will = self._will
         if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
             return None
-        if not any(f != will.topic and topic_matches(f, will.topic) for f in self._filters):
-            return None
-        levels = will.topic.split("/")
-        if len(levels) < 3:
-            return None
-        levels[-3] = "+"
-        return will.topic, "/".join(levels)
+        for topic_filter in self._filters:
+            if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
+                levels = will.topic.split("/")
+                levels[-3:-2] = ["+"]
+                return will.topic, topic_filter, "/".join(levels)
+        return None
 
     async def _check_retained(self, client: Client) -> bool:
-        """Subscribe the check's wildcard filter (`_check_target`): the broker must send our
-        record, flagged retained, before a round trip returns, or its snapshots cannot be
-        trusted. The filter is subscribed at QoS 0 (a plain subscription on a clustered
-        NATS, where QoS 1 is a JetStream consumer) and dropped again at once.
+        """The broker must send our record, flagged retained, to a new wildcard
+        subscription before a round trip returns, or its snapshots cannot be trusted.
 
-        The bus lock is held throughout, so no record of ours is published while the
-        check's filter overlaps our shard's (the broker would deliver its echo once per
-        matching subscription, and a second echo could pass for a later record's); the
-        retained copy it brings is not delivered (`_dispatch`). A broker that refuses the
-        filter gives no verdict: logged, and the next link checks again (a broker already
-        found wanting stays untrusted meanwhile). True when this link's check is over."""
+        On a link that may lose updates (MQTT 3.1.1, or one where a re-read corrected
+        something) the shard's own filter is subscribed again and read like a re-read:
+        nats-server 2.9 sometimes grants a reconnecting client's first SUBSCRIBE without
+        the retained messages, and this second read completes its view before any claim
+        counts. False when that subscription was refused (the link's task retries it).
+        Elsewhere (Mosquitto over MQTT 5) that second read would send every record of the
+        shard again, k messages to each of k nodes: the check's own filter, which
+        matches our record only, is subscribed at QoS 0 and dropped at once, under the
+        bus lock, so that no record of ours is published while it overlaps the shard's
+        (its echo would come once per matching subscription, and a second echo could pass
+        for a later record's). A refusal of that filter gives no verdict on this link.
+        """
         target = self._check_target()
         if target is None:
             return True
-        topic, topic_filter = target
-        async with self._lock:
-            self._check_seen = False
-            self._checking = topic
-            try:
-                (refusal,) = await client.subscribe([topic_filter], qos=0)
-                if refusal is None:
-                    await self._round_trip(client)
-                    await client.unsubscribe(topic_filter)
-            finally:
-                self._checking = None
+        topic, shard_filter, topic_filter = target
+        refusal: str | None = None
+        self._check_seen = False
+        self._checking = topic
+        try:
+            if self.lossy or self._protocol == "3.1.1":
+                if not await self._read_again(client, [shard_filter]):
+                    return False
+                topic_filter = shard_filter
+            else:
+                async with self._lock:
+                    (refusal,) = await client.subscribe([topic_filter], qos=0)
+                    if refusal is None:
+                        await self._round_trip(client)
+                        await client.unsubscribe(topic_filter)
+        finally:
+            self._checking = None
         broker = self._broker or ""
         if refusal is not None:
             self._log.warning(
@@ -1534,7 +1542,8 @@ class Bus:
         if will is not None and topic == will.topic and payload:
             if retained and self._checking == topic:
                 self._check_seen = True
-                return  # the retained check's copy: what we published, already delivered
+                if self._snapshot is None:
+                    return  # the check's own filter: what we published, already delivered
             if not retained and self._retained.get(topic, _Retained(b"", None)).payload == payload:
                 self._own_echo.set()
         if topic != self._ping_topic:
