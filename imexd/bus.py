@@ -240,6 +240,17 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class EchoLost:
+    """Our retained publication was kept by the broker (a snapshot held it) but its live
+    echo did not come in time: a clustered broker lost the echo. Not a refusal; the shard
+    publishes a claim again on a link that may lose updates (as for `Refused`)."""
+
+    topic: str
+    ref: TopicRef | None = None
+    lossy_link: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SubscribeRefused:
     """The broker refused a subscription we need (SUBACK failure): the bus subscribes it
     again with backoff, then drops the link for the next broker; no `Synced` meanwhile."""
@@ -274,6 +285,7 @@ Event = (
     | Disconnected
     | ConnectFailed
     | Synced
+    | EchoLost
     | Received
     | Deleted
     | Refused
@@ -434,9 +446,12 @@ class _Echoes:
         timeout: float,
         on_refused: Callable[[str], None],
         can_tell: Callable[[str], bool] = lambda _: True,
+        on_lost: Callable[[str], None] = lambda _: None,
     ) -> None:
         self._timeout = timeout
         self._on_refused = on_refused
+        self._on_lost = on_lost
+        """Called when the live echo timed out of a publication a snapshot showed kept."""
         self._can_tell = can_tell
         """Whether an echo on a topic could come at all now (a subscription covering it is
         granted); when not, an expired wait starts over instead of judging."""
@@ -444,6 +459,8 @@ class _Echoes:
         self._late: dict[str, bytes] = {}
         """Payloads that timed out: their echo may still arrive and clear `refused`."""
         self.refused: set[str] = set()
+        self._kept: set[str] = set()
+        """Pending topics whose payload a snapshot showed: accepted, live echo awaited."""
 
     def expect(self, topic: str, payload: bytes) -> None:
         self._cancel(topic)
@@ -451,10 +468,15 @@ class _Echoes:
         handle = asyncio.get_running_loop().call_later(self._timeout, self._expired, topic)
         self._pending[topic] = (payload, handle)
 
-    def seen(self, topic: str, payload: bytes) -> None:
+    def seen(self, topic: str, payload: bytes, *, live: bool = True) -> None:
+        """`payload` arrived on `topic`: live (the echo), or a snapshot's retained copy,
+        which proves the broker kept it but is no echo (the wait for that goes on)."""
         waiting = self._pending.get(topic)
         if waiting is not None and waiting[0] == payload:
-            self._cancel(topic)
+            if live:
+                self._cancel(topic)
+            else:
+                self._kept.add(topic)
             self.refused.discard(topic)
         elif self._late.get(topic) == payload:
             del self._late[topic]
@@ -473,6 +495,7 @@ class _Echoes:
             self._cancel(topic)
 
     def _cancel(self, topic: str) -> None:
+        self._kept.discard(topic)
         waiting = self._pending.pop(topic, None)
         if waiting is not None:
             waiting[1].cancel()
@@ -481,6 +504,10 @@ class _Echoes:
         if not self._can_tell(topic) and topic in self._pending:
             payload = self._pending[topic][0]
             self.expect(topic, payload)
+            return
+        if topic in self._kept:
+            self._cancel(topic)
+            self._on_lost(topic)
             return
         waiting = self._pending.pop(topic, None)
         if waiting is not None:
@@ -591,7 +618,9 @@ class Bus:
         one of them is a link fault, not a refusal (`imexd.mqtt.connect`)."""
         self._link_since = 0.0
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._echoes = _Echoes(echo_timeout_s, self._refused, self._echo_can_come)
+        self._echoes = _Echoes(
+            echo_timeout_s, self._refused, self._echo_can_come, on_lost=self._echo_lost
+        )
         self._drop_logged: set[tuple[str, str]] = set()
 
         self._connected = False
@@ -1535,9 +1564,14 @@ class Bus:
         lossy = self.lossy or self._protocol == "3.1.1"
         self._emit(Refused(topic, detail, ref=self.topics.parse(topic), lossy_link=lossy))
 
+    def _echo_lost(self, topic: str) -> None:
+        lossy = self.lossy or self._protocol == "3.1.1"
+        self._log.info("bus_echo_lost", topic=topic[:300], lossy_link=lossy)
+        self._emit(EchoLost(topic, ref=self.topics.parse(topic), lossy_link=lossy))
+
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""
-        self._echoes.seen(topic, payload)
+        self._echoes.seen(topic, payload, live=not retained)
         will = self._will
         if will is not None and topic == will.topic and payload:
             if retained and self._checking == topic:

@@ -52,6 +52,7 @@ from imexd.bus import (
     Connected,
     ConnectFailed,
     Disconnected,
+    EchoLost,
     Event,
     Refused,
     SubscribeRefused,
@@ -296,7 +297,7 @@ class ShardView:
                 return self._on_taken_over()
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
-        elif isinstance(event, Refused):
+        elif isinstance(event, Refused | EchoLost):
             self._on_refused(event)
         elif isinstance(event, ConnectFailed | SubscribeRefused):
             # A refused filter leaves a partial view until the bus gets it (then Synced).
@@ -351,7 +352,7 @@ class ShardView:
             self.spec = payload
         return None
 
-    def _on_refused(self, event: Refused) -> None:
+    def _on_refused(self, event: Refused | EchoLost) -> None:
         """Our claim's echo did not come back in time on a link that may lose it: publish
         the claim again and settle on that publication's echo only (the lost one's, should
         it come late, no longer counts: like a claim carried over to a new link). On a

@@ -1073,6 +1073,25 @@ async def test_a_late_echo_clears_the_refused_verdict() -> None:
     assert echoes.refused == set()
 
 
+async def test_a_retained_copy_is_no_echo_but_proves_the_broker_kept_it() -> None:
+    """Seen on a three-server NATS cluster: the broker kept a claim, its live echo never
+    came, and a re-read's snapshot held the claim. The copy clears nothing but the refusal
+    (the broker kept it); the wait for the live echo goes on, and when it times out the
+    echo is lost (not refused), so that the shard can publish its claim again."""
+    refused: list[str] = []
+    lost: list[str] = []
+    echoes = _Echoes(0.05, refused.append, on_lost=lost.append)
+    echoes.expect("t", b"A")
+    echoes.seen("t", b"A", live=False)
+    await asyncio.sleep(0.15)
+    assert (refused, lost, echoes.refused) == ([], ["t"], set())
+    echoes.expect("t", b"B")
+    echoes.seen("t", b"B", live=False)
+    echoes.seen("t", b"B")  # the live echo after all
+    await asyncio.sleep(0.15)
+    assert (refused, lost) == ([], ["t"])
+
+
 async def test_a_barrier_comes_back_on_a_live_link_only(broker: Mosquitto) -> None:
     """barrier() is a round trip through the broker: True while linked, False without a link."""
     async with bus_for(fast_settings(broker.url), "n1") as bus:
