@@ -502,8 +502,10 @@ class _Echoes:
 
     def _expired(self, topic: str) -> None:
         if not self._can_tell(topic) and topic in self._pending:
-            payload = self._pending[topic][0]
-            self.expect(topic, payload)
+            kept = topic in self._kept
+            self.expect(topic, self._pending[topic][0])  # start over, knowing what it knew
+            if kept:
+                self._kept.add(topic)
             return
         if topic in self._kept:
             self._cancel(topic)
@@ -1179,7 +1181,9 @@ class Bus:
         for topic_filter in self._filters:
             if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
                 levels = will.topic.split("/")
-                levels[-3:-2] = ["+"]
+                if len(levels) < 3:
+                    return None
+                levels[-3] = "+"  # {p}/domains/D/members/C/N -> {p}/domains/D/+/C/N
                 return will.topic, topic_filter, "/".join(levels)
         return None
 
@@ -1207,7 +1211,7 @@ class Bus:
         self._check_seen = False
         self._checking = topic
         try:
-            if self.lossy or self._protocol == "3.1.1":
+            if self._may_lose:
                 if not await self._read_again(client, [shard_filter]):
                     return False
                 topic_filter = shard_filter
@@ -1259,11 +1263,7 @@ class Bus:
         """time.monotonic() of the re-read that follows a burst of changes (when re-reads
         are on, the link may lose updates, and a live message came since the last one
         began), or never."""
-        if (
-            self._resync_s <= 0
-            or not (self.lossy or self._protocol == "3.1.1")
-            or self._last_live <= self._last_reread
-        ):
+        if self._resync_s <= 0 or not self._may_lose or self._last_live <= self._last_reread:
             return math.inf
         return min(
             self._last_live + self._resync_quiet_s + RESYNC_SETTLE_S,
@@ -1466,6 +1466,12 @@ class Bus:
 
     # State changes and incoming messages.
 
+    @property
+    def _may_lose(self) -> bool:
+        """Whether this link may lose an update or an echo: MQTT 3.1.1 (NATS), or a broker
+        a re-read found losing one (`lossy`)."""
+        return self.lossy or self._protocol == "3.1.1"
+
     def _covered(self, topic: str) -> bool:
         return any(topic_matches(f, topic) for f in self._filters)
 
@@ -1561,11 +1567,10 @@ class Bus:
     def _refused(self, topic: str) -> None:
         detail = "our retained publication did not come back: the broker refused it (ACL?)"
         self._log.warning("bus_publish_refused", topic=topic, detail=detail)
-        lossy = self.lossy or self._protocol == "3.1.1"
-        self._emit(Refused(topic, detail, ref=self.topics.parse(topic), lossy_link=lossy))
+        self._emit(Refused(topic, detail, ref=self.topics.parse(topic), lossy_link=self._may_lose))
 
     def _echo_lost(self, topic: str) -> None:
-        lossy = self.lossy or self._protocol == "3.1.1"
+        lossy = self._may_lose
         self._log.info("bus_echo_lost", topic=topic[:300], lossy_link=lossy)
         self._emit(EchoLost(topic, ref=self.topics.parse(topic), lossy_link=lossy))
 

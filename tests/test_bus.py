@@ -1092,6 +1092,22 @@ async def test_a_retained_copy_is_no_echo_but_proves_the_broker_kept_it() -> Non
     assert (refused, lost) == ([], ["t"])
 
 
+async def test_a_kept_record_stays_kept_when_its_wait_starts_over() -> None:
+    """A wait that starts over because no subscription could carry the echo (a refused
+    filter) keeps what the snapshot showed: the record is lost at the next expiry, not
+    refused."""
+    refused: list[str] = []
+    lost: list[str] = []
+    can_tell = {"now": False}
+    echoes = _Echoes(0.05, refused.append, lambda _: can_tell["now"], on_lost=lost.append)
+    echoes.expect("t", b"A")
+    echoes.seen("t", b"A", live=False)
+    await asyncio.sleep(0.08)  # expired once: could not tell, started over
+    can_tell["now"] = True
+    await asyncio.sleep(0.1)
+    assert (refused, lost, echoes.refused) == ([], ["t"], set())
+
+
 async def test_a_barrier_comes_back_on_a_live_link_only(broker: Mosquitto) -> None:
     """barrier() is a round trip through the broker: True while linked, False without a link."""
     async with bus_for(fast_settings(broker.url), "n1") as bus:
