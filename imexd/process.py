@@ -139,18 +139,11 @@ async def run_bounded(
     )
     pid = transport.get_pid()
     try:
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(proto.finished)
-        except TimeoutError:
-            _kill_group(pid)
-            # Reap before reporting: bounded, since SIGKILL cannot be ignored.
-            async with asyncio.timeout(_REAP_S):
-                await asyncio.shield(proto.exited)
-            raise
-    except BaseException:
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(proto.finished)
+    except BaseException:  # the timeout, a cancellation
         _kill_group(pid)
-        # Reap, bounded (SIGKILL cannot be ignored), then go on with the cancellation.
+        # Reap before going on: bounded, since SIGKILL cannot be ignored.
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             async with asyncio.timeout(_REAP_S):
                 await asyncio.shield(proto.exited)
