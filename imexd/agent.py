@@ -393,10 +393,8 @@ class Agent:
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
         # Only a snapshot completed after this point, of both filters, covers the shard.
-        needs: frozenset[str] = frozenset()
-        if target is not None:
-            needs = frozenset({self.topics.members_filter(*target), self.topics.spec(target[0])})
-        if shard.join(target, time.monotonic(), needs=needs):
+        filters = () if target is None else self._shard_filters(*target)
+        if shard.join(target, time.monotonic(), needs=frozenset(filters)):
             bus.set_client_id(self._client_id)
         self.view_ready.clear()
         if target is None:
@@ -408,8 +406,12 @@ class Agent:
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
         # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        await bus.subscribe(self.topics.spec(domain), self.topics.members_filter(domain, clique))
+        await bus.subscribe(*filters)
         bus.set_will(shard.will(self.topics, domain, clique))
+
+    def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:
+        """The bus filters a shard's view is made of: the domain's spec, its members."""
+        return self.topics.spec(domain), self.topics.members_filter(domain, clique)
 
     async def _step(self, now: float) -> None:
         """One membership step: the shard view derives, the agent publishes and applies."""
