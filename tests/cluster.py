@@ -591,7 +591,11 @@ def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
     c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
 
 
-def quiet(c: Cluster, nodes: list[Node], quiet_s: float, timeout: float = 20) -> None:
+QUIET_S = 2 * float(FAST["imex"]["reload_min_interval_s"])
+"""No signal for this long: a formation's last SIGUSR1, paced by the reload window, is out."""
+
+
+def quiet(c: Cluster, nodes: list[Node], quiet_s: float = QUIET_S, timeout: float = 20) -> None:
     """Wait until no daemon of `nodes` got a signal for `quiet_s`: a SIGUSR1 of the
     formation (a node that started before a peer joined), paced by the daemon's reload
     window, may still be on its way when the domain is UP. A test that compares the

@@ -18,16 +18,12 @@ import msgspec
 import pytest
 
 from imexd.agent import EXIT_HANDOVER
-from imexd.demo.timings import FAST
 from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
 from tests.cluster import Cluster, Node, members, pids, quiet, slot_of
 
 pytestmark = pytest.mark.slow
 
 MEMBERS = "imex/v2/domains/d1/members/c1/"
-
-QUIET_S = 2 * float(FAST["imex"]["reload_min_interval_s"])
-"""No signal for this long: the formation's last paced SIGUSR1 has been sent."""
 
 
 def form(
@@ -136,7 +132,7 @@ def test_a_broker_restart_loses_nothing(c: Cluster) -> None:
     nodes = form(c, 4)
     before = pids(nodes)
     hosts = {n.name: n.hosts_file.read_text() for n in nodes}
-    quiet(c, nodes, QUIET_S)
+    quiet(c, nodes)
     signals = {n.name: n.signals() for n in nodes}
     c.broker.stop()
     c.broker.start()
@@ -229,7 +225,7 @@ def _restart_and_adopt(c: Cluster, nodes: list[Node], node: Node, pid: int | Non
     """Start `node`'s agent again; it must adopt daemon `pid` while peers notice nothing."""
     peers = [n for n in nodes if n is not node]
     before = pids(peers)
-    quiet(c, nodes, QUIET_S)
+    quiet(c, nodes)
     signals = {n.name: n.signals() for n in nodes}
     slot = node.slot_from_state()
     node.start()
@@ -278,7 +274,7 @@ def test_bad_messages_are_dropped_and_counted(c: Cluster) -> None:
     before = pids(nodes)
     hosts = {n.name: n.hosts_file.read_text() for n in nodes}
     counts = {n.name: n.dropped() for n in nodes}
-    quiet(c, nodes, QUIET_S)
+    quiet(c, nodes)
     signals = {n.name: n.signals() for n in nodes}
     good = MemberRecord(
         node="n9",
@@ -319,7 +315,7 @@ def test_bad_messages_are_dropped_and_counted(c: Cluster) -> None:
 def test_a_node_without_a_clique_is_a_member_without_a_daemon(c: Cluster) -> None:
     """An empty clique joins shard `none` as a member and reports its daemon not applicable."""
     nodes = form(c, 2)
-    quiet(c, nodes, QUIET_S)
+    quiet(c, nodes)
     signals = {n.name: n.signals() for n in nodes}
     lone = c.add("n3", clique="")
     c.wait(lone.ready, timeout=30)

@@ -22,7 +22,6 @@ import pytest
 
 from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
 from imexd.demo.brokers import Mosquitto, free_port
-from imexd.demo.timings import FAST
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
 from tests.cluster import Cluster, Node, formed, members, pids, quiet, slot_of
@@ -448,7 +447,6 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
 
 HOLD_S = 4.0
 ON_311 = {"bus": {"protocol": "3.1.1", "will_delay_s": HOLD_S}}
-QUIET_S = 2 * float(FAST["imex"]["reload_min_interval_s"])
 
 
 def cluster_member(node: Node) -> str:
@@ -463,10 +461,10 @@ def files(node: Node) -> tuple[str, str]:
 def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
     """Three agents on MQTT 3.1.1 (will_delay_s HOLD_S) formed into d1/c1, and quiet: a
     SIGUSR1 of the formation, paced by reload_min_interval_s, may still be on its way
-    when the domain is up, so wait until no daemon got a signal for QUIET_S."""
+    when the domain is up, so wait until no daemon got a signal for a while (`quiet`)."""
     nodes = [c.add(f"n{i}", overrides=ON_311, via_proxy=f"n{i}" == proxied) for i in (1, 2, 3)]
     formed(c, nodes)
-    quiet(c, nodes, QUIET_S)
+    quiet(c, nodes)
     return nodes
 
 
