@@ -424,14 +424,14 @@ class Agent:
             running=desired.run and (desired.domain, desired.clique) == shard.current,
             release=self._release_due,
         )
-        if plan.desired is None:
+        if plan.hold:
+            pass  # another agent may run as this node: what runs keeps running
+        elif plan.desired is None:
             return  # no shard, or no synced snapshot yet
-        if plan.desired.cleanup:
+        elif plan.desired.cleanup:
             await self._leave_deleted(plan)
-        elif plan.decision is not None:
-            await self._claim(plan)
         else:
-            self._set_desired(plan.desired)  # another agent may run as this node: hold
+            await self._claim(plan)
         if shard.synced:  # `desired` follows the synced snapshot (unless the link went)
             self.view_ready.set()
         self.changed.set()

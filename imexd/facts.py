@@ -37,6 +37,17 @@ class Member(NamedTuple):
     address: str
 
 
+class Contest(NamedTuple):
+    """A slot on which member records of several nodes stand (a forged record, or both
+    sides of a split): who keeps it in this node's files, and who contends."""
+
+    slot: int
+    holder: str
+    """The member the files list on the slot (the incumbent, or the first by rank)."""
+    contenders: tuple[str, ...]
+    """The other nodes whose member record stands on the slot, sorted."""
+
+
 class SlotLink(NamedTuple):
     """One member slot as the node's last `ctl -N -j` saw it."""
 
@@ -105,6 +116,9 @@ class MembershipFacts:
     """Slots of the (domain, clique)."""
     members: Mapping[int, Member] = field(default_factory=lambda: MappingProxyType({}))
     """Settled members by slot, this node included when it is one."""
+    contested: tuple[Contest, ...] = ()
+    """Slots of the shard on which another node's member record stands beside the
+    holder's, by slot (SlotContested, imexd_slot_contested)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -157,6 +157,19 @@ def _slot(f: Facts) -> _Verdict:
         effect = "a running daemon is kept" if running else "the daemon is not started"
         return _Verdict("False", "NodeMapMismatch", f"{who}; {effect}{detail}")
     if m.state == "member":
+        if m.contested:
+            # Settled all the same: the holder keeps its slot and daemon (incumbency), so
+            # a forged record must not make every node unready; the reason says it.
+            contests = "; ".join(
+                f"slot {c.slot} is kept by {c.holder} against {fleet.name_list(c.contenders)}"
+                for c in m.contested
+            )
+            return _Verdict(
+                "True",
+                "SlotContested",
+                f"slot {f.slot} of {where}; another node's member record stands on a held "
+                f"slot: {contests}",
+            )
         # Not how full the shard is: every member would publish a new report whenever a
         # peer joined or left (k reports per change); `imexd domain status` shows that.
         return _Verdict("True", "Settled", f"slot {f.slot} of {where}")

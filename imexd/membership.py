@@ -8,10 +8,13 @@ own claim came back relative to the others' records, comes in as an `Echo`.
 
 The conflict rule (`resolve`)
     Only `claiming` and `member` records with a slot below max_nodes compete. On each
-    slot the winner is the record with the smallest rank:
+    slot the incumbent wins first: the member the caller has seen hold the slot before
+    any other member record stood there (`incumbents`, below). Without one, the winner
+    is the record with the smallest rank:
       1. members with a believable settle stamp, earlier `settled` first;
-      2. members without one: no stamp (an agent older than the field), or a stamp
-         more than FUTURE_STAMP_S (30 s) ahead of the caller's wall clock;
+      2. members without one: no stamp (an agent older than the field), a stamp of 0
+         or below or not a number, or one more than FUTURE_STAMP_S (30 s) ahead of
+         the caller's wall clock;
       3. claims;
     and the node name breaks every tie. A member beats a claim; between two claims the
     lower name wins the map, which only shapes preferences (who looks for a free slot);
@@ -33,7 +36,8 @@ Claiming (`step`)
     claim is lost; the node still waits for the echo before it claims again, because the
     view at the echo is the one that deals its next slot the same way on every node
     (below). Only a member starts its daemon. A node that finds no slot waits as
-    `standby` and claims again when a slot frees. A member never yields to a claim: it
+    `standby` and claims again when a slot frees. A member never yields to a claim, nor
+    to any member record while it is the incumbent (below); without continuity it
     yields only to a member that ranks first on the same slot, which exists only when
     both sides of a partition settled it.
 
@@ -106,8 +110,9 @@ What still needs a clock
       counting, which assumes a live claimant settles or moves well within it (one round
       trip). Two nodes that disagree on staleness near the limit can both settle.
     - Healed partitions and a broker that lost its retained state: each side settled
-      without the other's record, so two members meet; the `settled` stamps below (wall
-      clocks, believed within FUTURE_STAMP_S) pick the survivor.
+      without the other's record, so two members meet; where neither kept continuity
+      (incumbency, below), the `settled` stamps (wall clocks, believed within
+      FUTURE_STAMP_S) pick the survivor.
     - A spec edit that drops a member from the list while another claims its slot: the
       dropped node stops its daemon when it reads the new spec, not before.
 
@@ -121,30 +126,59 @@ Why it converges
     delivery delay, per-session order) a group settles within a few rounds of the last
     join, leave or crash.
 
-Who survives a healed partition, and why both sides agree
+Incumbency: who keeps a slot that two members claim
+    A member that has held its slot over a continuous link keeps it against any member
+    record that appears on it later, whatever that record's stamp or name (`step`,
+    `incumbent=True`): it never claims again because of another node's record, and its
+    daemon keeps running (imexd.shard states the rule for the daemon). Every other node
+    keeps the incumbent in its files (`resolve`, `incumbents`), and all of them report
+    the conflict (SlotContested).
+    Continuity is what the node can know about its own record: it has stood on the
+    broker without a break since the claim settled at its echo (or since a resumed record
+    was kept), on one link or across a reconnect whose snapshot gave it back exactly as
+    it was last published (`ShardView.continuous`). An observer's incumbent of a slot is
+    the member whose record it saw stand there first, kept across its own reconnects
+    while that record comes back unchanged, forgotten when the record leaves the slot
+    or is dropped.
+    Why it is safe: by the argument above, on one broker two members never settle one
+    slot, so a second member record on a slot held over a continuous link did not
+    settle there; it is forged, left from a past that the broker did not keep, or
+    from a side of a split that the holder never saw. The holder is the one whose
+    daemon the running jobs use. It assumes the one broker's order (above) and that a
+    node's continuity is real: a broker that restarts with its retained state kept and
+    the node's record in it is the same broker as far as the record goes.
+    When stamps still decide: between members that both lost continuity, where no
+    node can tell who held the slot first. A broker that lost its state (a restart
+    without persistence, a cold standby on the same address) and a clustered broker's
+    split (each side settled without the other's record) are such cases. There the
+    member that settled first stays (`settled`, below) and the other claims again
+    (PartitionHealed). An observer without an incumbent for the slot, such as an agent
+    that just started and sees both records in one snapshot, ranks them the same way.
+    What a node with valid credentials that lies can still do (with the broker's ACL
+    `pattern write .../members/+/%u`, only the node itself or a copy of its
+    credentials can write its record): it cannot move a holder whose link is
+    continuous, nor change the holder's entry in the files of observers that saw the
+    holder first; it can win the slot in the files of an observer that sees both
+    records only in one snapshot (a freshly started agent, one whose record of the
+    holder changed while it was away) by copying the holder's stamp or stating an
+    earlier one, and win against a holder that lost continuity the same way. The
+    holder keeps its daemon and every node reports the conflict (SlotContested,
+    imexd_slot_contested), naming the contender, so an operator can remove the record
+    and revoke the credentials that wrote it.
+
+Who survives when both lost continuity, and why both sides agree
     Each member carries `settled`, its wall clock when its claim settled, unchanged for
     as long as it stays a member (an agent restart resumes its retained record and keeps
     the stamp). When the partition heals both sides hold both records, and the rank
     above is a function of the records alone, up to the one clock test: a stamp is
-    disbelieved only when it lies more than 30 s in the reader's future, which honest
-    nodes with synchronised clocks (NTP, well under a second) never produce, so both
-    sides rank both members alike and agree that the one that settled first stays; the
-    other claims again (PartitionHealed). Keeping the earlier one keeps the node that
-    held the slot longest, usually the one whose daemon the running jobs use.
-
-Why an injected record cannot evict a settled incumbent
-    A record that appears directly as `member` on a held slot either carries no stamp,
-    or a future one (both rank after every stamped member, so it cannot win by declaring
-    itself), or a stamp later than the incumbent's (it loses to the earlier one), or a
-    stamp earlier than the incumbent's: the one way to win is to lie about when it
-    settled. Names no longer matter between stamped members. A record that lies about
-    its stamp looks exactly like the other side of a healed partition, and no rule over
-    the records can tell the two apart; what stops it is the broker's ACL
-    (`pattern write .../members/+/%u`, and the check that a record agrees with its
-    topic): only that node's credentials can write that record, so a node that lies
-    with its own credentials is attributable, and one without them cannot write at all.
-    A member without a stamp (an agent older than the field) still beats any claim, so
-    an upgrade in place never moves a slot; it stamps its record at its next resume.
+    disbelieved when it lies more than 30 s in the reader's future, which honest nodes
+    with synchronised clocks (NTP, well under a second) never produce, or when it is 0
+    or below or not a number, which no clock produces; so both sides rank both members
+    alike and agree that the one that settled first stays; the other claims again
+    (PartitionHealed). Keeping the earlier one keeps the node that held the slot
+    longest, usually the one whose daemon the running jobs use. A member without a
+    believable stamp (an agent older than the field) still beats any claim, so an
+    upgrade in place never moves a slot; it stamps its record at its next resume.
 
 Releasing a slot (`step(release=True)`)
     A member whose daemon cannot run gives its slot up only when a node waits as
@@ -158,13 +192,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Final
 
 from imexd.messages import DomainSpec, MemberRecord, MemberState, Mode, encode
 
 _COMPETING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
+_NO_INCUMBENTS: Final[Mapping[int, str]] = MappingProxyType({})
 
 FUTURE_STAMP_S: Final = 30.0
 """A member's `settled` more than this many seconds ahead of the reader's wall clock is
@@ -196,6 +232,9 @@ class Reason(StrEnum):
     """Our claim has not come back live from the broker yet (its echo settles it)."""
     LOST_CONFLICT = "LostConflict"
     PARTITION_HEALED = "PartitionHealed"
+    SLOT_CONTESTED = "SlotContested"
+    """Another node's member record stands on our settled slot; we keep it (incumbent,
+    or ranking first)."""
     DOMAIN_FULL = "DomainFull"
     NOT_IN_SPEC = "NotInSpec"
     RELEASED = "Released"
@@ -284,6 +323,17 @@ class Decision:
             out[self.claim.slot] = (self.claim.node, address)
         return dict(sorted(out.items()))
 
+    def contests(self) -> dict[int, frozenset[str]]:
+        """slot -> the nodes whose member record stands on a slot that `members` gives
+        to another node: ours included, where another member record stands on it."""
+        out = dict(self.view.contenders)
+        slot = self.claim.slot
+        if self.settled and slot is not None:
+            rival = self.view.winners.get(slot)
+            if rival is not None and rival.state is MemberState.MEMBER:
+                out[slot] = out.get(slot, frozenset()) | {rival.node}
+        return dict(sorted(out.items()))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotMap:
@@ -300,6 +350,9 @@ class SlotMap:
     """Nodes outside the spec's allow-list, whose records take no part."""
     stale: frozenset[str] = frozenset()
     """Nodes whose stale claim took no part (`stale_claims`)."""
+    contenders: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    """slot -> the other nodes whose member record stands on a slot that a member won:
+    a contested slot (a forged record, or two sides of a split)."""
 
     @property
     def nodes(self) -> dict[int, str]:
@@ -397,6 +450,7 @@ def resolve(
     spec: DomainSpec | None = None,
     wall_now: float | None = None,
     stale: frozenset[str] = frozenset(),
+    incumbents: Mapping[int, str] = _NO_INCUMBENTS,
 ) -> SlotMap:
     """Apply the conflict rule: the same records give the same map on every node.
 
@@ -404,12 +458,15 @@ def resolve(
     newest, ties broken by content, so the arrival order never matters. `wall_now` is
     the caller's wall clock, against which members' `settled` stamps are believed or
     not (None: every stamp is believed); claims of nodes in `stale` take no part.
+    `incumbents`: slot -> the node the caller saw hold it first (see the module
+    docstring); its member record on that slot wins before any rank.
     """
     winners: dict[int, MemberRecord] = {}
     losers: set[str] = set()
     standby: set[str] = set()
     ignored: set[str] = set()
     skipped: set[str] = set()
+    standing: dict[int, set[str]] = {}
     for r in _latest(records).values():
         if not allowed(r.node, spec):
             ignored.add(r.node)
@@ -420,13 +477,21 @@ def resolve(
             skipped.add(r.node)
         elif r.state in _COMPETING and r.slot is not None and r.slot < max_nodes:
             held = winners.get(r.slot)
+            incumbent = incumbents.get(r.slot)
             if held is None:
                 winners[r.slot] = r
-            elif _key(r, wall_now) < _key(held, wall_now):
+            elif _seat(r, incumbent, wall_now) < _seat(held, incumbent, wall_now):
                 losers.add(held.node)
                 winners[r.slot] = r
             else:
                 losers.add(r.node)
+            if r.state is MemberState.MEMBER:
+                standing.setdefault(r.slot, set()).add(r.node)
+    contenders = {
+        slot: frozenset(nodes - {winners[slot].node})
+        for slot, nodes in sorted(standing.items())
+        if len(nodes) > 1
+    }
     return SlotMap(
         max_nodes=max_nodes,
         winners=dict(sorted(winners.items())),
@@ -434,6 +499,7 @@ def resolve(
         standby=frozenset(standby),
         ignored=frozenset(ignored),
         stale=frozenset(skipped),
+        contenders=contenders,
     )
 
 
@@ -494,6 +560,8 @@ def step(
     wall_now: float | None = None,
     stale: frozenset[str] = frozenset(),
     release: bool = False,
+    incumbent: bool = False,
+    incumbents: Mapping[int, str] = _NO_INCUMBENTS,
 ) -> Decision:
     """Advance our own claim by one step, from the records of our shard.
 
@@ -504,7 +572,10 @@ def step(
     (`ClaimState.settled`) and bounds the stamps of others (None: no stamp is set and
     every stamp is believed). Claims of nodes in `stale` take no part (ours never is).
     `release`: give our slot up to a node waiting as standby, and stay standby while it
-    holds (a daemon that cannot run).
+    holds (a daemon that cannot run). `incumbent`: our member record has stood on the
+    broker without a break since it settled (`ShardView.continuous`): as a member we
+    keep our slot against any other member record (see "Incumbency"); otherwise the
+    stamps decide. `incumbents`: the other slots' incumbents, for `resolve`.
     """
     latest = _latest(records)
     own = latest.pop(me.node, None)
@@ -514,6 +585,7 @@ def step(
         spec=spec,
         wall_now=wall_now,
         stale=stale - {me.node},
+        incumbents=incumbents,
     )
     at = _Step(
         me=me,
@@ -530,11 +602,17 @@ def step(
 
     if me.phase is Phase.MEMBER and me.slot is not None:
         rival = view.winners.get(me.slot)
-        if rival is not None and at.beats(rival, MemberState.MEMBER, me.settled):
+        contender = rival if rival is not None and rival.state is MemberState.MEMBER else None
+        if (
+            contender is not None
+            and not incumbent
+            and at.beats(contender, MemberState.MEMBER, me.settled)
+        ):
             return at.reclaim(
                 Reason.PARTITION_HEALED,
-                f"member {rival.node} also holds slot {me.slot} and ranks first "
-                "(earlier settle time, then lower name)",
+                f"member {contender.node} also holds slot {me.slot} and ranks first "
+                "(earlier settle time, then lower name), and this node's record did not "
+                "stand on the broker without a break",
             )
         if release and view.standby:
             waiting = ", ".join(sorted(view.standby))
@@ -543,6 +621,19 @@ def step(
                 None,
                 Reason.RELEASED,
                 f"released slot {me.slot} to the standby node(s) {waiting}",
+            )
+        if contender is not None:
+            why = (
+                "this node has held it without a break"
+                if incumbent
+                else "this node ranks first (earlier settle time, then lower name)"
+            )
+            return at.hold(
+                Phase.MEMBER,
+                me.slot,
+                Reason.SLOT_CONTESTED,
+                f"slot {me.slot}, kept against member {contender.node} at "
+                f"{contender.address}, whose record also stands on it: {why}",
             )
         return at.hold(Phase.MEMBER, me.slot, Reason.SETTLED, f"slot {me.slot}")
 
@@ -629,6 +720,7 @@ def _rank(
     if (
         settled is None
         or not math.isfinite(settled)
+        or settled <= 0.0
         or (wall_now is not None and settled > wall_now + FUTURE_STAMP_S)
     ):
         return (1, 0.0, node)
@@ -637,6 +729,13 @@ def _rank(
 
 def _key(r: MemberRecord, wall_now: float | None) -> tuple[int, float, str]:
     return _rank(r.state, r.settled, r.node, wall_now)
+
+
+def _seat(
+    r: MemberRecord, incumbent: str | None, wall_now: float | None
+) -> tuple[bool, tuple[int, float, str]]:
+    """Smaller wins a slot in `resolve`: the slot's incumbent member first, then `_rank`."""
+    return (not (r.node == incumbent and r.state is MemberState.MEMBER), _key(r, wall_now))
 
 
 def _beats(

@@ -183,6 +183,13 @@ class Metrics:
         yield GaugeMetricFamily(
             "imexd_slot", "The node's slot; -1 without one.", -1 if f.slot is None else f.slot
         )
+        yield GaugeMetricFamily(
+            "imexd_slot_contested",
+            "Slots of the node's (domain, clique) on which another node's member record "
+            "stands beside the holder's (a forged record, or both sides of a split); the "
+            "holder keeps the slot, SlotSettled reason SlotContested names who contends.",
+            len(f.membership.contested),
+        )
         judged = fleet.sight(f).state
         domain = GaugeMetricFamily(
             "imexd_domain_state",

@@ -27,7 +27,12 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   `FIRST_START_WINDOWS` x `[domain] settle_s`, while claims of the shard are in flight
   or nodes the spec lists are not members yet, so that it starts once with all of them;
 - a second agent running with this node's name: it stands aside (`duplicate`), and a
-  record of our name that we did not write is watched before we claim over it.
+  record of our name that we did not write is watched before we claim over it;
+- another node's record reaching a running daemon: every plan passes `own_change`, the
+  one rule of when a settled member's daemon may stop or restart (DESIGN.md invariant
+  1), and the view keeps what `imexd.membership`'s incumbency needs: whether our own
+  record stood without a break (`continuous`) and who held each other slot first
+  (`incumbents`).
 
 Why one module of about 900 lines: every guard above reads and writes the same records of
 the shard (kept, unconfirmed, held for a lost peer, doubted after a deletion) and the
@@ -59,7 +64,7 @@ from imexd.bus import (
     Synced,
     WillSpec,
 )
-from imexd.facts import Member, MembershipFacts, MembershipState
+from imexd.facts import Contest, Member, MembershipFacts, MembershipState
 from imexd.messages import (
     MAX_HOLD_S,
     Deleted,
@@ -96,6 +101,47 @@ well within it; a node that is stuck or absent delays the others' start by this 
 and joins later by SIGUSR1 like any newcomer."""
 
 
+DOMAIN_DELETED: Final = "DomainDeleted"
+"""The cause of a plan that leaves a domain the control plane deletes (`own_change`)."""
+OWN_CAUSES: Final = frozenset({DOMAIN_DELETED, mb.Reason.NOT_IN_SPEC, mb.Reason.RELEASED})
+"""The causes of a plan that are the node's own reasons to stop or restart its daemon,
+among those `ShardView.derive` sees (`own_change`)."""
+
+
+def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bool) -> bool:
+    """Whether `desired` may replace `running` (what the daemon runs now): the one rule.
+
+    The daemon of a settled member is stopped or restarted only for the node's own
+    reasons: a leave (SIGTERM), a domain delete, a spec that drops the node, an
+    unassignment, a daemon failure (its slot released), an operator command; never
+    because of another node's record while this node's link has been continuous.
+    `cause` is why the plan changed (a `membership.Reason`, or DOMAIN_DELETED);
+    `continuous`: our member record stood on the broker without a break
+    (`ShardView.continuous`).
+
+    Why this is the whole rule: a leave, an unassignment and an operator's command to
+    move the node end the shard itself (the agent leaves it before any plan of the new
+    one), and the remaining own reasons reach the shard's judgement as a spec (deleting,
+    or a list without us) or as the release of a failed daemon: OWN_CAUSES. Anything
+    else that moves us off a slot is another node's record (a rival member, a claim
+    that beat ours), and `membership.step` gives such a record no power over a member
+    whose record stood without a break (its incumbency). Where our record did not
+    stand (a reconnect whose snapshot lost it: a broker that lost its state, a will
+    that fired), we cannot know we were first, and the settle stamps decide.
+    A change that keeps the same slot of the same shard running touches nothing: new
+    members are a SIGUSR1, never a restart.
+    """
+    if not running.run or running.domain is None or running.slot is None:
+        return True
+    if desired.run and (desired.domain, desired.clique, desired.slot) == (
+        running.domain,
+        running.clique,
+        running.slot,
+    ):
+        return True
+    return cause in OWN_CAUSES or not continuous
+
+
 class Identity(StrEnum):
     """A change of who the agent is on the bus, for the agent to make (will, client id)."""
 
@@ -122,6 +168,9 @@ class Plan:
     """Our incarnation was raised over a record of ours we never saved: save it."""
     mismatch: tuple[str, ...] = ()
     mismatch_detail: str = ""
+    hold: bool = False
+    """Keep what runs and publish nothing (`desired` is None): another agent may run as
+    this node, or a plan broke `own_change`."""
 
 
 class ShardView:
@@ -197,6 +246,17 @@ class ShardView:
         """The record we published last (None: none, or a clear)."""
         self.echo: mb.Echo | None = None
         """The barrier of our claim: taken at the live echo of `last_sent`."""
+        self.continuous = False
+        """Our member record has stood on the broker without a break, as far as this
+        agent knows: set when our claim settles at its echo or a resumed record of ours
+        is kept, cleared by a new link (`Connected`), set again when that link's
+        snapshot gives our record back exactly as we last published it (or when a
+        record we published again on it came back with no rival). While it holds, no
+        other node's record moves us (`mb.step(incumbent=...)`, `own_change`)."""
+        self.incumbents: dict[int, str] = {}
+        """slot -> the node whose member record has stood there first in this view,
+        kept across a reconnect while that record comes back unchanged, forgotten when
+        it leaves or changes slot or is dropped (`mb.resolve(incumbents=...)`)."""
         self.republish = False
         """A new link, or a lost echo: a claim in flight must be published again and wait
         for its echo."""
@@ -261,6 +321,8 @@ class ShardView:
         self.in_flight.clear()
         self.last_sent = None
         self.echo = None
+        self.continuous = False
+        self.incumbents.clear()
         self.republish = False
         self.started = False
         self.hold_until = None
@@ -290,6 +352,9 @@ class ShardView:
             self.republish = True
             self.reclaims = 0
             self.trusted = False
+            # Our record may have gone while we were away (a will, a broker that lost
+            # its state): continuity holds again only if this snapshot gives it back.
+            self.continuous = False
         elif isinstance(event, Disconnected):
             self.synced = False
             self._doubt_recent_deletions(now)
@@ -325,12 +390,26 @@ class ShardView:
             if (ref.domain, ref.clique) == self.current and payload.state is MemberState.LOST:
                 return self._on_lost(event, payload, now)
             if (ref.domain, ref.clique) == self.current:
+                before = self.records.get(ref.node)
+                if ref.node in self.unconfirmed and before is not None and before != payload:
+                    # Changed while our link was down: we did not see it stand unbroken.
+                    self._forget_incumbent(ref.node)
                 self.records[ref.node] = payload
                 self.lost.pop(ref.node, None)
                 self.unconfirmed.discard(ref.node)
                 self._track_claim(payload, now)
                 if ref.node == self.node and not event.retained:
                     self._on_own_echo(encode(payload), now)
+                if (
+                    ref.node == self.node
+                    and event.retained
+                    and not self.synced
+                    and self.last_sent is not None
+                    and self.last_sent.state is MemberState.MEMBER
+                    and encode(payload) == encode(self.last_sent)
+                ):
+                    # The new link's snapshot still holds our record as we left it.
+                    self.continuous = True
                 if (
                     ref.node == self.node
                     and payload.incarnation != self.incarnation
@@ -612,17 +691,24 @@ class ShardView:
             return Plan()
         self._drop_unconfirmed(now)
         self._drop_lost(now)
+        self._seat_incumbents()
         domain, clique = self.current
+        # What the daemon runs now, as far as the shard is concerned (`own_change`).
+        runs = Desired(domain=domain, clique=clique, slot=self.claim.slot, run=running)
         if self.spec is not None and self.spec.state == "deleting":
-            return Plan(
-                desired=Desired(domain=domain, clique=clique, cleanup=True),
-                leave=self.claim.phase is not mb.Phase.OUT,
+            return self._ruled(
+                runs,
+                Plan(
+                    desired=Desired(domain=domain, clique=clique, cleanup=True),
+                    leave=self.claim.phase is not mb.Phase.OUT,
+                ),
+                DOMAIN_DELETED,
             )
         own = self.records.get(self.node)
         if self.duplicate or self._suspect(own, now):
-            # Another agent may run as this node: hold everything, publish nothing.
+            # Another agent may run as this node: publish nothing, and keep what runs.
             self.decision = None
-            return Plan(desired=Desired(domain=domain, clique=clique))
+            return Plan(hold=True)
         echo = self.echo
         if echo is not None and echo.rival is None and not self.trusted:
             # Our claim is back and would settle: it does once the broker passed the
@@ -648,6 +734,8 @@ class ShardView:
             previous_slot=previous,
             stale=stale,
             release=release(),
+            incumbent=self.continuous,
+            incumbents=self.incumbents,
         )
         mismatch = tuple(
             mb.mismatches(
@@ -678,7 +766,7 @@ class ShardView:
         run = run and wake_at is None
         self.started = self.started or run
         claiming = decision.claim.phase is mb.Phase.CLAIMING
-        return Plan(
+        plan = Plan(
             desired=Desired(
                 domain=domain,
                 clique=clique,
@@ -695,6 +783,56 @@ class ShardView:
             mismatch=mismatch,
             mismatch_detail=detail,
         )
+        return self._ruled(runs, plan, decision.reason)
+
+    def _ruled(self, runs: Desired, plan: Plan, cause: str) -> Plan:
+        """`plan`, or a hold when it would stop or restart what runs against `own_change`.
+
+        `membership.step` gives another node's record no power over a member whose
+        record stood without a break, so a hold here is a broken promise of the slot
+        rules: it is logged as an error, and the daemon keeps running.
+        """
+        assert plan.desired is not None  # noqa: S101 - only plans that say what runs
+        if own_change(runs, plan.desired, cause, continuous=self.continuous):
+            return plan
+        self.log.error(
+            "membership.daemon_kept",
+            slot=runs.slot,
+            cause=cause,
+            detail=plan.decision.message if plan.decision is not None else "",
+            why="another node's record would stop or move the daemon of a member whose "
+            "record stood without a break",
+        )
+        return Plan(hold=True, wake_at=plan.wake_at)
+
+    def _seat_incumbents(self) -> None:
+        """Keep `incumbents` true to the records: forget those whose record left its slot,
+        and seat the one member of a slot that has exactly one (confirmed) member record.
+
+        A slot on which several member records stand gets no incumbent: nobody here saw
+        which came first, and `mb.resolve` ranks them by their stamps.
+        """
+        for slot, node in list(self.incumbents.items()):
+            record = self.records.get(node)
+            if record is None or record.state is not MemberState.MEMBER or record.slot != slot:
+                del self.incumbents[slot]
+        on: dict[int, list[str]] = {}
+        for node, record in self.records.items():
+            if (
+                record.state is MemberState.MEMBER
+                and record.slot is not None
+                and 0 <= record.slot < self.max_nodes
+                and mb.allowed(node, self.spec)
+            ):
+                on.setdefault(record.slot, []).append(node)
+        for slot, nodes in on.items():
+            if slot not in self.incumbents and len(nodes) == 1 and nodes[0] not in self.unconfirmed:
+                self.incumbents[slot] = nodes[0]
+
+    def _forget_incumbent(self, node: str) -> None:
+        """`node` no longer holds a slot first in this view (its record changed unseen)."""
+        for slot in [s for s, n in self.incumbents.items() if n == node]:
+            del self.incumbents[slot]
 
     def _hold_first_start(
         self, now: float, decision: mb.Decision, stale: frozenset[str]
@@ -797,6 +935,12 @@ class ShardView:
                 reason=decision.reason.value,
                 detail=decision.message,
             )
+        if not decision.settled:
+            self.continuous = False
+        elif (self.claim.phase, self.claim.slot) != (mb.Phase.MEMBER, decision.claim.slot):
+            # Settled at our claim's echo (no rival stood on the slot), or our retained
+            # record resumed: it stands on the broker from here on.
+            self.continuous = True
         self.claim = decision.claim
         self.decision = decision
         self.wake_at = plan.wake_at
@@ -872,8 +1016,17 @@ class ShardView:
 
     def facts(self, desired: Desired) -> MembershipFacts:
         """The membership facts of health, with `desired` as the agent applies it."""
-        base = MembershipFacts(max_nodes=self.max_nodes, members=desired.members)
         decision = self.decision
+        contests = decision.contests() if decision is not None else {}
+        base = MembershipFacts(
+            max_nodes=self.max_nodes,
+            members=desired.members,
+            contested=tuple(
+                Contest(slot, desired.members[slot].node, tuple(sorted(nodes)))
+                for slot, nodes in contests.items()
+                if slot in desired.members
+            ),
+        )
         if self.duplicate:
             return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
         if self.suspect_until is not None:

@@ -14,6 +14,7 @@ from imexd.facts import (
     BusFacts,
     ChannelFacts,
     ChannelState,
+    Contest,
     DaemonFacts,
     FabricFacts,
     Facts,
@@ -227,6 +228,20 @@ def test_slot_settled_says_where() -> None:
     changes no other member's report."""
     c = cond(working(), "SlotSettled")
     assert c.message == "slot 0 of d1/c0ffee.1"
+
+
+def test_a_contested_slot_is_settled_and_named() -> None:
+    """Another node's member record on a held slot: still settled and ready (the holder
+    keeps it), with a reason that names the slot, its holder and who contends."""
+    contested = (Contest(0, "n1", ("a0",)), Contest(2, "n3", ("z9", "zz")))
+    facts = membership(contested=contested)
+    c = cond(facts, "SlotSettled")
+    assert (c.status, c.reason) == ("True", "SlotContested")
+    assert c.message == (
+        "slot 0 of d1/c0ffee.1; another node's member record stands on a held slot: "
+        "slot 0 is kept by n1 against a0; slot 2 is kept by n3 against z9, zz"
+    )
+    assert messages.ready(health.conditions(facts, [], T0))
 
 
 def test_empty_clique_topic_level_is_none() -> None:

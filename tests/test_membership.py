@@ -92,6 +92,7 @@ def run(
     stale: frozenset[str] = frozenset(),
     release: bool = False,
     echo: Echo | None = None,
+    incumbent: bool = False,
 ) -> Decision:
     return step(
         me,
@@ -104,6 +105,7 @@ def run(
         wall_now=wall_now,
         stale=stale,
         release=release,
+        incumbent=incumbent,
     )
 
 
@@ -642,8 +644,10 @@ def test_an_injected_member_record_cannot_evict_a_settled_incumbent(
     assert (m.nodes, m.losers) == ({2: "m"}, frozenset({"a"}))
 
 
-def test_an_injected_record_that_lies_about_its_stamp_wins() -> None:
-    """Stamped before the incumbent, a record reads as a healed partition (ACLs attribute it)."""
+def test_without_continuity_a_record_that_lies_about_its_stamp_wins() -> None:
+    """A member that lost continuity (not incumbent) ranks by stamps: a record stamped
+    before ours reads as the other side of a split, which no rule over records can tell
+    from a lie (ACLs attribute it)."""
     me = ClaimState(
         node="m", incarnation=1, phase=Phase.MEMBER, slot=2, since=0.0, settled=WALL - 60
     )
@@ -699,6 +703,124 @@ def test_a_healed_partition_has_exactly_one_survivor(
     assert kept.count(True) == 1
     winner = resolve(records, max_nodes=8, wall_now=WALL).nodes[0]
     assert winner == (x.node if kept[0] else y.node)
+
+
+# Incumbency: a member whose record stood without a break keeps its slot
+
+
+def holder(node: str = "m", slot: int = 2, settled: float | None = WALL - 60) -> ClaimState:
+    return ClaimState(
+        node=node, incarnation=1, phase=Phase.MEMBER, slot=slot, since=0.0, settled=settled
+    )
+
+
+@pytest.mark.parametrize("settled", [WALL - 60, WALL - 61, WALL - 3600, 0.0, None, WALL + 40])
+@pytest.mark.parametrize("name", ["a", "m0", "z"])
+def test_an_incumbent_keeps_its_slot_against_any_member_record(
+    settled: float | None, name: str
+) -> None:
+    """Continuous, a member keeps its slot against a member record whatever its stamp
+    (a copy of ours, an earlier one, none) and name, and says the slot is contested."""
+    me = holder()
+    forged = rec(name, 2, MEMBER, settled=settled)
+    for records in ([own(me), forged], [forged, own(me)]):
+        d = run(me, records, now=9.0, wall_now=WALL, incumbent=True)
+        assert (d.claim, d.publish, d.settled) == (me, False, True)
+        assert d.reason is Reason.SLOT_CONTESTED
+        assert name in d.message
+        assert d.members("10.0.0.9")[2] == ("m", "10.0.0.9")
+        assert d.contests() == {2: frozenset({name})}
+
+
+def test_a_copied_stamp_and_a_lower_name_win_only_without_continuity() -> None:
+    """Issue 20 case 1: a record copying the holder's stamp, with a lower name, ranks
+    first; it moves the holder only when the holder's record did not stand unbroken."""
+    me = holder()
+    forged = rec("a", 2, MEMBER, settled=me.settled)
+    assert resolve([own(me), forged], max_nodes=8, wall_now=WALL).nodes == {2: "a"}
+    moved = run(me, [own(me), forged], wall_now=WALL, incumbent=False)
+    assert (moved.reason, moved.claim.phase) == (Reason.PARTITION_HEALED, Phase.CLAIMING)
+    kept = run(me, [own(me), forged], wall_now=WALL, incumbent=True)
+    assert (kept.reason, kept.claim) == (Reason.SLOT_CONTESTED, me)
+
+
+def test_a_member_that_ranks_first_reports_the_contest_too() -> None:
+    """Without continuity, a member that ranks first keeps the slot and reports it."""
+    me = holder(settled=WALL - 60)
+    d = run(me, [own(me), rec("a", 2, MEMBER, settled=WALL - 5)], wall_now=WALL)
+    assert (d.reason, d.claim) == (Reason.SLOT_CONTESTED, me)
+
+
+def test_an_incumbent_still_releases_its_slot_for_a_failed_daemon() -> None:
+    """Incumbency keeps a slot against others' records, not against our own release."""
+    me = holder()
+    records = [own(me), rec("a", 2, MEMBER, settled=WALL), rec("w", None, STANDBY)]
+    d = run(me, records, wall_now=WALL, incumbent=True, release=True)
+    assert (d.reason, d.claim.phase) == (Reason.RELEASED, Phase.RELEASED)
+
+
+def test_an_incumbent_member_wins_its_slot_before_rank() -> None:
+    """An observer that saw `m` hold slot 2 first keeps it there against a member record
+    that ranks first (a copied stamp and a lower name), in any order."""
+    m, forged = rec("m", 2, MEMBER, settled=WALL - 60), rec("a", 2, MEMBER, settled=WALL - 60)
+    for order in ([m, forged], [forged, m]):
+        seen = resolve(order, max_nodes=8, wall_now=WALL, incumbents={2: "m"})
+        assert (seen.nodes, seen.losers) == ({2: "m"}, frozenset({"a"}))
+        assert seen.contenders == {2: frozenset({"a"})}
+        fresh = resolve(order, max_nodes=8, wall_now=WALL)
+        assert (fresh.nodes, fresh.contenders) == ({2: "a"}, {2: frozenset({"m"})})
+
+
+def test_an_incumbent_counts_only_as_a_member_on_its_own_slot() -> None:
+    """A claim of the incumbent's node, or its member record on another slot, is ranked."""
+    records = [rec("m", 2, CLAIMING), rec("a", 2, MEMBER, settled=WALL)]
+    assert resolve(records, max_nodes=8, incumbents={2: "m"}).nodes == {2: "a"}
+    records = [rec("m", 3, MEMBER, settled=WALL), rec("a", 2, MEMBER, settled=WALL)]
+    assert resolve(records, max_nodes=8, incumbents={2: "m"}).nodes == {2: "a", 3: "m"}
+
+
+@pytest.mark.parametrize("settled", [0.0, -1.0, -1e12, float("-inf"), float("nan")])
+def test_a_stamp_of_zero_or_below_is_not_believed(settled: float) -> None:
+    """No clock stamps 0 or below: such a member ranks as if it carried no stamp."""
+    incumbent = rec("m", 2, MEMBER, settled=WALL - 3600)
+    upstart = rec("a", 2, MEMBER, settled=settled)
+    for wall_now in (WALL, None):
+        m = resolve([upstart, incumbent], max_nodes=8, wall_now=wall_now)
+        assert (m.nodes, m.losers) == ({2: "m"}, frozenset({"a"}))
+    d = run(holder(), [own(holder()), upstart], wall_now=WALL)
+    assert d.reason is Reason.SLOT_CONTESTED
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.lists(
+        st.builds(
+            lambda node, slot, state, stamp: rec(
+                node, slot, state, settled=stamp if state is MEMBER else None
+            ),
+            st.sampled_from(["a", "b", "m", "n1", "z"]),
+            st.integers(0, 3),
+            st.sampled_from([CLAIMING, MEMBER]),
+            st.none() | st.sampled_from([0.0, -5.0, WALL - 20, WALL - 10, WALL + 40]),
+        ),
+        max_size=12,
+    ).map(lambda rs: list({r.node: r for r in rs}.values())),
+    incumbents=st.dictionaries(st.integers(0, 3), st.sampled_from(["a", "b", "m", "n1", "z"])),
+    data=st.data(),
+)
+def test_incumbents_keep_the_map_order_free(
+    records: list[MemberRecord], incumbents: dict[int, str], data: st.DataObject
+) -> None:
+    """With incumbents the map is still the same in any order, and a slot's incumbent
+    wins it wherever its member record stands there."""
+    shuffled = data.draw(st.permutations(records))
+    m = resolve(records, max_nodes=4, wall_now=WALL, incumbents=incumbents)
+    assert resolve(shuffled, max_nodes=4, wall_now=WALL, incumbents=incumbents) == m
+    by_node = {r.node: r for r in records}
+    for slot, node in incumbents.items():
+        r = by_node.get(node)
+        if r is not None and r.state is MEMBER and r.slot == slot:
+            assert m.nodes[slot] == node
 
 
 # Stale claims
@@ -827,7 +949,7 @@ records_st = st.lists(
         st.integers(0, 7),
         st.sampled_from(list(MemberState)),
         st.integers(0, 3),
-        st.none() | st.sampled_from([WALL - 20, WALL - 10, WALL + 10, WALL + 40]),
+        st.none() | st.sampled_from([0.0, -1.0, WALL - 20, WALL - 10, WALL + 10, WALL + 40]),
     ),
     max_size=30,
 )
@@ -837,7 +959,7 @@ def rank(r: MemberRecord) -> tuple[int, float, str]:
     """The rule restated for the checks: believable stamps, unstamped members, claims."""
     if r.state is not MEMBER:
         return (2, 0.0, r.node)
-    if r.settled is None or r.settled > WALL + 30:
+    if r.settled is None or r.settled <= 0 or r.settled > WALL + 30:
         return (1, 0.0, r.node)
     return (0, r.settled, r.node)
 

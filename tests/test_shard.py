@@ -31,6 +31,7 @@ from imexd.messages import (
     TopicRef,
     Topics,
 )
+from imexd.reconcile import Desired
 from imexd.shard import (
     DOUBT_S,
     FIRST_START_WINDOWS,
@@ -280,9 +281,8 @@ def test_a_live_record_of_our_name_makes_us_stand_aside_until_it_goes() -> None:
     assert identity is Identity.ASIDE
     plan = derive(v, 0.5)
     assert plan.decision is None
-    assert plan.desired is not None
-    assert not plan.desired.run
-    assert v.facts(plan.desired).reason == "DuplicateNode"
+    assert (plan.hold, plan.desired) == (True, None)  # what runs keeps running
+    assert v.facts(Desired()).reason == "DuplicateNode"
     assert v.apply(deleted(ME), 1.0) is Identity.BACK
     assert v.duplicate == ""
 
