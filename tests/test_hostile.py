@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster import Cluster, Node, formed, pids, slot_of, untouched
 from tests.support import during, loopback_address
@@ -144,6 +145,54 @@ def test_a_record_posing_as_member_on_a_held_slot_does_not_evict(c: Cluster) -> 
                 problems.append(f"{n.name} maps slot {slot} to {n.hosts_slots().get(slot)}")
             if not n.ready():
                 problems.append(f"{n.name} is not ready: {n.condition('SlotSettled')}")
+        problems += untouched(nodes, before)
+    assert problems == [], problems
+
+
+def contested(node: Node) -> float | None:
+    """imexd_slot_contested from the node's /metrics (None: not exported)."""
+    code, body = node.get("/metrics")
+    assert code == 200, (code, body)
+    assert isinstance(body, str), body
+    for family in text_string_to_metric_families(body):
+        if family.name == "imexd_slot_contested":
+            return float(family.samples[0].value)
+    return None
+
+
+def test_a_member_copying_the_holders_stamp_with_a_lower_name_does_not_evict(
+    c: Cluster,
+) -> None:
+    """(Issue 20, case 1) A `member` record on a held slot with the holder's exact
+    `settled` stamp and a lower node name: it used to rank first, so the holder gave its
+    slot up and its daemon was stopped and started again. The holder keeps slot and
+    daemon, every node keeps its address in the hosts block, and all report the conflict
+    (SlotSettled SlotContested naming the contender, imexd_slot_contested 1)."""
+    nodes, before = three(c)
+    holder = nodes[1]
+    slot = slot_of(holder)
+    with c.client() as client:
+        own = client.retained(MEMBERS + holder.name)[MEMBERS + holder.name]
+    stamp = json.loads(own)["settled"]
+    assert isinstance(stamp, float), own
+    written = files(nodes)
+    inject(c, "a0", record("a0", slot=slot, settled=stamp))
+    problems = steady(nodes, before, written)
+    if all(n.alive() for n in nodes):
+        if holder.slot() != slot:
+            problems.append(f"the holder moved from slot {slot} to {holder.slot()}")
+        for n in nodes:
+            if n.hosts_slots().get(slot) != holder.address:
+                problems.append(f"{n.name} maps slot {slot} to {n.hosts_slots().get(slot)}")
+            settled = n.condition("SlotSettled")
+            if (settled.get("status"), settled.get("reason")) != ("True", "SlotContested"):
+                problems.append(f"{n.name}: SlotSettled {settled}")
+            elif "a0" not in settled.get("message", ""):
+                problems.append(f"{n.name}: the contender is not named: {settled}")
+            if contested(n) != 1.0:
+                problems.append(f"{n.name}: imexd_slot_contested {contested(n)}")
+            if not n.ready():
+                problems.append(f"{n.name} is not ready")
         problems += untouched(nodes, before)
     assert problems == [], problems
 
