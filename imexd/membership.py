@@ -144,9 +144,11 @@ Incumbency: who keeps a slot that two members claim
     slot, so a second member record on a slot held over a continuous link did not
     settle there; it is forged, left from a past that the broker did not keep, or
     from a side of a split that the holder never saw. The holder is the one whose
-    daemon the running jobs use. It assumes the one broker's order (above) and that a
-    node's continuity is real: a broker that restarts with its retained state kept and
-    the node's record in it is the same broker as far as the record goes.
+    daemon the running jobs use. It assumes the one broker's order (above), so a link
+    that may lose updates (MQTT 3.1.1, which is all a NATS cluster speaks, or one on
+    which an echo was found lost) gives no incumbency; and that a node's
+    continuity is real: a broker that restarts with its retained state kept and the
+    node's record in it is the same broker as far as the record goes.
     When stamps still decide: between members that both lost continuity, where no
     node can tell who held the slot first. A broker that lost its state (a restart
     without persistence, a cold standby on the same address) and a clustered broker's

@@ -116,8 +116,8 @@ def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bo
     unassignment, a daemon failure (its slot released), an operator command; never
     because of another node's record while this node's link has been continuous.
     `cause` is why the plan changed (a `membership.Reason`, or DOMAIN_DELETED);
-    `continuous`: our member record stood on the broker without a break
-    (`ShardView.continuous`).
+    `continuous`: our member record stood on the broker without a break, on links that
+    keep the broker's order (`ShardView.incumbent`).
 
     Why this is the whole rule: a leave, an unassignment and an operator's command to
     move the node end the shard itself (the agent leaves it before any plan of the new
@@ -127,7 +127,9 @@ def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bo
     that beat ours), and `membership.step` gives such a record no power over a member
     whose record stood without a break (its incumbency). Where our record did not
     stand (a reconnect whose snapshot lost it: a broker that lost its state, a will
-    that fired), we cannot know we were first, and the settle stamps decide.
+    that fired), or the link does not keep the broker's order (a clustered broker may
+    let two members settle one slot), we cannot know we were first, and the settle
+    stamps decide.
     A change that keeps the same slot of the same shard running touches nothing: new
     members are a SIGUSR1, never a restart.
     """
@@ -257,6 +259,11 @@ class ShardView:
         """slot -> the node whose member record has stood there first in this view,
         kept across a reconnect while that record comes back unchanged, forgotten when
         it leaves or changes slot or is dropped (`mb.resolve(incumbents=...)`)."""
+        self.ordered = True
+        """The link keeps the broker's order (MQTT 5, and no echo lost on it), which
+        incumbency assumes: on a link that may lose updates (MQTT 3.1.1, which is all
+        that NATS speaks; `Refused.lossy_link`) two members may settle one slot without
+        a break on either side, and the stamps decide."""
         self.republish = False
         """A new link, or a lost echo: a claim in flight must be published again and wait
         for its echo."""
@@ -268,6 +275,12 @@ class ShardView:
         """`now` until which the first start waits for the shard to form."""
         self.held = ""
         """Why the first start waits (empty: it does not)."""
+
+    @property
+    def incumbent(self) -> bool:
+        """We hold our slot first: our record stood without a break, on links that keep
+        the broker's order (see imexd.membership, "Incumbency")."""
+        return self.continuous and self.ordered
 
     @classmethod
     def from_settings(
@@ -355,6 +368,7 @@ class ShardView:
             # Our record may have gone while we were away (a will, a broker that lost
             # its state): continuity holds again only if this snapshot gives it back.
             self.continuous = False
+            self.ordered = event.protocol == "5"
         elif isinstance(event, Disconnected):
             self.synced = False
             self._doubt_recent_deletions(now)
@@ -363,6 +377,7 @@ class ShardView:
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
         elif isinstance(event, Refused | EchoLost):
+            self.ordered = self.ordered and not event.lossy_link
             self._on_refused(event)
         elif isinstance(event, ConnectFailed | SubscribeRefused):
             # A refused filter leaves a partial view until the bus gets it (then Synced).
@@ -734,8 +749,8 @@ class ShardView:
             previous_slot=previous,
             stale=stale,
             release=release(),
-            incumbent=self.continuous,
-            incumbents=self.incumbents,
+            incumbent=self.incumbent,
+            incumbents=self.incumbents if self.ordered else {},
         )
         mismatch = tuple(
             mb.mismatches(
@@ -793,7 +808,7 @@ class ShardView:
         rules: it is logged as an error, and the daemon keeps running.
         """
         assert plan.desired is not None  # noqa: S101 - only plans that say what runs
-        if own_change(runs, plan.desired, cause, continuous=self.continuous):
+        if own_change(runs, plan.desired, cause, continuous=self.incumbent):
             return plan
         self.log.error(
             "membership.daemon_kept",

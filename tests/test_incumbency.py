@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imexd import health
 from imexd import membership as mb
-from imexd.bus import BrokerChecked, Connected, Disconnected, Event, Synced
+from imexd.bus import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
 from imexd.messages import (
     Deleted,
@@ -66,9 +66,9 @@ def addresses(plan: Plan) -> dict[int, str]:
     return {slot: m.address for slot, m in plan.desired.members.items()}
 
 
-def reconnect(v: ShardView, now: float, *snapshot: MemberRecord) -> None:
+def reconnect(v: ShardView, now: float, *snapshot: MemberRecord, protocol: Protocol = "5") -> None:
     """A new link: Connected, the retained snapshot, Synced, the broker check."""
-    v.apply(Connected(broker="b", protocol="5", will_delay=True), now)
+    v.apply(Connected(broker="b", protocol=protocol, will_delay=protocol == "5"), now)
     for record in snapshot:
         v.apply(received(record), now)
     v.apply(Synced(at=now), now)
@@ -135,6 +135,28 @@ def test_a_reconnect_that_lost_our_record_lets_the_stamps_decide(what: str) -> N
     assert plan.decision.reason is mb.Reason.PARTITION_HEALED
     assert plan.desired is not None
     assert not plan.desired.run
+
+
+def test_a_link_that_may_lose_updates_gives_no_incumbency() -> None:
+    """On MQTT 3.1.1 (all that a NATS cluster speaks) the broker's order is not assumed:
+    two members may settle one slot without a break on either side, so the stamps
+    decide, for the holder and for observers."""
+    v = view()
+    settle(v)
+    mine, stamp = v.last_sent, v.claim.settled
+    assert mine is not None
+    reconnect(v, 5.0, forged("a0", 0, stamp), mine, protocol="3.1.1")
+    assert (v.continuous, v.ordered, v.incumbent) == (True, False, False)
+    plan = derive(v, 5.0, running=True)
+    assert plan.decision is not None
+    assert plan.decision.reason is mb.Reason.PARTITION_HEALED
+
+    v, n2 = with_peer()
+    mine = v.last_sent
+    assert mine is not None
+    reconnect(v, 5.0, n2, mine, protocol="3.1.1")
+    v.apply(received(forged("a0", 1, n2.settled), retained=False), 6.0)
+    assert members(derive(v, 6.0, running=True))[1] == "a0"
 
 
 # Observers
@@ -287,13 +309,15 @@ class World:
     spec: DomainSpec | None = None
     queue: list[Event] = field(default_factory=list)
     connected: bool = True
+    protocol: Protocol = "5"
     ours: MemberRecord | None = None
     """What the bus replays on a new link (our last record; None after a clear)."""
     desired: Desired = field(default_factory=Desired)
     released: bool = False
     excused: bool = False
     """Since the daemon started on its slot: an own reason occurred, or a reconnect's
-    snapshot no longer held our record (continuity lost)."""
+    snapshot no longer held our record (continuity lost). A link on MQTT 3.1.1 (no
+    broker order assumed) excuses a stop too."""
     trace: list[str] = field(default_factory=list)
     note: Callable[[str], object] = lambda _: None
     """Records what a run reached (hypothesis.event inside the property)."""
@@ -334,14 +358,17 @@ class World:
         self.queue.clear()
         self.v.apply(Disconnected(broker="b", reason="lost"), self.now)
 
-    def reconnect(self, order: Callable[[list[Event]], list[Event]]) -> None:
+    def reconnect(
+        self, order: Callable[[list[Event]], list[Event]], protocol: Protocol = "5"
+    ) -> None:
         """Connected, the snapshot (in `order`), the bus's replay of our record, Synced."""
         self.connected = True
+        self.protocol = protocol
         if self.ours is None or self.retained.get(ME) != self.ours:
             self.excused = True
         if self.desired.run:
             self.note(f"a reconnect while running, continuity {'lost' if self.excused else 'kept'}")
-        self.v.apply(Connected(broker="b", protocol="5", will_delay=True), self.now)
+        self.v.apply(Connected(broker="b", protocol=protocol, will_delay=protocol == "5"), self.now)
         snapshot: list[Event] = [
             Received(topic="t", ref=member_ref(node), payload=record, retained=True)
             for node, record in self.retained.items()
@@ -393,7 +420,7 @@ class World:
     def set(self, desired: Desired) -> None:
         old = self.desired
         if old.run and not (desired.run and desired.slot == old.slot):
-            assert self.excused or self.released, (
+            assert self.excused or self.released or self.protocol != "5", (
                 f"the daemon on slot {old.slot} was "
                 f"{'moved to ' + str(desired.slot) if desired.run else 'stopped'} "
                 f"without an own reason: {self.trace}"
@@ -506,7 +533,9 @@ def test_no_running_daemon_stops_without_an_own_reason(data: st.DataObject) -> N
             world.retained.clear()
             world.spec = None
         elif op == "reconnect" and not world.connected:
-            world.reconnect(lambda events: data.draw(st.permutations(events)))
+            protocols: list[Protocol] = ["5", "5", "5", "3.1.1"]
+            protocol = data.draw(st.sampled_from(protocols))
+            world.reconnect(lambda events: data.draw(st.permutations(events)), protocol)
         elif op == "spec":
             world.write_spec(data.draw(st.sampled_from(SPECS)))
         elif op == "release":
