@@ -188,6 +188,11 @@ Releasing a slot (`step(release=True)`)
     reason Released), which peers leave out of the nodes waiting for a slot, so the
     freed slot goes to a waiting node whatever the names. It claims nothing while the
     release holds and claims afresh once it ends.
+
+Why one module of about 950 lines: a third of it is the argument above, which must sit
+with the rule it argues; the rank, the incumbents, the claim's steps and the dealing of
+free slots are one rule that the argument covers as a whole, and split apart, each part
+would hold only half of why it is safe.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   record stood without a break (`continuous`) and who held each other slot first
   (`incumbents`).
 
-Why one module of about 900 lines: every guard above reads and writes the same records of
+Why one module of about 1100 lines: every guard above reads and writes the same records of
 the shard (kept, unconfirmed, held for a lost peer, doubted after a deletion) and the
 same claim in flight (its echo, the link's broker check); split by guard, each piece
 would reach into the others' private state. The slot rules themselves live in
