@@ -163,8 +163,10 @@ Incumbency: who keeps a slot that two members claim
     holder first; it can win the slot in the files of an observer that sees both
     records only in one snapshot (a freshly started agent, one whose record of the
     holder changed while it was away) by copying the holder's stamp or stating an
-    earlier one, and win against a holder that lost continuity the same way. The
-    holder keeps its daemon and every node reports the conflict (SlotContested,
+    earlier one, and win against a holder that lost continuity the same way (its link
+    dropped past its will, its broker lost its state, its agent restarted: a resumed
+    record is kept only if nothing ranks first on its slot). A holder with continuity
+    keeps its daemon, and every node reports the conflict (SlotContested,
     imexd_slot_contested), naming the contender, so an operator can remove the record
     and revoke the credentials that wrote it.
 

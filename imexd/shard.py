@@ -108,7 +108,7 @@ OWN_CAUSES: Final = frozenset({DOMAIN_DELETED, mb.Reason.NOT_IN_SPEC, mb.Reason.
 among those `ShardView.derive` sees (`own_change`)."""
 
 
-def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bool) -> bool:
+def own_change(running: Desired, desired: Desired, cause: str, *, incumbent: bool) -> bool:
     """Whether `desired` may replace `running` (what the daemon runs now): the one rule.
 
     The daemon of a settled member is stopped or restarted only for the node's own
@@ -116,8 +116,8 @@ def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bo
     unassignment, a daemon failure (its slot released), an operator command; never
     because of another node's record while this node's link has been continuous.
     `cause` is why the plan changed (a `membership.Reason`, or DOMAIN_DELETED);
-    `continuous`: our member record stood on the broker without a break, on links that
-    keep the broker's order (`ShardView.incumbent`).
+    `incumbent`: our member record stood on the broker without a break, on links that
+    keep the broker's order, so our link has been continuous (`ShardView.incumbent`).
 
     Why this is the whole rule: a leave, an unassignment and an operator's command to
     move the node end the shard itself (the agent leaves it before any plan of the new
@@ -141,7 +141,7 @@ def own_change(running: Desired, desired: Desired, cause: str, *, continuous: bo
         running.slot,
     ):
         return True
-    return cause in OWN_CAUSES or not continuous
+    return cause in OWN_CAUSES or not incumbent
 
 
 class Identity(StrEnum):
@@ -252,9 +252,9 @@ class ShardView:
         """Our member record has stood on the broker without a break, as far as this
         agent knows: set when our claim settles at its echo or a resumed record of ours
         is kept, cleared by a new link (`Connected`), set again when that link's
-        snapshot gives our record back exactly as we last published it (or when a
-        record we published again on it came back with no rival). While it holds, no
-        other node's record moves us (`mb.step(incumbent=...)`, `own_change`)."""
+        snapshot gives our record back exactly as we last published it. While it holds
+        (on a link that keeps the broker's order: `incumbent`), no other node's record
+        moves us (`mb.step(incumbent=...)`, `own_change`)."""
         self.incumbents: dict[int, str] = {}
         """slot -> the node whose member record has stood there first in this view,
         kept across a reconnect while that record comes back unchanged, forgotten when
@@ -808,7 +808,7 @@ class ShardView:
         rules: it is logged as an error, and the daemon keeps running.
         """
         assert plan.desired is not None  # noqa: S101 - only plans that say what runs
-        if own_change(runs, plan.desired, cause, continuous=self.incumbent):
+        if own_change(runs, plan.desired, cause, incumbent=self.incumbent):
             return plan
         self.log.error(
             "membership.daemon_kept",

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from imexd import health
 from imexd import membership as mb
@@ -228,10 +229,23 @@ def test_own_change_lets_only_own_reasons_stop_a_continuous_member(cause: str) -
     stop = Desired(domain=DOMAIN, clique=CLIQUE)
     moved = Desired(domain=DOMAIN, clique=CLIQUE, slot=1, run=True)
     for changed in (stop, moved):
-        assert own_change(RUNS, changed, cause, continuous=True) is own
-        assert own_change(RUNS, changed, cause, continuous=False)
-    assert own_change(RUNS, RUNS, cause, continuous=True)
-    assert own_change(Desired(), moved, cause, continuous=True)
+        assert own_change(RUNS, changed, cause, incumbent=True) is own
+        assert own_change(RUNS, changed, cause, incumbent=False)
+    assert own_change(RUNS, RUNS, cause, incumbent=True)
+    assert own_change(Desired(), moved, cause, incumbent=True)
+
+
+def test_a_plan_against_the_rule_keeps_what_runs() -> None:
+    """Should a plan ever stop a continuous member's daemon for another node's record,
+    derive holds what runs instead and logs the broken promise as an error."""
+    v = view()
+    settle(v)
+    stop = Plan(desired=Desired(domain=DOMAIN, clique=CLIQUE))
+    with capture_logs() as logs:
+        held = v._ruled(RUNS, stop, mb.Reason.PARTITION_HEALED)
+    assert (held.hold, held.desired) == (True, None)
+    assert [(e["event"], e["log_level"]) for e in logs] == [("membership.daemon_kept", "error")]
+    assert v._ruled(RUNS, stop, mb.Reason.NOT_IN_SPEC) is stop
 
 
 def test_standing_aside_keeps_what_runs() -> None:
