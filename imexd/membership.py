@@ -582,9 +582,10 @@ def step(
     every stamp is believed). Claims of nodes in `stale` take no part (ours never is).
     `release`: give our slot up to a node waiting as standby, and stay standby while it
     holds (a daemon that cannot run). `incumbent`: our member record has stood on the
-    broker without a break since it settled (`ShardView.continuous`): as a member we
-    keep our slot against any other member record (see "Incumbency"); otherwise the
-    stamps decide. `incumbents`: the other slots' incumbents, for `resolve`.
+    broker without a break since it settled, on links that keep the broker's order
+    (`ShardView.incumbent`): as a member we keep our slot against any other member
+    record (see "Incumbency"); otherwise the stamps decide. `incumbents`: the other
+    slots' incumbents, for `resolve`.
     """
     latest = _latest(records)
     own = latest.pop(me.node, None)
@@ -620,8 +621,8 @@ def step(
             return at.reclaim(
                 Reason.PARTITION_HEALED,
                 f"member {contender.node} also holds slot {me.slot} and ranks first "
-                "(earlier settle time, then lower name), and this node's record did not "
-                "stand on the broker without a break",
+                "(earlier settle time, then lower name), and this node cannot show it "
+                "held the slot first (its record had a break, or its link may lose updates)",
             )
         if release and view.standby:
             waiting = ", ".join(sorted(view.standby))

@@ -160,6 +160,39 @@ def contested(node: Node) -> float | None:
     return None
 
 
+def forge_on_holders_slot(c: Cluster, holder: Node) -> int:
+    """Publish a0's `member` record on `holder`'s slot with its exact `settled` stamp;
+    the slot."""
+    slot = slot_of(holder)
+    with c.client() as client:
+        own = client.retained(MEMBERS + holder.name)[MEMBERS + holder.name]
+    stamp = json.loads(own)["settled"]
+    assert isinstance(stamp, float), own
+    inject(c, "a0", record("a0", slot=slot, settled=stamp))
+    return slot
+
+
+def holder_kept(nodes: list[Node], holder: Node, slot: int) -> list[str]:
+    """What shows that `holder` lost its slot, that a node's hosts block points the slot
+    elsewhere, or that a node does not report the contest (empty: none of it)."""
+    problems = []
+    if holder.slot() != slot:
+        problems.append(f"the holder moved from slot {slot} to {holder.slot()}")
+    for n in nodes:
+        if n.hosts_slots().get(slot) != holder.address:
+            problems.append(f"{n.name} maps slot {slot} to {n.hosts_slots().get(slot)}")
+        settled = n.condition("SlotSettled")
+        if (settled.get("status"), settled.get("reason")) != ("True", "SlotContested"):
+            problems.append(f"{n.name}: SlotSettled {settled}")
+        elif "a0" not in settled.get("message", ""):
+            problems.append(f"{n.name}: the contender is not named: {settled}")
+        if contested(n) != 1.0:
+            problems.append(f"{n.name}: imexd_slot_contested {contested(n)}")
+        if not n.ready():
+            problems.append(f"{n.name} is not ready")
+    return problems
+
+
 def test_a_member_copying_the_holders_stamp_with_a_lower_name_does_not_evict(
     c: Cluster,
 ) -> None:
@@ -170,30 +203,41 @@ def test_a_member_copying_the_holders_stamp_with_a_lower_name_does_not_evict(
     (SlotSettled SlotContested naming the contender, imexd_slot_contested 1)."""
     nodes, before = three(c)
     holder = nodes[1]
-    slot = slot_of(holder)
-    with c.client() as client:
-        own = client.retained(MEMBERS + holder.name)[MEMBERS + holder.name]
-    stamp = json.loads(own)["settled"]
-    assert isinstance(stamp, float), own
     written = files(nodes)
-    inject(c, "a0", record("a0", slot=slot, settled=stamp))
+    slot = forge_on_holders_slot(c, holder)
     problems = steady(nodes, before, written)
     if all(n.alive() for n in nodes):
-        if holder.slot() != slot:
-            problems.append(f"the holder moved from slot {slot} to {holder.slot()}")
-        for n in nodes:
-            if n.hosts_slots().get(slot) != holder.address:
-                problems.append(f"{n.name} maps slot {slot} to {n.hosts_slots().get(slot)}")
-            settled = n.condition("SlotSettled")
-            if (settled.get("status"), settled.get("reason")) != ("True", "SlotContested"):
-                problems.append(f"{n.name}: SlotSettled {settled}")
-            elif "a0" not in settled.get("message", ""):
-                problems.append(f"{n.name}: the contender is not named: {settled}")
-            if contested(n) != 1.0:
-                problems.append(f"{n.name}: imexd_slot_contested {contested(n)}")
-            if not n.ready():
-                problems.append(f"{n.name} is not ready")
-        problems += untouched(nodes, before)
+        problems += holder_kept(nodes, holder, slot) + untouched(nodes, before)
+    assert problems == [], problems
+
+
+def test_the_holder_keeps_its_slot_across_a_reconnect_while_the_forged_member_stands(
+    c: Cluster,
+) -> None:
+    """(Issue 20, case 1) The holder's link is cut and comes back within the will delay
+    while the forged record stands: its new snapshot gives its own record back as it
+    published it, so it is still the incumbent and nothing moves."""
+    slow_will = {"bus": {"will_delay_s": 6.0}}
+    nodes = [
+        c.add("n1", overrides=slow_will),
+        c.add("n2", overrides=slow_will, via_proxy=True),
+        c.add("n3", overrides=slow_will),
+    ]
+    formed(c, nodes)
+    before = pids(nodes)
+    holder = nodes[1]
+    assert holder.proxy is not None
+    written = files(nodes)
+    slot = forge_on_holders_slot(c, holder)
+    c.wait(lambda: holder.condition("SlotSettled").get("reason") == "SlotContested", 10)
+    links = len(holder.log_events("bus_connected"))
+    holder.proxy.cut()
+    time.sleep(0.3)
+    holder.proxy.heal()
+    c.wait(lambda: len(holder.log_events("bus_connected")) > links and holder.ready(), 20)
+    problems = steady(nodes, before, written)
+    if all(n.alive() for n in nodes):
+        problems += holder_kept(nodes, holder, slot) + untouched(nodes, before)
     assert problems == [], problems
 
 
