@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from typing import Final
 
 from imexd.cli_args import (
@@ -30,17 +31,21 @@ SEEN_WITHIN_DEFAULT_S: Final = 600.0
 """`--seen-within` default of `domain create` and `node assign`: imexd.control.commands'
 SEEN_WITHIN_S (not imported here: the parser must not pay for the control plane)."""
 BUS_EXITS: Final = "1 a bus error (broker unreachable, or it did not keep a write)"
+CREATE_WAIT_S: Final = 240.0
+"""`domain create --wait` without a value: as long as the shipped Slurm prolog waits."""
 
 DOMAIN_EXITS: Final = {
-    "create": "0 written; 1 "
+    "create": "0 written (with --wait: and the domain UP, and with --channel too every "
+    "listed node has the channel); 1 "
     + BUS_EXITS[2:]
-    + ", or with --channel the workload's failure; 2 usage error, a listed node in "
+    + ", with --channel the workload's failure, or with --wait not UP (or the channel "
+    "not ready) by the deadline, the spec kept; 2 usage error, a listed node in "
     "another live domain (without --steal), or a listed node that no agent reported "
     "within --seen-within (without --force), nothing written; 3 with --channel: no free "
     "channel",
     "delete": "0 deleted (or nothing to delete, or the spec kept for nodes that name the "
-    "domain in their settings); 1 members still hold records at the --timeout (run it "
-    "again), or a bus error; 2 usage error",
+    "domain in their settings); 1 members still hold records at the end of --wait (run "
+    "it again), or a bus error; 2 usage error",
     "list": f"0 listed; {BUS_EXITS}; 2 usage error",
     "status": "0 the domain is UP; 1 not UP (at the end of --wait), nothing on the bus "
     "about it, or a bus error; 2 usage error; with --watch: that of the last state drawn",
@@ -138,16 +143,31 @@ def _domain_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
         "for one domain per job (default: no workload)",
     )
     owner_args(q, "with --channel: ")
+    q.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=CREATE_WAIT_S,
+        default=None,
+        metavar="SECONDS",
+        help="then wait up to this long for the domain to be UP (and with --channel for "
+        "every listed node to have the channel), returning the moment it is, and print "
+        "the judgement as `domain status` does: one command for a Slurm prolog (no value: "
+        f"{CREATE_WAIT_S:g}; default: do not wait)",
+    )
     q.set_defaults(handler=_cmd_domain_create)
 
     q = action("delete", "delete a domain: agents stop their daemons; its workloads are cleared")
     q.add_argument("name", help="the domain's name")
     q.add_argument(
+        "--wait",
         "--timeout",
+        dest="wait",
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="how long to wait for the members to leave (default %(default)g)",
+        help="how long to wait for the members to leave, returning the moment the domain "
+        "is gone (default %(default)g; --timeout is the old name)",
     )
     q.set_defaults(handler=_cmd_domain_delete)
 
@@ -312,13 +332,16 @@ def _workload_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
 
 def _cmd_domain_create(args: argparse.Namespace) -> int:
     """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal] [--force]
-    [--seen-within S] [--channel [N] [--uid U] [--gid G] [--mode M]]`: with --channel,
-    workload NAME of the domain too."""
+    [--seen-within S] [--channel [N] [--uid U] [--gid G] [--mode M]] [--wait [S]]`: with
+    --channel, workload NAME of the domain too; with --wait, then what `domain status
+    --wait` (and with --channel `workload status --wait`) would print and exit."""
     nodes, problems = parse_nodes(args.nodes)
     problems = [
         p for p in (domain_problem(args.name), max_nodes_problem(args.max_nodes)) if p
     ] + problems
     problems += owner_problems(args) + _seen_problems(args)
+    if args.wait is not None and not 0 <= args.wait < float("inf"):
+        problems.append(f"--wait {args.wait}: expected seconds >= 0")
     if args.channel is None:
         given = [f"--{o}" for o in ("uid", "gid", "mode") if getattr(args, o) is not None]
         if given:
@@ -330,6 +353,7 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
     settings = commands.load_control_settings(args.config)
 
     async def create() -> int:
+        started = time.monotonic()
         code = await commands.create(
             settings,
             args.name,
@@ -341,18 +365,34 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
             force=args.force,
             seen_within_s=args.seen_within,
         )
+        if code == 0 and args.channel is not None:
+            code = await workloads.create(
+                settings,
+                args.name,
+                domain=args.name,
+                nodes=None,
+                channel=args.channel,
+                uid=args.uid,
+                gid=args.gid,
+                mode=args.mode,
+                wait_s=0.0,
+                as_json=False,
+                out=sys.stdout,
+                err=sys.stderr,
+            )
+        if code != 0 or args.wait is None:
+            return code
+        # `domain status --wait` and `workload status --wait` themselves, in one deadline.
+        code = await commands.status(
+            settings, args.name, as_json=False, wait=args.wait, out=sys.stdout, err=sys.stderr
+        )
         if code != 0 or args.channel is None:
             return code
-        return await workloads.create(
+        return await workloads.status(
             settings,
             args.name,
             domain=args.name,
-            nodes=None,
-            channel=args.channel,
-            uid=args.uid,
-            gid=args.gid,
-            mode=args.mode,
-            wait_s=0.0,
+            wait_s=max(0.0, args.wait - (time.monotonic() - started)),
             as_json=False,
             out=sys.stdout,
             err=sys.stderr,
@@ -368,17 +408,17 @@ def _seen_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_domain_delete(args: argparse.Namespace) -> int:
-    """`imexd domain delete NAME [--timeout S]`."""
+    """`imexd domain delete NAME [--wait S]`."""
     problems = [p for p in (domain_problem(args.name),) if p]
-    if not args.timeout >= 0:
-        problems.append(f"--timeout {args.timeout}: expected seconds >= 0")
+    if not args.wait >= 0:
+        problems.append(f"--wait {args.wait}: expected seconds >= 0")
     if problems:
         return usage("domain delete", problems)
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
     return asyncio.run(
-        commands.delete(settings, args.name, wait_s=args.timeout, out=sys.stdout, err=sys.stderr)
+        commands.delete(settings, args.name, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
     )
 
 

@@ -210,7 +210,8 @@ async def test_create_says_when_a_node_moves_from_another_domain(
         (["domain", "create", "d1", "--nodes", "n1,,n2"], "has an empty name"),
         (["domain", "create", "d1", "--max-nodes", "0"], "expected 1 to 2048"),
         (["domain", "delete", "d_1"], "not a DNS-1123 label"),
-        (["domain", "delete", "d1", "--timeout", "-1"], "expected seconds >= 0"),
+        (["domain", "delete", "d1", "--wait", "-1"], "expected seconds >= 0"),
+        (["domain", "create", "d1", "--wait", "-1"], "expected seconds >= 0"),
         (["domain", "status", "D"], "not a DNS-1123 label"),
         (["node", "assign", "n_1", "d1"], "not a DNS-1123 subdomain"),
         (["node", "assign", "n1", "d.1"], "not a DNS-1123 label"),
@@ -527,7 +528,7 @@ async def test_delete_waits_for_the_members_then_clears_everything(
     other = {T.assignment("m1"): encode(Assignment(domain="d2"))}
     await put(broker, ghost | other)
     async with fake_agents(broker, ["n1", "n2", "n3"]) as left:
-        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+        assert await control_async("domain", "delete", "d1", "--wait", "20") == 0
         assert sorted(left) == ["n1", "n2", "n3"]
     assert await retained(broker) == other
     out = capsys.readouterr().out
@@ -664,6 +665,52 @@ async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[
     done = await proc
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 15
+
+
+async def test_create_with_wait_exits_0_once_up_and_prints_the_status(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """`domain create --wait` is one prolog command: it writes the spec, then returns the
+    moment the members report the domain UP, printing what `domain status` prints."""
+    state = domain_state("d1", ["n1", "n2", "n3"])
+    del state[T.spec("d1")]
+    proc = asyncio.create_task(
+        asyncio.to_thread(
+            run_imexd,
+            env,
+            "domain",
+            "create",
+            "d1",
+            "--nodes",
+            "n1,n2,n3",
+            "--force",
+            "--wait",
+            "20",
+        )
+    )
+    await asyncio.sleep(1.5)
+    await put(broker, state)
+    done = await proc
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("domain d1: created")
+    status = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    assert status.returncode == 0
+    assert done.stdout.endswith(status.stdout)
+
+
+async def test_create_with_wait_exits_1_with_the_status_when_not_up(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """At the end of --wait a domain that is not UP exits 1, its table (why) printed, the
+    spec kept (the prolog deletes it)."""
+    proc = await asyncio.to_thread(
+        run_imexd, env, "domain", "create", "d1", "--nodes", "n1,n2", "--force", "--wait", "0.5"
+    )
+    assert proc.returncode == 1
+    assert "domain d1: created" in proc.stdout
+    assert "NoReport" in proc.stdout
+    assert T.spec("d1") in await retained(broker)
 
 
 async def test_status_wait_returns_on_the_message_that_made_the_domain_up(

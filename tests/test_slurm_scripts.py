@@ -233,34 +233,29 @@ def test_missing_common_file(bin_dir: Path, tmp_path: Path, shell: str, script: 
 
 @pytest.mark.parametrize("shell", SHELLS)
 def test_perjob_prolog_creates_the_domain_and_waits(bin_dir: Path, shell: str) -> None:
-    """The per-job prolog creates job-<id> with channel 0 for the job's user, then waits."""
+    """The per-job prolog creates job-<id> with channel 0 for the job's user and waits in
+    the same command (`domain create --wait`): one imexd call."""
     run = run_script("imexd-prolog-perjob.sh", bin_dir, shell=shell)
     assert run.status == 0, run.stderr
     assert run.of("scontrol") == [["show", "hostnames", "gpu-[01-02]"]]
     assert run.of("imexd") == [
         ["domain", "create", f"job-{JOB}", "--nodes", NODES, "--channel",
-         "--uid", "1001", "--gid", "2002", "--mode", "0600", "--config", CONFIG],
-        ["domain", "status", f"job-{JOB}", "--wait", "240", "--config", CONFIG],
-        ["workload", "status", f"job-{JOB}", "--domain", f"job-{JOB}", "--wait", "60",
-         "--config", CONFIG],
+         "--uid", "1001", "--gid", "2002", "--mode", "0600", "--wait", "240", "--config",
+         CONFIG],
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("failing", "status"),
-    [("domain_create", 2), ("domain_status", 1), ("workload_status", 1)],
-)
-def test_perjob_prolog_fails_with_imexd_and_deletes_the_domain(
-    bin_dir: Path, failing: str, status: int
-) -> None:
-    """A failing step fails the prolog with imexd's status; the domain is deleted again."""
+@pytest.mark.parametrize("status", [1, 2])
+def test_perjob_prolog_fails_with_imexd_and_deletes_the_domain(bin_dir: Path, status: int) -> None:
+    """A failing create (2: refused; 1: not UP in time) fails the prolog with imexd's
+    status; the domain is deleted again, waiting for its members to leave."""
     run = run_script(
-        "imexd-prolog-perjob.sh", bin_dir, env={f"FAKE_EXIT_imexd_{failing}": str(status)}
+        "imexd-prolog-perjob.sh", bin_dir, env={"FAKE_EXIT_imexd_domain_create": str(status)}
     )
     assert run.status == status
     calls = run.of("imexd")
-    assert calls[-1] == ["domain", "delete", f"job-{JOB}", "--config", CONFIG]
-    assert "_".join(calls[-2][:2]) == failing
+    assert calls[-1] == ["domain", "delete", f"job-{JOB}", "--wait", "30", "--config", CONFIG]
+    assert calls[-2][:2] == ["domain", "create"]
     assert f"exited {status}" in run.stderr
     assert any(c[:2] == ["-p", "user.err"] for c in (call[2:] for call in run.of("logger")))
 
@@ -288,8 +283,9 @@ def test_shared_prolog_fails_when_create_fails(bin_dir: Path, status: int) -> No
     )
     assert run.status == status
     assert run.of("imexd")[1:] == [
-        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--config", CONFIG]
-    ]
+        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--wait", "30", "--config",
+         CONFIG]
+    ]  # fmt: skip
     assert f"imexd workload create exited {status}" in run.stderr
 
 
@@ -433,7 +429,9 @@ def test_perjob_epilog_deletes_the_domain_and_exits_0(
         env={"FAKE_EXIT_imexd_domain_delete": str(delete_status)},
     )
     assert run.status == 0
-    assert run.of("imexd") == [["domain", "delete", f"job-{JOB}", "--config", CONFIG]]
+    assert run.of("imexd") == [
+        ["domain", "delete", f"job-{JOB}", "--wait", "30", "--config", CONFIG]
+    ]
     errors = [c for c in run.of("logger") if c[2:4] == ["-p", "user.err"]]
     if delete_status:
         assert errors
@@ -452,8 +450,9 @@ def test_shared_epilog_deletes_the_workload_and_exits_0(bin_dir: Path, delete_st
     )
     assert run.status == 0
     assert run.of("imexd") == [
-        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--config", CONFIG]
-    ]
+        ["workload", "delete", f"job-{JOB}", "--domain", "rack-07", "--wait", "30", "--config",
+         CONFIG]
+    ]  # fmt: skip
     assert ("imexd workload delete exited 1" in run.stderr) == bool(delete_status)
 
 
@@ -461,7 +460,9 @@ def test_shared_epilog_without_domain_lets_imexd_find_it(bin_dir: Path) -> None:
     """Without IMEXD_DOMAIN the epilog names only the workload (unique across domains)."""
     run = run_script("imexd-epilog-shared.sh", bin_dir)
     assert run.status == 0
-    assert run.of("imexd") == [["workload", "delete", f"job-{JOB}", "--config", CONFIG]]
+    assert run.of("imexd") == [
+        ["workload", "delete", f"job-{JOB}", "--wait", "30", "--config", CONFIG]
+    ]
 
 
 @pytest.mark.parametrize("script", ["imexd-epilog-perjob.sh", "imexd-epilog-shared.sh"])
@@ -540,7 +541,7 @@ def test_every_command_line_parses(bin_dir: Path, tmp_path: Path) -> None:
     """Every imexd command line the scripts run is accepted by the real CLI parser."""
     env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_TASKPROLOG_BUS": "yes", "IMEXD_SEEN_WITHIN": "120"}
     env |= {"IMEXD_CHANNELS_ENV_DIR": str(tmp_path)}
-    failing = {f"FAKE_EXIT_imexd_{c}": "1" for c in ("workload_create", "workload_status")}
+    failing = {f"FAKE_EXIT_imexd_{c}": "1" for c in ("workload_create", "domain_create")}
     calls = [
         call
         for script in SCRIPTS
@@ -548,8 +549,8 @@ def test_every_command_line_parses(bin_dir: Path, tmp_path: Path) -> None:
         for call in run_script(script.name, bin_dir, env=env | extra).of("imexd")
     ]
     assert {" ".join(c[:2]) for c in calls} == {
-        "domain create", "domain status", "domain delete", "workload create",
-        "workload delete", "workload status", "workload env",
+        "domain create", "domain delete", "workload create", "workload delete",
+        "workload env",
     }  # fmt: skip
     parser = build_parser()
     for call in calls:
@@ -643,19 +644,20 @@ def test_prolog_logs_every_step(bin_dir: Path, shell: str) -> None:
         "imexd-prolog-perjob.sh",
         bin_dir,
         shell=shell,
-        env={"FAKE_OUT_imexd_domain_status": table},
+        env={"FAKE_OUT_imexd_domain_create": table},
     )
     assert run.status == 0, run.stderr
     logged = run.logged("info")
     domain = f"job-{JOB}"
-    assert f"{domain}: running imexd domain status {domain} --wait 240 --config {CONFIG}" in logged
-    assert [m for m in logged if m.startswith(f"{domain}: domain status: ")] == [
-        f"{domain}: domain status: {line}" for line in table.splitlines()
+    assert (
+        f"{domain}: running imexd domain create {domain} --nodes {NODES} --channel --uid 1001 "
+        f"--gid 2002 --mode 0600 --wait 240 --config {CONFIG}" in logged
+    )
+    assert [m for m in logged if m.startswith(f"{domain}: domain create: ")] == [
+        f"{domain}: domain create: {line}" for line in table.splitlines()
     ]
     assert [m for m in logged if " exited " in m] == [
         f"{domain}: imexd domain create exited 0",
-        f"{domain}: imexd domain status exited 0",
-        f"{domain}: imexd workload status exited 0",
     ]
     assert run.logged("err") == []
     assert run.stderr.splitlines() == [f"imexd-slurm: {m}" for m in logged]

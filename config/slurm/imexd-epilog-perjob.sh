@@ -50,7 +50,8 @@ skip_unless_imex epilog domain
 
 log info "$domain: deleting the domain"
 status=0
-run_imexd "domain delete" domain delete "$domain" --config "$config" || status=$?
+# Returns the moment every member has left (its daemon stopped), at most 30 s.
+run_imexd "domain delete" domain delete "$domain" --wait 30 --config "$config" || status=$?
 if [ "$status" -ne 0 ]; then
     log err "$domain: imexd domain delete exited $status; the domain stays: run 'imexd domain delete $domain' by hand"
     exit 0

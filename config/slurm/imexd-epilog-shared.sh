@@ -55,7 +55,8 @@ fi
 
 log info "$workload: deleting the workload"
 status=0
-run_imexd "workload delete" workload delete "$@" --config "$config" || status=$?
+# Returns the moment no node lists the workload (its channel removed), at most 30 s.
+run_imexd "workload delete" workload delete "$@" --wait 30 --config "$config" || status=$?
 if [ "$status" -ne 0 ]; then
     log err "$workload: imexd workload delete exited $status; run 'imexd workload delete $workload' by hand if it is still listed"
     exit 0

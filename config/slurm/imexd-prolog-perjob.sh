@@ -67,28 +67,18 @@ mode=${IMEXD_CHANNEL_MODE:-0600}
 domain=job-$SLURM_JOB_ID
 skip_unless_imex prolog domain
 
+# One command: exit 0 as soon as the domain is UP and every node has made the channel
+# device, 1 after 4 minutes; its tables (the domain's, the channel's) go to the log.
 set -- --nodes "$nodes" --channel --uid "$SLURM_JOB_UID" --gid "$SLURM_JOB_GID" --mode "$mode"
 if [ -n "${IMEXD_SEEN_WITHIN:-}" ]; then
     set -- "$@" --seen-within "$IMEXD_SEEN_WITHIN"
 fi
 log info "$domain: creating the domain on $nodes, channel 0 for uid $SLURM_JOB_UID gid $SLURM_JOB_GID"
 status=0
-run_imexd "domain create" domain create "$domain" "$@" --config "$config" || status=$?
-step="domain create"
-if [ "$status" -eq 0 ]; then
-    # Exit 0 as soon as the domain is UP, 1 after 4 minutes; its table goes to the log.
-    step="domain status"
-    run_imexd "$step" domain status "$domain" --wait 240 --config "$config" || status=$?
-fi
-if [ "$status" -eq 0 ]; then
-    # The channel device on every node, made as the agents join (usually already there).
-    step="workload status"
-    run_imexd "$step" workload status "$domain" --domain "$domain" --wait 60 \
-        --config "$config" || status=$?
-fi
+run_imexd "domain create" domain create "$domain" "$@" --wait 240 --config "$config" || status=$?
 if [ "$status" -ne 0 ]; then
-    log err "$domain: imexd $step exited $status (its reason is above); deleting the domain, the job does not start"
-    run_imexd "domain delete" domain delete "$domain" --config "$config" || :
+    log err "$domain: imexd domain create exited $status (its reason is above); deleting the domain, the job does not start"
+    run_imexd "domain delete" domain delete "$domain" --wait 30 --config "$config" || :
     exit "$status"
 fi
 log info "$domain: domain UP, channel ready on $nodes"

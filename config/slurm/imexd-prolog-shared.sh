@@ -85,7 +85,7 @@ if [ "$status" -ne 0 ]; then
     fi
     log err "$workload: imexd workload create exited $status (its reason is above); deleting the workload, the job does not start"
     run_imexd "workload delete" workload delete "$workload" --domain "$IMEXD_DOMAIN" \
-        --config "$config" || :
+        --wait 30 --config "$config" || :
     exit "$status"
 fi
 log info "$workload: channel ready on $nodes"
