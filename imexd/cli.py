@@ -11,7 +11,6 @@ imexd.cli_args.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import signal
@@ -21,10 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
 from imexd import __version__
-from imexd.cli_args import command, config_arg
+from imexd.cli_args import command, config_arg, run_async
 from imexd.cli_control import add_control_commands
 from imexd.errors import ConfigError, ImexdError
-from imexd.settings import parse_broker_url
 
 if TYPE_CHECKING:
     from imexd.settings import Settings
@@ -245,6 +243,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     Signals only set events: SIGTERM/SIGINT `stop` (leave: clear the record, stop the
     daemon, exit 0), SIGUSR2 `handover` and `stop` (exit 75, daemon left running).
     """
+    import asyncio  # noqa: PLC0415 - lazy: --version and --help do not pay for it
+
+    # The agent logs JSON lines or plain console lines. structlog imports rich (and rich
+    # pygments) wherever rich is installed, for a traceback style the agent never uses:
+    # several MB of every agent's memory (docs/performance.md). None in sys.modules makes
+    # that import fail here, in the agent's process only, as if rich were absent.
+    sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
     from imexd import agent, preflight  # noqa: PLC0415 - lazy: only this command pays for it
     from imexd.logs import configure_logging, get_logger, install_loop_handler  # noqa: PLC0415
     from imexd.settings import load_settings  # noqa: PLC0415 - with the agent
@@ -280,7 +285,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
                 loop.remove_signal_handler(sig)
 
-    return asyncio.run(main())
+    return run_async(main())
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -389,7 +394,10 @@ def _cmd_schemas(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """`imexd demo`: check the arguments (exit 2 when wrong), then run the demo."""
+    import asyncio  # noqa: PLC0415 - lazy: --version and --help do not pay for it
+
     from imexd.demo import scenario  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.settings import parse_broker_url  # noqa: PLC0415 - with the demo
 
     nodes: int = args.nodes
     if not scenario.MIN_NODES <= nodes <= scenario.MAX_NODES:
@@ -425,7 +433,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             for sig in handled:
                 loop.remove_signal_handler(sig)
 
-    return asyncio.run(demo())
+    return run_async(demo())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

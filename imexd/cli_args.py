@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Coroutine, Sequence
+from typing import Any, Final
 
-from imexd.messages import MAX_CHANNEL
-from imexd.settings import DEFAULT_CONFIG_PATH
-
+MAX_CHANNEL: Final = (1 << 20) - 1
+"""imexd.messages' MAX_CHANNEL, and DEFAULT_CONFIG_PATH imexd.settings': not imported
+here, so that parsing (and --version, --help) pays for neither msgspec nor psutil."""
+DEFAULT_CONFIG_PATH: Final = "/etc/imexd/imexd.toml"
 MAX_ID: Final = 4294967294
 """The largest uid or gid a channel device may be given (-1 means "unchanged" to chown)."""
 EXIT_USAGE: Final = 2
@@ -101,3 +102,11 @@ def usage(command_name: str, problems: Sequence[str]) -> int:
     for problem in problems:
         print(f"imexd {command_name}: {problem}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """`asyncio.run(main)`, asyncio imported only once a command runs: `--version`,
+    `--help` and a usage error do not pay for it."""
+    import asyncio  # noqa: PLC0415 - lazy: see the docstring
+
+    return asyncio.run(main)

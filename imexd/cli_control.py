@@ -9,7 +9,6 @@ Apart from imexd.cli, which holds the agent's own commands and the entry point.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import signal
 import sys
@@ -23,6 +22,7 @@ from imexd.cli_args import (
     integer,
     owner_args,
     owner_problems,
+    run_async,
     usage,
 )
 from imexd.names import domain_problem, max_nodes_problem, node_problem, parse_nodes
@@ -398,7 +398,7 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
             err=sys.stderr,
         )
 
-    return asyncio.run(create())
+    return run_async(create())
 
 
 def _seen_problems(args: argparse.Namespace) -> list[str]:
@@ -417,7 +417,7 @@ def _cmd_domain_delete(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         commands.delete(settings, args.name, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
     )
 
@@ -427,7 +427,7 @@ def _cmd_domain_list(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(commands.list_domains(settings, out=sys.stdout))
+    return run_async(commands.list_domains(settings, out=sys.stdout))
 
 
 def _cmd_domain_status(args: argparse.Namespace) -> int:
@@ -446,7 +446,7 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
 
     settings = commands.load_control_settings(args.config)
     if not args.watch:
-        return asyncio.run(
+        return run_async(
             commands.status(
                 settings,
                 args.name,
@@ -457,6 +457,8 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
                 nodes=nodes,
             )
         )
+
+    import asyncio  # noqa: PLC0415 - lazy: --help and usage errors do not pay for it
 
     async def watching() -> int:
         stop = asyncio.Event()
@@ -480,7 +482,7 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
             for sig in handled:
                 loop.remove_signal_handler(sig)
 
-    return asyncio.run(watching())
+    return run_async(watching())
 
 
 def _workloadusage(args: argparse.Namespace, command: str) -> list[str]:
@@ -506,7 +508,7 @@ def _cmd_workload_create(args: argparse.Namespace) -> int:
     from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         workloads.create(
             settings,
             args.name,
@@ -532,7 +534,7 @@ def _cmd_workload_delete(args: argparse.Namespace) -> int:
     from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         workloads.delete(
             settings,
             args.name,
@@ -551,7 +553,7 @@ def _cmd_workload_list(args: argparse.Namespace) -> int:
     from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         workloads.list_workloads(settings, domain=args.domain, as_json=args.json, out=sys.stdout)
     )
 
@@ -564,7 +566,7 @@ def _cmd_workload_status(args: argparse.Namespace) -> int:
     from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         workloads.status(
             settings,
             args.name,
@@ -585,7 +587,7 @@ def _cmd_workload_env(args: argparse.Namespace) -> int:
     from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         workloads.env(settings, args.name, domain=args.domain, out=sys.stdout, err=sys.stderr)
     )
 
@@ -599,7 +601,7 @@ def _cmd_node_assign(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         commands.assign(
             settings,
             args.node,
@@ -621,7 +623,7 @@ def _cmd_node_unassign(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
+    return run_async(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
 
 
 def _cmd_node_forget(args: argparse.Namespace) -> int:
@@ -633,7 +635,7 @@ def _cmd_node_forget(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return asyncio.run(
+    return run_async(
         commands.forget(
             settings,
             args.node,

@@ -200,3 +200,43 @@ def test_domain_status_help_describes_wait_and_json() -> None:
     assert "(default 2; 0: judge the snapshot only)" in text
     assert "--json print the judgement as JSON" in text
     assert "exit codes: 0 the domain is UP; 1 not UP" in text
+
+
+HEAVY = ("asyncio", "msgspec", "psutil", "structlog", "aiohttp", "aiomqtt", "rich", "pygments")
+"""What a control command's start must not import before it runs (--version, --help, a
+usage error): each costs milliseconds of every prolog's start."""
+
+
+def _imported_after(code: str) -> list[str]:
+    probe = (
+        "import sys, contextlib\n"
+        f"with contextlib.suppress(SystemExit):\n    {code}\n"
+        f"print('\\n' + ','.join(m for m in {HEAVY!r} if sys.modules.get(m) is not None))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    return [m for m in done.stdout.splitlines()[-1].split(",") if m]
+
+
+def test_version_and_usage_errors_import_nothing_heavy() -> None:
+    """`imexd --version` and a usage error are answered by argparse alone: asyncio, msgspec,
+    psutil and the rest are imported only by the command that runs."""
+    assert _imported_after("__import__('imexd.cli').cli.main(['--version'])") == []
+    usage = "__import__('imexd.cli').cli.main(['domain', 'create', 'D', '--wait', '-1'])"
+    assert _imported_after(usage) == []
+
+
+def test_the_agent_never_imports_rich() -> None:
+    """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed)
+    out of the agent's process: it only reaches the settings check here (exit 2)."""
+    code = "__import__('imexd.cli').cli.main(['run', '--config', '/nonexistent/imexd.toml'])"
+    assert [m for m in _imported_after(code) if m in ("rich", "pygments")] == []
+
+
+def test_the_parsers_copies_of_constants_match() -> None:
+    """imexd.cli_args keeps its own copies so that parsing imports neither module."""
+    from imexd import cli_args, messages, settings
+
+    assert cli_args.MAX_CHANNEL == messages.MAX_CHANNEL
+    assert cli_args.DEFAULT_CONFIG_PATH == settings.DEFAULT_CONFIG_PATH
