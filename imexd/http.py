@@ -6,19 +6,20 @@ the broker and never blocks, so it is answered as fast as the event loop turns.
 
 The endpoint must keep answering kubelet and systemd probes while misbehaving clients
 are connected, so it is bounded on every axis:
-- header size: request line, header fields and header count are capped by aiohttp's
-  parser (`max_line_size`, `max_field_size`, `max_headers`); longer is a 400;
+- header size: the request line, each header field and the header count are capped
+  (`max_line_size`, `max_field_size`, `max_headers`); longer is a 4xx and a close;
 - body size: only GET is served and a request that carries a body is refused (413)
   and its connection closed, without reading the body;
-- request time: a connection must deliver a complete request within
-  `request_timeout_s` of connecting or of its previous response (aiohttp's keep-alive
-  timer covers both), so idle and byte-at-a-time clients are cut off;
+- request time: a connection must deliver a complete request head within
+  `request_timeout_s` of connecting or of its previous response, so idle and
+  byte-at-a-time clients are cut off;
 - connections: at most `max_connections` are kept; a new one evicts the connection
   that has been quiet the longest (a slow or idle client, never the newcomer), so a
   probe still gets in while the cap is full of slow clients.
 
-aiohttp's low-level `web.Server` is used rather than an `Application`: four fixed
-paths need no router, and its connection hooks are where the cap is enforced.
+HTTP/1.1 over asyncio streams, written here: four fixed GET paths with no body need a
+request line, header fields and a response, not a web framework. aiohttp's server cost
+the agent about 10 MB of its memory (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Final, Self
 
 import msgspec
-from aiohttp import web
 
 from imexd import messages
 from imexd.errors import FatalError
@@ -65,50 +66,38 @@ class ServerLimits:
     """Seconds a request in flight may take to finish when the server stops."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Conn:
+    writer: asyncio.StreamWriter
+    task: asyncio.Task[None] | None
     active: float
     """Loop time of the connection's last request (or of its opening)."""
     closing: bool = False
 
 
-class _CappedServer(web.Server):
-    """aiohttp's low-level server, keeping at most `max_connections` connections."""
+@dataclass(frozen=True, slots=True)
+class _Request:
+    method: str
+    path: str
+    keep_alive: bool
+    has_body: bool
 
-    def __init__(self, handler: Any, *, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self._max = max_connections
-        self._open: dict[web.RequestHandler, _Conn] = {}
 
-    @property
-    def open_connections(self) -> int:
-        """Connections open and not being closed."""
-        return sum(1 for c in self._open.values() if not c.closing)
+@dataclass(frozen=True, slots=True)
+class _Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    extra: tuple[tuple[str, str], ...] = ()
+    close: bool = False
 
-    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
-        loop = asyncio.get_running_loop()
-        self._open[handler] = _Conn(active=loop.time())
-        if self.open_connections <= self._max:
-            return
-        quiet = [(c.active, h) for h, c in self._open.items() if h is not handler and not c.closing]
-        victim = min(quiet, key=lambda item: item[0])[1] if quiet else handler
-        self._open[victim].closing = True
-        _log.debug("connection evicted", open=self.open_connections + 1, cap=self._max)
-        # Closing from inside connection_made would race aiohttp's own setup.
-        loop.call_soon(victim.force_close)
 
-    def connection_lost(
-        self, handler: web.RequestHandler, exc: BaseException | None = None
-    ) -> None:
-        self._open.pop(handler, None)
-        super().connection_lost(handler, exc)
+class _RefusedError(Exception):
+    """The request head broke a limit or HTTP's syntax: answer `status` and close."""
 
-    def touch(self, handler: web.RequestHandler) -> None:
-        """Mark a connection as active: it just delivered a request."""
-        conn = self._open.get(handler)
-        if conn is not None:
-            conn.active = asyncio.get_running_loop().time()
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
 
 
 class HealthServer:
@@ -134,9 +123,8 @@ class HealthServer:
         self._health = health
         self._metrics = metrics
         self._limits = limits or ServerLimits()
-        self._server: _CappedServer | None = None
-        self._runner: web.ServerRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._server: asyncio.Server | None = None
+        self._conns: set[_Conn] = set()
 
     @property
     def host(self) -> str:
@@ -145,7 +133,9 @@ class HealthServer:
     @property
     def port(self) -> int:
         """The bound port (the real one when `listen` asked for port 0)."""
-        return self._site.port if self._site is not None else self._port
+        if self._server is not None and self._server.sockets:
+            return int(self._server.sockets[0].getsockname()[1])
+        return self._port
 
     @property
     def url(self) -> str:
@@ -155,28 +145,21 @@ class HealthServer:
 
     @property
     def open_connections(self) -> int:
-        return self._server.open_connections if self._server is not None else 0
+        """Connections open and not being closed."""
+        return sum(1 for c in self._conns if not c.closing)
 
     async def __aenter__(self) -> Self:
         lim = self._limits
-        self._server = _CappedServer(
-            self._handle,
-            max_connections=lim.max_connections,
-            keepalive_timeout=lim.request_timeout_s,
-            max_line_size=lim.max_line_size,
-            max_field_size=lim.max_field_size,
-            max_headers=lim.max_headers,
-            lingering_time=0,
-            access_log=None,
-        )
-        self._runner = web.ServerRunner(self._server, shutdown_timeout=lim.shutdown_timeout_s)
-        await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self._host, self._port, backlog=lim.backlog)
         try:
-            await self._site.start()
+            self._server = await asyncio.start_server(
+                self._serve,
+                self._host,
+                self._port,
+                backlog=lim.backlog,
+                # readline() refuses a longer line (ValueError): the caps hold unread.
+                limit=max(lim.max_line_size, lim.max_field_size) + 2,
+            )
         except OSError as exc:
-            await self._runner.cleanup()
-            self._site = None
             raise FatalError(f"cannot listen on {self._listen}: {exc.strerror or exc}") from exc
         _log.info("listening", url=self.url)
         return self
@@ -187,43 +170,144 @@ class HealthServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        self._runner = None
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for conn in self._conns:
+            conn.writer.close()
+        tasks = [c.task for c in self._conns if c.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self._limits.shutdown_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        await server.wait_closed()
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if self._server is not None:
-            self._server.touch(request.protocol)
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        conn = _Conn(writer=writer, task=asyncio.current_task(), active=loop.time())
+        self._conns.add(conn)
+        self._evict(conn)
+        try:
+            while not conn.closing:
+                try:
+                    async with asyncio.timeout(self._limits.request_timeout_s):
+                        request = await self._read_head(reader)
+                except _RefusedError as refused:
+                    await self._send(
+                        writer,
+                        _json_response(refused.status, {"error": str(refused)}, close=True),
+                        keep_alive=False,
+                    )
+                    return
+                if request is None:
+                    return
+                conn.active = loop.time()
+                response = self._respond(request)
+                keep = request.keep_alive and not response.close
+                await self._send(writer, response, keep_alive=keep)
+                if not keep:
+                    return
+        except (TimeoutError, OSError):
+            return
+        finally:
+            self._conns.discard(conn)
+            writer.close()
+
+    def _evict(self, newcomer: _Conn) -> None:
+        """Past the cap, close the connection quiet the longest (never the newcomer)."""
+        if self.open_connections <= self._limits.max_connections:
+            return
+        quiet = [c for c in self._conns if c is not newcomer and not c.closing]
+        victim = min(quiet, key=lambda c: c.active) if quiet else newcomer
+        victim.closing = True
+        _log.debug(
+            "connection evicted", open=self.open_connections + 1, cap=self._limits.max_connections
+        )
+        victim.writer.close()
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> _Request | None:
+        """The next request's head, or None when the client closed between requests."""
+        lim = self._limits
+        try:
+            line = await reader.readline()
+        except ValueError:
+            raise _RefusedError(414, "request line too long") from None
+        if not line.endswith(b"\n"):
+            return None  # closed, maybe mid-line: nothing to answer
+        if len(line) > lim.max_line_size:
+            raise _RefusedError(414, "request line too long")
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _RefusedError(400, "malformed request line")
+        method, target, version = parts
+        headers: dict[str, str] = {}
+        count = 0
+        while True:
+            try:
+                field = await reader.readline()
+            except ValueError:
+                raise _RefusedError(431, "header field too long") from None
+            if not field.endswith(b"\n"):
+                return None
+            if field in (b"\r\n", b"\n"):
+                break
+            count += 1
+            if count > lim.max_headers:
+                raise _RefusedError(431, "too many header fields")
+            if len(field) > lim.max_field_size:
+                raise _RefusedError(431, "header field too long")
+            name, sep, value = field.decode("latin-1").partition(":")
+            if not sep or not name or name != name.strip():
+                raise _RefusedError(400, "malformed header field")
+            headers[name.lower()] = value.strip()
+        connection = headers.get("connection", "").lower()
+        keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+        length = headers.get("content-length", "0").strip() or "0"
+        has_body = "transfer-encoding" in headers or length != "0"
+        return _Request(method, target.split("?", 1)[0], keep_alive, has_body)
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, response: _Response, *, keep_alive: bool) -> None:
+        status = HTTPStatus(response.status)
+        head = [
+            f"HTTP/1.1 {status.value} {status.phrase}",
+            f"Content-Type: {response.content_type}",
+            f"Content-Length: {len(response.body)}",
+            "Cache-Control: no-store",
+            *(f"{k}: {v}" for k, v in response.extra),
+        ]
+        if not keep_alive:
+            head.append("Connection: close")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body)
+        await writer.drain()
+
+    def _respond(self, request: _Request) -> _Response:
         if request.path not in PATHS:
-            return _json(404, {"error": f"no such path: {request.path}", "paths": list(PATHS)})
+            return _json_response(
+                404, {"error": f"no such path: {request.path}", "paths": list(PATHS)}
+            )
         if request.method != "GET":
-            resp = _json(405, {"error": f"{request.method} not allowed: GET only"})
-            resp.headers["Allow"] = "GET"
-            return resp
-        if request.body_exists:
-            resp = _json(413, {"error": "requests carry no body here"})
-            resp.force_close()
-            return resp
+            return _json_response(
+                405, {"error": f"{request.method} not allowed: GET only"}, extra=(("Allow", "GET"),)
+            )
+        if request.has_body:
+            return _json_response(413, {"error": "requests carry no body here"}, close=True)
         if request.path == "/healthz":
             return self._healthz()
         if request.path == "/readyz":
             return self._readyz()
         if request.path == "/status":
-            return web.Response(
-                body=messages.encode(self._health.report()),
-                content_type="application/json",
-                headers=_NO_STORE,
-            )
+            return _Response(200, messages.encode(self._health.report()))
         self._metrics.update_from(self._health.facts, self._health.conditions)
-        return web.Response(
-            body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE, **_NO_STORE}
-        )
+        return _Response(200, self._metrics.render(), content_type=CONTENT_TYPE)
 
-    def _healthz(self) -> web.Response:
+    def _healthz(self) -> _Response:
         stale = self._heartbeats.stale()
         if not stale:
-            return _json(200, {"live": True, "tasks": self._heartbeats.names()})
-        return _json(
+            return _json_response(200, {"live": True, "tasks": self._heartbeats.names()})
+        return _json_response(
             503,
             {
                 "live": False,
@@ -239,11 +323,11 @@ class HealthServer:
             },
         )
 
-    def _readyz(self) -> web.Response:
+    def _readyz(self) -> _Response:
         conds = self._health.conditions
         if messages.ready(conds):
-            return _json(200, {"ready": True})
-        return _json(
+            return _json_response(200, {"ready": True})
+        return _json_response(
             503,
             {
                 "ready": False,
@@ -253,13 +337,13 @@ class HealthServer:
         )
 
 
-_NO_STORE: Final = {"Cache-Control": "no-store"}
-
-
-def _json(status: int, body: dict[str, Any]) -> web.Response:
-    return web.Response(
-        status=status,
-        text=json.dumps(body, separators=(",", ":")),
-        content_type="application/json",
-        headers=_NO_STORE,
+def _json_response(
+    status: int,
+    body: dict[str, Any],
+    *,
+    extra: tuple[tuple[str, str], ...] = (),
+    close: bool = False,
+) -> _Response:
+    return _Response(
+        status, json.dumps(body, separators=(",", ":")).encode(), extra=extra, close=close
     )

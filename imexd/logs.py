@@ -8,9 +8,9 @@ Every line the agent writes goes through one formatter, so that in JSON mode eve
 is one JSON object (`jq` stops at the first that is not):
 - structlog events are handed to the stdlib logger `imexd` and rendered by structlog's
   `ProcessorFormatter`, on one handler of the root logger (one lock, one write per line);
-- records of other libraries' stdlib loggers (paho, aiohttp, asyncio) reach that same
+- records of other libraries' stdlib loggers (paho, asyncio) reach that same
   handler and get `level`, `timestamp` and `logger` fields; they are kept from `warning`
-  up, since their info lines (aiohttp's access log) are not the agent's story;
+  up, since their info lines are not the agent's story;
 - `warnings` and uncaught exceptions (main thread and threads) become events too;
 - the event loop's exception handler (`install_loop_handler`) turns "Task exception was
   never retrieved" and failed callbacks into one `asyncio.error` event.

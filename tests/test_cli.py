@@ -227,11 +227,14 @@ def test_version_and_usage_errors_import_nothing_heavy() -> None:
     assert _imported_after(usage) == []
 
 
-def test_the_agent_never_imports_rich() -> None:
+def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
     """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed)
-    out of the agent's process: it only reaches the settings check here (exit 2)."""
+    and aiohttp (its HTTP endpoint is imexd.http's own) out of the agent's process; it has
+    imported the agent's modules when it reaches the settings check here (exit 2)."""
     code = "__import__('imexd.cli').cli.main(['run', '--config', '/nonexistent/imexd.toml'])"
-    assert [m for m in _imported_after(code) if m in ("rich", "pygments")] == []
+    imported = _imported_after(code)
+    assert "structlog" in imported
+    assert [m for m in imported if m in ("rich", "pygments", "aiohttp")] == []
 
 
 def test_the_parsers_copies_of_constants_match() -> None:

@@ -1,0 +1,142 @@
+"""Benchmark: what a command costs to start, and what an idle agent costs to keep.
+
+    .venv/bin/python bench/startup.py
+    .venv/bin/python bench/startup.py --tree /path/to/other/checkout   # "before"
+
+Figures, each the median (min..max) over `--runs` runs, wall clock:
+- `python -c pass`: the interpreter's own start on this machine, the floor of the rest;
+- `imexd --version`: a control command's start (argument parsing, no broker);
+- `imexd-sim-ctl -q`: one probe of a running simulated daemon (what the agent runs every
+  probe interval, and at every daemon start);
+- `imexd-sim-daemon`: from its spawn until its first line on stderr (the daemon's start
+  as the agent sees it);
+- one `imexd run` agent (tests.cluster's node: a simulated daemon, the fast timings) in a
+  formed one-node domain: its RSS (max) and CPU (% of one core) over `--idle-s` seconds.
+
+`--tree PATH` runs every program from another checkout of imexd (PYTHONPATH, this
+virtual environment's interpreter and packages), so that two versions compare on the
+same machine in the same minute. The machine's load is printed with the figures: on a
+shared machine they move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
+
+from tests.cluster import Cluster  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+LIMIT_S = 60.0
+"""Bound of every wait (the agent's readiness, a daemon's first line)."""
+
+
+def timed(argv: Sequence[str], env: dict[str, str]) -> float:
+    """Seconds `argv` took from spawn to exit (it must exit 0)."""
+    started = time.perf_counter()
+    subprocess.run(argv, env=env, check=True, capture_output=True, timeout=LIMIT_S)
+    return time.perf_counter() - started
+
+
+def first_line(argv: Sequence[str], env: dict[str, str]) -> float:
+    """Seconds from spawning `argv` until it wrote its first line on stderr or stdout."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        took = time.perf_counter() - started
+        if not line:
+            raise RuntimeError(f"{argv[0]} exited without a line")
+        return took
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def spread(values: Sequence[float], scale: float = 1000.0, unit: str = "ms") -> str:
+    s = sorted(values)
+    return f"{statistics.median(s) * scale:.0f} {unit} ({s[0] * scale:.0f}..{s[-1] * scale:.0f})"
+
+
+def repeat(runs: int, once: Callable[[], float]) -> list[float]:
+    once()  # warm the page cache and the .pyc files
+    return [once() for _ in range(runs)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15, help="runs per start figure (15)")
+    parser.add_argument("--idle-s", type=float, default=20.0, help="idle window (20 s)")
+    parser.add_argument("--tree", type=Path, default=None, help="imexd checkout to measure")
+    opts = parser.parse_args(argv)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    if opts.tree is not None:
+        env["PYTHONPATH"] = str(opts.tree.resolve())
+        os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the agent inherits it
+    py = sys.executable
+    print(f"tree {opts.tree or ROOT}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print("python -c pass:", spread(repeat(opts.runs, lambda: timed([py, "-c", "pass"], env))))
+    version = [str(VENV_BIN / "imexd"), "--version"]
+    print("imexd --version:", spread(repeat(opts.runs, lambda: timed(version, env))))
+
+    root = Path(tempfile.mkdtemp(prefix="imexd-startup-"))
+    cluster = Cluster(root)
+    try:
+        node = cluster.add("n1", overrides={"domain": {"max_nodes": 1}})
+        cluster.wait(node.ready, timeout=LIMIT_S)
+        config = str(node.run_dir / "config.cfg")
+        ctl = [str(VENV_BIN / "imexd-sim-ctl"), "-c", config, "-q"]
+        print("imexd-sim-ctl -q:", spread(repeat(opts.runs, lambda: timed(ctl, env))))
+        # A second daemon on the agent's files, on other ports: its start-up fails or
+        # serves, either way after its first line, which is all that is timed.
+        daemon = [str(VENV_BIN / "imexd-sim-daemon"), "-c", config, "-p", "1"]
+        sim_env = env | {"IMEXD_SIM_HOSTS_FILE": str(node.hosts_file)}
+        print(
+            "imexd-sim-daemon first line:",
+            spread(repeat(opts.runs, lambda: first_line(daemon, sim_env))),
+        )
+        assert node.proc is not None
+        agent = psutil.Process(node.proc.pid)
+        time.sleep(2.0)  # the start's probes and reports are over
+        cpu0 = agent.cpu_times()
+        rss = [agent.memory_info().rss]
+        started = time.monotonic()
+        while time.monotonic() - started < opts.idle_s:
+            time.sleep(0.5)
+            rss.append(agent.memory_info().rss)
+        cpu1 = agent.cpu_times()
+        busy = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        elapsed = time.monotonic() - started
+        print(
+            f"imexd run idle: RSS {max(rss) / 2**20:.1f} MB (max), CPU "
+            f"{100 * busy / elapsed:.2f} % of a core over {elapsed:.0f} s"
+        )
+    finally:
+        cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
