@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,20 @@ def test_a_disabled_command_service_is_unavailable(
     out = capsys.readouterr()
     assert out.out == "UNAVAILABLE\n"
     assert "IMEX_CMD_ENABLED=0" in out.err
+
+
+def test_query_runs_without_asyncio() -> None:
+    """`-q` (the agent's probe, at every start and every probe interval) is a blocking
+    socket round trip: asyncio and the table renderer are not even imported."""
+    probe = (
+        "import sys\n"
+        "from imexd.sim.ctl import main\n"
+        "code = main(['-i', '127.0.0.1', '1', '-q', '-t', '200'])\n"
+        "print('\\n' + str(code) + ' ' + ','.join(m for m in ('asyncio', 'imexd.sim.table') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.splitlines()[0] == "UNAVAILABLE"
+    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""]

@@ -10,7 +10,6 @@ line the real tool prints, so the CLI layer only prints it and exits 1.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import ipaddress
 import math
@@ -258,10 +257,14 @@ class Resolver:
         if self.hosts_file is not None:
             table = read_hosts(self.hosts_file)
             return [e if is_ip(e) else table.get(e.lower()) for e in entries]
+        import asyncio  # noqa: PLC0415 - lazy: `imexd-sim-ctl -q` runs without asyncio
+
         return list(await asyncio.gather(*(self._system(e) for e in entries)))
 
     @staticmethod
     async def _system(entry: str) -> str | None:
+        import asyncio  # noqa: PLC0415 - see resolve
+
         if is_ip(entry):
             return entry
         try:

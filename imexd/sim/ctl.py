@@ -10,13 +10,13 @@ daemon answered (whatever the domain state), 1 on any failure.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from imexd.sim.config import (
     DEFAULT_CONFIG_PATH,
@@ -36,8 +36,11 @@ from imexd.sim.protocol import (
     StatusReply,
     StatusRequest,
     ask,
+    ask_blocking,
 )
-from imexd.sim.table import DomainView, build_view, render_json, render_text
+
+if TYPE_CHECKING:
+    from imexd.sim.table import DomainView
 
 DEFAULT_TIMEOUT_MS = 5000
 MONITOR_INTERVAL_S = 1.0
@@ -129,9 +132,9 @@ def target_from_config(path: str) -> CmdTarget:
     return CmdTarget(host=host, port=cfg.cmd_port)
 
 
-async def query(target: CmdTarget, timeout_s: float) -> NodeState:
-    """`-q`: the local daemon's state word."""
-    reply = await ask(target, QueryRequest(), timeout_s=timeout_s)
+def query(target: CmdTarget, timeout_s: float) -> NodeState:
+    """`-q`: the local daemon's state word, without an event loop (see `ask_blocking`)."""
+    reply = ask_blocking(target, QueryRequest(), timeout_s=timeout_s)
     if not isinstance(reply, QueryReply):
         raise CommandError(f"{target} answered a query with {type(reply).__name__}")
     return reply.state
@@ -139,6 +142,10 @@ async def query(target: CmdTarget, timeout_s: float) -> NodeState:
 
 async def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> DomainView:
     """`-N`: the local node's answer, then every peer's, asked all at once."""
+    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
+
+    from imexd.sim.table import build_view  # noqa: PLC0415 - lazy: `-q` prints no table
+
     local = await ask(target, StatusRequest(), timeout_s=timeout_s)
     if not isinstance(local, StatusReply):
         raise CommandError(f"{target} answered a status request with {type(local).__name__}")
@@ -166,18 +173,15 @@ async def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | Non
 
 
 def _render(view: DomainView, args: CtlArgs) -> str:
+    from imexd.sim.table import render_json, render_text  # noqa: PLC0415 - see domain_view
+
     return render_json(view) if args.json else render_text(view, host_names=args.host_names)
 
 
 async def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     """Carry out one invocation; returns the exit code."""
     if args.mode == "q":
-        try:
-            state = await query(target, args.timeout_s)
-        except CommandError as exc:
-            return unavailable(args, exc)
-        print(state)
-        return 0
+        return run_query(args, target)
     if args.mode == "N":
         try:
             view = await domain_view(target, args.timeout_s, hosts_file)
@@ -191,6 +195,16 @@ async def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     return 1
 
 
+def run_query(args: CtlArgs, target: CmdTarget) -> int:
+    """`-q`: print the state word; exit 1 (printing UNAVAILABLE) when nobody answers."""
+    try:
+        state = query(target, args.timeout_s)
+    except CommandError as exc:
+        return unavailable(args, exc)
+    print(state)
+    return 0
+
+
 def unavailable(args: CtlArgs, exc: CommandError) -> int:
     """The local daemon did not answer: `-q` still prints its word; exit 1."""
     if args.mode == "q":
@@ -201,6 +215,8 @@ def unavailable(args: CtlArgs, exc: CommandError) -> int:
 
 async def monitor(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     """`-n`: `-N` once a second until SIGINT or SIGTERM; each round bounded by -t."""
+    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -241,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         except CommandError as exc:
             return unavailable(args, exc)
+    if args.mode == "q":
+        return run_query(args, target)
+    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
+
     hosts_file = SimEnv.hosts_file_from_environ()
     try:
         return asyncio.run(run(args, target, hosts_file))

@@ -17,14 +17,19 @@ which `-N` is assembled), answered by one line.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import socket
+import time
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from imexd.errors import ImexdError
+
+if TYPE_CHECKING:
+    import asyncio
 
 MAX_LINE = 64 * 1024
 """Longest frame accepted; a status reply for 2048 nodes stays well below."""
@@ -178,6 +183,8 @@ class CmdTarget:
 
 async def ask(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
     """Send one request and read its reply, all within `timeout_s` seconds."""
+    import asyncio  # noqa: PLC0415 - lazy: `ask_blocking` (`imexd-sim-ctl -q`) runs without it
+
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(timeout_s):
@@ -204,3 +211,40 @@ async def ask(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def ask_blocking(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
+    """`ask` without an event loop, for a one-shot client: the real `nvidia-imex-ctl -q`
+    is a small C program, and asyncio's import alone would make ours cost several times
+    what the agent's probes of a real daemon cost."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        if target.path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: str | tuple[str, int] = target.path
+        else:
+            sock = socket.create_connection((target.host, target.port), timeout=timeout_s)
+            address = ""
+        with sock:
+            sock.settimeout(timeout_s)
+            if address:
+                sock.connect(address)
+            sock.sendall(encode(request))
+            line = b""
+            while not line.endswith(b"\n"):
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = sock.recv(MAX_LINE)
+                if not chunk:
+                    break
+                line += chunk
+                if len(line) > MAX_LINE:
+                    raise CommandError(f"{target} answered more than {MAX_LINE} bytes")
+        if not line:
+            raise CommandError(f"{target} closed the connection without answering")
+        return REPLY_DECODER.decode(line)
+    except TimeoutError:
+        raise CommandError(f"no answer from {target} within {timeout_s * 1000:.0f} ms") from None
+    except msgspec.DecodeError as exc:
+        raise CommandError(f"{target} answered something unreadable: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot talk to {target}: {exc}") from exc
