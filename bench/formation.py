@@ -40,11 +40,19 @@ Job start (`--phases jobstart`, its own run with its own broker): N agents in as
 mode, started and idle (ready, no domain); per round, from just before `imexd domain
 create JOB --nodes n1,...` until `imexd domain status JOB --wait S` exits 0 (rerun until
 it does, bounded), both run as processes with the control plane's settings in IMEXD_
-variables (as a Slurm prolog would run them); then the same two commands in one `sh -c`
-script (the prolog form); `imexd domain delete` between rounds, until the agents are
-idle again. Reported: min/median/max over `--job-rounds`, the create and status
-processes apart, spec on the bus -> every node's HealthReport ready (the agents' part),
-daemon starts per node and SIGUSR1 per round.
+variables (as a Slurm prolog would run them); then one `imexd domain create JOB --nodes
+... --wait S` process (the prolog form, as config/slurm runs it); `imexd domain delete
+--wait` between rounds, until the agents are idle again. Reported: min/median/max over
+`--job-rounds`, the create and status processes apart, spec on the bus -> every node's
+HealthReport ready (the agents' part), daemon starts per node and SIGUSR1 per round.
+
+Shared domain (`--phases shared`, its own run with its own broker): N agents in one
+static domain with `[channels]` (a fake driver), formed and quiet; per round, `imexd
+workload create JOB --domain D --nodes ... --wait S` until it exits 0 (every node reports
+the channel ready) and `imexd workload delete JOB --domain D --wait 30` until it exits 0
+(no node lists it), each one process as the shared-layout Slurm scripts run them, and
+`imexd --version` for the interpreter's share. Reported: median (min, max) over
+`--job-rounds`.
 
 Agents as processes (`--agents process`): every agent is its own `imexd run` process with
 its own settings file and JSON log, on the fast timings of `imexd.demo.timings` (or the
@@ -95,7 +103,6 @@ import json
 import logging
 import os
 import platform
-import shlex
 import shutil
 import signal
 import statistics
@@ -140,8 +147,10 @@ FORMATION_TARGET_S: Final = 1.0
 FORMATION_TARGET_N: Final = 18
 JOB_START_TARGET_S: Final = 1.5
 JOB_START_TARGET_N: Final = 8
-RSS_TARGET_MB: Final = 55.0
-CPU_TARGET_PCT: Final = 0.5
+RSS_TARGET_MB: Final = 32.0
+CPU_TARGET_PCT: Final = 0.1
+SHARED_TARGETS_S: Final = {4: 0.3, 18: 0.5}
+"""`workload create` on a formed domain of N nodes, median (issue 22)."""
 SYS_INTERVAL: Final = "sys_interval 1"
 """Mosquitto publishes its $SYS counters every second (the messages of each phase)."""
 CAPTURED: Final = frozenset(
@@ -822,7 +831,7 @@ class Result:
 
 JOB_FORMS: Final = {
     "commands": "`imexd domain create` and `imexd domain status --wait` as two processes",
-    "prolog": "the same two commands in one `sh -c` script, as a Slurm prolog",
+    "prolog": "one `imexd domain create --wait` process, as the shipped Slurm prolog runs it",
 }
 
 
@@ -925,6 +934,7 @@ class Options:
     timings: str = "shipped"
     """shipped: the defaults; fast: imexd.demo.timings.FAST (what the tests and demo use)."""
     phases: tuple[str, ...] = ("domain", "jobstart")
+    """Of domain, jobstart, shared."""
     job_rounds: int = 3
     job_wait_s: float = 60.0
 
@@ -1542,8 +1552,7 @@ class Run:
         t0 = time.monotonic()
         done = JobRound(form)
         if form == "prolog":
-            script = f"set -e\n{shlex.join(create)}\n{shlex.join(status)}\n"
-            code, out = await run_command(["/bin/sh", "-c", script], env, wait + 30)
+            code, out = await run_command([*create, "--wait", f"{wait:g}"], env, wait + 30)
         else:
             code, out = await run_command(create, env, 30)
             done.create_s = time.monotonic() - t0
@@ -1582,7 +1591,7 @@ class Run:
         """`imexd domain delete`, then until no record of the job is on the bus and every
         agent is ready (idle) again and quiet."""
         code, out = await run_command(
-            [str(IMEXD), "domain", "delete", job, "--timeout", "30"], env, 60
+            [str(IMEXD), "domain", "delete", job, "--wait", "30"], env, 60
         )
         if code != 0:
             self.log(f"{job}: domain delete exited {code}: {out.strip()[-300:]}")
@@ -1600,6 +1609,73 @@ class Run:
                 raise BenchError(f"{job}: {len(records)} records left, not idle after delete")
             await asyncio.sleep(0.1)
         await self.quiesce()
+
+    async def execute_shared(self) -> Result:
+        """N agents in one formed domain (`[domain] name`, `[channels]` on a fake driver);
+        then, round by round, a job's channel as the shared-layout Slurm scripts make and
+        remove it: `imexd workload create JOB --domain D --nodes ... --wait S` (exit 0 once
+        every node reports the channel ready) and `imexd workload delete JOB --domain D
+        --wait 30` (exit 0 once no node lists it), each one process, timed from its spawn
+        to its exit. `imexd --version` is timed too: the interpreter's share of each."""
+        await self._start()
+        for node in self.nodes:
+            node.start()
+        if await self.wait_ready(self.nodes, 60 + 2 * self.n, "formed domain") is None:
+            raise BenchError("shared: the domain never formed")
+        await self.quiesce()
+        env = self.control_env()
+        domain = self.nodes[0].domain
+        members = [n for n in self.nodes if n.domain == domain]
+        names = ",".join(n.name for n in members)
+        wait = f"{self.opts.job_wait_s:g}"
+        creates: list[float] = []
+        deletes: list[float] = []
+        starts: list[float] = []
+        failed: list[str] = []
+        for i in range(self.opts.job_rounds):
+            job = f"job{i}"
+            t0 = time.monotonic()
+            code, _ = await run_command([str(IMEXD), "--version"], env, 30)
+            starts.append(time.monotonic() - t0)
+            create = [str(IMEXD), "workload", "create", job, "--domain", domain]
+            t0 = time.monotonic()
+            code, out = await run_command(
+                [*create, "--nodes", names, "--wait", wait], env, self.opts.job_wait_s + 30
+            )
+            creates.append(time.monotonic() - t0)
+            if code != 0:
+                failed.append(f"{job} create exit {code}: {' '.join(out.split())[-300:]}")
+            delete = [str(IMEXD), "workload", "delete", job, "--domain", domain, "--wait", "30"]
+            t0 = time.monotonic()
+            code, out = await run_command(delete, env, 60)
+            deletes.append(time.monotonic() - t0)
+            if code != 0:
+                failed.append(f"{job} delete exit {code}: {' '.join(out.split())[-300:]}")
+            self.log(f"{job}: create {creates[-1]:.3f} s, delete {deletes[-1]:.3f} s")
+            await asyncio.sleep(0.2)
+        target = SHARED_TARGETS_S.get(len(members))
+        over = sum(1 for t in creates if target is not None and t > target)
+        self.result.add(
+            f"shared: workload create on {len(members)} nodes -> exit 0",
+            statistics.median(creates),
+            target=f"<= {target:g} s median" if target is not None else "",
+            ok=None if target is None else not failed and statistics.median(creates) <= target,
+            note=_spread(creates)
+            + f" over {len(creates)} rounds"
+            + (f"; {over} over target" if over else "")
+            + (f"; FAILED: {failed[0]}" if failed else ""),
+        )
+        self.result.add(
+            f"shared: workload delete on {len(members)} nodes -> exit 0",
+            statistics.median(deletes),
+            note=_spread(deletes) + " (until no node lists the workload)",
+        )
+        self.result.add(
+            "shared: `imexd --version` (the interpreter's share)",
+            statistics.median(starts),
+            note=_spread(starts),
+        )
+        return self.result
 
     def _job_figures(self, rounds: Mapping[str, list[JobRound]]) -> None:
         r = self.result
@@ -1822,7 +1898,9 @@ def machine() -> str:
 def describe_run(daemons: bool, agents: str, kind: str) -> str:
     mode = "simulated daemons" if daemons else 'no daemons (clique "")'
     who = "agents as `imexd run` processes" if agents == "process" else "agents in process"
-    what = "job start" if kind == "jobstart" else "formation, leave, join, idle, crash"
+    what = {"jobstart": "job start", "shared": "shared-domain workloads"}.get(
+        kind, "formation, leave, join, idle, crash"
+    )
     return f"{mode}, {who}: {what}"
 
 
@@ -1924,6 +2002,8 @@ async def one_run(
     try:
         if kind == "jobstart":
             await run.execute_job_start()
+        elif kind == "shared":
+            await run.execute_shared()
         else:
             await run.execute()
     except (BenchError, TimeoutError) as exc:
@@ -1994,8 +2074,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument(
         "--phases",
         default="domain,jobstart",
-        help="comma-separated: domain (formation, leave, join, idle, crash), jobstart "
-        "(default both)",
+        help="comma-separated: domain (formation, leave, join, idle, crash), jobstart, "
+        "shared (workload create and delete on a formed domain) (default domain,jobstart)",
     )
     parser.add_argument("--job-rounds", type=int, default=3, help="job start rounds per form (3)")
     parser.add_argument(
@@ -2022,8 +2102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         parser.error("--group-size: expected 2..max_nodes")
     daemons = {"sim": (True,), "none": (False,), "both": (True, False)}[args.daemons]
     phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
-    if not phases or set(phases) - {"domain", "jobstart"}:
-        parser.error(f"--phases {args.phases!r}: expected domain, jobstart or both")
+    if not phases or set(phases) - {"domain", "jobstart", "shared"}:
+        parser.error(f"--phases {args.phases!r}: expected domain, jobstart, shared")
     timings = args.timings or ("fast" if args.agents == "process" else "shipped")
     return Options(
         nodes=nodes,
