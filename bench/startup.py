@@ -3,7 +3,8 @@
     .venv/bin/python bench/startup.py
     .venv/bin/python bench/startup.py --tree /path/to/other/checkout   # "before"
 
-Figures, each the median (min..max) over `--runs` runs, wall clock:
+Figures, each the median (min..max) over `--runs` runs, wall clock, and for the programs
+that exit their CPU time (user + system), which a loaded machine does not inflate:
 - `python -c pass`: the interpreter's own start on this machine, the floor of the rest;
 - `imexd --version`: a control command's start (argument parsing, no broker);
 - `imexd-sim-ctl -q`: one probe of a running simulated daemon (what the agent runs every
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -44,11 +46,20 @@ LIMIT_S = 60.0
 """Bound of every wait (the agent's readiness, a daemon's first line)."""
 
 
+CPU: list[float] = []
+"""The CPU seconds (user + system) of each `timed` run, in order: on a loaded machine
+the wall clock measures the queue for a core, the CPU time what the program costs."""
+
+
 def timed(argv: Sequence[str], env: dict[str, str]) -> float:
-    """Seconds `argv` took from spawn to exit (it must exit 0)."""
+    """Seconds `argv` took from spawn to exit (it must exit 0); its CPU time to `CPU`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(argv, env=env, check=True, capture_output=True, timeout=LIMIT_S)
-    return time.perf_counter() - started
+    took = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return took
 
 
 def first_line(argv: Sequence[str], env: dict[str, str]) -> float:
@@ -80,7 +91,14 @@ def spread(values: Sequence[float], scale: float = 1000.0, unit: str = "ms") -> 
 
 def repeat(runs: int, once: Callable[[], float]) -> list[float]:
     once()  # warm the page cache and the .pyc files
+    CPU.clear()
     return [once() for _ in range(runs)]
+
+
+def show(what: str, walls: list[float]) -> None:
+    cpu = f"; CPU {spread(CPU)}" if CPU else ""
+    print(f"{what}: wall {spread(walls)}{cpu}")
+    CPU.clear()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,11 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.tree is not None:
         env["PYTHONPATH"] = str(opts.tree.resolve())
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the agent inherits it
+        os.chdir(opts.tree)  # `python -m imexd` puts its working folder first on sys.path
     py = sys.executable
     print(f"tree {opts.tree or ROOT}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print("python -c pass:", spread(repeat(opts.runs, lambda: timed([py, "-c", "pass"], env))))
+    show("python -c pass", repeat(opts.runs, lambda: timed([py, "-c", "pass"], env)))
     version = [str(VENV_BIN / "imexd"), "--version"]
-    print("imexd --version:", spread(repeat(opts.runs, lambda: timed(version, env))))
+    show("imexd --version", repeat(opts.runs, lambda: timed(version, env)))
 
     root = Path(tempfile.mkdtemp(prefix="imexd-startup-"))
     cluster = Cluster(root)
@@ -106,15 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster.wait(node.ready, timeout=LIMIT_S)
         config = str(node.run_dir / "config.cfg")
         ctl = [str(VENV_BIN / "imexd-sim-ctl"), "-c", config, "-q"]
-        print("imexd-sim-ctl -q:", spread(repeat(opts.runs, lambda: timed(ctl, env))))
+        show("imexd-sim-ctl -q", repeat(opts.runs, lambda: timed(ctl, env)))
         # A second daemon on the agent's files, on other ports: its start-up fails or
         # serves, either way after its first line, which is all that is timed.
         daemon = [str(VENV_BIN / "imexd-sim-daemon"), "-c", config, "-p", "1"]
         sim_env = env | {"IMEXD_SIM_HOSTS_FILE": str(node.hosts_file)}
-        print(
-            "imexd-sim-daemon first line:",
-            spread(repeat(opts.runs, lambda: first_line(daemon, sim_env))),
-        )
+        show("imexd-sim-daemon first line", repeat(opts.runs, lambda: first_line(daemon, sim_env)))
         assert node.proc is not None
         agent = psutil.Process(node.proc.pid)
         time.sleep(2.0)  # the start's probes and reports are over
