@@ -11,8 +11,8 @@ are connected, so it is bounded on every axis:
 - body size: only GET is served and a request that carries a body is refused (413)
   and its connection closed, without reading the body;
 - request time: a connection must deliver a complete request head within
-  `request_timeout_s` of connecting or of its previous response, so idle and
-  byte-at-a-time clients are cut off;
+  `request_timeout_s` of connecting or of its previous response, and take each answer
+  within as long, so idle, byte-at-a-time and never-reading clients are cut off;
 - connections: at most `max_connections` are kept; a new one evicts the connection
   that has been quiet the longest (a slow or idle client, never the newcomer), so a
   probe still gets in while the cap is full of slow clients.
@@ -268,8 +268,11 @@ class HealthServer:
         has_body = "transfer-encoding" in headers or length != "0"
         return _Request(method, target.split("?", 1)[0], keep_alive, has_body)
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, response: _Response, *, keep_alive: bool) -> None:
+    async def _send(
+        self, writer: asyncio.StreamWriter, response: _Response, *, keep_alive: bool
+    ) -> None:
+        """Write the answer, waiting at most the request timeout for the client to take
+        it: one that never reads its answers holds no connection for long."""
         status = HTTPStatus(response.status)
         head = [
             f"HTTP/1.1 {status.value} {status.phrase}",
@@ -281,7 +284,8 @@ class HealthServer:
         if not keep_alive:
             head.append("Connection: close")
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body)
-        await writer.drain()
+        async with asyncio.timeout(self._limits.request_timeout_s):
+            await writer.drain()
 
     def _respond(self, request: _Request) -> _Response:
         if request.path not in PATHS:

@@ -610,3 +610,22 @@ def test_metrics_carry_each_condition_with_its_reason() -> None:
     m.update_from(idle, health.conditions(idle, [], 0.0))
     text = m.render().decode()
     assert 'reason="PublishRefused"' not in text, "a changed condition leaves no stale series"
+
+
+async def test_a_client_that_never_reads_its_answers_is_cut_off() -> None:
+    """Requests pipelined by a client that reads nothing fill the socket buffers; the
+    answer's write is bounded by the request timeout too, so the connection is closed
+    instead of being held forever."""
+    async with serving(READY, ServerLimits(request_timeout_s=0.3)) as a:
+        _, writer = await asyncio.open_connection("127.0.0.1", a.server.port)
+        try:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 5000)
+            for _ in range(100):  # 10 s at most
+                await asyncio.sleep(0.1)
+                if not a.server.open_connections:
+                    break
+            assert a.server.open_connections == 0
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
