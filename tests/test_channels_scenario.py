@@ -236,20 +236,21 @@ def test_a_shared_domain_serves_two_jobs_on_their_own_channels(c: Cluster) -> No
 
 
 def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
-    """The per-job layout: `domain create --channel` in a prolog makes the domain and
-    workload of the same name on channel 0; `domain delete` in the epilog removes both."""
+    """The per-job layout: `domain create --channel --wait` in a prolog makes the domain
+    and workload of the same name on channel 0 and exits 0 once the domain is UP and every
+    node has the channel; `domain delete --wait` in the epilog removes both."""
     nodes = [c.add(name, domain=None) for name in ("n1", "n2")]
     c.wait(c.all_ready, timeout=60)
     made = imexd(c, "domain", "create", "job-7", "--nodes", "n1,n2", "--channel",
-                 "--uid", "1000", "--gid", "1000")  # fmt: skip
+                 "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
-    c.wait(lambda: all(ready_with(n, "job-7", 1) for n in nodes), timeout=WAIT_S)
-    for node in nodes:
+    assert "domain job-7: UP, 2 of 2 members ready" in made.stdout
+    assert "workload job-7 in job-7: READY, 2 of 2 nodes ready" in made.stdout
+    for node in nodes:  # made before the command returned
+        assert ready_with(node, "job-7", 1), node.name
         info = os.lstat(device(node, 0))
         assert (os.minor(info.st_rdev), info.st_uid) == (0, 1000), node.name
-    up = imexd(c, "domain", "status", "job-7", "--wait", "30")
-    assert up.returncode == 0, up.stdout + up.stderr
-    ended = imexd(c, "domain", "delete", "job-7")
+    ended = imexd(c, "domain", "delete", "job-7", "--wait", "30")
     assert ended.returncode == 0, ended.stdout + ended.stderr
     c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
     with c.client() as client:
