@@ -445,7 +445,6 @@ class Agent:
         if plan.outbid:
             self._save_state(replace(self.state_store.current, incarnation=shard.incarnation))
         if plan.publish:
-            shard.own_cleared = False
             await self._publish_claim(decision.claim)
         shard.commit(plan)
         if decision.settled and decision.claim.slot is not None and shard.current is not None:
@@ -496,6 +495,7 @@ class Agent:
             bus, _ = self._parts()
             async with self.report_lock:
                 if shard.published:
+                    shard.sending(None)  # the clear's echo is ours, not a record written over
                     await self._clear_records(bus, domain, clique)
             shard.left()
 
@@ -506,7 +506,9 @@ class Agent:
         domain, clique = shard.current
         record = shard.record(claim, driver=self.driver, channel_count=self.channels.count)
         shard.sending(record)  # before the publish: its echo is the claim's barrier
-        await bus.retain(self.topics.member(domain, clique, self.node), record)
+        # Not replayed by the bus on a new link: the shard judges that link's snapshot
+        # first (our slot may have been taken meanwhile) and publishes it again itself.
+        await bus.retain(self.topics.member(domain, clique, self.node), record, replay=False)
         shard.published = shard.published or record is not None
 
     def _set_desired(self, desired: Desired) -> None:
@@ -640,7 +642,7 @@ class Agent:
             incarnation=shard.incarnation,
             driver=self.driver,
             bus=self._refresh_bus_facts(self._parts()[0]),
-            membership=shard.facts(self.desired),
+            membership=shard.facts(self.desired, time.monotonic()),
             daemon=DaemonFacts(
                 state=status.state.value,
                 pid=status.pid,

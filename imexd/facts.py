@@ -21,7 +21,13 @@ DAEMON_STATES: Final = tuple(state.value for state in DaemonState)
 
 MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
 MembershipReason = Literal[
-    "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
+    "",
+    "DomainFull",
+    "NotInSpec",
+    "NodeMapMismatch",
+    "DuplicateNode",
+    "Released",
+    "RecordOverwritten",
 ]
 LastWrite = Literal["rename", "in_place"]
 """How the files were last written (`imexd.files.WriteMethod` without "unchanged")."""
@@ -96,7 +102,9 @@ class MembershipFacts:
     out: kept out by the spec or a mismatch; leaving: the domain is being left."""
     reason: MembershipReason = ""
     """Why the node is not a working member (standby, out, or member with a daemon
-    refused); "" when nothing is wrong. Takes precedence over `state`."""
+    refused), or what a member should know (RecordOverwritten: someone wrote over its
+    record lately; DuplicateNode while it keeps its slot: that recurs); "" when nothing
+    is wrong. Takes precedence over `state`."""
     detail: str = ""
     """A human sentence for `reason`, e.g. which nodes the spec lists."""
     offending: tuple[str, ...] = ()
@@ -105,6 +113,9 @@ class MembershipFacts:
     """Slots of the (domain, clique)."""
     members: Mapping[int, Member] = field(default_factory=lambda: MappingProxyType({}))
     """Settled members by slot, this node included when it is one."""
+    overwritten: int = 0
+    """Records someone else wrote on this node's member topic, each put back by this
+    agent (cumulative, for metrics)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
