@@ -190,6 +190,8 @@ def _daemon(f: Facts) -> _Verdict:
         return _Verdict(
             "False", "NotStarted", "waiting for the clique: NVML fabric discovery has not succeeded"
         )
+    if d.reason == "Unsupervised":
+        return _Verdict("False", "Unsupervised", d.message)
     if f.membership.reason == "DuplicateNode" and f.membership.state != "member":
         return _Verdict(
             "False", "NotStarted", f"another agent runs as {f.node}: this one runs no daemon"

@@ -11,6 +11,7 @@ meanwhile, instead of replaying its old record over the new holder. Every wait i
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -156,4 +157,38 @@ def test_a_node_back_after_its_will_claims_again_and_leaves_the_new_holder_alone
     if not n3.log_events("membership.reclaim_after_reconnect"):
         problems.append("n3 logged no reclaim_after_reconnect")
     problems += untouched(stayed, before)
+    assert problems == [], problems
+
+
+def test_an_agent_that_stands_aside_reports_the_daemon_it_left_running(c: Cluster) -> None:
+    """(stand aside on evidence, and tell the truth) n1's agent dies alone, its daemon
+    runs on; a second agent named n1 (another address) takes the name meanwhile. n1's
+    agent comes back, the broker hands its session back and forth: the evidence makes it
+    stand aside, and /status reports its old daemon as running, unsupervised, with its
+    pid (not STOPPED with none), and nothing stops that daemon."""
+    n1, n2 = c.add("n1"), c.add("n2")
+    formed(c, [n1, n2])
+    pid = n1.daemon_pid()
+    assert pid is not None
+    n1.kill()
+    other = c.add("n1", key="n1-other")
+    c.wait(other.ready, timeout=30)
+    n1.start()
+    problems = []
+    try:
+        c.wait(lambda: n1.condition("SlotSettled").get("reason") == "DuplicateNode", timeout=20)
+        c.wait(lambda: n1.condition("DaemonReady").get("reason") == "Unsupervised", timeout=15)
+    except AssertionError:
+        problems.append(
+            f"n1: SlotSettled {n1.condition('SlotSettled')}, DaemonReady "
+            f"{n1.condition('DaemonReady')}"
+        )
+    daemon = n1.status().get("daemon", {})
+    if (daemon.get("state"), daemon.get("pid")) != ("RUNNING", pid):
+        problems.append(f"n1's /status daemon: {daemon}, its daemon runs as pid {pid}")
+    if pid not in n1.daemon_pids_on_host():
+        problems.append(f"n1's daemon {pid} was stopped")
+    n1.stop()
+    for left in n1.daemon_pids_on_host():
+        os.kill(left, signal.SIGKILL)  # unsupervised: nobody else ends it
     assert problems == [], problems
