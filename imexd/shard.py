@@ -441,7 +441,9 @@ class ShardView:
             "putting this node's record back",
         )
         due = now
-        if recurs:
+        if not recurs:
+            self.contested = ""
+        else:
             due = max(now, self.last_reassert + OVERWRITE_PACE_S)
             if self.claim.phase is not mb.Phase.MEMBER:
                 return self._found_duplicate(

@@ -838,7 +838,12 @@ def test_overwrites_that_recur_are_a_duplicate_that_keeps_its_slot() -> None:
     assert v.duplicate == ""
     facts = v.facts(plan.desired, 3.5)
     assert (facts.state, facts.reason) == ("member", "DuplicateNode")
-    assert derive(v, 3.0 + OVERWRITE_PACE_S).publish
+    paced = derive(v, 3.0 + OVERWRITE_PACE_S)
+    assert paced.publish
+    publish(v, paced, 3.0 + OVERWRITE_PACE_S)
+    later = 3.5 + OVERWRITE_WINDOW_S  # once, long after: no longer a recurrence
+    v.apply(received(forged, retained=False), later)
+    assert v.facts(plan.desired, later).reason == "RecordOverwritten"
 
 
 def test_a_claim_written_over_again_stands_aside() -> None:
