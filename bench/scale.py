@@ -169,10 +169,15 @@ class CountingBus(Bus):
         """Records it set or cleared, by topic (a claim, a member record, a report...)."""
 
     async def retain(
-        self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
+        self,
+        topic: str,
+        payload: Payload | None,
+        *,
+        message_expiry_s: float | None = None,
+        replay: bool = True,
     ) -> None:
         self.retained[topic] += 1
-        await super().retain(topic, payload, message_expiry_s=message_expiry_s)
+        await super().retain(topic, payload, message_expiry_s=message_expiry_s, replay=replay)
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         self.received[topic] += 1

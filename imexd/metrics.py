@@ -167,6 +167,12 @@ class Metrics:
             "(updates the broker lost).",
             bus.resync_corrections,
         )
+        yield CounterMetricFamily(
+            "imexd_record_overwritten",
+            "Records someone else wrote on this node's member topic (a forged or cloned "
+            "record, a second agent with this node name); each was put back by this agent.",
+            f.membership.overwritten,
+        )
         dropped = CounterMetricFamily(
             "imexd_bus_dropped",
             "Bus messages dropped as invalid, by reason.",

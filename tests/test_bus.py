@@ -326,6 +326,33 @@ async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mo
         assert a.refused_topics == frozenset()
 
 
+async def test_a_record_retained_without_replay_waits_for_its_caller_on_a_new_link(
+    broker: Mosquitto,
+) -> None:
+    """`retain(replay=False)`: after a restart that lost it, the bus does not publish the
+    record again by itself (its caller judges the new snapshot first), and a record with
+    replay does come back; the caller's own publication then reaches the peer."""
+    settings = fast_settings(broker.url)
+    async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
+        await a.subscribe(MEMBERS)
+        await b.subscribe(MEMBERS)
+        async with asyncio.timeout(5):
+            await synced(a)  # without a link, a record without replay waits for the next
+        await a.retain(member_topic(), record(), replay=False)
+        await a.retain(member_topic("n1x"), record("n1x", slot=1))
+        await next_event(b, Received, lambda e: e.topic == member_topic())
+        broker.stop()  # persistence false: the broker forgets both records
+        broker.start()
+        await next_event(b, Connected)
+        await next_event(b, Received, lambda e: e.topic == member_topic("n1x"))
+        async with asyncio.timeout(5):
+            await synced(a)
+        await no_event(b, Received, lambda e: e.topic == member_topic(), 1.0)
+        await a.retain(member_topic(), record(), replay=False)
+        again = await next_event(b, Received, lambda e: e.topic == member_topic())
+        assert again.payload == record()
+
+
 async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Mosquitto) -> None:
     """With [dead, live] it connects to the live one; when that dies, to the next again."""
     dead = f"mqtt://127.0.0.1:{free_port()}"
