@@ -751,3 +751,49 @@ async def test_a_claim_the_acl_drops_ends_with_exit_1(
         b.stop()
     assert code == 1
     assert "no echo of our write to imex/v2/domains/d1/workloads/w1" in capsys.readouterr().err
+
+
+MANY = 250
+"""More retained records than any broker's in-flight window (Mosquitto's is 20)."""
+
+
+async def test_every_read_sees_every_record_beyond_the_in_flight_window(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With MANY retained workloads, `list` shows them all and `delete` finds the last
+    one: the snapshot barrier comes behind every QoS 1 record, not past them."""
+    names = [f"w{i:03d}" for i in range(1, MANY + 1)]
+    await put(broker, {T.workload("d1", n): encode(record(n, i)) for i, n in enumerate(names, 1)})
+    capsys.readouterr()
+    assert await cli("workload", "list", "--domain", "d1", "--json") == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert [d["workload"] for d in docs] == names
+    assert await cli("workload", "delete", names[-1], "--domain", "d1", "--wait", "0") == 0
+    assert f"workload {names[-1]} in d1: deleted" in capsys.readouterr().out
+    assert await cli("workload", "status", names[-2], "--wait", "0") == 1
+    assert "no workload" not in capsys.readouterr().err
+    code, text = await create(settings, "extra", channel=MANY - 1)
+    assert code == 2, text
+    assert f"channel {MANY - 1} of d1 is used by workload {names[-2]}" in text
+
+
+async def test_domain_delete_and_list_see_every_record_beyond_the_in_flight_window(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`domain delete` clears all MANY workloads of its domain (a QoS 1 read), and `domain
+    list` counts MANY specs (QoS 0 reads): no read stops at the broker's window."""
+    names = [f"w{i:03d}" for i in range(1, MANY + 1)]
+    await put(broker, {T.workload("d1", n): encode(record(n, i)) for i, n in enumerate(names, 1)})
+    specs = {
+        T.spec(f"s{i:03d}"): encode(DomainSpec(domain=f"s{i:03d}", nodes=None, max_nodes=8))
+        for i in range(MANY)
+    }
+    await put(broker, specs)
+    capsys.readouterr()
+    assert await cli("domain", "list") == 0
+    text = capsys.readouterr().out
+    rows = text.splitlines()[1:]
+    assert sum(1 for row in rows if row.startswith("s")) == MANY, text[:2000]
+    assert await cli("domain", "delete", "d1", "--timeout", "0") == 0
+    assert f"{MANY} workload(s)" in capsys.readouterr().out
+    assert await records(broker, "d1") == {}
