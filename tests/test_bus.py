@@ -61,6 +61,7 @@ from imexd.messages import (
 )
 from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
+from tests.support import raw_client
 
 E = TypeVar("E", bound=Event)
 TOPICS = Topics("imex/v2")
@@ -300,6 +301,37 @@ async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Mo
         seen.clear()
         await next_event(b, Synced, seen=seen)
         assert not [e for e in seen if isinstance(e, Received)]
+
+
+SHARD = 200
+"""Members of one shard: more retained records than any broker's in-flight window
+(Mosquitto's `max_inflight_messages` is 20)."""
+
+
+async def test_synced_comes_after_a_snapshot_larger_than_the_in_flight_window(
+    broker: Mosquitto,
+) -> None:
+    """SHARD retained members all arrive before Synced, at connect and for a subscription
+    on a live link: the ping is a barrier behind QoS 1 records, not a message past them."""
+    settings = fast_settings(broker.url)
+    async with raw_client(broker) as c:
+        for n in range(SHARD):
+            payload = encode(record(f"m{n:03d}", slot=n % 18))
+            await c.publish(member_topic(f"m{n:03d}"), payload, qos=1, retain=True)
+    wanted = {f"m{n:03d}" for n in range(SHARD)}
+    async with bus_for(settings, "n1") as a:
+        await a.subscribe(MEMBERS)
+        seen: list[Event] = []
+        await next_event(a, Synced, seen=seen)
+        assert {e.ref.node for e in seen if isinstance(e, Received)} == wanted
+    async with bus_for(settings, "n2") as b:
+        async with asyncio.timeout(5):
+            await synced(b)
+        await next_event(b, Synced)
+        await b.subscribe(MEMBERS)
+        seen = []
+        await next_event(b, Synced, seen=seen)
+        assert {e.ref.node for e in seen if isinstance(e, Received)} == wanted
 
 
 async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mosquitto) -> None:
