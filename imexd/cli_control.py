@@ -512,7 +512,9 @@ def _cmd_workload_list(args: argparse.Namespace) -> int:
 
     settings = commands.load_control_settings(args.config)
     return asyncio.run(
-        workloads.list_workloads(settings, domain=args.domain, as_json=args.json, out=sys.stdout)
+        workloads.list_workloads(
+            settings, domain=args.domain, as_json=args.json, out=sys.stdout, err=sys.stderr
+        )
     )
 
 

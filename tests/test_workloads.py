@@ -157,6 +157,27 @@ def test_a_failure_reason_missing_reports_and_stale_ones_are_told_apart() -> Non
     assert "n1: ChannelConflict: w9 has it" in text
 
 
+def test_another_active_record_on_the_channel_fails_a_ready_workload() -> None:
+    """Ready on every node, but another active workload of the domain holds the channel
+    too, on other nodes: FAILED with a ChannelConflict line naming both."""
+    rec = record("job1", 5, nodes=["n1"], generation=1)
+    rival = record("job2", 5, nodes=["n2", "n3"], generation=1)
+    ready = channel_report("n1", 0, infos=[info("job1", 5, 1)])
+    assert judge(rec, ready).state == "READY"
+    status = judge_workload(
+        rec,
+        reports=[ready],
+        members=[],
+        now=NOW,
+        report_interval_s=2.0,
+        workloads=[rec, rival, record("job3", 5, domain="d2"), record("job4", 5, state="claiming")],
+    )
+    assert status.state == "FAILED"
+    assert status.reasons[0].startswith("ChannelConflict: channel 5 of d1 is claimed by ")
+    assert "job1, job2:" in status.reasons[0]
+    assert "ChannelConflict: channel 5 of d1" in render_workload_status(status)
+
+
 def test_without_a_node_list_the_members_are_judged() -> None:
     """Nodes None: the domain's member records say which nodes must have the channel."""
     rec = record("w1", 1, generation=1)
@@ -797,3 +818,29 @@ async def test_domain_delete_and_list_see_every_record_beyond_the_in_flight_wind
     assert await cli("domain", "delete", "d1", "--timeout", "0") == 0
     assert f"{MANY} workload(s)" in capsys.readouterr().out
     assert await records(broker, "d1") == {}
+
+
+async def test_a_channel_conflict_is_shown_with_exit_1_and_not_written_again(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second active record on job1's channel (another writer's, other nodes): `workload
+    status`, `list` and `domain status` name the conflict and exit 1, and `create` refuses
+    to write either record again."""
+    assert (await create(settings, "job1", nodes=["n1"], channel=5))[0] == 0
+    rival = record("job2", 5, nodes=["n2", "n3"], uid=6666, generation=1)
+    await put(broker, {T.workload("d1", "job2"): encode(rival)})
+    capsys.readouterr()
+    assert await cli("workload", "status", "job1", "--wait", "0") == 1
+    assert "ChannelConflict: channel 5 of d1 is claimed by workloads job1, job2" in (
+        capsys.readouterr().out
+    )
+    assert await cli("workload", "list") == 1
+    assert "ChannelConflict: channel 5 of d1" in capsys.readouterr().err
+    assert await cli("domain", "status", "d1") == 1
+    assert "ChannelConflict: channel 5 of d1" in capsys.readouterr().err
+    before = await records(broker)
+    for name in ("job1", "job2"):
+        code, text = await create(settings, name, nodes=["n1"], channel=5)
+        assert code == 2, text
+        assert "is also claimed by workload" in text
+    assert await records(broker) == before

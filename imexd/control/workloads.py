@@ -47,6 +47,8 @@ from imexd.messages import WorkloadRecord, encode
 from imexd.settings import Settings
 from imexd.workload_fleet import (
     WorkloadStatus,
+    channel_conflicts,
+    conflict_line,
     judge_workload,
     render_workload_list,
     render_workload_status,
@@ -141,6 +143,7 @@ def _status_of(store: Store, record: WorkloadRecord, report_interval_s: float) -
         members=store.records_of(record.domain),
         now=time.time(),
         report_interval_s=report_interval_s,
+        workloads=store.workloads_of(record.domain),
     )
 
 
@@ -205,6 +208,15 @@ async def create(
             print(
                 f"{command}: workload {name} of {domain} exists on channel {kept.channel}, not "
                 f"{channel}: delete it first to move it to another channel",
+                file=err,
+            )
+            return EXIT_USAGE
+        holder = used_channels(store.workloads_of(domain), name).get(kept.channel) if kept else None
+        if kept is not None and holder is not None:
+            print(
+                f"{command}: channel {kept.channel} of {domain} is also claimed by workload "
+                f"{holder} (a ChannelConflict: agents give it to the one that held it first): "
+                "delete the one that should not be there before writing either again",
                 file=err,
             )
             return EXIT_USAGE
@@ -400,9 +412,10 @@ async def delete(
 
 
 async def list_workloads(
-    settings: Settings, *, domain: str | None, as_json: bool, out: TextIO
+    settings: Settings, *, domain: str | None, as_json: bool, out: TextIO, err: TextIO
 ) -> int:
-    """Print every workload (of `domain`, or of every domain) with its readiness."""
+    """Print every workload (of `domain`, or of every domain) with its readiness; exit 1
+    when two active workloads of a domain claim one channel (each named on stderr)."""
     interval = settings.health.report_interval_s
     scope = domain or "+"
     async with Link(settings.bus) as link:
@@ -417,7 +430,10 @@ async def list_workloads(
         print(workload_list_json(statuses), file=out)
     else:
         print(render_workload_list(statuses), end="", file=out)
-    return EXIT_OK
+    conflicts = channel_conflicts(store.workloads.values())
+    for (name, channel), names in conflicts.items():
+        print(f"imexd workload list: {conflict_line(name, channel, names)}", file=err)
+    return EXIT_FAILED if conflicts else EXIT_OK
 
 
 async def status(
