@@ -56,6 +56,9 @@ STALE_INTERVALS: Final = 3
 FUTURE_SKEW_S: Final = 30.0
 """A report stamped more than this many seconds ahead of our clock is not fresh: the
 node's clock (or ours) is wrong, and its age would read as fresh for that long."""
+_LONG_S: Final = 1e6
+"""Seconds beyond which a skew or an age is written in three significant digits: a stamp
+of 1e308 is a broken clock or a hostile report, not 309 digits to read."""
 DomainState = Literal["UP", "DEGRADED", "DOWN", "FORMING", "UNKNOWN"]
 ReportState = Literal["fresh", "stale", "future", "missing"]
 
@@ -225,6 +228,11 @@ def _ready_since(report: HealthReport) -> float:
     return next((c.since for c in report.conditions if c.type == DAEMON_READY), report.at)
 
 
+def seconds_text(seconds: float) -> str:
+    """`45` for 45.2 s, `1e+308` for a stamp that far off: a number a table can hold."""
+    return f"{seconds:.0f}" if abs(seconds) < _LONG_S else f"{seconds:.3g}"
+
+
 def _gather(
     listed: Sequence[str] | None,
     records: Iterable[MemberRecord],
@@ -348,7 +356,8 @@ def _skew(nodes: Mapping[str, _Node], now: float) -> list[str]:
         if e.future and e.expected and e.seen is not None:
             ahead = e.seen.report.at - now
             lines.append(
-                f"{CLOCK_SKEW}: {e.name}'s report is stamped {ahead:.0f} s ahead of this host's "
+                f"{CLOCK_SKEW}: {e.name}'s report is stamped {seconds_text(ahead)} s ahead of "
+                "this host's "
                 "clock: check the clocks (NTP) of both"
             )
     for e in nodes.values():
@@ -426,8 +435,9 @@ def judge(
     views_pending = _peer_links(nodes, report_interval_s)
     unknowns = _unknowns(nodes, listed=listed is not None or spec is not None)
     reasons = _skew(nodes, now)
+    held = frozenset((e.clique, e.record.slot) for e in nodes.values() if e.record is not None)
     rows = sorted(
-        (_row(e, now) for e in nodes.values()),
+        (_row(e, now, held) for e in nodes.values()),
         key=lambda r: (r.clique or "", r.slot is None, r.slot or 0, r.node),
     )
     members = [r for r in rows if r.expected]
@@ -468,7 +478,8 @@ def judge(
     )
 
 
-def _row(e: _Node, now: float) -> NodeRow:
+def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -> NodeRow:
+    """One node's row; `held`: the (clique, slot) pairs that member records hold."""
     seen = e.seen.report if e.seen is not None else None
     record, report = e.record, e.fresh
     reasons: list[str] = []
@@ -496,11 +507,14 @@ def _row(e: _Node, now: float) -> NodeRow:
     elif e.future:
         reasons.append(CLOCK_SKEW)
         details.append(
-            f"{CLOCK_SKEW}: report stamped {seen.at - now:.0f} s ahead of this host's clock"
+            f"{CLOCK_SKEW}: report stamped {seconds_text(seen.at - now)} s ahead of this "
+            "host's clock"
         )
     elif report is None:
         reasons.append("Stale")
-        details.append(f"Stale: last report {now - seen.at:.0f} s ago (too old, or expired)")
+        details.append(
+            f"Stale: last report {seconds_text(now - seen.at)} s ago (too old, or expired)"
+        )
     elif record is not None:
         for cond in _failing(report):
             reasons.append(cond.reason)
@@ -532,8 +546,8 @@ def _row(e: _Node, now: float) -> NodeRow:
         else "fresh"
     )
     slot = record.slot if record is not None and record.slot is not None else None
-    if slot is None and seen is not None:
-        slot = seen.slot
+    if slot is None and seen is not None and (e.clique, seen.slot) not in held:
+        slot = seen.slot  # a member's slot is its record's: a report never takes that row
     return NodeRow(
         node=e.name,
         clique=e.clique,

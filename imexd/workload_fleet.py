@@ -23,6 +23,7 @@ from imexd.fleet import (
     STALE_INTERVALS,
     ReportState,
     SeenReport,
+    seconds_text,
     table,
 )
 from imexd.messages import HealthReport, MemberRecord, WorkloadRecord
@@ -98,9 +99,12 @@ def _workload_row(
     state = report_state(seen, now=now, report_interval_s=interval)
     if state == "future":
         ahead = seen.report.at - now
-        return row(CLOCK_SKEW, f"report stamped {ahead:.0f} s ahead of this host", report=state)
+        return row(
+            CLOCK_SKEW, f"report stamped {seconds_text(ahead)} s ahead of this host", report=state
+        )
     if state == "stale":
-        return row("Stale", f"last report {now - seen.report.at:.0f} s ago", report=state)
+        ago = seconds_text(now - seen.report.at)
+        return row("Stale", f"last report {ago} s ago", report=state)
     channels = seen.report.channels
     if channels is None:
         return row("NoChannels", "its report has no channels (an agent without channel support)")

@@ -178,6 +178,14 @@ def test_another_active_record_on_the_channel_fails_a_ready_workload() -> None:
     assert "ChannelConflict: channel 5 of d1" in render_workload_status(status)
 
 
+def test_a_report_stamped_in_the_far_future_is_clock_skew_in_few_words() -> None:
+    """A workload's node row for a report stamped 1e308 says ClockSkew briefly."""
+    rec = record("w1", 1, nodes=["n1"], generation=1)
+    status = judge(rec, channel_report("n1", 0, infos=[info("w1", 1, 1)], at=1e308))
+    assert (status.nodes[0].reason, status.state) == ("ClockSkew", "FAILED")
+    assert status.nodes[0].message == "report stamped 1e+308 s ahead of this host"
+
+
 def test_without_a_node_list_the_members_are_judged() -> None:
     """Nodes None: the domain's member records say which nodes must have the channel."""
     rec = record("w1", 1, generation=1)
