@@ -366,8 +366,10 @@ def _describe_member(store: Store, domain: str, node: str) -> str:
     return " (".join([parts[0], ", ".join(parts[1:]) + ")"]) if len(parts) > 1 else node
 
 
-async def list_domains(settings: Settings, *, out: TextIO) -> int:
-    """Print every domain with a spec, records, reports or assignments."""
+async def list_domains(settings: Settings, *, out: TextIO, err: TextIO) -> int:
+    """Print every domain with a spec, records, reports or assignments; warn on stderr
+    about each node a spec lists that is a live member of another domain (it stays out
+    of the spec's domain: one IMEX daemon per node)."""
     async with Link(settings.bus) as link:
         t = link.topics
         store = await link.read(
@@ -380,7 +382,29 @@ async def list_domains(settings: Settings, *, out: TextIO) -> int:
         store, now=time.time(), report_interval_s=settings.health.report_interval_s
     )
     print(render_list(summaries), end="", file=out)
+    for name, spec in sorted(store.specs.items()):
+        if spec.state == "deleting":
+            continue
+        for node in spec.nodes or ():
+            for other in _member_elsewhere(store, node, name):
+                print(
+                    f"warning: the spec of {name} lists {node}, a member of {other}: it "
+                    f"stays out of {name} while it is in {other} (`imexd node assign {node} "
+                    f"{name} --steal` moves it, stopping its IMEX daemon in {other})",
+                    file=err,
+                )
     return EXIT_OK
+
+
+def _member_elsewhere(store: Store, node: str, domain: str) -> list[str]:
+    """The other domains in which `node` holds a member record that is not lost."""
+    return sorted(
+        {
+            d
+            for (d, _, n), record in store.members.items()
+            if n == node and d != domain and record.state is not MemberState.LOST
+        }
+    )
 
 
 async def assign(
