@@ -1434,7 +1434,8 @@ class Bus:
         """Publish a Ping to our own topic and wait for it; the seconds it took.
 
         The broker sends every retained message of a subscription before anything we
-        publish after its SUBACK, so the echo also marks the end of the snapshot.
+        publish after its SUBACK at the same QoS, so the echo (QoS 1, like the records;
+        see `_ping_at_qos0`) also marks the end of the snapshot.
         """
         seq = next(self._seq)
         echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
