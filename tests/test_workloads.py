@@ -852,3 +852,23 @@ async def test_a_channel_conflict_is_shown_with_exit_1_and_not_written_again(
         assert code == 2, text
         assert "is also claimed by workload" in text
     assert await records(broker) == before
+
+
+QUEUED = 1100
+"""More retained records than Mosquitto delivers to one QoS 1 subscription at once: 20 in
+flight plus `max_queued_messages` (1000) queued; the rest it drops, with no error."""
+
+
+async def test_reads_that_do_not_race_see_records_beyond_the_brokers_queue(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QUEUED workloads over many domains (per-job domains): `workload list` shows them
+    all and `workload delete` of the last one, without --domain (the Slurm epilog's
+    default), finds it: only `create`'s channel race reads at QoS 1."""
+    names = [f"job-{i:04d}" for i in range(1, QUEUED + 1)]
+    await put(broker, {T.workload(n, n): encode(record(n, 0, domain=n)) for n in names})
+    capsys.readouterr()
+    assert await cli("workload", "list", "--json") == 0
+    assert len(json.loads(capsys.readouterr().out)) == QUEUED
+    assert await cli("workload", "delete", names[-1], "--wait", "0") == 0
+    assert f"workload {names[-1]} in {names[-1]}: deleted" in capsys.readouterr().out

@@ -63,12 +63,16 @@ SUBSCRIBE_RETRY_S: Final = (0.25, 2.0)
 """First and largest wait before a refused subscription is asked for again (doubling,
 jittered: `imexd.retry.backoff_delay`), within OPERATION_TIMEOUT_S."""
 READ_QOS: Final = 0
-"""QoS of the control plane's subscriptions, except workload filters and their sync echo
-(QoS 1). Its reads
-need the retained snapshot, which a broker sends at SUBACK at any QoS, and live reports
-that agents send again every report interval; at QoS 0 a clustered NATS serves them with
-a plain subscription, where QoS 1 makes it create a JetStream consumer per subscription,
-which times out or is refused for tens of seconds after a server died (nats-server 2.9)."""
+"""QoS of the control plane's subscriptions, except the workload filters of a link that
+races for a channel (`Link(race=True)`) and their sync echo (QoS 1). Its reads need the
+retained snapshot, which a broker sends at SUBACK at any QoS, and live reports that
+agents send again every report interval; at QoS 0 a clustered NATS serves them with a
+plain subscription, where QoS 1 makes it create a JetStream consumer per subscription,
+which times out or is refused for tens of seconds after a server died (nats-server 2.9).
+And at QoS 0 a snapshot has no size limit: Mosquitto delivers one QoS 1 subscription at
+most 20 messages in flight plus `max_queued_messages` (1000) queued, and drops the rest
+without a word, so `workload delete` without --domain did not find the 1021st workload
+of a fleet."""
 SYNC_LEVEL: Final = "_control"
 """Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
 SYNC_QOS1_LEVEL: Final = "q1"
@@ -116,8 +120,12 @@ class Link:
         client_id: str | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         timeout_s: float = OPERATION_TIMEOUT_S,
+        race: bool = False,
     ) -> None:
         self.settings = settings
+        self.race = race
+        """Workload filters at QoS 1: the channel race of `workload create` judges by
+        every message of them (`qos`)."""
         self.topics = Topics(settings.topic_prefix)
         self.client_id = client_id or default_client_id()
         self.brokers: tuple[BrokerURL, ...] = tuple(parse_broker_url(u) for u in settings.url)
@@ -327,15 +335,16 @@ class Link:
             await asyncio.sleep(delay)
 
     def qos(self, topic_filter: str) -> int:
-        """QoS 1 for a workload filter (the channel race judges by every message of it, in
-        the broker's order: none may be missed) and for the QoS 1 sync echo, `READ_QOS` for
-        every other filter."""
+        """QoS 1 for a workload filter of a racing link (the channel race judges by every
+        message of it, in the broker's order: none may be missed, and a QoS 0 message may
+        be lost across a NATS cluster's routes) and for the QoS 1 sync echo, `READ_QOS`
+        for every other filter."""
         if topic_filter == self._sync_topic_q1:
             return 1
         levels = topic_filter.split("/")
         base = self.topics.prefix.count("/") + 1
         workloads = levels[base : base + 1] == ["domains"] and len(levels) > base + 2
-        return 1 if workloads and levels[base + 2] == "workloads" else READ_QOS
+        return 1 if self.race and workloads and levels[base + 2] == "workloads" else READ_QOS
 
     async def _subscribe_qos(self, client: Client, filters: Sequence[str]) -> list[str | None]:
         """Subscribe each filter at its `qos`; per filter None when granted, else why not."""

@@ -185,7 +185,7 @@ async def create(
     """
     interval = settings.health.report_interval_s
     command = "imexd workload create"
-    async with Link(settings.bus) as link:
+    async with Link(settings.bus, race=True) as link:
         t = link.topics
         topic = t.workload(domain, name)
         store = await link.read(
