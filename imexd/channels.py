@@ -206,9 +206,8 @@ class Refusal:
 
 
 def _by_channel(records: Iterable[WorkloadRecord], domain: str) -> dict[int, list[WorkloadRecord]]:
-    """The active records of `domain` (the newest generation of each name), by channel,
-    each list by workload name. A `claiming` record only reserves its channel in the
-    control plane."""
+    """The active records of `domain` (each name's newest), by channel and name: a
+    `claiming` record only reserves its channel in the control plane."""
     active: dict[str, WorkloadRecord] = {}
     for record in records:
         if record.state != "active" or record.domain != domain:
@@ -227,14 +226,11 @@ def channel_holders(
 ) -> dict[int, str]:
     """Channel -> the workload of `domain` that holds it, given who held it `before`.
 
-    A channel is one workload's across the whole domain (IMEX channels are domain-wide):
-    the holder `before` keeps it while its record is active on that channel, whatever
-    other records claim it meanwhile; a channel only one active record is on is that
-    one's. A channel two or more records claim with no holder among them has none, so
-    no node can pick a different winner than another node that saw who came first.
-    The agent passes its previous answer as `before` (seeded at start from the devices
-    on disk, `Devices.held_on_disk`), so arrival order decides between records that
-    came one after the other, and every node of the domain sees the broker's order.
+    IMEX channels are domain-wide: the holder `before` keeps its channel while its record
+    is active on it; a channel with one active record is that one's; one that several
+    records claim with no holder among them has none, so no node picks another winner
+    than a node that saw who came first. The agent passes its previous answer as `before`
+    (at start `Devices.held_on_disk`): every node sees records in the broker's order.
     """
     holders: dict[int, str] = {}
     for channel, group in _by_channel(records, domain).items():

@@ -56,9 +56,6 @@ STALE_INTERVALS: Final = 3
 FUTURE_SKEW_S: Final = 30.0
 """A report stamped more than this many seconds ahead of our clock is not fresh: the
 node's clock (or ours) is wrong, and its age would read as fresh for that long."""
-_LONG_S: Final = 1e6
-"""Seconds beyond which a skew or an age is written in three significant digits: a stamp
-of 1e308 is a broken clock or a hostile report, not 309 digits to read."""
 DomainState = Literal["UP", "DEGRADED", "DOWN", "FORMING", "UNKNOWN"]
 ReportState = Literal["fresh", "stale", "future", "missing"]
 
@@ -229,8 +226,8 @@ def _ready_since(report: HealthReport) -> float:
 
 
 def seconds_text(seconds: float) -> str:
-    """`45` for 45.2 s, `1e+308` for a stamp that far off: a number a table can hold."""
-    return f"{seconds:.0f}" if abs(seconds) < _LONG_S else f"{seconds:.3g}"
+    """`45` for 45.2 s; past 1e6 s three digits (a stamp of 1e308 gave 309): `1e+308`."""
+    return f"{seconds:.0f}" if abs(seconds) < 1e6 else f"{seconds:.3g}"
 
 
 def _gather(
@@ -357,8 +354,7 @@ def _skew(nodes: Mapping[str, _Node], now: float) -> list[str]:
             ahead = e.seen.report.at - now
             lines.append(
                 f"{CLOCK_SKEW}: {e.name}'s report is stamped {seconds_text(ahead)} s ahead of "
-                "this host's "
-                "clock: check the clocks (NTP) of both"
+                "this host's clock: check the clocks (NTP) of both"
             )
     for e in nodes.values():
         if e.fresh is None or not e.expected:
@@ -479,7 +475,6 @@ def judge(
 
 
 def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -> NodeRow:
-    """One node's row; `held`: the (clique, slot) pairs that member records hold."""
     seen = e.seen.report if e.seen is not None else None
     record, report = e.record, e.fresh
     reasons: list[str] = []
@@ -506,15 +501,12 @@ def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -
         details.append("NoReport: no health report on the bus (not joined yet, or gone)")
     elif e.future:
         reasons.append(CLOCK_SKEW)
-        details.append(
-            f"{CLOCK_SKEW}: report stamped {seconds_text(seen.at - now)} s ahead of this "
-            "host's clock"
-        )
+        ahead = seconds_text(seen.at - now)
+        details.append(f"{CLOCK_SKEW}: report stamped {ahead} s ahead of this host's clock")
     elif report is None:
         reasons.append("Stale")
-        details.append(
-            f"Stale: last report {seconds_text(now - seen.at)} s ago (too old, or expired)"
-        )
+        ago = seconds_text(now - seen.at)
+        details.append(f"Stale: last report {ago} s ago (too old, or expired)")
     elif record is not None:
         for cond in _failing(report):
             reasons.append(cond.reason)
@@ -547,7 +539,7 @@ def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -
     )
     slot = record.slot if record is not None and record.slot is not None else None
     if slot is None and seen is not None and (e.clique, seen.slot) not in held:
-        slot = seen.slot  # a member's slot is its record's: a report never takes that row
+        slot = seen.slot  # `held`: a member's record's slot, never a mere report's
     return NodeRow(
         node=e.name,
         clique=e.clique,
