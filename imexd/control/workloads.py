@@ -211,11 +211,13 @@ async def create(
                 file=err,
             )
             return EXIT_USAGE
-        holder = used_channels(store.workloads_of(domain), name).get(kept.channel) if kept else None
-        if kept is not None and holder is not None:
+        conflicts = channel_conflicts(store.workloads_of(domain))
+        rivals = conflicts.get((domain, kept.channel), []) if kept is not None else []
+        if kept is not None and len(rivals) > 1:
+            others = ", ".join(r for r in rivals if r != name)
             print(
                 f"{command}: channel {kept.channel} of {domain} is also claimed by workload "
-                f"{holder} (a ChannelConflict: agents give it to the one that held it first): "
+                f"{others} (a ChannelConflict: agents give it to the one that held it first): "
                 "delete the one that should not be there before writing either again",
                 file=err,
             )
