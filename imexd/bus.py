@@ -1401,14 +1401,9 @@ class Bus:
         self._live_topics = {
             t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
         }
-        # The ping topic at QoS 0: only this agent reads it, a lost echo costs a reconnect,
-        # and a clustered NATS serves QoS 0 with a plain subscription, where QoS 1 needs a
-        # JetStream consumer that it refuses for tens of seconds after a server died.
-        pinged = [f for f in wanted if f == self._ping_topic]
-        rest = [f for f in wanted if f != self._ping_topic]
-        answers = dict(zip(rest, await client.subscribe(rest), strict=True)) if rest else {}
-        if pinged:
-            answers.update(zip(pinged, await client.subscribe(pinged, qos=0), strict=True))
+        answers = dict(zip(wanted, await client.subscribe(wanted), strict=True))
+        if answers.get(self._ping_topic) is not None:
+            answers[self._ping_topic] = await self._ping_at_qos0(client)
         refusals = [answers[f] for f in wanted]
         refused: list[tuple[str, str]] = []
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
@@ -1434,6 +1429,24 @@ class Bus:
             )
             self._emit(SubscribeRefused(broker, topic_filter, refusal, self.subscribe_refused))
 
+    async def _ping_at_qos0(self, client: Client) -> str | None:
+        """Subscribe the ping topic at QoS 0 where the broker refused it at QoS 1; the
+        refusal, or None.
+
+        The ping is a barrier behind the snapshot only at the snapshot's QoS: Mosquitto
+        sends QoS 0 at once but queues QoS 1 messages beyond its in-flight window (20),
+        so a QoS 0 echo came back after 21 of 200 retained members. A clustered NATS
+        refuses new QoS 1 subscriptions (JetStream consumers) for tens of seconds after
+        a server died, and it writes a new subscription's retained copies out before it
+        reads our next packet, so there a QoS 0 echo still comes after them.
+        """
+        (refusal,) = await client.subscribe([self._ping_topic], qos=0)
+        if refusal is None:
+            self._log.info(
+                "bus_ping_qos0", broker=self._broker, why="the broker refused the ping at QoS 1"
+            )
+        return refusal
+
     async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
         self._put_on_link.add(topic)
         if self._covered(topic):
@@ -1447,7 +1460,8 @@ class Bus:
         """Publish a Ping to our own topic and wait for it; the seconds it took.
 
         The broker sends every retained message of a subscription before anything we
-        publish after its SUBACK, so the echo also marks the end of the snapshot.
+        publish after its SUBACK at the same QoS, so the echo (QoS 1, like the records;
+        see `_ping_at_qos0`) also marks the end of the snapshot.
         """
         seq = next(self._seq)
         echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()

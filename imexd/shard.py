@@ -110,6 +110,11 @@ one link that may lose echoes (`Refused.lossy_link`): a clustered broker (NATS 2
 keep the claim and never deliver its echo to the claimant, which would wait for it until
 the link ends; a broker that refuses the publication for good (an ACL) is not asked
 forever."""
+REPEAT_HOLD_S: Final = 30.0
+"""Hold of a peer's tombstone of an incarnation whose tombstone was honoured already and
+whose record came back since: its live agent publishes its record again within a round
+trip (so a will re-published every second changes nothing), and a second death of that
+incarnation still leaves the peers' files after this long."""
 FIRST_START_WINDOWS: Final = 5
 """The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
 default) for claims in flight and listed nodes that are not members yet. A claim settles
@@ -242,6 +247,8 @@ class ShardView:
         self.lost: dict[str, float] = {}
         """Peers whose tombstone (state lost) came: `now` at which their previous record,
         kept in `records` meanwhile, is dropped."""
+        self.lost_once: dict[str, int] = {}
+        """Peer -> the incarnation whose tombstone was honoured (`_on_lost`)."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
         self.published = False
@@ -368,6 +375,7 @@ class ShardView:
         self.confirm_by = None
         self.deleted.clear()
         self.lost.clear()
+        self.lost_once.clear()
         self.spec = None
         self.synced = False
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
@@ -599,7 +607,10 @@ class ShardView:
         Ours (a past link's will, or a duplicate's): as if our record were cleared, so a
         running agent publishes it again. A peer's without a record of it here (a
         leftover of a long-gone node, or a tombstone in a new link's snapshot) stays out
-        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once.
+        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once,
+        once per incarnation: that incarnation's tombstone again, after its record came
+        back, is held at least REPEAT_HOLD_S (a will re-published every second would
+        otherwise drop and re-add the peer, and send SIGUSR1, every pacing window).
         """
         node = tombstone.node
         if node == self.node:
@@ -607,6 +618,9 @@ class ShardView:
         if node not in self.records:
             return None
         hold = min(max(tombstone.hold_s, 0.0), MAX_HOLD_S)
+        if self.lost_once.get(node) == tombstone.incarnation:
+            hold = max(hold, REPEAT_HOLD_S)
+        self.lost_once[node] = tombstone.incarnation
         self.unconfirmed.discard(node)
         if hold <= 0.0:
             return self._on_deleted(Deleted(event.topic, event.ref, retained=event.retained), now)

@@ -539,3 +539,33 @@ async def test_password_mode_confines_nodes_to_their_own_records(
                 if len(seen) == 2:
                     break
     assert seen == {ours: b"n1-member", theirs: b"n2-member"}
+
+
+WORKLOAD_CHANNELS = 2048
+"""The driver's default ImexChannelCount: a domain holds at most this many workloads."""
+
+
+async def test_a_whole_domain_of_workloads_reaches_a_qos_1_subscriber(
+    broker: ShippedBroker,
+) -> None:
+    """An agent's QoS 1 subscription to its domain's workloads gets every record of a domain
+    that uses all its channels: Mosquitto drops a snapshot's messages beyond the in-flight
+    window plus `max_queued_messages` without a word, and the shipped queue holds it."""
+    async with client(broker, CONTROL_USER) as control:
+        for channel in range(WORKLOAD_CHANNELS):
+            name = f"w{channel:04d}"
+            payload = b'{"v":1,"workload":"%s","domain":"d1","channel":%d}' % (
+                name.encode(),
+                channel,
+            )
+            await publish(control, T.workload("d1", name), payload)
+        await publish(control, T.spec("barrier"), b"end")
+    got = 0
+    async with client(broker, "n1") as agent, asyncio.timeout(60):
+        await agent.subscribe(T.workloads_filter("d1"), qos=1)
+        await agent.subscribe(T.spec("barrier"), qos=1)
+        async for message in agent.messages:
+            if message.topic.matches(T.spec("barrier")):
+                break
+            got += 1
+    assert got == WORKLOAD_CHANNELS

@@ -38,6 +38,7 @@ from imexd.shard import (
     OVERWRITE_PACE_S,
     OVERWRITE_WINDOW_S,
     RECLAIMS_ON_LOST_ECHO,
+    REPEAT_HOLD_S,
     Identity,
     Plan,
     ShardView,
@@ -712,6 +713,30 @@ def test_a_tombstone_without_hold_drops_the_peer_at_once() -> None:
     v.apply(received(tombstone("n2", 0.0), retained=False), 10.0)
     assert "n2" not in v.records
     assert members(derive(v, 10.0)) == {0: ME}
+
+
+def test_a_tombstone_is_honoured_once_per_incarnation() -> None:
+    """hold_s 0 drops the peer at once, once: the same incarnation's tombstone again after
+    its record came back (a will published anew every second) is held REPEAT_HOLD_S, so
+    the record the live peer publishes each time keeps it a member (no file change, no
+    SIGUSR1); a second death of that incarnation still drops it after the hold, and a new
+    incarnation's tombstone is honoured as it says."""
+    v, n2 = with_peer()
+    v.apply(received(tombstone("n2", 0.0), retained=False), 10.0)
+    assert members(derive(v, 10.0)) == {0: ME}
+    v.apply(received(n2, retained=False), 11.0)
+    assert members(derive(v, 11.0)) == {0: ME, 1: "n2"}
+    for second in range(12, 40):
+        v.apply(received(tombstone("n2", 0.0), retained=False), float(second))
+        assert members(derive(v, second + 0.5)) == {0: ME, 1: "n2"}, second
+        v.apply(received(n2, retained=False), second + 0.5)
+    v.apply(received(tombstone("n2", 0.0), retained=False), 50.0)
+    assert members(derive(v, 50.0 + REPEAT_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
+    assert members(derive(v, 50.0 + REPEAT_HOLD_S)) == {0: ME}
+    again = msgspec.structs.replace(n2, incarnation=2)
+    v.apply(received(again, retained=False), 100.0)
+    v.apply(received(tombstone("n2", 0.0, inc=2), retained=False), 101.0)
+    assert members(derive(v, 101.0)) == {0: ME}
 
 
 def test_the_hold_is_clamped() -> None:
