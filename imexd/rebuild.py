@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -80,6 +81,10 @@ from imexd.metrics import Metrics
 
 TASK: Final = "rebuild"
 """The agent task's name (and heartbeat)."""
+EPOCH_JITTER_S: Final = 1.0
+"""An agent that finds no epoch waits up to this long (uniform) before it writes one, and
+writes none if another agent's came meanwhile: a fleet that reconnects at once writes a
+few epochs, not one per node (each of which every node would receive)."""
 ECHO_WAIT_S: Final = 5.0
 """How long a restored record may take to come back before it counts as refused (the
 broker's ACL does not give agents the rebuild grants)."""
@@ -256,6 +261,7 @@ class Rebuild:
                 self.found = event.payload.epoch
             else:
                 self.adopt = event.payload.epoch  # a live change is no loss of ours
+                self.epoch_due = None  # another agent wrote one first
                 self._settle()
             return
         if self.awaiting.get(event.topic) == event.data:
@@ -321,13 +327,17 @@ class Rebuild:
             self._settle()
         return outcome
 
-    def take(self) -> tuple[list[Held], BrokerEpoch | None]:
-        """What to publish now: the records to restore, then the new epoch (if any)."""
-        due, epoch = self.due, self.epoch_due
-        self.due, self.epoch_due = [], None
+    def take(self) -> list[Held]:
+        """The records to restore now (publish them before the epoch)."""
+        due, self.due = self.due, []
         for held in due:
             self.awaiting[held.topic] = held.data
-        return due, epoch
+        return due
+
+    def take_epoch(self) -> BrokerEpoch | None:
+        """The new epoch to write now, unless another agent's came first."""
+        epoch, self.epoch_due = self.epoch_due, None
+        return epoch
 
 
 class Publisher(Protocol):
@@ -346,8 +356,10 @@ class Rebuilder:
         *,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self.state = Rebuild(node=node, new_epoch=lambda: secrets.token_hex(8))
+        self.rand = rand
         self.topics = topics
         self.metrics = metrics
         self.log = log
@@ -393,15 +405,17 @@ class Rebuilder:
             if check_at is not None and time.monotonic() >= check_at:
                 check_at = None
                 self._check_echoes()
-            due, epoch = self.state.take()
+            due = self.state.take()
             try:
                 for held in due:
                     await bus.put_retained(held.topic, held.data)
                     self.metrics.count_restored(held.ref.kind)
                     self.log.info("rebuild.restored", topic=held.topic, generation=held.generation)
-                if epoch is not None:
-                    await bus.put_retained(self.topics.epoch(), encode(epoch))
-                    self.log.info("rebuild.epoch_written", epoch=epoch.epoch)
+                if self.state.epoch_due is not None:
+                    await asyncio.sleep(EPOCH_JITTER_S * self.rand())
+                    if (epoch := self.state.take_epoch()) is not None:
+                        await bus.put_retained(self.topics.epoch(), encode(epoch))
+                        self.log.info("rebuild.epoch_written", epoch=epoch.epoch)
             except BusError as exc:
                 # The link went: the next one judges its own snapshot again.
                 self.log.warning("rebuild.publish_failed", error=str(exc))

@@ -82,9 +82,9 @@ def link(r: Rebuild, *snapshot: Received | Deleted, v5: bool = True) -> Outcome:
 
 def settle(r: Rebuild) -> None:
     """Publish what is due and let every echo come back, as a healthy broker does."""
-    due, new = r.take()
-    for h in due:
+    for h in r.take():
         r.apply(Received(h.topic, h.ref, h.payload, retained=False, data=h.data), 0.0)
+    new = r.take_epoch()
     if new is not None:
         r.apply(epoch(new.epoch, retained=False), 0.0)
 
@@ -180,10 +180,23 @@ def test_an_empty_broker_gets_the_exact_bytes_back_and_then_an_epoch() -> None:
     assert r.epoch == "e1"
     again = link(r)
     assert again.verdict is Verdict.LOST
-    due, new = r.take()
+    due, new = r.take(), r.take_epoch()
     assert [(h.topic, h.data) for h in due] == [(a.topic, a.data), (w.topic, w.data)]
     assert new is not None
     assert (new.epoch, new.node) == ("e100", NODE)
+
+
+def test_an_epoch_written_by_another_agent_first_stands() -> None:
+    """A fleet reconnects at once: an agent whose epoch is still due when another agent's
+    comes writes none, and takes that one as the broker's."""
+    r = rebuild()
+    link(r, epoch("e1"), spec(3))
+    link(r)
+    assert r.epoch_due is not None
+    r.apply(epoch("e2", retained=False), 0.0)
+    assert r.take_epoch() is None
+    settle(r)
+    assert r.epoch == "e2"
 
 
 def test_unknown_fields_of_a_newer_writer_come_back_too() -> None:
@@ -192,7 +205,7 @@ def test_unknown_fields_of_a_newer_writer_come_back_too() -> None:
     data = b'{"v":1,"domain":"d1","generation":4,"future":{"x":1}}'
     link(r, epoch("e1"), received(T.spec("d1"), data))
     link(r)
-    due, _ = r.take()
+    due = r.take()
     assert [h.data for h in due] == [data]
 
 
@@ -202,7 +215,7 @@ def test_a_record_deleted_while_the_link_was_up_never_comes_back() -> None:
     link(r, epoch("e1"), spec(3), workload(2))
     r.apply(deleted(T.workload("d1", "job-a")), 0.0)
     link(r)
-    due, _ = r.take()
+    due = r.take()
     assert [h.topic for h in due] == [T.spec("d1")]
 
 
@@ -213,9 +226,9 @@ def test_a_record_deleted_while_away_from_a_kept_broker_is_taken_in() -> None:
     link(r, epoch("e1"), spec(3), workload(2))
     outcome = link(r, epoch("e1"), workload(2))
     assert [h.topic for h in outcome.gone] == [T.spec("d1")]
-    assert r.take() == ([], None)
+    assert (r.take(), r.take_epoch()) == ([], None)
     link(r)
-    due, _ = r.take()
+    due = r.take()
     assert [h.topic for h in due] == [T.workload("d1", "job-a")]
 
 
@@ -224,7 +237,7 @@ def test_a_deleting_spec_comes_back_as_it_is_and_a_claim_not_at_all() -> None:
     r = rebuild()
     link(r, epoch("e1"), spec(3, state="deleting"), workload(2, state="claiming"))
     link(r)
-    due, _ = r.take()
+    due = r.take()
     assert [(h.topic, h.payload.state) for h in due] == [(T.spec("d1"), "deleting")]  # type: ignore[union-attr]
 
 
@@ -264,7 +277,7 @@ def test_an_mqtt_311_link_restores_nothing_and_writes_no_epoch() -> None:
     link(r, epoch("e1"), spec(3), v5=False)
     outcome = link(r, v5=False)
     assert outcome.verdict is Verdict.UNKNOWN
-    assert r.take() == ([], None)
+    assert (r.take(), r.take_epoch()) == ([], None)
 
 
 def test_a_domain_left_is_forgotten_and_an_assignment_of_another_node_never_held() -> None:
@@ -275,7 +288,7 @@ def test_a_domain_left_is_forgotten_and_an_assignment_of_another_node_never_held
     link(r, epoch("e1"), spec(3), spec(1, domain="d2"), own, other)
     r.follow("d2")
     link(r)
-    due, _ = r.take()
+    due = r.take()
     assert sorted(h.topic for h in due) == sorted([T.spec("d2"), T.assignment(NODE)])
 
 
@@ -316,7 +329,7 @@ def test_nothing_deleted_comes_back_and_nothing_is_invented(
         elif kind == "delete":
             r.apply(deleted(str(a), retained=bool(b)), 0.0)
             last[str(a)] = b""
-        due, _ = r.take()
+        due = r.take()
         for h in due:
             assert h.data in seen
             assert last.get(h.topic) != b"", f"{h.topic} was deleted, then restored"
