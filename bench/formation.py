@@ -1689,6 +1689,14 @@ class Run:
             + " (each a process started at once after the restart, Python start-up included)",
         )
         self.refresh()
+        ups = [s.at - t0 for s in self.capture.events("bus_connected", after=t0, before=t_end)]
+        lost_at = [s.at - t0 for s in self.capture.events("rebuild.broker_lost_state", after=t0)]
+        r.add(
+            "rebuild: empty broker start -> last agent connected",
+            max(ups) if ups else None,
+            note=f"first {min(ups, default=0.0):.3f} s; each agent's snapshot judged (broker "
+            f"lost) {_spread(lost_at)}",
+        )
         back: dict[str, float] = {}
         for seen in self.capture.events("rebuild.restored", after=t0, before=t_end):
             topic = str(seen.fields.get("topic"))
