@@ -85,6 +85,9 @@ EPOCH_JITTER_S: Final = 1.0
 """An agent that finds no epoch waits up to this long (uniform) before it writes one, and
 writes none if another agent's came meanwhile: a fleet that reconnects at once writes a
 few epochs, not one per node (each of which every node would receive)."""
+PUBLISH_LIMIT_S: Final = 30.0
+"""How long one round of restores may keep the task's heartbeat alive (each publish is
+bounded by the MQTT client's own timeout)."""
 ECHO_WAIT_S: Final = 5.0
 """How long a restored record may take to come back before it counts as refused (the
 broker's ACL does not give agents the rebuild grants)."""
@@ -405,22 +408,26 @@ class Rebuilder:
             if check_at is not None and time.monotonic() >= check_at:
                 check_at = None
                 self._check_echoes()
-            due = self.state.take()
-            try:
-                for held in due:
-                    await bus.put_retained(held.topic, held.data)
-                    self.metrics.count_restored(held.ref.kind)
-                    self.log.info("rebuild.restored", topic=held.topic, generation=held.generation)
-                if self.state.epoch_due is not None:
-                    await asyncio.sleep(EPOCH_JITTER_S * self.rand())
-                    if (epoch := self.state.take_epoch()) is not None:
-                        await bus.put_retained(self.topics.epoch(), encode(epoch))
-                        self.log.info("rebuild.epoch_written", epoch=epoch.epoch)
-            except BusError as exc:
-                # The link went: the next one judges its own snapshot again.
-                self.log.warning("rebuild.publish_failed", error=str(exc))
-            if due:
+            if due := self.state.take():
                 check_at = time.monotonic() + ECHO_WAIT_S
+            if due or self.state.epoch_due is not None:
+                await guard.beating(TASK, self._publish(bus, due), limit=PUBLISH_LIMIT_S)
+
+    async def _publish(self, bus: Publisher, due: list[Held]) -> None:
+        """The restores, then (after a jittered wait) the new epoch if none came meanwhile."""
+        try:
+            for held in due:
+                await bus.put_retained(held.topic, held.data)
+                self.metrics.count_restored(held.ref.kind)
+                self.log.info("rebuild.restored", topic=held.topic, generation=held.generation)
+            if self.state.epoch_due is not None:
+                await asyncio.sleep(EPOCH_JITTER_S * self.rand())
+                if (epoch := self.state.take_epoch()) is not None:
+                    await bus.put_retained(self.topics.epoch(), encode(epoch))
+                    self.log.info("rebuild.epoch_written", epoch=epoch.epoch)
+        except BusError as exc:
+            # The link went: the next one judges its own snapshot again.
+            self.log.warning("rebuild.publish_failed", error=str(exc))
 
     def _check_echoes(self) -> None:
         if missing := sorted(self.state.awaiting):
