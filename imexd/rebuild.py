@@ -30,6 +30,9 @@ Rules of what comes back:
   record that comes back older than one we restored on this link is published again, so
   the newest generation wins;
 - a record deleted while our link was up is forgotten at once, so it never comes back;
+- the new link's epoch becomes the one "previous" means only once this link's restores
+  came back: a link lost before that finds the broker lost again, and restores again,
+  instead of reading our own unrestored records as deleted;
 - a spec in state `deleting` comes back as it is: it only keeps nodes out of the domain,
   never brings it up, and `imexd domain delete` run again finishes the job;
 - a workload in state `claiming` is not kept: it belongs to a control-plane command in
