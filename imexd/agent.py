@@ -19,6 +19,8 @@ heartbeat that /healthz watches:
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
+- `rebuild`: gives a broker that lost its retained state back the spec, workloads and
+  assignment this node follows (imexd.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -56,6 +58,7 @@ from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.pacer import Pacer
 from imexd.probe import Prober
+from imexd.rebuild import Rebuilder
 from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
@@ -148,6 +151,7 @@ class Agent:
         no report follows a clear."""
         self.bus_facts = BusFacts()
         self.channels = ChannelKeeper.from_settings(settings, on_change=self.changed.set)
+        self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class Agent:
             await stack.enter_async_context(supervisor)
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
+            await bus.subscribe(self.topics.epoch())  # imexd.rebuild
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node))
             if self._target() is not None:
@@ -201,6 +206,7 @@ class Agent:
                         guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon_probes
                         guard.start(tasks, "report", self._report_loop),
                         guard.start(tasks, "channels", lambda: self.channels.run(guard)),
+                        guard.start(tasks, "rebuild", lambda: self.rebuild.run(bus, guard)),
                         guard.start(tasks, "watchdog", self._watchdog_loop),
                     ]
                     if s.node.clique == "auto":
@@ -296,6 +302,9 @@ class Agent:
                     await asyncio.Event().wait()  # the bus closed: shutting down
 
     def _on_event(self, event: Event, bus: Bus) -> None:
+        # What a new link's rebuild decided counts as part of its snapshot, before Synced.
+        for found in self.rebuild.on_event(event):
+            self._on_event(found, bus)
         shard = self.shard
         identity = shard.apply(event, time.monotonic())
         if identity is Identity.ASIDE:
@@ -386,6 +395,7 @@ class Agent:
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
         await self.channels.follow(self._parts()[0], self._wanted_domain, self.clique)
+        self.rebuild.follow(self._wanted_domain)
         target = self._target()
         shard = self.shard
         if target == shard.current:

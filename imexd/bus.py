@@ -876,6 +876,20 @@ class Bus:
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from exc
 
+    async def put_retained(self, topic: str, data: bytes) -> None:
+        """Publish `data` retained (QoS 1) once, and never again on a reconnect: a record
+        written by someone else that the agent gives back to a broker that lost it
+        (imexd.rebuild). Replaying it would undo a later deletion. BusError when it cannot
+        be sent."""
+        _check_topic_name(topic)
+        client = self._client
+        if client is None:
+            raise BusError(f"cannot publish to {topic}: not connected to a broker")
+        try:
+            await client.publish(topic, data, qos=QOS, retain=True)
+        except BusError as exc:
+            raise BusError(f"cannot publish to {topic}: {exc}") from exc
+
     async def barrier(self) -> bool:
         """One round trip through the broker on the current link; True when it came back.
 

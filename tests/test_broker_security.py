@@ -350,20 +350,35 @@ async def test_a_node_writes_only_its_own_presence_and_the_control_plane_reads_i
     assert await retained(broker, T.presence("n1"), name="n2") is None
 
 
-async def test_a_node_cannot_write_specs_or_assignments(broker: ShippedBroker) -> None:
-    """Specs and assignments written by a node are dropped; the control plane's stand."""
+async def test_a_node_cannot_write_another_nodes_assignment(broker: ShippedBroker) -> None:
+    """A node's forgery of a peer's assignment is dropped; the control plane's stands."""
     async with client(broker, CONTROL_USER) as control:
-        await publish(control, T.spec(DOMAIN), b"control-spec")
-        await publish(control, T.assignment("n1"), b"control-n1")
+        await publish(control, T.assignment("n2"), b"control-n2")
     async with client(broker, "n1") as n1:
-        await publish(n1, T.spec(DOMAIN), b"forged-by-n1")
-        await publish(n1, T.spec("other"), b"forged-by-n1")
-        await publish(n1, T.assignment("n1"), b"forged-by-n1")
         await publish(n1, T.assignment("n2"), b"forged-by-n1")
-    assert await retained(broker, T.spec(DOMAIN)) == b"control-spec"
-    assert await retained(broker, T.spec("other")) is None
-    assert await retained(broker, T.assignment("n1")) == b"control-n1"
-    assert await retained(broker, T.assignment("n2")) is None
+        await publish(n1, T.assignment("n3"), b"forged-by-n1")
+    assert await retained(broker, T.assignment("n2")) == b"control-n2"
+    assert await retained(broker, T.assignment("n3")) is None
+
+
+async def test_a_node_gives_an_empty_broker_back_what_it_follows(broker: ShippedBroker) -> None:
+    """The rebuild grants (imexd.rebuild): a node writes a spec, a workload record, its own
+    assignment and the broker epoch, and everyone reads the epoch; nothing else of the
+    control plane's, and no peer's topic, opens up with them."""
+    workload = T.workload(DOMAIN, "job-a")
+    async with client(broker, "n1") as n1:
+        await publish(n1, T.spec(DOMAIN), b"restored-spec")
+        await publish(n1, workload, b"restored-workload")
+        await publish(n1, T.assignment("n1"), b"restored-assignment")
+        await publish(n1, T.epoch(), b"epoch-by-n1")
+        await publish(n1, T.health(DOMAIN, "n2"), b"forged-by-n1")
+        await publish(n1, T.presence("n2"), b"forged-by-n1")
+    assert await retained(broker, T.spec(DOMAIN)) == b"restored-spec"
+    assert await retained(broker, workload) == b"restored-workload"
+    assert await retained(broker, T.assignment("n1"), name="n1") == b"restored-assignment"
+    assert await retained(broker, T.epoch(), name="n2") == b"epoch-by-n1"
+    assert await retained(broker, T.health(DOMAIN, "n2")) is None
+    assert await retained(broker, T.presence("n2")) is None
 
 
 async def test_the_control_plane_writes_specs_and_assignments_nodes_read_their_own(
