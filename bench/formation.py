@@ -3,6 +3,7 @@
     .venv/bin/python bench/formation.py --nodes 4,18,72
     .venv/bin/python bench/formation.py --quick
     .venv/bin/python bench/formation.py --nodes 8 --agents process --phases jobstart
+    .venv/bin/python bench/formation.py --nodes 18 --phases rebuild
 
 For each N the script starts its own Mosquitto on a free loopback port, then runs N
 agents *in this process* (N `Agent(settings).run()` coroutines in one event loop, each with
@@ -54,6 +55,16 @@ the channel ready) and `imexd workload delete JOB --domain D --wait 30` until it
 `imexd --version` for the interpreter's share. Reported: median (min, max) over
 `--job-rounds`.
 
+Rebuild (`--phases rebuild`, its own run with its own broker): N agents in assigned
+mode in two domains of N/2 (`imexd domain create --nodes`), with one workload each
+(`imexd workload create --wait`); once everything is UP and quiet, the broker (no
+persistence) is stopped and started again, empty, on its address. Measured from its start
+until `imexd domain status --wait` of both domains and `imexd workload status --wait` of
+both workloads, all four started at once right after the restart, have exited 0 (each
+one's time, and the slowest: nobody runs `create` again); the records the agents
+restored (imexd.rebuild), the agents that found the broker lost, and the daemons started
+or restarted meanwhile (must be 0).
+
 Agents as processes (`--agents process`): every agent is its own `imexd run` process with
 its own settings file and JSON log, on the fast timings of `imexd.demo.timings` (or the
 shipped ones with `--timings shipped`), since in one process N agents share one event
@@ -103,6 +114,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
@@ -161,6 +173,9 @@ CAPTURED: Final = frozenset(
         "daemon.reload",
         "daemon.adopted",
         "membership.step",
+        "rebuild.broker_lost_state",
+        "rebuild.restored",
+        "rebuild.epoch_written",
     }
 )
 
@@ -1677,6 +1692,125 @@ class Run:
         )
         return self.result
 
+    async def execute_rebuild(self) -> Result:
+        """Two domains with a workload each; the broker restarted empty: until the control
+        plane sees both UP and both workloads ready again (the docstring's rebuild)."""
+        await self._start(assigned=True)
+        for node in self.nodes:
+            node.start()
+        if await self.wait_ready(self.nodes, 60 + 2 * self.n, "idle agents") is None:
+            raise BenchError("rebuild: the idle agents never became ready")
+        env = self.control_env()
+        wait = f"{self.opts.job_wait_s:g}"
+        half = self.n // 2
+        domains = {"rebuild-a": self.nodes[:half], "rebuild-b": self.nodes[half:]}
+        setup: list[list[str]] = []
+        for domain, nodes in domains.items():
+            names = ",".join(n.name for n in nodes)
+            setup += [
+                [str(IMEXD), "domain", "create", domain, "--nodes", names],
+                [str(IMEXD), "domain", "status", domain, "--wait", wait],
+                [
+                    str(IMEXD),
+                    "workload",
+                    "create",
+                    f"{domain}-job",
+                    "--domain",
+                    domain,
+                    "--wait",
+                    wait,
+                ],
+            ]
+        for command in setup:
+            code, out = await run_command(command, env, self.opts.job_wait_s + 30)
+            if code != 0:
+                raise BenchError(f"rebuild: {shlex.join(command[1:4])} exited {code}: {out[-300:]}")
+        await self.quiesce()
+        # The monitor's link ends with the broker (the figures come from the agents' logs).
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._monitor_task
+            self._monitor_task = None
+        self.broker.stop()
+        self.broker.start()
+        t0 = time.monotonic()
+        checks = [[str(IMEXD), "domain", "status", d, "--wait", wait] for d in domains]
+        checks += [[str(IMEXD), "workload", "status", f"{d}-job", "--wait", wait] for d in domains]
+
+        async def timed(command: list[str]) -> tuple[list[str], int, str, float]:
+            # `workload status` exits 1 at once while its record is not back: rerun it.
+            while True:
+                code, out = await run_command(command, env, self.opts.job_wait_s + 30)
+                at = time.monotonic() - t0
+                if code == 0 or at > self.opts.job_wait_s:
+                    return command, code, out, at
+
+        done = await asyncio.gather(*(timed(c) for c in checks))
+        t_end = time.monotonic()
+        self._rebuild_figures(done, t0, t_end)
+        return self.result
+
+    def _rebuild_figures(
+        self, done: Sequence[tuple[list[str], int, str, float]], t0: float, t_end: float
+    ) -> None:
+        r = self.result
+        failed = [f"{shlex.join(c[1:4])}: exit {code}" for c, code, _, _ in done if code != 0]
+        r.add(
+            "rebuild: empty broker start -> every domain UP, every workload ready",
+            max(at for *_, at in done),
+            ok=not failed,
+            target="every check exits 0",
+            note="; ".join(f"{c[1]} {c[3]} {at:.3f} s" for c, _, _, at in done)
+            + (f"; FAILED: {failed}" if failed else "")
+            + " (each a process started at once after the restart, Python start-up included)",
+        )
+        self.refresh()
+        ups = [s.at - t0 for s in self.capture.events("bus_connected", after=t0, before=t_end)]
+        lost_at = [s.at - t0 for s in self.capture.events("rebuild.broker_lost_state", after=t0)]
+        r.add(
+            "rebuild: empty broker start -> last agent connected",
+            max(ups) if ups else None,
+            note=f"first {min(ups, default=0.0):.3f} s; each agent's snapshot judged (broker "
+            f"lost) {_spread(lost_at)}",
+        )
+        back: dict[str, float] = {}
+        for seen in self.capture.events("rebuild.restored", after=t0, before=t_end):
+            topic = str(seen.fields.get("topic"))
+            if topic.endswith("/spec"):
+                back.setdefault(topic.split("/")[-2], seen.at - t0)
+        r.add(
+            "rebuild: empty broker start -> both specs restored",
+            max(back.values()) if len(back) == 2 else None,
+            note=f"{ {d: round(at, 3) for d, at in sorted(back.items())} } (the first agent's "
+            "publish of each, acknowledged by the broker)",
+        )
+        restored = self.capture.events("rebuild.restored", after=t0, before=t_end)
+        lost = {s.node for s in self.capture.events("rebuild.broker_lost_state", after=t0)}
+        epochs = self.capture.events("rebuild.epoch_written", after=t0, before=t_end)
+        r.add(
+            "rebuild: records restored (all agents)",
+            len(restored),
+            "count",
+            note=f"{len({s.fields.get('topic') for s in restored})} distinct topics; "
+            f"{len(lost)} of {self.n} agents found the broker lost; "
+            f"{len(epochs)} epoch(s) written",
+        )
+        if self.daemons:
+            starts = sum(n.daemon_starts(t0, t_end) for n in self.nodes)
+            r.add(
+                "rebuild: daemons started or restarted",
+                starts,
+                "count",
+                target="0",
+                ok=starts == 0,
+            )
+            r.add(
+                "rebuild: SIGUSR1 sent (all nodes)",
+                sum(self.reloads(t0, t_end).values()),
+                "count",
+            )
+
     def _job_figures(self, rounds: Mapping[str, list[JobRound]]) -> None:
         r = self.result
         target = JOB_START_TARGET_S if self.n == JOB_START_TARGET_N else None
@@ -1898,9 +2032,11 @@ def machine() -> str:
 def describe_run(daemons: bool, agents: str, kind: str) -> str:
     mode = "simulated daemons" if daemons else 'no daemons (clique "")'
     who = "agents as `imexd run` processes" if agents == "process" else "agents in process"
-    what = {"jobstart": "job start", "shared": "shared-domain workloads"}.get(
-        kind, "formation, leave, join, idle, crash"
-    )
+    what = {
+        "jobstart": "job start",
+        "shared": "shared-domain workloads",
+        "rebuild": "an empty broker rebuilt",
+    }.get(kind, "formation, leave, join, idle, crash")
     return f"{mode}, {who}: {what}"
 
 
@@ -2004,6 +2140,8 @@ async def one_run(
             await run.execute_job_start()
         elif kind == "shared":
             await run.execute_shared()
+        elif kind == "rebuild":
+            await run.execute_rebuild()
         else:
             await run.execute()
     except (BenchError, TimeoutError) as exc:
@@ -2075,7 +2213,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "--phases",
         default="domain,jobstart",
         help="comma-separated: domain (formation, leave, join, idle, crash), jobstart, "
-        "shared (workload create and delete on a formed domain) (default domain,jobstart)",
+        "shared (workload create and delete on a formed domain), rebuild "
+        "(default domain,jobstart)",
     )
     parser.add_argument("--job-rounds", type=int, default=3, help="job start rounds per form (3)")
     parser.add_argument(
@@ -2102,8 +2241,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         parser.error("--group-size: expected 2..max_nodes")
     daemons = {"sim": (True,), "none": (False,), "both": (True, False)}[args.daemons]
     phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
-    if not phases or set(phases) - {"domain", "jobstart", "shared"}:
-        parser.error(f"--phases {args.phases!r}: expected domain, jobstart, shared")
+    if not phases or set(phases) - {"domain", "jobstart", "shared", "rebuild"}:
+        parser.error(f"--phases {args.phases!r}: expected domain, jobstart, shared, rebuild")
     timings = args.timings or ("fast" if args.agents == "process" else "shipped")
     return Options(
         nodes=nodes,

@@ -5,6 +5,7 @@ a three-server NATS cluster.
     .venv/bin/python bench/scale.py --nodes 1024 --cliques 57 --broker nats-cluster
     .venv/bin/python bench/scale.py --nodes 64 --cliques 4 --workers 2   # a quick look
     .venv/bin/python bench/scale.py --nodes 256 --cliques 16 --profile   # where CPU goes
+    .venv/bin/python bench/scale.py --nodes 256 --cliques 16 --rebuild   # an empty broker
 
 bench/formation.py times a few dozen agents with their (simulated) IMEX daemons; this
 script asks what the bus and membership do with a fleet: N agents in C cliques, the
@@ -43,6 +44,13 @@ Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden
    0 agree with it (from its start, and from its first link up).
 5. crash: SIGKILL of the victim's process (its link dies without DISCONNECT): until the
    rest of clique 0 agree without it; the Will Delay is part of this by design.
+With `--rebuild` (Mosquitto only) phases 3 to 5 are replaced by: a DomainSpec and one
+WorkloadRecord per domain written as the control plane would (generation 1); once the
+agents hold them, the broker (no persistence) is stopped and started again, empty, on its
+port. Measured from its start until a subscriber of the bench has every spec and workload
+back (imexd.rebuild: the agents give back what they follow), and until every agent's
+`rebuild.broker_lost_state` (from the workers' logs); the agents' settled views must not
+change meanwhile (their hosts files would be rewritten: there are no daemons to restart).
 In phases 3 to 5 every agent of the other cliques must receive no member record: the
 count of member records each agent received per (domain) is kept by a subclass of the
 agent's Bus (`CountingBus`, put in place of `imexd.agent.Bus` in the workers), so
@@ -63,6 +71,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import datetime as dt
 import json
 import logging
 import os
@@ -81,6 +90,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+import aiomqtt
 import psutil
 import structlog
 
@@ -89,7 +99,7 @@ from imexd.agent import Agent
 from imexd.bus import Bus
 from imexd.demo.brokers import Mosquitto, Nats, NatsCluster
 from imexd.demo.nodes import fake_driver
-from imexd.messages import Payload, Topics
+from imexd.messages import DomainSpec, Payload, Topics, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 
 SCRIPT: Final = Path(__file__).resolve()
@@ -169,10 +179,15 @@ class CountingBus(Bus):
         """Records it set or cleared, by topic (a claim, a member record, a report...)."""
 
     async def retain(
-        self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
+        self,
+        topic: str,
+        payload: Payload | None,
+        *,
+        message_expiry_s: float | None = None,
+        replay: bool = True,
     ) -> None:
         self.retained[topic] += 1
-        await super().retain(topic, payload, message_expiry_s=message_expiry_s)
+        await super().retain(topic, payload, message_expiry_s=message_expiry_s, replay=replay)
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         self.received[topic] += 1
@@ -518,6 +533,8 @@ class BrokerUnderTest:
     protocol: str
     processes: Callable[[], list[psutil.Process]]
     stop: Callable[[], None]
+    restart: Callable[[], None] | None = None
+    """Stop and start it again on its port, empty (Mosquitto without persistence)."""
 
 
 def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
@@ -530,7 +547,13 @@ def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
         def mosquitto_procs() -> list[psutil.Process]:
             return [psutil.Process(mosquitto.proc.pid)] if mosquitto.proc is not None else []
 
-        return BrokerUnderTest(kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop)
+        def mosquitto_restart() -> None:
+            mosquitto.stop()
+            mosquitto.start()
+
+        return BrokerUnderTest(
+            kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop, mosquitto_restart
+        )
     if kind == "nats":
         single = Nats(folder)
         single.start()
@@ -595,6 +618,7 @@ class Options:
     json_out: Path | None
     profile: bool = False
     ramp_s: float = 0.0
+    rebuild: bool = False
 
 
 def processes_cpu(procs: Iterable[psutil.Process]) -> float:
@@ -1076,6 +1100,9 @@ class Bench:
         await self.setup()
         await self.formation()
         await self.idle()
+        if self.opts.rebuild:
+            await self.rebuild()
+            return
         if self.agreed(self.c0) is None:
             for phase in ("leave", "join", "crash"):
                 self.add(f"{phase}: not run", None, ok=False, note="clique 0 never agreed")
@@ -1083,6 +1110,82 @@ class Bench:
         await self.leave()
         await self.join()
         await self.crash()
+
+    async def rebuild(self) -> None:
+        """An empty broker on the same port: until every spec and workload is back."""
+        assert self.broker is not None
+        if self.broker.restart is None:
+            raise BenchError("--rebuild: only a Mosquitto can be restarted empty")
+        topics = Topics(PREFIX)
+        domains = sorted({p.domain for p in self.plan})
+        wanted = {topics.spec(d) for d in domains} | {topics.workload(d, "job") for d in domains}
+        port = int(self.broker.urls[0].rsplit(":", 1)[1])
+        async with aiomqtt.Client("127.0.0.1", port, identifier="imexd-bench-control") as c:
+            for d in domains:
+                spec = DomainSpec(domain=d, max_nodes=MAX_NODES, generation=1)
+                job = WorkloadRecord(workload="job", domain=d, channel=1, generation=1)
+                await c.publish(topics.spec(d), encode(spec), qos=1, retain=True)
+                await c.publish(topics.workload(d, "job"), encode(job), qos=1, retain=True)
+        await asyncio.sleep(2.0)  # every agent got them live (milliseconds)
+        views = dict(self.views)
+        await asyncio.to_thread(self.broker.restart)
+        t0 = time.monotonic()
+        wall0 = time.time()
+        back: dict[str, float] = {}
+        deadline = t0 + 60.0
+        while len(back) < len(wanted) and time.monotonic() < deadline:
+            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+                async with aiomqtt.Client("127.0.0.1", port, identifier="imexd-bench-watch") as c:
+                    await c.subscribe(f"{PREFIX}/domains/+/spec")
+                    await c.subscribe(f"{PREFIX}/domains/+/workloads/+")
+                    async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                        async for message in c.messages:
+                            if message.payload and message.topic.value in wanted:
+                                back.setdefault(message.topic.value, time.monotonic() - t0)
+                            if len(back) == len(wanted):
+                                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # late view changes, if any
+        self.add(
+            "rebuild: empty broker start -> every spec and workload back",
+            max(back.values()) if len(back) == len(wanted) else None,
+            ok=len(back) == len(wanted),
+            note=f"{len(back)} of {len(wanted)} records ({len(domains)} domains) at the "
+            f"bench's subscriber; first {min(back.values(), default=0.0):.3f} s",
+        )
+        moved = sorted(n for n, (at, _) in self.views.items() if views.get(n, (at,))[0] != at)
+        churn = sorted(
+            n for n, (_, view) in self.views.items() if views.get(n, (0, view))[1] != view
+        )
+        self.add(
+            "rebuild: agents whose settled view differs after it",
+            len(churn),
+            "count",
+            target="0",
+            ok=not churn,
+            note=f"{', '.join(churn[:5])}; {len(moved)} agents' views moved and came back "
+            "(the wills Mosquitto publishes as it shuts down, taken back as the link drops: "
+            "a daemon's files wait for a proven link, imexd.agent)",
+        )
+        lost: list[float] = []
+        restored = 0
+        for w in self.all_workers():
+            for line in (self.root / f"worker{w.index}.log").read_text().splitlines():
+                if '"rebuild.' not in line:
+                    continue
+                with contextlib.suppress(ValueError, KeyError):
+                    event = json.loads(line)
+                    if event["event"] == "rebuild.restored":
+                        restored += 1
+                    elif event["event"] == "rebuild.broker_lost_state":
+                        at = dt.datetime.fromisoformat(str(event["timestamp"])).timestamp()
+                        lost.append(at - wall0)
+        self.add(
+            "rebuild: empty broker start -> last agent found it lost",
+            max(lost) if lost else None,
+            note=f"{len(lost)} of {len(self.plan)} agents; first {min(lost, default=0.0):.3f} s; "
+            f"{restored} records restored in all",
+        )
 
     async def close(self) -> None:
         for w in self.all_workers():
@@ -1184,6 +1287,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the work folder")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="after formation: restart the broker empty instead of leave, join and crash",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="cProfile each worker from start to formed + 1 s: workerN.prof in the kept "
@@ -1214,6 +1322,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         json_out=args.json,
         profile=args.profile,
         ramp_s=args.ramp_s,
+        rebuild=args.rebuild,
     )
 
 

@@ -19,6 +19,8 @@ heartbeat that /healthz watches:
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
+- `rebuild`: gives a broker that lost its retained state back the spec, workloads and
+  assignment this node follows (imexd.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -56,6 +58,7 @@ from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.pacer import Pacer
 from imexd.probe import Prober
+from imexd.rebuild import Rebuilder
 from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
@@ -70,6 +73,11 @@ DISCOVERY_RETRY_S: Final = 30.0
 """Retry delay after a failed discovery (shorter than discover_interval_s)."""
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
+UNSUPERVISED_SURVEY_S: Final = 5.0
+"""While the agent stands aside, it looks this often for a daemon of its config that runs
+without it (a process survey: cheap, but not for every step)."""
+UNSUPERVISED: Final = "Unsupervised"
+"""DaemonReady's reason for such a daemon."""
 STEP_PACE_S: Final = 0.05
 """Seconds between two membership steps while records keep coming (`imexd.pacer.Pacer`):
 the first record after a quiet period is stepped at once, those within this pause after
@@ -123,6 +131,10 @@ class Agent:
         self.presence_said: tuple[int, str | None] | None = None
         self.presence_due = 0.0
         """Wall-clock time of the next presence record (also sent when `presence_said` moves)."""
+        self.unsupervised: int | None = None
+        """The pid of a daemon running our config that this agent does not supervise,
+        while it stands aside (`_survey_unsupervised`): reported as it is."""
+        self.surveyed_at = -UNSUPERVISED_SURVEY_S
         self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
         """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
@@ -139,6 +151,7 @@ class Agent:
         no report follows a clear."""
         self.bus_facts = BusFacts()
         self.channels = ChannelKeeper.from_settings(settings, on_change=self.changed.set)
+        self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -176,6 +189,7 @@ class Agent:
             await stack.enter_async_context(supervisor)
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
+            await bus.subscribe(self.topics.epoch())  # imexd.rebuild
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node))
             if self._target() is not None:
@@ -192,6 +206,7 @@ class Agent:
                         guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon_probes
                         guard.start(tasks, "report", self._report_loop),
                         guard.start(tasks, "channels", lambda: self.channels.run(guard)),
+                        guard.start(tasks, "rebuild", lambda: self.rebuild.run(bus, guard)),
                         guard.start(tasks, "watchdog", self._watchdog_loop),
                     ]
                     if s.node.clique == "auto":
@@ -287,6 +302,9 @@ class Agent:
                     await asyncio.Event().wait()  # the bus closed: shutting down
 
     def _on_event(self, event: Event, bus: Bus) -> None:
+        # What a new link's rebuild decided counts as part of its snapshot, before Synced.
+        for found in self.rebuild.on_event(event):
+            self._on_event(found, bus)
         shard = self.shard
         identity = shard.apply(event, time.monotonic())
         if identity is Identity.ASIDE:
@@ -377,6 +395,7 @@ class Agent:
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
         await self.channels.follow(self._parts()[0], self._wanted_domain, self.clique)
+        self.rebuild.follow(self._wanted_domain)
         target = self._target()
         shard = self.shard
         if target == shard.current:
@@ -425,7 +444,9 @@ class Agent:
             release=self._release_due,
         )
         if plan.hold:
-            pass  # another agent may run as this node: what runs keeps running
+            # Another agent may run as this node: what runs keeps running, and a daemon
+            # of our config that runs without us is reported as it is.
+            await self._survey_unsupervised()
         elif plan.desired is None:
             return  # no shard, or no synced snapshot yet
         elif plan.desired.cleanup:
@@ -436,16 +457,35 @@ class Agent:
             self.view_ready.set()
         self.changed.set()
 
+    async def _survey_unsupervised(self) -> None:
+        """While we stand aside, look (at most every UNSUPERVISED_SURVEY_S) for a daemon of
+        our config that runs without us, so that /status tells the truth about it."""
+        _, supervisor = self._parts()
+        now = time.monotonic()
+        if now - self.surveyed_at < UNSUPERVISED_SURVEY_S:
+            return
+        self.surveyed_at = now
+        pid = await supervisor.running_unsupervised()
+        if pid != self.unsupervised:
+            self.log.warning(
+                "daemon.unsupervised",
+                pid=pid,
+                why="this agent stands aside for another agent of this node's name and "
+                "neither adopts nor stops this daemon",
+            )
+        self.unsupervised = pid
+
     async def _claim(self, plan: Plan) -> None:
         """Publish the claim step of `plan`, keep it, and apply what should run."""
         shard = self.shard
         decision = plan.decision
         assert decision is not None  # noqa: S101 - a claim step
         assert plan.desired is not None  # noqa: S101 - a claim step
+        self.unsupervised = None
+        self.surveyed_at = -UNSUPERVISED_SURVEY_S
         if plan.outbid:
             self._save_state(replace(self.state_store.current, incarnation=shard.incarnation))
         if plan.publish:
-            shard.own_cleared = False
             await self._publish_claim(decision.claim)
         shard.commit(plan)
         if decision.settled and decision.claim.slot is not None and shard.current is not None:
@@ -496,6 +536,7 @@ class Agent:
             bus, _ = self._parts()
             async with self.report_lock:
                 if shard.published:
+                    shard.sending(None)  # the clear's echo is ours, not a record written over
                     await self._clear_records(bus, domain, clique)
             shard.left()
 
@@ -506,7 +547,9 @@ class Agent:
         domain, clique = shard.current
         record = shard.record(claim, driver=self.driver, channel_count=self.channels.count)
         shard.sending(record)  # before the publish: its echo is the claim's barrier
-        await bus.retain(self.topics.member(domain, clique, self.node), record)
+        # Not replayed by the bus on a new link: the shard judges that link's snapshot
+        # first (our slot may have been taken meanwhile) and publishes it again itself.
+        await bus.retain(self.topics.member(domain, clique, self.node), record, replay=False)
         shard.published = shard.published or record is not None
 
     def _set_desired(self, desired: Desired) -> None:
@@ -631,6 +674,13 @@ class Agent:
         domain = shard.current[0] if shard.current else None
         reason, message = status.reason or "", status.detail
         last_line = status.last_lines[-1] if status.last_lines else ""
+        state, pid = status.state.value, status.pid
+        if self.unsupervised is not None and pid is None:
+            state, pid, reason = DaemonState.RUNNING.value, self.unsupervised, UNSUPERVISED
+            message = (
+                f"pid {pid} runs this node's IMEX config, unsupervised: this agent stands "
+                "aside for another agent of this node's name and neither adopts nor stops it"
+            )
         return Facts(
             node=self.node,
             domain=None if self.desired.cleanup else domain or self._wanted_domain,
@@ -640,17 +690,19 @@ class Agent:
             incarnation=shard.incarnation,
             driver=self.driver,
             bus=self._refresh_bus_facts(self._parts()[0]),
-            membership=shard.facts(self.desired),
+            membership=shard.facts(self.desired, time.monotonic()),
             daemon=DaemonFacts(
-                state=status.state.value,
-                pid=status.pid,
+                state=state,
+                pid=pid,
                 restarts=status.restarts,
                 start_failures=status.start_failures,
                 reloads=status.reloads_sent,
                 last_exit=status.last_exit,
                 # Only problems are reasons; health names the ordinary states itself.
-                reason=reason if reason in DAEMON_PROBLEMS else "",
-                message=message if status.state is not DaemonState.RUNNING else "",
+                reason=reason if reason in DAEMON_PROBLEMS or reason == UNSUPERVISED else "",
+                message=message
+                if state != DaemonState.RUNNING.value or reason == UNSUPERVISED
+                else "",
                 last_line=last_line,
                 write_error=self._reconciler.write_error,
                 write_path=self._reconciler.write_path,

@@ -56,6 +56,9 @@ Why it is built this way:
   longer holds, both flagged retained), leaving alone topics that changed within
   `resync_quiet_s` or live during the re-read, and publishes its own records again where
   the broker lost them (`resync_corrections`, log `bus_resync_corrected`).
+- A record whose slot may have been taken while the link was down (the member record)
+  is not replayed blindly on a new link (`retain(replay=False)`): the caller judges the
+  new link's snapshot first and publishes it again, or claims again.
 - The MQTT client drops PUBACK reason codes and MQTT 3.1.1 has none, so a publish refused by
   an ACL is only visible as "our own retained record did not come back": the bus tracks
   that per topic (`refused_topics`, `Refused`).
@@ -164,7 +167,8 @@ Protocol = Literal["5", "3.1.1"]
 
 @dataclass(frozen=True, slots=True)
 class Connected:
-    """The link is up (CONNACK received); subscriptions and records are being replayed."""
+    """The link is up (CONNACK received); subscriptions and records are being replayed
+    (those of `retain(replay=False)` are left to the caller, after `Synced`)."""
 
     broker: str
     protocol: Protocol
@@ -413,6 +417,9 @@ class _Retained:
     payload: bytes
     """b"": delete the retained record once, then forget the entry."""
     expiry_s: float | None
+    replay: bool = True
+    """Published again on every new link; False: only when the caller publishes it on
+    that link (after judging its snapshot). A clear is always replayed."""
 
 
 class EventStream:
@@ -664,6 +671,8 @@ class Bus:
         self._live_topics: set[str] = set()
         """Topics that got a live message on this link since a filter covering them was
         last subscribed: a retained copy of one of them arriving now is stale."""
+        self._put_on_link: set[str] = set()
+        """Topics of our records published on this link (see `_Retained.replay`)."""
         self._known: dict[str, tuple[bytes, float]] = {}
         """Per topic, the payload we delivered last on this link (b"": deleted) and
         time.monotonic() then: what a re-read compares the broker's snapshot with."""
@@ -813,7 +822,12 @@ class Bus:
                 self._declare_dead(client, f"unsubscribe failed: {exc}")
 
     async def retain(
-        self, topic: str, payload: Payload | None, *, message_expiry_s: float | None = None
+        self,
+        topic: str,
+        payload: Payload | None,
+        *,
+        message_expiry_s: float | None = None,
+        replay: bool = True,
     ) -> None:
         """Set (or with None: clear) our retained record on `topic`.
 
@@ -822,9 +836,15 @@ class Bus:
         publishes an empty retained payload once (deleting the record on the broker) and
         then forgets the topic. Returns once the broker acknowledged it, or at once when
         no link is up (it is then published on the next connect).
+
+        `replay=False`: the record is not published again on a new link by the bus; the
+        caller publishes it there itself once it judged that link's snapshot (a member
+        record whose slot may have been taken while the link was down). It still counts
+        as ours for the retained check, from its first publication on a link.
         """
         _check_topic_name(topic)
-        entry = _Retained(b"" if payload is None else encode(payload), message_expiry_s)
+        data = b"" if payload is None else encode(payload)
+        entry = _Retained(data, message_expiry_s, replay=replay or not data)
         async with self._lock:
             self._retained[topic] = entry
             live = self._live()
@@ -853,6 +873,20 @@ class Bus:
             raise BusError(f"cannot publish to {topic}: not connected to a broker")
         try:
             await client.publish(topic, encode(payload), qos=qos, expiry_s=message_expiry_s)
+        except BusError as exc:
+            raise BusError(f"cannot publish to {topic}: {exc}") from exc
+
+    async def put_retained(self, topic: str, data: bytes) -> None:
+        """Publish `data` retained (QoS 1) once, and never again on a reconnect: a record
+        written by someone else that the agent gives back to a broker that lost it
+        (imexd.rebuild). Replaying it would undo a later deletion. BusError when it cannot
+        be sent."""
+        _check_topic_name(topic)
+        client = self._client
+        if client is None:
+            raise BusError(f"cannot publish to {topic}: not connected to a broker")
+        try:
+            await client.publish(topic, data, qos=QOS, retain=True)
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from exc
 
@@ -1075,7 +1109,8 @@ class Bus:
                     await self._forget_filters(client)
                     await self._subscribe(client, [self._ping_topic, *self._filters])
                     for topic, entry in list(self._retained.items()):
-                        await self._put_retained(client, topic, entry)
+                        if entry.replay:
+                            await self._put_retained(client, topic, entry)
                 await self._settle(client, leave)
             checked = False
             next_ping = time.monotonic() + self._ping_interval_s
@@ -1178,6 +1213,8 @@ class Bus:
         will = self._will
         if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
             return None
+        if not self._retained[will.topic].replay and will.topic not in self._put_on_link:
+            return None  # the caller publishes it on this link after Synced
         for topic_filter in self._filters:
             if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
                 levels = will.topic.split("/")
@@ -1306,7 +1343,9 @@ class Bus:
         self, client: Client, filters: list[str], snapshot: dict[str, bytes], started: float
     ) -> None:
         """Emit what the fresh `snapshot` of `filters` says differently from what we
-        delivered; publish our own records again where the broker's copy is not ours.
+        delivered; publish our own records again where the broker's copy is not ours
+        (those the caller publishes itself, `retain(replay=False)`, come out as any
+        other record: the caller puts its own back).
 
         Left alone: topics with a live message during the re-read (it is newer) and
         topics whose record changed within `resync_quiet_s` before it (the snapshot may
@@ -1341,7 +1380,7 @@ class Bus:
             if at >= quiet_from:
                 continue
             ours = self._retained.get(topic)
-            if ours is not None and ours.payload:
+            if ours is not None and ours.payload and ours.replay:
                 if fresh != ours.payload:
                     corrected.append(topic)
                     await self._put_retained(client, topic, ours)
@@ -1376,14 +1415,9 @@ class Bus:
         self._live_topics = {
             t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
         }
-        # The ping topic at QoS 0: only this agent reads it, a lost echo costs a reconnect,
-        # and a clustered NATS serves QoS 0 with a plain subscription, where QoS 1 needs a
-        # JetStream consumer that it refuses for tens of seconds after a server died.
-        pinged = [f for f in wanted if f == self._ping_topic]
-        rest = [f for f in wanted if f != self._ping_topic]
-        answers = dict(zip(rest, await client.subscribe(rest), strict=True)) if rest else {}
-        if pinged:
-            answers.update(zip(pinged, await client.subscribe(pinged, qos=0), strict=True))
+        answers = dict(zip(wanted, await client.subscribe(wanted), strict=True))
+        if answers.get(self._ping_topic) is not None:
+            answers[self._ping_topic] = await self._ping_at_qos0(client)
         refusals = [answers[f] for f in wanted]
         refused: list[tuple[str, str]] = []
         for topic_filter, refusal in zip(wanted, refusals, strict=True):
@@ -1409,7 +1443,26 @@ class Bus:
             )
             self._emit(SubscribeRefused(broker, topic_filter, refusal, self.subscribe_refused))
 
+    async def _ping_at_qos0(self, client: Client) -> str | None:
+        """Subscribe the ping topic at QoS 0 where the broker refused it at QoS 1; the
+        refusal, or None.
+
+        The ping is a barrier behind the snapshot only at the snapshot's QoS: Mosquitto
+        sends QoS 0 at once but queues QoS 1 messages beyond its in-flight window (20),
+        so a QoS 0 echo came back after 21 of 200 retained members. A clustered NATS
+        refuses new QoS 1 subscriptions (JetStream consumers) for tens of seconds after
+        a server died, and it writes a new subscription's retained copies out before it
+        reads our next packet, so there a QoS 0 echo still comes after them.
+        """
+        (refusal,) = await client.subscribe([self._ping_topic], qos=0)
+        if refusal is None:
+            self._log.info(
+                "bus_ping_qos0", broker=self._broker, why="the broker refused the ping at QoS 1"
+            )
+        return refusal
+
     async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
+        self._put_on_link.add(topic)
         if self._covered(topic):
             self._echoes.expect(topic, entry.payload)
         expiry_s = entry.expiry_s if entry.payload else None
@@ -1421,7 +1474,8 @@ class Bus:
         """Publish a Ping to our own topic and wait for it; the seconds it took.
 
         The broker sends every retained message of a subscription before anything we
-        publish after its SUBACK, so the echo also marks the end of the snapshot.
+        publish after its SUBACK at the same QoS, so the echo (QoS 1, like the records;
+        see `_ping_at_qos0`) also marks the end of the snapshot.
         """
         seq = next(self._seq)
         echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -1504,6 +1558,7 @@ class Bus:
         self.subscribe_refused = ""
         self._live_topics.clear()
         self._known.clear()
+        self._put_on_link.clear()
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"

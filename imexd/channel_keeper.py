@@ -14,6 +14,9 @@ When it removes, and when not:
   the agent started go then (CVE-2024-42511);
 - a workload deleted, the node dropped from its `nodes`, or the domain left: its device
   node, CDI spec and env file go at the next apply;
+- a channel that two active records of the domain claim: the one that held it first
+  keeps it (`imexd.channels.channel_holders`: the order the records came in, and at start
+  the devices on disk), the other gets no device on any node;
 - the node leaving (SIGTERM): `clear()` removes everything of ours; a hand-over (SIGUSR2)
   keeps everything, for the next agent;
 - `[channels] manage = false`: the keeper makes and removes nothing and only reads the
@@ -38,7 +41,16 @@ from typing import Final, Protocol
 import structlog
 
 from imexd.bus import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
-from imexd.channels import Applied, Devices, Driver, Refusal, Want, plan, read_driver
+from imexd.channels import (
+    Applied,
+    Devices,
+    Driver,
+    Refusal,
+    Want,
+    channel_holders,
+    plan,
+    read_driver,
+)
 from imexd.facts import ChannelFacts, ChannelState
 from imexd.guard import BEAT_S, Guard, describe
 from imexd.logs import get_logger
@@ -120,7 +132,11 @@ class ChannelKeeper:
         self.driver = _UNREAD
         self.driver_logged = False
         self.held: dict[int, str] = {}
-        """Channel -> workload whose device this agent made (sticky in a conflict)."""
+        """Channel -> the workload that holds it in the domain (`channels.channel_holders`):
+        sticky in a conflict, on every node, whatever the node lists."""
+        self.seeded = False
+        """`held` was read from the devices on disk: done once, before the first plan, so
+        that a conflict resolved before a restart is resolved the same way after it."""
         self.states: tuple[ChannelState, ...] = ()
         self.channel0_open = False
         self.operations: Counter[tuple[str, str]] = Counter()
@@ -167,6 +183,8 @@ class ChannelKeeper:
         self.told = True
         self.domain, self.clique = domain, clique
         self.records.clear()
+        if old is not None:
+            self.held = {}  # another domain's channels: its devices go at the next apply
         self.deleting = False
         self.fresh = None
         self.states, self.shown = (), False
@@ -280,6 +298,12 @@ class ChannelKeeper:
         elif self.clique is None:
             return  # the clique is not known yet: keep what is there
         else:
+            if not self.seeded:
+                self.held = await asyncio.to_thread(self._held_on_disk, driver.major)
+                self.seeded = True
+                if self.held:
+                    self.log.info("channels.held_on_disk", held=self.held)
+            self.held = channel_holders(self.records.values(), domain=self.domain, before=self.held)
             wants, refusals = plan(
                 self.records.values(),
                 node=self.node,
@@ -301,6 +325,10 @@ class ChannelKeeper:
             return  # left meanwhile: a later step applies the new view
         self._take(applied, refusals)
 
+    def _held_on_disk(self, major: int | None) -> dict[int, str]:
+        with self._io:
+            return self.devices.held_on_disk(major)
+
     def _apply(self, wants: Mapping[int, Want], major: int | None) -> Applied | None:
         with self._io:
             if self._closed:
@@ -308,8 +336,7 @@ class ChannelKeeper:
             return self.devices.apply(wants, major=major)
 
     def _take(self, applied: Applied, refusals: list[Refusal]) -> None:
-        """Keep what an apply did: states, held channels, counters; retry failures."""
-        self.held = dict(applied.held)
+        """Keep what an apply did: states, counters; retry failures."""
         self.operations.update(applied.ops)
         self.channel0_open = applied.channel0_open
         states = _states(applied, refusals)

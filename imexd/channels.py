@@ -11,7 +11,9 @@ Three layers, so the rules are testable without root:
 - `read_driver` reads the kernel's device list and the driver's parameters; it never
   raises (a missing file is a fact to report, not a crash).
 - `plan` is pure: the node's wanted devices from the workload records, and a `Refusal`
-  with its reason for every listed workload that gets none.
+  with its reason for every listed workload that gets none. A channel is one workload's
+  across the domain (`channel_holders` says whose): two records on it conflict on every
+  node, whatever their node lists.
 - `Devices` is the filesystem side. `apply` makes dev_dir exactly the wanted set: every
   other `channel<digits>` node goes (the CVE-2024-42511 cleanup: a stale or driver-made
   world-writable channel would let any local process join another workload's IMEX
@@ -203,6 +205,44 @@ class Refusal:
     message: str
 
 
+def _by_channel(records: Iterable[WorkloadRecord], domain: str) -> dict[int, list[WorkloadRecord]]:
+    """The active records of `domain` (each name's newest), by channel and name: a
+    `claiming` record only reserves its channel in the control plane."""
+    active: dict[str, WorkloadRecord] = {}
+    for record in records:
+        if record.state != "active" or record.domain != domain:
+            continue
+        seen = active.get(record.workload)
+        if seen is None or record.generation > seen.generation:
+            active[record.workload] = record
+    by_channel: dict[int, list[WorkloadRecord]] = {}
+    for name in sorted(active):
+        by_channel.setdefault(active[name].channel, []).append(active[name])
+    return by_channel
+
+
+def channel_holders(
+    records: Iterable[WorkloadRecord], *, domain: str, before: Mapping[int, str]
+) -> dict[int, str]:
+    """Channel -> the workload of `domain` that holds it, given who held it `before`.
+
+    IMEX channels are domain-wide: the holder `before` keeps its channel while its record
+    is active on it; a channel with one active record is that one's; one that several
+    records claim with no holder among them has none, so no node picks another winner
+    than a node that saw who came first. The agent passes its previous answer as `before`
+    (at start `Devices.held_on_disk`): every node sees records in the broker's order.
+    """
+    holders: dict[int, str] = {}
+    for channel, group in _by_channel(records, domain).items():
+        names = [record.workload for record in group]
+        holder = before.get(channel)
+        if holder in names:
+            holders[channel] = holder
+        elif len(names) == 1:
+            holders[channel] = names[0]
+    return holders
+
+
 def plan(
     records: Iterable[WorkloadRecord],
     *,
@@ -214,27 +254,19 @@ def plan(
 ) -> tuple[dict[int, Want], list[Refusal]]:
     """The devices `node` should have, by channel, and the refusals, by workload name.
 
-    Only active records of `domain` that list `node` count (a `claiming` record only
-    reserves its channel in the control plane). `held` maps a channel to the workload
-    whose device this agent made (the previous `Applied.held`): of several workloads on
-    one channel, that one keeps it; when it is not among them, none gets the channel.
+    Only active records of `domain` count, and all of them: two on one channel conflict
+    on every node, whatever their node lists. `held` maps a channel to the workload that
+    holds it in the domain (`channel_holders`): of several workloads on one channel, that
+    one keeps it; when it is not among them, none gets the channel. Devices are wanted,
+    and refusals given, only for the records that list `node`.
     """
-    listed: dict[str, WorkloadRecord] = {}
-    for record in records:
-        if record.state != "active" or record.domain != domain or not record.lists(node):
-            continue
-        seen = listed.get(record.workload)
-        if seen is None or record.generation > seen.generation:
-            listed[record.workload] = record
-    by_channel: dict[int, list[WorkloadRecord]] = {}
-    for name in sorted(listed):
-        by_channel.setdefault(listed[name].channel, []).append(listed[name])
-
     wants: dict[int, Want] = {}
     refusals: list[Refusal] = []
-    for channel, group in by_channel.items():
+    for channel, group in _by_channel(records, domain).items():
         keeper = _keeper(group, held.get(channel))
         for record in group:
+            if not record.lists(node):
+                continue
             refusal = _refusal(record, group, keeper, driver)
             if refusal is not None:
                 refusals.append(refusal)
@@ -290,11 +322,11 @@ def _refusal(
     if keeper is None:
         outcome = "none of them gets it until only one is left"
     else:
-        outcome = f"{keeper} keeps it (its device was made first)"
+        outcome = f"{keeper} keeps it (it held the channel first)"
     return refuse(
         CHANNEL_CONFLICT,
         f"channel {channel} is also used by workload(s) {others} of domain "
-        f"{record.domain} on this node; {outcome}",
+        f"{record.domain} (a channel is one workload's across the domain); {outcome}",
     )
 
 

@@ -427,7 +427,7 @@ def _cmd_domain_list(args: argparse.Namespace) -> int:
     from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
     settings = commands.load_control_settings(args.config)
-    return run_async(commands.list_domains(settings, out=sys.stdout))
+    return run_async(commands.list_domains(settings, out=sys.stdout, err=sys.stderr))
 
 
 def _cmd_domain_status(args: argparse.Namespace) -> int:
@@ -554,7 +554,9 @@ def _cmd_workload_list(args: argparse.Namespace) -> int:
 
     settings = commands.load_control_settings(args.config)
     return run_async(
-        workloads.list_workloads(settings, domain=args.domain, as_json=args.json, out=sys.stdout)
+        workloads.list_workloads(
+            settings, domain=args.domain, as_json=args.json, out=sys.stdout, err=sys.stderr
+        )
     )
 
 

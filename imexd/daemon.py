@@ -366,6 +366,20 @@ class Supervisor:
             await end_stray(proc, why, stop_timeout_s=self._settings.stop_timeout_s, log=self._log)
         return len(survey.ours)
 
+    async def running_unsupervised(self) -> int | None:
+        """The pid of a daemon that runs our config path without this supervisor (a past
+        run's, left to an agent that stands aside), else None: reported, never touched."""
+        self._check_open()
+        if self._child is not None:
+            return None
+        try:
+            survey = await asyncio.to_thread(survey_processes, str(self.config_path))
+        except (OSError, psutil.Error) as exc:
+            self._log.warning("daemon.survey_failed", error=str(exc))
+            return None
+        found = sorted(survey.ours, key=lambda p: p.create_time)
+        return found[0].pid if found else None
+
     def report_ready(self, detail: str = "ctl -q says READY") -> bool:
         """The daemon said READY: a STARTING daemon is RUNNING at once; True if it moved.
 

@@ -21,7 +21,13 @@ DAEMON_STATES: Final = tuple(state.value for state in DaemonState)
 
 MembershipState = Literal["none", "claiming", "member", "standby", "out", "leaving"]
 MembershipReason = Literal[
-    "", "DomainFull", "NotInSpec", "NodeMapMismatch", "DuplicateNode", "Released"
+    "",
+    "DomainFull",
+    "NotInSpec",
+    "NodeMapMismatch",
+    "DuplicateNode",
+    "Released",
+    "RecordOverwritten",
 ]
 LastWrite = Literal["rename", "in_place"]
 """How the files were last written (`imexd.files.WriteMethod` without "unchanged")."""
@@ -107,7 +113,9 @@ class MembershipFacts:
     out: kept out by the spec or a mismatch; leaving: the domain is being left."""
     reason: MembershipReason = ""
     """Why the node is not a working member (standby, out, or member with a daemon
-    refused); "" when nothing is wrong. Takes precedence over `state`."""
+    refused), or what a member should know (RecordOverwritten: someone wrote over its
+    record lately; DuplicateNode while it keeps its slot: that recurs); "" when nothing
+    is wrong. Takes precedence over `state`."""
     detail: str = ""
     """A human sentence for `reason`, e.g. which nodes the spec lists."""
     offending: tuple[str, ...] = ()
@@ -119,6 +127,9 @@ class MembershipFacts:
     contested: tuple[Contest, ...] = ()
     """Slots of the shard on which another node's member record stands beside the
     holder's, by slot (SlotContested, imexd_slot_contested)."""
+    overwritten: int = 0
+    """Records someone else wrote on this node's member topic, each put back by this
+    agent (cumulative, for metrics)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -225,6 +225,11 @@ def _ready_since(report: HealthReport) -> float:
     return next((c.since for c in report.conditions if c.type == DAEMON_READY), report.at)
 
 
+def seconds_text(seconds: float) -> str:
+    """`45` for 45.2 s; past 1e6 s three digits (a stamp of 1e308 gave 309): `1e+308`."""
+    return f"{seconds:.0f}" if abs(seconds) < 1e6 else f"{seconds:.3g}"
+
+
 def _gather(
     listed: Sequence[str] | None,
     records: Iterable[MemberRecord],
@@ -348,8 +353,8 @@ def _skew(nodes: Mapping[str, _Node], now: float) -> list[str]:
         if e.future and e.expected and e.seen is not None:
             ahead = e.seen.report.at - now
             lines.append(
-                f"{CLOCK_SKEW}: {e.name}'s report is stamped {ahead:.0f} s ahead of this host's "
-                "clock: check the clocks (NTP) of both"
+                f"{CLOCK_SKEW}: {e.name}'s report is stamped {seconds_text(ahead)} s ahead of "
+                "this host's clock: check the clocks (NTP) of both"
             )
     for e in nodes.values():
         if e.fresh is None or not e.expected:
@@ -426,8 +431,9 @@ def judge(
     views_pending = _peer_links(nodes, report_interval_s)
     unknowns = _unknowns(nodes, listed=listed is not None or spec is not None)
     reasons = _skew(nodes, now)
+    held = frozenset((e.clique, e.record.slot) for e in nodes.values() if e.record is not None)
     rows = sorted(
-        (_row(e, now) for e in nodes.values()),
+        (_row(e, now, held) for e in nodes.values()),
         key=lambda r: (r.clique or "", r.slot is None, r.slot or 0, r.node),
     )
     members = [r for r in rows if r.expected]
@@ -468,7 +474,7 @@ def judge(
     )
 
 
-def _row(e: _Node, now: float) -> NodeRow:
+def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -> NodeRow:
     seen = e.seen.report if e.seen is not None else None
     record, report = e.record, e.fresh
     reasons: list[str] = []
@@ -495,12 +501,12 @@ def _row(e: _Node, now: float) -> NodeRow:
         details.append("NoReport: no health report on the bus (not joined yet, or gone)")
     elif e.future:
         reasons.append(CLOCK_SKEW)
-        details.append(
-            f"{CLOCK_SKEW}: report stamped {seen.at - now:.0f} s ahead of this host's clock"
-        )
+        ahead = seconds_text(seen.at - now)
+        details.append(f"{CLOCK_SKEW}: report stamped {ahead} s ahead of this host's clock")
     elif report is None:
         reasons.append("Stale")
-        details.append(f"Stale: last report {now - seen.at:.0f} s ago (too old, or expired)")
+        ago = seconds_text(now - seen.at)
+        details.append(f"Stale: last report {ago} s ago (too old, or expired)")
     elif record is not None:
         for cond in _failing(report):
             reasons.append(cond.reason)
@@ -532,8 +538,8 @@ def _row(e: _Node, now: float) -> NodeRow:
         else "fresh"
     )
     slot = record.slot if record is not None and record.slot is not None else None
-    if slot is None and seen is not None:
-        slot = seen.slot
+    if slot is None and seen is not None and (e.clique, seen.slot) not in held:
+        slot = seen.slot  # `held`: a member's record's slot, never a mere report's
     return NodeRow(
         node=e.name,
         clique=e.clique,

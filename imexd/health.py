@@ -138,6 +138,15 @@ def _slot(f: Facts) -> _Verdict:
         return _Verdict(
             "False", "NotInSpec", f"the spec of {f.domain} does not list {f.node}{detail}"
         )
+    if m.reason == "DuplicateNode" and m.state == "member":
+        return _Verdict(
+            "True",
+            "DuplicateNode",
+            f"slot {f.slot} of {where}, but another live agent runs as {f.node}{detail}; "
+            "this one keeps its slot and daemon and puts its record back",
+        )
+    if m.reason == "RecordOverwritten":
+        return _Verdict("True", "RecordOverwritten", f"slot {f.slot} of {where}{detail}")
     if m.reason == "DuplicateNode":
         return _Verdict(
             "False",
@@ -194,7 +203,9 @@ def _daemon(f: Facts) -> _Verdict:
         return _Verdict(
             "False", "NotStarted", "waiting for the clique: NVML fabric discovery has not succeeded"
         )
-    if f.membership.reason == "DuplicateNode":
+    if d.reason == "Unsupervised":
+        return _Verdict("False", "Unsupervised", d.message)
+    if f.membership.reason == "DuplicateNode" and f.membership.state != "member":
         return _Verdict(
             "False", "NotStarted", f"another agent runs as {f.node}: this one runs no daemon"
         )

@@ -17,7 +17,7 @@ import string
 import time
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar, assert_never
 
@@ -412,8 +412,24 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(problem)
 
 
-Payload = MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence | WorkloadRecord
-P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord)
+class BrokerEpoch(msgspec.Struct, frozen=True, kw_only=True):
+    """The agents' retained mark on `{p}/broker/epoch`, written by the first agent that
+    finds none: another epoch, or none, after a reconnect means that the broker lost its
+    retained state (imexd.rebuild)."""
+
+    v: Literal[1] = 1
+    epoch: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    """A random id, new with every broker that lost its state."""
+    node: NodeName
+    """The agent that wrote it."""
+    at: float
+    """Wall-clock seconds when it was written."""
+
+
+Payload = (MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence
+           | WorkloadRecord | BrokerEpoch)  # fmt: skip
+P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence,
+            WorkloadRecord, BrokerEpoch)  # fmt: skip
 
 
 class DropReason(StrEnum):
@@ -499,7 +515,8 @@ def to_builtins(payload: Payload) -> Any:
 def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
-    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence, WorkloadRecord):
+    for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence, WorkloadRecord,
+                BrokerEpoch):  # fmt: skip
         schema = msgspec.json.schema(cls)
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
@@ -611,6 +628,10 @@ class Topics:
     def presence(self, node: str) -> str:
         return f"{self._node(node)}/presence"
 
+    def epoch(self) -> str:
+        """The broker's epoch record (`BrokerEpoch`), one per broker."""
+        return f"{self.prefix}/broker/epoch"
+
     def _domain(self, domain: str) -> str:
         return f"{self.prefix}/domains/{_level(domain)}"
 
@@ -672,6 +693,8 @@ def _parse(prefix: str, topic: str) -> TopicRef | None:
             return TopicRef("ping", node=node)
         case ["nodes", node, "presence"]:
             return TopicRef("presence", node=node)
+        case ["broker", "epoch"]:
+            return TopicRef("epoch")
     return None
 
 
@@ -683,7 +706,7 @@ def _clique(clique: str) -> str:
 class TopicRef:
     """The parts of a parsed topic."""
 
-    kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence"]
+    kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence", "epoch"]
     domain: str = ""
     clique: str = ""
     node: str = ""
@@ -736,12 +759,14 @@ class Received:
     payload: Payload
     retained: bool
     """True when it comes from the broker's retained store (a snapshot), not live."""
+    data: bytes = field(default=b"", compare=False, repr=False)
+    """The payload's bytes as they came: what an agent restores to a broker that lost
+    them (imexd.rebuild), unknown fields of a newer writer included."""
 
 
 @dataclass(frozen=True, slots=True)
 class Deleted:
-    """An empty payload on a member, health, spec, workload, assignment or presence topic:
-    the record is gone."""
+    """An empty payload on the topic of a record (any but a ping): the record is gone."""
 
     topic: str
     ref: TopicRef
@@ -793,6 +818,8 @@ def decode_message(
             result = decode(payload, Ping)
         case "presence":
             result = decode(payload, Presence)
+        case "epoch":
+            result = decode(payload, BrokerEpoch)
         case _:
             assert_never(ref.kind)
     if isinstance(result, Dropped):
@@ -800,4 +827,4 @@ def decode_message(
     mismatch = check_topic(ref, result)
     if mismatch is not None:
         return Dropped(DropReason.TOPIC_MISMATCH, mismatch)
-    return Received(topic, ref, result, retained)
+    return Received(topic, ref, result, retained, data=payload)

@@ -32,6 +32,8 @@ PROBE_KINDS: Final = ("local", "domain")
 CHANNEL_OPS: Final = ("mknod", "fix", "remove", "cdi", "env")
 """The `op` label values of imexd_channel_operations_total, shown from zero."""
 CHANNEL_RESULTS: Final = ("ok", "error")
+RESTORED_KINDS: Final = ("spec", "workload", "assignment")
+"""The `kind` label values of imexd_broker_records_restored_total, shown from zero."""
 RECONCILE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -77,6 +79,28 @@ class Metrics:
             ["task"],
             registry=self.registry,
         )
+        self._rebuilds = Counter(
+            "imexd_broker_rebuilds",
+            "Links on which the agent found that the broker had lost its retained state (the "
+            "epoch record its previous link saw was gone or replaced) and gave back what it "
+            "follows (imexd.rebuild).",
+            registry=self.registry,
+        )
+        self._restored = Counter(
+            "imexd_broker_records_restored",
+            "Control-plane records (spec, workload, assignment) the agent published again "
+            "to a broker that had lost them, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._unconfirmed = Counter(
+            "imexd_broker_restores_unconfirmed",
+            "Restored records the broker did not give back within a few seconds (an ACL "
+            "that does not grant agents the rebuild).",
+            registry=self.registry,
+        )
+        for kind in RESTORED_KINDS:
+            self._restored.labels(kind=kind)
         for name in FILES:
             self._writes.labels(file=name)
             self._write_failures.labels(file=name)
@@ -105,6 +129,18 @@ class Metrics:
     def count_task_failure(self, task: str) -> None:
         """Count one unexpected error that ended the agent's task `task`."""
         self._task_failures.labels(task=task).inc()
+
+    def count_rebuild(self) -> None:
+        """Count one link whose broker had lost its retained state."""
+        self._rebuilds.inc()
+
+    def count_restored(self, kind: str) -> None:
+        """Count one record of `kind` (see RESTORED_KINDS) given back to the broker."""
+        self._restored.labels(kind=kind).inc()
+
+    def count_unconfirmed_restores(self, count: int) -> None:
+        """Count restored records that did not come back from the broker."""
+        self._unconfirmed.inc(count)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (content type CONTENT_TYPE)."""
@@ -166,6 +202,12 @@ class Metrics:
             "Records the periodic re-read of the bus found different from the agent's view "
             "(updates the broker lost).",
             bus.resync_corrections,
+        )
+        yield CounterMetricFamily(
+            "imexd_record_overwritten",
+            "Records someone else wrote on this node's member topic (a forged or cloned "
+            "record, a second agent with this node name); each was put back by this agent.",
+            f.membership.overwritten,
         )
         dropped = CounterMetricFamily(
             "imexd_bus_dropped",

@@ -26,8 +26,18 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
 - a daemon started before its domain formed: the first start in a shard waits, at most
   `FIRST_START_WINDOWS` x `[domain] settle_s`, while claims of the shard are in flight
   or nodes the spec lists are not members yet, so that it starts once with all of them;
-- a second agent running with this node's name: it stands aside (`duplicate`), and a
-  record of our name that we did not write is watched before we claim over it;
+- a reconnect after our will fired: our member record is published again only where
+  the new link's snapshot still holds it or holds nothing competing on its slot, and its
+  echo is checked like a claim's; a node that took our slot meanwhile keeps it, and we
+  claim again (`_rejoin`);
+- a record written over ours (the owner is the only author of its record): once we
+  published on a link, anything else on our topic that arrives while nothing of ours is
+  in flight is put back by our next step, counted and reported (RecordOverwritten);
+- a second agent running with this node's name: only evidence makes us stand aside
+  (`duplicate`): the broker taking our session, a record of our name published again
+  while we watch it, or written over again after we put ours back. One record of our
+  name is watched before we claim over it, unless our past run's record (state dir's
+  incarnation) came first, which we resume;
 - another node's record reaching a running daemon: every plan passes `own_change`, the
   one rule of when a settled member's daemon may stop or restart (DESIGN.md invariant
   1), and the view keeps what `imexd.membership`'s incumbency needs: whether our own
@@ -87,12 +97,24 @@ CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
 SUSPECT_LOSSES: Final = 2
 """Link losses during the watch of a record of our name that make it a live duplicate."""
+OVERWRITE_WINDOW_S: Final = 60.0
+"""A record written over ours again within this many seconds of the last one recurs:
+another live agent runs with our name (DuplicateNode). RecordOverwritten shows on
+/status for as long after the last one."""
+OVERWRITE_PACE_S: Final = 5.0
+"""While overwrites recur, our record is put back at most once per this many seconds,
+so that two agents with one name do not re-publish over each other at link speed."""
 RECLAIMS_ON_LOST_ECHO: Final = 3
 """Times a claim whose echo did not come back in time (`Refused`) is published again on
 one link that may lose echoes (`Refused.lossy_link`): a clustered broker (NATS 2.9) may
 keep the claim and never deliver its echo to the claimant, which would wait for it until
 the link ends; a broker that refuses the publication for good (an ACL) is not asked
 forever."""
+REPEAT_HOLD_S: Final = 30.0
+"""Hold of a peer's tombstone of an incarnation whose tombstone was honoured already and
+whose record came back since: its live agent publishes its record again within a round
+trip (so a will re-published every second changes nothing), and a second death of that
+incarnation still leaves the peers' files after this long."""
 FIRST_START_WINDOWS: Final = 5
 """The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
 default) for claims in flight and listed nodes that are not members yet. A claim settles
@@ -225,12 +247,34 @@ class ShardView:
         self.lost: dict[str, float] = {}
         """Peers whose tombstone (state lost) came: `now` at which their previous record,
         kept in `records` meanwhile, is dropped."""
+        self.lost_once: dict[str, int] = {}
+        """Peer -> the incarnation whose tombstone was honoured (`_on_lost`)."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
         self.published = False
         """We published a record of this incarnation in the current shard (ours to clear)."""
-        self.own_cleared = False
-        """Someone cleared our record (a duplicate's will, an operator): publish it again."""
+        self.past: MemberRecord | None = None
+        """The last record of our name in this shard that a past run of ours wrote (lower
+        incarnation, our address): what we resume from, even if another record of our
+        name came after it."""
+        self.replaying = False
+        """Our member record was published again on a new link whose snapshot did not
+        hold it: its echo is checked for a rival on our slot (`_on_own_echo`)."""
+        self.replay_rival: MemberRecord | None = None
+        """The rival on our slot at the echo of that re-publication: claim again."""
+        self.overwrites: list[float] = []
+        """`now` of each record written over ours within OVERWRITE_WINDOW_S."""
+        self.overwritten_total = 0
+        """Records written over ours since the agent started (a metric)."""
+        self.overwritten = ""
+        """What the last record written over ours said (RecordOverwritten)."""
+        self.reassert_at: float | None = None
+        """`now` at which our record is published again over another (None: none due)."""
+        self.last_reassert = float("-inf")
+        self.contested = ""
+        """Why another live agent is taken to run with our name while we hold our slot
+        (overwrites recur, or the broker took our session): DuplicateNode, reported
+        while it lasts; we keep the slot and the daemon."""
         self.claims_seen: dict[str, tuple[tuple[int, int | None], float]] = {}
         """Peers' claiming records: (incarnation, slot) and `now` first seen, so that
         claims which never settle stop counting after claim_stale_s."""
@@ -252,7 +296,8 @@ class ShardView:
         """Our member record has stood on the broker without a break, as far as this
         agent knows: set when our claim settles at its echo or a resumed record of ours
         is kept, cleared by a new link (`Connected`), set again when that link's
-        snapshot gives our record back exactly as we last published it. While it holds
+        snapshot gives our record back exactly as we last published it (`_rejoin`), or
+        our record published again on it came back with no rival on our slot. While it holds
         (on a link that keeps the broker's order: `incumbent`), no other node's record
         moves us (`mb.step(incumbent=...)`, `own_change`)."""
         self.incumbents: dict[int, str] = {}
@@ -317,7 +362,11 @@ class ShardView:
         was_duplicate = bool(self.duplicate)
         self.current = target
         self.needs = needs
-        self.published = self.own_cleared = False
+        self.published = False
+        self.past = None
+        self.continuous = self.replaying = False
+        self.replay_rival = None
+        self.reassert_at = None
         self.claims_seen.clear()
         self.suspect_until = None
         self.duplicate = ""
@@ -326,6 +375,7 @@ class ShardView:
         self.confirm_by = None
         self.deleted.clear()
         self.lost.clear()
+        self.lost_once.clear()
         self.spec = None
         self.synced = False
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
@@ -334,7 +384,6 @@ class ShardView:
         self.in_flight.clear()
         self.last_sent = None
         self.echo = None
-        self.continuous = False
         self.incumbents.clear()
         self.republish = False
         self.started = False
@@ -365,9 +414,12 @@ class ShardView:
             self.republish = True
             self.reclaims = 0
             self.trusted = False
-            # Our record may have gone while we were away (a will, a broker that lost
-            # its state): continuity holds again only if this snapshot gives it back.
-            self.continuous = False
+            # Our member record is published on this link once its snapshot is judged
+            # (`derive`): our will may have fired, and our slot been taken, meanwhile;
+            # continuity holds again only if this snapshot gives our record back.
+            self.continuous = self.replaying = False
+            self.replay_rival = None
+            self.reassert_at = None
             self.ordered = event.protocol == "5"
         elif isinstance(event, Disconnected):
             self.synced = False
@@ -378,7 +430,7 @@ class ShardView:
                 return self._on_suspect_link_loss()
         elif isinstance(event, Refused | EchoLost):
             self.ordered = self.ordered and not event.lossy_link
-            self._on_refused(event)
+            self._on_refused(event, now)
         elif isinstance(event, ConnectFailed | SubscribeRefused):
             # A refused filter leaves a partial view until the bus gets it (then Synced).
             self.synced = False
@@ -413,30 +465,8 @@ class ShardView:
                 self.lost.pop(ref.node, None)
                 self.unconfirmed.discard(ref.node)
                 self._track_claim(payload, now)
-                if ref.node == self.node and not event.retained:
-                    self._on_own_echo(encode(payload), now)
-                if (
-                    ref.node == self.node
-                    and event.retained
-                    and not self.synced
-                    and self.last_sent is not None
-                    and self.last_sent.state is MemberState.MEMBER
-                    and encode(payload) == encode(self.last_sent)
-                ):
-                    # The new link's snapshot still holds our record as we left it.
-                    self.continuous = True
-                if (
-                    ref.node == self.node
-                    and payload.incarnation != self.incarnation
-                    and not event.retained
-                    and not self.published
-                ):
-                    # A live publish of our name that we did not write: another agent
-                    # (re)connected and replayed its record.
-                    return self._found_duplicate(
-                        f"incarnation {payload.incarnation} from {payload.address} "
-                        "published its record while this agent runs"
-                    )
+                if ref.node == self.node:
+                    return self._on_own(payload, live=not event.retained, now=now)
         elif (
             ref.kind == "spec"
             and isinstance(payload, DomainSpec)
@@ -446,20 +476,105 @@ class ShardView:
             self.spec = payload
         return None
 
-    def _on_refused(self, event: Refused | EchoLost) -> None:
+    def _on_own(self, record: MemberRecord | None, *, live: bool, now: float) -> Identity | None:
+        """A record on our own member topic (None: cleared): ours, or written over ours.
+
+        The owner is the only author of its record. Once we published on this link, what
+        comes while nothing of ours is in flight was accepted after our last publication:
+        if it is not what we published, someone wrote over it, and ours goes back at the
+        next step (one round trip). Before that (a new link, or a start) the next step
+        judges the snapshot instead: resume, claim again, or watch (`derive`).
+        """
+        data = b"" if record is None else encode(record)
+        if live:
+            self._on_own_echo(data, now)
+        if record is not None and record.state is not MemberState.LOST:
+            if not self._foreign(record):
+                self.past = record
+            elif live and not self.published and self.suspect_until is not None:
+                # A record of our name published again while we watch one: a live agent.
+                return self._found_duplicate(
+                    f"incarnation {record.incarnation} from {record.address} published a "
+                    "record of this node's name again while this agent watched it"
+                )
+        if self.republish or self.in_flight or self.duplicate:
+            return None
+        mine = b"" if self.last_sent is None else encode(self.last_sent)
+        if not self.published or data == mine:
+            return None
+        return self._overwritten(record, now)
+
+    def _overwritten(self, record: MemberRecord | None, now: float) -> Identity | None:
+        """Someone wrote over our record: put ours back, count it, and say so; when it
+        recurs within OVERWRITE_WINDOW_S, another live agent runs with our name."""
+        what = (
+            "cleared it"
+            if record is None
+            else f"wrote {record.state.value} slot {record.slot} at {record.address} "
+            f"(incarnation {record.incarnation})"
+        )
+        self.overwrites = [t for t in self.overwrites if now - t < OVERWRITE_WINDOW_S]
+        self.overwrites.append(now)
+        self.overwritten_total += 1
+        self.overwritten = what
+        recurs = len(self.overwrites) > 1
+        self.log.warning(
+            "membership.record_overwritten",
+            what=what,
+            times=len(self.overwrites),
+            within_s=OVERWRITE_WINDOW_S,
+            why="a record on this node's member topic that this agent did not write; "
+            "putting this node's record back",
+        )
+        due = now
+        if not recurs:
+            self.contested = ""
+        else:
+            due = max(now, self.last_reassert + OVERWRITE_PACE_S)
+            if self.claim.phase is not mb.Phase.MEMBER:
+                return self._found_duplicate(
+                    f"this node's record was written over {len(self.overwrites)} times "
+                    f"within {OVERWRITE_WINDOW_S:g} s after this agent published it"
+                )
+            self._contest(
+                f"this node's member record was written over {len(self.overwrites)} times "
+                f"within {OVERWRITE_WINDOW_S:g} s (last: someone {what})"
+            )
+        self.reassert_at = due if self.reassert_at is None else min(self.reassert_at, due)
+        return None
+
+    def _contest(self, why: str) -> None:
+        """Another live agent runs with our name while we hold our slot: say so, keep the
+        slot and the daemon (they are ours), and keep putting our record back (paced)."""
+        if why != self.contested:
+            self.log.error("membership.duplicate_node", node=self.node, why=why, kept="slot")
+        self.contested = why
+
+    def _on_refused(self, event: Refused | EchoLost, now: float) -> None:
         """Our claim's echo did not come back in time on a link that may lose it: publish
         the claim again and settle on that publication's echo only (the lost one's, should
         it come late, no longer counts: like a claim carried over to a new link). On a
         link that loses nothing (Mosquitto over MQTT 5) a late echo means an overloaded
-        agent, which a second claim would only load more (1024 agents on 2 cores)."""
+        agent, which a second claim would only load more (1024 agents on 2 cores).
+
+        Another record of ours that the broker kept but whose echo was lost is no longer
+        in flight: it stands, and what comes on our topic from now on is judged by it."""
         ref, record = event.ref, self.last_sent
         if (
-            not event.lossy_link
-            or ref is None
+            ref is None
             or ref.kind != "member"
             or ref.node != self.node
             or (ref.domain, ref.clique) != self.current
             or record is None
+        ):
+            return
+        if isinstance(event, EchoLost) and record.state is not MemberState.CLAIMING:
+            data = encode(record)
+            if data in self.in_flight:
+                self._on_own_echo(data, now)  # kept by the broker: as good as its echo
+            return
+        if (
+            not event.lossy_link
             or record.state is not MemberState.CLAIMING
             or self.echo is not None
             or self.reclaims >= RECLAIMS_ON_LOST_ECHO
@@ -479,11 +594,9 @@ class ShardView:
             if record is not None and ref.node != self.node:
                 self._remember_deletion(record, now)
             if ref.node == self.node:
-                if not event.retained:
-                    self._on_own_echo(b"", now)
-                self.own_cleared = self.published
                 if self.duplicate:
                     return self._duplicate_gone()
+                return self._on_own(None, live=not event.retained, now=now)
         elif ref.kind == "spec" and self.current and ref.domain == self.current[0]:
             self.spec = None
         return None
@@ -494,7 +607,10 @@ class ShardView:
         Ours (a past link's will, or a duplicate's): as if our record were cleared, so a
         running agent publishes it again. A peer's without a record of it here (a
         leftover of a long-gone node, or a tombstone in a new link's snapshot) stays out
-        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once.
+        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once,
+        once per incarnation: that incarnation's tombstone again, after its record came
+        back, is held at least REPEAT_HOLD_S (a will re-published every second would
+        otherwise drop and re-add the peer, and send SIGUSR1, every pacing window).
         """
         node = tombstone.node
         if node == self.node:
@@ -502,6 +618,9 @@ class ShardView:
         if node not in self.records:
             return None
         hold = min(max(tombstone.hold_s, 0.0), MAX_HOLD_S)
+        if self.lost_once.get(node) == tombstone.incarnation:
+            hold = max(hold, REPEAT_HOLD_S)
+        self.lost_once[node] = tombstone.incarnation
         self.unconfirmed.discard(node)
         if hold <= 0.0:
             return self._on_deleted(Deleted(event.topic, event.ref, retained=event.retained), now)
@@ -548,6 +667,7 @@ class ShardView:
         self.last_sent = record
         self.echo = None
         self.republish = False
+        self.reassert_at = None
 
     def _on_own_echo(self, data: bytes, now: float) -> None:
         """A live copy of our own record came back: the barrier of our claim, if it is the
@@ -561,9 +681,16 @@ class ShardView:
             return  # of a previous link, or a replay before this link synced
         del self.in_flight[: self.in_flight.index(data) + 1]
         record = self.last_sent
-        if self.in_flight or record is None or record.state is not MemberState.CLAIMING:
+        if self.in_flight or record is None or record.slot is None:
             return
-        if record.slot is None:
+        if self.replaying and record.state is MemberState.MEMBER:
+            # Our member record published again on a new link: a rival accepted before it
+            # settled the slot while our record was gone; it stays, we claim again.
+            self.replaying = False
+            self.replay_rival = self._rival(record.slot, now)
+            self.continuous = self.replay_rival is None
+            return
+        if record.state is not MemberState.CLAIMING:
             return
         self.echo = mb.barrier(
             self.node,
@@ -573,6 +700,19 @@ class ShardView:
             spec=self.spec,
             stale=self._stale(now),
         )
+
+    def _rival(self, slot: int, now: float) -> MemberRecord | None:
+        """The record of another node that competes on `slot` in this link's view (the
+        records a previous link left unconfirmed do not count)."""
+        confirmed = [r for n, r in self.records.items() if n not in self.unconfirmed]
+        return mb.barrier(
+            self.node,
+            slot,
+            confirmed,
+            max_nodes=self.max_nodes,
+            spec=self.spec,
+            stale=self._stale(now),
+        ).rival
 
     def _stale(self, now: float) -> frozenset[str]:
         """The peers whose claims stood unchanged for claim_stale_s (they do not count)."""
@@ -626,12 +766,13 @@ class ShardView:
     # -- duplicate node names -------------------------------------------------------
 
     def _on_taken_over(self) -> Identity | None:
-        """The broker handed our session to another client with our client id."""
+        """The broker handed our session to another client with our client id: another
+        agent runs with this node's name (our own past run has ended before we started).
+        Without a settled slot we stand aside; with one we keep it and its daemon, and
+        the other one stands aside when we take the session back."""
         if self.duplicate:
             return None
-        if self.current is not None and not self.published:
-            # We have not written anything yet, so the other client is not our own past:
-            # another agent runs with this node's name and took the session back.
+        if self.current is not None and self.claim.phase is not mb.Phase.MEMBER:
             return self._found_duplicate("the broker handed this node's session to another client")
         self.log.warning(
             "bus.session_taken_over",
@@ -664,10 +805,12 @@ class ShardView:
         other's record) and take another client id so that the two stop taking the
         broker session from each other. We come back once its record is gone.
         """
-        if self.duplicate or self.published:
+        if self.duplicate or self.claim.phase is mb.Phase.MEMBER:
             return None
         self.duplicate = why
         self.suspect_until = None
+        self.reassert_at = None
+        self.published = False  # the topic is the other agent's: never clear it
         self.log.error("membership.duplicate_node", node=self.node, why=why)
         return Identity.ASIDE
 
@@ -720,10 +863,20 @@ class ShardView:
                 DOMAIN_DELETED,
             )
         own = self.records.get(self.node)
+        if own is not None and self._foreign(own) and self.past is not None and not self.published:
+            # A record of our name came after our past run's: resume from ours and put it
+            # back; if the other one is written again after that, it is a live agent.
+            own = self.past
         if self.duplicate or self._suspect(own, now):
             # Another agent may run as this node: publish nothing, and keep what runs.
             self.decision = None
             return Plan(hold=True)
+        rival, why = self.replay_rival, "it settled our slot while our record was gone"
+        if self.republish and self.claim.phase is mb.Phase.MEMBER:
+            rival, why = self._rejoin(own, now), "it took our slot while our link was down"
+        if rival is not None:
+            self._claim_again(rival, why)
+            own = None
         echo = self.echo
         if echo is not None and echo.rival is None and not self.trusted:
             # Our claim is back and would settle: it does once the broker passed the
@@ -738,9 +891,15 @@ class ShardView:
             outbid = True
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
         stale = self._stale(now)
+        records = {**self.records}
+        if self.claim.phase is mb.Phase.NONE:
+            # Resume only a record of ours: never a slot that another author wrote.
+            records.pop(self.node, None)
+            if own is not None and not self._foreign(own):
+                records[self.node] = own
         decision = mb.step(
             self.claim,
-            self.records.values(),
+            records.values(),
             now=now,
             wall_now=wall_now,
             echo=self.echo,
@@ -780,7 +939,10 @@ class ShardView:
         wake_at = self._hold_first_start(now, decision, stale) if run else None
         run = run and wake_at is None
         self.started = self.started or run
-        claiming = decision.claim.phase is mb.Phase.CLAIMING
+        reassert = self.reassert_at is not None and now >= self.reassert_at
+        if reassert:
+            self.last_reassert = now
+        wakes = (wake_at, self.reassert_at, *self.lost.values())
         plan = Plan(
             desired=Desired(
                 domain=domain,
@@ -791,9 +953,9 @@ class ShardView:
             ),
             decision=decision,
             publish=decision.publish
-            or (self.own_cleared and decision.claim.record_state is not None)
-            or (self.republish and claiming),
-            wake_at=min((t for t in (wake_at, *self.lost.values()) if t is not None), default=None),
+            or reassert
+            or (self.republish and decision.claim.record_state is not None),
+            wake_at=min((t for t in wakes if t is not None), default=None),
             outbid=outbid,
             mismatch=mismatch,
             mismatch_detail=detail,
@@ -848,6 +1010,40 @@ class ShardView:
         """`node` no longer holds a slot first in this view (its record changed unseen)."""
         for slot in [s for s, n in self.incumbents.items() if n == node]:
             del self.incumbents[slot]
+
+    def _rejoin(self, own: MemberRecord | None, now: float) -> MemberRecord | None:
+        """A new link, and we hold a slot: publish our member record again only where the
+        snapshot still holds it, or holds nothing competing on its slot; else claim again
+        (the rival returned).
+
+        Our will may have fired while the link was down, and another node settled our
+        slot since: replaying our record (with its earlier stamp) would evict it.
+        """
+        slot = self.claim.slot
+        assert slot is not None  # noqa: S101 - a member holds a slot
+        if own is not None and self.node not in self.unconfirmed and own == self.last_sent:
+            self.continuous = True
+            return None
+        rival = self._rival(slot, now)
+        self.replaying = rival is None  # its echo shows whether a rival came first
+        return rival
+
+    def _claim_again(self, rival: MemberRecord, why: str) -> None:
+        """Give our slot up to `rival` and claim afresh: our daemon restarts on the slot
+        the claim settles (a new node id; the rival's daemon, and its jobs, keep theirs)."""
+        self.log.warning(
+            "membership.reclaim_after_reconnect",
+            slot=self.claim.slot,
+            rival=rival.node,
+            rival_state=rival.state.value,
+            why=f"{rival.state.value} {rival.node}: {why}",
+        )
+        self.records.pop(self.node, None)
+        self.past = None
+        self.replay_rival = None
+        self.replaying = False
+        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.decision = None
 
     def _hold_first_start(
         self, now: float, decision: mb.Decision, stale: frozenset[str]
@@ -1029,8 +1225,9 @@ class ShardView:
 
     # -- facts ----------------------------------------------------------------------
 
-    def facts(self, desired: Desired) -> MembershipFacts:
-        """The membership facts of health, with `desired` as the agent applies it."""
+    def facts(self, desired: Desired, now: float | None = None) -> MembershipFacts:
+        """The membership facts of health, with `desired` as the agent applies it; `now`
+        (the monotonic clock) says whether a record written over ours is recent."""
         decision = self.decision
         contests = decision.contests() if decision is not None else {}
         base = MembershipFacts(
@@ -1041,9 +1238,21 @@ class ShardView:
                 for slot, nodes in contests.items()
                 if slot in desired.members
             ),
+            overwritten=self.overwritten_total,
         )
         if self.duplicate:
             return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
+        recent = (
+            now is not None
+            and bool(self.overwrites)
+            and now - self.overwrites[-1] < OVERWRITE_WINDOW_S
+            and self.claim.phase is mb.Phase.MEMBER
+        )
+        if recent and self.contested:
+            return replace(base, state="member", reason="DuplicateNode", detail=self.contested)
+        if recent:
+            detail = f"someone {self.overwritten} on this node's member topic; put back"
+            return replace(base, state="member", reason="RecordOverwritten", detail=detail)
         if self.suspect_until is not None:
             return replace(
                 base,

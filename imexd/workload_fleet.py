@@ -23,6 +23,7 @@ from imexd.fleet import (
     STALE_INTERVALS,
     ReportState,
     SeenReport,
+    seconds_text,
     table,
 )
 from imexd.messages import HealthReport, MemberRecord, WorkloadRecord
@@ -98,9 +99,12 @@ def _workload_row(
     state = report_state(seen, now=now, report_interval_s=interval)
     if state == "future":
         ahead = seen.report.at - now
-        return row(CLOCK_SKEW, f"report stamped {ahead:.0f} s ahead of this host", report=state)
+        return row(
+            CLOCK_SKEW, f"report stamped {seconds_text(ahead)} s ahead of this host", report=state
+        )
     if state == "stale":
-        return row("Stale", f"last report {now - seen.report.at:.0f} s ago", report=state)
+        ago = seconds_text(now - seen.report.at)
+        return row("Stale", f"last report {ago} s ago", report=state)
     channels = seen.report.channels
     if channels is None:
         return row("NoChannels", "its report has no channels (an agent without channel support)")
@@ -124,6 +128,27 @@ def _workload_row(
     return row("", "")
 
 
+def channel_conflicts(records: Iterable[WorkloadRecord]) -> dict[tuple[str, int], list[str]]:
+    """(domain, channel) -> the active workloads on it, for every channel two or more
+    active records of one domain claim. A channel is one workload's across its domain
+    (agents give it to the one that held it first, and to no other on any node), so each
+    of these is a conflict whatever the records' node lists."""
+    names: dict[tuple[str, int], set[str]] = {}
+    for record in records:
+        if record.state == "active":
+            names.setdefault((record.domain, record.channel), set()).add(record.workload)
+    return {key: sorted(found) for key, found in sorted(names.items()) if len(found) > 1}
+
+
+def conflict_line(domain: str, channel: int, workloads: Sequence[str]) -> str:
+    """One ChannelConflict line for `workload status`/`list` and `domain status`."""
+    return (
+        f"ChannelConflict: channel {channel} of {domain} is claimed by workloads "
+        f"{', '.join(workloads)}: only the one that held it first has a device, on no node "
+        "the others; delete the one that should not be there"
+    )
+
+
 def judge_workload(
     record: WorkloadRecord,
     *,
@@ -131,6 +156,7 @@ def judge_workload(
     members: Iterable[MemberRecord],
     now: float,
     report_interval_s: float,
+    workloads: Iterable[WorkloadRecord] = (),
 ) -> WorkloadStatus:
     """The workload's state from its domain's health reports.
 
@@ -138,6 +164,8 @@ def judge_workload(
     member records). A node is ready only when its fresh report lists the workload ready
     with the record's channel and generation: an older generation is the agent catching
     up, not a success. A stale report is not ready (the agent is gone or cut off).
+    Another active record of the domain on the same channel (`workloads`: the domain's
+    records) is a ChannelConflict: FAILED, however ready the nodes are.
     """
     listed = (
         sorted(set(record.nodes))
@@ -169,6 +197,10 @@ def judge_workload(
         reasons.insert(0, "Claiming: the record is a claim still being decided (agents ignore it)")
         if state == "READY":
             state = "PENDING"
+    rivals = channel_conflicts([record, *workloads]).get((record.domain, record.channel))
+    if record.state == "active" and rivals:
+        reasons.insert(0, conflict_line(record.domain, record.channel, rivals))
+        state = "FAILED"
     return WorkloadStatus(
         workload=record.workload,
         domain=record.domain,
@@ -209,7 +241,11 @@ def render_workload_status(status: WorkloadStatus) -> str:
     if rows:
         lines.extend(table(["NODE", "READY", "REASON", "AGE"], rows))
     details = [f"  {row.node}: {row.reason}: {row.message}" for row in status.nodes if row.message]
-    details += [f"  {line}" for line in status.reasons if line.startswith(("Claiming", "NoNodes"))]
+    details += [
+        f"  {line}"
+        for line in status.reasons
+        if line.startswith(("Claiming", "NoNodes", "ChannelConflict"))
+    ]
     if details:
         lines.append("reasons:")
         lines.extend(details)

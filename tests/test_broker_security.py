@@ -350,20 +350,35 @@ async def test_a_node_writes_only_its_own_presence_and_the_control_plane_reads_i
     assert await retained(broker, T.presence("n1"), name="n2") is None
 
 
-async def test_a_node_cannot_write_specs_or_assignments(broker: ShippedBroker) -> None:
-    """Specs and assignments written by a node are dropped; the control plane's stand."""
+async def test_a_node_cannot_write_another_nodes_assignment(broker: ShippedBroker) -> None:
+    """A node's forgery of a peer's assignment is dropped; the control plane's stands."""
     async with client(broker, CONTROL_USER) as control:
-        await publish(control, T.spec(DOMAIN), b"control-spec")
-        await publish(control, T.assignment("n1"), b"control-n1")
+        await publish(control, T.assignment("n2"), b"control-n2")
     async with client(broker, "n1") as n1:
-        await publish(n1, T.spec(DOMAIN), b"forged-by-n1")
-        await publish(n1, T.spec("other"), b"forged-by-n1")
-        await publish(n1, T.assignment("n1"), b"forged-by-n1")
         await publish(n1, T.assignment("n2"), b"forged-by-n1")
-    assert await retained(broker, T.spec(DOMAIN)) == b"control-spec"
-    assert await retained(broker, T.spec("other")) is None
-    assert await retained(broker, T.assignment("n1")) == b"control-n1"
-    assert await retained(broker, T.assignment("n2")) is None
+        await publish(n1, T.assignment("n3"), b"forged-by-n1")
+    assert await retained(broker, T.assignment("n2")) == b"control-n2"
+    assert await retained(broker, T.assignment("n3")) is None
+
+
+async def test_a_node_gives_an_empty_broker_back_what_it_follows(broker: ShippedBroker) -> None:
+    """The rebuild grants (imexd.rebuild): a node writes a spec, a workload record, its own
+    assignment and the broker epoch, and everyone reads the epoch; nothing else of the
+    control plane's, and no peer's topic, opens up with them."""
+    workload = T.workload(DOMAIN, "job-a")
+    async with client(broker, "n1") as n1:
+        await publish(n1, T.spec(DOMAIN), b"restored-spec")
+        await publish(n1, workload, b"restored-workload")
+        await publish(n1, T.assignment("n1"), b"restored-assignment")
+        await publish(n1, T.epoch(), b"epoch-by-n1")
+        await publish(n1, T.health(DOMAIN, "n2"), b"forged-by-n1")
+        await publish(n1, T.presence("n2"), b"forged-by-n1")
+    assert await retained(broker, T.spec(DOMAIN)) == b"restored-spec"
+    assert await retained(broker, workload) == b"restored-workload"
+    assert await retained(broker, T.assignment("n1"), name="n1") == b"restored-assignment"
+    assert await retained(broker, T.epoch(), name="n2") == b"epoch-by-n1"
+    assert await retained(broker, T.health(DOMAIN, "n2")) is None
+    assert await retained(broker, T.presence("n2")) is None
 
 
 async def test_the_control_plane_writes_specs_and_assignments_nodes_read_their_own(
@@ -539,3 +554,33 @@ async def test_password_mode_confines_nodes_to_their_own_records(
                 if len(seen) == 2:
                     break
     assert seen == {ours: b"n1-member", theirs: b"n2-member"}
+
+
+WORKLOAD_CHANNELS = 2048
+"""The driver's default ImexChannelCount: a domain holds at most this many workloads."""
+
+
+async def test_a_whole_domain_of_workloads_reaches_a_qos_1_subscriber(
+    broker: ShippedBroker,
+) -> None:
+    """An agent's QoS 1 subscription to its domain's workloads gets every record of a domain
+    that uses all its channels: Mosquitto drops a snapshot's messages beyond the in-flight
+    window plus `max_queued_messages` without a word, and the shipped queue holds it."""
+    async with client(broker, CONTROL_USER) as control:
+        for channel in range(WORKLOAD_CHANNELS):
+            name = f"w{channel:04d}"
+            payload = b'{"v":1,"workload":"%s","domain":"d1","channel":%d}' % (
+                name.encode(),
+                channel,
+            )
+            await publish(control, T.workload("d1", name), payload)
+        await publish(control, T.spec("barrier"), b"end")
+    got = 0
+    async with client(broker, "n1") as agent, asyncio.timeout(60):
+        await agent.subscribe(T.workloads_filter("d1"), qos=1)
+        await agent.subscribe(T.spec("barrier"), qos=1)
+        async for message in agent.messages:
+            if message.topic.matches(T.spec("barrier")):
+                break
+            got += 1
+    assert got == WORKLOAD_CHANNELS

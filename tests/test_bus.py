@@ -61,6 +61,7 @@ from imexd.messages import (
 )
 from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
+from tests.support import raw_client
 
 E = TypeVar("E", bound=Event)
 TOPICS = Topics("imex/v2")
@@ -302,6 +303,37 @@ async def test_a_new_subscription_delivers_its_snapshot_before_synced(broker: Mo
         assert not [e for e in seen if isinstance(e, Received)]
 
 
+SHARD = 200
+"""Members of one shard: more retained records than any broker's in-flight window
+(Mosquitto's `max_inflight_messages` is 20)."""
+
+
+async def test_synced_comes_after_a_snapshot_larger_than_the_in_flight_window(
+    broker: Mosquitto,
+) -> None:
+    """SHARD retained members all arrive before Synced, at connect and for a subscription
+    on a live link: the ping is a barrier behind QoS 1 records, not a message past them."""
+    settings = fast_settings(broker.url)
+    async with raw_client(broker) as c:
+        for n in range(SHARD):
+            payload = encode(record(f"m{n:03d}", slot=n % 18))
+            await c.publish(member_topic(f"m{n:03d}"), payload, qos=1, retain=True)
+    wanted = {f"m{n:03d}" for n in range(SHARD)}
+    async with bus_for(settings, "n1") as a:
+        await a.subscribe(MEMBERS)
+        seen: list[Event] = []
+        await next_event(a, Synced, seen=seen)
+        assert {e.ref.node for e in seen if isinstance(e, Received)} == wanted
+    async with bus_for(settings, "n2") as b:
+        async with asyncio.timeout(5):
+            await synced(b)
+        await next_event(b, Synced)
+        await b.subscribe(MEMBERS)
+        seen = []
+        await next_event(b, Synced, seen=seen)
+        assert {e.ref.node for e in seen if isinstance(e, Received)} == wanted
+
+
 async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mosquitto) -> None:
     """After a restart that lost every retained record, the record is back for the peer."""
     settings = fast_settings(broker.url)
@@ -324,6 +356,33 @@ async def test_broker_restart_reconnects_resubscribes_and_republishes(broker: Mo
         assert b.reconnects == 1
         assert a.last_error is not None
         assert a.refused_topics == frozenset()
+
+
+async def test_a_record_retained_without_replay_waits_for_its_caller_on_a_new_link(
+    broker: Mosquitto,
+) -> None:
+    """`retain(replay=False)`: after a restart that lost it, the bus does not publish the
+    record again by itself (its caller judges the new snapshot first), and a record with
+    replay does come back; the caller's own publication then reaches the peer."""
+    settings = fast_settings(broker.url)
+    async with bus_for(settings, "n1") as a, bus_for(settings, "n2") as b:
+        await a.subscribe(MEMBERS)
+        await b.subscribe(MEMBERS)
+        async with asyncio.timeout(5):
+            await synced(a)  # without a link, a record without replay waits for the next
+        await a.retain(member_topic(), record(), replay=False)
+        await a.retain(member_topic("n1x"), record("n1x", slot=1))
+        await next_event(b, Received, lambda e: e.topic == member_topic())
+        broker.stop()  # persistence false: the broker forgets both records
+        broker.start()
+        await next_event(b, Connected)
+        await next_event(b, Received, lambda e: e.topic == member_topic("n1x"))
+        async with asyncio.timeout(5):
+            await synced(a)
+        await no_event(b, Received, lambda e: e.topic == member_topic(), 1.0)
+        await a.retain(member_topic(), record(), replay=False)
+        again = await next_event(b, Received, lambda e: e.topic == member_topic())
+        assert again.payload == record()
 
 
 async def test_fails_over_to_the_next_broker(tmp_path: Path, broker: Mosquitto) -> None:
@@ -1406,3 +1465,21 @@ async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
         assert max(waits) >= 0.2
         lost = [e["reason"] for e in logs if e["event"] == "bus_disconnected"]
         assert all(MEMBERS in reason for reason in lost if reason != "closed")
+
+
+async def test_a_ping_refused_at_qos_1_is_subscribed_at_qos_0_on_the_same_link(
+    broker: Mosquitto,
+) -> None:
+    """A broker that refuses the ping filter's QoS 1 subscription (a NATS cluster after a
+    server died) gets it at QoS 0 at once: the link syncs, stays, and says so in a log."""
+    ping = TOPICS.ping("n1")
+    async with RefusingRelay(broker.port, {ping: {1}}) as relay:
+        bus = bus_for(settings_311(relay.url), "n1")
+        await bus.subscribe(MEMBERS)
+        with capture_logs() as logs:
+            async with bus:
+                await next_event(bus, Synced, within=10)
+                assert bus.subscribe_refused == ""
+        assert relay.connections == 1
+        assert (relay.seen[ping], relay.refused[ping]) == (2, 1)
+        assert [e for e in logs if e["event"] == "bus_ping_qos0"]

@@ -405,6 +405,35 @@ async def test_a_conflict_gives_the_channel_to_its_holder_or_to_none(tmp_path: P
     assert not dev(fresh, 3).exists()
 
 
+@needs_root
+async def test_a_restarted_keeper_resolves_a_conflict_as_before(tmp_path: Path) -> None:
+    """A new keeper (an agent restart) over the same folders reads who held the channel
+    from disk: the holder keeps its device (same inode), the other stays refused."""
+    keeper = await joined(tmp_path, record("job-b", 3))
+    keeper.on_event(received(record("job-a", 3)))
+    await keeper.step()
+    assert states(keeper) == {"job-a": (False, "ChannelConflict"), "job-b": (True, "")}
+    inode = os.lstat(dev(keeper, 3)).st_ino
+    again = await joined(tmp_path, record("job-a", 3), record("job-b", 3))
+    assert states(again) == {"job-a": (False, "ChannelConflict"), "job-b": (True, "")}
+    assert os.lstat(dev(again, 3)).st_ino == inode
+
+
+@needs_root
+async def test_a_channel_held_for_another_node_is_refused_here(tmp_path: Path) -> None:
+    """A workload that does not list this node holds channel 3 first: a later one that
+    does list it gets no device here (a channel is one workload's across the domain)."""
+    keeper = await joined(tmp_path, record("job-a", 3, nodes=["n2"]))
+    keeper.on_event(received(record("job-b", 3, nodes=["n1"], uid=6666)))
+    await keeper.step()
+    assert states(keeper) == {"job-b": (False, "ChannelConflict")}
+    assert not dev(keeper, 3).exists()
+    keeper.on_event(deleted("job-a"))
+    await keeper.step()
+    assert states(keeper) == {"job-b": (True, "")}
+    assert os.lstat(dev(keeper, 3)).st_uid == 6666
+
+
 async def test_a_channel_past_the_drivers_count_is_refused(tmp_path: Path) -> None:
     """channel >= ImexChannelCount: ChannelOutOfRange, and nothing is made."""
     keeper = await joined(tmp_path, record("job-a", 5), count=4)

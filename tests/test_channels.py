@@ -32,6 +32,7 @@ from imexd.channels import (
     Driver,
     Want,
     cdi_spec,
+    channel_holders,
     env_text,
     parse_driver_params,
     parse_proc_devices,
@@ -294,6 +295,85 @@ def test_a_holder_that_is_gone_keeps_nothing() -> None:
     wants, refusals = _plan([_record("a", 5), _record("b", 5)], held={5: "gone"})
     assert wants == {}
     assert {r.workload for r in refusals} == {"a", "b"}
+
+
+def test_a_channel_is_one_workloads_across_the_domain() -> None:
+    """Two workloads on one channel conflict on every node, whatever their node lists: the
+    holder keeps it where it is listed, the other gets it nowhere."""
+    records = [_record("a", 5, nodes=[NODE]), _record("b", 5, nodes=["node-b", "node-c"])]
+    wants, refusals = _plan(records, held={5: "a"})
+    assert wants[5].workload == "a"
+    assert refusals == []
+    for node in ("node-b", "node-c"):
+        wants, refusals = plan(
+            records, node=node, domain="d1", clique="c.1", driver=DRIVER, held={5: "a"}
+        )
+        assert wants == {}, node
+        assert [(r.workload, r.reason) for r in refusals] == [("b", "ChannelConflict")]
+        assert "a keeps it" in refusals[0].message
+    wants, refusals = _plan(records)
+    assert wants == {}
+    assert [(r.workload, r.reason) for r in refusals] == [("a", "ChannelConflict")]
+    other = _record("c", 5, domain="d2", nodes=["node-b"])
+    wants, _ = plan(
+        [*records, other], node="node-b", domain="d2", clique="c.1", driver=DRIVER, held={}
+    )
+    assert wants[5].workload == "c", "another domain's channel 5 is another channel"
+
+
+def test_a_channel_holder_stays_while_its_record_is_active_on_the_channel() -> None:
+    """The only record on a channel holds it; a second one never takes it from the holder;
+    with the holder gone and two left, none holds it until one is left."""
+    a, b, c = _record("a", 5), _record("b", 5, nodes=["x"]), _record("c", 5)
+    assert channel_holders([a], domain="d1", before={}) == {5: "a"}
+    assert channel_holders([a, b], domain="d1", before={5: "a"}) == {5: "a"}
+    assert channel_holders([a, b], domain="d1", before={}) == {}
+    assert channel_holders([b, c], domain="d1", before={5: "a"}) == {}
+    assert channel_holders([b], domain="d1", before={5: "a"}) == {5: "b"}
+    moved = _record("a", 6, generation=2)
+    assert channel_holders([moved, b], domain="d1", before={5: "a"}) == {5: "b", 6: "a"}
+    claiming = _record("c", 5, state="claiming")
+    assert channel_holders([claiming, b], domain="d1", before={}) == {5: "b"}
+    assert channel_holders([_record("a", 5, domain="d2")], domain="d1", before={}) == {}
+
+
+_NODES = ["n1", "n2", "n3"]
+_records = st.lists(
+    st.builds(
+        _record,
+        workload=st.sampled_from(["a", "b", "c", "d"]),
+        channel=st.integers(min_value=0, max_value=3),
+        domain=st.sampled_from(["d1", "d1", "d2"]),
+        nodes=st.none() | st.lists(st.sampled_from(_NODES), unique=True, max_size=3),
+        state=st.sampled_from(["active", "active", "claiming"]),
+        generation=st.integers(min_value=1, max_value=3),
+    ),
+    max_size=8,
+)
+
+
+@given(
+    history=st.lists(_records, min_size=1, max_size=4),
+    forgets=st.lists(st.sets(st.integers(min_value=0, max_value=3)), min_size=3, max_size=3),
+)
+def test_no_two_workloads_of_a_domain_ever_hold_one_channel(
+    history: list[list[WorkloadRecord]], forgets: list[set[int]]
+) -> None:
+    """Over any sequence of workload views, each node planning with what it knows of the
+    holders (all of it, or less after a restart: `forgets`), no channel of d1 has devices
+    for two workloads, on any nodes."""
+    known = [{} for _ in _NODES]  # type: list[dict[int, str]]
+    for records in history:
+        devices: dict[int, set[str]] = {}
+        for index, node in enumerate(_NODES):
+            before = {c: w for c, w in known[index].items() if c not in forgets[index]}
+            known[index] = channel_holders(records, domain="d1", before=before)
+            wants, _ = plan(
+                records, node=node, domain="d1", clique="c.1", driver=DRIVER, held=known[index]
+            )
+            for channel, want in wants.items():
+                devices.setdefault(channel, set()).add(want.workload)
+        assert all(len(names) == 1 for names in devices.values()), devices
 
 
 @given(st.permutations([("a", 5), ("b", 5), ("c", 6), ("d", 9999), ("e", 1)]))

@@ -255,3 +255,116 @@ def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
     c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
     with c.client() as client:
         assert client.retained("imex/v2/domains/job-7/#") == {}
+
+
+# Issue 21: a channel is one workload's across the domain; every read is complete; the
+# keeper remembers across a restart.
+
+
+def assert_device(node: Node, channel: int, uid: int, gid: int, mode: int) -> os.stat_result:
+    """The node has `<dev_dir>/channel<N>`: a character device 242:N with this owner and mode."""
+    info = os.lstat(device(node, channel))
+    assert stat.S_ISCHR(info.st_mode), node.name
+    assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (CHANNEL_MAJOR, channel)
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (uid, gid, mode), node.name
+    return info
+
+
+def assert_no_device(node: Node, channel: int) -> None:
+    with pytest.raises(FileNotFoundError):
+        os.lstat(device(node, channel))
+
+
+def refused_with(node: Node, name: str, reason: str) -> bool:
+    entry = listed(node).get(name)
+    return entry is not None and not entry["ready"] and entry["reason"] == reason
+
+
+def test_a_channel_held_on_one_node_is_given_to_no_other_workload_anywhere(c: Cluster) -> None:
+    """job1 holds channel 5 on n1; a second active record on channel 5 that lists n2 and n3
+    gets no device there; status, list and domain status show the conflict with exit 1;
+    create refuses to write a record on the held channel."""
+    n1, n2, n3 = (c.add(name) for name in ("n1", "n2", "n3"))
+    c.wait(c.all_ready, timeout=60)
+    made = imexd(c, "workload", "create", "job1", "--domain", "d1", "--nodes", "n1",
+                 "--channel", "5", "--uid", "1001", "--gid", "1001", "--wait", "30")  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    publish(c, "job2", 5, nodes=["n2", "n3"], uid=6666, gid=6666, generation=1)
+    c.wait(lambda: all(refused_with(n, "job2", "ChannelConflict") for n in (n2, n3)), WAIT_S)
+    for node in (n2, n3):
+        assert_no_device(node, 5)
+        assert "job1 keeps it" in listed(node)["job2"]["message"]
+    assert_device(n1, 5, 1001, 1001, 0o660)
+    assert ready_with(n1, "job1", 1)
+    status = imexd(c, "workload", "status", "job1")
+    assert status.returncode == 1, status.stdout + status.stderr
+    assert "ChannelConflict: channel 5 of d1 is claimed by workloads job1, job2" in status.stdout
+    listing = imexd(c, "workload", "list")
+    assert listing.returncode == 1
+    assert "ChannelConflict: channel 5 of d1" in listing.stderr
+    domain = imexd(c, "domain", "status", "d1")
+    assert domain.returncode == 1
+    assert "ChannelConflict: channel 5 of d1" in domain.stderr
+    again = imexd(c, "workload", "create", "job3", "--domain", "d1", "--channel", "5")
+    assert again.returncode == 2
+    assert "channel 5 of d1 is used by workload" in again.stderr
+    delete(c, "job1")
+    c.wait(lambda: ready_with(n2, "job2", 1) and ready_with(n3, "job2", 1), WAIT_S)
+    assert_no_device(n1, 5)
+    for node in (n2, n3):
+        assert_device(node, 5, 6666, 6666, 0o660)
+
+
+def test_a_conflict_resolved_before_a_hand_over_stays_resolved_after_it(c: Cluster) -> None:
+    """job-a's device was made first; job-b on the same channel is refused; after a
+    hand-over (SIGUSR2) the next agent reads the holder from disk: job-a keeps the same
+    device node, job-b stays refused."""
+    n1 = c.add("n1")
+    publish(c, "job-a", 3, nodes=["n1"], uid=1000, gid=1000, generation=1)
+    c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    publish(c, "job-b", 3, nodes=["n1"], uid=6666, gid=6666, generation=1)
+    c.wait(lambda: refused_with(n1, "job-b", "ChannelConflict"), timeout=WAIT_S)
+    inode = assert_device(n1, 3, 1000, 1000, 0o660).st_ino
+    n1.signal(signal.SIGUSR2)
+    assert n1.wait_exit() == EXIT_HANDOVER
+    n1.start()
+    c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    assert refused_with(n1, "job-b", "ChannelConflict")
+    assert assert_device(n1, 3, 1000, 1000, 0o660).st_ino == inode
+
+
+MANY = 200
+"""Workloads on one node: more retained records than any broker's in-flight window."""
+
+
+@pytest.mark.timeout(300)
+def test_every_device_stays_across_a_restart_with_many_workloads(c: Cluster) -> None:
+    """MANY workloads on n1: after a hand-over the next agent's first apply sees them all
+    (no device removed and made again), and `workload delete` finds the last one."""
+    n1 = c.add("n1")
+    c.wait(c.all_ready, timeout=60)
+    with c.client() as client:
+        for channel in range(1, MANY + 1):
+            record = WorkloadRecord(
+                workload=f"w{channel:03d}", domain="d1", channel=channel, nodes=["n1"],
+                uid=1000, gid=1000, generation=1,
+            )  # fmt: skip
+            client.publish(
+                f"imex/v2/domains/d1/workloads/w{channel:03d}", encode(record), retain=True
+            )
+
+    def made() -> int:
+        return sum(1 for path in n1.dev_dir.glob("channel*"))
+
+    c.wait(lambda: made() == MANY, timeout=120)
+    inodes = {channel: os.lstat(device(n1, channel)).st_ino for channel in range(1, MANY + 1)}
+    n1.signal(signal.SIGUSR2)
+    assert n1.wait_exit() == EXIT_HANDOVER
+    n1.start()
+    last = f'imexd_channel_ready{{channel="{MANY}",workload="w{MANY}"}} 1.0'
+    c.wait(lambda: last in (n1.get("/metrics")[1] or ""), timeout=120)
+    now = {channel: os.lstat(device(n1, channel)).st_ino for channel in range(1, MANY + 1)}
+    assert now == inodes, "devices were removed and made again after the restart"
+    gone = imexd(c, "workload", "delete", f"w{MANY}", "--domain", "d1", "--wait", "30")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert_no_device(n1, MANY)

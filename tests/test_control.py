@@ -988,3 +988,22 @@ def test_the_parser_default_of_seen_within_is_the_commands() -> None:
     for argv in (["domain", "create", "d1"], ["node", "assign", "n1", "d1"]):
         assert parser.parse_args(argv).seen_within == commands.SEEN_WITHIN_S
     assert SEEN_WITHIN_DEFAULT_S == commands.SEEN_WITHIN_S
+
+
+async def test_list_warns_when_a_spec_lists_a_live_member_of_another_domain(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A spec listing a node that holds a live member record in another domain: `domain
+    list` names both on stderr (the node stays out of the spec's domain); a lost record
+    (a dead node's will) is no warning."""
+    await put(broker, domain_state("d1", ["n1", "n2"]))
+    await put(broker, {T.spec("d2"): encode(DomainSpec(domain="d2", nodes=["n2", "n3"]))})
+    lost = msgspec.structs.replace(
+        member_record("n3", 0, domain="d9"), state=MemberState.LOST, slot=None
+    )
+    await put(broker, {T.member("d9", "c1", "n3"): encode(lost)})
+    capsys.readouterr()
+    assert await control_async("domain", "list") == 0
+    err = capsys.readouterr().err
+    assert "warning: the spec of d2 lists n2, a member of d1" in err
+    assert "n3" not in err

@@ -264,6 +264,29 @@ def test_reports_of_nodes_without_a_member_record_do_not_count() -> None:
     assert row(listed, "n3").reasons == ["NoRecord"]
 
 
+def test_a_report_without_a_record_is_not_shown_in_a_members_slot() -> None:
+    """A report of a node without a member record that claims a member's slot shows no
+    slot (its row is not the member's); with the slot free, the report's slot is shown."""
+    intruder = report("n9", 1, {1: "n9"})
+    status = judged([*(report(n, s, THREE) for s, n in THREE.items()), intruder])
+    assert row(status, "n2").slot == 1
+    assert row(status, "n9").slot is None
+    slot_cells = [line.split()[:2] for line in render_status(status).splitlines()[1:5]]
+    assert ["1", "n9"] not in slot_cells
+    free = judged([report("n1", 0, THREE), report("n9", 5, {5: "n9"})], recs=records({0: "n1"}))
+    assert row(free, "n9").slot == 5
+
+
+def test_a_report_stamped_in_the_far_future_says_so_briefly() -> None:
+    """A stamp of 1e308 is ClockSkew with a short number, not 300 digits."""
+    reports = [report("n1", 0, THREE), report("n2", 1, THREE), report("n3", 2, THREE, at=1e308)]
+    status = judged(reports)
+    text = render_status(status)
+    assert "ClockSkew" in text
+    assert max(len(line) for line in [*text.splitlines(), *status.reasons]) < 200
+    assert "1e+308 s ahead" in text
+
+
 def test_a_report_from_the_future_is_clock_skew() -> None:
     """A report stamped more than 30 s ahead is not fresh: ClockSkew, not ready."""
     reports = [

@@ -712,6 +712,50 @@ def test_duplicate_node_is_not_ready_and_says_why() -> None:
     assert not messages.ready(conds)
 
 
+def test_a_record_written_over_ours_is_said_and_keeps_the_node_ready() -> None:
+    """RecordOverwritten: the node is settled and ready, SlotSettled says what was written."""
+    facts = membership(
+        state="member",
+        reason="RecordOverwritten",
+        detail="someone wrote member slot 0 at 10.6.6.6 (incarnation 1) on this node's "
+        "member topic; put back",
+    )
+    conds = health.conditions(facts, [], T0)
+    by_type = {c.type: c for c in conds}
+    settled = by_type["SlotSettled"]
+    assert (settled.status, settled.reason) == ("True", "RecordOverwritten")
+    assert "10.6.6.6" in settled.message
+    assert by_type["DaemonReady"].status == "True"
+    assert messages.ready(conds)
+
+
+def test_a_settled_node_with_a_same_name_agent_keeps_its_daemon_and_says_so() -> None:
+    """DuplicateNode while holding the slot: SlotSettled True with that reason, the
+    daemon still ready, and the message says the slot and daemon are kept."""
+    facts = membership(state="member", reason="DuplicateNode", detail="written over 2 times")
+    conds = health.conditions(facts, [], T0)
+    by_type = {c.type: c for c in conds}
+    settled = by_type["SlotSettled"]
+    assert (settled.status, settled.reason) == ("True", "DuplicateNode")
+    assert "keeps its slot and daemon" in settled.message
+    assert by_type["DaemonReady"].status == "True"
+
+
+def test_a_daemon_left_running_while_we_stand_aside_is_reported_unsupervised() -> None:
+    """Standing aside with a daemon of our config running: DaemonReady says Unsupervised
+    with its pid, not that no daemon runs."""
+    facts = working(
+        membership=MembershipFacts(state="out", reason="DuplicateNode", detail="taken over"),
+        daemon=DaemonFacts(
+            state="RUNNING", pid=4242, reason="Unsupervised", message="pid 4242 runs ..."
+        ),
+        slot=None,
+    )
+    c = cond(facts, "DaemonReady")
+    assert (c.status, c.reason) == ("False", "Unsupervised")
+    assert "4242" in c.message
+
+
 def test_released_slot_says_why() -> None:
     """A node that gave its slot up (FATAL daemon, standby waiting) says Released."""
     facts = membership(state="standby", reason="Released", detail="daemon FATAL for 300 s")

@@ -107,17 +107,17 @@ def test_continuity_survives_a_reconnect_whose_snapshot_holds_our_record() -> No
     mine, stamp = v.last_sent, v.claim.settled
     assert mine is not None
     reconnect(v, 5.0, forged("a0", 0, stamp), mine)
-    assert v.continuous
     plan = derive(v, 5.0, running=True)
+    assert v.continuous
     assert plan.desired is not None
     assert (plan.desired.run, plan.desired.slot) == (True, 0)
 
 
 @pytest.mark.parametrize("what", ["missing", "tombstone", "overwritten"])
-def test_a_reconnect_that_lost_our_record_lets_the_stamps_decide(what: str) -> None:
+def test_a_reconnect_that_lost_our_record_claims_again(what: str) -> None:
     """Our record is not in the new snapshot as we left it (a broker that lost its
     state, our will, a record written over ours): continuity is lost, and a member that
-    ranks first (a copied stamp, a lower name) takes the slot: PartitionHealed."""
+    stands on our slot keeps it; we claim again instead of replaying our record."""
     v = view()
     settle(v)
     mine, stamp = v.last_sent, v.claim.settled
@@ -130,10 +130,11 @@ def test_a_reconnect_that_lost_our_record_lets_the_stamps_decide(what: str) -> N
         "overwritten": [msgspec.structs.replace(mine, address=FORGED_AT, incarnation=9)],
     }[what]
     reconnect(v, 5.0, forged("a0", 0, stamp), *lost)
-    assert not v.continuous
     plan = derive(v, 5.0, running=True)
+    assert not v.continuous
     assert plan.decision is not None
-    assert plan.decision.reason is mb.Reason.PARTITION_HEALED
+    assert plan.decision.claim.phase is mb.Phase.CLAIMING
+    assert plan.decision.claim.slot != 0
     assert plan.desired is not None
     assert not plan.desired.run
 
@@ -147,8 +148,8 @@ def test_a_link_that_may_lose_updates_gives_no_incumbency() -> None:
     mine, stamp = v.last_sent, v.claim.settled
     assert mine is not None
     reconnect(v, 5.0, forged("a0", 0, stamp), mine, protocol="3.1.1")
-    assert (v.continuous, v.ordered, v.incumbent) == (True, False, False)
     plan = derive(v, 5.0, running=True)
+    assert (v.continuous, v.ordered, v.incumbent) == (True, False, False)
     assert plan.decision is not None
     assert plan.decision.reason is mb.Reason.PARTITION_HEALED
 
@@ -325,7 +326,7 @@ class World:
     connected: bool = True
     protocol: Protocol = "5"
     ours: MemberRecord | None = None
-    """What the bus replays on a new link (our last record; None after a clear)."""
+    """Our last record as published (None after a clear)."""
     desired: Desired = field(default_factory=Desired)
     released: bool = False
     excused: bool = False
@@ -375,7 +376,7 @@ class World:
     def reconnect(
         self, order: Callable[[list[Event]], list[Event]], protocol: Protocol = "5"
     ) -> None:
-        """Connected, the snapshot (in `order`), the bus's replay of our record, Synced."""
+        """Connected, the snapshot (in `order`), Synced; our record goes back at a step."""
         self.connected = True
         self.protocol = protocol
         if self.ours is None or self.retained.get(ME) != self.ours:
@@ -391,12 +392,8 @@ class World:
             snapshot.append(Received(topic="s", ref=SPEC_REF, payload=self.spec, retained=True))
         for message in order(snapshot):
             self.apply(message)
-        if self.ours is not None:
-            self.retained[ME] = self.ours
-            self.v.apply(
-                Received(topic="t", ref=member_ref(ME), payload=self.ours, retained=False),
-                self.now,
-            )
+        # The bus replays no member record (`retain(replay=False)`): the view judges
+        # this snapshot and publishes ours again itself at its next step.
         self.v.apply(Synced(at=self.now), self.now)
         self.v.apply(BrokerChecked(broker="b", ok=True), self.now)
 
@@ -425,7 +422,6 @@ class World:
             record = self.v.record(decision.claim, driver="")
             self.v.sending(record)
             self.v.published = self.v.published or record is not None
-            self.v.own_cleared = False
             self.ours = record
             self.write(ME, record)
         self.v.commit(plan)

@@ -35,7 +35,10 @@ from imexd.reconcile import Desired
 from imexd.shard import (
     DOUBT_S,
     FIRST_START_WINDOWS,
+    OVERWRITE_PACE_S,
+    OVERWRITE_WINDOW_S,
     RECLAIMS_ON_LOST_ECHO,
+    REPEAT_HOLD_S,
     Identity,
     Plan,
     ShardView,
@@ -115,7 +118,6 @@ def publish(v: ShardView, plan: Plan, now: float) -> None:
         record = v.record(plan.decision.claim, driver="")
         v.sending(record)
         v.published = v.published or record is not None
-        v.own_cleared = False
         if record is not None:
             v.apply(received(record, retained=False), now)
             # After the first live echo of our record on a link, the bus checks that the
@@ -274,12 +276,18 @@ def test_deletions_just_before_a_link_loss_are_doubted() -> None:
     assert not v.synced
 
 
-def test_a_live_record_of_our_name_makes_us_stand_aside_until_it_goes() -> None:
-    """Another agent publishing our name: hold, publish nothing; back once it is gone."""
+def test_one_live_record_of_our_name_is_watched_and_a_second_is_a_live_agent() -> None:
+    """A record of our name published live before we published is watched, not taken
+    for a second agent; published again while we watch, it is one: stand aside, hold,
+    publish nothing; back once it is gone."""
     v = view()
-    identity = v.apply(received(rec(ME, 0, inc=9), retained=False), 0.0)
-    assert identity is Identity.ASIDE
-    plan = derive(v, 0.5)
+    other = rec(ME, 0, inc=9, address="10.9.9.9")
+    assert v.apply(received(other, retained=False), 0.0) is None
+    assert derive(v, 0.0).decision is None  # watching
+    assert v.suspect_until == GRACE_S
+    again = msgspec.structs.replace(other, settled=WALL)
+    assert v.apply(received(again, retained=False), 0.5) is Identity.ASIDE
+    plan = derive(v, 0.6)
     assert plan.decision is None
     assert (plan.hold, plan.desired) == (True, None)  # what runs keeps running
     assert v.facts(Desired()).reason == "DuplicateNode"
@@ -287,13 +295,18 @@ def test_a_live_record_of_our_name_makes_us_stand_aside_until_it_goes() -> None:
     assert v.duplicate == ""
 
 
-def test_a_taken_session_is_a_duplicate_only_before_we_published() -> None:
-    """Before our first publish a takeover is another agent; after it, our own past."""
+def test_a_taken_session_is_a_duplicate_unless_we_hold_a_settled_slot() -> None:
+    """Another client took our session: without a settled slot we stand aside (even with
+    a claim out); with one we keep it and its daemon."""
     taken = Disconnected(broker="b", reason="taken", reason_code=SESSION_TAKEN_OVER)
     assert view().apply(taken, 0.0) is Identity.ASIDE
+    claiming = view()
+    publish(claiming, derive(claiming, 0.0), 0.0)
+    assert claiming.apply(taken, 0.5) is Identity.ASIDE
+    assert not claiming.published  # its record is the other agent's now: never cleared
     v = view()
-    publish(v, derive(v, 0.0), 0.0)
-    assert v.apply(taken, 1.0) is None
+    settle(v)
+    assert v.apply(taken, 3.0) is None
     assert v.duplicate == ""
 
 
@@ -360,7 +373,7 @@ def test_our_cleared_record_is_published_again() -> None:
     v = view()
     settle(v)
     v.apply(deleted(ME), 3.0)
-    assert v.own_cleared
+    assert v.reassert_at == 3.0
     assert derive(v, 3.0).publish
 
 
@@ -702,6 +715,30 @@ def test_a_tombstone_without_hold_drops_the_peer_at_once() -> None:
     assert members(derive(v, 10.0)) == {0: ME}
 
 
+def test_a_tombstone_is_honoured_once_per_incarnation() -> None:
+    """hold_s 0 drops the peer at once, once: the same incarnation's tombstone again after
+    its record came back (a will published anew every second) is held REPEAT_HOLD_S, so
+    the record the live peer publishes each time keeps it a member (no file change, no
+    SIGUSR1); a second death of that incarnation still drops it after the hold, and a new
+    incarnation's tombstone is honoured as it says."""
+    v, n2 = with_peer()
+    v.apply(received(tombstone("n2", 0.0), retained=False), 10.0)
+    assert members(derive(v, 10.0)) == {0: ME}
+    v.apply(received(n2, retained=False), 11.0)
+    assert members(derive(v, 11.0)) == {0: ME, 1: "n2"}
+    for second in range(12, 40):
+        v.apply(received(tombstone("n2", 0.0), retained=False), float(second))
+        assert members(derive(v, second + 0.5)) == {0: ME, 1: "n2"}, second
+        v.apply(received(n2, retained=False), second + 0.5)
+    v.apply(received(tombstone("n2", 0.0), retained=False), 50.0)
+    assert members(derive(v, 50.0 + REPEAT_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
+    assert members(derive(v, 50.0 + REPEAT_HOLD_S)) == {0: ME}
+    again = msgspec.structs.replace(n2, incarnation=2)
+    v.apply(received(again, retained=False), 100.0)
+    v.apply(received(tombstone("n2", 0.0, inc=2), retained=False), 101.0)
+    assert members(derive(v, 101.0)) == {0: ME}
+
+
 def test_the_hold_is_clamped() -> None:
     """A tombstone asking for a day is held MAX_HOLD_S at most."""
     v, _ = with_peer()
@@ -716,7 +753,7 @@ def test_our_own_tombstone_makes_us_publish_again() -> None:
     v = view()
     settle(v)
     v.apply(received(tombstone(ME, 5.0, inc=3), retained=False), 3.0)
-    assert v.own_cleared
+    assert v.reassert_at == 3.0
     assert not v.lost
     assert derive(v, 3.0).publish
 
@@ -765,3 +802,221 @@ def test_a_claim_settles_only_once_the_broker_passed_the_retained_check() -> Non
     settled = derive(v, SETTLE_S + 0.4)
     assert settled.decision is not None
     assert settled.decision.settled
+
+
+# The owner is the only author of its record.
+
+
+def test_a_record_written_over_ours_is_put_back_at_the_next_step() -> None:
+    """A live record on our topic that we did not publish, while nothing of ours is in
+    flight: the next step publishes ours again; counted and shown as RecordOverwritten."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    forged = msgspec.structs.replace(ours, address="10.6.6.6")
+    assert v.apply(received(forged, retained=False), 3.0) is None
+    assert v.overwritten_total == 1
+    plan = derive(v, 3.0)
+    assert plan.publish
+    assert plan.decision is not None
+    assert v.record(plan.decision.claim, driver="") == ours
+    assert plan.desired is not None
+    assert plan.desired.run  # the daemon is untouched
+    publish(v, plan, 3.0)
+    assert not derive(v, 3.1).publish
+    facts = v.facts(plan.desired, 3.1)
+    assert (facts.state, facts.reason, facts.overwritten) == ("member", "RecordOverwritten", 1)
+    assert "10.6.6.6" in facts.detail
+    assert v.facts(plan.desired, 3.0 + OVERWRITE_WINDOW_S).reason == ""
+
+
+def test_what_came_before_our_last_publication_is_no_overwrite() -> None:
+    """A record on our topic while our last publication is in flight was accepted before
+    it (the broker's order): ours replaces it anyway, nothing is counted."""
+    v = view()
+    mine = claim(v, 0.0)
+    other = rec(ME, 2, CLAIMING, inc=3, address=MY_ADDRESS)
+    v.apply(received(other, retained=False), 0.1)
+    v.apply(received(mine, retained=False), 0.2)
+    assert v.overwritten_total == 0
+    assert v.reassert_at is None
+
+
+def test_overwrites_that_recur_are_a_duplicate_that_keeps_its_slot() -> None:
+    """Written over again within the window after we put ours back: another live agent
+    with our name. A settled node keeps its slot and daemon, says DuplicateNode, and puts
+    its record back at most once per OVERWRITE_PACE_S."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    forged = msgspec.structs.replace(ours, address="10.6.6.6")
+    v.apply(received(forged, retained=False), 3.0)
+    publish(v, derive(v, 3.0), 3.0)
+    v.apply(received(forged, retained=False), 3.5)
+    plan = derive(v, 3.5)
+    assert not plan.publish  # paced
+    assert plan.wake_at == 3.0 + OVERWRITE_PACE_S
+    assert plan.desired is not None
+    assert plan.desired.run
+    assert v.duplicate == ""
+    facts = v.facts(plan.desired, 3.5)
+    assert (facts.state, facts.reason) == ("member", "DuplicateNode")
+    paced = derive(v, 3.0 + OVERWRITE_PACE_S)
+    assert paced.publish
+    publish(v, paced, 3.0 + OVERWRITE_PACE_S)
+    later = 3.5 + OVERWRITE_WINDOW_S  # once, long after: no longer a recurrence
+    v.apply(received(forged, retained=False), later)
+    assert v.facts(plan.desired, later).reason == "RecordOverwritten"
+
+
+def test_a_claim_written_over_again_stands_aside() -> None:
+    """Without a settled slot, a recurring overwrite is a second agent: stand aside."""
+    v = view()
+    mine = claim(v, 0.0)
+    v.apply(received(mine, retained=False), 0.1)
+    forged = msgspec.structs.replace(mine, address="10.6.6.6")
+    assert v.apply(received(forged, retained=False), 0.2) is None
+    publish(v, derive(v, 0.3), 0.3)
+    assert v.apply(received(forged, retained=False), 0.4) is Identity.ASIDE
+
+
+def test_our_past_run_is_resumed_over_a_record_of_our_name_written_after_it() -> None:
+    """The snapshot holds our past run's member record (lower incarnation, our address),
+    then a record of our name from elsewhere arrives live: one record is not a second
+    agent; we resume our slot (no claim, no watch) and publish ours over it."""
+    v = view()
+    past = rec(ME, 2, inc=2, address=MY_ADDRESS)
+    v.apply(received(past), 0.0)
+    v.apply(received(rec(ME, 3, inc=99, address="10.6.6.6"), retained=False), 0.0)
+    plan = derive(v, 0.1)
+    assert plan.decision is not None
+    assert plan.decision.reason is mb.Reason.RESUMED
+    assert plan.publish
+    assert plan.desired is not None
+    assert (plan.desired.slot, plan.desired.run) == (2, True)
+    assert v.duplicate == ""
+
+
+def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
+    """After the watch, a record of our name at another address is outbid and a fresh
+    claim is made for our previous slot; its slot is not taken over."""
+    v = view()
+    v.apply(received(rec(ME, 3, inc=9, address="10.6.6.6")), 0.0)
+    derive(v, 0.0)
+    plan = v.derive(
+        GRACE_S,
+        wall_now=WALL + GRACE_S,
+        saved=NodeState(domain=DOMAIN, clique=CLIQUE, slot=1, incarnation=3),
+        running=False,
+        release=lambda: False,
+    )
+    assert plan.outbid
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
+# A reconnect claims again.
+
+
+def reconnect(v: ShardView, now: float, *snapshot: Received) -> None:
+    """A new link: Connected, its snapshot, Synced."""
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), now)
+    for event in snapshot:
+        v.apply(event, now)
+    v.apply(Synced(at=now), now)
+
+
+def test_a_reconnect_whose_snapshot_holds_our_record_publishes_it_again() -> None:
+    """Our record as we last published it is in the new snapshot: the link was as good as
+    continuous; our record is published again (its echo starts the broker check)."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    reconnect(v, 5.0, received(ours))
+    plan = derive(v, 5.1)
+    assert v.continuous
+    assert plan.publish
+    assert plan.decision is not None
+    assert v.record(plan.decision.claim, driver="") == ours
+
+
+def test_a_reconnect_after_our_will_replays_our_record_when_nothing_took_the_slot() -> None:
+    """Our will fired (the snapshot holds our tombstone) and nothing competes on our slot:
+    our member record is published again, and continuity returns at its echo."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    reconnect(v, 5.0, received(tombstone(ME, 0.0, inc=3)), received(rec("n2", 1)))
+    plan = derive(v, 5.1)
+    continuity = [v.continuous]
+    assert plan.publish
+    assert plan.desired is not None
+    assert plan.desired.run
+    publish(v, plan, 5.1)
+    continuity.append(v.continuous)
+    assert continuity == [False, True]
+    assert v.claim.slot == ours.slot
+
+
+def test_a_reconnect_claims_again_when_another_node_took_our_slot() -> None:
+    """Our will fired and n2 settled our slot meanwhile: we do not replay our record (its
+    earlier stamp would evict n2); we claim another slot, and stop running until it
+    settles (the daemon restarts there)."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    assert ours.slot == 0
+    taker = rec("n2", 0, settled=WALL + 4.0)
+    reconnect(v, 5.0, received(tombstone(ME, 0.0, inc=3)), received(taker))
+    plan = derive(v, 5.1)
+    assert plan.publish
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+    assert plan.desired is not None
+    assert not plan.desired.run
+    assert members(plan) == {0: "n2"}
+
+
+def test_a_replayed_record_whose_echo_meets_a_rival_claims_again() -> None:
+    """Nothing was on our slot in the snapshot, but a claim accepted before our replayed
+    record stands there at its echo: that claim settles (it saw no one); we claim again."""
+    v = view()
+    settle(v)
+    reconnect(v, 5.0, received(tombstone(ME, 0.0, inc=3)))
+    plan = derive(v, 5.1)
+    record = v.record(plan.decision.claim, driver="") if plan.decision else None
+    assert plan.publish
+    assert record is not None
+    v.sending(record)
+    v.commit(plan)
+    v.apply(received(rec("n2", 0, CLAIMING), retained=False), 5.2)
+    v.apply(received(record, retained=False), 5.3)
+    assert not v.continuous
+    plan = derive(v, 5.4)
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
+def test_a_kept_record_whose_echo_was_lost_stands_as_if_it_came_back() -> None:
+    """A member record published again on a new link, kept by the broker (a snapshot
+    held it) but its live echo lost: it is no longer in flight, its rival check runs, and
+    a record written over it afterwards is put back."""
+    v = view()
+    settle(v)
+    reconnect(v, 5.0, received(tombstone(ME, 0.0, inc=3)))
+    plan = derive(v, 5.1)
+    record = v.record(plan.decision.claim, driver="") if plan.decision else None
+    assert record is not None
+    v.sending(record)
+    v.commit(plan)
+    ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=ME)
+    v.apply(EchoLost(topic="t", ref=ref, lossy_link=True), 10.0)
+    assert v.in_flight == []
+    assert v.continuous
+    v.apply(received(rec(ME, 3, inc=3, address="10.6.6.6"), retained=False), 11.0)
+    assert v.overwritten_total == 1

@@ -157,6 +157,35 @@ def test_a_failure_reason_missing_reports_and_stale_ones_are_told_apart() -> Non
     assert "n1: ChannelConflict: w9 has it" in text
 
 
+def test_another_active_record_on_the_channel_fails_a_ready_workload() -> None:
+    """Ready on every node, but another active workload of the domain holds the channel
+    too, on other nodes: FAILED with a ChannelConflict line naming both."""
+    rec = record("job1", 5, nodes=["n1"], generation=1)
+    rival = record("job2", 5, nodes=["n2", "n3"], generation=1)
+    ready = channel_report("n1", 0, infos=[info("job1", 5, 1)])
+    assert judge(rec, ready).state == "READY"
+    status = judge_workload(
+        rec,
+        reports=[ready],
+        members=[],
+        now=NOW,
+        report_interval_s=2.0,
+        workloads=[rec, rival, record("job3", 5, domain="d2"), record("job4", 5, state="claiming")],
+    )
+    assert status.state == "FAILED"
+    assert status.reasons[0].startswith("ChannelConflict: channel 5 of d1 is claimed by ")
+    assert "job1, job2:" in status.reasons[0]
+    assert "ChannelConflict: channel 5 of d1" in render_workload_status(status)
+
+
+def test_a_report_stamped_in_the_far_future_is_clock_skew_in_few_words() -> None:
+    """A workload's node row for a report stamped 1e308 says ClockSkew briefly."""
+    rec = record("w1", 1, nodes=["n1"], generation=1)
+    status = judge(rec, channel_report("n1", 0, infos=[info("w1", 1, 1)], at=1e308))
+    assert (status.nodes[0].reason, status.state) == ("ClockSkew", "FAILED")
+    assert status.nodes[0].message == "report stamped 1e+308 s ahead of this host"
+
+
 def test_without_a_node_list_the_members_are_judged() -> None:
     """Nodes None: the domain's member records say which nodes must have the channel."""
     rec = record("w1", 1, generation=1)
@@ -751,3 +780,95 @@ async def test_a_claim_the_acl_drops_ends_with_exit_1(
         b.stop()
     assert code == 1
     assert "no echo of our write to imex/v2/domains/d1/workloads/w1" in capsys.readouterr().err
+
+
+MANY = 250
+"""More retained records than any broker's in-flight window (Mosquitto's is 20)."""
+
+
+async def test_every_read_sees_every_record_beyond_the_in_flight_window(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With MANY retained workloads, `list` shows them all and `delete` finds the last
+    one: the snapshot barrier comes behind every QoS 1 record, not past them."""
+    names = [f"w{i:03d}" for i in range(1, MANY + 1)]
+    await put(broker, {T.workload("d1", n): encode(record(n, i)) for i, n in enumerate(names, 1)})
+    capsys.readouterr()
+    assert await cli("workload", "list", "--domain", "d1", "--json") == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert [d["workload"] for d in docs] == names
+    assert await cli("workload", "delete", names[-1], "--domain", "d1", "--wait", "0") == 0
+    assert f"workload {names[-1]} in d1: deleted" in capsys.readouterr().out
+    assert await cli("workload", "status", names[-2], "--wait", "0") == 1
+    assert "no workload" not in capsys.readouterr().err
+    code, text = await create(settings, "extra", channel=MANY - 1)
+    assert code == 2, text
+    assert f"channel {MANY - 1} of d1 is used by workload {names[-2]}" in text
+
+
+async def test_domain_delete_and_list_see_every_record_beyond_the_in_flight_window(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`domain delete` clears all MANY workloads of its domain (a QoS 1 read), and `domain
+    list` counts MANY specs (QoS 0 reads): no read stops at the broker's window."""
+    names = [f"w{i:03d}" for i in range(1, MANY + 1)]
+    await put(broker, {T.workload("d1", n): encode(record(n, i)) for i, n in enumerate(names, 1)})
+    specs = {
+        T.spec(f"s{i:03d}"): encode(DomainSpec(domain=f"s{i:03d}", nodes=None, max_nodes=8))
+        for i in range(MANY)
+    }
+    await put(broker, specs)
+    capsys.readouterr()
+    assert await cli("domain", "list") == 0
+    text = capsys.readouterr().out
+    rows = text.splitlines()[1:]
+    assert sum(1 for row in rows if row.startswith("s")) == MANY, text[:2000]
+    assert await cli("domain", "delete", "d1", "--timeout", "0") == 0
+    assert f"{MANY} workload(s)" in capsys.readouterr().out
+    assert await records(broker, "d1") == {}
+
+
+async def test_a_channel_conflict_is_shown_with_exit_1_and_not_written_again(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second active record on job1's channel (another writer's, other nodes): `workload
+    status`, `list` and `domain status` name the conflict and exit 1, and `create` refuses
+    to write either record again."""
+    assert (await create(settings, "job1", nodes=["n1"], channel=5))[0] == 0
+    rival = record("job2", 5, nodes=["n2", "n3"], uid=6666, generation=1)
+    await put(broker, {T.workload("d1", "job2"): encode(rival)})
+    capsys.readouterr()
+    assert await cli("workload", "status", "job1", "--wait", "0") == 1
+    assert "ChannelConflict: channel 5 of d1 is claimed by workloads job1, job2" in (
+        capsys.readouterr().out
+    )
+    assert await cli("workload", "list") == 1
+    assert "ChannelConflict: channel 5 of d1" in capsys.readouterr().err
+    assert await cli("domain", "status", "d1") == 1
+    assert "ChannelConflict: channel 5 of d1" in capsys.readouterr().err
+    before = await records(broker)
+    for name in ("job1", "job2"):
+        code, text = await create(settings, name, nodes=["n1"], channel=5)
+        assert code == 2, text
+        assert "is also claimed by workload" in text
+    assert await records(broker) == before
+
+
+QUEUED = 1100
+"""More retained records than Mosquitto delivers to one QoS 1 subscription at once: 20 in
+flight plus `max_queued_messages` (1000) queued; the rest it drops, with no error."""
+
+
+async def test_reads_that_do_not_race_see_records_beyond_the_brokers_queue(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QUEUED workloads over many domains (per-job domains): `workload list` shows them
+    all and `workload delete` of the last one, without --domain (the Slurm epilog's
+    default), finds it: only `create`'s channel race reads at QoS 1."""
+    names = [f"job-{i:04d}" for i in range(1, QUEUED + 1)]
+    await put(broker, {T.workload(n, n): encode(record(n, 0, domain=n)) for n in names})
+    capsys.readouterr()
+    assert await cli("workload", "list", "--json") == 0
+    assert len(json.loads(capsys.readouterr().out)) == QUEUED
+    assert await cli("workload", "delete", names[-1], "--wait", "0") == 0
+    assert f"workload {names[-1]} in {names[-1]}: deleted" in capsys.readouterr().out

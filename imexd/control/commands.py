@@ -39,6 +39,7 @@ from imexd.messages import (
     reason_line,
 )
 from imexd.settings import Settings, load_settings
+from imexd.workload_fleet import channel_conflicts, conflict_line
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -365,8 +366,10 @@ def _describe_member(store: Store, domain: str, node: str) -> str:
     return " (".join([parts[0], ", ".join(parts[1:]) + ")"]) if len(parts) > 1 else node
 
 
-async def list_domains(settings: Settings, *, out: TextIO) -> int:
-    """Print every domain with a spec, records, reports or assignments."""
+async def list_domains(settings: Settings, *, out: TextIO, err: TextIO) -> int:
+    """Print every domain with a spec, records, reports or assignments; warn on stderr
+    about each node a spec lists that is a live member of another domain (it stays out
+    of the spec's domain: one IMEX daemon per node)."""
     async with Link(settings.bus) as link:
         t = link.topics
         store = await link.read(
@@ -379,7 +382,29 @@ async def list_domains(settings: Settings, *, out: TextIO) -> int:
         store, now=time.time(), report_interval_s=settings.health.report_interval_s
     )
     print(render_list(summaries), end="", file=out)
+    for name, spec in sorted(store.specs.items()):
+        if spec.state == "deleting":
+            continue
+        for node in spec.nodes or ():
+            for other in _member_elsewhere(store, node, name):
+                print(
+                    f"warning: the spec of {name} lists {node}, a member of {other}: it "
+                    f"stays out of {name} while it is in {other} (`imexd node assign {node} "
+                    f"{name} --steal` moves it, stopping its IMEX daemon in {other})",
+                    file=err,
+                )
     return EXIT_OK
+
+
+def _member_elsewhere(store: Store, node: str, domain: str) -> list[str]:
+    """The other domains in which `node` holds a member record that is not lost."""
+    return sorted(
+        {
+            d
+            for (d, _, n), record in store.members.items()
+            if n == node and d != domain and record.state is not MemberState.LOST
+        }
+    )
 
 
 async def assign(
@@ -545,11 +570,18 @@ async def status(
     The domain is judged again after each message, and the wait ends on the one that
     made it UP: what is printed is that judgement (a Slurm prolog's `--wait` returns the
     moment the last member reported READY and connected, not at a later check).
-    `nodes` (`--nodes`) are the members to judge, instead of the spec's list."""
+    `nodes` (`--nodes`) are the members to judge, instead of the spec's list. Two active
+    workloads of the domain on one channel (a ChannelConflict) are named on stderr and
+    make the exit 1, UP or not."""
     interval = settings.health.report_interval_s
     async with Link(settings.bus) as link:
         t = link.topics
-        store = await link.read(t.spec(name), t.all_members_filter(name), t.health_filter(name))
+        store = await link.read(
+            t.spec(name),
+            t.all_members_filter(name),
+            t.health_filter(name),
+            t.workloads_filter(name),
+        )
         result = _judge_store(store, name, interval, nodes)
 
         def up() -> bool:
@@ -563,13 +595,16 @@ async def status(
         print(status_json(result), file=out)
     elif result.known:
         print(render_status(result), end="", file=out)
+    conflicts = channel_conflicts(store.workloads_of(name))
+    for (domain, channel), names in conflicts.items():
+        print(f"imexd domain status: {conflict_line(domain, channel, names)}", file=err)
     if not result.known:
         print(
             f"imexd: domain {name}: nothing on the bus (no spec, member record or health report)",
             file=err,
         )
         return EXIT_FAILED
-    return EXIT_OK if result.state == "UP" else EXIT_FAILED
+    return EXIT_OK if result.state == "UP" and not conflicts else EXIT_FAILED
 
 
 def _judge_store(

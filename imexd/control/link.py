@@ -10,9 +10,19 @@ control plane would never sync there. The `Link` proves its snapshot the same wa
 of its own non-retained message, which the broker queues after every retained message of
 the earlier subscriptions) on `{p}/domains/_control/sync/{client_id}`: readable and writable
 under the shipped ACL's `{p}/domains/#` grant, and matched by no agent subscription (`_control`
-is not a DNS-1123 label, so it is never a domain). Both links connect through `imexd.mqtt`
-(the same client factory, TLS, password and protocol fallback) and decode with
-`imexd.messages.decode_message`, so both sides drop the same malformed messages.
+is not a DNS-1123 label, so it is never a domain).
+
+An echo is a barrier only behind messages of its own QoS: Mosquitto sends QoS 0 at once but
+holds QoS 1 messages beyond its in-flight window (`max_inflight_messages`, 20 by default)
+in a queue, so a QoS 0 echo overtook a snapshot of 30 retained workloads and `workload
+delete` of the last one said "no workload"; RabbitMQ even keeps one queue per QoS. So the
+link syncs once per QoS it reads at: the QoS 0 echo on the topic above, and, once a QoS 1
+filter is subscribed, a QoS 1 echo on `.../sync/{client_id}/q1` (a QoS 1 subscription of
+its own, so commands that read only at QoS 0 still need no JetStream consumer on NATS).
+
+Both links connect through `imexd.mqtt` (the same client factory, TLS, password and
+protocol fallback) and decode with `imexd.messages.decode_message`, so both sides drop
+the same malformed messages.
 
 A refused subscription (SUBACK failure) is asked for again with backoff within the
 operation timeout, then, while nothing was written on the link, the next broker of `[bus]
@@ -53,13 +63,20 @@ SUBSCRIBE_RETRY_S: Final = (0.25, 2.0)
 """First and largest wait before a refused subscription is asked for again (doubling,
 jittered: `imexd.retry.backoff_delay`), within OPERATION_TIMEOUT_S."""
 READ_QOS: Final = 0
-"""QoS of the control plane's subscriptions, except workload filters (QoS 1). Its reads
-need the retained snapshot, which a broker sends at SUBACK at any QoS, and live reports
-that agents send again every report interval; at QoS 0 a clustered NATS serves them with
-a plain subscription, where QoS 1 makes it create a JetStream consumer per subscription,
-which times out or is refused for tens of seconds after a server died (nats-server 2.9)."""
+"""QoS of the control plane's subscriptions, except the workload filters of a link that
+races for a channel (`Link(race=True)`) and their sync echo (QoS 1). Its reads need the
+retained snapshot, which a broker sends at SUBACK at any QoS, and live reports that
+agents send again every report interval; at QoS 0 a clustered NATS serves them with a
+plain subscription, where QoS 1 makes it create a JetStream consumer per subscription,
+which times out or is refused for tens of seconds after a server died (nats-server 2.9).
+And at QoS 0 a snapshot has no size limit: Mosquitto delivers one QoS 1 subscription at
+most 20 messages in flight plus `max_queued_messages` (1000) queued, and drops the rest
+without a word, so `workload delete` without --domain did not find the 1021st workload
+of a fleet."""
 SYNC_LEVEL: Final = "_control"
 """Topic level under `{p}/domains/` for the sync echo: never a domain (not DNS-1123)."""
+SYNC_QOS1_LEVEL: Final = "q1"
+"""Last level of the QoS 1 sync echo's topic (module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +120,12 @@ class Link:
         client_id: str | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         timeout_s: float = OPERATION_TIMEOUT_S,
+        race: bool = False,
     ) -> None:
         self.settings = settings
+        self.race = race
+        """Workload filters at QoS 1: the channel race of `workload create` judges by
+        every message of them (`qos`)."""
         self.topics = Topics(settings.topic_prefix)
         self.client_id = client_id or default_client_id()
         self.brokers: tuple[BrokerURL, ...] = tuple(parse_broker_url(u) for u in settings.url)
@@ -126,6 +147,7 @@ class Link:
         """Something was published on this link: it may no longer move to another broker."""
         self._reader: asyncio.Task[None] | None = None
         self._sync_topic = f"{self.topics.prefix}/domains/{SYNC_LEVEL}/sync/{self.client_id}"
+        self._sync_topic_q1 = f"{self._sync_topic}/{SYNC_QOS1_LEVEL}"
         self._filters: list[str] = []
         self._seq = itertools.count(1)
         self._echoes: dict[int, asyncio.Future[None]] = {}
@@ -220,7 +242,7 @@ class Link:
     def _on_message(
         self, topic: str, payload: bytes, *, retained: bool, expiry_s: int | None
     ) -> None:
-        if topic == self._sync_topic:
+        if topic in (self._sync_topic, self._sync_topic_q1):
             with contextlib.suppress(ValueError):
                 echo = self._echoes.get(int(payload))
                 if echo is not None and not echo.done():
@@ -266,7 +288,10 @@ class Link:
 
     async def _subscribe(self, filters: Sequence[str]) -> None:
         """Subscribe `filters` here, or (nothing written yet) on the next broker that
-        grants them along with every earlier subscription."""
+        grants them along with every earlier subscription. The first QoS 1 filter brings
+        the QoS 1 sync echo's topic along (`sync`)."""
+        if self._sync_topic_q1 not in self._filters and any(self.qos(f) == 1 for f in filters):
+            filters = [*filters, self._sync_topic_q1]
         client = self._live()
         try:
             await self._grant(client, filters)
@@ -310,12 +335,16 @@ class Link:
             await asyncio.sleep(delay)
 
     def qos(self, topic_filter: str) -> int:
-        """QoS 1 for a workload filter (the channel race judges by every message of it, in
-        the broker's order: none may be missed), `READ_QOS` for every other filter."""
+        """QoS 1 for a workload filter of a racing link (the channel race judges by every
+        message of it, in the broker's order: none may be missed, and a QoS 0 message may
+        be lost across a NATS cluster's routes) and for the QoS 1 sync echo, `READ_QOS`
+        for every other filter."""
+        if topic_filter == self._sync_topic_q1:
+            return 1
         levels = topic_filter.split("/")
         base = self.topics.prefix.count("/") + 1
         workloads = levels[base : base + 1] == ["domains"] and len(levels) > base + 2
-        return 1 if workloads and levels[base + 2] == "workloads" else READ_QOS
+        return 1 if self.race and workloads and levels[base + 2] == "workloads" else READ_QOS
 
     async def _subscribe_qos(self, client: Client, filters: Sequence[str]) -> list[str | None]:
         """Subscribe each filter at its `qos`; per filter None when granted, else why not."""
@@ -334,24 +363,32 @@ class Link:
         return self.store
 
     async def sync(self) -> None:
-        """One round trip: every message the broker queued for us before it is delivered."""
+        """Every message the broker queued for us before now is delivered: one round trip
+        per QoS the link reads at, each echo behind the messages of its QoS (module
+        docstring)."""
         client = self._live()
-        seq = next(self._seq)
-        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._echoes[seq] = echo
+        topics = [t for t in (self._sync_topic, self._sync_topic_q1) if t in self._filters]
+        loop = asyncio.get_running_loop()
+        echoes = {next(self._seq): (topic, loop.create_future()) for topic in topics}
+        self._echoes.update((seq, echo) for seq, (_, echo) in echoes.items())
+        waiting = ""
         try:
             async with asyncio.timeout(self.timeout_s):
-                await client.publish(self._sync_topic, str(seq).encode())
-                await echo
+                for seq, (topic, _) in echoes.items():
+                    await client.publish(topic, str(seq).encode())
+                for topic, echo in echoes.values():
+                    waiting = topic
+                    await echo
         except TimeoutError:
             raise BusError(
-                f"no echo of our sync message on {self._sync_topic} within {self.timeout_s:g} s: "
+                f"no echo of our sync message on {waiting} within {self.timeout_s:g} s: "
                 "the broker must let the control plane read and write it (ACL)"
             ) from None
         except BusError as exc:
             raise BusError(f"cannot publish to {self.broker}: {exc}") from None
         finally:
-            self._echoes.pop(seq, None)
+            for seq in echoes:
+                self._echoes.pop(seq, None)
 
     async def put(self, topic: str, payload: bytes) -> None:
         """Publish a retained message (QoS 1); an empty payload deletes the retained one.

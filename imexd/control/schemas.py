@@ -20,6 +20,7 @@ SCHEMA_NAMES: Final = (
     "Assignment",
     "Presence",
     "WorkloadRecord",
+    "BrokerEpoch",
 )
 
 

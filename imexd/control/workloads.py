@@ -47,6 +47,8 @@ from imexd.messages import WorkloadRecord, encode
 from imexd.settings import Settings
 from imexd.workload_fleet import (
     WorkloadStatus,
+    channel_conflicts,
+    conflict_line,
     judge_workload,
     render_workload_list,
     render_workload_status,
@@ -141,6 +143,7 @@ def _status_of(store: Store, record: WorkloadRecord, report_interval_s: float) -
         members=store.records_of(record.domain),
         now=time.time(),
         report_interval_s=report_interval_s,
+        workloads=store.workloads_of(record.domain),
     )
 
 
@@ -182,7 +185,7 @@ async def create(
     """
     interval = settings.health.report_interval_s
     command = "imexd workload create"
-    async with Link(settings.bus) as link:
+    async with Link(settings.bus, race=True) as link:
         t = link.topics
         topic = t.workload(domain, name)
         store = await link.read(
@@ -205,6 +208,17 @@ async def create(
             print(
                 f"{command}: workload {name} of {domain} exists on channel {kept.channel}, not "
                 f"{channel}: delete it first to move it to another channel",
+                file=err,
+            )
+            return EXIT_USAGE
+        conflicts = channel_conflicts(store.workloads_of(domain))
+        rivals = conflicts.get((domain, kept.channel), []) if kept is not None else []
+        if kept is not None and len(rivals) > 1:
+            others = ", ".join(r for r in rivals if r != name)
+            print(
+                f"{command}: channel {kept.channel} of {domain} is also claimed by workload "
+                f"{others} (a ChannelConflict: agents give it to the one that held it first): "
+                "delete the one that should not be there before writing either again",
                 file=err,
             )
             return EXIT_USAGE
@@ -400,9 +414,10 @@ async def delete(
 
 
 async def list_workloads(
-    settings: Settings, *, domain: str | None, as_json: bool, out: TextIO
+    settings: Settings, *, domain: str | None, as_json: bool, out: TextIO, err: TextIO
 ) -> int:
-    """Print every workload (of `domain`, or of every domain) with its readiness."""
+    """Print every workload (of `domain`, or of every domain) with its readiness; exit 1
+    when two active workloads of a domain claim one channel (each named on stderr)."""
     interval = settings.health.report_interval_s
     scope = domain or "+"
     async with Link(settings.bus) as link:
@@ -417,7 +432,10 @@ async def list_workloads(
         print(workload_list_json(statuses), file=out)
     else:
         print(render_workload_list(statuses), end="", file=out)
-    return EXIT_OK
+    conflicts = channel_conflicts(store.workloads.values())
+    for (name, channel), names in conflicts.items():
+        print(f"imexd workload list: {conflict_line(name, channel, names)}", file=err)
+    return EXIT_FAILED if conflicts else EXIT_OK
 
 
 async def status(
