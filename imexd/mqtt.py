@@ -292,12 +292,47 @@ def _watch(client: aiomqtt.Client) -> _Watch:
     return watch
 
 
+def _guard_writer(client: aiomqtt.Client) -> None:
+    """Register paho's write interest only while its socket is still the open one.
+
+    aiomqtt defers `add_writer(fd)` to the loop (paho may ask from the connect's executor
+    thread); when the link breaks in between, paho has closed the socket by the time it
+    runs: asyncio then logs EBADF as an error, or, were the number reused, would watch
+    someone else's descriptor. The same deferral, with the check made when it runs.
+    """
+    loop = client._loop
+
+    def register_write(paho_client: paho.Client, userdata: object, sock: object) -> None:
+        def write() -> None:
+            try:
+                paho_client.loop_write()
+            except Exception as exc:  # a broken pipe: the link is over, as aiomqtt has it
+                if not client._disconnected.done():
+                    client._disconnected.set_exception(exc)
+
+        def when_still_open() -> None:
+            current = paho_client.socket()
+            if current is not None and current is sock and current.fileno() >= 0:
+                loop.add_writer(current.fileno(), write)
+
+        loop.call_soon_threadsafe(when_still_open)
+
+    client._client.on_socket_register_write = register_write
+
+
+def _own_end(ended: asyncio.Future[None]) -> None:
+    """Mark the end of a link as seen (its cause is read where the end is handled)."""
+    if not ended.cancelled():
+        ended.exception()
+
+
 class Client:
     """One connection to one broker, made by `connect`; every failure is a BusError."""
 
     def __init__(self, inner: aiomqtt.Client, *, v5: bool) -> None:
         self._inner = inner
         self._watch = _watch(inner)
+        _guard_writer(inner)
         self.v5 = v5
         """Whether the link speaks MQTT 5 (else 3.1.1: no will delay, no properties)."""
 
@@ -561,5 +596,9 @@ async def connect(
         except BaseException:
             client.discard()
             raise
+        # aiomqtt keeps the link's end as an exception on this future, awaited only by its
+        # own iterator and `__aexit__`; we learn of the end from `_watch` (and read the
+        # cause there), so a link that ends while no one awaits it is not a lost error.
+        inner._disconnected.add_done_callback(_own_end)
         return client
     raise AssertionError("protocol_versions() is never empty")  # pragma: no cover

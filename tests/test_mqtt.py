@@ -8,6 +8,8 @@ library code they stand in for.
 
 from __future__ import annotations
 
+import asyncio
+
 import aiomqtt
 import pytest
 from hypothesis import given
@@ -17,7 +19,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from imexd import mqtt
+from imexd.demo.brokers import Mosquitto
 from imexd.mqtt import topic_matches
+from imexd.settings import BusSettings, parse_broker_url
 
 LEVEL = st.sampled_from(["a", "b", "c", "", "imex", "n1%2Ex", "$SYS"])
 TOPIC = st.lists(LEVEL, min_size=1, max_size=5).map("/".join).filter(bool)
@@ -146,3 +150,51 @@ def test_the_shared_tables_stay_as_paho_builds_them() -> None:
     shared = Properties(PacketTypes.PUBLISH)
     for table in ("types", "names", "properties"):
         assert getattr(shared, table) == getattr(fresh, table)
+
+
+async def test_a_link_the_broker_ended_leaves_no_unretrieved_exception(
+    broker: Mosquitto,
+) -> None:
+    """The broker goes away while nobody reads the link's messages (a link between its
+    connect and its reader, or one being closed): aiomqtt stores the end as an exception
+    on a future that no one may ever await. The link owns that end, so asyncio never logs
+    "Future exception was never retrieved" for it (seen on a NATS server killed under
+    agents, as an `asyncio.error` in the agent's log)."""
+    settings = BusSettings(url=(broker.url,), protocol="3.1.1")
+    client = await mqtt.connect(
+        settings, parse_broker_url(broker.url), client_id="ended", timeout_s=5.0
+    )
+    ended = client._inner._disconnected
+    broker.stop()
+    async with asyncio.timeout(10):
+        while not ended.done():  # noqa: ASYNC110 - aiomqtt's own future, no event to wait on
+            await asyncio.sleep(0.02)
+    # What asyncio's never-retrieved check looks at when the future is collected
+    # (read before `exception()`, which clears it).
+    assert ended._log_traceback is False  # type: ignore[attr-defined]
+    assert ended.exception() is not None  # the end is an error, not a clean DISCONNECT
+
+
+async def test_a_write_registered_as_the_link_breaks_touches_no_closed_socket(
+    broker: Mosquitto,
+) -> None:
+    """paho asks for write interest (a publish), and the link breaks before the loop runs
+    the deferred `add_writer`: the descriptor is closed by then, which asyncio reported
+    as an `asyncio.error` (EBADF) in the agent's log (seen on a broker outage in CI)."""
+    settings = BusSettings(url=(broker.url,), protocol="3.1.1")
+    client = await mqtt.connect(
+        settings, parse_broker_url(broker.url), client_id="breaking", timeout_s=5.0
+    )
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        paho_client = client._inner._client
+        sock = paho_client.socket()
+        assert sock is not None
+        paho_client.on_socket_register_write(paho_client, None, sock)  # type: ignore[misc]
+        paho_client._sock_close()  # the reader saw the break, in the same loop turn
+        await asyncio.sleep(0.1)
+    finally:
+        loop.set_exception_handler(None)
+    assert errors == []
