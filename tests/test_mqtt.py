@@ -171,7 +171,7 @@ async def test_a_link_the_broker_ended_leaves_no_unretrieved_exception(
             await asyncio.sleep(0.02)
     # What asyncio's never-retrieved check looks at when the future is collected
     # (read before `exception()`, which clears it).
-    assert ended._log_traceback is False  # type: ignore[attr-defined]
+    assert ended._log_traceback is False
     assert ended.exception() is not None  # the end is an error, not a clean DISCONNECT
 
 

@@ -75,7 +75,7 @@ def one(tmp_path: Path) -> Iterator[Cluster]:
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[Cluster]:
     """Agents on a cluster of three nats-servers; each agent has all three URLs."""
-    servers = NatsCluster(tmp_path / "nats", size=3)
+    servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1)
     servers.start()
     cluster = Cluster(tmp_path, broker=servers)
     try:
@@ -196,8 +196,10 @@ def server_with_agent(
 def fail_over(c: Cluster, nodes: list[Node], dead: Nats) -> None:
     """Wait until every agent of `nodes` is connected and synced to a server other than
     `dead` (an agent on a live server may have lost its link too, while JetStream moved
-    its leaders)."""
-    c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=45)
+    its leaders). nats-server 2.9 recreates every JetStream consumer of every MQTT session
+    that moves; on 2 busy cores its subscriptions are refused for tens of seconds before
+    that settles (20 to 30 s is usual here), hence the wide bound."""
+    c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=120)
 
 
 def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) -> None:
@@ -272,7 +274,7 @@ def test_a_nats_restart_keeps_the_retained_state_and_the_daemons(one: Cluster) -
         assert n.log_events("bus_connected")[-1]["reconnects"] >= 1, n.name
 
 
-@pytest.mark.timeout(300)  # the waits below are bounded; this only backs them up
+@pytest.mark.timeout(480)  # the waits below are bounded; this only backs them up
 def test_agents_fail_over_across_a_nats_cluster(three: Cluster) -> None:
     """Three servers, agents with all three URLs: killing the server an agent is on, and
     later another, moves the agents over; the domain stays UP, the retained state is

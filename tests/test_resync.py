@@ -253,7 +253,9 @@ async def test_a_busy_event_loop_does_not_end_a_link_that_works(broker: Mosquitt
 def nats3(tmp_path: Path) -> Iterator[NatsCluster]:
     if find_nats_server() is None:
         pytest.skip("nats-server is not installed (apt-get install nats-server)")
-    servers = NatsCluster(tmp_path / "nats", size=3)
+    servers = NatsCluster(
+        tmp_path / "nats", size=3, consumer_replicas=1
+    )  # as docs/brokers.md recommends
     servers.start()
     try:
         yield servers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -18,6 +19,8 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -318,6 +321,8 @@ class Nats:
         """The MQTT port."""
         self.client_port = free_port()
         """The NATS client port (nats-server always opens one)."""
+        self.monitor_port = free_port()
+        """The HTTP monitoring port: `/healthz` says whether JetStream is current."""
         self.cluster_port = cluster_port
         self.routes = routes
         """Cluster ports of every server of the cluster (its own one is ignored)."""
@@ -343,6 +348,7 @@ class Nats:
         lines = [
             f"server_name: {self.name}",
             f"listen: {self.host}:{self.client_port}",
+            f"http: {self.host}:{self.monitor_port}",
             f'jetstream {{ store_dir: "{self.workdir / "jetstream"}" }}',
             "mqtt {",
             f"  listen: {self.host}:{self.port}",
@@ -396,6 +402,27 @@ class Nats:
                     f"{problem}\n{log_tail(self.log_path)}"
                 )
             time.sleep(0.1)
+
+    def health_problem(self) -> str:
+        """What nats-server's `/healthz` says is wrong ("" when it says ok): on a cluster
+        member, whether its JetStream is current with the meta leader and its streams and
+        consumers have caught up (a restarted server that has not, counts as missing
+        from every quorum)."""
+        url = f"http://{self.host}:{self.monitor_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+        except OSError as exc:
+            return f"{url}: {exc}"
+        try:
+            verdict = json.loads(body)
+        except ValueError:
+            return f"{url}: not JSON: {body[:200]!r}"
+        if isinstance(verdict, dict) and verdict.get("status") == "ok":
+            return ""
+        return f"{url}: {verdict}"
 
     def start(self, *, timeout: float = NATS_START_TIMEOUT_S) -> None:
         """Start it and wait until it accepts MQTT clients; DemoError (with its log) when
@@ -514,12 +541,19 @@ class NatsCluster:
             raise
 
     def wait_ready(self, deadline: float) -> None:
-        """Wait until every running server accepts MQTT and retained messages flow
-        between them (the JetStream meta leader is elected, the streams are placed)."""
+        """Wait until every running server accepts MQTT, retained messages flow between
+        them (the JetStream meta leader is elected, the streams are placed) and each says
+        it is healthy (current with the meta leader: a server killed after this leaves a
+        quorum behind)."""
         running = [s for s in self.servers if s.alive()]
         for server in running:
             server.wait_ready(deadline)
         retained_flow(running, deadline)
+        for server in running:
+            while problem := server.health_problem():
+                if time.monotonic() > deadline:
+                    raise DemoError(f"nats-server {server.name} is not healthy: {problem}")
+                time.sleep(0.2)
 
     def stop(self, *, timeout: float = 10.0) -> None:
         for server in self.servers:
