@@ -60,7 +60,7 @@ def test_distinct_names_get_distinct_ids() -> None:
 
 
 @pytest.fixture(params=["mosquitto", *nats_builds.PARAMS])
-def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mosquitto | Nats]:
+def any_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mosquitto | Nats]:
     """Mosquitto, then each nats-server build of tests/nats_builds.py."""
     server: Mosquitto | Nats
     if request.param == "mosquitto":
@@ -74,18 +74,20 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mosquitto
         server.stop()
 
 
-async def test_the_broker_accepts_every_derived_id(broker: Mosquitto | Nats) -> None:
-    url = parse_broker_url(broker.url)
-    settings = BusSettings(url=(broker.url,), protocol="3.1.1")
+async def test_the_broker_accepts_every_derived_id(any_broker: Mosquitto | Nats) -> None:
+    url = parse_broker_url(any_broker.url)
+    settings = BusSettings(url=(any_broker.url,), protocol="3.1.1")
     for name in NAMES:
         client = await connect(settings, url, client_id=client_id("imexd", name), timeout_s=10.0)
         assert await client.close(5.0) is None, name
 
 
 @pytest.mark.slow
-def test_agents_with_dotted_names_form_a_domain(broker: Mosquitto | Nats, tmp_path: Path) -> None:
+def test_agents_with_dotted_names_form_a_domain(
+    any_broker: Mosquitto | Nats, tmp_path: Path
+) -> None:
     """Real agents whose node names are FQDNs connect and form (on NATS too)."""
-    cluster = Cluster(tmp_path / "agents", broker=broker)
+    cluster = Cluster(tmp_path / "agents", broker=any_broker)
     try:
         nodes = [cluster.add(name) for name in ("n1.rack-a.example.com", "n2.rack-a.example.com")]
         formed(cluster, nodes)
