@@ -70,6 +70,7 @@ from imexd.demo.brokers import (  # noqa: E402
     log_tail,
     mqtt_connect_problem,
 )
+from imexd.names import client_id  # noqa: E402
 from tests.cluster import Node  # noqa: E402
 
 DOMAIN: Final = "d1"
@@ -481,7 +482,7 @@ class Marker:
     def _client(self) -> Iterator[paho.Client]:
         client = paho.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"bench-{secrets.token_hex(4)}",
+            client_id=client_id("bench", secrets.token_hex(4)),
             protocol=paho.MQTTv311,
         )
         client.connect(*self.target.endpoint)

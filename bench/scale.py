@@ -3,6 +3,8 @@ a three-server NATS cluster.
 
     .venv/bin/python bench/scale.py --nodes 256 --cliques 16
     .venv/bin/python bench/scale.py --nodes 1024 --cliques 57 --broker nats-cluster
+    .venv/bin/python bench/scale.py --nodes 18 --cliques 1 --broker nats-cluster \
+        --nats-server .venv/nats-server-2.14.0/nats-server   # another nats-server build
     .venv/bin/python bench/scale.py --nodes 64 --cliques 4 --workers 2   # a quick look
     .venv/bin/python bench/scale.py --nodes 256 --cliques 16 --profile   # where CPU goes
     .venv/bin/python bench/scale.py --nodes 256 --cliques 16 --rebuild   # an empty broker
@@ -28,6 +30,8 @@ address, state dir, run dir, hosts file, health port 0, a fake driver under its 
 and `[bus] will_delay_s` = `--will-delay-s` (2 s, so the crash is short), plus the
 broker's URLs (`--broker nats-cluster`: all three, in an order rotated per agent so the
 agents spread over the servers; NATS: `[bus] protocol = "3.1.1"`, all it speaks).
+`--nats-server PATH` runs that nats-server binary (default: the one on PATH, else
+/usr/sbin/nats-server); its `--version` is printed with the machine.
 
 Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden):
 1. formation: every agent starts at once. Measured from the last agent's first link up
@@ -97,7 +101,7 @@ import structlog
 import imexd.agent
 from imexd.agent import Agent
 from imexd.bus import Bus
-from imexd.demo.brokers import Mosquitto, Nats, NatsCluster
+from imexd.demo.brokers import Mosquitto, Nats, NatsCluster, find_nats_server
 from imexd.demo.nodes import fake_driver
 from imexd.messages import DomainSpec, Payload, Topics, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
@@ -537,8 +541,9 @@ class BrokerUnderTest:
     """Stop and start it again on its port, empty (Mosquitto without persistence)."""
 
 
-def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
-    """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`.
+def start_broker(kind: str, folder: Path, nats_server: str | None = None) -> BrokerUnderTest:
+    """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`
+    (NATS: the binary `nats_server`, None: `find_nats_server`).
     Blocking (NATS's readiness check runs an event loop of its own): run it in a thread."""
     if kind == "mosquitto":
         mosquitto = Mosquitto(folder)
@@ -555,11 +560,11 @@ def start_broker(kind: str, folder: Path) -> BrokerUnderTest:
             kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop, mosquitto_restart
         )
     if kind == "nats":
-        single = Nats(folder)
+        single = Nats(folder, binary=nats_server)
         single.start()
         servers = [single]
     else:
-        cluster = NatsCluster(folder, size=3)
+        cluster = NatsCluster(folder, size=3, binary=nats_server)
         cluster.start()
         servers = cluster.servers
 
@@ -619,6 +624,7 @@ class Options:
     profile: bool = False
     ramp_s: float = 0.0
     rebuild: bool = False
+    nats_server: str | None = None
 
 
 def processes_cpu(procs: Iterable[psutil.Process]) -> float:
@@ -803,7 +809,9 @@ class Bench:
     async def setup(self) -> None:
         load = os.getloadavg()
         self.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
-        self.broker = await asyncio.to_thread(start_broker, self.opts.broker, self.root / "broker")
+        self.broker = await asyncio.to_thread(
+            start_broker, self.opts.broker, self.root / "broker", self.opts.nats_server
+        )
         sizes = clique_sizes(self.opts.nodes, self.opts.cliques)
         self.log(
             f"{self.opts.cliques} cliques of {min(sizes)}..{max(sizes)}, "
@@ -1267,6 +1275,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         default="mosquitto",
         help="mosquitto (default), one nats-server, or a cluster of three",
     )
+    parser.add_argument(
+        "--nats-server",
+        default=None,
+        metavar="PATH",
+        help="the nats-server binary (default: on PATH, else /usr/sbin/nats-server)",
+    )
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
     parser.add_argument(
@@ -1323,6 +1337,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         profile=args.profile,
         ramp_s=args.ramp_s,
         rebuild=args.rebuild,
+        nats_server=args.nats_server,
     )
 
 
@@ -1354,6 +1369,20 @@ def machine() -> str:
     )
 
 
+def nats_server_version(binary: str | None) -> str:
+    """`nats-server --version` of `binary` (None: the one `find_nats_server` finds)."""
+    path = binary or find_nats_server()
+    if path is None:
+        return "no nats-server found"
+    try:
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{path}: {exc}"
+    return f"{path}: {done.stdout.strip() or done.stderr.strip()}"
+
+
 def raise_fd_limit() -> None:
     """Every agent holds a few sockets and the broker one per agent: the soft limit of
     open files goes up to the hard one (inherited by the broker and the workers)."""
@@ -1370,6 +1399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_fd_limit()
     root = Path(tempfile.mkdtemp(prefix="imexd-scale-", dir=opts.workdir))
     print(f"machine: {machine()}")
+    if opts.broker != "mosquitto":
+        print(f"nats-server: {nats_server_version(opts.nats_server)}")
     print(f"work folder: {root}", flush=True)
     bench: Bench | None = None
     try:

@@ -56,6 +56,7 @@ from imexd.logs import get_logger
 from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Topics
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
+from imexd.names import client_id
 from imexd.pacer import Pacer
 from imexd.probe import Prober
 from imexd.rebuild import Rebuilder
@@ -311,7 +312,7 @@ class Agent:
             # Our will would clear the other's record; another client id stops the two
             # from taking the broker session from each other.
             bus.set_will(None)
-            bus.set_client_id(f"{self._client_id}-duplicate-{shard.incarnation}")
+            bus.set_client_id(client_id("imexd", self.node, "duplicate", str(shard.incarnation)))
         elif identity is Identity.BACK:
             bus.set_client_id(self._client_id)
             if shard.current is not None:
@@ -349,7 +350,9 @@ class Agent:
 
     @property
     def _client_id(self) -> str:
-        return f"imexd-{self.node}"
+        """`imexd-<node>`, with a node name that is not a valid client id encoded
+        (`names.client_id`)."""
+        return client_id("imexd", self.node)
 
     def _first_will(self) -> WillSpec | None:
         """The will of the first CONNECT (MQTT sets it only there), so that joining a shard

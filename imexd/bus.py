@@ -6,7 +6,7 @@ connection: its subscriptions, its retained records and its Last Will. The calle
 reconnects, re-subscribes or re-publishes itself; it declares what it wants and reads
 typed events:
 
-    async with Bus(settings.bus, node=node, client_id=f"imexd-{node}", will=will) as bus:
+    async with Bus(settings.bus, node=node, client_id=client_id("imexd", node), will=will) as bus:
         await bus.subscribe(bus.topics.members_filter(domain, clique))
         await bus.retain(bus.topics.member(domain, clique, node), record)
         async for event in bus.events():

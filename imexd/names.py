@@ -2,13 +2,15 @@
 
 Settings validate `[node] name` and `[domain] name` with them, the bus checks the names
 inside a topic with them before trusting a record, and the control plane refuses bad
-command-line names with them (exit 2). One leaf module, so that all of them agree and
+command-line names with them (exit 2); every MQTT client id is derived here
+(`client_id`). One leaf module, so that all of them agree and
 none imports another to ask. The payload types in `imexd.messages` state the same rules
 as JSON Schema patterns (they must stay expressible there).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import Counter
 from typing import Final
@@ -16,6 +18,10 @@ from typing import Final
 DNS1123_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS1123_SUBDOMAIN_PART: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 CLIQUE_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CLIENT_ID_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]+")
+CLIENT_ID_MAX: Final = 64
+"""The longest derived client id (MQTT 3.1.1 promises only 23 characters, but every broker
+of docs/brokers.md takes longer ones; a node name may be 253)."""
 MAX_NODES_LIMIT: Final = 2048
 """The most slots per clique a domain may have (the payloads' `MaxNodes` bound)."""
 
@@ -37,6 +43,26 @@ def is_dns1123_subdomain(name: str) -> bool:
 def is_clique_id(value: str) -> bool:
     """A clique id as a bus topic level: `<uuid>.<id>`-like, no '/', '+' or '#'."""
     return bool(CLIQUE_RE.match(value))
+
+
+def client_id(*parts: str) -> str:
+    """The MQTT client id of `parts` joined by '-', in a form every broker accepts.
+
+    Kept as it is when it holds only ASCII letters, digits, '_' and '-' and is at most
+    `CLIENT_ID_MAX` characters (`client_id("imexd", "n1")` is "imexd-n1"). Otherwise each
+    run of other characters becomes one '-', the readable part is cut to fit, and '-' and
+    the first 8 hex digits of the SHA-256 of the joined original are appended:
+    "n0027.c01.scale" gives "imexd-n0027-c01-scale-" and a hash. The same parts always
+    give the same id, and two that differ give different ones (short of a hash collision):
+    nats-server 2.14 refuses a client id holding a dot, and node names are often FQDNs.
+    """
+    original = "-".join(parts)
+    readable = CLIENT_ID_UNSAFE.sub("-", original)
+    if readable == original and 0 < len(original) <= CLIENT_ID_MAX:
+        return original
+    digest = hashlib.sha256(original.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    head = readable[: CLIENT_ID_MAX - len(digest) - 1].rstrip("-") or "id"
+    return f"{head}-{digest}"
 
 
 def domain_problem(name: str, *, kind: str = "domain") -> str | None:

@@ -1,5 +1,6 @@
 """Agents on NATS: nats-server's MQTT listener (3.1.1 only, retained messages in a
-JetStream stream), alone and as a three-server JetStream cluster.
+JetStream stream), alone (once per build of tests/nats_builds.py: Debian's 2.9.10 and
+the upstream 2.14.0) and as a three-server JetStream cluster (Debian's build).
 
 A real clique id holds a dot (`<uuid>.<clique>`) and so may a node name; NATS makes every
 topic level a subject token, where a dot would split the level, so these tests use both
@@ -31,16 +32,11 @@ from imexd.demo.brokers import Nats, NatsCluster, find_nats_server
 from imexd.errors import BusError
 from imexd.messages import Topics
 from imexd.settings import BusSettings
+from tests import nats_builds
 from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
 from tests.support import IMEXD
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        find_nats_server() is None,
-        reason="nats-server is not installed (apt-get install nats-server)",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
 """A clique id as the driver reports it: the cluster UUID, a dot, the clique number."""
@@ -59,10 +55,11 @@ def check_closed(cluster: Cluster) -> None:
         assert node.log_problems() == [], node.name
 
 
-@pytest.fixture
-def one(tmp_path: Path) -> Iterator[Cluster]:
-    """Agents on one nats-server (JetStream in tmp_path, so it survives a restart)."""
-    server = Nats(tmp_path / "nats")
+@pytest.fixture(params=nats_builds.PARAMS)
+def one(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """Agents on one nats-server (JetStream in tmp_path, so it survives a restart), once
+    per build of tests/nats_builds.py (Debian's 2.9.10, the upstream 2.14.0)."""
+    server = Nats(tmp_path / "nats", binary=request.param)
     server.start()
     cluster = Cluster(tmp_path, broker=server)
     try:
@@ -74,7 +71,10 @@ def one(tmp_path: Path) -> Iterator[Cluster]:
 
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[Cluster]:
-    """Agents on a cluster of three nats-servers; each agent has all three URLs."""
+    """Agents on a cluster of three nats-servers (Debian's build only: three servers are
+    slow on 2 cores); each agent has all three URLs."""
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed (apt-get install nats-server)")
     servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1)
     servers.start()
     cluster = Cluster(tmp_path, broker=servers)

@@ -52,6 +52,7 @@ from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, Topics, WorkloadRecord, decode_message
 from imexd.mqtt import Client, connect, topic_matches
+from imexd.names import client_id
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 
@@ -96,7 +97,7 @@ class _NotGrantedError(BusError):
 def default_client_id() -> str:
     """`imexd-control-<pid>-<random>`: the random part keeps two control planes with the
     same pid (one per container, say) from taking each other's session over."""
-    return f"imexd-control-{os.getpid()}-{secrets.token_hex(3)}"
+    return client_id("imexd-control", str(os.getpid()), secrets.token_hex(3))
 
 
 class Link:

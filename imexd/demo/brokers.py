@@ -29,6 +29,7 @@ from typing import Any, Final, Self
 from imexd.demo import DemoError
 from imexd.errors import BusError
 from imexd.mqtt import Client, connect
+from imexd.names import client_id
 from imexd.settings import BusSettings, parse_broker_url
 
 BROKER_ENV: Final = "IMEXD_DEMO_BROKER"
@@ -267,9 +268,9 @@ def mqtt_connect_problem(host: str, port: int, *, timeout: float = 2.0) -> str |
     """None when an MQTT 3.1.1 CONNECT (clean session) to host:port is accepted; else
     what went wrong. A NATS server accepts TCP before its MQTT streams exist, so a listening
     port alone does not mean that a client can connect."""
-    client_id = f"imexd-probe-{secrets.token_hex(4)}".encode()
+    identifier = client_id("imexd-probe", secrets.token_hex(4)).encode()
     variable = b"\x00\x04MQTT\x04\x02\x00\x0a"  # protocol name and level 4, clean session, 10 s
-    body = variable + len(client_id).to_bytes(2, "big") + client_id
+    body = variable + len(identifier).to_bytes(2, "big") + identifier
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.settimeout(timeout)
@@ -627,7 +628,7 @@ async def _connect(server: Nats, wait_s: float) -> Client:
     return await connect(
         settings,
         parse_broker_url(server.url),
-        client_id=f"imexd-ready-{secrets.token_hex(4)}",
+        client_id=client_id("imexd-ready", secrets.token_hex(4)),
         timeout_s=wait_s,
         connect_timeout_s=wait_s,
     )
