@@ -400,3 +400,35 @@ def test_free_ports_lie_outside_the_kernels_ephemeral_range() -> None:
     ports = [brokers.free_port() for _ in range(200)]
     assert not [p for p in ports if low <= p <= high]
     assert len(set(ports)) == len(ports)
+
+
+def test_child_pythons_ignore_the_current_folder(tmp_path: Path) -> None:
+    """Run from the folder that holds a clone, a child `python -m imexd` still imports
+    the installed package: the clone's `imexd/` must not shadow it."""
+    from imexd.demo.nodes import DemoNode, _tool
+    from imexd.process import python_module
+
+    node = DemoNode(
+        name="n1",
+        address="127.0.0.1",
+        folder=tmp_path / "n1",
+        settings={"node": {}, "imex": {}, "health": {}},
+    )
+    assert node.command()[:4] == [sys.executable, "-P", "-m", "imexd"]
+    assert node.command()[4:] == ["run", "--config", str(node.config_path)]
+    wrapper = Path(_tool("no-such-imexd-tool", "imexd.sim.daemon", tmp_path))
+    assert f'"{sys.executable}" -P -m imexd.sim.daemon' in wrapper.read_text()
+
+    shadow = tmp_path / "clone" / "imexd"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise SystemExit('the clone shadowed imexd')\n")
+    done = subprocess.run(
+        [*python_module("imexd"), "--version"],
+        cwd=shadow.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "shadowed" not in done.stderr
