@@ -173,8 +173,9 @@ class Metrics:
         yield state
         yield CounterMetricFamily(
             "imexd_daemon_restarts",
-            "Restarts of an IMEX daemon that had been running (running jobs lost their "
-            "imports), since the agent started.",
+            "Restarts of an IMEX daemon that had been running and exited unplanned "
+            "(running jobs lost their imports), since the agent started; a planned stop "
+            "or restart does not count.",
             d.restarts,
         )
         yield CounterMetricFamily(
