@@ -226,16 +226,17 @@ def _load_with_env_file(config: str | None, env_file: str) -> Settings:
     """The settings as the systemd unit gives them to the agent: the file, then the
     variables of `env_file` (not this shell's). Warnings go to stderr."""
     from imexd.envfile import read_env_file  # noqa: PLC0415 - lazy: only this option
-    from imexd.settings import ENV_PREFIX, iter_settings, load_settings  # noqa: PLC0415
+    from imexd.settings import ENV_PREFIX, env_setting, load_settings  # noqa: PLC0415
 
     parsed = read_env_file(env_file)
-    known = {info.env for info in iter_settings()}
     warnings = list(parsed.warnings)
+    # A name of a settings section is checked by load_settings (an unknown key there is
+    # an error); only the others are ignored, and said so.
     warnings += [
         f"{parsed.labels[name]}: not a setting (known: IMEXD_<SECTION>_<KEY>, see "
         "docs/configuration.md); imexd ignores it"
         for name in parsed.environ
-        if name.startswith(ENV_PREFIX) and name not in known
+        if name.startswith(ENV_PREFIX) and env_setting(name) is None
     ]
     for warning in warnings:
         print(f"imexd config: warning: {warning}", file=sys.stderr)

@@ -281,3 +281,32 @@ def test_the_parsers_copies_of_constants_match() -> None:
 
     assert cli_args.MAX_CHANNEL == messages.MAX_CHANNEL
     assert cli_args.DEFAULT_CONFIG_PATH == settings.DEFAULT_CONFIG_PATH
+
+
+def test_an_env_files_misspelt_setting_is_one_problem_not_also_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """IMEXD_DOMAIN_MAXNODES is an unknown setting of [domain] (exit 2, with a
+    suggestion), not also "not a setting; imexd ignores it". A name of no section
+    (IMEXD_FOO) is the only kind imexd ignores."""
+    (tmp_path / "imexd.toml").write_text("")
+    env = tmp_path / "imexd.env"
+    env.write_text("IMEXD_DOMAIN_MAXNODES=4\nIMEXD_FOO=1\n")
+    code = main(["config", "-c", str(tmp_path / "imexd.toml"), "--env-file", str(env)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "IMEXD_DOMAIN_MAXNODES: unknown setting domain.maxnodes" in err
+    assert "did you mean IMEXD_DOMAIN_MAX_NODES?" in err
+    assert "IMEXD_DOMAIN_MAXNODES: not a setting" not in err
+    assert "IMEXD_FOO: not a setting" in err
+
+
+def test_a_duplicate_toml_key_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tomllib says only "Cannot overwrite a value (at line 3, column 11)": the key is
+    named too."""
+    config = tmp_path / "imexd.toml"
+    config.write_text('[node]\nname = "a"\nname = "b"\n')
+    assert main(["config", "-c", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err
+    assert "duplicate key 'name'" in err, err
