@@ -807,6 +807,7 @@ def test_an_unreachable_broker_exits_1_with_a_clear_message() -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"imexd: cannot connect to {url}: ")
     assert "refused" in proc.stderr.lower()
+    assert "check [bus] url" in proc.stderr, "where the address came from"
     assert "Traceback" not in proc.stderr
 
 
