@@ -126,6 +126,10 @@ class Metrics:
         """Count one failed probe of `kind` (see PROBE_KINDS)."""
         self._probe_failures.labels(kind=kind).inc()
 
+    def known_task(self, task: str) -> None:
+        """Show imexd_task_failures_total of `task` from zero (the guard starts it)."""
+        self._task_failures.labels(task=task)
+
     def count_task_failure(self, task: str) -> None:
         """Count one unexpected error that ended the agent's task `task`."""
         self._task_failures.labels(task=task).inc()
