@@ -17,10 +17,10 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, cast
 
 from imexd import __version__
-from imexd.cli_args import command, config_arg, run_async
+from imexd.cli_args import Parser, SubParsers, command, config_arg, run_async, seconds
 from imexd.cli_control import add_control_commands
 from imexd.errors import ConfigError, ImexdError
 
@@ -45,14 +45,19 @@ CONFIG_EXITS: Final = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="imexd",
         description="Node-local supervisor for the NVIDIA IMEX daemon.",
         epilog="exit codes: 0 success, 1 failure or not ready, 2 usage or configuration "
         "error; each command's --help lists its own.",
     )
     parser.add_argument("--version", action="version", version=f"imexd {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Parser's subcommands are Parsers too (argparse makes them of the parser's class);
+    # the helpers only need an ArgumentParser's methods.
+    sub = cast(
+        "SubParsers[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
+    )
 
     p = command(sub, "run", "run the agent (systemd service, container)", RUN_EXITS)
     config_arg(p)
@@ -108,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=20.0,
         metavar="SECONDS",
         help="how long the NVML child may take (default %(default)g)",
@@ -182,7 +187,7 @@ def _agent_url_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=3.0,
         metavar="SECONDS",
         help="how long to wait for the agent's answer (default %(default)g)",
@@ -221,16 +226,17 @@ def _load_with_env_file(config: str | None, env_file: str) -> Settings:
     """The settings as the systemd unit gives them to the agent: the file, then the
     variables of `env_file` (not this shell's). Warnings go to stderr."""
     from imexd.envfile import read_env_file  # noqa: PLC0415 - lazy: only this option
-    from imexd.settings import ENV_PREFIX, iter_settings, load_settings  # noqa: PLC0415
+    from imexd.settings import ENV_PREFIX, env_setting, load_settings  # noqa: PLC0415
 
     parsed = read_env_file(env_file)
-    known = {info.env for info in iter_settings()}
     warnings = list(parsed.warnings)
+    # A name of a settings section is checked by load_settings (an unknown key there is
+    # an error); only the others are ignored, and said so.
     warnings += [
         f"{parsed.labels[name]}: not a setting (known: IMEXD_<SECTION>_<KEY>, see "
         "docs/configuration.md); imexd ignores it"
         for name in parsed.environ
-        if name.startswith(ENV_PREFIX) and name not in known
+        if name.startswith(ENV_PREFIX) and env_setting(name) is None
     ]
     for warning in warnings:
         print(f"imexd config: warning: {warning}", file=sys.stderr)
@@ -341,12 +347,8 @@ def _cmd_discover(args: argparse.Namespace) -> int:
     from imexd import fabric  # noqa: PLC0415 - lazy: only this command pays for it
     from imexd.errors import DiscoveryError  # noqa: PLC0415 - with fabric
 
-    timeout = float(args.timeout)
-    if not timeout > 0:
-        print(f"imexd discover: --timeout {args.timeout}: expected seconds > 0", file=sys.stderr)
-        return 2
     try:
-        doc, failure = fabric.discover_report(timeout)
+        doc, failure = fabric.discover_report(float(args.timeout))
     except DiscoveryError as exc:
         print(f"imexd discover: {exc}", file=sys.stderr)
         return 1

@@ -8,9 +8,12 @@ Apart from imexd.cli (the agent's commands and the entry point) and imexd.cli_co
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
+import re
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 MAX_CHANNEL: Final = (1 << 20) - 1
 """imexd.messages' MAX_CHANNEL, and DEFAULT_CONFIG_PATH imexd.settings': not imported
@@ -23,17 +26,44 @@ EXIT_USAGE: Final = 2
 SubParsers = argparse._SubParsersAction
 """argparse's type of the object add_subparsers() returns."""
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with two kindnesses: an unknown option is reported with the usage of the
+    (sub)command it was given to, and a mistyped command name gets a "did you mean"."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner: argparse.ArgumentParser = getattr(parsed, "usage_parser", self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        found = _INVALID_CHOICE.search(message)
+        if found:
+            choices = re.findall(r"'([^']*)'", found.group(2))
+            close = difflib.get_close_matches(found.group(1), choices, n=1)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
+        super().error(message)
+
 
 def command(
     sub: SubParsers[argparse.ArgumentParser], name: str, help_text: str, exits: str
 ) -> argparse.ArgumentParser:
     """A subcommand whose --help says what it does and, last, its exit codes."""
-    return sub.add_parser(
+    parser = sub.add_parser(
         name,
         help=help_text,
         description=help_text[:1].upper() + help_text[1:] + ".",
         epilog=f"exit codes: {exits}",
     )
+    parser.set_defaults(usage_parser=parser)  # the innermost command's wins: see Parser
+    return parser
 
 
 def config_arg(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +80,17 @@ def config_arg(parser: argparse.ArgumentParser) -> None:
 def integer(text: str) -> int:
     """An integer option (argparse reports a ValueError as a usage error naming it)."""
     return int(text, 10)
+
+
+def seconds(text: str) -> float:
+    """A duration option that must be positive (`--timeout`): a usage error otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+    return value
 
 
 def mode_arg(text: str) -> int:

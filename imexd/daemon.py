@@ -21,7 +21,9 @@ Why it looks the way it does:
   then say why it is not ready); one that exits before either was a failed start.
   `stable_s` is counted from the start, not from RUNNING, so an early READY does not
   shorten the backoff reset, and a crash after an early READY is a crash of a running
-  daemon (it counts in `restarts`, not in `start_failures`).
+  daemon (it counts in `restarts`, not in `start_failures`). Only an exit the agent did
+  not ask for makes the next daemon a restart: a stop (a domain delete, a leave) or a
+  requested `restart()` followed by a start is planned, and counts nowhere.
 - SIGUSR1 (re-resolve host names, reconnect) is honoured at most once per 5 s and
   silently dropped inside that window, so `request_reload()` paces signals at least
   `reload_min_interval_s` apart and coalesces every request that arrives inside the
@@ -812,6 +814,7 @@ class Supervisor:
                 if not await child.wait_exit(KILL_WAIT_S):
                     self._log.error("daemon.unkillable", pid=child.pid)
         self._last_exit = await self._finish(child)
+        self._last_ran = False  # a planned end: its successor is not a restart
         self._set(DaemonState.STOPPED, DaemonReason.STOPPED, why)
 
     async def _finish(self, child: DaemonProcess) -> str:

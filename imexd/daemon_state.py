@@ -73,10 +73,11 @@ class DaemonStatus:
     adopted: bool
     """The daemon was started by a previous agent: exit code and output are unknown."""
     restarts: int
-    """New daemons (spawned or adopted) that replaced one that had reached RUNNING.
+    """New daemons (spawned or adopted) that replaced one that had reached RUNNING and
+    exited unplanned (a crash, a kill from outside).
 
-    Whatever ended the previous one (a crash, a requested restart, a stop); a daemon
-    that never ran does not make its successor a restart: see `start_failures`.
+    A planned end (a stop, a requested restart) followed by a start is no restart; a
+    daemon that never ran does not make its successor a restart: see `start_failures`.
     """
     crashes: int
     """Unexpected exits (including failures to execute the binary)."""

@@ -6,7 +6,7 @@ a real H200 one pynvml fabric call killed its process with SIGSEGV, and a wedged
 can hang a call for ever. The parent sees a crash, a hang or garbage as a
 DiscoveryError naming the setting that replaces discovery, and lives on.
 
-The child is `python -m imexd.fabric --child`; it imports pynvml (nowhere else in
+The child is `python -P -m imexd.fabric --child`; it imports pynvml (nowhere else in
 imexd does), asks the plain `nvmlDeviceGetGpuFabricInfo` first (the versioned `...V`
 call is only tried when the plain one is absent) and prints one JSON document. The
 clique rule itself, `clique_from_fabric`, is a pure function of the per-GPU records.
@@ -29,7 +29,7 @@ from enum import IntEnum
 from typing import Any
 
 from imexd.errors import DiscoveryError
-from imexd.process import run_bounded
+from imexd.process import python_module, run_bounded
 
 CHILD_CMD_ENV = "IMEXD_FABRIC_CHILD_CMD"
 """Replaces the NVML child's command line (shell words). For tests and for operators
@@ -257,7 +257,7 @@ def child_command() -> list[str]:
     override = os.environ.get(CHILD_CMD_ENV, "").strip()
     if override:
         return shlex.split(override)
-    return [sys.executable, "-m", "imexd.fabric", "--child"]
+    return python_module("imexd.fabric", "--child")
 
 
 def _signal_name(number: int) -> str:

@@ -141,8 +141,8 @@ class DaemonFacts:
     pid: int | None = None
     """The daemon's pid while one runs."""
     restarts: int = 0
-    """Restarts of a daemon that had been running, since the agent started (cumulative,
-    for metrics and reports)."""
+    """Restarts of a daemon that had been running and exited unplanned, since the agent
+    started (cumulative, for metrics and reports)."""
     start_failures: int = 0
     """Starts that never reached RUNNING (missing binary, immediate exit), cumulative."""
     reloads: int = 0

@@ -19,6 +19,10 @@ answers which question:
 
 The tables they print are rendered here too, so the same judgement reads the same
 everywhere.
+
+Why one module of about 870 lines: the per-node rule (`sight`) and the fleet's
+(`judge`) must agree on what ready, joining and failed mean, and the tables must print
+exactly what they judged; apart, the same words would be defined in several files.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ START_WORDS: Final = frozenset(
     {"INITIALIZING", "STARTING_AUTH_SERVER", "WAITING_FOR_PEERS", "INIT_GPU"}
 )
 """IMEX states of a daemon on its way to READY (NotReady with these counts as forming)."""
+START_GRACE_INTERVALS: Final = 2
+"""Report intervals a first daemon may answer UNAVAILABLE (its command service not
+listening yet) and still count as forming; past them it is a failure."""
 VERSION_MISMATCH: Final = "VersionMismatch"
 CLOCK_SKEW: Final = "ClockSkew"
 BUS_DOWN: Final = "BusDown"
@@ -207,14 +214,23 @@ def _failing(report: HealthReport) -> list[Condition]:
     return out
 
 
-def _forming(report: HealthReport) -> bool:
-    """Not ready only because the node is still joining for the first time."""
+def _forming(report: HealthReport, report_interval_s: float) -> bool:
+    """Not ready only because the node is still joining for the first time: joining
+    reasons, an IMEX start-up state, or a first daemon that has not answered for less
+    than START_GRACE_INTERVALS report intervals (UNAVAILABLE: not listening yet)."""
     if report.daemon.restarts:
         return False
+    word = report.daemon.imex_status or ""
     for cond in _failing(report):
         if cond.type == DOMAIN_UP or cond.reason in FORMING_REASONS:
             continue
-        if cond.reason == "NotReady" and (report.daemon.imex_status or "") in START_WORDS:
+        if cond.reason == "NotReady" and word in START_WORDS:
+            continue
+        if (
+            cond.reason == "NotReady"
+            and word == ImexState.UNAVAILABLE.value
+            and report.at - cond.since < START_GRACE_INTERVALS * report_interval_s
+        ):
             continue
         return False
     return True
@@ -402,8 +418,9 @@ def judge(
     when its `at` is more than FUTURE_SKEW_S ahead of our clock (ClockSkew, a failure).
     A member is *ready* with a record and a fresh report that says ready; *pending*
     without a report or a record, or when it fails readiness only with joining reasons
-    (Syncing, Joining, Claiming, NotStarted, Starting, NotReady in a start-up IMEX state)
-    and its daemon never restarted; *failed* otherwise (DaemonCrashLoop, Stale, ...). Also
+    (Syncing, Joining, Claiming, NotStarted, Starting, NotReady in a start-up IMEX state,
+    or UNAVAILABLE for less than START_GRACE_INTERVALS report intervals) and its daemon
+    never restarted; *failed* otherwise (DaemonCrashLoop, Stale, ...). Also
     failures: a ready member whose domain view says a ready peer is not READY or not
     connected (PeersUnreachable; unless that peer became ready less than one report
     interval before the view was reported: late news), and a skew between members
@@ -433,7 +450,7 @@ def judge(
     reasons = _skew(nodes, now)
     held = frozenset((e.clique, e.record.slot) for e in nodes.values() if e.record is not None)
     rows = sorted(
-        (_row(e, now, held) for e in nodes.values()),
+        (_row(e, now, held, report_interval_s) for e in nodes.values()),
         key=lambda r: (r.clique or "", r.slot is None, r.slot or 0, r.node),
     )
     members = [r for r in rows if r.expected]
@@ -474,7 +491,12 @@ def judge(
     )
 
 
-def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -> NodeRow:
+def _row(
+    e: _Node,
+    now: float,
+    held: frozenset[tuple[str | None, int | None]],
+    report_interval_s: float,
+) -> NodeRow:
     seen = e.seen.report if e.seen is not None else None
     record, report = e.record, e.fresh
     reasons: list[str] = []
@@ -519,7 +541,7 @@ def _row(e: _Node, now: float, held: frozenset[tuple[str | None, int | None]]) -
         and not e.lost
         and (
             seen is None
-            or (report is not None and (record is None or _forming(report)))
+            or (report is not None and (record is None or _forming(report, report_interval_s)))
             or (record is None and not e.future)
         )
     )

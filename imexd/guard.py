@@ -65,6 +65,7 @@ class Guard:
     ) -> asyncio.Task[None]:
         """Run `loop` in `group` as the task `name`, with a heartbeat and restarts."""
         self.heartbeats.register(name, BEAT_S)
+        self.metrics.known_task(name)  # its failure counter reads 0, not "No data"
         return group.create_task(self._guarded(name, loop), name=name)
 
     async def _guarded(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:

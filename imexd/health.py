@@ -164,6 +164,8 @@ def _slot(f: Facts) -> _Verdict:
         )
         running = f.daemon.state == "RUNNING"
         effect = "a running daemon is kept" if running else "the daemon is not started"
+        if not m.offending and m.detail:  # this node itself is the odd one: it leads
+            return _Verdict("False", "NodeMapMismatch", f"{m.detail}; {effect}")
         return _Verdict("False", "NodeMapMismatch", f"{who}; {effect}{detail}")
     if m.state == "member":
         if m.contested:
@@ -213,7 +215,9 @@ def _daemon(f: Facts) -> _Verdict:
         return _Verdict(
             "False",
             "NodeMapMismatch",
-            "refusing to start: members would write different node lists "
+            f"refusing to start: {f.membership.detail}"
+            if f.membership.detail and not f.membership.offending
+            else "refusing to start: members would write different node lists "
             f"({f.membership.detail or 'max_nodes or mode differ'})",
         )
     if d.reason == "ConflictingDaemon":

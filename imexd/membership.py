@@ -412,6 +412,8 @@ def mismatches(
 
     Only claims and members can enter the node list: standby and leaving nodes, nodes
     outside the allow-list and stale claims cannot make it differ and are not reported.
+    With a spec, its max_nodes decides: a node that disagrees with the spec refuses
+    itself, so it never holds back the nodes that agree (and is not reported here).
     """
     return sorted(
         r.node
@@ -419,7 +421,8 @@ def mismatches(
         if r.state in _COMPETING
         and not (r.state is MemberState.CLAIMING and r.node in stale)
         and allowed(r.node, spec)
-        and not compatible(r, max_nodes=max_nodes, mode=mode)
+        and (spec is None or r.max_nodes == spec.max_nodes)
+        and not compatible(r, max_nodes=max_nodes if spec is None else spec.max_nodes, mode=mode)
     )
 
 

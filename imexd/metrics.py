@@ -126,6 +126,10 @@ class Metrics:
         """Count one failed probe of `kind` (see PROBE_KINDS)."""
         self._probe_failures.labels(kind=kind).inc()
 
+    def known_task(self, task: str) -> None:
+        """Show imexd_task_failures_total of `task` from zero (the guard starts it)."""
+        self._task_failures.labels(task=task)
+
     def count_task_failure(self, task: str) -> None:
         """Count one unexpected error that ended the agent's task `task`."""
         self._task_failures.labels(task=task).inc()
@@ -173,8 +177,9 @@ class Metrics:
         yield state
         yield CounterMetricFamily(
             "imexd_daemon_restarts",
-            "Restarts of an IMEX daemon that had been running (running jobs lost their "
-            "imports), since the agent started.",
+            "Restarts of an IMEX daemon that had been running and exited unplanned "
+            "(running jobs lost their imports), since the agent started; a planned stop "
+            "or restart does not count.",
             d.restarts,
         )
         yield CounterMetricFamily(

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import math
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,21 @@ def describe_error(exc: BaseException) -> str:
             parts.append(text)
         current = current.__cause__
     return ": ".join(parts)
+
+
+def _network_error(exc: BaseException) -> bool:
+    """The connection failed below MQTT (refused, no route, unknown host): an address
+    that no broker answers, most likely a wrong `[bus] url`."""
+    current: BaseException | None = exc
+    for _ in range(4):
+        if current is None:
+            return False
+        if isinstance(current, ssl.SSLError | TimeoutError):
+            return False  # TLS: a broker answered; a timeout has its own message
+        if isinstance(current, OSError):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _failure(exc: aiomqtt.MqttError) -> BusError:
@@ -592,6 +608,8 @@ async def connect(
             detail = describe_error(exc)
             if refused:
                 detail += ' (bus.protocol = "5": no fallback to 3.1.1)'
+            elif _network_error(exc):
+                detail += " (is a broker listening there? check [bus] url or IMEXD_BUS_URL)"
             raise BusError(f"cannot connect to {broker}: {detail}") from None
         except BaseException:
             client.discard()

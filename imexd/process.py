@@ -23,6 +23,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -331,6 +332,13 @@ class Survey:
     """Running our config path: adopted (when the files match) or ended as strays."""
     conflicts: tuple[tuple[ImexProcess, str], ...]
     """Other daemons in our way, each with why (`uses the package config ...`)."""
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """`python -P -m module args`: a child Python that runs `module` of this interpreter's
+    installation. `-P` keeps the current folder off the import path, so a clone's `imexd/`
+    in the folder the command was started from never shadows the installed package."""
+    return [sys.executable, "-P", "-m", module, *args]
 
 
 _INTERPRETERS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*)$")

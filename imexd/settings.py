@@ -5,16 +5,21 @@ wrong key, type or value is reported together with every other wrong key, each n
 the key, the value found and what was expected (`ConfigError`); the CLI exits 2 on it.
 Each field's docstring-like `doc` metadata states its unit, default and why; the
 shipped `config/imexd.toml` and `docs/configuration.md` list every one of them.
+
+Why one module of about 900 lines: most of it is the declaration of every setting with
+its default, check and explanation, which the loader walks field by field; the text
+forms of the same table (example file, reference) are apart in imexd.settings_text.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import socket
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -706,12 +711,49 @@ def load_settings(
         if required or (path is not None and str(path) != DEFAULT_CONFIG_PATH):
             raise ConfigError([f"{source}: file not found"]) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+        raise ConfigError([f"{source}: not valid TOML: {exc}{_toml_hint(source, exc)}"]) from None
     except OSError as exc:
         raise ConfigError([f"{source}: cannot read: {exc.strerror}"]) from None
     return settings_from_mapping(
         raw, environ=env, source=source, problems=problems, env_labels=env_labels
     )
+
+
+def env_setting(name: str) -> tuple[str, str] | None:
+    """(section, key) that an IMEXD_<SECTION>_<KEY> variable sets, checked or not; None
+    for a name of no settings section (IMEXD_SIM_* and other tools'), which imexd ignores."""
+    if not name.startswith(ENV_PREFIX):
+        return None
+    rest = name[len(ENV_PREFIX) :].lower()
+    section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+    return None if section is None else (section, rest[len(section) + 1 :])
+
+
+def _did_you_mean(section: str, key: str, known: Iterable[str], *, env: bool) -> str:
+    """`; did you mean IMEXD_DOMAIN_MAX_NODES?` (or `domain.max_nodes`) for a near miss."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    if not close:
+        return ""
+    name = f"{ENV_PREFIX}{section}_{close[0]}".upper() if env else f"{section}.{close[0]}"
+    return f"; did you mean {name}?"
+
+
+_TOML_AT_LINE = re.compile(r"\(at line (\d+), column \d+\)")
+
+
+def _toml_hint(source: str, exc: tomllib.TOMLDecodeError) -> str:
+    """What tomllib leaves out: the key a "Cannot overwrite a value" error is about
+    (a key given twice in one table); "" for other errors."""
+    found = _TOML_AT_LINE.search(str(exc))
+    if not str(exc).startswith("Cannot overwrite a value") or found is None:
+        return ""
+    try:
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+        key = lines[int(found.group(1)) - 1].split("=", 1)[0].strip()
+    except (OSError, IndexError):
+        return ""
+    return f": duplicate key '{key}'" if key else ""
 
 
 def settings_from_mapping(
@@ -726,7 +768,7 @@ def settings_from_mapping(
     problems = [] if problems is None else problems
     labels = env_labels or {}
     kinds = {(s.section, s.key): s.kind for s in iter_settings()}
-    merged: dict[str, dict[str, tuple[Any, str]]] = {}
+    merged: dict[str, dict[str, tuple[Any, str, bool]]] = {}
     for section, table in raw.items():
         if section not in SECTIONS:
             problems.append(
@@ -737,25 +779,30 @@ def settings_from_mapping(
             problems.append(f"{section} = {_describe(table)}: expected a table [{section}]")
             continue
         for key, value in table.items():
-            merged.setdefault(section, {})[key] = (value, f"{section}.{key}")
+            merged.setdefault(section, {})[key] = (value, f"{section}.{key}", False)
     for name, text in sorted((environ or {}).items()):
         if not name.startswith(ENV_PREFIX):
             continue
-        rest = name[len(ENV_PREFIX) :].lower()
-        env_section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
-        if env_section is None:
+        split = env_setting(name)
+        if split is None:
             continue  # IMEXD_SIM_* and other tools' variables
-        key = rest[len(env_section) + 1 :]
+        env_section, key = split
         kind = kinds.get((env_section, key), "str")
-        merged.setdefault(env_section, {})[key] = (_env_value(kind, text), labels.get(name, name))
+        merged.setdefault(env_section, {})[key] = (
+            _env_value(kind, text),
+            labels.get(name, name),
+            True,
+        )
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values: dict[str, Any] = {}
         known = {f.name: f for f in fields(cls)}
-        for key, (value, label) in merged.get(section, {}).items():
+        for key, (value, label, from_env) in merged.get(section, {}).items():
             if key not in known:
                 problems.append(
-                    f"{label}: unknown setting {section}.{key}; known: " + ", ".join(known)
+                    f"{label}: unknown setting {section}.{key}; known: "
+                    + ", ".join(known)
+                    + _did_you_mean(section, key, known, env=from_env)
                 )
                 continue
             coerced, expected = _coerce(kinds[(section, key)], value)

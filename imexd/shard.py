@@ -923,7 +923,8 @@ class ShardView:
         detail = ""
         if self.spec is not None and self.spec.max_nodes != self.max_nodes:
             detail = (
-                f"the domain spec says max_nodes {self.spec.max_nodes}, this node {self.max_nodes}"
+                f"{self.node}: max_nodes {self.max_nodes} here, the domain spec says "
+                f"{self.spec.max_nodes}; the spec decides, so only this node is refused"
             )
         members = MappingProxyType(
             {

@@ -28,6 +28,9 @@ from imexd import guard, reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
 from imexd.daemon_state import DaemonState
 from imexd.demo.brokers import Mosquitto
+from imexd.health import Heartbeats
+from imexd.logs import get_logger
+from imexd.metrics import Metrics
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node, end_in_process
 
@@ -80,6 +83,23 @@ def task_failures(agent: Agent, task: str) -> float:
     line = f'imexd_task_failures_total{{task="{task}"}} '
     values = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
     return values[0] if values else 0.0
+
+
+async def test_each_tasks_failure_counter_is_shown_from_zero() -> None:
+    """imexd_task_failures_total has a series at 0 for every task the guard started, so
+    a panel or alert on a healthy agent reads 0, not "No data"."""
+    metrics = Metrics()
+    guarded = guard.Guard(Heartbeats(), metrics, get_logger("test"))
+
+    async def done() -> None:
+        return None
+
+    async with asyncio.timeout(10), asyncio.TaskGroup() as tasks:
+        guarded.start(tasks, "reconcile", done)
+        guarded.start(tasks, "probe", done)
+    text = metrics.render().decode()
+    assert 'imexd_task_failures_total{task="reconcile"} 0.0' in text
+    assert 'imexd_task_failures_total{task="probe"} 0.0' in text
 
 
 async def test_a_renderer_that_raises_never_touches_the_daemon(

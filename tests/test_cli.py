@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from imexd.cli import build_parser
+from imexd.cli import build_parser, main
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import ChannelsView, Topics, encode
 from tests.reports import report as health_report
@@ -55,6 +55,44 @@ def test_usage_errors_exit_2() -> None:
     """An unknown subcommand is a usage error (argparse's exit 2)."""
     proc = _imexd("no-such-command")
     assert proc.returncode == 2
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run `imexd ARGV` in process, expect a usage error (exit 2); its stderr."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["check", "status", "discover"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """`--timeout -1` (or 0, or nan) is a usage error naming the option, not a connection
+    error after trying."""
+    for bad in ("-1", "0", "nan"):
+        err = _usage_error(capsys, *command.split(), "--timeout", bad)
+        assert "--timeout" in err
+        assert "expected seconds > 0" in err
+
+
+def test_an_unknown_option_shows_its_own_commands_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`status --bogus` prints the usage of `imexd status`, not the top-level one."""
+    err = _usage_error(capsys, "status", "--bogus")
+    assert err.startswith("usage: imexd status"), err
+    assert "unrecognized arguments: --bogus" in err
+    err = _usage_error(capsys, "domain", "list", "--bogus")
+    assert err.startswith("usage: imexd domain list"), err
+
+
+def test_a_mistyped_command_gets_a_did_you_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    """A command name close to a real one is suggested (difflib)."""
+    assert "did you mean 'status'?" in _usage_error(capsys, "stauts")
+    assert "did you mean 'create'?" in _usage_error(capsys, "domain", "craete")
+    assert "did you mean" not in _usage_error(capsys, "zzzzzz")
 
 
 def test_a_closed_pipe_is_not_a_traceback() -> None:
@@ -243,3 +281,32 @@ def test_the_parsers_copies_of_constants_match() -> None:
 
     assert cli_args.MAX_CHANNEL == messages.MAX_CHANNEL
     assert cli_args.DEFAULT_CONFIG_PATH == settings.DEFAULT_CONFIG_PATH
+
+
+def test_an_env_files_misspelt_setting_is_one_problem_not_also_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """IMEXD_DOMAIN_MAXNODES is an unknown setting of [domain] (exit 2, with a
+    suggestion), not also "not a setting; imexd ignores it". A name of no section
+    (IMEXD_FOO) is the only kind imexd ignores."""
+    (tmp_path / "imexd.toml").write_text("")
+    env = tmp_path / "imexd.env"
+    env.write_text("IMEXD_DOMAIN_MAXNODES=4\nIMEXD_FOO=1\n")
+    code = main(["config", "-c", str(tmp_path / "imexd.toml"), "--env-file", str(env)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "IMEXD_DOMAIN_MAXNODES: unknown setting domain.maxnodes" in err
+    assert "did you mean IMEXD_DOMAIN_MAX_NODES?" in err
+    assert "IMEXD_DOMAIN_MAXNODES: not a setting" not in err
+    assert "IMEXD_FOO: not a setting" in err
+
+
+def test_a_duplicate_toml_key_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tomllib says only "Cannot overwrite a value (at line 3, column 11)": the key is
+    named too."""
+    config = tmp_path / "imexd.toml"
+    config.write_text('[node]\nname = "a"\nname = "b"\n')
+    assert main(["config", "-c", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err
+    assert "duplicate key 'name'" in err, err

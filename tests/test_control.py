@@ -665,6 +665,45 @@ async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[
     done = await proc
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 15
+    # A prolog's log shows what it waited for: each change of the judgement, on stderr.
+    assert "imexd domain status: d1 FORMING, 2 of 3 members ready" in done.stderr
+    assert "waiting up to 20 s for UP" in done.stderr
+    assert "imexd domain status: d1 UP" in done.stderr
+
+
+async def test_ctrl_c_during_status_wait_prints_the_last_table(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """Ctrl-C while `domain status --wait` waits exits 130 with the last judgement's
+    table, so whoever stopped it sees what it was waiting for."""
+    state = domain_state("d1", ["n1", "n2", "n3"])
+    starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
+    await put(broker, state | {T.health("d1", "n3"): encode(starting)})
+    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    proc = await asyncio.create_subprocess_exec(
+        IMEXD,
+        "domain",
+        "status",
+        "d1",
+        "--wait",
+        "60",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**base, **env},
+    )
+    try:
+        async with asyncio.timeout(30):
+            assert proc.stderr is not None
+            while b"waiting up to" not in await proc.stderr.readline():
+                pass
+            proc.send_signal(signal.SIGINT)
+            out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130
+    assert out.decode().startswith("domain d1: FORMING, 2 of 3 members ready"), out
 
 
 async def test_create_with_wait_exits_0_once_up_and_prints_the_status(
@@ -807,6 +846,7 @@ def test_an_unreachable_broker_exits_1_with_a_clear_message() -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"imexd: cannot connect to {url}: ")
     assert "refused" in proc.stderr.lower()
+    assert "check [bus] url" in proc.stderr, "where the address came from"
     assert "Traceback" not in proc.stderr
 
 

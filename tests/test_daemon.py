@@ -777,9 +777,27 @@ async def test_restart_replaces_the_daemon_only_when_told(node: Node) -> None:
         status = await sup.restart("config.cfg changed")
         assert status.state is DaemonState.STARTING
         assert status.pid not in (None, first)
-        assert (status.restarts, status.crashes) == (1, 0)
+        assert (status.restarts, status.crashes) == (0, 0), "planned: not a restart"
         assert gone(first)
     assert states(changes)[:5] == ["STARTING", "RUNNING", "STOPPING", "STOPPED", "STARTING"]
+
+
+async def test_a_planned_stop_then_a_start_is_not_a_restart(node: Node) -> None:
+    """A domain delete stops a RUNNING daemon and the next domain starts one: nothing
+    crashed, so `restarts` (and ImexdDaemonRestarted) stays 0; a crash still counts."""
+    async with node.supervisor() as sup:
+        await sup.ensure_started()
+        first = await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        stopped = await sup.stop("the domain was deleted")
+        assert (stopped.state, stopped.restarts) == (DaemonState.STOPPED, 0)
+        await sup.ensure_started()
+        second = await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        assert second.pid != first.pid
+        assert (second.restarts, second.crashes) == (0, 0)
+        assert second.pid is not None
+        os.kill(second.pid, signal.SIGKILL)
+        third = await until(sup, lambda s: s.state is DaemonState.RUNNING and s.pid != second.pid)
+        assert (third.restarts, third.crashes) == (1, 1)
 
 
 async def test_a_matching_running_daemon_is_adopted_and_its_death_noticed(node: Node) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from imexd.cli import main
@@ -100,6 +101,37 @@ def test_table_lines_align_and_fit_the_terminal() -> None:
     assert "running alone" in lines[2]
     assert "IMEX keeps running without its agent" in lines[2]
     assert all(len(line) <= 40 for line in screen.table_lines(rows, width=40))
+
+
+def test_at_80_columns_notes_go_below_their_row_whole_words() -> None:
+    """On an 80-column terminal the note is not cut to a letter: it goes on lines of its
+    own below the row, wrapped between words; colours move nothing."""
+    why = "NotReady: IMEX state UNAVAILABLE, waiting for the command service of the daemon"
+    report = _report("n2", ready=False, not_ready=("n2",))
+    cond = msgspec.structs.replace(report.conditions[-1], reason="NotReady", message=why[10:])
+    report = msgspec.structs.replace(report, conditions=[*report.conditions[:-1], cond])
+    rows = [
+        screen.Row("node-1", "127.83.227.10", "up", _report("n1")),
+        screen.Row("node-2", "127.83.227.11", "up", report),
+    ]
+    lines = screen.table_lines(rows, width=80)
+    assert all(len(line) <= 80 for line in lines), lines
+    assert not any(line.endswith("…") for line in lines), lines
+    below = " ".join(line.strip() for line in lines[4:])
+    assert lines[3].startswith("1     node-2"), lines
+    assert lines[3].endswith("UP"), lines
+    assert below.startswith("1 restart; NotReady: IMEX state UNAVAILABLE"), lines
+    coloured = screen.table_lines(rows, width=80, color=True)
+    assert [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in coloured] == lines
+
+
+def test_events_wrap_between_words_on_a_terminal() -> None:
+    """An event longer than the terminal is wrapped at a space, its lines indented."""
+    text = "[   2.9 s] noticed after 0.3 s: domain DEGRADED " + "word " * 20
+    lines = screen.wrap_event(text.strip(), 40)
+    assert all(len(line) <= 40 for line in lines)
+    assert " ".join(" ".join(lines).split()) == " ".join(text.split())
+    assert lines[1].startswith("          ")
 
 
 def test_table_lines_say_why_a_node_is_not_ready_and_colour_only_words() -> None:
@@ -400,3 +432,35 @@ def test_free_ports_lie_outside_the_kernels_ephemeral_range() -> None:
     ports = [brokers.free_port() for _ in range(200)]
     assert not [p for p in ports if low <= p <= high]
     assert len(set(ports)) == len(ports)
+
+
+def test_child_pythons_ignore_the_current_folder(tmp_path: Path) -> None:
+    """Run from the folder that holds a clone, a child `python -m imexd` still imports
+    the installed package: the clone's `imexd/` must not shadow it."""
+    from imexd.demo.nodes import DemoNode, _tool
+    from imexd.process import python_module
+
+    node = DemoNode(
+        name="n1",
+        address="127.0.0.1",
+        folder=tmp_path / "n1",
+        settings={"node": {}, "imex": {}, "health": {}},
+    )
+    assert node.command()[:4] == [sys.executable, "-P", "-m", "imexd"]
+    assert node.command()[4:] == ["run", "--config", str(node.config_path)]
+    wrapper = Path(_tool("no-such-imexd-tool", "imexd.sim.daemon", tmp_path))
+    assert f'"{sys.executable}" -P -m imexd.sim.daemon' in wrapper.read_text()
+
+    shadow = tmp_path / "clone" / "imexd"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise SystemExit('the clone shadowed imexd')\n")
+    done = subprocess.run(
+        [*python_module("imexd"), "--version"],
+        cwd=shadow.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "shadowed" not in done.stderr

@@ -432,7 +432,7 @@ def test_child_command_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CHILD_CMD_ENV, "/opt/wrap --flag 'a b'")
     assert child_command() == ["/opt/wrap", "--flag", "a b"]
     monkeypatch.delenv(CHILD_CMD_ENV)
-    assert child_command() == [sys.executable, "-m", "imexd.fabric", "--child"]
+    assert child_command() == [sys.executable, "-P", "-m", "imexd.fabric", "--child"]
 
 
 def test_real_nvml_path(monkeypatch: pytest.MonkeyPatch) -> None:

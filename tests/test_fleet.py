@@ -3,6 +3,7 @@ real health model (`imexd.fleet.judge`, `render_status`, `status_json`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from imexd import facts as fx
 from imexd.fleet import (
     FUTURE_SKEW_S,
     STALE_INTERVALS,
+    START_GRACE_INTERVALS,
     DomainStatus,
     SeenReport,
     judge,
@@ -100,6 +102,25 @@ def test_a_domain_without_reports_or_with_joining_members_is_forming() -> None:
     waiting = fx.DaemonFacts(state="RUNNING", pid=7, imex_status="WAITING_FOR_PEERS")
     status = judged([report("n1", 0, THREE), report("n2", 1, THREE, daemon=waiting)])
     assert status.state == "FORMING"
+
+
+def test_a_daemon_not_answering_yet_after_its_start_is_forming_for_a_while() -> None:
+    """Just started, IMEX answers `ctl -q` with UNAVAILABLE until its command service
+    listens: a healthy start reads FORMING, not DOWN; still UNAVAILABLE after
+    START_GRACE_INTERVALS report intervals, or after a restart, it is a failure."""
+    quiet = fx.DaemonFacts(state="RUNNING", pid=7, imex_status="UNAVAILABLE")
+    fresh = [report(n, s, THREE, daemon=quiet, probed=False) for s, n in THREE.items()]
+    status = judged(fresh)
+    assert (status.state, status.ready) == ("FORMING", 0), status.reasons
+    assert all(r.pending and not r.failed for r in status.nodes)
+    long_ago = NOW - START_GRACE_INTERVALS * INTERVAL - 1
+    old = [
+        report(n, s, THREE, daemon=quiet, probed=False, since=long_ago) for s, n in THREE.items()
+    ]
+    assert judged(old).state == "DOWN"
+    again = dataclasses.replace(quiet, restarts=1)
+    restarted = [report(n, s, THREE, daemon=again, probed=False) for s, n in THREE.items()]
+    assert judged(restarted).state == "DOWN"
 
 
 def test_views_not_probed_yet_or_missing_a_member_keep_it_forming() -> None:

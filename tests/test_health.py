@@ -647,6 +647,19 @@ def test_a_mismatch_keeps_the_daemon_from_starting_and_says_so() -> None:
     assert "not started" in cond(facts, "SlotSettled").message
 
 
+def test_a_node_that_disagrees_with_the_spec_names_itself_first() -> None:
+    """Refused for its own max_nodes (the spec's differs): both messages start with it."""
+    own = "n1: max_nodes 4 here, the domain spec says 8; the spec decides, so only this node"
+    facts = working(
+        membership=replace(
+            working().membership, reason="NodeMapMismatch", offending=(), detail=own
+        ),
+        daemon=DaemonFacts(state="STOPPED"),
+    )
+    assert cond(facts, "SlotSettled").message.startswith(own)
+    assert cond(facts, "DaemonReady").message.startswith(f"refusing to start: {own}")
+
+
 def test_a_mismatch_with_a_running_daemon_keeps_it() -> None:
     """A running daemon is kept through a mismatch, and the message says so."""
     facts = membership(reason="NodeMapMismatch", offending=(), detail="")

@@ -385,6 +385,19 @@ def test_dashboard_covers_what_an_operator_reads() -> None:
     } <= used
 
 
+def test_every_per_node_query_joins_imexd_info() -> None:
+    """Series carry no node label of their own (docs/monitoring.md: a target label `node`
+    would clash with imexd_info's), so every rule and dashboard query of an imexd series
+    joins imexd_info for its node and domain: none reads without a node name."""
+    rules = list(alerts(load_yaml(RULES)["groups"]))
+    exprs = [(str(r["alert"]), r["expr"]) for r in rules]
+    exprs += [(where, literal(e)) for where, e in dashboard_queries(dashboard())]
+    for where, expr in exprs:
+        names = metric_names(expr)
+        if any(n.startswith("imexd_") and n != "imexd_info" for n in names):
+            assert "imexd_info" in names, f"{where}: no join on imexd_info: {expr}"
+
+
 def test_dashboard_uses_only_exported_metrics() -> None:
     """Every metric name in the dashboard's queries is in the agent's /metrics."""
     known = exported_names() | SCRAPE_SERIES

@@ -361,11 +361,39 @@ def test_a_spec_with_other_max_nodes_is_a_mismatch() -> None:
     plan = settle(v)
     assert plan.desired is not None
     assert not plan.desired.run
-    assert plan.mismatch_detail == "the domain spec says max_nodes 8, this node 4"
+    assert plan.mismatch_detail.startswith(f"{ME}: max_nodes 4 here, the domain spec says 8")
     assert v.facts(plan.desired).reason == "NodeMapMismatch"
     kept = derive(v, 2.0, running=True)
     assert kept.desired is not None
     assert kept.desired.run  # a mismatch never stops a running daemon
+
+
+def test_with_a_spec_only_the_node_that_disagrees_with_it_is_refused() -> None:
+    """The spec decides max_nodes: a member with another max_nodes refuses itself (its
+    message names it first) and never keeps the nodes that match the spec from starting."""
+    v = view()
+    spec = DomainSpec(domain=DOMAIN, max_nodes=4)
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    v.apply(Received(topic="t", ref=ref, payload=spec, retained=True), 0.0)
+    odd = msgspec.structs.replace(rec("n9", 1), max_nodes=8)
+    v.apply(received(odd), 0.0)
+    plan = settle(v)
+    assert plan.desired is not None
+    assert plan.desired.run, "n1 matches the spec: n9's max_nodes is n9's problem"
+    assert plan.mismatch == ()
+    assert v.facts(plan.desired).reason != "NodeMapMismatch"
+
+    w = view()
+    w.apply(
+        Received(topic="t", ref=ref, payload=DomainSpec(domain=DOMAIN, max_nodes=8), retained=True),
+        0.0,
+    )
+    w.apply(received(rec("n2", 1)), 0.0)  # max_nodes 4 like n1, both against the spec's 8
+    plan = settle(w)
+    assert plan.desired is not None
+    assert not plan.desired.run
+    assert plan.mismatch == (), "the spec decides: n2 is not the odd one here"
+    assert plan.mismatch_detail.startswith(f"{ME}: max_nodes 4 here, the domain spec says 8")
 
 
 def test_our_cleared_record_is_published_again() -> None:

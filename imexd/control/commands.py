@@ -583,18 +583,41 @@ async def status(
             t.workloads_filter(name),
         )
         result = _judge_store(store, name, interval, nodes)
+        told: tuple[object, ...] | None = None
+
+        def tell() -> None:
+            """While waiting, one stderr line per change of the judgement: a prolog's
+            log shows what it waits for."""
+            nonlocal told
+            key = (result.state, result.ready, result.members, tuple(result.reasons[:1]))
+            if key == told:
+                return
+            told = key
+            why = f": {result.reasons[0]}" if result.reasons else ""
+            until = "" if result.state == "UP" else f"; waiting up to {wait:g} s for UP"
+            print(
+                f"imexd domain status: {name} {result.state}, {result.ready} of "
+                f"{result.members} members ready{why}{until}",
+                file=err,
+                flush=True,
+            )
 
         def up() -> bool:
             nonlocal result
             result = _judge_store(store, name, interval, nodes)
+            if told is not None:
+                tell()
             return result.state == "UP"
 
-        if not await link.wait_until(up, wait):
-            result = _judge_store(store, name, interval, nodes)  # as of the deadline
-    if as_json:
-        print(status_json(result), file=out)
-    elif result.known:
-        print(render_status(result), end="", file=out)
+        if wait > 0 and result.state != "UP":
+            tell()
+        try:
+            if not await link.wait_until(up, wait):
+                result = _judge_store(store, name, interval, nodes)  # as of the deadline
+        except asyncio.CancelledError:  # Ctrl-C: the last judgement, then exit 130
+            _print_status(result, as_json=as_json, out=out)
+            raise
+    _print_status(result, as_json=as_json, out=out)
     conflicts = channel_conflicts(store.workloads_of(name))
     for (domain, channel), names in conflicts.items():
         print(f"imexd domain status: {conflict_line(domain, channel, names)}", file=err)
@@ -605,6 +628,13 @@ async def status(
         )
         return EXIT_FAILED
     return EXIT_OK if result.state == "UP" and not conflicts else EXIT_FAILED
+
+
+def _print_status(result: DomainStatus, *, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(status_json(result), file=out)
+    elif result.known:
+        print(render_status(result), end="", file=out)
 
 
 def _judge_store(

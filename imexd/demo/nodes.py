@@ -25,6 +25,7 @@ from imexd.demo.brokers import KILL_WAIT_S, free_port
 from imexd.demo.screen import Row
 from imexd.demo.timings import SIM_RELOAD_WINDOW_S, with_fast
 from imexd.messages import HealthReport
+from imexd.process import python_module
 from imexd.settings_text import render_toml
 
 DOMAIN: Final = "demo"
@@ -54,7 +55,7 @@ def _tool(name: str, module: str, folder: Path) -> str:
     if found:
         return found
     wrapper = folder / name
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -P -m {module} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return str(wrapper)
 
@@ -153,16 +154,15 @@ class DemoNode:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.health_port}/status"
 
+    def command(self) -> list[str]:
+        """The agent's argv: `imexd run` of the installed package, whatever the folder."""
+        return python_module("imexd", "run", "--config", str(self.config_path))
+
     async def start(self, env: Mapping[str, str]) -> None:
         """Start `imexd run` in its own session: Ctrl-C reaches the demo, not the agents."""
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "imexd",
-                "run",
-                "--config",
-                str(self.config_path),
+                *self.command(),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

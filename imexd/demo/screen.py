@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Final, TextIO
@@ -102,22 +103,48 @@ def _painted(line: str, starts: Sequence[int]) -> str:
     return out + line[starts[PAINTED.stop] :]
 
 
+NOTE_INDENT: Final = " " * 6
+"""Where a note put below its row starts (under NODE)."""
+
+
 def table_lines(rows: Sequence[Row], *, color: bool = False, width: int = 0) -> list[str]:
-    """The table, one string per line; `width` > 0 cuts lines to fit a terminal."""
+    """The table, one string per line; `width` > 0 fits a terminal: when the notes do
+    not fit beside their rows, each goes below its row, wrapped between words; what
+    still does not fit is cut."""
     header = [*HEADER, "NOTE"]
-    plain = table(header, [[*_cells(r), _note(r)] for r in rows])
+    notes = [_note(r) for r in rows]
+    plain = table(header, [[*_cells(r), note] for r, note in zip(rows, notes, strict=True)])
     starts: list[int] = []
     for word in header:
         starts.append(plain[0].index(word, starts[-1] if starts else 0))
+    below = width > 0 and any(len(line) > width for line in plain) and starts[-1] <= width
     lines = []
     for index, line in enumerate(plain):
+        if below:
+            line = line[: starts[-1]].rstrip()  # noqa: PLW2901 - the row less its note
         if width and len(line) > width:
             lines.append(line[: width - 1] + "…")
         elif color and index > 0:
             lines.append(_painted(line, starts))
         else:
             lines.append(line)
+        if below and index > 0 and notes[index - 1]:
+            lines += textwrap.wrap(
+                notes[index - 1],
+                width,
+                initial_indent=NOTE_INDENT,
+                subsequent_indent=NOTE_INDENT,
+            )
     return lines
+
+
+def wrap_event(text: str, width: int) -> list[str]:
+    """An event line wrapped between words to `width` (> 0), the rest indented under its
+    text (past the `[  12.3 s] ` stamp); as it is without a width."""
+    if width <= 0 or len(text) <= width:
+        return [text]
+    indent = " " * (text.index("] ") + 2) if text.startswith("[") and "] " in text else "  "
+    return textwrap.wrap(text, width, subsequent_indent=indent) or [text]
 
 
 def headline(
@@ -179,9 +206,11 @@ class Screen:
             self._gone = True
 
     def say(self, text: str = "") -> None:
-        """Lines that stay: the header, events, the summary."""
+        """Lines that stay: the header, events, the summary (wrapped between words on a
+        terminal)."""
         if self.tty:
-            self._write(text + "\n")
+            width = self.width
+            self._write("".join(line + "\n" for line in wrap_event(text, width)))
         else:
             self._emit(text + "\n")
 
