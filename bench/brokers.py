@@ -60,14 +60,11 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
 
 from imexd.demo import DemoError  # noqa: E402
-from imexd.demo.brokers import (  # noqa: E402
-    Mosquitto,
+from imexd.demo.brokers import Mosquitto, find_mosquitto, free_port, log_tail  # noqa: E402
+from imexd.demo.nats import (  # noqa: E402
     Nats,
     NatsCluster,
-    find_mosquitto,
     find_nats_server,
-    free_port,
-    log_tail,
     mqtt_connect_problem,
 )
 from imexd.names import client_id  # noqa: E402

@@ -101,7 +101,8 @@ import structlog
 import imexd.agent
 from imexd.agent import Agent
 from imexd.bus import Bus
-from imexd.demo.brokers import Mosquitto, Nats, NatsCluster, find_nats_server
+from imexd.demo.brokers import Mosquitto
+from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.demo.nodes import fake_driver
 from imexd.messages import DomainSpec, Payload, Topics, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping

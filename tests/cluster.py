@@ -32,7 +32,8 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd.demo.brokers import Mosquitto, Nats, NatsCluster, free_port
+from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.nats import Nats, NatsCluster
 from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto, Nats
+from imexd.demo.brokers import Mosquitto
+from imexd.demo.nats import Nats
 from imexd.mqtt import connect
 from imexd.names import CLIENT_ID_MAX, client_id
 from imexd.settings import BusSettings, parse_broker_url

@@ -540,8 +540,10 @@ def test_cli_child_crash(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_non_positive_timeout(capsys: pytest.CaptureFixture[str]) -> None:
     """`--timeout 0` is a usage error (exit 2), not a discovery that can never finish."""
-    assert main(["discover", "--timeout", "0"]) == 2
-    assert "--timeout" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["discover", "--timeout", "0"])
+    assert exited.value.code == 2
+    assert "argument --timeout: '0': expected seconds > 0" in capsys.readouterr().err
 
 
 # The health child: the versioned call, isolated so a crash never costs the clique.

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from imexd.control.link import Link
-from imexd.demo.brokers import Nats, NatsCluster, find_nats_server
+from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.errors import BusError
 from imexd.messages import Topics
 from imexd.settings import BusSettings

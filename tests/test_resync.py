@@ -28,7 +28,8 @@ import pytest
 import imexd.bus
 from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
 from imexd.control.link import Link
-from imexd.demo.brokers import Mosquitto, NatsCluster, find_nats_server
+from imexd.demo.brokers import Mosquitto
+from imexd.demo.nats import NatsCluster, find_nats_server
 from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
 from imexd.mqtt import Client, connect
