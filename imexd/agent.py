@@ -239,6 +239,7 @@ class Agent:
                     supervisor.detach()
                     return EXIT_HANDOVER
                 self.log.info("agent.leave", domain=shard.current)
+                await self._say_stopped(bus)
                 if shard.current is not None and shard.published:
                     # Only records this agent wrote: a duplicate never clears the other's.
                     await self._clear_records(bus, *shard.current)
@@ -255,6 +256,25 @@ class Agent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(supervisor.stop("the agent is leaving"), budget)
         return 0
+
+    async def _say_stopped(self, bus: Bus) -> None:
+        """Our presence's last word: this agent stopped, so that the control plane refuses
+        the node at once (AgentDown) instead of counting it seen for `--seen-within`.
+        Not while our topics may be another agent's (a duplicate of our name)."""
+        if self.shard.duplicate or self.shard.suspect_until is not None:
+            return
+        now = time.time()
+        await bus.retain(
+            self.topics.presence(self.node),
+            Presence(
+                node=self.node,
+                incarnation=self.shard.incarnation,
+                at=now,
+                domain=None,
+                address=self.settings.node.address,
+                stopped=now,
+            ),
+        )
 
     async def _clear_records(self, bus: Bus, domain: str, clique: str) -> None:
         """Clear our member record and health report of the shard (domain, clique)."""

@@ -77,6 +77,9 @@ CLOCK_SKEW: Final = "ClockSkew"
 BUS_DOWN: Final = "BusDown"
 LOST: Final = "Lost"
 """A member whose record is its Last Will (state lost): its link ended without DISCONNECT."""
+AGENT_DOWN: Final = "AgentDown"
+"""A member without a report whose agent the bus says is gone: it stopped cleanly (its
+presence says so) or its will fired, and no later word of it came."""
 """The DomainUp reason of an agent whose link to the broker is down or not synced yet."""
 IMEX_READY: Final = ImexState.READY.value
 UNKNOWN_REASONS: Final = ("NoSpec", "NoMembers", "Partial", BUS_DOWN)
@@ -170,6 +173,8 @@ class _Node:
     notes: list[tuple[str, str]] = field(default_factory=list)
     """(reason, text) found by looking at the other members (links, driver skew)."""
     failed_by_peers: bool = False
+    down: str | None = None
+    """Why the bus says the node's agent is gone (a clean stop, its will), if it does."""
 
     @property
     def lost(self) -> bool:
@@ -406,6 +411,7 @@ def judge(
     now: float,
     report_interval_s: float,
     expect: Sequence[str] | None = None,
+    down: Mapping[str, str] | None = None,
 ) -> DomainStatus:
     """The domain's state from its spec, member records and health reports.
 
@@ -423,7 +429,9 @@ def judge(
     never restarted; *failed* otherwise (DaemonCrashLoop, Stale, ...). Also
     failures: a ready member whose domain view says a ready peer is not READY or not
     connected (PeersUnreachable; unless that peer became ready less than one report
-    interval before the view was reported: late news), and a skew between members
+    interval before the view was reported: late news), a member without a report whose
+    agent the bus says is gone (`down`, node -> why: AgentDown, not NoReport), and a skew
+    between members
     (VersionMismatch: a `!V!` cell in a member's view, or members whose `driver` fields
     differ; ClockSkew).
 
@@ -445,6 +453,9 @@ def judge(
     nodes = _gather(
         listed, records, reports, now=now, stale_after=STALE_INTERVALS * report_interval_s
     )
+    for name, why in (down or {}).items():
+        if name in nodes:
+            nodes[name].down = why
     views_pending = _peer_links(nodes, report_interval_s)
     unknowns = _unknowns(nodes, listed=listed is not None or spec is not None)
     reasons = _skew(nodes, now)
@@ -518,7 +529,10 @@ def _row(
             f"the bus); peers drop it from their node lists {hold:g} s after the will. "
             f"Bring it back, or if it is gone for good: imexd node forget {e.name}"
         )
-    if seen is None:
+    if seen is None and e.down is not None and not e.lost:
+        reasons.append(AGENT_DOWN)
+        details.append(f"{AGENT_DOWN}: {e.down}")
+    elif seen is None:
         reasons.append("NoReport")
         details.append("NoReport: no health report on the bus (not joined yet, or gone)")
     elif e.future:
@@ -539,6 +553,7 @@ def _row(
     pending = (
         not e.ready
         and not e.lost
+        and e.down is None
         and (
             seen is None
             or (report is not None and (record is None or _forming(report, report_interval_s)))

@@ -405,6 +405,9 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
     domain: DomainName | None
     """The domain the agent is in, None when it is in none."""
     address: Annotated[str, msgspec.Meta(max_length=64, description="IPv4 or IPv6 address")]
+    stopped: float | None = None
+    """Wall-clock seconds when the agent stopped cleanly: its last word before it left
+    (not at a hand-over, whose successor goes on). None while it runs."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)

@@ -252,15 +252,19 @@ async def test_assign_warns_when_the_spec_keeps_the_node_out(
     assert "n9 stays out (NotInSpec)" in capsys.readouterr().err
 
 
-def presence(node: str, *, at: float | None = None) -> bytes:
-    """An agent's retained presence record, written `at` (default: now)."""
+def presence(
+    node: str, *, at: float | None = None, stopped: float | None = None, incarnation: int = 1
+) -> bytes:
+    """An agent's retained presence record, written `at` (default: now); `stopped`: its
+    last word, as a cleanly stopped agent writes it."""
     return encode(
         Presence(
             node=node,
-            incarnation=1,
+            incarnation=incarnation,
             at=time.time() if at is None else at,
             domain=None,
             address="127.0.0.20",
+            stopped=stopped,
         )
     )
 
@@ -442,22 +446,71 @@ async def test_create_refuses_nodes_no_live_agent_reported_unless_force(
     args = ("domain", "create", "d1", "--nodes", "n1,n2,n3,n4")
     assert await control_async(*args) == 2
     err = capsys.readouterr().err.splitlines()
-    assert unseen(err) == ["n2", "n3", "n4"]
+    assert unseen(err) == ["n2", "n3"]
     assert err[0].startswith(
         "imexd domain create: no agent reported node n2 within 600 s (last 1000 s ago): "
         "a typo, or a node without a running agent; d1 would wait for it forever. Give "
         "--force"
     )
     assert "node n3 within 600 s (never)" in err[1]
-    assert "node n4 within 600 s (last 900 s ago)" in err[2]
+    assert err[2].startswith("imexd domain create: node n4: AgentDown: its agent's link ended")
     assert await retained(broker) == before, "nothing was written"
     assert await control_async(*args, "--seen-within", "950") == 2
-    assert unseen(capsys.readouterr().err.splitlines()) == ["n2", "n3"]
+    err = capsys.readouterr().err.splitlines()
+    assert unseen(err) == ["n2", "n3"], "n4 is not unseen but gone: its will says so"
+    assert [line.split(":")[1] for line in err if "AgentDown" in line] == [" node n4"]
     assert await control_async(*args, "--seen-within", "-1") == 2
     assert "--seen-within -1: expected seconds >= 0" in capsys.readouterr().err
     assert await control_async(*args, "--force") == 0
     got = await retained(broker, T.assignments_filter())
     assert sorted(got) == sorted(T.assignment(n) for n in ("n1", "n2", "n3", "n4"))
+
+
+async def test_a_node_whose_agent_stopped_or_died_is_refused_whatever_seen_within_says(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stop is news (issue 25): an agent that stopped cleanly said so in its presence,
+    and a dead one's will is on the bus; `domain create`, `node assign` and `workload
+    create` refuse such a node at once (exit 2, AgentDown with the reason), however
+    recent its last sighting. A later incarnation's presence, or a report after the stop,
+    is an agent back."""
+    now = time.time()
+    lost = msgspec.structs.replace(
+        member_record("n2", 1, domain="d1"), state=MemberState.LOST, slot=None
+    )
+    await put(
+        broker,
+        {
+            T.presence("n1"): presence("n1", at=now - 5, stopped=now - 5),
+            T.member("d1", "c1", "n2"): encode(lost),
+            T.presence("n2"): presence("n2", at=now - 3),
+            T.presence("n3"): presence("n3"),
+        },
+    )
+    create = ("domain", "create", "d1", "--nodes", "n1,n2,n3", "--seen-within", "1e9")
+    assert await control_async(*create) == 2
+    err = capsys.readouterr().err
+    assert "node n1: AgentDown: its agent stopped 5 s ago (a clean stop" in err, err
+    assert "node n2: AgentDown: its agent's link ended without a goodbye (its will" in err
+    assert "n3" not in err
+    assert await retained(broker, T.specs_filter()) == {}, "nothing was written"
+    assert await control_async("node", "assign", "n1", "d1") == 2
+    assert "node n1: AgentDown" in capsys.readouterr().err
+    assert (
+        await control_async("workload", "create", "w1", "--domain", "d1", "--nodes", "n1,n3") == 2
+    )
+    assert "imexd workload create: node n1: AgentDown" in capsys.readouterr().err
+    assert await retained(broker, T.workloads_filter("d1")) == {}
+
+    # Back: n1 restarted (a new presence), n2's next incarnation runs idle.
+    await put(
+        broker,
+        {
+            T.presence("n1"): presence("n1", incarnation=2),
+            T.presence("n2"): presence("n2", incarnation=2),
+        },
+    )
+    assert await control_async(*create) == 0, capsys.readouterr().err
 
 
 async def test_a_health_report_or_a_record_is_a_sighting(

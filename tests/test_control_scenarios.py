@@ -308,3 +308,35 @@ def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) 
     late = reports_after_leaving(seen, ["n1"])
     assert late == [], "; ".join(late) + "\n" + trace(seen)
     assert "imex/v2/domains/d1/health/n1" not in retained(c, "imex/v2/domains/d1/health/+")
+
+
+def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
+    """Issue 25: `kill -TERM` one agent, then a job's prolog listing its node failed only
+    after minutes (the default --seen-within counted the goodbye as a sighting). A stop
+    is news now: `domain create --wait` exits 2 at once naming the node and AgentDown;
+    a killed agent's will says the same once it fired; `domain status` says AgentDown
+    for the stopped member, not NoReport. (`--steal`: the nodes are d1's.)"""
+    nodes = form_d1(c)
+    n2, n3 = nodes[1], nodes[2]
+    assert n3.stop() == 0
+
+    started = time.monotonic()
+    refused = imexd(c, "domain", "create", "d2", "--nodes", "n3", "--steal", "--wait", "60")
+    took = time.monotonic() - started
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "node n3: AgentDown: its agent stopped" in refused.stderr, refused.stderr
+    assert took < 30, f"refused after {took:.1f} s, not at once"
+    status = imexd(c, "domain", "status", "d1")
+    assert "n3: AgentDown: its agent stopped" in status.stdout, status.stdout
+    assert "NoReport" not in status.stdout, status.stdout
+
+    n2.crash()  # agent and daemon; its will fires after will_delay_s
+
+    def will_fired() -> bool:
+        records = retained(c, "imex/v2/domains/d1/members/+/n2").values()
+        return any(json.loads(r).get("state") == "lost" for r in records if r)
+
+    wait_for(will_fired, timeout=FAST["bus"]["will_delay_s"] + 15)
+    dead = imexd(c, "domain", "create", "d2", "--nodes", "n2", "--steal")
+    assert dead.returncode == 2, dead.stdout + dead.stderr
+    assert "node n2: AgentDown: its agent's link ended without a goodbye" in dead.stderr

@@ -104,6 +104,39 @@ def test_a_domain_without_reports_or_with_joining_members_is_forming() -> None:
     assert status.state == "FORMING"
 
 
+def test_a_member_whose_agent_is_gone_is_agent_down_not_no_report() -> None:
+    """A listed node without a report whose agent the bus says is gone (`down`: a clean
+    stop, its will) is a failure with that reason (issue 25), not a joining NoReport; a
+    report of it is the agent back, whatever `down` says."""
+    reports = [report("n1", 0, THREE), report("n2", 1, THREE)]
+    gone = {"n3": "its agent stopped 8 s ago (a clean stop: its last word)"}
+    status = judge(
+        "d1",
+        spec=SPEC,
+        records=records({0: "n1", 1: "n2"}),
+        reports=reports,
+        now=NOW + 1,
+        report_interval_s=INTERVAL,
+        down=gone,
+    )
+    n3 = row(status, "n3")
+    assert n3.reasons == ["AgentDown"]
+    assert n3.failed
+    assert not n3.pending
+    assert status.state == "DEGRADED"
+    assert "AgentDown: its agent stopped 8 s ago" in n3.details[0]
+    back = judge(
+        "d1",
+        spec=SPEC,
+        records=records(),
+        reports=[*reports, report("n3", 2, THREE)],
+        now=NOW + 1,
+        report_interval_s=INTERVAL,
+        down=gone,
+    )
+    assert "AgentDown" not in row(back, "n3").reasons
+
+
 def test_a_daemon_not_answering_yet_after_its_start_is_forming_for_a_while() -> None:
     """Just started, IMEX answers `ctl -q` with UNAVAILABLE until its command service
     listens: a healthy start reads FORMING, not DOWN; still UNAVAILABLE after

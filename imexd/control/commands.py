@@ -109,14 +109,23 @@ def _unseen(
     *,
     seen_within_s: float,
 ) -> int:
-    """EXIT_USAGE after naming each node of `nodes` that no agent reported within
-    `seen_within_s` seconds (presence record or health report; a member record counts
-    as seen, a lost one, its agent's will, does not), else EXIT_OK: a typo, or a node whose
-    agent is not running, would leave the domain waiting for it (a Slurm prolog until its
-    timeout)."""
+    """EXIT_USAGE after naming each node of `nodes` whose agent the bus says is gone
+    (`Store.agent_down`: a clean stop, or its will, whatever `seen_within_s` says) or that
+    no agent reported within `seen_within_s` seconds (presence record or health report; a
+    live member record counts as seen), else EXIT_OK: a typo, or a node whose agent is not
+    running, would leave the domain waiting for it (a Slurm prolog until its timeout)."""
     now = time.time()
     unseen: list[str] = []
     for node in nodes:
+        down = store.agent_down(node, now=now)
+        if down is not None:
+            unseen.append(node)
+            print(
+                f"imexd {command}: node {node}: AgentDown: {down}; {domain} would wait for "
+                "it forever. Start its agent, or give --force to use it anyway",
+                file=err,
+            )
+            continue
         at, _ = store.last_seen(node)
         live = any(
             n == node and record.state is not MemberState.LOST
@@ -554,6 +563,17 @@ def _fingerprint(status: DomainStatus) -> bytes:
     return msgspec.json.encode(still)
 
 
+async def _read_presences(link: Link, store: Store, name: str, nodes: Sequence[str] | None) -> None:
+    """Read the presence of every node the judgement of domain `name` covers (`nodes`,
+    else the spec's list, and every node with a member record of it), so that a member
+    whose agent is gone reads AgentDown."""
+    spec = store.specs.get(name)
+    listed = nodes if nodes is not None else spec.nodes if spec is not None else None
+    names = set(listed or ()) | {n for d, _, n in store.members if d == name}
+    if names:
+        await link.read(*(link.topics.presence(n) for n in sorted(names)))
+
+
 async def status(
     settings: Settings,
     name: str,
@@ -582,6 +602,7 @@ async def status(
             t.health_filter(name),
             t.workloads_filter(name),
         )
+        await _read_presences(link, store, name, nodes)
         result = _judge_store(store, name, interval, nodes)
         told: tuple[object, ...] | None = None
 
@@ -640,14 +661,16 @@ def _print_status(result: DomainStatus, *, as_json: bool, out: TextIO) -> None:
 def _judge_store(
     store: Store, name: str, report_interval_s: float, nodes: Sequence[str] | None = None
 ) -> DomainStatus:
+    now = time.time()
     return judge(
         name,
         spec=store.specs.get(name),
         records=store.records_of(name),
         reports=store.reports_of(name),
-        now=time.time(),
+        now=now,
         report_interval_s=report_interval_s,
         expect=nodes,
+        down=store.agents_down(now=now),
     )
 
 
@@ -690,6 +713,7 @@ async def watch(
                 store = await link.read(
                     t.spec(name), t.all_members_filter(name), t.health_filter(name)
                 )
+                await _read_presences(link, store, name, nodes)
                 connected_once = True
                 while not stop.is_set():
                     link.changed.clear()

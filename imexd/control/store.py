@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from imexd.fleet import DomainSummary, SeenReport, judge
+from imexd.fleet import DomainSummary, SeenReport, judge, seconds_text
 from imexd.messages import (
     Assignment,
     Deleted,
     DomainSpec,
     HealthReport,
     MemberRecord,
+    MemberState,
     Presence,
     Received,
     WorkloadRecord,
@@ -119,6 +120,38 @@ class Store:
         recorded = any(n == node for _, _, n in self.members)
         return (max(times) if times else None), recorded
 
+    def agent_down(self, node: str, *, now: float) -> str | None:
+        """Why the bus says `node`'s agent is gone (None: it does not say so).
+
+        Gone is news, not an age: the agent's presence says it stopped cleanly and nothing
+        it wrote since says otherwise, or its will (a LOST member record) fired and no
+        later incarnation of the agent has written its presence since. A node whose agent
+        merely went quiet is left to `--seen-within`.
+        """
+        records = [r for (_, _, n), r in self.members.items() if n == node]
+        if any(r.state is not MemberState.LOST for r in records):
+            return None
+        presence = self.presences.get(node)
+        if presence is not None and presence.stopped is not None:
+            later = [s.report.at for (_, n), s in self.reports.items() if n == node]
+            if not any(at > presence.stopped for at in later):
+                ago = seconds_text(now - presence.stopped)
+                return f"its agent stopped {ago} s ago (a clean stop: its last word)"
+        if records and (
+            presence is None or presence.incarnation <= max(r.incarnation for r in records)
+        ):
+            where = ", ".join(sorted({r.domain for r in records}))
+            return (
+                f"its agent's link ended without a goodbye (its will is on the bus in {where}): "
+                "the agent died, or lost the broker"
+            )
+        return None
+
+    def agents_down(self, *, now: float) -> dict[str, str]:
+        """`agent_down` of every node the bus holds a presence or a member record of."""
+        names = set(self.presences) | {n for _, _, n in self.members}
+        return {n: why for n in sorted(names) if (why := self.agent_down(n, now=now))}
+
     def domains(self) -> list[str]:
         """Every domain with a spec, a member record, a health report or an assignment."""
         names = set(self.specs)
@@ -141,6 +174,7 @@ def summarize(store: Store, *, now: float, report_interval_s: float) -> list[Dom
             reports=store.reports_of(name),
             now=now,
             report_interval_s=report_interval_s,
+            down=store.agents_down(now=now),
         )
         out.append(
             DomainSummary(

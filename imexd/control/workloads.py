@@ -200,6 +200,18 @@ async def create(
             return EXIT_USAGE
         if nodes is None and spec is not None:
             nodes = spec.nodes
+        if nodes:
+            await link.read(*(t.presence(n) for n in nodes))  # AgentDown
+        now = time.time()
+        down = {n: why for n in nodes or () if (why := store.agent_down(n, now=now))}
+        for node, why in down.items():
+            print(
+                f"{command}: node {node}: AgentDown: {why}; workload {name} would wait for "
+                "it forever. Start its agent, or leave the node out (--nodes)",
+                file=err,
+            )
+        if down:
+            return EXIT_USAGE
         previous = store.workloads.get((domain, name))
         kept = previous if previous is not None and previous.state == "active" else None
         known = channel_count(store.reports_of(domain), now=time.time(), report_interval_s=interval)
