@@ -12,12 +12,13 @@ stale or stamped in the future).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal
 
 import msgspec
 
 from imexd.fleet import (
+    AGENT_DOWN,
     CLOCK_SKEW,
     FUTURE_SKEW_S,
     STALE_INTERVALS,
@@ -157,6 +158,7 @@ def judge_workload(
     now: float,
     report_interval_s: float,
     workloads: Iterable[WorkloadRecord] = (),
+    down: Mapping[str, str] | None = None,
 ) -> WorkloadStatus:
     """The workload's state from its domain's health reports.
 
@@ -165,7 +167,9 @@ def judge_workload(
     with the record's channel and generation: an older generation is the agent catching
     up, not a success. A stale report is not ready (the agent is gone or cut off).
     Another active record of the domain on the same channel (`workloads`: the domain's
-    records) is a ChannelConflict: FAILED, however ready the nodes are.
+    records) is a ChannelConflict: FAILED, however ready the nodes are. A node not ready
+    whose agent the bus says is gone (`down`, node -> why) reads AgentDown, a failure,
+    whatever its last report still says (NotListed, NoReport).
     """
     listed = (
         sorted(set(record.nodes))
@@ -180,6 +184,21 @@ def judge_workload(
             by_node[seen.report.node] = seen
     rows = [
         _workload_row(record, node, by_node.get(node), now, report_interval_s) for node in listed
+    ]
+    gone = down or {}
+    rows = [
+        WorkloadNodeRow(
+            node=r.node,
+            ready=False,
+            reason=AGENT_DOWN,
+            message=gone[r.node],
+            pending=False,
+            report=r.report,
+            age_s=r.age_s,
+        )
+        if not r.ready and r.node in gone
+        else r
+        for r in rows
     ]
     ready = sum(1 for r in rows if r.ready)
     reasons = [f"{r.reason}: {r.node}" for r in rows if not r.ready]

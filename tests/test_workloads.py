@@ -178,6 +178,32 @@ def test_another_active_record_on_the_channel_fails_a_ready_workload() -> None:
     assert "ChannelConflict: channel 5 of d1" in render_workload_status(status)
 
 
+def test_a_node_whose_agent_is_gone_reads_agent_down_not_not_listed() -> None:
+    """Issue 25: a crashed agent's node read NotListed ("not made yet") while its last
+    report stood, and a stopped one NoReport. With the bus saying its agent is gone, the
+    row is AgentDown, a failure; a node that has the channel ready stays ready."""
+    rec = record("w1", 3, nodes=["n1", "n2", "n3"], generation=1)
+    status = judge_workload(
+        rec,
+        reports=[
+            SeenReport(channel_report("n1", 0, infos=[info("w1", 3, 1)])),
+            SeenReport(channel_report("n2", 1, infos=[])),
+        ],
+        members=[],
+        now=NOW,
+        report_interval_s=2.0,
+        down={"n1": "stopped", "n2": "its will fired", "n3": "its agent stopped 4 s ago"},
+    )
+    assert [(r.node, r.reason) for r in status.nodes] == [
+        ("n1", ""),
+        ("n2", "AgentDown"),
+        ("n3", "AgentDown"),
+    ]
+    assert status.state == "FAILED"
+    assert not any(r.pending for r in status.nodes)
+    assert "AgentDown: n3" in status.reasons
+
+
 def test_a_report_stamped_in_the_far_future_is_clock_skew_in_few_words() -> None:
     """A workload's node row for a report stamped 1e308 says ClockSkew briefly."""
     rec = record("w1", 1, nodes=["n1"], generation=1)

@@ -137,13 +137,15 @@ def env_lines(record: WorkloadRecord) -> list[str]:
 
 
 def _status_of(store: Store, record: WorkloadRecord, report_interval_s: float) -> WorkloadStatus:
+    now = time.time()
     return judge_workload(
         record,
         reports=store.reports_of(record.domain),
         members=store.records_of(record.domain),
-        now=time.time(),
+        now=now,
         report_interval_s=report_interval_s,
         workloads=store.workloads_of(record.domain),
+        down=store.agents_down(now=now),
     )
 
 
@@ -470,6 +472,9 @@ async def status(
         t = link.topics
         store = await link.read(t.all_members_filter(found), t.health_filter(found))
         record = store.workloads[(found, name)]
+        listed = record.nodes or sorted({n for d, _, n in store.members if d == found})
+        if listed:
+            await link.read(*(t.presence(n) for n in listed))  # AgentDown
 
         def judged() -> WorkloadStatus:
             return _status_of(store, store.workloads.get((found, name), record), interval)
