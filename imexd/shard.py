@@ -239,7 +239,8 @@ class ShardView:
         self.needs: frozenset[str] = frozenset()
         """The bus filters a `Synced` must cover to sync the view (`join`)."""
         self.unconfirmed: set[str] = set()
-        """Nodes whose records come from a previous link and were not seen again yet."""
+        """Nodes whose records come from a previous link and were not seen again yet: always
+        a subset of `records` (whatever drops a record drops it here too)."""
         self.confirm_by: float | None = None
         """`now` after which the unconfirmed records are dropped."""
         self.deleted: dict[str, tuple[MemberRecord, float]] = {}
@@ -635,6 +636,7 @@ class ShardView:
         for node in gone:
             del self.lost[node]
             record = self.records.pop(node, None)
+            self.unconfirmed.discard(node)
             self.claims_seen.pop(node, None)
             if record is not None:
                 self._remember_deletion(record, now)
@@ -1040,6 +1042,7 @@ class ShardView:
             why=f"{rival.state.value} {rival.node}: {why}",
         )
         self.records.pop(self.node, None)
+        self.unconfirmed.discard(self.node)
         self.past = None
         self.replay_rival = None
         self.replaying = False
