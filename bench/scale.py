@@ -104,8 +104,9 @@ from imexd.bus import Bus
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.demo.nodes import fake_driver
-from imexd.messages import DomainSpec, Payload, Topics, WorkloadRecord, encode
+from imexd.messages import DomainSpec, Payload, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
+from imexd.topics import Topics
 
 SCRIPT: Final = Path(__file__).resolve()
 """This script: the workers run it with `--worker SPEC`."""

@@ -26,8 +26,9 @@ import aiomqtt
 
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
-from imexd.messages import Topics, WorkloadRecord, encode
+from imexd.messages import WorkloadRecord, encode
 from imexd.settings import BusSettings
+from imexd.topics import Topics
 
 TOPICS = Topics("imex/v2")
 READS = 3

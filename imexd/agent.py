@@ -7,15 +7,16 @@ drives the supervisor, fleet and health (imexd.fleet, imexd.health) judge the fa
 imexd.guard contains the failures of each task. Named long-lived tasks, each with a
 heartbeat that /healthz watches:
 
-- `events`: reads the bus (member records of our shard, the domain's spec, our
-  assignment, link state) into the shard view and wakes `membership`;
+- `events`: reads the bus (our shard's records, the domain's spec, our assignment and
+  retry requests, link state) into the shard view and wakes `membership`;
 - `membership`: follows the target (domain, clique), steps the shard view, publishes
   our record, and sets what should run (`Desired`);
 - `reconcile`: applies the first change after a quiet period at once and coalesces what
   follows within `[domain] settle_s`, writes the files and asks the supervisor for
-  exactly what the change needs: start, SIGUSR1, restart, or nothing;
-- `probe`: `ctl -q` and `ctl -N -j` against the running daemon, after every start and
-  delivered SIGUSR1 and then periodically (imexd.daemon_probes);
+  exactly what the change needs (start, SIGUSR1, restart, or nothing), and passes on
+  an operator's `imexd node retry`;
+- `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
+  periodically (imexd.daemon_probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
@@ -53,7 +54,7 @@ from imexd.guard import BEAT_S, Guard, describe
 from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
 from imexd.http import HealthServer
 from imexd.logs import get_logger
-from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Topics
+from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.names import client_id
@@ -66,6 +67,7 @@ from imexd.sdnotify import Notifier
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
 from imexd.shard import Identity, Plan, ShardView
 from imexd.state import NodeState, StateStore
+from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
 """Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
@@ -75,16 +77,14 @@ DISCOVERY_RETRY_S: Final = 30.0
 WRITE_RETRY_INITIAL_S: Final = 0.5
 WRITE_RETRY_MAX_S: Final = 30.0
 UNSUPERVISED_SURVEY_S: Final = 5.0
-"""While the agent stands aside, it looks this often for a daemon of its config that runs
-without it (a process survey: cheap, but not for every step)."""
+"""How often an agent standing aside looks for a daemon of its config run by no one."""
 UNSUPERVISED: Final = "Unsupervised"
 """DaemonReady's reason for such a daemon."""
 STEP_PACE_S: Final = 0.05
 """Seconds between two membership steps while records keep coming (`imexd.pacer.Pacer`):
 the first record after a quiet period is stepped at once, those within this pause after
-it together at its end. A formation delivers about three records per peer; the claim's
-barrier is taken as its echo arrives (`ShardView.apply`), so a later step changes only
-when its outcome is acted on, never which claim wins."""
+it together at its end. The claim's barrier is taken as its echo arrives
+(`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
 
 
 class Agent:
@@ -120,6 +120,9 @@ class Agent:
         link goes: only then does `desired` say what the broker says."""
         self.released_until = 0.0
         """time.monotonic() until which our slot stays given up (FATAL daemon)."""
+        self.retry_seen = wire_now()
+        """The `at` of the last `imexd node retry` acted on; none older than this agent."""
+        self.retry_asked: Retry | None = None
         self.wake = asyncio.Event()
         self.step_pace = Pacer(STEP_PACE_S)
 
@@ -148,8 +151,7 @@ class Agent:
         )
         self.report_pace = Pacer(REPORT_PACE_S)
         self.report_lock = asyncio.Lock()
-        """Held while a report is published and while our records are cleared, so that
-        no report follows a clear."""
+        """Held while a report is published or our records cleared: no report after a clear."""
         self.bus_facts = BusFacts()
         self.channels = ChannelKeeper.from_settings(settings, on_change=self.changed.set)
         self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
@@ -345,6 +347,12 @@ class Agent:
                 self.assigned_domain = event.payload.domain
             elif isinstance(event, Deleted):
                 self.assigned_domain = None
+        elif (
+            isinstance(asked := getattr(event, "payload", None), Retry)
+            and asked.at > self.retry_seen
+        ):
+            self.retry_seen, self.retry_asked = asked.at, asked  # each request once
+            self.dirty.set()
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
@@ -370,15 +378,13 @@ class Agent:
 
     @property
     def _client_id(self) -> str:
-        """`imexd-<node>`, with a node name that is not a valid client id encoded
-        (`names.client_id`)."""
+        """`imexd-<node>` (a node name that is no valid client id encoded: names.client_id)."""
         return client_id("imexd", self.node)
 
     def _first_will(self) -> WillSpec | None:
-        """The will of the first CONNECT (MQTT sets it only there), so that joining a shard
-        known at start does not reconnect: the configured domain (assigned mode: the saved
-        one, a guess that costs only the reconnect it saves) and clique ("auto": the saved
-        one of that domain). Unknown (None): the join sets the will and reconnects once."""
+        """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
+        at start does not reconnect: the configured domain (assigned: the saved one, a guess)
+        and clique ("auto": the saved one). None: the join sets it and reconnects once."""
         saved = self.saved
         domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
         clique = self.clique
@@ -434,6 +440,7 @@ class Agent:
                     await self._clear_records(bus, domain, clique)
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
+            await bus.unsubscribe(self.topics.retry(domain, self.node))
         # Only a snapshot completed after this point, of both filters, covers the shard.
         filters = () if target is None else self._shard_filters(*target)
         if shard.join(target, time.monotonic(), needs=frozenset(filters)):
@@ -448,7 +455,7 @@ class Agent:
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
         # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        await bus.subscribe(*filters)
+        await bus.subscribe(*filters, self.topics.retry(domain, self.node))
         bus.set_will(shard.will(self.topics, domain, clique))
 
     def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:
@@ -615,6 +622,11 @@ class Agent:
                         await self.view_ready.wait()
                 continue
             self.dirty.clear()
+            if (asked := self.retry_asked) is not None:
+                self.retry_asked = None
+                await self._parts()[1].retry(f"imexd node retry by {asked.by or 'an operator'}")
+                self.released_until = 0.0  # claim again a slot that a FATAL daemon gave up
+                self.wake.set()
             started = time.monotonic()
             quiet_at = started + s.domain.settle_s
             # Starting and stopping the daemon are bounded by the supervisor's timeouts.

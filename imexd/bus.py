@@ -106,8 +106,6 @@ from imexd.messages import (
     Payload,
     Ping,
     Received,
-    TopicRef,
-    Topics,
     decode_message,
     encode,
     now,
@@ -124,6 +122,7 @@ from imexd.mqtt import (
 from imexd.names import is_dns1123_subdomain
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
+from imexd.topics import TopicRef, Topics
 
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""

@@ -54,16 +54,10 @@ from imexd.channels import (
 from imexd.facts import ChannelFacts, ChannelState
 from imexd.guard import BEAT_S, Guard, describe
 from imexd.logs import get_logger
-from imexd.messages import (
-    Deleted,
-    DomainSpec,
-    MemberRecord,
-    Received,
-    Topics,
-    WorkloadRecord,
-)
+from imexd.messages import Deleted, DomainSpec, MemberRecord, Received, WorkloadRecord
 from imexd.retry import backoff_delay
 from imexd.settings import ChannelsSettings, Settings
+from imexd.topics import Topics
 
 TASK: Final = "channels"
 """The agent task's name (and heartbeat)."""

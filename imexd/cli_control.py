@@ -58,6 +58,9 @@ NODE_EXITS: Final = {
     "is live (an agent reported it within --seen-within and it holds a record that is not "
     "lost), or it holds such a record and was not reported (without --force), nothing "
     "written",
+    "retry": f"0 the daemon runs (or ran already); 1 not running after --wait seconds, or "
+    f"{BUS_EXITS.removeprefix('1 ')}; 2 usage error, or the node's agent is down, unknown or in "
+    "no domain, nothing written",
 }
 WORKLOAD_EXITS: Final = {
     "create": "0 ready on every listed node (or written, with --wait 0); 1 not "
@@ -237,6 +240,22 @@ def _node_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
         "agent reported the node within --seen-within seconds; never a live node's",
     )
     q.set_defaults(handler=_cmd_node_forget)
+    q = command(
+        nsub,
+        "retry",
+        "start NODE's failed daemon now: end FATAL's cool-down once the cause is fixed",
+        NODE_EXITS["retry"],
+    )
+    config_arg(q)
+    q.add_argument("node", help="the node's name")
+    q.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds to wait for the node to report its daemon RUNNING (default 60)",
+    )
+    q.set_defaults(handler=_cmd_node_retry)
 
 
 def _domain_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -646,4 +665,19 @@ def _cmd_node_forget(args: argparse.Namespace) -> int:
             force=args.force,
             seen_within_s=args.seen_within,
         )
+    )
+
+
+def _cmd_node_retry(args: argparse.Namespace) -> int:
+    """`imexd node retry NODE [--wait S]`."""
+    problems = [p for p in (node_problem(args.node),) if p]
+    if not args.wait > 0:
+        problems.append(f"--wait must be a number of seconds > 0, got {args.wait:g}")
+    if problems:
+        return usage("node retry", problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+    settings = commands.load_control_settings(args.config)
+    return run_async(
+        commands.retry(settings, args.node, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
     )

@@ -7,6 +7,7 @@ structured log event, `daemon.state` with `from`, `to` and `reason`:
     STARTING/RUNNING --exit--> BACKOFF --delay--> STARTING ...
     BACKOFF --crash_loop_starts failures in crash_loop_window_s--> FATAL
     FATAL --fatal_cooldown_s--> STARTING (one more try: a failure goes straight back)
+    FATAL/BACKOFF --retry (an operator: `imexd node retry`)--> STARTING, failures forgotten
     any running state --stop/restart/leave--> STOPPING --> STOPPED
 
 Why it looks the way it does:
@@ -167,6 +168,7 @@ class Supervisor:
         self._failures: deque[float] = deque()
         self._backoff_step = 0
         self._probation = False
+        self._forgiven = False
         self._restarts = 0
         self._last_ran = False
         self._start_failures = 0
@@ -312,6 +314,24 @@ class Supervisor:
         self._want_running = True
         self._restart_reason = reason
         self._adopt_ok = False
+        return await self._command()
+
+    async def retry(self, why: str) -> DaemonStatus:
+        """An operator's lever (`imexd node retry`): end a crash-loop wait and start now.
+
+        In FATAL or BACKOFF the failures counted so far are forgotten (the operator says
+        the cause is fixed), so the next failure backs off from the start again instead
+        of going straight back to FATAL. Any other state is left alone: a running daemon
+        is never restarted by it. Returns once the attempt is decided.
+        """
+        self._check_open()
+        if self._state in (DaemonState.FATAL, DaemonState.BACKOFF) and self._next_start is not None:
+            self._log.warning("daemon.retry", why=why, state=self._state.value)
+            self._failures.clear()
+            self._backoff_step = 0
+            self._fatal_since = None
+            self._forgiven = True  # not the probation try that ends a FATAL cool-down
+            self._next_start = time.monotonic()
         return await self._command()
 
     async def stop(self, reason: str = "stopped by the agent") -> DaemonStatus:
@@ -589,8 +609,9 @@ class Supervisor:
     async def _start(self) -> None:
         """One start attempt: look around (adopt, end strays, or stop at a conflict), then run."""
         self._next_start = None
-        if self._state is DaemonState.FATAL:
+        if self._state is DaemonState.FATAL and not self._forgiven:
             self._probation = True
+        self._forgiven = False
         try:
             found = await asyncio.to_thread(
                 survey_processes, self._config_path, exclude={os.getpid()}

@@ -21,7 +21,7 @@ from typing import Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd import fleet, messages
+from imexd import fleet, messages, topics
 from imexd.facts import ChannelFacts, DaemonFacts, Facts
 from imexd.messages import (
     BUS_CONNECTED,
@@ -128,7 +128,7 @@ def _slot(f: Facts) -> _Verdict:
     m = f.membership
     if f.domain is None:
         return _Verdict("True", "NoDomain", "no domain assigned: the node is idle")
-    where = f"{f.domain}/{f.clique or messages.NO_CLIQUE_TOPIC}"
+    where = f"{f.domain}/{f.clique or topics.NO_CLIQUE_TOPIC}"
     detail = f": {m.detail}" if m.detail else ""
     if m.reason == "DomainFull":
         return _Verdict(

@@ -1,4 +1,4 @@
-"""The bus contract: topics and payload types, strictly decoded.
+"""The bus contract: payload types, strictly decoded, and what each topic may carry.
 
 Every payload is a UTF-8 JSON object of at most 16 KiB with `"v": 1`. Unknown fields
 are ignored (forward compatibility); anything else that is wrong is a `Dropped` with a
@@ -12,10 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ipaddress
-import re
-import string
 import time
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -24,7 +21,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar, assert_never
 import msgspec
 
 from imexd.imex import EMPTY_SLOT_ADDRESS
-from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
+from imexd.topics import TopicRef, Topics, clique_level, route
 
 MAX_PAYLOAD: Final = 16 * 1024
 VERSION: Final = 1
@@ -32,8 +29,6 @@ MAX_HOLD_S: Final = 300.0
 """The longest a peer keeps the record of a lost node, whatever its tombstone's hold_s."""
 MAX_CHANNEL: Final = (1 << 20) - 1
 """The largest minor number Linux has; agents refuse any channel >= the driver's count."""
-NO_CLIQUE_TOPIC: Final = "none"
-"""The topic level standing for an empty clique (nodes without multi-node NVLink)."""
 
 NodeName = Annotated[
     str,
@@ -415,6 +410,24 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(problem)
 
 
+class Retry(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's retained request on `{p}/domains/{domain}/retry/{node}` (`imexd node
+    retry`): end the daemon's crash-loop wait (FATAL, BACKOFF) and start it now.
+
+    Under the domain, so that the agents' read of the domains covers it with no new grant.
+    The agent acts on each request once, and only on one written after it started (a new
+    agent has no crash loop to clear), so a request kept by the broker is harmless.
+    """
+
+    v: Literal[1] = 1
+    node: NodeName
+    domain: DomainName
+    at: float
+    """Wall-clock seconds when it was written: tells one request from the next."""
+    by: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    """Who asked (the control-plane client's id), for the agent's log."""
+
+
 class BrokerEpoch(msgspec.Struct, frozen=True, kw_only=True):
     """The agents' retained mark on `{p}/broker/epoch`, written by the first agent that
     finds none: another epoch, or none, after a reconnect means that the broker lost its
@@ -430,9 +443,9 @@ class BrokerEpoch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Payload = (MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence
-           | WorkloadRecord | BrokerEpoch)  # fmt: skip
+           | WorkloadRecord | Retry | BrokerEpoch)  # fmt: skip
 P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence,
-            WorkloadRecord, BrokerEpoch)  # fmt: skip
+            WorkloadRecord, Retry, BrokerEpoch)  # fmt: skip
 
 
 class DropReason(StrEnum):
@@ -459,9 +472,10 @@ class Dropped:
 
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
+_TYPED = (MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord,
+          Retry)  # fmt: skip
 _typed_decoders: Final[dict[type[Any], msgspec.json.Decoder[Any]]] = {
-    kind: msgspec.json.Decoder(kind)
-    for kind in (MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord)
+    kind: msgspec.json.Decoder(kind) for kind in _TYPED
 }
 
 
@@ -519,7 +533,7 @@ def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
     for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence, WorkloadRecord,
-                BrokerEpoch):  # fmt: skip
+                Retry, BrokerEpoch):  # fmt: skip
         schema = msgspec.json.schema(cls)
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
@@ -532,188 +546,6 @@ def json_schemas() -> dict[str, Any]:
 def now() -> float:
     """Wall-clock time for `at` and `since` fields (seconds since the epoch)."""
     return round(time.time(), 3)
-
-
-# Topics
-
-
-_LEVEL_SAFE: Final = frozenset(string.ascii_letters + string.digits + "-_")
-_LEVEL_RE: Final = re.compile(r"^(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*$")
-WILDCARD: Final = "+"
-"""A filter's single-level wildcard: passed as a name to a `*_filter` method it stays one."""
-
-
-_LEVEL_ESCAPES: Final = {b: f"%{b:02X}" for b in range(256) if chr(b) not in _LEVEL_SAFE}
-"""`str.translate` table from each byte (as the Latin-1 character of that value) to its
-escape: every byte that is not a safe ASCII character."""
-
-
-def encode_level(value: str) -> str:
-    """One name as a portable topic level: every character but ASCII letters, digits, `-`
-    and `_` becomes `%XX` (its UTF-8 bytes, upper-case hex).
-
-    Levels must hold none of `.`, `/`, `+`, `#` or a space on every broker imexd runs
-    on: NATS refuses a `.` in a level (its subjects use `.` as the separator), RabbitMQ
-    turns it into `/`, and clique ids (`<uuid>.<id>`) and node names (`ip-10-0-1-2.ec2.
-    internal`) hold dots. So `gpu-01` stays `gpu-01`, `c0ffee.1` becomes `c0ffee%2E1`.
-    """
-    return value.encode().decode("latin-1").translate(_LEVEL_ESCAPES)
-
-
-def decode_level(level: str) -> str | None:
-    """The name a topic level encodes, or None when the level is not `encode_level`'s
-    one spelling of a name (lower-case hex, an escaped safe character, bad UTF-8): two
-    spellings of one name would be two topics, and two records, for one node."""
-    if not _LEVEL_RE.match(level):
-        return None
-    if "%" not in level:
-        return level  # only safe characters: the level is the name
-    try:
-        value = urllib.parse.unquote(level, errors="strict")
-    except UnicodeDecodeError:
-        return None
-    return value if encode_level(value) == level else None
-
-
-def clique_level(clique: str) -> str:
-    """The topic level for a clique id (`none` for the empty clique)."""
-    return encode_level(clique) if clique else NO_CLIQUE_TOPIC
-
-
-def _level(name: str) -> str:
-    return name if name == WILDCARD else encode_level(name)
-
-
-@dataclass(frozen=True, slots=True)
-class Topics:
-    """Builds and parses every topic under one prefix, with names encoded per level
-    (`encode_level`) and decoded back by `parse`."""
-
-    prefix: str
-
-    def member(self, domain: str, clique: str, node: str) -> str:
-        return f"{self._domain(domain)}/members/{clique_level(clique)}/{_level(node)}"
-
-    def members_filter(self, domain: str, clique: str) -> str:
-        return f"{self._domain(domain)}/members/{_clique(clique)}/+"
-
-    def all_members_filter(self, domain: str) -> str:
-        return f"{self._domain(domain)}/members/+/+"
-
-    def health(self, domain: str, node: str) -> str:
-        return f"{self._domain(domain)}/health/{_level(node)}"
-
-    def health_filter(self, domain: str) -> str:
-        return f"{self._domain(domain)}/health/+"
-
-    def spec(self, domain: str) -> str:
-        return f"{self._domain(domain)}/spec"
-
-    def specs_filter(self) -> str:
-        return f"{self.prefix}/domains/+/spec"
-
-    def workload(self, domain: str, workload: str) -> str:
-        return f"{self._domain(domain)}/workloads/{_level(workload)}"
-
-    def workloads_filter(self, domain: str) -> str:
-        """Every workload of `domain` (`+`: of every domain)."""
-        return f"{self._domain(domain)}/workloads/+"
-
-    def assignment(self, node: str) -> str:
-        return f"{self._node(node)}/assignment"
-
-    def assignments_filter(self) -> str:
-        return f"{self.prefix}/nodes/+/assignment"
-
-    def ping(self, node: str) -> str:
-        return f"{self._node(node)}/ping"
-
-    def presence(self, node: str) -> str:
-        return f"{self._node(node)}/presence"
-
-    def epoch(self) -> str:
-        """The broker's epoch record (`BrokerEpoch`), one per broker."""
-        return f"{self.prefix}/broker/epoch"
-
-    def _domain(self, domain: str) -> str:
-        return f"{self.prefix}/domains/{_level(domain)}"
-
-    def _node(self, node: str) -> str:
-        return f"{self.prefix}/nodes/{_level(node)}"
-
-    def parse(self, topic: str) -> TopicRef | None:
-        """What a topic under this prefix addresses (names decoded), or None for a foreign
-        topic or one whose levels are not the one encoding of a name."""
-        return _route(self.prefix, topic)[0]
-
-
-TOPIC_CACHE_SIZE: Final = 2048
-"""Distinct topics whose parse `_route` remembers (least recently used go first): an agent
-hears a few dozen (its shard, spec, assignment, ping), a control plane one per node."""
-TOPIC_CACHE_MAX_LEN: Final = 512
-"""Longer topics are parsed afresh, so that hostile ones cannot make the cache hold more
-than TOPIC_CACHE_SIZE short strings."""
-
-
-def _route(prefix: str, topic: str) -> tuple[TopicRef | None, str | None]:
-    """`_parse` of `topic` and what is wrong with its names (`_topic_problem`), remembered
-    per distinct topic: every delivery on a shard repeats one of a few dozen topics."""
-    if len(topic) > TOPIC_CACHE_MAX_LEN:
-        return _route_of(prefix, topic)
-    return _remembered_route(prefix, topic)
-
-
-def _route_of(prefix: str, topic: str) -> tuple[TopicRef | None, str | None]:
-    ref = _parse(prefix, topic)
-    return ref, None if ref is None else _topic_problem(ref)
-
-
-_remembered_route: Final = functools.lru_cache(maxsize=TOPIC_CACHE_SIZE)(_route_of)
-
-
-def _parse(prefix: str, topic: str) -> TopicRef | None:
-    head = prefix + "/"
-    if not topic.startswith(head):
-        return None
-    raw = topic[len(head) :].split("/")
-    names = [decode_level(level) for level in raw]
-    if any(name is None for name in names):
-        return None
-    parts = [name or "" for name in names]
-    match parts:
-        case ["domains", domain, "members", clique, node]:
-            c = "" if raw[3] == NO_CLIQUE_TOPIC else clique
-            return TopicRef("member", domain=domain, clique=c, node=node)
-        case ["domains", domain, "health", node]:
-            return TopicRef("health", domain=domain, node=node)
-        case ["domains", domain, "spec"]:
-            return TopicRef("spec", domain=domain)
-        case ["domains", domain, "workloads", workload]:
-            return TopicRef("workload", domain=domain, workload=workload)
-        case ["nodes", node, "assignment"]:
-            return TopicRef("assignment", node=node)
-        case ["nodes", node, "ping"]:
-            return TopicRef("ping", node=node)
-        case ["nodes", node, "presence"]:
-            return TopicRef("presence", node=node)
-        case ["broker", "epoch"]:
-            return TopicRef("epoch")
-    return None
-
-
-def _clique(clique: str) -> str:
-    return clique if clique == WILDCARD else clique_level(clique)
-
-
-@dataclass(frozen=True, slots=True)
-class TopicRef:
-    """The parts of a parsed topic."""
-
-    kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence", "epoch"]
-    domain: str = ""
-    clique: str = ""
-    node: str = ""
-    workload: str = ""
 
 
 def check_topic(ref: TopicRef, payload: Payload) -> str | None:
@@ -746,6 +578,8 @@ def check_topic(ref: TopicRef, payload: Payload) -> str | None:
         return f"ping says {payload.node}, topic says {ref.node}"
     elif isinstance(payload, Presence) and payload.node != ref.node:
         return f"presence says {payload.node}, topic says {ref.node}"
+    elif isinstance(payload, Retry) and (payload.node, payload.domain) != (ref.node, ref.domain):
+        return f"retry says {payload.node}@{payload.domain}, topic says {ref.node}@{ref.domain}"
     return None
 
 
@@ -776,19 +610,6 @@ class Deleted:
     retained: bool
 
 
-def _topic_problem(ref: TopicRef) -> str | None:
-    """None when every name in a parsed topic is valid, else what is wrong."""
-    if ref.node and not is_dns1123_subdomain(ref.node):
-        return f"node {ref.node!r} in the topic is not a DNS-1123 subdomain"
-    if ref.kind in ("member", "health", "spec", "workload") and not is_dns1123_label(ref.domain):
-        return f"domain {ref.domain!r} in the topic is not a DNS-1123 label"
-    if ref.kind == "workload" and not is_dns1123_label(ref.workload):
-        return f"workload {ref.workload!r} in the topic is not a DNS-1123 label"
-    if ref.kind == "member" and ref.clique and not is_clique_id(ref.clique):
-        return f"clique {ref.clique!r} in the topic is not a clique id"
-    return None
-
-
 def decode_message(
     topics: Topics, topic: str, payload: bytes, *, retained: bool
 ) -> Received | Deleted | Dropped:
@@ -796,7 +617,7 @@ def decode_message(
 
     A record must agree with its topic (`check_topic`): a node can only speak for itself.
     """
-    ref, problem = _route(topics.prefix, topic)
+    ref, problem = route(topics.prefix, topic)
     if ref is None:
         return Dropped(DropReason.UNKNOWN_TOPIC, "not a topic of the imexd contract")
     if problem is not None:
@@ -821,6 +642,8 @@ def decode_message(
             result = decode(payload, Ping)
         case "presence":
             result = decode(payload, Presence)
+        case "retry":
+            result = decode(payload, Retry)
         case "epoch":
             result = decode(payload, BrokerEpoch)
         case _:

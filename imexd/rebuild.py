@@ -74,13 +74,12 @@ from imexd.messages import (
     DomainSpec,
     Payload,
     Received,
-    TopicRef,
-    Topics,
     WorkloadRecord,
     encode,
     now,
 )
 from imexd.metrics import Metrics
+from imexd.topics import TopicRef, Topics
 
 TASK: Final = "rebuild"
 """The agent task's name (and heartbeat)."""

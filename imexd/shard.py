@@ -83,12 +83,12 @@ from imexd.messages import (
     MemberState,
     Mode,
     Received,
-    Topics,
     encode,
 )
 from imexd.reconcile import Desired
 from imexd.settings import Settings
 from imexd.state import NodeState
+from imexd.topics import Topics
 
 DOUBT_S: Final = 1.0
 """Member deletions this recent when the link drops are taken back (a broker that shuts

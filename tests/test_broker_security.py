@@ -25,7 +25,8 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from imexd.messages import MAX_PAYLOAD, Topics, encode_level
+from imexd.messages import MAX_PAYLOAD
+from imexd.topics import Topics, encode_level
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
 from tests.support import raw_client, wait_for
 
@@ -359,6 +360,20 @@ async def test_a_node_cannot_write_another_nodes_assignment(broker: ShippedBroke
         await publish(n1, T.assignment("n3"), b"forged-by-n1")
     assert await retained(broker, T.assignment("n2")) == b"control-n2"
     assert await retained(broker, T.assignment("n3")) is None
+
+
+async def test_only_the_control_plane_asks_a_node_to_retry_and_the_node_reads_it(
+    broker: ShippedBroker,
+) -> None:
+    """`imexd node retry`'s request stands; a node cannot forge one, for a peer or itself,
+    and reads its own through the domains' read grant."""
+    async with client(broker, CONTROL_USER) as control:
+        await publish(control, T.retry("d1", "n2"), b"control-retry")
+    async with client(broker, "n1") as n1:
+        await publish(n1, T.retry("d1", "n2"), b"forged-by-n1")
+        await publish(n1, T.retry("d1", "n1"), b"forged-by-n1")
+    assert await retained(broker, T.retry("d1", "n2"), name="n2") == b"control-retry"
+    assert await retained(broker, T.retry("d1", "n1")) is None
 
 
 async def test_a_node_gives_an_empty_broker_back_what_it_follows(broker: ShippedBroker) -> None:

@@ -55,12 +55,12 @@ from imexd.messages import (
     MemberState,
     Presence,
     Received,
-    Topics,
     decode_message,
     encode,
 )
 from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
+from imexd.topics import Topics
 from tests.support import raw_client
 
 E = TypeVar("E", bound=Event)
@@ -492,7 +492,8 @@ import asyncio, sys
 from imexd.bus import Bus, WillSpec
 from imexd.logs import configure_logging
 from imexd.settings import BusSettings
-from imexd.messages import MemberRecord, MemberState, Topics
+from imexd.messages import MemberRecord, MemberState
+from imexd.topics import Topics
 
 async def main(url: str) -> None:
     configure_logging("warning", "json", stream=sys.stderr)

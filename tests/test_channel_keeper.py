@@ -24,18 +24,10 @@ from imexd.facts import ChannelFacts, ChannelState, Facts
 from imexd.guard import Guard
 from imexd.health import Heartbeats
 from imexd.logs import get_logger
-from imexd.messages import (
-    Deleted,
-    DomainSpec,
-    MemberRecord,
-    MemberState,
-    Received,
-    TopicRef,
-    Topics,
-    WorkloadRecord,
-)
+from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received, WorkloadRecord
 from imexd.metrics import Metrics
 from imexd.settings import ChannelsSettings
+from imexd.topics import TopicRef, Topics
 
 TOPICS = Topics("imex/v2")
 UNTIL_S = 5.0

@@ -16,7 +16,8 @@ import pytest
 
 from imexd.cli import build_parser, main
 from imexd.demo.brokers import Mosquitto, free_port
-from imexd.messages import ChannelsView, Topics, encode
+from imexd.messages import ChannelsView, encode
+from imexd.topics import Topics
 from tests.reports import report as health_report
 from tests.test_control import put
 

@@ -40,17 +40,10 @@ from imexd.errors import BusError
 from imexd.fleet import (
     render_list,
 )
-from imexd.messages import (
-    Assignment,
-    DomainSpec,
-    MemberState,
-    Presence,
-    Topics,
-    encode,
-    json_schemas,
-)
+from imexd.messages import Assignment, DomainSpec, MemberState, Presence, encode, json_schemas
 from imexd.mqtt import topic_matches
 from imexd.settings import BusSettings
+from imexd.topics import Topics
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, raw_client
 from tests.test_bus import RefusingRelay

@@ -122,6 +122,28 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     assert "DaemonCrashLoop" in row
     assert "n2: DaemonReady=False DaemonCrashLoop: " in degraded.stdout
 
+    # Issue 25: the cause is fixed; `node retry` starts the daemon now, not after the
+    # cool-down. A request older than the agent (kept by the broker) is never acted on.
+    stale = {"v": 1, "node": "n2", "domain": "d1", "at": 1.0, "by": "an old request"}
+    with c.client() as bus:
+        bus.publish("imex/v2/domains/d1/retry/n2", json.dumps(stale).encode(), retain=True)
+    time.sleep(1.0)
+    assert n2.status()["daemon"]["state"] == "FATAL"
+    retried = imexd(c, "node", "retry", "n2", "--wait", "30")
+    assert retried.returncode == 0, retried.stdout + retried.stderr
+    assert "node n2: daemon RUNNING in d1" in retried.stdout, retried.stdout
+    assert retained(c, "imex/v2/domains/d1/retry/+") == {}, "the request ends with the command"
+    up = imexd(c, "domain", "status", "d1", "--wait", "30")
+    assert up.returncode == 0, up.stdout + up.stderr
+    again = imexd(c, "node", "retry", "n2")
+    assert (again.returncode, again.stdout.splitlines()[-1]) == (
+        0,
+        "node n2: its daemon in d1 is RUNNING: nothing to retry",
+    ), again.stdout + again.stderr
+    unknown = imexd(c, "node", "retry", "n9")
+    assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+    assert "node n9: no agent reported it (no presence record)" in unknown.stderr
+
     # Delete: every agent stops its daemon, removes its files and clears its records.
     deleted = imexd(c, "domain", "delete", "d1", "--timeout", "30")
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
@@ -329,6 +351,9 @@ def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     status = imexd(c, "domain", "status", "d1")
     assert "n3: AgentDown: its agent stopped" in status.stdout, status.stdout
     assert "NoReport" not in status.stdout, status.stdout
+    retry = imexd(c, "node", "retry", "n3")
+    assert retry.returncode == 2, retry.stdout + retry.stderr
+    assert "node n3: its agent stopped" in retry.stderr, retry.stderr
 
     n2.crash()  # agent and daemon; its will fires after will_delay_s
 

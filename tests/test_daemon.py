@@ -645,6 +645,31 @@ async def test_a_crash_loop_turns_fatal_and_is_retried_after_the_cooldown(node: 
     ]
 
 
+async def test_retry_ends_a_fatal_wait_at_once_and_forgets_the_failures(node: Node) -> None:
+    """`retry` (imexd node retry): FATAL with a 10-minute cool-down starts again now; the
+    failures are forgotten, so the next one backs off instead of going straight back to
+    FATAL; a running daemon is left alone."""
+    broken = node.root / "broken"
+    broken.write_bytes(b"")
+    env = {"FAKE_IMEX_FAIL_IF_EXISTS": str(broken)}
+    long_cooldown = dataclasses.replace(FAST, start_s=1.5, fatal_cooldown_s=600.0)
+    async with node.supervisor(env, settings=long_cooldown) as sup:
+        await sup.ensure_started()
+        await until(sup, lambda s: s.state is DaemonState.FATAL)
+        # The cause persists: the retried start fails once more, and backs off (not FATAL).
+        failed = await sup.retry("operator")
+        assert failed.state is not DaemonState.FATAL
+        backoff = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
+        assert (backoff.reason, backoff.fatal_since) == ("DaemonCrashed", None)
+        await until(sup, lambda s: s.state is DaemonState.FATAL)
+        os.unlink(broken)  # the operator fixed the cause
+        started = await sup.retry("operator")
+        assert started.state is DaemonState.STARTING
+        running = await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        again = await sup.retry("operator")
+        assert (again.state, again.pid, again.restarts) == (DaemonState.RUNNING, running.pid, 0)
+
+
 async def test_a_daemon_that_cannot_be_executed_ends_fatal_with_the_reason(node: Node) -> None:
     """A missing binary is a failed start: backoff, then FATAL naming the error."""
     async with node.supervisor(binary=node.path("no-such-nvidia-imex")) as sup:

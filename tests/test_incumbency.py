@@ -25,18 +25,12 @@ from imexd import health
 from imexd import membership as mb
 from imexd.bus import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
-from imexd.messages import (
-    Deleted,
-    DomainSpec,
-    MemberRecord,
-    MemberState,
-    Received,
-    TopicRef,
-)
+from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
 from imexd.metrics import Metrics
 from imexd.reconcile import Desired
 from imexd.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.state import NodeState
+from imexd.topics import TopicRef
 from tests.test_shard import (
     CLIQUE,
     DOMAIN,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imexd import messages
+from imexd import messages, topics
 from imexd.imex import EMPTY_SLOT_ADDRESS
 from imexd.messages import (
     Deleted,
@@ -22,18 +22,16 @@ from imexd.messages import (
     MemberState,
     Presence,
     Received,
-    TopicRef,
-    Topics,
+    Retry,
     WorkloadRecord,
     address_problem,
     check_topic,
     decode,
-    decode_level,
     decode_message,
     encode,
-    encode_level,
     json_schemas,
 )
+from imexd.topics import TopicRef, Topics, decode_level, encode_level
 
 TOPICS = Topics("imex/v2")
 INJECTED = "fe80::1%x\n10.66.6.6 imex-00000000-0000 login-node"
@@ -455,19 +453,19 @@ def test_remembered_address_verdicts_stay_bounded_and_equal_fresh_ones() -> None
 def test_remembered_topics_stay_bounded_and_parse_as_fresh_ones() -> None:
     """Topics are parsed once per distinct topic, at most TOPIC_CACHE_SIZE remembered; a
     flood of new topics (or very long ones) cannot grow that, and each is still judged."""
-    remembered = messages._remembered_route
-    for i in range(messages.TOPIC_CACHE_SIZE + 500):
+    remembered = topics._remembered_route
+    for i in range(topics.TOPIC_CACHE_SIZE + 500):
         topic = f"imex/v2/domains/d1/members/c%2E1/n{i}"
         assert TOPICS.parse(topic) == TopicRef("member", domain="d1", clique="c.1", node=f"n{i}")
         bad = f"imex/v2/domains/d1/members/c%2E1/N{i}"
         got = decode_message(TOPICS, bad, raw(member()), retained=False)
         assert isinstance(got, Dropped)
         assert got.reason is DropReason.UNKNOWN_TOPIC
-    assert remembered.cache_info().currsize <= messages.TOPIC_CACHE_SIZE
+    assert remembered.cache_info().currsize <= topics.TOPIC_CACHE_SIZE
     before = remembered.cache_info().currsize
-    long = "imex/v2/domains/d1/members/c%2E1/" + "n" * messages.TOPIC_CACHE_MAX_LEN
+    long = "imex/v2/domains/d1/members/c%2E1/" + "n" * topics.TOPIC_CACHE_MAX_LEN
     assert TOPICS.parse(long) == TopicRef(
-        "member", domain="d1", clique="c.1", node="n" * messages.TOPIC_CACHE_MAX_LEN
+        "member", domain="d1", clique="c.1", node="n" * topics.TOPIC_CACHE_MAX_LEN
     )
     got = decode_message(TOPICS, long, raw(member()), retained=False)
     assert isinstance(got, Dropped)  # a node name longer than 253 characters
@@ -509,3 +507,41 @@ def test_the_one_pass_decode_says_what_the_stepwise_one_says(
     kind, body = kind_and_body
     payload = raw(body(**changes))
     assert decode(payload, kind) == messages._decode_stepwise(payload, kind)
+
+
+RETRY: dict[str, Any] = {
+    "v": 1,
+    "node": "n2",
+    "domain": "d1",
+    "at": 1767000000.0,
+    "by": "imexd-ctl-1",
+}
+
+
+@pytest.mark.parametrize(
+    ("topic", "fields", "reason"),
+    [
+        ("imex/v2/domains/d1/retry/n2", {}, None),
+        # A request names the node and domain of its topic: none for a peer in its name.
+        ("imex/v2/domains/d1/retry/n3", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v2/domains/d2/retry/n2", {}, DropReason.TOPIC_MISMATCH),
+        ("imex/v2/domains/d1/retry/n2", {"at": "now"}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/retry/n2", {"by": "x" * 129}, DropReason.SCHEMA),
+        ("imex/v2/domains/d1/retry/n2", {"node": None}, DropReason.SCHEMA),
+    ],
+)
+def test_a_retry_request_decodes_only_on_its_own_topic(
+    topic: str, fields: dict[str, Any], reason: DropReason | None
+) -> None:
+    """`imexd node retry`'s request: built and parsed back; a wrong one is dropped."""
+    assert TOPICS.retry("d1", "n2") == "imex/v2/domains/d1/retry/n2"
+    assert TOPICS.parse(topic) == TopicRef(
+        "retry", domain=topic.split("/")[3], node=topic.split("/")[5]
+    )
+    got = decode_message(TOPICS, topic, json.dumps({**RETRY, **fields}).encode(), retained=True)
+    if reason is None:
+        assert isinstance(got, Received), got
+        assert got.payload == Retry(node="n2", domain="d1", at=RETRY["at"], by="imexd-ctl-1")
+    else:
+        assert isinstance(got, Dropped), got
+        assert got.reason is reason, got

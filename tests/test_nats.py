@@ -30,8 +30,8 @@ import pytest
 from imexd.control.link import Link
 from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.errors import BusError
-from imexd.messages import Topics
 from imexd.settings import BusSettings
+from imexd.topics import Topics
 from tests import nats_builds
 from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
 from tests.support import IMEXD

@@ -20,13 +20,13 @@ from imexd.messages import (
     Deleted,
     DomainSpec,
     Received,
-    Topics,
     WorkloadRecord,
     decode_message,
     encode,
 )
 from imexd.metrics import Metrics
 from imexd.rebuild import TASK, Held, Outcome, Rebuild, Rebuilder, Verdict, decide, verdict
+from imexd.topics import Topics
 
 T = Topics("imex/v2")
 NODE = "n1"

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from imexd.messages import Topics
+from imexd.topics import Topics
 from tests.cluster import Cluster, Node, pids, untouched
 from tests.support import IMEXD, during
 

@@ -31,9 +31,10 @@ from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nats import NatsCluster, find_nats_server
 from imexd.errors import BusError
-from imexd.messages import Deleted, MemberRecord, MemberState, Received, Topics, encode
+from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
+from imexd.topics import Topics
 from tests.faultproxy import FaultProxy
 from tests.test_bus import fast_settings
 

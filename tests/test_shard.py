@@ -21,16 +21,7 @@ from imexd.bus import (
     Synced,
 )
 from imexd.logs import get_logger
-from imexd.messages import (
-    MAX_HOLD_S,
-    Deleted,
-    DomainSpec,
-    MemberRecord,
-    MemberState,
-    Received,
-    TopicRef,
-    Topics,
-)
+from imexd.messages import MAX_HOLD_S, Deleted, DomainSpec, MemberRecord, MemberState, Received
 from imexd.reconcile import Desired
 from imexd.shard import (
     DOUBT_S,
@@ -44,6 +35,7 @@ from imexd.shard import (
     ShardView,
 )
 from imexd.state import NodeState
+from imexd.topics import TopicRef, Topics
 
 CLAIMING = MemberState.CLAIMING
 ME = "n1"

@@ -33,11 +33,11 @@ from imexd.messages import (
     ChannelsView,
     DomainSpec,
     HealthReport,
-    Topics,
     WorkloadRecord,
     encode,
 )
 from imexd.settings import Settings
+from imexd.topics import Topics
 from imexd.workload_fleet import judge_workload, render_workload_status
 from tests.reports import member_record, report
 from tests.support import raw_client

@@ -35,9 +35,11 @@ from imexd.messages import (
     DomainSpec,
     MemberRecord,
     MemberState,
+    Retry,
     encode,
     reason_line,
 )
+from imexd.messages import now as wire_now
 from imexd.settings import Settings, load_settings
 from imexd.workload_fleet import channel_conflicts, conflict_line
 
@@ -551,6 +553,65 @@ async def forget(
             file=out,
         )
     return EXIT_OK
+
+
+async def retry(settings: Settings, node: str, *, wait_s: float, out: TextIO, err: TextIO) -> int:
+    """Ask `node`'s agent to end its daemon's crash-loop wait and start it now (FATAL's
+    10-minute cool-down, a BACKOFF delay), forgetting the failures counted so far; then
+    wait up to `wait_s` for the node's report to say the daemon runs.
+
+    The request goes to the domain the node's presence names; the agent acts on it once
+    and never restarts a running daemon. Refused (EXIT_USAGE, nothing written): a node
+    whose agent is down, that no agent reported, or that is in no domain. A daemon whose
+    last report says RUNNING needs nothing (EXIT_OK, nothing written). The request is
+    cleared when the command ends; EXIT_FAILED when the daemon is not running by then.
+    """
+    async with Link(settings.bus) as link:
+        t = link.topics
+        store = await link.read(t.presence(node), t.all_members_filter("+"))
+        presence = store.presences.get(node)
+        down = store.agent_down(node, now=time.time())
+        domain = None if presence is None else presence.domain
+        if down is not None or domain is None:
+            why = (
+                f"{down}: retry once its agent runs again"
+                if down is not None
+                else "no agent reported it (no presence record): check the name"
+                if presence is None
+                else "it is in no domain, so it runs no daemon"
+            )
+            print(f"imexd node retry: node {node}: {why}; nothing written", file=err)
+            return EXIT_USAGE
+        await link.read(t.health(domain, node))
+
+        def daemon() -> str:
+            seen = store.reports.get((domain, node))
+            return "" if seen is None else seen.report.daemon.state
+
+        if daemon() == "RUNNING":
+            print(f"node {node}: its daemon in {domain} is RUNNING: nothing to retry", file=out)
+            return EXIT_OK
+        topic = t.retry(domain, node)
+        written = {topic: encode(Retry(node=node, domain=domain, at=wire_now(), by=link.client_id))}
+        await link.put(topic, written[topic])
+        refused = await link.verify(written)
+        if refused:
+            return say_refused(refused, err)
+        print(f"node {node}: asked its agent to start the daemon in {domain} now", file=out)
+        running = await link.wait_until(lambda: daemon() == "RUNNING", wait_s)
+        await link.put(topic, b"")  # acted on, or too late: no request outlives the command
+        seen = store.reports.get((domain, node))
+    if running:
+        print(f"node {node}: daemon RUNNING in {domain}", file=out)
+        return EXIT_OK
+    state = daemon() or "unknown (no report)"
+    reason = "" if seen is None else reason_line(seen.report.conditions)
+    print(
+        f"imexd node retry: node {node}: daemon not RUNNING after {wait_s:g} s: {state}"
+        + (f" ({reason})" if reason else ""),
+        file=err,
+    )
+    return EXIT_FAILED
 
 
 def _fingerprint(status: DomainStatus) -> bytes:

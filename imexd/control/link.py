@@ -50,11 +50,12 @@ from typing import Final, Self
 
 from imexd.control.store import Store
 from imexd.errors import BusError
-from imexd.messages import Dropped, Received, Topics, WorkloadRecord, decode_message
+from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
 from imexd.mqtt import Client, connect, topic_matches
 from imexd.names import client_id
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
+from imexd.topics import Topics
 
 CONNECT_TIMEOUT_S: Final = 5.0
 """Bound on reaching a broker (TCP, TLS, CONNACK); each URL of `[bus] url` gets it."""

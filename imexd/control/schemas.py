@@ -9,27 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
 
 from imexd.messages import json_schemas
-
-SCHEMA_NAMES: Final = (
-    "MemberRecord",
-    "HealthReport",
-    "DomainSpec",
-    "Assignment",
-    "Presence",
-    "WorkloadRecord",
-    "BrokerEpoch",
-)
 
 
 def schema_texts() -> dict[str, str]:
     """File name -> content of each shipped schema, generated from the payload types."""
-    schemas = json_schemas()
     return {
-        f"{name}.json": json.dumps(schemas[name], indent=2, sort_keys=True) + "\n"
-        for name in SCHEMA_NAMES
+        f"{name}.json": json.dumps(schema, indent=2, sort_keys=True) + "\n"
+        for name, schema in json_schemas().items()
     }
 
 
