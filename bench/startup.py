@@ -12,7 +12,12 @@ that exit their CPU time (user + system), which a loaded machine does not inflat
 - `imexd-sim-daemon`: from its spawn until its first line on stderr (the daemon's start
   as the agent sees it);
 - one `imexd run` agent (tests.cluster's node: a simulated daemon, the fast timings) in a
-  formed one-node domain: its RSS (max) and CPU (% of one core) over `--idle-s` seconds.
+  formed one-node domain: its RSS (max) and CPU (% of one core) over `--idle-s` seconds;
+- the daemon's READY line -> the node's ready report: per run a new one-node domain whose
+  simulated daemon says READY `READY_DELAY_S` after its start (after the fast timings'
+  `start_s`, with the shipped `probe_interval_s`), from the line's appearance in the
+  daemon's output file to the broker's delivery of the first report with `ready`, both
+  seen by this process (it looks every `LOOK_S`).
 
 `--tree PATH` runs every program from another checkout of imexd (PYTHONPATH, this
 virtual environment's interpreter and packages), so that two versions compare on the
@@ -23,6 +28,7 @@ shared machine they move with it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -33,17 +39,23 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
 
+from imexd.daemon_output import OUTPUT_FILES  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 LIMIT_S = 60.0
 """Bound of every wait (the agent's readiness, a daemon's first line)."""
+READY_DELAY_S = "1.0"
+"""IMEXD_SIM_START_DELAY_S of the READY-line figure's daemons."""
+LOOK_S = 0.002
+"""How often the READY-line figure looks at the output file and the reports."""
 
 
 CPU: list[float] = []
@@ -82,6 +94,41 @@ def first_line(argv: Sequence[str], env: dict[str, str]) -> float:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def ready_line_to_report(cluster: Cluster, name: str) -> float:
+    """Seconds from the daemon's READY line in its output file to the broker's delivery of
+    the node's first report with `ready` (a one-node domain of its own)."""
+    timings = {"probe_interval_s": 5.0}  # the shipped one: the interval READY once waited for
+    env = {"IMEXD_SIM_START_DELAY_S": READY_DELAY_S}
+    overrides: dict[str, dict[str, Any]] = {
+        "domain": {"max_nodes": 1},
+        "daemon": timings,
+        "imex": {"env": env},
+    }
+    with cluster.client() as bus:
+        bus.record(f"imex/v2/domains/{name}/health/{name}")
+        node = cluster.add(name, domain=name, overrides=overrides)
+        outputs = [node.run_dir / name for name in OUTPUT_FILES.values()]
+        said = ready = None
+        deadline = time.monotonic() + LIMIT_S
+        while ready is None and time.monotonic() < deadline:
+            time.sleep(LOOK_S)
+            if said is None and any(b"to READY" in _bytes(path) for path in outputs):
+                said = time.monotonic()
+            if any(json.loads(p).get("ready") for _, p in bus.seen() if p):
+                ready = time.monotonic()
+        node.stop()
+    if said is None or ready is None:
+        raise RuntimeError(f"{name}: no READY line ({said}) or no ready report ({ready})")
+    return ready - said
+
+
+def _bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
 
 
 def spread(values: Sequence[float], scale: float = 1000.0, unit: str = "ms") -> str:
@@ -147,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"imexd run idle: RSS {max(rss) / 2**20:.1f} MB (max), CPU "
             f"{100 * busy / elapsed:.2f} % of a core over {elapsed:.0f} s"
         )
+        node.stop()
+        lags = [ready_line_to_report(cluster, f"r{i}") for i in range(min(opts.runs, 5))]
+        print(f"daemon READY line -> node's ready report: {spread(lags)} over {len(lags)} runs")
     finally:
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)

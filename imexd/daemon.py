@@ -93,6 +93,11 @@ from imexd.settings import DaemonSettings, Settings
 
 HANDLER_RECHECK_S = 0.1
 """How soon to look again when a due SIGUSR1 would still kill the daemon."""
+OUTPUT_LISTEN_S = 0.02
+"""How often the output is read while `listening`: the daemon's READY line is news."""
+LISTEN_FOR_S = 60.0
+"""Listening ends this long after a start: a daemon that never gets READY costs no more
+wake-ups than any other."""
 
 
 class Supervisor:
@@ -141,8 +146,13 @@ class Supervisor:
         if output_max_bytes <= 0 or output_poll_s <= 0:
             raise ValueError("output_max_bytes > 0 and output_poll_s > 0 expected")
         folder = os.path.dirname(path) if output_dir is None else os.fspath(output_dir)
-        self._output = DaemonOutput(folder, max_bytes=output_max_bytes, on_lines=self._wake)
+        self._output = DaemonOutput(folder, max_bytes=output_max_bytes, on_lines=self._on_lines)
         self._output_poll = output_poll_s
+        self.on_output: Callable[[], None] | None = None
+        """Called after a read found new lines of the daemon (the agent's probes listen)."""
+        self.listening = False
+        """Read the output every OUTPUT_LISTEN_S instead of `output_poll_s` (the agent
+        waits for the daemon's word), for at most LISTEN_FOR_S after its start."""
         self._binary = binary
         self._config_path = os.path.normpath(path)
         self._env = daemon_environment(os.environ, env)
@@ -661,6 +671,7 @@ class Supervisor:
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
         self._watching.set()
+        self.listening = True  # until a probe finds it READY
         self._last_tail = child.output
         if self._last_ran:
             self._restarts += 1
@@ -711,7 +722,13 @@ class Supervisor:
         or between daemons, costs no wake-ups)."""
         while True:
             await self._watching.wait()
-            await asyncio.sleep(self._output_poll)
+            child = self._child
+            listening = (
+                self.listening
+                and child is not None
+                and time.monotonic() - child.started < LISTEN_FOR_S
+            )
+            await asyncio.sleep(OUTPUT_LISTEN_S if listening else self._output_poll)
             child = self._child
             if child is None or child.released:
                 self._watching.clear()
@@ -901,8 +918,18 @@ class Supervisor:
             )
         self._notify()
 
+    def _on_lines(self) -> None:
+        """New output lines: wake `wait_for` callers and tell `on_output` (not worth an
+        `on_change`: the lines are no state)."""
+        self._wake()
+        if self.on_output is not None:
+            try:
+                self.on_output()
+            except Exception:
+                self._log.exception("daemon.on_output_failed")
+
     def _wake(self) -> None:
-        """Wake `wait_for` callers only (new output lines: not worth an `on_change`)."""
+        """Wake `wait_for` callers."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 

@@ -7,11 +7,17 @@ every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until it shows every
 connected, then every `[daemon] domain_probe_interval_s`. A membership change alone
 probes nothing: its SIGUSR1, paced by the daemon's reload window, starts the series when
 it is sent. How the ctl runs (bounded, killed with its process group) is `imexd.probe`.
+
+The daemon's own words come first: while it is not READY, or a member is missing from
+its links, every new line it writes is probed at once (`on_output`; coalesced, at most
+one probe per `HEARD_GAP_S`), and its output is read closely until READY. `ctl` stays
+the truth, so the wording of the daemon's lines does not matter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +42,9 @@ member connected: the daemons reconnect at once (the real one retries every 0.5 
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
 """Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
+HEARD_GAP_S: Final = 0.05
+"""The least time between two probes that the daemon's lines asked for (a chatty daemon
+must not keep `ctl` running back to back)."""
 
 
 class DaemonProbes:
@@ -66,6 +75,10 @@ class DaemonProbes:
         """Probe at once (`ctl -q`, and `ctl -N -j` unless a series is pending)."""
         self._wake = asyncio.Event()
         """Look at the flags and timers again."""
+        self._heard = False
+        """The daemon wrote lines since the last look (`on_output`)."""
+        self._heard_probe = 0.0
+        """time.monotonic() of the last probe its lines asked for."""
         self._due: list[float] = []
         """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
         self._supervisor: Supervisor | None = None
@@ -76,6 +89,12 @@ class DaemonProbes:
         """Probe at once: the daemon was just started, adopted or restarted."""
         self._now = True
         self._wake.set()
+
+    def on_output(self) -> None:
+        """The daemon wrote new lines: news while we wait for its READY or its links."""
+        if self.imex_status != "READY" or not self._domain_complete():
+            self._heard = True
+            self._wake.set()
 
     def on_daemon_change(self, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
         """The supervisor's news, `seen` being (state, reloads_sent) before it."""
@@ -114,6 +133,7 @@ class DaemonProbes:
         members it was given."""
         s = self.settings
         self._supervisor, self._members = supervisor, members
+        supervisor.on_output = self.on_output
         next_local = 0.0
         next_domain = 0.0
         while True:
@@ -131,6 +151,14 @@ class DaemonProbes:
                 next_local = now
                 if not self._due:
                     next_domain = now
+            if self._heard:
+                self._heard = False
+                soon = max(now, self._heard_probe + HEARD_GAP_S)
+                if self.imex_status != "READY":
+                    next_local = min(next_local, soon)
+                else:
+                    bisect.insort(self._due, soon)
+                self._heard_probe = soon
             if not wanted() or supervisor.state not in (DaemonState.RUNNING, DaemonState.STARTING):
                 if self.imex_status or self.probe_error or self.domain_view:
                     self.imex_status, self.probe_error, self.domain_view = "", "", None
@@ -160,8 +188,10 @@ class DaemonProbes:
 
     async def _local(self) -> None:
         result = await self.prober.local()
-        if result.ready and self._supervisor is not None:
-            self._supervisor.report_ready()  # a STARTING daemon is RUNNING now
+        if self._supervisor is not None:
+            self._supervisor.listening = not result.ready  # its READY line is news
+            if result.ready:
+                self._supervisor.report_ready()  # a STARTING daemon is RUNNING now
         status = result.state.value if result.state is not None else ""
         error = "" if result.ready or result.state is not None else result.reason
         if not result.ready and result.state is None:

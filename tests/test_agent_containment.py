@@ -325,6 +325,35 @@ async def test_a_join_is_probed_after_the_signal_not_after_the_interval(tmp_path
         broker.stop()
 
 
+async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
+    tmp_path: Path,
+) -> None:
+    """Issue 22: a daemon slower to say READY than `start_s` was counted RUNNING by time,
+    which ended the quick `ctl -q` series, so its READY waited for `probe_interval_s`
+    (here 30 s). Its own lines are news now: the node is ready within seconds of them."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    slow_ready: dict[str, dict[str, Any]] = {
+        "daemon": {"start_s": 0.3, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0},
+        "imex": {"env": {"IMEXD_SIM_START_DELAY_S": "1.5"}},
+    }
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=slow_ready)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        await until(lambda: run.agent.supervisor is not None and run.agent.supervisor.pid)
+        supervisor = run.agent.supervisor
+        assert supervisor is not None
+        await until(lambda: supervisor.state is DaemonState.RUNNING, within_s=10)
+        assert run.agent.probes.imex_status != "READY", "counted RUNNING by time, not READY"
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        assert run.agent.probes.imex_status == "READY"
+        assert not run.task.done()
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
 async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
