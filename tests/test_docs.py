@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -32,6 +33,7 @@ import pytest
 from imexd import messages
 from imexd.cli import build_parser
 from imexd.demo.brokers import Mosquitto, find_mosquitto
+from imexd.topics import TopicRef, Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -180,6 +182,81 @@ def test_every_condition_type_has_a_section() -> None:
         if (m := _HEADING.match(line)) is not None
     }
     assert set(messages.CONDITION_TYPES) <= headings
+
+
+ARCHITECTURE = DOCS / "architecture.md"
+
+
+def _section(text: str, heading: str) -> str:
+    """The lines of `text` from `heading` to the next heading of its level or above."""
+    level = heading.split(" ", maxsplit=1)[0]
+    lines = text.splitlines()
+    start = lines.index(heading) + 1
+    end = next(
+        (i for i in range(start, len(lines)) if re.match(rf"#{{1,{len(level)}}} ", lines[i])),
+        len(lines),
+    )
+    return "\n".join(lines[start:end])
+
+
+def test_the_architecture_map_names_every_module_and_no_other() -> None:
+    """docs/architecture.md's map: each module of imexd/ (a package's in its package's row)
+    and nothing that is not one."""
+    table = _section(ARCHITECTURE.read_text(), "### The map")
+    rows = {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"^\|[^|]*\| `([a-z_]+(?:\.py|/))`.*$", table, re.M)
+    }
+    package = ROOT / "imexd"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        parent = path.parent.relative_to(package)
+        row = rows.get(f"{parent}/") if parent.parts else table
+        if row is None or f"`{path.name}`" not in row:
+            missing.append(str(path.relative_to(ROOT)))
+    assert missing == [], f"modules not in the map of docs/architecture.md: {missing}"
+    named = set(re.findall(r"`([a-z_]+\.py)`", table))
+    existing = {p.name for p in package.rglob("*.py")}
+    assert named <= existing, f"the map names modules that do not exist: {named - existing}"
+
+
+def test_the_architecture_lists_every_topic_payload_and_condition() -> None:
+    """docs/architecture.md's bus contract and health sections against messages.py and
+    topics.py: every topic kind, every payload type and every condition type."""
+    text = ARCHITECTURE.read_text()
+    contract = _section(text, "## Bus contract")
+    topics = Topics("{p}")
+    built = {
+        "member": topics.member("{domain}", "c", "{node}").replace("/c/", "/{clique}/"),
+        "health": topics.health("{domain}", "{node}"),
+        "spec": topics.spec("{domain}"),
+        "workload": topics.workload("{domain}", "{workload}"),
+        "retry": topics.retry("{domain}", "{node}"),
+        "assignment": topics.assignment("{node}"),
+        "ping": topics.ping("{node}"),
+        "presence": topics.presence("{node}"),
+        "epoch": topics.epoch(),
+    }
+    assert set(built) == set(typing.get_args(typing.get_type_hints(TopicRef)["kind"])), (
+        "a topic kind this test does not build"
+    )
+    undocumented = [t for t in built.values() if f"| `{_unescape(t)}` |" not in contract]
+    assert undocumented == [], f"topics missing from the bus contract: {undocumented}"
+    payloads = set(typing.get_args(messages.Payload))
+    missing = [p.__name__ for p in payloads if f"| {p.__name__} | `v, " not in contract]
+    assert missing == [], f"payloads missing from the bus contract's fields table: {missing}"
+    health = _section(text, "## Health")
+    conditions = [c for c in messages.CONDITION_TYPES if f"| {c} |" not in health]
+    assert conditions == [], f"conditions missing from the health table: {conditions}"
+    words = {6: "six", 7: "seven", 8: "eight"}
+    assert f"into {words.get(len(messages.CONDITION_TYPES))} conditions" in health
+
+
+def _unescape(topic: str) -> str:
+    """A topic built from `{name}` placeholders, with their braces as the docs write them."""
+    return topic.replace("%7B", "{").replace("%7D", "}")
 
 
 def test_every_supervisor_code_is_in_troubleshooting() -> None:
