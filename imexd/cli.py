@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         default=None,
         metavar="URL",
-        help="use this broker instead of an embedded one (default: embedded)",
+        help="use this broker instead of starting one (default: the demo starts a private "
+        "broker on a free port: mosquitto when installed, else amqtt inside the demo; "
+        "IMEXD_DEMO_BROKER=mosquitto|amqtt chooses)",
     )
     p.set_defaults(handler=_cmd_demo)
     return parser

@@ -338,8 +338,8 @@ def _unknowns(nodes: Mapping[str, _Node], *, listed: bool) -> list[str]:
     if not listed and any(e.expected for e in nodes.values()):
         lines.append(
             "NoSpec: no spec on the bus (a static domain, or the broker lost its retained "
-            "state): whether every member has reported cannot be told; create the spec again "
-            "(`imexd domain create NAME --nodes ...`) or give `domain status --nodes`"
+            "state): whether every member has reported cannot be told; give `domain status "
+            "--nodes`, or write a spec with the nodes (`imexd domain create NAME --nodes ...`)"
         )
     for e in nodes.values():
         if not e.expected or not e.ready or e.bus_down or e.fresh is None:
