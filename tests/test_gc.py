@@ -19,7 +19,7 @@ from imexd.cli import main
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.names import job_of, parse_job_ids
-from tests.test_control import T, domain_state, put, retained
+from tests.test_control import T, domain_state, fake_agents, put, retained
 from tests.test_workloads import channel_report, info
 
 WAIT = "2"
@@ -226,6 +226,23 @@ async def test_older_than_with_live_jobs_needs_both(
     assert await gc("--live-jobs", "7", "--older-than", "3600") == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert {r[2] for r in rows if r and r[0] == "workload"} == {"job-5"}
+
+
+async def test_a_dead_jobs_domain_whose_daemons_still_run_is_not_in_use(
+    broker: Mosquitto, env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a job list the list decides: job 301's domain, its members live and reporting,
+    is deleted; its agents leave on `deleting` as for `domain delete`."""
+    state = domain_state("job-301", ["n1", "n2"])
+    state[T.spec("job-301")] = spec("job-301")
+    await put(broker, state)
+    async with fake_agents(broker, ["n1", "n2"], domain="job-301") as left:
+        assert await gc("--live-jobs", "302", "--apply", "--wait", "20") == 0
+        assert sorted(left) == ["n1", "n2"]
+    assert await retained(broker) == {}
+    out = capsys.readouterr().out
+    assert "domain job-301: deleted" in out
+    assert "gc: 1 deleted, 0 kept (in use)" in out
 
 
 async def test_a_delete_that_fails_exits_1_and_the_others_still_run(
