@@ -1,4 +1,4 @@
-"""The control plane's subcommands: `imexd domain`, `imexd node` and `imexd workload`.
+"""The control plane's subcommands: `imexd domain`, `imexd node`, `imexd workload`, `imexd gc`.
 
 Their parsers and their handlers: each handler checks its arguments (a usage error exits
 2 before any broker is tried), loads the settings with
@@ -25,7 +25,13 @@ from imexd.cli_args import (
     run_async,
     usage,
 )
-from imexd.names import domain_problem, max_nodes_problem, node_problem, parse_nodes
+from imexd.names import (
+    domain_problem,
+    max_nodes_problem,
+    node_problem,
+    parse_job_ids,
+    parse_nodes,
+)
 
 SEEN_WITHIN_DEFAULT_S: Final = 600.0
 """`--seen-within` default of `domain create` and `node assign`: imexd.control.commands'
@@ -74,13 +80,30 @@ WORKLOAD_EXITS: Final = {
     "workload, or a bus error; 2 usage error (also: NAME in several domains and no --domain)",
     "env": "0 printed; 1 no such workload, or not active; 2 usage error",
 }
+GC_EXITS: Final = (
+    "0 listed (without --apply), or every candidate not in use deleted; 1 a delete failed "
+    "(its own message says why), or a bus error; 2 usage error: no selector, a word of "
+    "--live-jobs that is not a job id, an unreadable --live-jobs-file, a negative "
+    "--older-than or --wait"
+)
+GC_DESCRIPTION: Final = (
+    "List, and with --apply delete, what failed Slurm epilogs left on the bus: domains and "
+    "workloads named job-<id> whose job is not in the live job list (nor above every "
+    "listed id: such a job may have started after the list was taken), and/or workloads "
+    "created more than --older-than seconds ago (a domain spec has no creation time: age "
+    "applies to workloads only). Each selector given must select a record. In use, and "
+    "kept with the reason, is a workload selected by age alone whose channel a node "
+    "reports ready; with a job list, a record of a job that is not running is not in use, "
+    "even while its daemons run. Deletes go through `workload delete` and `domain delete`."
+)
 
 
 def add_control_commands(sub: SubParsers[argparse.ArgumentParser]) -> None:
-    """Add `domain`, `workload` and `node` with their actions."""
+    """Add `domain`, `workload`, `node` with their actions, and `gc`."""
     _domain_parser(sub)
     _workload_parser(sub)
     _node_parser(sub)
+    _gc_parser(sub)
 
 
 def _seen_args(
@@ -680,4 +703,96 @@ def _cmd_node_retry(args: argparse.Namespace) -> int:
     settings = commands.load_control_settings(args.config)
     return run_async(
         commands.retry(settings, args.node, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
+    )
+
+
+def _gc_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
+    p = command(sub, "gc", "control plane: find and delete what dead Slurm jobs left", GC_EXITS)
+    p.description = GC_DESCRIPTION
+    config_arg(p)
+    jobs = p.add_mutually_exclusive_group()
+    jobs.add_argument(
+        "--live-jobs",
+        default=None,
+        metavar="IDS",
+        help="the running jobs' ids, separated by whitespace or commas, as `squeue -h -o %%A` "
+        'prints them ("": no job runs); selects job-<id> records of other ids',
+    )
+    jobs.add_argument(
+        "--live-jobs-file",
+        default=None,
+        metavar="FILE",
+        help="the same ids read from FILE (-: standard input)",
+    )
+    p.add_argument(
+        "--older-than",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="selects workloads created more than this long ago (default: age not used)",
+    )
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="delete the candidates not in use (default: only list them)",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="each delete's --wait (default %(default)g)",
+    )
+    p.set_defaults(handler=_cmd_gc)
+
+
+def _live_jobs_text(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The text of --live-jobs or --live-jobs-file (None: neither given), and problems."""
+    if args.live_jobs_file is None:
+        return args.live_jobs, []
+    try:
+        if args.live_jobs_file == "-":
+            return sys.stdin.read(), []
+        with open(args.live_jobs_file, encoding="utf-8") as f:
+            return f.read(), []
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [f"--live-jobs-file {args.live_jobs_file}: cannot read it: {exc}"]
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    """`imexd gc [--live-jobs IDS | --live-jobs-file FILE|-] [--older-than S] [--apply]
+    [--wait S]`: at least one selector, so that gc never selects everything."""
+    text, problems = _live_jobs_text(args)
+    live_jobs = None
+    if text is not None:
+        live_jobs, bad = parse_job_ids(text)
+        if bad:
+            problems.append(
+                f"--live-jobs: not a job id: {', '.join(repr(w) for w in bad)} (expected "
+                "plain numeric ids, as `squeue -h -o %A` prints them)"
+            )
+    if text is None and args.older_than is None and not problems:
+        problems.append(
+            "give --live-jobs, --live-jobs-file or --older-than: gc without a selector would "
+            "select everything"
+        )
+    if args.older_than is not None and not 0 <= args.older_than < float("inf"):
+        problems.append(f"--older-than {args.older_than:g}: expected seconds >= 0")
+    if not 0 <= args.wait < float("inf"):
+        problems.append(f"--wait {args.wait:g}: expected seconds >= 0")
+    if problems:
+        return usage("gc", problems)
+    from imexd.control import commands, gc  # noqa: PLC0415 - lazy: only this command
+
+    settings = commands.load_control_settings(args.config)
+    return run_async(
+        gc.gc(
+            settings,
+            live_jobs=live_jobs,
+            older_than_s=args.older_than,
+            apply=args.apply,
+            wait_s=args.wait,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
     )

@@ -108,3 +108,24 @@ def max_nodes_problem(value: int | None) -> str | None:
     if value is None or 1 <= value <= MAX_NODES_LIMIT:
         return None
     return f"--max-nodes {value}: expected 1 to {MAX_NODES_LIMIT} slots per clique"
+
+
+JOB_NAME: Final = re.compile(r"^job-([1-9][0-9]*)$")
+"""`job-<SLURM_JOB_ID>`: the per-job domain and the shared-layout workload the shipped Slurm
+prologs (config/slurm/) create. Only the canonical form: `job-007` names no job."""
+JOB_ID: Final = re.compile(r"^[0-9]+$")
+
+
+def job_of(name: str) -> int | None:
+    """The Slurm job id that domain or workload `name` is named after, or None."""
+    found = JOB_NAME.match(name)
+    return int(found.group(1)) if found else None
+
+
+def parse_job_ids(text: str) -> tuple[frozenset[int], list[str]]:
+    """Slurm job ids separated by whitespace or commas, as `squeue -h -o %A` prints them
+    (plain numbers; an array task's `123_4` is `squeue -o %i`'s form, not an id), and
+    the words that are not one. An empty text is no job (a cluster with none running)."""
+    words = [w for w in re.split(r"[\s,]+", text) if w]
+    bad = [w for w in words if not JOB_ID.match(w)]
+    return frozenset(int(w) for w in words if JOB_ID.match(w)), bad

@@ -412,6 +412,7 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
         "needs agents reporting on a broker (tests/test_control.py runs these)",
     ),
     (r"imexd workload ", "needs agents that make channels (tests/test_workloads.py)"),
+    (r"imexd gc ", "needs squeue's job list and records on a broker (tests/test_gc.py)"),
     (r"imexd schemas --write\b", "rewrites the checked-in schemas: a developer's step"),
     (r"imexd config .*--env-file /etc/", "the operator's env file (tests/test_envfile.py)"),
 )

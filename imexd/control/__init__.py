@@ -1,4 +1,4 @@
-"""The control plane: `imexd domain|node|workload ...`, a CLI over the agents' bus.
+"""The control plane: `imexd domain|node|workload|gc ...`, a CLI over the agents' bus.
 
 Agents do all the work; the control plane only writes the retained inputs they follow
 (a domain's `DomainSpec`, each node's `Assignment` and each workload's `WorkloadRecord`)
@@ -17,6 +17,9 @@ and reads the two retained outputs they publish (`MemberRecord`s and `HealthRepo
 - `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
   IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
   clients (see `workloads`), judged by the pure `imexd.workload_fleet.judge_workload`.
+- `gc [--live-jobs IDS | --live-jobs-file FILE] [--older-than S] [--apply]`: the domains
+  and workloads dead Slurm jobs left (`job-<id>`), listed, and deleted with `--apply`
+  through the two deletes above (see `gc` for the selectors and the in-use rule).
 
 Exit codes: 0 success (for `status`: the domain is UP), 1 failure (broker unreachable, a
 write the broker did not keep, members left at a delete's timeout, a domain not UP),
@@ -25,7 +28,7 @@ write the broker did not keep, members left at a delete's timeout, a domain not 
 
 The modules, one job each: `link` (one short-lived connection over `imexd.mqtt`),
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the
-CLI runs for domains and nodes), `workloads` (those for workloads) and `schemas` (the
-JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop and signals are
-`imexd.cli`'s.
+CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftovers) and
+`schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop
+and signals are `imexd.cli`'s.
 """
