@@ -54,7 +54,7 @@ from imexd.guard import BEAT_S, Guard, describe
 from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
 from imexd.http import HealthServer
 from imexd.logs import get_logger
-from imexd.messages import Assignment, Deleted, HealthReport, Presence, Received, Retry
+from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.names import client_id
@@ -267,15 +267,7 @@ class Agent:
             return
         now = time.time()
         await bus.retain(
-            self.topics.presence(self.node),
-            Presence(
-                node=self.node,
-                incarnation=self.shard.incarnation,
-                at=now,
-                domain=None,
-                address=self.settings.node.address,
-                stopped=now,
-            ),
+            self.topics.presence(self.node), self.shard.presence(None, at=now, stopped=now)
         )
 
     async def _clear_records(self, bus: Bus, domain: str, clique: str) -> None:
@@ -337,8 +329,7 @@ class Agent:
             bus.set_client_id(client_id("imexd", self.node, "duplicate", str(shard.incarnation)))
         elif identity is Identity.BACK:
             bus.set_client_id(self._client_id)
-            if shard.current is not None:
-                bus.set_will(shard.will(self.topics, *shard.current))
+            bus.set_will(self._will())
         if not shard.synced:
             self.view_ready.clear()
         ref = getattr(event, "ref", None)
@@ -381,6 +372,13 @@ class Agent:
         """`imexd-<node>` (a node name that is no valid client id encoded: names.client_id)."""
         return client_id("imexd", self.node)
 
+    def _will(self) -> WillSpec:
+        """Our will now: a tombstone on our member topic, or in no shard our presence."""
+        current = self.shard.current
+        if current is None:
+            return self.shard.idle_will(self.topics, at=wire_now())
+        return self.shard.will(self.topics, *current)
+
     def _first_will(self) -> WillSpec | None:
         """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
         at start does not reconnect: the configured domain (assigned: the saved one, a guess)
@@ -391,7 +389,7 @@ class Agent:
         if clique is None and domain is not None and domain == saved.domain:
             clique = saved.clique
         if domain is None or clique is None:
-            return None
+            return self.shard.idle_will(self.topics, at=wire_now())
         return self.shard.will(self.topics, domain, clique)
 
     # -- membership -----------------------------------------------------------------
@@ -447,7 +445,7 @@ class Agent:
             bus.set_client_id(self._client_id)
         self.view_ready.clear()
         if target is None:
-            bus.set_will(None)
+            bus.set_will(self._will())
             # No domain: clean up. A domain but no clique yet (discovery pending or
             # failing): nothing to run and nothing to remove; the node is not ready.
             self._set_desired(Desired(cleanup=self._wanted_domain is None))
@@ -782,16 +780,8 @@ class Agent:
         if said != self.presence_said or report.at >= self.presence_due:
             self.presence_said = said
             self.presence_due = report.at + self.settings.health.report_interval_s
-            await bus.retain(
-                self.topics.presence(self.node),
-                Presence(
-                    node=self.node,
-                    incarnation=self.shard.incarnation,
-                    at=report.at,
-                    domain=report.domain,
-                    address=self.settings.node.address,
-                ),
-            )
+            presence = self.shard.presence(report.domain, at=report.at)
+            await bus.retain(self.topics.presence(self.node), presence)
         async with self.report_lock:
             current = self.shard.current
             if current is None or self.desired.cleanup:

@@ -105,6 +105,7 @@ from imexd.messages import (
     MemberRecord,
     Payload,
     Ping,
+    Presence,
     Received,
     decode_message,
     encode,
@@ -300,7 +301,8 @@ Event = (
 @dataclass(frozen=True, slots=True)
 class WillSpec:
     """The Last Will, retained (QoS 1) on `topic`, the node's member topic: `tombstone`
-    (state lost) with its `hold_s` set per link, or an empty payload without one.
+    (state lost) with its `hold_s` set per link, or an empty payload without one; in no
+    domain, its presence topic: a Presence marked lost.
 
     The broker publishes it when the link ends without DISCONNECT, after `delay_s`
     (MQTT 5 Will Delay; None: `BusSettings.will_delay_s`) so that a quick reconnect does not
@@ -310,12 +312,14 @@ class WillSpec:
 
     topic: str
     delay_s: float | None = None
-    tombstone: MemberRecord | None = None
+    tombstone: MemberRecord | Presence | None = None
 
     def payload(self, delay_s: float, *, broker_waits: bool) -> bytes:
         """The will's payload on a link whose broker waits the Will Delay, or not."""
         if self.tombstone is None:
             return b""
+        if isinstance(self.tombstone, Presence):
+            return encode(self.tombstone)
         hold_s = 0.0 if broker_waits else float(delay_s)
         return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s))
 

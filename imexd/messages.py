@@ -403,6 +403,9 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
     stopped: float | None = None
     """Wall-clock seconds when the agent stopped cleanly: its last word before it left
     (not at a hand-over, whose successor goes on). None while it runs."""
+    lost: bool = False
+    """True in the will of an agent in no domain (whose member topic carries none): the
+    broker wrote it because the agent's link ended without a goodbye."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)

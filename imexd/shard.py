@@ -82,6 +82,7 @@ from imexd.messages import (
     MemberRecord,
     MemberState,
     Mode,
+    Presence,
     Received,
     encode,
 )
@@ -658,6 +659,25 @@ class ShardView:
             mode=self.mode,
         )
         return WillSpec(topics.member(domain, clique, self.node), tombstone=tombstone)
+
+    def presence(
+        self, domain: str | None, *, at: float, stopped: float | None = None, lost: bool = False
+    ) -> Presence:
+        """Our presence record: an agent runs (or ran) as this node, in `domain`."""
+        return Presence(
+            node=self.node,
+            incarnation=self.incarnation,
+            at=at,
+            domain=domain,
+            address=self.address,
+            stopped=stopped,
+            lost=lost,
+        )
+
+    def idle_will(self, topics: Topics, *, at: float) -> WillSpec:
+        """Our Last Will while in no domain (no member topic to carry one): our presence,
+        marked lost, so that a killed idle agent reads AgentDown like a member's will."""
+        return WillSpec(topics.presence(self.node), tombstone=self.presence(None, at=at, lost=True))
 
     def sending(self, record: MemberRecord | None) -> None:
         """We publish `record` on our member topic now (None: clear ours).

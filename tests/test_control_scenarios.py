@@ -365,3 +365,18 @@ def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     dead = imexd(c, "domain", "create", "d2", "--nodes", "n2", "--steal")
     assert dead.returncode == 2, dead.stdout + dead.stderr
     assert "node n2: AgentDown: its agent's link ended without a goodbye" in dead.stderr
+
+    # An idle agent (the per-job layout between jobs) has no member topic for a will: its
+    # will is its presence, marked lost, so a job's prolog fails at once on it too.
+    idle = c.add("n4", domain=None)
+    c.wait(idle.ready, timeout=30)
+    idle.crash()
+
+    def presence_lost() -> bool:
+        payload = retained(c, "imex/v2/nodes/n4/presence").get("imex/v2/nodes/n4/presence")
+        return bool(payload) and json.loads(payload or b"{}").get("lost") is True
+
+    wait_for(presence_lost, timeout=FAST["bus"]["will_delay_s"] + 15)
+    gone = imexd(c, "domain", "create", "d3", "--nodes", "n4", "--wait", "60")
+    assert gone.returncode == 2, gone.stdout + gone.stderr
+    assert "node n4: AgentDown: its agent's link ended without a goodbye" in gone.stderr

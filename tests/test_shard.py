@@ -21,7 +21,15 @@ from imexd.bus import (
     Synced,
 )
 from imexd.logs import get_logger
-from imexd.messages import MAX_HOLD_S, Deleted, DomainSpec, MemberRecord, MemberState, Received
+from imexd.messages import (
+    MAX_HOLD_S,
+    Deleted,
+    DomainSpec,
+    MemberRecord,
+    MemberState,
+    Presence,
+    Received,
+)
 from imexd.reconcile import Desired
 from imexd.shard import (
     DOUBT_S,
@@ -778,12 +786,25 @@ def test_our_own_tombstone_makes_us_publish_again() -> None:
     assert derive(v, 3.0).publish
 
 
+def test_in_no_domain_the_will_is_our_presence_marked_lost() -> None:
+    """An idle agent has no member topic: its will is its presence, marked lost, so that a
+    killed idle agent reads AgentDown (issue 25); the broker waits or not, same payload."""
+    v = view()
+    will = v.idle_will(Topics("imex/v2"), at=12.5)
+    assert will.topic == Topics("imex/v2").presence(ME)
+    payload = will.payload(5.0, broker_waits=False)
+    assert payload == will.payload(5.0, broker_waits=True)
+    said = msgspec.json.decode(payload, type=Presence)
+    assert (said.node, said.address, said.incarnation) == (ME, MY_ADDRESS, 3)
+    assert (said.domain, said.at, said.stopped, said.lost) == (None, 12.5, None, True)
+
+
 def test_the_will_is_a_tombstone_of_this_node() -> None:
     """The will names node, domain, clique, address, incarnation, max_nodes and mode."""
     v = view()
     will = v.will(Topics("imex/v2"), DOMAIN, CLIQUE)
     assert will.topic == Topics("imex/v2").member(DOMAIN, CLIQUE, ME)
-    assert will.tombstone is not None
+    assert isinstance(will.tombstone, MemberRecord)
     assert (will.tombstone.node, will.tombstone.address) == (ME, MY_ADDRESS)
     assert (will.tombstone.incarnation, will.tombstone.max_nodes) == (3, 4)
     assert will.tombstone.state is MemberState.LOST

@@ -124,14 +124,20 @@ class Store:
         """Why the bus says `node`'s agent is gone (None: it does not say so).
 
         Gone is news, not an age: the agent's presence says it stopped cleanly and nothing
-        it wrote since says otherwise, or its will (a LOST member record) fired and no
-        later incarnation of the agent has written its presence since. A node whose agent
-        merely went quiet is left to `--seen-within`.
+        it wrote since says otherwise, or its will fired (a LOST member record, and no
+        later incarnation of the agent has written its presence since; in no domain, its
+        presence marked lost). A node whose agent merely went quiet is left to
+        `--seen-within`.
         """
         records = [r for (_, _, n), r in self.members.items() if n == node]
         if any(r.state is not MemberState.LOST for r in records):
             return None
         presence = self.presences.get(node)
+        if presence is not None and presence.lost:
+            return (
+                "its agent's link ended without a goodbye (its will is its presence, in no "
+                "domain): the agent died, or lost the broker"
+            )
         if presence is not None and presence.stopped is not None:
             later = [s.report.at for (_, n), s in self.reports.items() if n == node]
             if not any(at > presence.stopped for at in later):
