@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from imexd.facts import (
 from imexd.http import PATHS
 from imexd.messages import CONDITION_TYPES
 from imexd.metrics import Metrics
+from tests.support import IMEXD
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "imexd-rules.yaml"
@@ -623,3 +626,123 @@ def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": groups}))
     result = promtool("check", "rules", path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The dashboard against live agents (issue 25): every panel shows data on a fleet as it is,
+# not only after the events its counters count.
+
+LIVE_JOB = "imexd"
+
+
+def _series_line(name: str, labels: dict[str, str], instance: str) -> str:
+    """A promtool input series: `name{label="value",...}` with the scrape's own labels."""
+    every = {**labels, "job": LIVE_JOB, "instance": instance}
+    quoted = ",".join(
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in sorted(every.items())
+    )
+    return f"{name}{{{quoted}}}"
+
+
+def _scraped(text: str, instance: str) -> dict[str, float]:
+    """Each sample of one /metrics text, as its promtool series line."""
+    return {
+        _series_line(s.name, dict(s.labels), instance): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@needs_promtool
+@pytest.mark.timeout(180)
+def test_every_panel_shows_data_against_live_agents(tmp_path: Path) -> None:
+    """Two `imexd run` agents (simulated daemons) in domain d1, n1 serving a workload's
+    channel, n2's daemon in a crash loop (so the panel of conditions that are not True
+    has something to show): /metrics scraped twice from each, a minute apart as promtool
+    sees it, and every dashboard query, variables set to n1's domain and any node, must
+    return at least one series. Counters initialised at 0 count as data."""
+    from tests.cluster import Cluster
+
+    cluster = Cluster(tmp_path / "fleet")
+    try:
+        n1 = cluster.add("n1", domain="d1")
+        broken = {"imex": {"env": {"IMEXD_SIM_EXIT_AFTER_S": "0.05", "IMEXD_SIM_EXIT_CODE": "3"}}}
+        n2 = cluster.add("n2", domain="d1", overrides=broken)
+        cluster.wait(n1.ready, timeout=60)
+        created = subprocess.run(
+            [IMEXD, "workload", "create", "job-1", "--domain", "d1", "--nodes", "n1"],
+            env=cluster.control_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert created.returncode == 0, created.stdout + created.stderr
+        cluster.wait(lambda: n2.status().get("daemon", {}).get("state") == "FATAL", timeout=60)
+        scrapes: list[dict[str, float]] = []
+        for _ in range(2):
+            merged: dict[str, float] = {}
+            for node in (n1, n2):
+                code, body = node.get("/metrics")
+                assert code == 200
+                merged |= _scraped(body, node.name)
+                merged[_series_line("up", {}, node.name)] = 1.0
+            scrapes.append(merged)
+            time.sleep(1.0)
+    finally:
+        cluster.close()
+    variables = {**DASHBOARD_VARIABLES, "domain": "d1", "node": ".*"}
+    queries = dashboard_queries(dashboard())
+    result = _evaluate(scrapes, [_with(e, variables) for _, e in queries], tmp_path)
+    empty = [w for (w, e) in queries if f"count({_with(e, variables)})" in result.stdout]
+    assert result.returncode == 0, f"queries with no data: {empty}\n{result.stdout[-3000:]}"
+
+
+@needs_promtool
+def test_the_live_panel_check_is_not_blind(tmp_path: Path) -> None:
+    """A query that matches nothing in the scrapes fails the check above."""
+    scrapes = [{_series_line("imexd_ready", {}, "n1"): 1.0}] * 2
+    assert _evaluate(scrapes, ["imexd_ready"], tmp_path).returncode == 0
+    assert _evaluate(scrapes, ['imexd_ready{instance="n9"}'], tmp_path).returncode != 0
+
+
+def _evaluate(
+    scrapes: list[dict[str, float]], queries: list[str], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    """promtool's verdict on whether each query returns a series, the scrapes given one
+    minute apart, evaluated at the second."""
+    series = sorted({s for scrape in scrapes for s in scrape})
+    inputs = [
+        {"series": s, "values": " ".join(_value(scrape.get(s)) for scrape in scrapes)}
+        for s in series
+    ]
+    tests = [
+        {
+            "expr": f"count({q}) > bool 0",
+            "eval_time": "1m",
+            "exp_samples": [{"labels": "{}", "value": 1}],
+        }
+        for q in queries
+    ]
+    path = tmp_path / "live.yaml"
+    doc = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}],
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return promtool("test", "rules", path)
+
+
+def _value(value: float | None) -> str:
+    """A sample as promtool's series notation writes it (`_`: not scraped that time)."""
+    if value is None:
+        return "_"
+    return "NaN" if math.isnan(value) else repr(value)
+
+
+def _with(expr: str, variables: dict[str, str]) -> str:
+    def one(match: re.Match[str]) -> str:
+        return variables[match.group(1) or match.group(2)]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", one, expr)
