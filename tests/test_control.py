@@ -246,10 +246,15 @@ async def test_assign_warns_when_the_spec_keeps_the_node_out(
 
 
 def presence(
-    node: str, *, at: float | None = None, stopped: float | None = None, incarnation: int = 1
+    node: str,
+    *,
+    at: float | None = None,
+    stopped: float | None = None,
+    incarnation: int = 1,
+    lost: bool = False,
 ) -> bytes:
     """An agent's retained presence record, written `at` (default: now); `stopped`: its
-    last word, as a cleanly stopped agent writes it."""
+    last word, as a cleanly stopped agent writes it; `lost`: an idle agent's will."""
     return encode(
         Presence(
             node=node,
@@ -258,6 +263,7 @@ def presence(
             domain=None,
             address="127.0.0.20",
             stopped=stopped,
+            lost=lost,
         )
     )
 
@@ -493,7 +499,16 @@ async def test_a_node_whose_agent_stopped_or_died_is_refused_whatever_seen_withi
         await control_async("workload", "create", "w1", "--domain", "d1", "--nodes", "n1,n3") == 2
     )
     assert "imexd workload create: node n1: AgentDown" in capsys.readouterr().err
+    # Without --nodes, and no spec listing them, the workload is every member's: n2's too.
+    assert await control_async("workload", "create", "w1", "--domain", "d1") == 2
+    assert "imexd workload create: node n2: AgentDown" in capsys.readouterr().err
     assert await retained(broker, T.workloads_filter("d1")) == {}
+    # An idle agent's will is its presence, marked lost.
+    await put(broker, {T.presence("n4"): presence("n4", at=now - 60, lost=True)})
+    assert await control_async("domain", "create", "d4", "--nodes", "n4") == 2
+    assert "node n4: AgentDown: its agent's link ended without a goodbye (its will is its" in (
+        capsys.readouterr().err
+    )
 
     # Back: n1 restarted (a new presence), n2's next incarnation runs idle.
     await put(

@@ -202,10 +202,12 @@ async def create(
             return EXIT_USAGE
         if nodes is None and spec is not None:
             nodes = spec.nodes
-        if nodes:
-            await link.read(*(t.presence(n) for n in nodes))  # AgentDown
+        # Without a list the workload is every member's: each must have a live agent too.
+        judged = nodes or sorted({n for d, _, n in store.members if d == domain})
+        if judged:
+            await link.read(*(t.presence(n) for n in judged))  # AgentDown
         now = time.time()
-        down = {n: why for n in nodes or () if (why := store.agent_down(n, now=now))}
+        down = {n: why for n in judged if (why := store.agent_down(n, now=now))}
         for node, why in down.items():
             print(
                 f"{command}: node {node}: AgentDown: {why}; workload {name} would wait for "
