@@ -46,7 +46,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
 
-from imexd.daemon_output import OUTPUT_FILES  # noqa: E402
+from imexd.daemon.output import OUTPUT_FILES  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent

@@ -16,7 +16,7 @@ heartbeat that /healthz watches:
   exactly what the change needs (start, SIGUSR1, restart, or nothing), and passes on
   an operator's `imexd node retry`;
 - `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
-  periodically (imexd.daemon_probes);
+  periodically (imexd.daemon.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
@@ -42,10 +42,11 @@ from typing import Final
 from imexd import membership as mb
 from imexd.bus import Bus, Event, WillSpec
 from imexd.channel_keeper import ChannelKeeper
-from imexd.daemon import Supervisor
-from imexd.daemon_probes import DaemonProbes
-from imexd.daemon_state import PROBLEMS as DAEMON_PROBLEMS
-from imexd.daemon_state import DaemonState, DaemonStatus
+from imexd.daemon.ctl import Prober
+from imexd.daemon.probes import DaemonProbes
+from imexd.daemon.state import PROBLEMS as DAEMON_PROBLEMS
+from imexd.daemon.state import DaemonState, DaemonStatus
+from imexd.daemon.supervisor import Supervisor
 from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
 from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts
@@ -59,7 +60,6 @@ from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
 from imexd.names import client_id
 from imexd.pacer import Pacer
-from imexd.probe import Prober
 from imexd.rebuild import Rebuilder
 from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
@@ -206,7 +206,7 @@ class Agent:
                         guard.start(tasks, "events", lambda: self._events_loop(bus)),
                         guard.start(tasks, "membership", self._membership_loop),
                         guard.start(tasks, "reconcile", self._reconcile_loop),
-                        guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon_probes
+                        guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon.probes
                         guard.start(tasks, "report", self._report_loop),
                         guard.start(tasks, "channels", lambda: self.channels.run(guard)),
                         guard.start(tasks, "rebuild", lambda: self.rebuild.run(bus, guard)),

@@ -4,7 +4,7 @@ The agent fills a `Facts` from what its components already track (bus, membershi
 supervisor, probes, fabric discovery, channel devices); `imexd.health` turns it into
 conditions and `imexd.fleet.sight` judges the node's domain from it. Its own module
 because both read it and neither may import the other's rules: plain data, no behaviour,
-and only the leaf `imexd.daemon_state` from imexd.
+and only the leaf `imexd.daemon.state` from imexd.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
 
-from imexd.daemon_state import DaemonState
+from imexd.daemon.state import DaemonState
 
 DAEMON_STATES: Final = tuple(state.value for state in DaemonState)
 """The supervisor's states, as `DaemonFacts.state` holds them."""

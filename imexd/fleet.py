@@ -53,7 +53,7 @@ from imexd.messages import (
 )
 
 if TYPE_CHECKING:
-    from imexd.probe import DomainTable
+    from imexd.daemon.ctl import DomainTable
 
 STALE_INTERVALS: Final = 3
 """A report older than this many `[health] report_interval_s` (by its `at`) is stale."""

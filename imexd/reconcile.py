@@ -21,8 +21,8 @@ from typing import Final, Literal
 
 import structlog
 
-from imexd.daemon import Supervisor
-from imexd.daemon_state import DaemonState
+from imexd.daemon.state import DaemonState
+from imexd.daemon.supervisor import Supervisor
 from imexd.errors import FileWriteError
 from imexd.facts import LastWrite, Member
 from imexd.files import read_text_or_empty, write_atomic, write_file

@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 from imexd import agent as agent_module
 from imexd import guard, reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
-from imexd.daemon_state import DaemonState
+from imexd.daemon.state import DaemonState
 from imexd.demo.brokers import Mosquitto
 from imexd.health import Heartbeats
 from imexd.logs import get_logger

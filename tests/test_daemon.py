@@ -27,10 +27,10 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.daemon import Supervisor
-from imexd.daemon_output import EXIT_LINE_CHARS, parse_imex_line, quote_lines
-from imexd.daemon_process import daemon_environment, spawn_error
-from imexd.daemon_state import DaemonState, DaemonStatus
+from imexd.daemon.output import EXIT_LINE_CHARS, parse_imex_line, quote_lines
+from imexd.daemon.process import daemon_environment, spawn_error
+from imexd.daemon.state import DaemonState, DaemonStatus
+from imexd.daemon.supervisor import Supervisor
 from imexd.demo.brokers import free_port
 from imexd.imex import PACKAGE_CONFIG
 from imexd.process import (

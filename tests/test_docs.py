@@ -6,7 +6,7 @@ the control plane against a test broker), and every other one is said not to be 
 with why); all of them must parse with the real CLI, and the `--help` of each runs.
 
 Reasons are read from the source with `ast` rather than listed here, so a new condition
-reason or supervisor code in `imexd/health.py` or `imexd/daemon_state.py` fails this file until
+reason or supervisor code in `imexd/health.py` or `imexd/daemon/state.py` fails this file until
 docs/troubleshooting.md explains it.
 """
 
@@ -40,7 +40,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TROUBLESHOOTING = DOCS / "troubleshooting.md"
 HEALTH_SOURCES = tuple(ROOT / "imexd" / name for name in ("health.py", "fleet.py", "messages.py"))
-DAEMON_SOURCE = ROOT / "imexd" / "daemon_state.py"
+DAEMON_SOURCE = ROOT / "imexd" / "daemon" / "state.py"
 
 DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' && .venv/bin/imexd demo"
 TEST_COMMAND = "scripts/test"
@@ -260,7 +260,7 @@ def _unescape(topic: str) -> str:
 
 
 def test_every_supervisor_code_is_in_troubleshooting() -> None:
-    """Every supervisor reason code of daemon_state.py is explained in troubleshooting.md."""
+    """Every supervisor reason code of daemon/state.py is explained in troubleshooting.md."""
     codes = _supervisor_codes()
     assert {"DaemonCrashLoop", "ConflictingDaemon", "DaemonCrashed"} <= codes
     text = TROUBLESHOOTING.read_text()

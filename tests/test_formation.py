@@ -26,7 +26,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd.agent import Agent
-from imexd.daemon_state import DaemonState, DaemonStatus
+from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.demo.brokers import Mosquitto
 from imexd.membership import Phase
 from imexd.settings import Settings, settings_from_mapping

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from imexd.agent import Agent
-from imexd.daemon_output import identified_id
+from imexd.daemon.output import identified_id
 from imexd.demo.brokers import Mosquitto
 from imexd.messages import DAEMON_READY
 from imexd.settings import settings_from_mapping

@@ -1,4 +1,4 @@
-"""Tests of imexd.probe: the ctl output parsers (pure) and the bounded ctl runner.
+"""Tests of imexd.daemon.ctl: the ctl output parsers (pure) and the bounded ctl runner.
 
 The fixtures under tests/fixtures/ctl are the IMEX.md samples and documented variants.
 The runner is tested against tiny real scripts, not the simulator.
@@ -19,15 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imexd.errors import ParseError, ProbeError
-from imexd.imex import ConnectionState, ImexDomainState, ImexState
-from imexd.probe import (
+from imexd.daemon.ctl import (
     NodeStatus,
     Prober,
     parse_domain_json,
     parse_domain_text,
     parse_state,
 )
+from imexd.errors import ParseError, ProbeError
+from imexd.imex import ConnectionState, ImexDomainState, ImexState
 from imexd.process import OUTPUT_LIMIT
 from imexd.settings import DaemonSettings, ImexSettings, Settings
 

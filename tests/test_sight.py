@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from imexd import fleet
-from imexd.probe import parse_domain_json
+from imexd.daemon.ctl import parse_domain_json
 
 NAMES = {0: "n0", 1: "n1", 2: "n2"}
 

@@ -38,7 +38,7 @@ Why it looks the way it does:
   write now, adopts it instead of starting a new one, watching its exit with a pidfd,
   since it is not our child.
 - The daemon's stdout and stderr go to files next to config.cfg, not pipes, tailed
-  by whoever supervises it (`imexd/daemon_output.py` says why).
+  by whoever supervises it (`imexd/daemon/output.py` says why).
 - The daemon runs in its own process group (session); stopping it is SIGTERM to the
   group, SIGKILL after `stop_timeout_s`, and whatever is left of the group is killed
   and waited for, so nothing is left behind, never waiting forever.
@@ -46,7 +46,7 @@ Why it looks the way it does:
 The supervisor is an async context manager: leaving it stops the daemon, unless
 `detach()` was called (hand over for an upgrade), in which case the daemon keeps
 running, writing to its output files for the next agent. The snapshot it publishes
-is `imexd/daemon_state.py`; the system calls are `imexd/daemon_process.py`.
+is `imexd/daemon/state.py`; the system calls are `imexd/daemon/process.py`.
 
 Why one module of about 870 lines: the system calls, the output files and the snapshot
 are already apart (the modules above); what is left is the state machine, whose every
@@ -69,14 +69,14 @@ from typing import Any, Self
 
 import psutil
 
-from imexd.daemon_output import (
+from imexd.daemon.output import (
     OUTPUT_MAX_BYTES,
     OUTPUT_POLL_S,
     DaemonOutput,
     Tail,
     quote_lines,
 )
-from imexd.daemon_process import (
+from imexd.daemon.process import (
     KILL_WAIT_S,
     DaemonProcess,
     daemon_environment,
@@ -85,7 +85,7 @@ from imexd.daemon_process import (
     launch,
     spawn_error,
 )
-from imexd.daemon_state import DaemonReason, DaemonState, DaemonStatus
+from imexd.daemon.state import DaemonReason, DaemonState, DaemonStatus
 from imexd.logs import get_logger
 from imexd.process import Survey, survey_processes, survives_sigusr1
 from imexd.retry import backoff_delay

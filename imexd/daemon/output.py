@@ -11,7 +11,7 @@ small even while no agent runs for long; a line written in the instant between t
 last read and the truncation is lost. Regular files cannot be watched with epoll, so
 the supervisor reads them every `output_poll_s` (`DaemonOutput.poll`).
 
-Separate from the supervisor (`imexd/daemon.py`) because reading, splitting, cutting
+Separate from the supervisor (`imexd/daemon/supervisor.py`) because reading, splitting, cutting
 and truncating files is one job with its own edge cases, none of which is a decision
 of the state machine: the supervisor only says which daemon's files to read and when.
 """

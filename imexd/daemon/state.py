@@ -2,7 +2,7 @@
 
 Pure data, no processes and no event loop: health, metrics and the agent read a
 `DaemonStatus` without importing the supervisor's process machinery
-(`imexd/daemon.py`), and tests build one by hand. The states are supervisord's
+(`imexd/daemon/supervisor.py`), and tests build one by hand. The states are supervisord's
 (`STOPPED`, `STARTING`, `RUNNING`, `BACKOFF`, `STOPPING`, `FATAL`); the transitions
 between them are the supervisor's and are documented there.
 """

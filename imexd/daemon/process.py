@@ -1,6 +1,6 @@
 """One IMEX daemon process at the OS level: launch it, hold its pidfd, signal and reap it.
 
-The supervisor (`imexd/daemon.py`) decides when a daemon starts, is adopted or stops;
+The supervisor (`imexd/daemon/supervisor.py`) decides when a daemon starts, is adopted or stops;
 this module does the system calls those decisions come down to: `posix_spawn` into a
 new session with the output files as stdout and stderr, a pidfd to watch a process
 that may not be our child (adopted), SIGTERM/SIGKILL to its process group with bounded
@@ -23,7 +23,7 @@ from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
-from imexd.daemon_output import STREAM_FDS, DaemonOutput, Stream, Tail
+from imexd.daemon.output import STREAM_FDS, DaemonOutput, Stream, Tail
 from imexd.process import (
     ImexProcess,
     describe_exit,

@@ -6,7 +6,7 @@ RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait), then ever
 every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until it shows every member
 connected, then every `[daemon] domain_probe_interval_s`. A membership change alone
 probes nothing: its SIGUSR1, paced by the daemon's reload window, starts the series when
-it is sent. How the ctl runs (bounded, killed with its process group) is `imexd.probe`.
+it is sent. How the ctl runs (bounded, killed with its process group) is `imexd.daemon.ctl`.
 
 The daemon's own words come first: while it is not READY, or a member is missing from
 its links, every new line it writes is probed at once (`on_output`; coalesced, at most
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Final
 import structlog
 
 from imexd import fleet
-from imexd.daemon_state import DaemonState, DaemonStatus
+from imexd.daemon.ctl import Prober
+from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.facts import LinkFacts
 from imexd.guard import BEAT_S, Guard
 from imexd.metrics import Metrics
-from imexd.probe import Prober
 
 if TYPE_CHECKING:
-    from imexd.daemon import Supervisor
+    from imexd.daemon.supervisor import Supervisor
     from imexd.settings import Settings
 
 DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
