@@ -13,7 +13,8 @@ controller has /etc/slurm/slurm.conf) and a PATH whose first folder holds a fake
 and a fake `logger`. The fake imexd records its arguments and the job's variables,
 writes the workload's env file as an agent would (for the TaskProlog), and fails when a
 test tells it to. Partition `gpu` (OverSubscribe=EXCLUSIVE) is listed in IMEXD_PARTITIONS,
-partition `cpu` is not.
+partition `cpu` is not; for the pair that picks a layout by partition (imexd-prolog.sh,
+imexd-epilog.sh) `gpu` is per job and `rack` shared (domain rack-08).
 
 Skipped, with the reason, when the Slurm or munge programs are missing, when not root
 (slurmd runs jobs as their user), or when the daemons do not come up within 30 s.
@@ -105,8 +106,10 @@ IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
     exec /bin/sh {script} "$@"
 """
 WRAPPER_BY_LAYOUT = """#!/bin/sh
+layout=$(cat {dir}/layout)  # perjob, shared, or mixed: the pair that picks by partition
+[ "$layout" != mixed ] || layout=""
 IMEXD_SLURM_ENV={dir}/slurm.env PATH={dir}/bin SLURM_CONF={dir}/slurm.conf \\
-    exec /bin/sh {installed}/imexd-{kind}-"$(cat {dir}/layout)".sh "$@"
+    exec /bin/sh {installed}/imexd-{kind}${{layout:+-$layout}}.sh "$@"
 """
 
 
@@ -211,6 +214,7 @@ def _write_files(folder: Path) -> tuple[Path, str]:
         f"IMEXD={folder}/bin/imexd\nIMEXD_CONFIG={folder}/control.toml\n"
         "IMEXD_PARTITIONS=gpu\nIMEXD_MIN_NODES=1\nIMEXD_DOMAIN=rack-07\nIMEXD_WAIT=5\n"
         f"IMEXD_CHANNELS_ENV_DIR={folder}/workloads\n"
+        "IMEXD_LAYOUT_PERJOB=gpu\nIMEXD_LAYOUT_SHARED=rack:rack-08\n"
     )
     for kind in ("prolog", "epilog"):
         wrapper = folder / f"{kind}.sh"
@@ -252,6 +256,7 @@ TaskProlog={folder}/taskprolog.sh
 NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=gpu Nodes={node} Default=YES OverSubscribe=EXCLUSIVE MaxTime=INFINITE State=UP
 PartitionName=cpu Nodes={node} MaxTime=INFINITE State=UP
+PartitionName=rack Nodes={node} MaxTime=INFINITE State=UP
 """
     )
     return conf, node
@@ -435,3 +440,32 @@ def test_failing_prolog_kills_an_srun_job(slurm: Cluster) -> None:
     done = slurm.command("srun", "-p", "gpu", "-N", "1", "-t", "1", "true")
     assert done.returncode != 0
     assert "PrologSlurmctld failed" in done.stderr
+
+
+def test_mixed_pair_picks_the_layout_by_partition(slurm: Cluster) -> None:
+    """With imexd-prolog.sh and imexd-epilog.sh, a job on `gpu` gets its own domain and one
+    on `rack` a workload in rack-08 (IMEXD_PARTITIONS, which lists only gpu, is not used:
+    the layout lists are the filter); each task sees its channel, and each epilog
+    deletes what its prolog made."""
+    (slurm.dir / "layout").write_text("mixed")
+    node = socket.gethostname().split(".")[0].lower()
+    perjob, task = srun_env(slurm, "gpu")
+    assert task["IMEX_CHANNEL"] == "0"
+    shared, task = srun_env(slurm, "rack")
+    assert (task["IMEX_CHANNEL"], task["IMEXD_DOMAIN"]) == ("3", "rack-08")
+
+    def deleted() -> bool:
+        return all(len(slurm.imexd_calls(job)) == 2 for job in (perjob, shared))
+
+    wait_for(deleted, JOB_S, f"the epilogs' deletes of jobs {perjob} and {shared}")
+    assert [c[:5] + c[-3:-1] for c in slurm.imexd_calls(perjob)] == [
+        ["domain", "create", f"job-{perjob}", "--nodes", node, "prolog_slurmctld", "gpu"],
+        ["domain", "delete", f"job-{perjob}", "--wait", "30", "epilog_slurmctld", "gpu"],
+    ]
+    assert [c[:5] + c[-3:-1] for c in slurm.imexd_calls(shared)] == [
+        ["workload", "create", f"job-{shared}", "--domain", "rack-08", "prolog_slurmctld", "rack"],
+        ["workload", "delete", f"job-{shared}", "--domain", "rack-08", "epilog_slurmctld", "rack"],
+    ]
+    assert ("user.info", f"job {shared}: partition rack: layout shared, domain rack-08") in {
+        (priority, message) for _, priority, message in slurm.logged(shared)
+    }

@@ -137,14 +137,16 @@ def run_script(
     return Run(done.returncode, done.stdout, done.stderr, [x.split(SEPARATOR) for x in lines])
 
 
-def test_the_five_scripts_are_there() -> None:
-    """config/slurm holds the two layouts' prologs and epilogs, the TaskProlog, and the
-    code that the prologs and epilogs share."""
+def test_the_seven_scripts_are_there() -> None:
+    """config/slurm holds the two layouts' prologs and epilogs, the pair that picks one of
+    them by partition, the TaskProlog, and the code that the prologs and epilogs share."""
     assert [p.name for p in SCRIPTS] == [
         "imexd-epilog-perjob.sh",
         "imexd-epilog-shared.sh",
+        "imexd-epilog.sh",
         "imexd-prolog-perjob.sh",
         "imexd-prolog-shared.sh",
+        "imexd-prolog.sh",
         "imexd-taskprolog.sh",
     ]
     assert sorted(SLURM.glob("*.sh")) == sorted([*SCRIPTS, COMMON])
@@ -205,6 +207,8 @@ def test_common_file_is_sourced_not_run() -> None:
         "imexd-prolog-shared.sh",
         "imexd-epilog-perjob.sh",
         "imexd-epilog-shared.sh",
+        "imexd-prolog.sh",
+        "imexd-epilog.sh",
     ],
 )
 @pytest.mark.parametrize("shell", SHELLS)
@@ -216,7 +220,7 @@ def test_missing_common_file(bin_dir: Path, tmp_path: Path, shell: str, script: 
     installed = tmp_path / "etc-slurm"
     installed.mkdir()
     shutil.copy(SLURM / script, installed / script)
-    env = {"IMEXD_DOMAIN": "rack-07"}
+    env = {"IMEXD_DOMAIN": "rack-07", "IMEXD_LAYOUT_PERJOB": "gpu", "SLURM_JOB_PARTITION": "gpu"}
     run = run_script(script, bin_dir, shell=shell, env=env, folder=installed)
     assert (run.status, run.of("imexd"), run.of("scontrol")) == (status, [], [])
     message = (
@@ -226,6 +230,8 @@ def test_missing_common_file(bin_dir: Path, tmp_path: Path, shell: str, script: 
     assert run.logged("err") == [message]
     assert run.stderr.splitlines() == [f"imexd-slurm: {message}"]
     (installed / "imexd-slurm-common.sh").write_text(COMMON.read_text())
+    role = "prolog" if prolog else "epilog"
+    shutil.copy(SLURM / f"imexd-{role}-perjob.sh", installed)  # what the mixed pair runs
     works = run_script(script, bin_dir, shell=shell, env=env, folder=installed)
     assert (works.status, works.logged("err")) == (0, [])
     assert len(works.of("imexd")) >= 1
@@ -377,6 +383,8 @@ def test_settings_file_may_have_failing_commands(
         ("imexd-prolog-shared.sh", 2, 0),
         ("imexd-epilog-perjob.sh", 0, 1),
         ("imexd-epilog-shared.sh", 0, 1),
+        ("imexd-prolog.sh", 2, 0),
+        ("imexd-epilog.sh", 0, 0),
         ("imexd-taskprolog.sh", 0, 0),
     ],
 )
@@ -384,10 +392,12 @@ def test_broken_settings_file(
     bin_dir: Path, tmp_path: Path, script: str, status: int, calls: int
 ) -> None:
     """A settings file that does not source fails a prolog (status 2, nothing run) and is
-    skipped, with an error logged, by the epilogs (which still delete) and the TaskProlog."""
+    skipped, with an error logged, by the epilogs (which still delete, except the mixed
+    one: without the file it cannot tell the layout) and the TaskProlog."""
     defaults = tmp_path / "slurm.env"
-    defaults.write_text("IMEXD_DOMAIN=rack-01\nif then fi (\n")
+    defaults.write_text("IMEXD_DOMAIN=rack-01\nIMEXD_LAYOUT_PERJOB=gpu\nif then fi (\n")
     env = {"IMEXD_SLURM_ENV": str(defaults), "IMEXD_CHANNELS_ENV_DIR": str(tmp_path)}
+    env |= {"SLURM_JOB_PARTITION": "gpu"}
     run = run_script(script, bin_dir, env=env)
     assert run.status == status
     assert len(run.of("imexd")) == calls
@@ -782,3 +792,189 @@ def test_prolog_fails_fast_with_the_real_imexd(
         assert any(m.startswith(line) for m in errors), (line, errors)
     kind = "domain" if "perjob" in script else "workload"
     assert run.logged("info")[-1] == f"job-{JOB}: imexd {kind} delete exited 0"
+
+
+# ---------------------------------------------------------------------------------
+# imexd-prolog.sh and imexd-epilog.sh: the pair that picks a layout per partition
+
+LAYOUTS = {
+    "IMEXD_LAYOUT_PERJOB": "gpu-a, gpu-b",
+    "IMEXD_LAYOUT_SHARED": "rack07:rack-07,rack08:rack-08",
+}
+"""A mixed cluster's lists: two per-job partitions, two shared ones with their domains."""
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("role", ["prolog", "epilog"])
+@pytest.mark.parametrize(
+    ("partition", "domain"), [("gpu-b", ""), ("rack07", "rack-07"), ("rack08", "rack-08")]
+)
+def test_mixed_pair_runs_the_partitions_layout(
+    bin_dir: Path, shell: str, role: str, partition: str, domain: str
+) -> None:
+    """The mixed prolog or epilog runs exactly the imexd command lines of the partition's
+    layout's own script (per job, or shared in the partition's domain), and exits as it
+    does."""
+    layout = "shared" if domain else "perjob"
+    env = LAYOUTS | {"SLURM_JOB_PARTITION": partition}
+    run = run_script(f"imexd-{role}.sh", bin_dir, shell=shell, env=env)
+    own = run_script(f"imexd-{role}-{layout}.sh", bin_dir, env={"IMEXD_DOMAIN": domain})
+    assert run.status == own.status == 0, run.stderr
+    assert run.of("imexd") == own.of("imexd")
+    assert len(run.of("imexd")) == 1
+    if layout == "shared":
+        assert run.of("imexd")[0][:5] == [
+            "workload", "create" if role == "prolog" else "delete", f"job-{JOB}", "--domain",
+            domain,
+        ]  # fmt: skip
+    where = f", domain {domain}" if domain else ""
+    assert run.logged("info")[0] == f"job {JOB}: partition {partition}: layout {layout}{where}"
+
+
+@pytest.mark.parametrize("role", ["prolog", "epilog"])
+def test_mixed_pair_reads_the_lists_from_the_settings_file(
+    bin_dir: Path, tmp_path: Path, role: str
+) -> None:
+    """The lists come from the settings file; the partition's domain there wins over the
+    file's IMEXD_DOMAIN, and IMEXD_PARTITIONS does not filter (the lists do)."""
+    defaults = tmp_path / "slurm.env"
+    defaults.write_text(
+        "IMEXD_DOMAIN=rack-99\nIMEXD_PARTITIONS=gpu-a\nIMEXD_CONFIG=/etc/imexd/c2.toml\n"
+        + "".join(f'{key}="{value}"\n' for key, value in LAYOUTS.items())
+    )
+    env = {"IMEXD_SLURM_ENV": str(defaults), "SLURM_JOB_PARTITION": "rack08"}
+    run = run_script(f"imexd-{role}.sh", bin_dir, env=env)
+    assert run.status == 0, run.stderr
+    (call,) = run.of("imexd")
+    assert call[3:5] == ["--domain", "rack-08"]
+    assert call[-2:] == ["--config", "/etc/imexd/c2.toml"]
+
+
+@pytest.mark.parametrize("status", [1, 2, 3])
+def test_mixed_prolog_fails_with_the_layouts_prolog(bin_dir: Path, status: int) -> None:
+    """A failing create fails the mixed prolog with imexd's status, after the layout's
+    prolog deleted the workload again."""
+    env = LAYOUTS | {
+        "SLURM_JOB_PARTITION": "rack07",
+        "FAKE_EXIT_imexd_workload_create": str(status),
+    }
+    run = run_script("imexd-prolog.sh", bin_dir, env=env)
+    assert run.status == status
+    assert [c[:2] for c in run.of("imexd")] == [["workload", "create"], ["workload", "delete"]]
+
+
+@pytest.mark.parametrize("role", ["prolog", "epilog"])
+@pytest.mark.parametrize("partition", ["cpu", ""])
+def test_mixed_pair_skips_an_unlisted_partition(bin_dir: Path, role: str, partition: str) -> None:
+    """A job on a partition in neither list (or on none) exits 0 at once, logging why at
+    info, and runs neither scontrol nor imexd."""
+    env = LAYOUTS | {"SLURM_JOB_PARTITION": partition}
+    run = run_script(f"imexd-{role}.sh", bin_dir, env=env)
+    assert (run.status, run.of("imexd"), run.of("scontrol")) == (0, [], [])
+    assert run.logged() == [
+        f"job {JOB}: partition {partition or '(none)'} is in neither IMEXD_LAYOUT_PERJOB "
+        "(gpu-a, gpu-b) nor IMEXD_LAYOUT_SHARED (rack07:rack-07,rack08:rack-08): no IMEX, "
+        "nothing to do"
+    ]
+    assert run.logged("info") == run.logged()
+
+
+@pytest.mark.parametrize("role", ["prolog", "epilog"])
+@pytest.mark.parametrize(
+    ("lists", "reason"),
+    [
+        (
+            {"IMEXD_LAYOUT_SHARED": "gpu-a:rack-07"},
+            "partition gpu-a is in IMEXD_LAYOUT_PERJOB (gpu-a, gpu-b) and IMEXD_LAYOUT_SHARED "
+            "(gpu-a:rack-07): name it in one",
+        ),
+        (
+            {"IMEXD_LAYOUT_PERJOB": "", "IMEXD_LAYOUT_SHARED": "gpu-a:rack-07 gpu-a:rack-08"},
+            "IMEXD_LAYOUT_SHARED=gpu-a:rack-07 gpu-a:rack-08: two domains for partition gpu-a",
+        ),
+        *(
+            (
+                {"IMEXD_LAYOUT_SHARED": f"rack07:rack-07,{entry}"},
+                f"IMEXD_LAYOUT_SHARED=rack07:rack-07,{entry}: expected PARTITION:DOMAIN "
+                f"pairs, not '{entry}'",
+            )
+            for entry in ("rack08", "rack08:", ":rack-08", "rack08:rack:08")
+        ),
+        (
+            {"IMEXD_LAYOUT_PERJOB": "gpu-b,rack08:rack-08"},
+            "IMEXD_LAYOUT_PERJOB=gpu-b,rack08:rack-08: expected partition names, not "
+            "'rack08:rack-08' (PARTITION:DOMAIN pairs go in IMEXD_LAYOUT_SHARED)",
+        ),
+    ],
+)
+def test_mixed_pair_refuses_a_bad_setting(
+    bin_dir: Path, role: str, lists: dict[str, str], reason: str
+) -> None:
+    """A partition in both lists, two domains for one partition or an entry of the wrong
+    form fails the prolog with 2 and ends the epilog with 0, both naming the setting at
+    err and running nothing."""
+    env = {"IMEXD_LAYOUT_PERJOB": "gpu-a, gpu-b", "SLURM_JOB_PARTITION": "gpu-a"} | lists
+    run = run_script(f"imexd-{role}.sh", bin_dir, env=env)
+    status, consequence = (
+        (2, "the job does not start") if role == "prolog" else (0, "nothing deleted")
+    )
+    assert (run.status, run.of("imexd"), run.of("scontrol")) == (status, [], [])
+    assert run.logged("err") == [f"job {JOB}: {reason}; {consequence}"]
+
+
+def test_mixed_epilog_deletes_after_a_harmless_change(bin_dir: Path, tmp_path: Path) -> None:
+    """The epilog deletes what the prolog made after the settings file changed in what
+    does not move the job's partition: the lists' order and separators, other
+    partitions, IMEXD_DOMAIN and IMEXD_PARTITIONS."""
+    defaults = tmp_path / "slurm.env"
+    env = {"IMEXD_SLURM_ENV": str(defaults)}
+    made, deleted = {}, {}
+    for partition in ("gpu-b", "rack08"):
+        defaults.write_text(
+            'IMEXD_LAYOUT_PERJOB="gpu-a,gpu-b"\n'
+            'IMEXD_LAYOUT_SHARED="rack07:rack-07,rack08:rack-08"\nIMEXD_DOMAIN=rack-07\n'
+        )
+        prolog = run_script(
+            "imexd-prolog.sh", bin_dir, env=env | {"SLURM_JOB_PARTITION": partition}
+        )
+        assert prolog.status == 0, prolog.stderr
+        made[partition] = prolog.of("imexd")[0][:5]
+        defaults.write_text(
+            'IMEXD_LAYOUT_PERJOB="gpu-c gpu-b gpu-a"\nIMEXD_PARTITIONS=cpu\n'
+            'IMEXD_LAYOUT_SHARED="rack09:rack-09 rack08:rack-08 rack07:rack-07"\n'
+            "IMEXD_DOMAIN=rack-09\n"
+        )
+        epilog = run_script(
+            "imexd-epilog.sh", bin_dir, env=env | {"SLURM_JOB_PARTITION": partition}
+        )
+        assert (epilog.status, epilog.logged("err")) == (0, [])
+        (delete,) = epilog.of("imexd")
+        deleted[partition] = delete[:5]
+    assert made == {
+        "gpu-b": ["domain", "create", f"job-{JOB}", "--nodes", NODES],
+        "rack08": ["workload", "create", f"job-{JOB}", "--domain", "rack-08"],
+    }
+    assert deleted == {
+        "gpu-b": ["domain", "delete", f"job-{JOB}", "--wait", "30"],
+        "rack08": ["workload", "delete", f"job-{JOB}", "--domain", "rack-08"],
+    }
+
+
+@pytest.mark.parametrize("role", ["prolog", "epilog"])
+def test_mixed_pair_needs_the_layouts_script(bin_dir: Path, tmp_path: Path, role: str) -> None:
+    """Installed without the picked layout's script beside it, the mixed prolog fails with
+    2 and the epilog ends with 0, each naming the missing file at err."""
+    installed = tmp_path / "etc-slurm"
+    installed.mkdir()
+    for name in (f"imexd-{role}.sh", "imexd-slurm-common.sh", f"imexd-{role}-perjob.sh"):
+        shutil.copy(SLURM / name, installed / name)
+    env = LAYOUTS | {"SLURM_JOB_PARTITION": "rack07"}
+    run = run_script(f"imexd-{role}.sh", bin_dir, env=env, folder=installed)
+    status, consequence = (
+        (2, "the job does not start") if role == "prolog" else (0, "nothing deleted")
+    )
+    assert (run.status, run.of("imexd")) == (status, [])
+    missing = installed / f"imexd-{role}-shared.sh"
+    assert run.logged("err") == [
+        f"job {JOB}: cannot read {missing}: install it beside this script; {consequence}"
+    ]

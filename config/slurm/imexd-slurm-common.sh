@@ -1,8 +1,9 @@
 # shellcheck shell=sh
-# imexd-slurm-common.sh: the code that the four slurmctld scripts share.
+# imexd-slurm-common.sh: the code that the slurmctld scripts share.
 #
 # Sourced, never run, by imexd-prolog-perjob.sh, imexd-epilog-perjob.sh,
-# imexd-prolog-shared.sh and imexd-epilog-shared.sh, which find it beside themselves
+# imexd-prolog-shared.sh, imexd-epilog-shared.sh and the pair that picks one of them by
+# partition, imexd-prolog.sh and imexd-epilog.sh, which find it beside themselves
 # (`dirname "$0"`): install it into the same folder, /etc/slurm/ on the slurmctld host:
 #   install -m 0644 imexd-slurm-common.sh /etc/slurm/imexd-slurm-common.sh
 # A script that cannot read it says so (syslog tag imexd-slurm, priority err) and exits
@@ -16,6 +17,10 @@
 #   skip_unless_imex ROLE WHAT  the filter (IMEXD_PARTITIONS, IMEXD_MIN_NODES)
 #   run_imexd STEP ARGS...      each imexd command, every line it prints logged
 #   log PRIORITY MESSAGE, fail STATUS MESSAGE
+# The picking pair calls read_settings and need_job, then the two that pick and run the
+# partition's layout instead of the filter:
+#   pick_layout ROLE            the layout lists (IMEXD_LAYOUT_PERJOB, IMEXD_LAYOUT_SHARED)
+#   hand_over ROLE              exec the picked layout's script
 # imexd-taskprolog.sh, which runs on the compute nodes as the job's user, keeps its own
 # few lines instead: the common file would have to be installed on every node too.
 
@@ -152,4 +157,69 @@ run_imexd() {
     done
     log "$level" "job-$SLURM_JOB_ID: imexd $step exited $result"
     return "$result"
+}
+
+# pick_layout ROLE: the layout of the job's partition (SLURM_JOB_PARTITION), for the
+# pair that serves both: IMEXD_LAYOUT_PERJOB lists partitions, IMEXD_LAYOUT_SHARED
+# PARTITION:DOMAIN pairs (both separated by commas or spaces). Sets layout (perjob or
+# shared) and, for shared, IMEXD_DOMAIN. A partition in neither exits 0 at once, logging
+# why at info. A partition in both, with two domains in IMEXD_LAYOUT_SHARED, or an entry
+# of the wrong form is a setup error that names the setting: a prolog fails 2, an epilog
+# logs it at err and exits 0 (it cannot tell what the prolog made).
+pick_layout() {
+    role=$1
+    partition=${SLURM_JOB_PARTITION:-}
+    perjob=${IMEXD_LAYOUT_PERJOB:-}
+    shared=${IMEXD_LAYOUT_SHARED:-}
+    layout=""
+    set -f
+    for entry in $(printf '%s\n' "$perjob" | tr ',' ' '); do
+        case $entry in
+            *:*) layout_error "$role" "IMEXD_LAYOUT_PERJOB=$perjob: expected partition names, not '$entry' (PARTITION:DOMAIN pairs go in IMEXD_LAYOUT_SHARED)" ;;
+        esac
+        [ "$entry" != "$partition" ] || layout=perjob
+    done
+    for entry in $(printf '%s\n' "$shared" | tr ',' ' '); do
+        domain=${entry#*:}
+        case $entry in
+            # "$domain": no colon, so the domain would be the whole entry
+            :* | *: | *:*:* | "$domain") layout_error "$role" "IMEXD_LAYOUT_SHARED=$shared: expected PARTITION:DOMAIN pairs, not '$entry'" ;;
+        esac
+        [ "${entry%:*}" = "$partition" ] || continue
+        case $layout in
+            perjob) layout_error "$role" "partition $partition is in IMEXD_LAYOUT_PERJOB ($perjob) and IMEXD_LAYOUT_SHARED ($shared): name it in one" ;;
+            shared) [ "$domain" = "$IMEXD_DOMAIN" ] ||
+                layout_error "$role" "IMEXD_LAYOUT_SHARED=$shared: two domains for partition $partition" ;;
+        esac
+        layout=shared
+        IMEXD_DOMAIN=$domain
+    done
+    set +f
+    if [ -z "$layout" ]; then
+        log info "job $SLURM_JOB_ID: partition ${partition:-(none)} is in neither IMEXD_LAYOUT_PERJOB ($perjob) nor IMEXD_LAYOUT_SHARED ($shared): no IMEX, nothing to do"
+        exit 0
+    fi
+}
+
+layout_error() { # layout_error ROLE MESSAGE: fail a prolog (2), end an epilog (0)
+    [ "$1" = epilog ] || fail 2 "job $SLURM_JOB_ID: $2; the job does not start"
+    log err "job $SLURM_JOB_ID: $2; nothing deleted"
+    exit 0
+}
+
+# hand_over ROLE: exec the picked layout's script, imexd-ROLE-LAYOUT.sh from this
+# script's folder, with the settings already read here: it reads no settings file
+# again (IMEXD_SLURM_ENV=/dev/null), so IMEXD_DOMAIN stays the one picked, and it gets
+# no IMEXD_PARTITIONS, since the layout lists are the filter. A missing script is a
+# setup error as in layout_error.
+hand_over() {
+    script=$(dirname -- "$0")/imexd-$1-$layout.sh
+    [ -r "$script" ] || layout_error "$1" "cannot read $script: install it beside this script"
+    where=""
+    [ "$layout" = perjob ] || where=", domain $IMEXD_DOMAIN"
+    log info "job $SLURM_JOB_ID: partition $partition: layout $layout$where"
+    unset IMEXD_PARTITIONS
+    IMEXD_SLURM_ENV=/dev/null
+    export IMEXD_SLURM_ENV IMEXD_DOMAIN
+    exec /bin/sh "$script"
 }
