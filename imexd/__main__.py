@@ -2,6 +2,6 @@
 
 import sys
 
-from imexd.cli import main
+from imexd.cli.main import main
 
 sys.exit(main())

@@ -275,7 +275,7 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # What a HealthReport's conditions mean: the agent writes them (imexd.health), every
-# reader of reports (imexd.fleet, imexd.query, the control plane) reads them back.
+# reader of reports (imexd.fleet, imexd.cli.query, the control plane) reads them back.
 
 BUS_CONNECTED: Final = "BusConnected"
 SLOT_SETTLED: Final = "SlotSettled"

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from imexd.cli import build_parser, main
+from imexd.cli.main import build_parser, main
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import ChannelsView, encode
 from imexd.topics import Topics
@@ -261,8 +261,8 @@ def _imported_after(code: str) -> list[str]:
 def test_version_and_usage_errors_import_nothing_heavy() -> None:
     """`imexd --version` and a usage error are answered by argparse alone: asyncio, msgspec,
     psutil and the rest are imported only by the command that runs."""
-    assert _imported_after("__import__('imexd.cli').cli.main(['--version'])") == []
-    usage = "__import__('imexd.cli').cli.main(['domain', 'create', 'D', '--wait', '-1'])"
+    assert _imported_after("__import__('imexd.cli.main').cli.main.main(['--version'])") == []
+    usage = "__import__('imexd.cli.main').cli.main.main(['domain', 'create', 'D', '--wait', '-1'])"
     assert _imported_after(usage) == []
 
 
@@ -270,15 +270,18 @@ def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
     """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed)
     and aiohttp (its HTTP endpoint is imexd.http's own) out of the agent's process; it has
     imported the agent's modules when it reaches the settings check here (exit 2)."""
-    code = "__import__('imexd.cli').cli.main(['run', '--config', '/nonexistent/imexd.toml'])"
+    code = (
+        "__import__('imexd.cli.main').cli.main.main(['run', '--config', '/nonexistent/imexd.toml'])"
+    )
     imported = _imported_after(code)
     assert "structlog" in imported
     assert [m for m in imported if m in ("rich", "pygments", "aiohttp")] == []
 
 
 def test_the_parsers_copies_of_constants_match() -> None:
-    """imexd.cli_args keeps its own copies so that parsing imports neither module."""
-    from imexd import cli_args, messages, settings
+    """imexd.cli.args keeps its own copies so that parsing imports neither module."""
+    from imexd import messages, settings
+    from imexd.cli import args as cli_args
 
     assert cli_args.MAX_CHANNEL == messages.MAX_CHANNEL
     assert cli_args.DEFAULT_CONFIG_PATH == settings.DEFAULT_CONFIG_PATH

@@ -29,8 +29,8 @@ import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
 from imexd import facts as fx
-from imexd.cli import build_parser, main
-from imexd.cli_control import SEEN_WITHIN_DEFAULT_S
+from imexd.cli.control import SEEN_WITHIN_DEFAULT_S
+from imexd.cli.main import build_parser, main
 from imexd.control import commands
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts

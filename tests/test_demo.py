@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.demo import DemoError, brokers, scenario, screen
 from imexd.fleet import judge
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView

@@ -31,7 +31,7 @@ from subprocess import CompletedProcess
 import pytest
 
 from imexd import messages
-from imexd.cli import build_parser
+from imexd.cli.main import build_parser
 from imexd.demo.brokers import Mosquitto, find_mosquitto
 from imexd.topics import TopicRef, Topics
 

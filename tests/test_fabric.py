@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.errors import DiscoveryError
 from imexd.fabric import (
     CHILD_CMD_ENV,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.names import job_of, parse_job_ids

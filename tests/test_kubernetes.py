@@ -28,7 +28,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from imexd.cli import build_parser
+from imexd.cli.main import build_parser
 from imexd.http import PATHS
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView, encode
 from imexd.settings import (

@@ -15,13 +15,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from imexd.cli.query import print_report
 from imexd.demo.brokers import free_port
 from imexd.facts import BusFacts, DaemonFacts, Facts, Member, MembershipFacts
 from imexd.health import Health, Heartbeats
 from imexd.http import HealthServer
 from imexd.messages import HealthReport
 from imexd.metrics import Metrics
-from imexd.query import print_report
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 READY = Facts(

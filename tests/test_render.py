@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.errors import ConfigError
 from imexd.imex import EMPTY_SLOT_ADDRESS, check_extra
 from imexd.membership import resolve

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.errors import ConfigError
 from imexd.names import is_dns1123_label, is_dns1123_subdomain
 from imexd.settings import (

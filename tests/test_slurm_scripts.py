@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.cli import build_parser
+from imexd.cli.main import build_parser
 from imexd.demo.brokers import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent

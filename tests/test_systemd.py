@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.cli import build_parser
+from imexd.cli.main import build_parser
 from imexd.settings import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
@@ -38,7 +38,7 @@ DOC = ROOT / "docs" / "systemd.md"
 HANDOVER_EXIT = 75
 """The agent's exit status after SIGUSR2 (hand-over): EX_TEMPFAIL, restarted by systemd."""
 CONFIG_ERROR_EXIT = 2
-"""`imexd run` exits 2 on an invalid configuration (imexd/cli.py): no restart helps."""
+"""`imexd run` exits 2 on an invalid configuration (imexd/cli/main.py): no restart helps."""
 IMEX_PERSIST_DIR = "/run/nvidia-imex"
 """Where nvidia-imex keeps persist.dat (as /var/run/nvidia-imex) for its recovery."""
 HOST_UNIT_DIRS = ("/lib/systemd/", "/usr/lib/systemd/", "/etc/systemd/", "/run/systemd/")

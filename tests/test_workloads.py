@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from imexd.cli import main
+from imexd.cli.main import main
 from imexd.control import workloads
 from imexd.control.commands import load_control_settings
 from imexd.control.link import Logged

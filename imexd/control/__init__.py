@@ -30,5 +30,5 @@ The modules, one job each: `link` (one short-lived connection over `imexd.mqtt`)
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the
 CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftovers) and
 `schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop
-and signals are `imexd.cli`'s.
+and signals are `imexd.cli.main`'s.
 """

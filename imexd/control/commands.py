@@ -2,7 +2,7 @@
 
 Each opens one `Link`, reads what it needs, writes, verifies, and says what it did on
 `out` (results) and `err` (refusals, warnings); the return value is the exit code.
-`imexd.cli` parses and checks the arguments (usage errors exit 2 before any of this
+`imexd.cli.main` parses and checks the arguments (usage errors exit 2 before any of this
 runs), loads the settings with `load_control_settings`, and runs the coroutine; a
 `BusError` (broker unreachable, link lost) propagates to it and exits 1.
 """

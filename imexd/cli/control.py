@@ -3,7 +3,7 @@
 Their parsers and their handlers: each handler checks its arguments (a usage error exits
 2 before any broker is tried), loads the settings with
 `imexd.control.commands.load_control_settings`, and runs one coroutine of imexd.control.
-Apart from imexd.cli, which holds the agent's own commands and the entry point.
+Apart from imexd.cli.main, which holds the agent's own commands and the entry point.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Final
 
-from imexd.cli_args import (
+from imexd.cli.args import (
     SubParsers,
     command,
     config_arg,

@@ -1,7 +1,7 @@
 """What every `imexd` subcommand's arguments share: argument types, the common options,
 the exit codes in each command's help, and the one-line usage errors.
 
-Apart from imexd.cli (the agent's commands and the entry point) and imexd.cli_control
+Apart from imexd.cli.main (the agent's commands and the entry point) and imexd.cli.control
 (the control plane's), which both build on it.
 """
 

@@ -4,8 +4,8 @@ Each subcommand is a function `(args) -> exit code` in the module that owns the
 concern, imported only when that subcommand runs (the simulator and the control plane
 do not pay for the agent's imports). Exit codes: 0 success, 1 failure or not ready,
 2 usage or configuration error; each command's --help lists its own. The control plane's
-commands (domain, node, workload) are in imexd.cli_control, what all share in
-imexd.cli_args.
+commands (domain, node, workload) are in imexd.cli.control, what all share in
+imexd.cli.args.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol, cast
 
 from imexd import __version__
-from imexd.cli_args import Parser, SubParsers, command, config_arg, run_async, seconds
-from imexd.cli_control import add_control_commands
+from imexd.cli.args import Parser, SubParsers, command, config_arg, run_async, seconds
+from imexd.cli.control import add_control_commands
 from imexd.errors import ConfigError, ImexdError
 
 if TYPE_CHECKING:
@@ -363,7 +363,7 @@ def _cmd_discover(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """`imexd check`: exit 0 when the local agent is ready (live with --live), else 1."""
-    from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.cli import query  # noqa: PLC0415 - lazy: only this command pays for it
 
     base = query.base_url(args.url, args.config)
     return query.check(base, live=bool(args.live), timeout=float(args.timeout))
@@ -371,7 +371,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     """`imexd status`: the local agent's HealthReport for a person (or --json)."""
-    from imexd import query  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.cli import query  # noqa: PLC0415 - lazy: only this command pays for it
 
     base = query.base_url(args.url, args.config)
     return query.status(base, as_json=bool(args.json), timeout=float(args.timeout))
