@@ -113,7 +113,6 @@ import cProfile
 import json
 import logging
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -132,6 +131,7 @@ from typing import Any, Final, TextIO
 import aiomqtt
 import psutil
 import structlog
+from harness import BenchError, Figure, machine, sweep
 
 from imexd.agent import Agent
 from imexd.demo.brokers import Mosquitto, free_port
@@ -180,26 +180,7 @@ CAPTURED: Final = frozenset(
 )
 
 
-class BenchError(Exception):
-    """A phase did not complete in time, or the setup failed."""
-
-
 # Processes ----------------------------------------------------------------------------
-
-
-def sweep(root: Path) -> int:
-    """SIGKILL every process (but this one) whose command line names `root`."""
-    needle = str(root)
-    killed = 0
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if proc.pid == os.getpid():
-            continue
-        cmdline = proc.info.get("cmdline") or []
-        if any(needle in part for part in cmdline):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-                killed += 1
-    return killed
 
 
 # Log capture: the in-process agents' events, with monotonic timestamps ------------------
@@ -766,32 +747,6 @@ class ProcNode(Node):
 
 
 # Figures -------------------------------------------------------------------------------
-
-
-@dataclass
-class Figure:
-    """One measured figure, next to its target when the issue sets one."""
-
-    name: str
-    value: float | None
-    unit: str
-    target: str = ""
-    ok: bool | None = None
-    """True: PASS, False: MISS, None: no target (information)."""
-    note: str = ""
-
-    @property
-    def verdict(self) -> str:
-        return "" if self.ok is None else "PASS" if self.ok else "MISS"
-
-    def shown(self) -> str:
-        if self.value is None:
-            return "n/a"
-        if self.unit == "s":
-            return f"{self.value:.3f} s"
-        if self.unit in ("", "count"):
-            return f"{self.value:g}"
-        return f"{self.value:.2f} {self.unit}"
 
 
 @dataclass
@@ -2012,21 +1967,6 @@ class Run:
 
 
 # Output --------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    load = os.getloadavg()
-    return (
-        f"{os.cpu_count()} CPUs ({model or platform.processor()}), "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}, "
-        f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
 
 
 def describe_run(daemons: bool, agents: str, kind: str) -> str:

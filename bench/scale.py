@@ -79,7 +79,6 @@ import datetime as dt
 import json
 import logging
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -97,6 +96,7 @@ from typing import Any, Final, TextIO
 import aiomqtt
 import psutil
 import structlog
+from harness import BenchError, Figure, machine, sweep
 
 import imexd.agent
 from imexd.agent import Agent
@@ -125,10 +125,6 @@ READY_TIMEOUT_S: Final = 120.0
 CHANGE_LIMIT_S: Final = 30.0
 """A leave or join converged at most this long after it began (a crash: plus the delay)."""
 QUIT_LIMIT_S: Final = 40.0
-
-
-class BenchError(Exception):
-    """A phase did not complete in time, or the setup failed."""
 
 
 # The plan: nodes, cliques, workers -------------------------------------------------------
@@ -581,30 +577,6 @@ def start_broker(kind: str, folder: Path, nats_server: str | None = None) -> Bro
 
 
 # Figures -------------------------------------------------------------------------------
-
-
-@dataclass
-class Figure:
-    name: str
-    value: float | None
-    unit: str
-    target: str = ""
-    ok: bool | None = None
-    """True: PASS, False: MISS, None: no target (information)."""
-    note: str = ""
-
-    @property
-    def verdict(self) -> str:
-        return "" if self.ok is None else "PASS" if self.ok else "MISS"
-
-    def shown(self) -> str:
-        if self.value is None:
-            return "n/a"
-        if self.unit == "s":
-            return f"{self.value:.3f} s"
-        if self.unit in ("", "count"):
-            return f"{self.value:g}"
-        return f"{self.value:.2f} {self.unit}"
 
 
 # One run -------------------------------------------------------------------------------
@@ -1214,21 +1186,6 @@ class Bench:
         sweep(self.root)
 
 
-def sweep(root: Path) -> int:
-    """SIGKILL every process (but this one) whose command line names `root`."""
-    needle = str(root)
-    killed = 0
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if proc.pid == os.getpid():
-            continue
-        cmdline = proc.info.get("cmdline") or []
-        if any(needle in part for part in cmdline):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-                killed += 1
-    return killed
-
-
 # Output and main -----------------------------------------------------------------------
 
 
@@ -1340,34 +1297,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         ramp_s=args.ramp_s,
         rebuild=args.rebuild,
         nats_server=args.nats_server,
-    )
-
-
-def machine() -> str:
-    """The machine and the code measured: CPUs, memory, load, the commit (and whether the
-    agent's code differs from it)."""
-    load = os.getloadavg()
-    tree = "not a git checkout"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        top = SCRIPT.parent.parent
-        head = subprocess.run(
-            ["git", "-C", str(top), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(top), "status", "--porcelain", "--", "imexd"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        tree = f"commit {head}" + (" with uncommitted changes in imexd/" if dirty else "")
-    return (
-        f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
-        f"{platform.python_version()}, loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {tree}"
     )
 
 

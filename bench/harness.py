@@ -1,0 +1,93 @@
+"""What every benchmark shares: its error, its figures, the machine it ran on, and the
+sweep of the processes it left.
+
+The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
+this folder is first on their import path and they import this module as `harness`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout the benchmarks measure."""
+
+
+class BenchError(Exception):
+    """A phase did not complete in time, or the setup failed."""
+
+
+@dataclass
+class Figure:
+    """One measured figure, next to its target when the issue sets one."""
+
+    name: str
+    value: float | None
+    unit: str
+    target: str = ""
+    ok: bool | None = None
+    """True: PASS, False: MISS, None: no target (information)."""
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "" if self.ok is None else "PASS" if self.ok else "MISS"
+
+    def shown(self) -> str:
+        if self.value is None:
+            return "n/a"
+        if self.unit == "s":
+            return f"{self.value:.3f} s"
+        if self.unit in ("", "count"):
+            return f"{self.value:g}"
+        return f"{self.value:.2f} {self.unit}"
+
+
+def sweep(root: Path) -> int:
+    """SIGKILL every process (but this one) whose command line names `root`."""
+    needle = str(root)
+    killed = 0
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid == os.getpid():
+            continue
+        cmdline = proc.info.get("cmdline") or []
+        if any(needle in part for part in cmdline):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                killed += 1
+    return killed
+
+
+def machine() -> str:
+    """The machine and the code measured: CPUs (and their model), memory, Python, load,
+    the commit (and whether the agent's code differs from it)."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg()
+    tree = "not a git checkout"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "imexd")
+        tree = f"commit {head}" + (" with uncommitted changes in imexd/" if dirty else "")
+    return (
+        f"{os.cpu_count()} CPUs ({model or platform.processor()}), "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}, "
+        f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {tree}"
+    )
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
