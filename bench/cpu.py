@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import scale
 
-import imexd.agent
 from imexd.demo.brokers import Mosquitto
 
 LIMIT_S = 120.0
@@ -153,7 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.instructions:
         return instructions(args)
-    setattr(imexd.agent, "Bus", scale.CountingBus)  # noqa: B010 - as bench/scale.py's workers do
     runs = []
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="imexd-cpu-") as folder:

@@ -56,9 +56,9 @@ back (imexd.rebuild: the agents give back what they follow), and until every age
 `rebuild.broker_lost_state` (from the workers' logs); the agents' settled views must not
 change meanwhile (their hosts files would be rewritten: there are no daemons to restart).
 In phases 3 to 5 every agent of the other cliques must receive no member record: the
-count of member records each agent received per (domain) is kept by a subclass of the
-agent's Bus (`CountingBus`, put in place of `imexd.agent.Bus` in the workers), so
-deliveries across cliques are counted at the receiver at any time.
+count of member records each agent received per domain is what its bus counts
+(`Bus.deliveries`, and `Bus.writes` for what it sent), so deliveries across cliques are
+counted at the receiver at any time.
 
 Every process the script starts (broker, workers) has the run's work folder on its
 command line; on exit, failure, SIGINT or SIGTERM the agents leave (bounded), then
@@ -98,13 +98,11 @@ import psutil
 import structlog
 from harness import BenchError, Figure, machine, sweep
 
-import imexd.agent
 from imexd.agent import Agent
-from imexd.bus import Bus
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.demo.nodes import fake_driver
-from imexd.messages import DomainSpec, Payload, WorkloadRecord, encode
+from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 from imexd.topics import Topics
 
@@ -167,33 +165,6 @@ def deal(nodes: Sequence[NodePlan], workers: int) -> list[list[NodePlan]]:
 
 
 # The worker: one process, one event loop, many agents ------------------------------------
-
-
-class CountingBus(Bus):
-    """The agent's bus, counting every message the broker delivered to it by topic (the
-    worker sorts them by kind and domain when asked): deliveries are counted at the
-    receiver, on any broker."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.received: Counter[str] = Counter()
-        self.retained: Counter[str] = Counter()
-        """Records it set or cleared, by topic (a claim, a member record, a report...)."""
-
-    async def retain(
-        self,
-        topic: str,
-        payload: Payload | None,
-        *,
-        message_expiry_s: float | None = None,
-        replay: bool = True,
-    ) -> None:
-        self.retained[topic] += 1
-        await super().retain(topic, payload, message_expiry_s=message_expiry_s, replay=replay)
-
-    def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
-        self.received[topic] += 1
-        super()._dispatch(topic, payload, retained=retained)
 
 
 @dataclass
@@ -354,17 +325,14 @@ class Worker:
                 continue  # not started (the joiner before its phase)
             bus = h.agent.bus
             counts: Counter[str] = Counter()
-            if isinstance(bus, CountingBus):
-                for topic, count in bus.received.items():
-                    ref = self.topics.parse(topic)
-                    kind = "other" if ref is None else ref.kind
+            if bus is not None:
+                for (kind, domain), count in bus.deliveries.items():
                     counts[kind] += count
-                    if ref is not None and ref.kind == "member":
-                        counts[f"member@{ref.domain}"] += count
+                    if kind == "member":
+                        counts[f"member@{domain}"] += count
                 counts["link@connects"] = self.connects[name]
-                for topic, count in bus.retained.items():
-                    ref = self.topics.parse(topic)
-                    counts[f"sent@{'other' if ref is None else ref.kind}"] += count
+                for kind, count in bus.writes.items():
+                    counts[f"sent@{kind}"] += count
             per_node[name] = dict(counts)
         out = {"nodes": per_node, "lag_max": self.lag_max, "lag_total": self.lag_total}
         self.lag_max = self.lag_total = 0.0
@@ -429,9 +397,6 @@ class Worker:
 
 def worker_main(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
-    # The agents' bus counts what it receives (see CountingBus); the agent builds it by
-    # this name, so the worker (a process of its own) swaps the class before any agent runs.
-    setattr(imexd.agent, "Bus", CountingBus)  # noqa: B010 - a module attribute, on purpose
     worker = Worker(spec)
     with Path(spec["log"]).open("w") as out:
         worker.configure_logs(out)

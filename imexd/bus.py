@@ -647,6 +647,11 @@ class Bus:
         """time.monotonic() of the last `Synced` on the current link; None while down."""
         self.dropped: Counter[str] = Counter({reason.value: 0 for reason in DropReason})
         """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
+        self.deliveries: Counter[tuple[str, str]] = Counter()
+        """Messages the broker delivered, by (topic kind, domain) (`("other", "")` for a
+        topic outside the contract): what a benchmark counts at the receiver."""
+        self.writes: Counter[str] = Counter()
+        """Records set or cleared through `retain`, by topic kind."""
         self.no_retained_wildcard = ""
         """Why the broker cannot be trusted with the retained snapshot (it did not send our
         own record back, flagged retained, to a new wildcard subscription); "" while no
@@ -846,6 +851,8 @@ class Bus:
         as ours for the retained check, from its first publication on a link.
         """
         _check_topic_name(topic)
+        ref = self.topics.parse(topic)
+        self.writes["other" if ref is None else ref.kind] += 1
         data = b"" if payload is None else encode(payload)
         entry = _Retained(data, message_expiry_s, replay=replay or not data)
         async with self._lock:
@@ -1634,6 +1641,8 @@ class Bus:
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""
+        ref = self.topics.parse(topic)
+        self.deliveries[("other", "") if ref is None else (ref.kind, ref.domain)] += 1
         self._echoes.seen(topic, payload, live=not retained)
         will = self._will
         if will is not None and topic == will.topic and payload:

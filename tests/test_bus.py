@@ -274,6 +274,9 @@ async def test_retained_record_reaches_a_second_bus_and_deletion_follows(broker:
             gone = await next_event(b, Deleted)
             assert gone.topic == member_topic()
             assert gone.ref.node == "n1"
+            # What a benchmark counts at the receiver: the record and its deletion.
+            assert b.deliveries[("member", gone.ref.domain)] == 2
+        assert a.writes["member"] == 2  # set, then cleared
         assert a.refused_topics == frozenset()
         assert a.connected
         assert a.broker == broker.url
