@@ -140,11 +140,10 @@ RESYNC_SETTLE_S: Final = 1.0
 """On a link that may lose updates, a re-read also follows every burst of changes,
 `resync_quiet_s` + this many seconds after its last live message, so that an update lost
 in a formation is corrected seconds after it, not a whole `[bus] resync_interval_s` later
-(measured on a three-server NATS cluster: a peer's member record lost on a server that
-had sent no stale copy). Such a link runs MQTT 3.1.1 (NATS speaks nothing else), or its
-broker lost an update already (a re-read corrected one: `Bus.lossy`); on an MQTT 5 broker that
-never did (Mosquitto) it would cost every agent a snapshot per burst (about 20 ms of CPU
-per node at 256 nodes) for nothing."""
+(a NATS cluster loses such updates: docs/brokers.md). Such a link runs MQTT 3.1.1 (NATS
+speaks nothing else), or its broker lost an update already (a re-read corrected one:
+`Bus.lossy`); on an MQTT 5 broker that never did (Mosquitto) it would cost every agent a
+snapshot per burst for nothing (docs/performance.md)."""
 RESYNC_SETTLE_MAX_S: Final = 15.0
 """A burst that never ends (links that keep dropping on an overloaded cluster) defers its
 re-read at most this long after its first live message."""

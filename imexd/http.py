@@ -18,8 +18,8 @@ are connected, so it is bounded on every axis:
   probe still gets in while the cap is full of slow clients.
 
 HTTP/1.1 over asyncio streams, written here: four fixed GET paths with no body need a
-request line, header fields and a response, not a web framework. aiohttp's server cost
-the agent about 10 MB of its memory (docs/performance.md).
+request line, header fields and a response, not a web framework: aiohttp's server cost
+the agent much of its memory (docs/performance.md, issue 22).
 """
 
 from __future__ import annotations
