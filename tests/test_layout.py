@@ -152,3 +152,77 @@ def test_the_domain_is_judged_in_fleet_only() -> None:
         and not _calls_fleet_judge(node)
     )
     assert own_rules == []
+
+
+# Arrows between packages: what each package of imexd/ may import, stated once here
+# (each package's __init__ docstring says it in words).
+
+PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
+    # The IMEX daemon, supervised: the leaves, and for its probe task the agent's guard,
+    # metrics and the fleet's link facts. Never the bus, the agent or the control plane.
+    "imexd.daemon": frozenset(
+        {
+            "imexd",
+            "imexd.errors",
+            "imexd.imex",
+            "imexd.logs",
+            "imexd.process",
+            "imexd.retry",
+            "imexd.settings",
+            "imexd.facts",
+            "imexd.fleet",
+            "imexd.guard",
+            "imexd.metrics",
+        }
+    ),
+    # The simulator: written apart from the agent, so that the agent's parsers are tested
+    # against output it did not write.
+    "imexd.sim": frozenset({"imexd", "imexd.errors"}),
+}
+TOP_OF_THE_LAYERS = "imexd.cli"
+"""Nothing imports the command line but itself and `python -m imexd`."""
+
+
+def _package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _wrong_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Each import across a package's border that PACKAGE_MAY_IMPORT does not allow."""
+    return [
+        f"{module} -> {imported}"
+        for package, allowed in PACKAGE_MAY_IMPORT.items()
+        for module, imports in sorted(graph.items())
+        if _package(module, package)
+        for imported in sorted(imports)
+        if not _package(imported, package) and imported not in allowed
+    ]
+
+
+def test_each_package_imports_only_what_it_may() -> None:
+    """The arrows out of each package (PACKAGE_MAY_IMPORT): its own modules and the
+    listed ones, nothing else of imexd."""
+    wrong = _wrong_arrows(_graph())
+    assert wrong == [], "imports across a package's border that it may not make: " + ", ".join(
+        wrong
+    )
+
+
+def test_nothing_imports_the_command_line() -> None:
+    """The CLI is the top: an import of it from below would pull argparse and every
+    command into the agent."""
+    importers = sorted(
+        module
+        for module, imports in _graph().items()
+        if not _package(module, TOP_OF_THE_LAYERS)
+        and module != "imexd.__main__"
+        and any(_package(i, TOP_OF_THE_LAYERS) for i in imports)
+    )
+    assert importers == []
+
+
+def test_the_package_rule_sees_a_wrong_arrow() -> None:
+    """Not blind: an arrow from the daemon package to the bus is reported."""
+    graph = _graph()
+    graph["imexd.daemon.supervisor"] = graph["imexd.daemon.supervisor"] | {"imexd.bus"}
+    assert _wrong_arrows(graph) == ["imexd.daemon.supervisor -> imexd.bus"]
