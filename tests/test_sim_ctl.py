@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from imexd.sim.config import DEFAULT_CONFIG_PATH
 from imexd.sim.ctl import UsageError, main, parse_args, target_from_config
-from imexd.sim.protocol import CmdTarget, CommandError
+from imexd.sim.protocol import (
+    CmdTarget,
+    CommandError,
+    NodeState,
+    QueryReply,
+    QueryRequest,
+    ask_all_blocking,
+    encode,
+)
 
 
 def test_flags_of_the_real_tool() -> None:
@@ -97,3 +108,63 @@ def test_query_runs_without_asyncio() -> None:
     )
     assert done.stdout.splitlines()[0] == "UNAVAILABLE"
     assert done.stdout.splitlines()[-1].split(" ") == ["1", ""]
+
+
+def test_domain_view_runs_without_asyncio() -> None:
+    """`-N` (the agent's domain probe, every domain probe interval) asks its peers over
+    blocking sockets under one selector: asyncio is not imported."""
+    probe = (
+        "import sys\n"
+        "from imexd.sim.ctl import main\n"
+        "code = main(['-i', '127.0.0.1', '1', '-N', '-j', '-t', '200'])\n"
+        "print('\\n' + str(code) + ' ' + ','.join(m for m in ('asyncio',) if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""]
+
+
+def test_every_peer_is_asked_at_once_within_one_deadline() -> None:
+    """One peer answers, two accept and stay silent, one refuses: the answer, two timeouts
+    and a refusal come back together, after one deadline (2 s), not one per silent peer."""
+    answering = socket.create_server(("127.0.0.1", 0))
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused_port = closed.getsockname()[1]
+    closed.close()
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = answering.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(encode(QueryReply(state=NodeState.READY)))
+
+    def hold(server: socket.socket) -> None:
+        conn, _ = server.accept()
+        held.append(conn)  # never answered, closed at the end
+
+    threads = [threading.Thread(target=serve)]
+    threads += [threading.Thread(target=hold, args=(server,)) for server in silent]
+    for thread in threads:
+        thread.start()
+    targets = [
+        CmdTarget("127.0.0.1", answering.getsockname()[1]),
+        *(CmdTarget("127.0.0.1", server.getsockname()[1]) for server in silent),
+        CmdTarget("127.0.0.1", refused_port),
+    ]
+    try:
+        started = time.monotonic()
+        got = ask_all_blocking(targets, QueryRequest(), timeout_s=2.0)
+        took = time.monotonic() - started
+    finally:
+        for thread in threads:
+            thread.join(timeout=5)
+        for sock in (answering, *silent, *held):
+            sock.close()
+    assert got[0] == QueryReply(state=NodeState.READY)
+    assert all(isinstance(g, CommandError) and "no answer" in str(g) for g in got[1:3]), got
+    assert isinstance(got[3], CommandError)
+    assert "Connection refused" in str(got[3])
+    assert took < 3.5, f"{took:.1f} s: one deadline for every peer, not one each (4 s)"

@@ -261,6 +261,25 @@ class Resolver:
 
         return list(await asyncio.gather(*(self._system(e) for e in entries)))
 
+    def resolve_blocking(self, entries: Iterable[str]) -> list[str | None]:
+        """`resolve` without an event loop (`imexd-sim-ctl -N`): the system resolver is
+        asked one entry after another."""
+        entries = list(entries)
+        if self.hosts_file is not None:
+            table = read_hosts(self.hosts_file)
+            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
+        return [self._system_blocking(e) for e in entries]
+
+    @staticmethod
+    def _system_blocking(entry: str) -> str | None:
+        if is_ip(entry):
+            return entry
+        try:
+            infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return None
+        return str(infos[0][4][0]) if infos else None
+
     @staticmethod
     async def _system(entry: str) -> str | None:
         import asyncio  # noqa: PLC0415 - see resolve

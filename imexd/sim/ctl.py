@@ -10,7 +10,6 @@ daemon answered (whatever the domain state), 1 on any failure.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
@@ -35,7 +34,7 @@ from imexd.sim.protocol import (
     QueryRequest,
     StatusReply,
     StatusRequest,
-    ask,
+    ask_all_blocking,
     ask_blocking,
 )
 
@@ -140,36 +139,29 @@ def query(target: CmdTarget, timeout_s: float) -> NodeState:
     return reply.state
 
 
-async def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> DomainView:
-    """`-N`: the local node's answer, then every peer's, asked all at once."""
-    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
-
+def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> DomainView:
+    """`-N`: the local node's answer, then every peer's, asked all at once (blocking
+    sockets under one selector: the agent runs this every domain probe interval, and an
+    event loop's import would cost more than the questions)."""
     from imexd.sim.table import build_view  # noqa: PLC0415 - lazy: `-q` prints no table
 
-    local = await ask(target, StatusRequest(), timeout_s=timeout_s)
+    local = ask_blocking(target, StatusRequest(), timeout_s=timeout_s)
     if not isinstance(local, StatusReply):
         raise CommandError(f"{target} answered a status request with {type(local).__name__}")
-    addresses = await Resolver(hosts_file).resolve(local.nodes)
-
-    async def peer(address: str | None) -> StatusReply | None:
-        if address is None or not dialable(address):
-            return None
-        try:
-            reply = await ask(
-                CmdTarget(host=address, port=local.cmd_port), StatusRequest(), timeout_s=timeout_s
-            )
-        except CommandError:
-            return None
-        return reply if isinstance(reply, StatusReply) else None
-
-    others = [j for j in range(len(local.nodes)) if j != local.node]
-    replies = await asyncio.gather(*(peer(addresses[j]) for j in others))
-    return build_view(
-        local=local,
-        addresses=addresses,
-        peers=dict(zip(others, replies, strict=True)),
-        at=time.time(),
-    )
+    addresses = Resolver(hosts_file).resolve_blocking(local.nodes)
+    asked = {
+        j: CmdTarget(host=address, port=local.cmd_port)
+        for j, address in enumerate(addresses)
+        if j != local.node and address is not None and dialable(address)
+    }
+    answers = ask_all_blocking(list(asked.values()), StatusRequest(), timeout_s=timeout_s)
+    replies = dict(zip(asked, answers, strict=True))
+    peers = {
+        j: reply if isinstance(reply := replies.get(j), StatusReply) else None
+        for j in range(len(local.nodes))
+        if j != local.node
+    }
+    return build_view(local=local, addresses=addresses, peers=peers, at=time.time())
 
 
 def _render(view: DomainView, args: CtlArgs) -> str:
@@ -178,19 +170,19 @@ def _render(view: DomainView, args: CtlArgs) -> str:
     return render_json(view) if args.json else render_text(view, host_names=args.host_names)
 
 
-async def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
+def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     """Carry out one invocation; returns the exit code."""
     if args.mode == "q":
         return run_query(args, target)
     if args.mode == "N":
         try:
-            view = await domain_view(target, args.timeout_s, hosts_file)
+            view = domain_view(target, args.timeout_s, hosts_file)
         except CommandError as exc:
             return unavailable(args, exc)
         sys.stdout.write(_render(view, args))
         return 0
     if args.mode == "n":
-        return await monitor(args, target, hosts_file)
+        return monitor(args, target, hosts_file)
     print(f"Option -{args.mode} is not modelled by the IMEX simulator", file=sys.stderr)
     return 1
 
@@ -213,25 +205,22 @@ def unavailable(args: CtlArgs, exc: CommandError) -> int:
     return 1
 
 
-async def monitor(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
+def monitor(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     """`-n`: `-N` once a second until SIGINT or SIGTERM; each round bounded by -t."""
-    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
+    import threading  # noqa: PLC0415 - lazy: only the monitor waits between rounds
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, lambda *_: stop.set())
     while not stop.is_set():
         try:
-            view = await domain_view(target, args.timeout_s, hosts_file)
+            view = domain_view(target, args.timeout_s, hosts_file)
         except CommandError as exc:
             print(f"Unable to query the IMEX daemon: {exc}", file=sys.stderr)
         else:
             sys.stdout.write(_render(view, args) + ("" if args.json else "\n"))
             sys.stdout.flush()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(MONITOR_INTERVAL_S):
-                await stop.wait()
+        stop.wait(MONITOR_INTERVAL_S)
     return 0
 
 
@@ -259,11 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return unavailable(args, exc)
     if args.mode == "q":
         return run_query(args, target)
-    import asyncio  # noqa: PLC0415 - lazy: `-q` runs without it
-
     hosts_file = SimEnv.hosts_file_from_environ()
     try:
-        return asyncio.run(run(args, target, hosts_file))
+        return run(args, target, hosts_file)
     except KeyboardInterrupt:  # pragma: no cover - only outside monitor mode
         return 1
 

@@ -18,8 +18,11 @@ which `-N` is assembled), answered by one line.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -211,6 +214,86 @@ async def ask(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def ask_all_blocking(
+    targets: Sequence[CmdTarget], request: Request, *, timeout_s: float
+) -> list[Reply | CommandError]:
+    """`ask` every target at once without an event loop (`-N`'s peers): non-blocking
+    sockets under one selector, all within one deadline; each answer or why there is none."""
+    import selectors  # noqa: PLC0415 - lazy: `-q` asks one target only
+
+    deadline = time.monotonic() + timeout_s
+    frame = encode(request)
+    results: list[Reply | CommandError] = [
+        CommandError(f"no answer from {t} within {timeout_s * 1000:.0f} ms") for t in targets
+    ]
+    with selectors.DefaultSelector() as selector:
+        for index, target in enumerate(targets):
+            try:
+                family = socket.AF_UNIX if target.path else _family(target.host)
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                code = sock.connect_ex(target.path or (target.host, target.port))
+            except (OSError, ValueError) as exc:
+                results[index] = CommandError(f"cannot talk to {target}: {exc}")
+                continue
+            if code not in (0, errno.EINPROGRESS):
+                sock.close()
+                results[index] = CommandError(f"cannot talk to {target}: {os.strerror(code)}")
+                continue
+            selector.register(sock, selectors.EVENT_WRITE, [index, target, b"", False])
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket)  # noqa: S101 - only sockets registered
+                state = key.data
+                index, target, line, sent = state
+                outcome = _step(conn, target, frame, line, sent)
+                if isinstance(outcome, tuple):  # still talking: sent, or part of a line read
+                    state[2], state[3] = outcome
+                    if outcome[1] and not sent:
+                        selector.modify(conn, selectors.EVENT_READ, state)
+                    continue
+                selector.unregister(conn)
+                conn.close()
+                results[index] = outcome
+        for key in list(selector.get_map().values()):
+            selector.unregister(key.fileobj)
+            key.fileobj.close()  # type: ignore[union-attr]
+    return results
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _step(
+    sock: socket.socket, target: CmdTarget, frame: bytes, line: bytes, sent: bool
+) -> tuple[bytes, bool] | Reply | CommandError:
+    """One step of one non-blocking exchange: send the request once the connection is up,
+    then read until the reply's newline; the reply, why it failed, or (line, sent) so far."""
+    try:
+        if not sent:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                return CommandError(f"cannot talk to {target}: {os.strerror(error)}")
+            sock.sendall(frame)  # one small frame: the socket's buffer takes it whole
+            return line, True
+        chunk = sock.recv(MAX_LINE)
+    except OSError as exc:
+        return CommandError(f"cannot talk to {target}: {exc}")
+    if not chunk:
+        return CommandError(f"{target} closed the connection without answering")
+    line += chunk
+    if len(line) > MAX_LINE:
+        return CommandError(f"{target} answered more than {MAX_LINE} bytes")
+    if not line.endswith(b"\n"):
+        return line, True
+    try:
+        return REPLY_DECODER.decode(line)
+    except msgspec.DecodeError as exc:
+        return CommandError(f"{target} answered something unreadable: {exc}")
 
 
 def ask_blocking(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
