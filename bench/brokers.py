@@ -61,14 +61,14 @@ sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated no
 
 from imexd.demo import DemoError  # noqa: E402
 from imexd.demo.brokers import Mosquitto, find_mosquitto, free_port, log_tail  # noqa: E402
-from imexd.demo.nats import (  # noqa: E402
+from imexd.names import client_id  # noqa: E402
+from tests.cluster import Node  # noqa: E402
+from tests.nats_servers import (  # noqa: E402
     Nats,
     NatsCluster,
     find_nats_server,
     mqtt_connect_problem,
 )
-from imexd.names import client_id  # noqa: E402
-from tests.cluster import Node  # noqa: E402
 
 DOMAIN: Final = "d1"
 CLIQUE: Final = "b3c1d2e4-0000-4000-8000-00000000beef.7"

@@ -33,12 +33,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.demo.brokers import Mosquitto, free_port
-from imexd.demo.nats import Nats, NatsCluster
 from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
 from tests.faultproxy import FaultProxy
+from tests.nats_servers import Nats, NatsCluster
 from tests.support import loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent

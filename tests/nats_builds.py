@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import pytest
 
-from imexd.demo.nats import find_nats_server
+from tests.nats_servers import find_nats_server
 
 CURRENT_ENV: Final = "IMEXD_TEST_NATS_CURRENT"
 """The environment variable naming the nats-server 2.14.0 binary."""

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import Mosquitto
-from imexd.demo.nats import Nats
 from imexd.mqtt import connect
 from imexd.names import CLIENT_ID_MAX, client_id
 from imexd.settings import BusSettings, parse_broker_url
 from tests import nats_builds
 from tests.cluster import Cluster, formed
+from tests.nats_servers import Nats
 
 VALID = re.compile(r"^[A-Za-z0-9_-]+$")
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 
 from imexd.control.link import Link
-from imexd.demo.nats import Nats, NatsCluster, find_nats_server
 from imexd.errors import BusError
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests import nats_builds
 from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
+from tests.nats_servers import Nats, NatsCluster, find_nats_server
 from tests.support import IMEXD
 
 pytestmark = pytest.mark.slow

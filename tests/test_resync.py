@@ -29,13 +29,13 @@ import imexd.bus
 from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
-from imexd.demo.nats import NatsCluster, find_nats_server
 from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
 from tests.faultproxy import FaultProxy
+from tests.nats_servers import NatsCluster, find_nats_server
 from tests.test_bus import fast_settings
 
 TOPICS = Topics("imex/v2")

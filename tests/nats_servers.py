@@ -1,9 +1,9 @@
 """nats-server for the tests and benchmarks: one server with JetStream and its MQTT
 listener (`Nats`), or a cluster of them (`NatsCluster`), on free ports of 127.0.0.1.
 
-Apart from imexd.demo.brokers because the demo never runs NATS: only the NATS tests
-(tests/test_nats.py, tests/test_resync.py, tests/test_client_id.py) and bench/ do.
-Every wait is bounded.
+Here, not in the shipped package, because the demo never runs NATS: only the NATS tests
+(tests/test_nats.py, tests/test_resync.py, tests/test_client_id.py) and bench/ do. It
+borrows the demo's port and process helpers (imexd.demo.brokers). Every wait is bounded.
 """
 
 from __future__ import annotations
