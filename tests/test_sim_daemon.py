@@ -7,7 +7,6 @@ wait is bounded; every process started here is ended here, by its pid.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import pytest
 
 from imexd.demo.brokers import free_port
 from imexd.sim.config import USAGE
-from imexd.sim.protocol import CmdTarget, CommandError, StatusReply, StatusRequest, ask
+from imexd.sim.protocol import CmdTarget, CommandError, StatusReply, StatusRequest, ask_blocking
 from tests.support import loopback_address, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imex"
@@ -540,7 +539,7 @@ def test_slow_start_is_initializing_first(tmp_path: Path, make_cluster: list[Sim
 def status_over(sock: Path) -> StatusReply | None:
     """The daemon's status through its Unix command socket, or None when not there."""
     try:
-        reply = asyncio.run(ask(CmdTarget(path=str(sock)), StatusRequest(), timeout_s=1))
+        reply = ask_blocking(CmdTarget(path=str(sock)), StatusRequest(), timeout_s=1)
     except CommandError:
         return None
     return reply if isinstance(reply, StatusReply) else None

@@ -17,7 +17,6 @@ which `-N` is assembled), answered by one line.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -25,14 +24,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from imexd.errors import ImexdError
-
-if TYPE_CHECKING:
-    import asyncio
 
 MAX_LINE = 64 * 1024
 """Longest frame accepted; a status reply for 2048 nodes stays well below."""
@@ -184,43 +179,12 @@ class CmdTarget:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-async def ask(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
-    """Send one request and read its reply, all within `timeout_s` seconds."""
-    import asyncio  # noqa: PLC0415 - lazy: `ask_blocking` (`imexd-sim-ctl -q`) runs without it
-
-    writer: asyncio.StreamWriter | None = None
-    try:
-        async with asyncio.timeout(timeout_s):
-            if target.path:
-                reader, writer = await asyncio.open_unix_connection(target.path, limit=MAX_LINE)
-            else:
-                reader, writer = await asyncio.open_connection(
-                    target.host, target.port, limit=MAX_LINE
-                )
-            writer.write(encode(request))
-            await writer.drain()
-            line = await reader.readline()
-        if not line:
-            raise CommandError(f"{target} closed the connection without answering")
-        return REPLY_DECODER.decode(line)
-    except TimeoutError:
-        raise CommandError(f"no answer from {target} within {timeout_s * 1000:.0f} ms") from None
-    except msgspec.DecodeError as exc:
-        raise CommandError(f"{target} answered something unreadable: {exc}") from exc
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"cannot talk to {target}: {exc}") from exc
-    finally:
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-
 def ask_all_blocking(
     targets: Sequence[CmdTarget], request: Request, *, timeout_s: float
 ) -> list[Reply | CommandError]:
-    """`ask` every target at once without an event loop (`-N`'s peers): non-blocking
-    sockets under one selector, all within one deadline; each answer or why there is none."""
+    """Send `request` to every target at once and read each reply, without an event loop
+    (`-N`'s peers): non-blocking sockets under one selector, all within one deadline;
+    each answer, or why there is none."""
     import selectors  # noqa: PLC0415 - lazy: `-q` asks one target only
 
     deadline = time.monotonic() + timeout_s
@@ -297,9 +261,9 @@ def _step(
 
 
 def ask_blocking(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
-    """`ask` without an event loop, for a one-shot client: the real `nvidia-imex-ctl -q`
-    is a small C program, and asyncio's import alone would make ours cost several times
-    what the agent's probes of a real daemon cost."""
+    """Send one request and read its reply within `timeout_s` seconds, without an event
+    loop: the real `nvidia-imex-ctl -q` is a small C program, and asyncio's import alone
+    would make ours cost several times what the agent's probes of a real daemon cost."""
     deadline = time.monotonic() + timeout_s
     try:
         if target.path:
