@@ -204,13 +204,13 @@ def dashboard_queries(doc: Doc) -> list[tuple[str, str]]:
     return out
 
 
-def literal(expr: str) -> str:
+def literal(expr: str, variables: dict[str, str] = DASHBOARD_VARIABLES) -> str:
     """`expr` with each template variable replaced by its literal stand-in."""
 
     def one(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
-        assert name in DASHBOARD_VARIABLES, f"unknown dashboard variable ${name} in {expr!r}"
-        return DASHBOARD_VARIABLES[name]
+        assert name in variables, f"unknown dashboard variable ${name} in {expr!r}"
+        return variables[name]
 
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", one, expr)
 
@@ -693,8 +693,8 @@ def test_every_panel_shows_data_against_live_agents(tmp_path: Path) -> None:
         cluster.close()
     variables = {**DASHBOARD_VARIABLES, "domain": "d1", "node": ".*"}
     queries = dashboard_queries(dashboard())
-    result = _evaluate(scrapes, [_with(e, variables) for _, e in queries], tmp_path)
-    empty = [w for (w, e) in queries if f"count({_with(e, variables)})" in result.stdout]
+    result = _evaluate(scrapes, [literal(e, variables) for _, e in queries], tmp_path)
+    empty = [w for (w, e) in queries if f"count({literal(e, variables)})" in result.stdout]
     assert result.returncode == 0, f"queries with no data: {empty}\n{result.stdout[-3000:]}"
 
 
@@ -739,10 +739,3 @@ def _value(value: float | None) -> str:
     if value is None:
         return "_"
     return "NaN" if math.isnan(value) else repr(value)
-
-
-def _with(expr: str, variables: dict[str, str]) -> str:
-    def one(match: re.Match[str]) -> str:
-        return variables[match.group(1) or match.group(2)]
-
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", one, expr)
