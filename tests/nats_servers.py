@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Final
 
 from imexd.demo import DemoError
-from imexd.demo.brokers import KILL_WAIT_S, free_port, log_tail
+from imexd.demo.brokers import KILL_WAIT_S, free_port, log_tail, terminate
 from imexd.errors import BusError
 from imexd.mqtt import Client, connect
 from imexd.names import client_id
@@ -222,14 +221,7 @@ class Nats:
     def stop(self, *, timeout: float = 10.0) -> None:
         """SIGTERM (nats-server shuts down cleanly), then SIGKILL after `timeout` seconds."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
+        terminate(proc, timeout=timeout)
 
     def kill(self) -> None:
         """SIGKILL: the server dies as in a crash (no clean shutdown of its store)."""

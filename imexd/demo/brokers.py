@@ -123,6 +123,19 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join("      " + (line if len(line) <= 200 else line[:197] + "...") for line in text)
 
 
+def terminate(proc: subprocess.Popen[Any] | None, *, timeout: float) -> None:
+    """A server process ended: SIGTERM (a clean shutdown), then SIGKILL after `timeout`
+    seconds; nothing when it is gone already."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def find_mosquitto() -> str | None:
     """The mosquitto binary: on PATH, or where Debian puts it outside a user's PATH."""
     found = shutil.which("mosquitto")
@@ -225,14 +238,7 @@ class Mosquitto:
     def stop(self, *, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
+        terminate(proc, timeout=timeout)
 
     def failure(self) -> str | None:
         """Why it is gone although started; None while it runs (or was stopped)."""
