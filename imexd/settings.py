@@ -33,6 +33,9 @@ from imexd.imex import CMD_PORT, SERVER_PORT, check_extra
 from imexd.messages import Mode, address_problem
 from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
+BrokerProfile = Literal["auto", "mosquitto", "nats"]
+"""`[bus] broker`: which links get the broker repairs (`imexd.bus.repairs`)."""
+
 LogFormat = Literal["auto", "json", "console"]
 """`[log] format`: "auto" is JSON lines off a terminal, the console renderer on one."""
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -356,15 +359,24 @@ class BusSettings:
         "Seconds between round trips through the broker that prove the link is alive.",
         _positive,
     )
+    broker: BrokerProfile = _setting(  # noqa: RUF009 - a Literal alias: immutable
+        "auto",
+        "The broker profile: which links get the repairs for a broker that reorders or "
+        "loses messages (stale retained copies dropped, re-reads every resync_interval_s "
+        "and after each burst of changes, refused subscriptions retried on the link, lost "
+        'echoes published again). "mosquitto": none. "nats": on every link (any clustered '
+        'broker that loses updates). "auto": on links that run MQTT 3.1.1 (all that NATS '
+        "speaks), none on MQTT 5.",
+        _one_of(*get_args(BrokerProfile)),
+    )
     resync_interval_s: float = _setting(
         30.0,
-        "Seconds (jittered by +-25 %) between re-reads of the subscriptions on a live link: "
-        "the broker's fresh retained snapshot is compared with what the agent holds and "
-        "only differences come out, so an update a clustered broker lost (NATS 2.9) is "
-        "corrected within this time; on MQTT 3.1.1, or once a re-read found a loss, one "
-        "also follows each burst of changes by 6 s. Each costs one SUBSCRIBE per filter, "
-        "a copy of every record of the shard and domain (~20 for a rack of 18) and a round "
-        "trip. 0: never.",
+        "On a link with the broker repairs (see broker): seconds (jittered by +-25 %) "
+        "between re-reads of the subscriptions: the broker's fresh retained snapshot is "
+        "compared with what the agent holds and only differences come out, so an update a "
+        "clustered broker lost (NATS 2.9) is corrected within this time; one also follows "
+        "each burst of changes by 6 s. Each costs one SUBSCRIBE per filter, a copy of every "
+        "record of the shard and domain (~20 for a rack of 18) and a round trip. 0: never.",
         _nonneg,
     )
     broker_will_delay: bool = _setting(

@@ -62,7 +62,7 @@ from typing import Final
 import structlog
 
 from imexd import membership as mb
-from imexd.bus import (
+from imexd.bus.events import (
     BrokerChecked,
     Connected,
     ConnectFailed,
@@ -307,10 +307,10 @@ class ShardView:
         kept across a reconnect while that record comes back unchanged, forgotten when
         it leaves or changes slot or is dropped (`mb.resolve(incumbents=...)`)."""
         self.ordered = True
-        """The link keeps the broker's order (MQTT 5, and no echo lost on it), which
-        incumbency assumes: on a link that may lose updates (MQTT 3.1.1, which is all
-        that NATS speaks; `Refused.lossy_link`) two members may settle one slot without
-        a break on either side, and the stamps decide."""
+        """The link keeps the broker's order (not a repaired link, `Connected.repaired`,
+        and no echo lost on it), which incumbency assumes: on a link that may lose
+        updates (a clustered NATS; `Refused.lossy_link`) two members may settle one slot
+        without a break on either side, and the stamps decide."""
         self.republish = False
         """A new link, or a lost echo: a claim in flight must be published again and wait
         for its echo."""
@@ -422,7 +422,7 @@ class ShardView:
             self.continuous = self.replaying = False
             self.replay_rival = None
             self.reassert_at = None
-            self.ordered = event.protocol == "5"
+            self.ordered = not event.repaired
         elif isinstance(event, Disconnected):
             self.synced = False
             self._doubt_recent_deletions(now)

@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 from typing import Final
 
+from imexd.bus.mqtt import Client, connect
 from imexd.demo import DemoError
 from imexd.demo.brokers import KILL_WAIT_S, free_port, log_tail, terminate
 from imexd.errors import BusError
-from imexd.mqtt import Client, connect
 from imexd.names import client_id
 from imexd.settings import BusSettings, parse_broker_url
 

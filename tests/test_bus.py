@@ -39,9 +39,10 @@ from imexd.bus import (
     SubscribeRefused,
     Synced,
     WillSpec,
-    _Echoes,
-    _Retained,
 )
+from imexd.bus.echoes import Echoes
+from imexd.bus.link import _Retained
+from imexd.bus.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
 from imexd.messages import (
@@ -58,7 +59,6 @@ from imexd.messages import (
     decode_message,
     encode,
 )
-from imexd.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests.support import raw_client
@@ -1125,7 +1125,7 @@ async def test_mqtts_with_a_client_certificate(tmp_path: Path) -> None:
 async def test_a_late_echo_clears_the_refused_verdict() -> None:
     """An echo that arrives after the timeout takes the PublishRefused verdict back."""
     refused: list[str] = []
-    echoes = _Echoes(0.05, refused.append)
+    echoes = Echoes(0.05, refused.append)
     echoes.expect("t", b"A")
     await asyncio.sleep(0.15)
     assert echoes.refused == {"t"}
@@ -1143,7 +1143,7 @@ async def test_a_retained_copy_is_no_echo_but_proves_the_broker_kept_it() -> Non
     echo is lost (not refused), so that the shard can publish its claim again."""
     refused: list[str] = []
     lost: list[str] = []
-    echoes = _Echoes(0.05, refused.append, on_lost=lost.append)
+    echoes = Echoes(0.05, refused.append, on_lost=lost.append)
     echoes.expect("t", b"A")
     echoes.seen("t", b"A", live=False)
     await asyncio.sleep(0.15)
@@ -1162,7 +1162,7 @@ async def test_a_kept_record_stays_kept_when_its_wait_starts_over() -> None:
     refused: list[str] = []
     lost: list[str] = []
     can_tell = {"now": False}
-    echoes = _Echoes(0.05, refused.append, lambda _: can_tell["now"], on_lost=lost.append)
+    echoes = Echoes(0.05, refused.append, lambda _: can_tell["now"], on_lost=lost.append)
     echoes.expect("t", b"A")
     echoes.seen("t", b"A", live=False)
     await asyncio.sleep(0.08)  # expired once: could not tell, started over

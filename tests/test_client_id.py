@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from imexd.bus.mqtt import connect
 from imexd.demo.brokers import Mosquitto
-from imexd.mqtt import connect
 from imexd.names import CLIENT_ID_MAX, client_id
 from imexd.settings import BusSettings, parse_broker_url
 from tests import nats_builds

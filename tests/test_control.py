@@ -29,6 +29,7 @@ import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
 from imexd import facts as fx
+from imexd.bus.mqtt import topic_matches
 from imexd.cli.control import SEEN_WITHIN_DEFAULT_S
 from imexd.cli.main import build_parser, main
 from imexd.control import commands
@@ -41,7 +42,6 @@ from imexd.fleet import (
     render_list,
 )
 from imexd.messages import Assignment, DomainSpec, MemberState, Presence, encode, json_schemas
-from imexd.mqtt import topic_matches
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report

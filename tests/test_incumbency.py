@@ -63,7 +63,12 @@ def addresses(plan: Plan) -> dict[int, str]:
 
 def reconnect(v: ShardView, now: float, *snapshot: MemberRecord, protocol: Protocol = "5") -> None:
     """A new link: Connected, the retained snapshot, Synced, the broker check."""
-    v.apply(Connected(broker="b", protocol=protocol, will_delay=protocol == "5"), now)
+    v.apply(
+        Connected(
+            broker="b", protocol=protocol, will_delay=protocol == "5", repaired=protocol == "3.1.1"
+        ),
+        now,
+    )
     for record in snapshot:
         v.apply(received(record), now)
     v.apply(Synced(at=now), now)
@@ -377,7 +382,15 @@ class World:
             self.excused = True
         if self.desired.run:
             self.note(f"a reconnect while running, continuity {'lost' if self.excused else 'kept'}")
-        self.v.apply(Connected(broker="b", protocol=protocol, will_delay=protocol == "5"), self.now)
+        self.v.apply(
+            Connected(
+                broker="b",
+                protocol=protocol,
+                will_delay=protocol == "5",
+                repaired=protocol == "3.1.1",
+            ),
+            self.now,
+        )
         snapshot: list[Event] = [
             Received(topic="t", ref=member_ref(node), payload=record, retained=True)
             for node, record in self.retained.items()

@@ -18,9 +18,9 @@ from paho.mqtt import MQTTException
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from imexd import mqtt
+from imexd.bus import mqtt
+from imexd.bus.mqtt import topic_matches
 from imexd.demo.brokers import Mosquitto
-from imexd.mqtt import topic_matches
 from imexd.settings import BusSettings, parse_broker_url
 
 LEVEL = st.sampled_from(["a", "b", "c", "", "imex", "n1%2Ex", "$SYS"])

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pytest
 
-import imexd.bus
+import imexd.bus.repairs
+import imexd.bus.waits
 from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
+from imexd.bus.mqtt import Client, connect
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
-from imexd.mqtt import Client, connect
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
 from tests.faultproxy import FaultProxy
@@ -62,8 +63,10 @@ def topic(node: str) -> str:
 
 
 def settings(*urls: str, **overrides: object) -> BusSettings:
-    """`fast_settings`, with no periodic re-read unless a test asks for one."""
-    return fast_settings(*urls, **{"resync_interval_s": 0.0, **overrides})
+    """`fast_settings` with the broker repairs engaged on every link (`[bus] broker =
+    "nats"`), so that Mosquitto can stand in for the broker that needs them, and no
+    periodic re-read unless a test asks for one."""
+    return fast_settings(*urls, **{"resync_interval_s": 0.0, "broker": "nats", **overrides})
 
 
 class View:
@@ -317,17 +320,14 @@ async def test_a_subscriber_on_another_nats_server_ends_on_the_last_update(
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
-async def test_a_reread_follows_each_burst_of_changes_on_a_link_that_may_lose_them(
+async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
     broker: Mosquitto, protocol: str
 ) -> None:
     """Seen on a three-server NATS cluster at 64 nodes: a peer's member record lost during
     a formation stayed lost until the periodic re-read, up to `resync_interval_s` (30 s)
-    later. On a link that may lose updates (MQTT 3.1.1, which is all NATS speaks, or a
-    broker that already lost one: a re-read corrected something) a re-read also follows
-    each burst of changes, `resync_quiet_s` + RESYNC_SETTLE_S after its last live message,
-    and corrects it. On MQTT 5 before any loss (a stale retained copy is none: Mosquitto
-    sends one harmlessly when a live message was queued before the SUBSCRIBE), and
-    without a change since the last re-read, there is none."""
+    later. On a repaired link, whatever its protocol, a re-read also follows each burst
+    of changes, `resync_quiet_s` + RESYNC_SETTLE_S after its last live message, and
+    corrects it; without a change since the last re-read there is none."""
     peer = await client_of(broker.url)
     current = {topic("n2"): encode(record("n2", 4, MemberState.MEMBER))}
     await peer.publish(topic("n2"), current[topic("n2")], retain=True)
@@ -336,18 +336,9 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_link_that_may_lose_th
         view = View(bus)
         await bus.subscribe(FILTER)
         await view.until(current, within=5)
+        assert bus.repaired
         await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
         assert bus.resyncs == 0, "a re-read without any change"
-        if protocol == "5":
-            # A burst on an MQTT 5 broker that lost nothing: no re-read follows it.
-            bus._dispatch(topic("n3"), encode(record("n3", 1)), retained=False)
-            await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
-            assert (bus.resyncs, bus.lossy) == (0, False)
-            bus._dispatch(topic("n3"), encode(record("n3", 0)), retained=True)  # stale
-            await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
-            assert (bus.resyncs, bus.lossy) == (0, False)
-            # What a re-read that corrected something does (see the test above).
-            bus.lossy = True
         # The lost update: n2's older claim stands in the view (delivered live, as a
         # later update that never arrived leaves it); a burst of changes ends here.
         bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=False)
@@ -360,13 +351,38 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_link_that_may_lose_th
     await peer.close(2.0)
 
 
+@pytest.mark.parametrize(("profile", "protocol"), [("auto", "5"), ("mosquitto", "3.1.1")])
+async def test_no_repair_runs_on_a_link_whose_broker_keeps_order(
+    broker: Mosquitto, profile: str, protocol: str
+) -> None:
+    """Mosquitto keeps MQTT's order and loses nothing it acknowledged: under the "auto"
+    profile on MQTT 5, or the "mosquitto" profile on any protocol, the link runs none of
+    the repairs. A retained copy after a live message on its topic is delivered (on
+    Mosquitto it is never older: it was queued before the SUBSCRIBE), and neither a burst
+    of changes nor the periodic interval brings a re-read."""
+    s = settings(broker.url, resync_interval_s=0.3, protocol=protocol, broker=profile)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        assert not bus.repaired
+        live, copy = encode(record("n3", 1)), encode(record("n3", 2))
+        bus._dispatch(topic("n3"), live, retained=False)
+        bus._dispatch(topic("n3"), copy, retained=True)
+        await asyncio.sleep(0.3 + RESYNC_SETTLE_S + 1.0)
+        assert view.records == {topic("n3"): copy}
+        assert (bus.stale_retained, bus.resyncs, bus.resync_corrections) == (0, 0, 0)
+        view.stop()
+
+
 async def test_a_burst_that_never_ends_still_gets_its_reread(
     broker: Mosquitto, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Seen at 256 nodes on an overloaded NATS cluster: links kept dropping and coming
     back, so live messages never paused and the re-read after the burst never came. It
     comes RESYNC_SETTLE_MAX_S after the burst's first live message at the latest."""
-    monkeypatch.setattr(imexd.bus, "RESYNC_SETTLE_MAX_S", 1.0)
+    monkeypatch.setattr(imexd.bus.repairs, "RESYNC_SETTLE_MAX_S", 1.0)
     s = settings(broker.url, resync_interval_s=600.0, protocol="3.1.1")
     async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.5) as bus:
         view = View(bus)
@@ -394,7 +410,7 @@ async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error
         async def publish_fails() -> None:
             raise BusError("the client is not currently connected")
 
-        watch = asyncio.create_task(imexd.bus._within_loop_time(publish_fails(), 1.0))
+        watch = asyncio.create_task(imexd.bus.waits.within_loop_time(publish_fails(), 1.0))
         await asyncio.sleep(0)  # the watch waits on the publish, which fails next
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError, BusError):

@@ -709,7 +709,7 @@ def test_a_second_tombstone_keeps_the_first_deadline() -> None:
     """The tombstone again (a new link's snapshot) does not extend the hold."""
     v, _ = with_peer()
     v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
-    v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 12.0)
+    v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False, repaired=True), 12.0)
     v.apply(received(tombstone("n2", 5.0)), 12.0)
     v.apply(Synced(at=12.0), 12.0)
     assert "n2" not in v.unconfirmed

@@ -26,7 +26,7 @@ write the broker did not keep, members left at a delete's timeout, a domain not 
 2 usage errors (a name that is not DNS-1123), 3 no free channel (`workload create`),
 130 interrupted.
 
-The modules, one job each: `link` (one short-lived connection over `imexd.mqtt`),
+The modules, one job each: `link` (one short-lived connection over `imexd.bus.mqtt`),
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the
 CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftovers) and
 `schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop

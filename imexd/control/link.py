@@ -20,7 +20,7 @@ link syncs once per QoS it reads at: the QoS 0 echo on the topic above, and, onc
 filter is subscribed, a QoS 1 echo on `.../sync/{client_id}/q1` (a QoS 1 subscription of
 its own, so commands that read only at QoS 0 still need no JetStream consumer on NATS).
 
-Both links connect through `imexd.mqtt` (the same client factory, TLS, password and
+Both links connect through `imexd.bus.mqtt` (the same client factory, TLS, password and
 protocol fallback) and decode with `imexd.messages.decode_message`, so both sides drop
 the same malformed messages.
 
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
+from imexd.bus.mqtt import Client, connect, topic_matches
 from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
-from imexd.mqtt import Client, connect, topic_matches
 from imexd.names import client_id
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url

@@ -14,7 +14,7 @@ Why it is built this way:
   verdict.
 - A paho hook gives what aiomqtt 2.x hides: a hang-up before CONNACK (which would
   otherwise wait for the timeout), and the reason code of the broker's DISCONNECT
-  (`Client.server_reason`, e.g. `SESSION_TAKEN_OVER`).
+  (`Client.server_reason`, e.g. `imexd.bus.events.SESSION_TAKEN_OVER`).
 - A dead link is dropped without DISCONNECT (`Client.abort`), so the broker publishes the
   will; a clean leave sends DISCONNECT (`Client.close`), which suppresses it.
 - The password is read anew for every connect, so a rotated secret is picked up.
@@ -48,9 +48,6 @@ QOS: Final = 1
 
 _UNSUPPORTED_PROTOCOL: Final = frozenset({1, 0x84})
 """CONNACK codes meaning "not this protocol version" (3.1.1's 1, MQTT 5's 0x84)."""
-
-SESSION_TAKEN_OVER: Final = 0x8E
-"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
 
 _MAX_PACKET: Final = 4 * MAX_PAYLOAD
 """MQTT 5 Maximum Packet Size we accept: a payload of 16 KiB plus a long topic and

@@ -1,0 +1,182 @@
+"""What a `Bus` tells its caller: the events of `Bus.events()`, and the Last Will it keeps.
+
+A leaf of the bus package (no I/O, no MQTT library), so that the pure layers that read
+these events (the shard, the rebuilder, the channel keeper) import them without the link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+from imexd.messages import Deleted, MemberRecord, Presence, Received, encode
+from imexd.topics import TopicRef
+
+SESSION_TAKEN_OVER: Final = 0x8E
+"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
+
+Protocol = Literal["5", "3.1.1"]
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """The link is up (CONNACK received); subscriptions and records are being replayed
+    (those of `retain(replay=False)` are left to the caller, after `Synced`)."""
+
+    broker: str
+    protocol: Protocol
+    will_delay: bool
+    """Whether the will is delayed (MQTT 5); with 3.1.1 it fires at once."""
+    repaired: bool = False
+    """Whether this link gets the broker repairs (`imexd.bus.repairs`, `[bus] broker`):
+    its broker may reorder or lose messages, so no record on it proves incumbency."""
+
+
+DELIBERATE_REASONS: Final = frozenset({"closed", "will changed", "client id changed"})
+"""`Disconnected.reason` of links the bus ended itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The link is down; the bus reconnects by itself."""
+
+    broker: str
+    reason: str
+    reason_code: int | None = None
+    """The reason code of the broker's DISCONNECT (MQTT 5 only), e.g. 0x8E; None when
+    the broker sent none (MQTT 3.1.1, a dead link, or our own clean leave)."""
+
+    @property
+    def taken_over(self) -> bool:
+        """Whether another client connected with our client id (a duplicate agent, or a
+        restarted one); only MQTT 5 brokers say so."""
+        return self.reason_code == SESSION_TAKEN_OVER
+
+    @property
+    def deliberate(self) -> bool:
+        """Whether the bus itself ended the link: closing, or reconnecting on purpose to
+        install another will or client id (not a failure, not a reconnect to count)."""
+        return self.reason in DELIBERATE_REASONS
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectFailed:
+    """An attempt to connect failed (also `last_error`); the bus tries again by itself.
+
+    Lets the agent say why BusConnected is False without polling.
+    """
+
+    broker: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """Every retained message of the current subscriptions was delivered before this.
+
+    Emitted after each connect, and after each `subscribe()` while connected.
+    """
+
+    at: float
+    """time.monotonic() when the snapshot was complete."""
+    filters: frozenset[str] | None = None
+    """The filters whose snapshot it proves: those granted on this link before its round
+    trip began (None: not said). A filter subscribed meanwhile has its own Synced."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Our retained publication did not come back in time: the broker refused it (ACL),
+    or a clustered broker lost its echo (the shard publishes a claim again then)."""
+
+    topic: str
+    detail: str
+    ref: TopicRef | None = None
+    """What the topic addresses (None: not an imexd topic)."""
+    lossy_link: bool = False
+    """The link may lose an echo (a repaired link: `Connected.repaired`); elsewhere a
+    missing echo is a refusal or an overloaded agent, and publishing again would only add
+    load."""
+
+
+@dataclass(frozen=True, slots=True)
+class EchoLost:
+    """Our retained publication was kept by the broker (a snapshot held it) but its live
+    echo did not come in time: a clustered broker lost the echo. Not a refusal; the shard
+    publishes a claim again on a link that may lose updates (as for `Refused`)."""
+
+    topic: str
+    ref: TopicRef | None = None
+    lossy_link: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeRefused:
+    """The broker refused a subscription we need (SUBACK failure): the bus subscribes it
+    again with backoff, then drops the link for the next broker; no `Synced` meanwhile."""
+
+    broker: str
+    topic_filter: str
+    code: str
+    """The broker's refusal (e.g. "128", or an MQTT 5 reason such as "Not authorized")."""
+    detail: str
+    """What `Bus.subscribe_refused` says: naming the broker and every refused filter."""
+
+
+SUBSCRIBE_REFUSED: Final = "SubscribeRefused"
+"""The reason BusConnected gives while a subscription we need is refused."""
+
+NO_RETAINED_WILDCARD: Final = "BrokerNoRetainedWildcard"
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerChecked:
+    """Whether the broker delivered our own record, flagged retained, to a new wildcard
+    subscription (checked once per link, after the record first came back live)."""
+
+    broker: str
+    ok: bool
+    detail: str = ""
+    """Why not, naming the broker; "" when ok."""
+
+
+Event = (
+    Connected
+    | Disconnected
+    | ConnectFailed
+    | Synced
+    | EchoLost
+    | Received
+    | Deleted
+    | Refused
+    | BrokerChecked
+    | SubscribeRefused
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WillSpec:
+    """The Last Will, retained (QoS 1) on `topic`, the node's member topic: `tombstone`
+    (state lost) with its `hold_s` set per link, or an empty payload without one; in no
+    domain, its presence topic: a Presence marked lost.
+
+    The broker publishes it when the link ends without DISCONNECT, after `delay_s`
+    (MQTT 5 Will Delay; None: `BusSettings.will_delay_s`) so that a quick reconnect does not
+    flap membership. Where the broker does not wait (3.1.1, or `[bus] broker_will_delay =
+    false`), the tombstone's hold_s is the delay: the peers wait instead.
+    """
+
+    topic: str
+    delay_s: float | None = None
+    tombstone: MemberRecord | Presence | None = None
+
+    def payload(self, delay_s: float, *, broker_waits: bool) -> bytes:
+        """The will's payload on a link whose broker waits the Will Delay, or not."""
+        if self.tombstone is None:
+            return b""
+        if isinstance(self.tombstone, Presence):
+            return encode(self.tombstone)
+        hold_s = 0.0 if broker_waits else float(delay_s)
+        return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s))

@@ -1,0 +1,242 @@
+"""The broker repairs: what a link does only for a broker that reorders or loses messages.
+
+A single Mosquitto keeps MQTT's order and loses nothing it acknowledged, so on it the
+link needs none of this. A clustered broker does not: nats-server 2.9's MQTT (measured
+in docs/brokers.md) feeds each server's retained map asynchronously and sets up a
+JetStream consumer per subscription, and it
+- sends a new subscription's retained copies after live messages its consumer already
+  delivered, so a copy may be older than what came first (`Repairs.intercept` drops it:
+  `stale_retained`);
+- loses live updates published while that consumer is being set up, and echoes of our
+  own publications, so a view can stay wrong until someone reads the broker again
+  (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
+  publishes a claim again when the link says an echo may be lost: `lossy_link`);
+- refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
+  died (`SUBSCRIBE_RETRIES`: the link subscribes again on the same link before it gives
+  the link up for the next broker).
+
+Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
+none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
+speaks) and none on MQTT 5. The link (`imexd.bus.link`) owns the I/O; this module owns
+the repairs' state and verdicts, so it holds no client and sends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from imexd.bus.mqtt import topic_matches
+from imexd.settings import BrokerProfile
+
+SUBSCRIBE_RETRIES: Final = 3
+"""SUBSCRIBEs of a refused filter retried on one repaired link (with backoff) before the
+link is dropped for the next broker. Answers nats-server 2.9 refusing new QoS 1
+subscriptions for tens of seconds after a server of its cluster died; elsewhere a refusal
+is an ACL's, and the link is given up at once."""
+
+RESYNC_QUIET_S: Final = 5.0
+"""A re-read leaves alone a topic whose record changed this recently: a clustered
+broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
+server's retained map asynchronously), and a "correction" would then flap it."""
+RESYNC_SETTLE_S: Final = 1.0
+"""A re-read also follows every burst of changes, `resync_quiet_s` + this many seconds
+after its last live message, so that an update lost in a formation is corrected seconds
+after it, not a whole `[bus] resync_interval_s` later (a NATS cluster loses such updates:
+docs/brokers.md)."""
+RESYNC_SETTLE_MAX_S: Final = 15.0
+"""A burst that never ends (links that keep dropping on an overloaded cluster) defers its
+re-read at most this long after its first live message."""
+
+
+def engaged(profile: BrokerProfile, protocol: Literal["5", "3.1.1"]) -> bool:
+    """Whether a link of `protocol` under the broker profile gets the repairs."""
+    if profile == "auto":
+        return protocol == "3.1.1"
+    return profile == "nats"
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What a re-read's snapshot says differently from what the link delivered."""
+
+    deliver: list[tuple[str, bytes]] = field(default_factory=list)
+    """(topic, payload) to deliver flagged retained (b"": the record is gone)."""
+    republish: list[str] = field(default_factory=list)
+    """Our own records the broker's copy differs from: publish them again."""
+    blind: bool = False
+    """The snapshot was empty while we hold records: nothing was deleted on its word."""
+
+
+class Repairs:
+    """The repairs' state for one bus, over its links.
+
+    Per link (`link_up`): the topics that got a live message since a filter covering them
+    was last subscribed, and the payload delivered last per topic (what a re-read
+    compares the broker's snapshot with). Over the bus's life: the counters and the
+    timing of re-reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        resync_s: float,
+        resync_quiet_s: float,
+        ping_topic: str,
+        rand: Callable[[], float],
+    ) -> None:
+        self._resync_s = resync_s
+        self._quiet_s = resync_quiet_s
+        self._ping_topic = ping_topic
+        self._rand = rand
+        self._live_topics: set[str] = set()
+        self._known: dict[str, tuple[bytes, float]] = {}
+        """Per topic, the payload we delivered last on this link (b"": deleted) and
+        time.monotonic() then."""
+        self._snapshot: dict[str, bytes] | None = None
+        """While a re-read runs: the retained copies it got, held back from the caller."""
+        self._snapshot_filters: list[str] = []
+        self._last_live = -math.inf
+        """time.monotonic() of the last live message on a filter (not a ping)."""
+        self._first_live = -math.inf
+        """time.monotonic() of the first live message since the last re-read began."""
+        self._last_reread = -math.inf
+        self._next_periodic = math.inf
+        self.burst = asyncio.Event()
+        """Set by the first live message since the last re-read: the link's task then
+        schedules the re-read that follows the burst."""
+        self.stale_retained = 0
+        """Retained copies dropped because a live message on their topic came first."""
+        self.resyncs = 0
+        """Re-reads completed."""
+        self.resync_corrections = 0
+        """Topics a re-read corrected: a record delivered, changed or deleted, or one of
+        ours published again, because the broker's snapshot said otherwise."""
+
+    def link_up(self) -> None:
+        """A new link: nothing is live on it yet, nothing delivered; re-reads start over."""
+        self._live_topics.clear()
+        self._known.clear()
+        self._next_periodic = self._jittered()
+
+    def subscribed(self, filters: Iterable[str]) -> None:
+        """`filters` were (re)subscribed: the retained copies the broker sends for them now
+        are a fresh snapshot, whatever came live before."""
+        wanted = list(filters)
+        self._live_topics = {
+            t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
+        }
+
+    def intercept(self, topic: str, payload: bytes, *, retained: bool) -> bool:
+        """Note one incoming message; True when it must not reach the caller: a retained
+        copy older than a live message that came first on its topic (nats-server 2.9
+        sends a new subscription's copies after its consumer's live deliveries), or a
+        re-read's copy, which `differences` weighs once the snapshot is complete."""
+        if topic == self._ping_topic:
+            return False
+        if not retained:
+            self._live_topics.add(topic)
+            at = time.monotonic()
+            if self._last_live <= self._last_reread:
+                self._first_live = at
+                self.burst.set()
+            self._last_live = at
+            return False
+        if topic in self._live_topics:
+            self.stale_retained += 1
+            return True
+        if self._snapshot is not None and any(
+            topic_matches(f, topic) for f in self._snapshot_filters
+        ):
+            self._snapshot[topic] = payload
+            return True
+        return False
+
+    def delivered(self, topic: str, payload: bytes) -> None:
+        """`payload` reached the caller on `topic` (what a re-read compares with)."""
+        self._known[topic] = (payload, time.monotonic())
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop what was delivered on topics no subscription of ours covers now."""
+        self._known = {t: k for t, k in self._known.items() if keep(t)}
+
+    def due(self) -> float:
+        """time.monotonic() of the next re-read: the periodic one (`[bus]
+        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step),
+        or the one after a burst of live messages, whichever comes first; inf: none."""
+        if self._resync_s <= 0:
+            return math.inf
+        due = self._next_periodic
+        if self._last_live > self._last_reread:
+            due = min(
+                due,
+                self._last_live + self._quiet_s + RESYNC_SETTLE_S,
+                self._first_live + RESYNC_SETTLE_MAX_S,
+            )
+        return due
+
+    def begin(self, filters: list[str]) -> float:
+        """A re-read of `filters` starts: hold their retained copies back; its start."""
+        self._last_reread = started = time.monotonic()
+        self._next_periodic = self._jittered()
+        self._snapshot, self._snapshot_filters = {}, filters
+        return started
+
+    def end(self) -> dict[str, bytes]:
+        """The re-read's snapshot is complete (or abandoned): the copies it held back."""
+        snapshot = self._snapshot or {}
+        self._snapshot, self._snapshot_filters = None, []
+        return snapshot
+
+    def differences(
+        self,
+        filters: list[str],
+        snapshot: Mapping[str, bytes],
+        ours: Mapping[str, bytes],
+        started: float,
+    ) -> Verdict:
+        """What the fresh `snapshot` of `filters` says differently from what we delivered,
+        given `ours` (the records we publish ourselves and replay, by topic).
+
+        Left alone: topics with a live message during the re-read (it is newer) and topics
+        whose record changed within `resync_quiet_s` before it (the snapshot may lag). A
+        record we hold that the snapshot lacks comes out as deleted; a record we never
+        delivered, or a different one, as received. An empty snapshot while we hold records
+        is a broker that did not send the retained messages again for a SUBSCRIBE of an
+        existing filter (Mosquitto, amqtt and nats-server 2.9 do): it deletes nothing.
+        """
+        quiet_from = started - self._quiet_s
+        self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
+        scope = {
+            t
+            for t in itertools.chain(self._known, ours)
+            if any(topic_matches(f, t) for f in filters)
+        }
+        verdict = Verdict()
+        verdict.blind = not snapshot and any(self._known.get(t, (b"", 0.0))[0] for t in scope)
+        for topic in sorted(scope | set(snapshot)):
+            if topic == self._ping_topic or topic in self._live_topics:
+                continue
+            fresh = snapshot.get(topic, b"")
+            held, at = self._known.get(topic, (b"", -math.inf))
+            if at >= quiet_from:
+                continue
+            own = ours.get(topic)
+            if own is not None:
+                if fresh != own:
+                    verdict.republish.append(topic)
+                continue
+            if fresh == held or (verdict.blind and not fresh):
+                continue
+            verdict.deliver.append((topic, fresh))
+        return verdict
+
+    def _jittered(self) -> float:
+        if self._resync_s <= 0:
+            return math.inf
+        return time.monotonic() + self._resync_s * (0.75 + 0.5 * self._rand())
