@@ -1,8 +1,9 @@
 """The control plane's subcommands: `imexd domain`, `imexd node`, `imexd workload`, `imexd gc`.
 
-Their parsers and their handlers: each handler checks its arguments (a usage error exits
-2 before any broker is tried), loads the settings with
-`imexd.control.commands.load_control_settings`, and runs one coroutine of imexd.control.
+Their parsers and their handlers: each handler checks its arguments and hands the problems
+and its coroutine of imexd.control to `_run_control`, which exits 2 on a usage error before
+any broker is tried, else loads the settings with
+`imexd.control.commands.load_control_settings` and runs the coroutine.
 Apart from imexd.cli.main, which holds the agent's own commands and the entry point.
 """
 
@@ -13,7 +14,8 @@ import contextlib
 import signal
 import sys
 import time
-from typing import Final
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from imexd.cli.args import (
     SubParsers,
@@ -32,6 +34,9 @@ from imexd.names import (
     parse_job_ids,
     parse_nodes,
 )
+
+if TYPE_CHECKING:
+    from imexd.settings import Settings
 
 SEEN_WITHIN_DEFAULT_S: Final = 600.0
 """`--seen-within` default of `domain create` and `node assign`: imexd.control.commands'
@@ -372,6 +377,22 @@ def _workload_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
     q.set_defaults(handler=_cmd_workload_env)
 
 
+def _run_control(
+    args: argparse.Namespace,
+    command_words: str,
+    problems: Sequence[str],
+    call: Callable[[Settings], Coroutine[Any, Any, int]],
+) -> int:
+    """Exit 2 on `problems` before imexd.control is imported (a usage error pays for neither
+    asyncio nor msgspec), else run `call` on the loaded settings. `call` imports the control
+    module it calls itself: one handed in from here would be untyped."""
+    if problems:
+        return usage(command_words, problems)
+    from imexd.control import commands  # noqa: PLC0415 - lazy: see the docstring
+
+    return run_async(call(commands.load_control_settings(args.config)))
+
+
 def _cmd_domain_create(args: argparse.Namespace) -> int:
     """`imexd domain create NAME [--nodes a,b,c] [--max-nodes N] [--steal] [--force]
     [--seen-within S] [--channel [N] [--uid U] [--gid G] [--mode M]] [--wait [S]]`: with
@@ -388,13 +409,10 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
         given = [f"--{o}" for o in ("uid", "gid", "mode") if getattr(args, o) is not None]
         if given:
             problems.append(f"{', '.join(given)} only go with --channel")
-    if problems:
-        return usage("domain create", problems)
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    async def create() -> int:
         started = time.monotonic()
         code = await commands.create(
             settings,
@@ -440,7 +458,7 @@ def _cmd_domain_create(args: argparse.Namespace) -> int:
             err=sys.stderr,
         )
 
-    return run_async(create())
+    return _run_control(args, "domain create", problems, call)
 
 
 def _seen_problems(args: argparse.Namespace) -> list[str]:
@@ -454,22 +472,26 @@ def _cmd_domain_delete(args: argparse.Namespace) -> int:
     problems = [p for p in (domain_problem(args.name),) if p]
     if not args.wait >= 0:
         problems.append(f"--wait {args.wait}: expected seconds >= 0")
-    if problems:
-        return usage("domain delete", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        commands.delete(settings, args.name, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
-    )
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.delete(
+            settings, args.name, wait_s=args.wait, out=sys.stdout, err=sys.stderr
+        )
+
+    return _run_control(args, "domain delete", problems, call)
 
 
 def _cmd_domain_list(args: argparse.Namespace) -> int:
     """`imexd domain list`."""
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(commands.list_domains(settings, out=sys.stdout, err=sys.stderr))
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.list_domains(settings, out=sys.stdout, err=sys.stderr)
+
+    return _run_control(args, "domain list", [], call)
 
 
 def _cmd_domain_status(args: argparse.Namespace) -> int:
@@ -482,14 +504,12 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
     problems = [p for p in (domain_problem(args.name),) if p] + problems
     if not args.wait >= 0:
         problems.append(f"--wait {args.wait}: expected seconds >= 0")
-    if problems:
-        return usage("domain status", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    if not args.watch:
-        return run_async(
-            commands.status(
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        if not args.watch:
+            return await commands.status(
                 settings,
                 args.name,
                 as_json=args.json,
@@ -498,11 +518,8 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
                 err=sys.stderr,
                 nodes=nodes,
             )
-        )
+        import asyncio  # noqa: PLC0415 - lazy: --help and usage errors do not pay for it
 
-    import asyncio  # noqa: PLC0415 - lazy: --help and usage errors do not pay for it
-
-    async def watching() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         handled: list[signal.Signals] = []
@@ -524,7 +541,7 @@ def _cmd_domain_status(args: argparse.Namespace) -> int:
             for sig in handled:
                 loop.remove_signal_handler(sig)
 
-    return run_async(watching())
+    return _run_control(args, "domain status", problems, call)
 
 
 def _workloadusage(args: argparse.Namespace, command: str) -> list[str]:
@@ -544,14 +561,11 @@ def _cmd_workload_create(args: argparse.Namespace) -> int:
     """`imexd workload create NAME --domain D [--nodes a,b] [--channel N] [--uid U]
     [--gid G] [--mode M] [--wait S] [--json]`."""
     nodes, problems = parse_nodes(args.nodes)
-    problems = _workloadusage(args, "create") + problems
-    if problems:
-        return usage("workload create", problems)
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        workloads.create(
+    async def call(settings: Settings) -> int:
+        from imexd.control import workloads  # noqa: PLC0415 - lazy: only this command
+
+        return await workloads.create(
             settings,
             args.name,
             domain=args.domain,
@@ -565,19 +579,17 @@ def _cmd_workload_create(args: argparse.Namespace) -> int:
             out=sys.stdout,
             err=sys.stderr,
         )
-    )
+
+    return _run_control(args, "workload create", _workloadusage(args, "create") + problems, call)
 
 
 def _cmd_workload_delete(args: argparse.Namespace) -> int:
     """`imexd workload delete NAME [--domain D] [--wait S]`."""
-    problems = _workloadusage(args, "delete")
-    if problems:
-        return usage("workload delete", problems)
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        workloads.delete(
+    async def call(settings: Settings) -> int:
+        from imexd.control import workloads  # noqa: PLC0415 - lazy: only this command
+
+        return await workloads.delete(
             settings,
             args.name,
             domain=args.domain,
@@ -585,33 +597,31 @@ def _cmd_workload_delete(args: argparse.Namespace) -> int:
             out=sys.stdout,
             err=sys.stderr,
         )
-    )
+
+    return _run_control(args, "workload delete", _workloadusage(args, "delete"), call)
 
 
 def _cmd_workload_list(args: argparse.Namespace) -> int:
     """`imexd workload list [--domain D] [--json]`."""
-    if args.domain is not None and (problem := domain_problem(args.domain)):
-        return usage("workload list", [problem])
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
+    problems = [] if args.domain is None else [p for p in (domain_problem(args.domain),) if p]
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        workloads.list_workloads(
+    async def call(settings: Settings) -> int:
+        from imexd.control import workloads  # noqa: PLC0415 - lazy: only this command
+
+        return await workloads.list_workloads(
             settings, domain=args.domain, as_json=args.json, out=sys.stdout, err=sys.stderr
         )
-    )
+
+    return _run_control(args, "workload list", problems, call)
 
 
 def _cmd_workload_status(args: argparse.Namespace) -> int:
     """`imexd workload status NAME [--domain D] [--wait S] [--json]`."""
-    problems = _workloadusage(args, "status")
-    if problems:
-        return usage("workload status", problems)
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        workloads.status(
+    async def call(settings: Settings) -> int:
+        from imexd.control import workloads  # noqa: PLC0415 - lazy: only this command
+
+        return await workloads.status(
             settings,
             args.name,
             domain=args.domain,
@@ -620,33 +630,31 @@ def _cmd_workload_status(args: argparse.Namespace) -> int:
             out=sys.stdout,
             err=sys.stderr,
         )
-    )
+
+    return _run_control(args, "workload status", _workloadusage(args, "status"), call)
 
 
 def _cmd_workload_env(args: argparse.Namespace) -> int:
     """`imexd workload env NAME [--domain D]`."""
-    problems = _workloadusage(args, "env")
-    if problems:
-        return usage("workload env", problems)
-    from imexd.control import commands, workloads  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        workloads.env(settings, args.name, domain=args.domain, out=sys.stdout, err=sys.stderr)
-    )
+    async def call(settings: Settings) -> int:
+        from imexd.control import workloads  # noqa: PLC0415 - lazy: only this command
+
+        return await workloads.env(
+            settings, args.name, domain=args.domain, out=sys.stdout, err=sys.stderr
+        )
+
+    return _run_control(args, "workload env", _workloadusage(args, "env"), call)
 
 
 def _cmd_node_assign(args: argparse.Namespace) -> int:
     """`imexd node assign NODE DOMAIN [--steal] [--force] [--seen-within S]`."""
     problems = [p for p in (node_problem(args.node), domain_problem(args.domain)) if p]
-    problems += _seen_problems(args)
-    if problems:
-        return usage("node assign", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        commands.assign(
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.assign(
             settings,
             args.node,
             args.domain,
@@ -656,31 +664,29 @@ def _cmd_node_assign(args: argparse.Namespace) -> int:
             force=args.force,
             seen_within_s=args.seen_within,
         )
-    )
+
+    return _run_control(args, "node assign", problems + _seen_problems(args), call)
 
 
 def _cmd_node_unassign(args: argparse.Namespace) -> int:
     """`imexd node unassign NODE`."""
-    problems = [p for p in (node_problem(args.node),) if p]
-    if problems:
-        return usage("node unassign", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr))
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.assign(settings, args.node, None, out=sys.stdout, err=sys.stderr)
+
+    return _run_control(args, "node unassign", [p for p in (node_problem(args.node),) if p], call)
 
 
 def _cmd_node_forget(args: argparse.Namespace) -> int:
     """`imexd node forget NODE [--force] [--seen-within S]`."""
     problems = [p for p in (node_problem(args.node),) if p]
-    problems += _seen_problems(args)
-    if problems:
-        return usage("node forget", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        commands.forget(
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.forget(
             settings,
             args.node,
             out=sys.stdout,
@@ -688,7 +694,8 @@ def _cmd_node_forget(args: argparse.Namespace) -> int:
             force=args.force,
             seen_within_s=args.seen_within,
         )
-    )
+
+    return _run_control(args, "node forget", problems + _seen_problems(args), call)
 
 
 def _cmd_node_retry(args: argparse.Namespace) -> int:
@@ -696,14 +703,15 @@ def _cmd_node_retry(args: argparse.Namespace) -> int:
     problems = [p for p in (node_problem(args.node),) if p]
     if not args.wait > 0:
         problems.append(f"--wait must be a number of seconds > 0, got {args.wait:g}")
-    if problems:
-        return usage("node retry", problems)
-    from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        commands.retry(settings, args.node, wait_s=args.wait, out=sys.stdout, err=sys.stderr)
-    )
+    async def call(settings: Settings) -> int:
+        from imexd.control import commands  # noqa: PLC0415 - lazy: only this command pays for it
+
+        return await commands.retry(
+            settings, args.node, wait_s=args.wait, out=sys.stdout, err=sys.stderr
+        )
+
+    return _run_control(args, "node retry", problems, call)
 
 
 def _gc_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
@@ -780,13 +788,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         problems.append(f"--older-than {args.older_than:g}: expected seconds >= 0")
     if not 0 <= args.wait < float("inf"):
         problems.append(f"--wait {args.wait:g}: expected seconds >= 0")
-    if problems:
-        return usage("gc", problems)
-    from imexd.control import commands, gc  # noqa: PLC0415 - lazy: only this command
 
-    settings = commands.load_control_settings(args.config)
-    return run_async(
-        gc.gc(
+    async def call(settings: Settings) -> int:
+        from imexd.control import gc  # noqa: PLC0415 - lazy: only this command
+
+        return await gc.gc(
             settings,
             live_jobs=live_jobs,
             older_than_s=args.older_than,
@@ -795,4 +801,5 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             out=sys.stdout,
             err=sys.stderr,
         )
-    )
+
+    return _run_control(args, "gc", problems, call)
