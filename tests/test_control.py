@@ -988,6 +988,23 @@ async def test_a_refused_subscription_is_asked_for_again_on_the_same_broker(
         assert relay.connections == 1
 
 
+async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
+    broker: Mosquitto,
+) -> None:
+    """Asking again is a repair for a clustered NATS (`[bus] broker`); on a link that does
+    not get the repairs a refusal is an ACL's: the read fails at the first refusal, naming
+    the broker and the filter, instead of waiting out the operation timeout."""
+    members = T.all_members_filter("d1")
+    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+        s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
+        async with Link(s, timeout_s=10.0) as link:
+            started = time.monotonic()
+            with pytest.raises(BusError, match=f"the broker {relay.url} refused the subscription"):
+                await link.read(members)
+            assert time.monotonic() - started < 5.0
+        assert relay.refused[members] == 1
+
+
 async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
     broker: Mosquitto,
 ) -> None:

@@ -24,15 +24,16 @@ Both links connect through `imexd.bus.mqtt` (the same client factory, TLS, passw
 protocol fallback) and decode with `imexd.messages.decode_message`, so both sides drop
 the same malformed messages.
 
-A refused subscription (SUBACK failure) is asked for again with backoff within the
-operation timeout, then, while nothing was written on the link, the next broker of `[bus]
-url` is tried with every subscription so far: a clustered broker (NATS 2.9) refuses some
-for tens of seconds after one of its servers died, and another server may grant it. An ACL
-refusal fails the same way on every broker, and the error names each broker and filter.
-
-A retained copy that arrives after a live message on its topic is dropped: nats-server 2.9
-sends a new subscription's retained copies after live messages it already delivered, and
-the older copy would undo them in `store` and in `workload_log` (the channel race's order).
+A refused subscription (SUBACK failure) moves the link, while nothing was written on it,
+to the next broker of `[bus] url` with every subscription so far; an ACL refusal fails
+the same way on every broker, and the error names each broker and filter. Two of the
+bus's broker repairs (`imexd.bus.repairs`) run here too, on a repaired link only (`[bus]
+broker`): a refused subscription is first asked for again with backoff within the
+operation timeout (a clustered NATS 2.9 refuses some for tens of seconds after one of its
+servers died), and a retained copy that arrives after a live message on its topic is
+dropped (nats-server 2.9 sends a new subscription's retained copies after live messages
+it already delivered, and the older copy would undo them in `store` and in
+`workload_log`, the channel race's order).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from types import TracebackType
 from typing import Final, Self
 
 from imexd.bus.mqtt import Client, connect, topic_matches
+from imexd.bus.repairs import engaged
 from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
@@ -154,9 +156,11 @@ class Link:
         self._seq = itertools.count(1)
         self._echoes: dict[int, asyncio.Future[None]] = {}
         self._last: dict[str, bytes] = {}
+        self._repaired = False
+        """This link gets the broker repairs (`imexd.bus.repairs.engaged`)."""
         self._live_topics: set[str] = set()
-        """Topics that got a live message on this link: a retained copy of one of them
-        arriving later is older than that message (`_on_message`)."""
+        """Topics that got a live message on this link: on a repaired link a retained copy
+        of one of them arriving later is older than that message (`_on_message`)."""
         self.stale_retained = 0
         """Retained copies dropped because a live message on their topic came first."""
         self.workload_log: list[Logged] = []
@@ -179,6 +183,7 @@ class Link:
                 errors.append(str(exc))
                 continue
             self._client, self._index, self.broker, self.lost = client, index, str(broker), None
+            self._repaired = engaged(self.settings.broker, "5" if client.v5 else "3.1.1")
             self._live_topics = set()
             self._reader = asyncio.create_task(self._read(client), name="control-read")
             try:
@@ -250,13 +255,7 @@ class Link:
                 if echo is not None and not echo.done():
                     echo.set_result(None)
             return
-        if not retained:
-            self._live_topics.add(topic)
-        elif topic in self._live_topics:
-            # nats-server 2.9 may send a new subscription's retained copies after live
-            # messages on the same topic (any subscription of this link covers it, so
-            # every later change comes live too): the copy is older and would undo them.
-            self.stale_retained += 1
+        if self._repaired and self._stale(topic, retained=retained):
             return
         self._last[topic] = payload
         result = decode_message(self.topics, topic, payload, retained=retained)
@@ -272,6 +271,19 @@ class Link:
         self.store.apply(result, expires_at=expires_at)
         self.changed.set()
         self._notify()
+
+    def _stale(self, topic: str, *, retained: bool) -> bool:
+        """Whether this message is a retained copy older than a live message that came
+        first on its topic: nats-server 2.9 may send a new subscription's retained copies
+        after live messages on the same topic (any subscription of this link covers it, so
+        every later change comes live too), and the copy would undo them."""
+        if not retained:
+            self._live_topics.add(topic)
+            return False
+        if topic in self._live_topics:
+            self.stale_retained += 1
+            return True
+        return False
 
     def _notify(self) -> None:
         for watcher in list(self._watchers):
@@ -310,9 +322,9 @@ class Link:
         self._filters.extend(filters)
 
     async def _grant(self, client: Client, filters: Sequence[str]) -> None:
-        """Subscribe `filters`, asking again with backoff for those the broker refused
-        until the operation timeout; `_NotGrantedError` naming the broker and what it
-        refused (or that it did not answer) when that did not do."""
+        """Subscribe `filters`, asking again with backoff (on a repaired link) for those the
+        broker refused until the operation timeout; `_NotGrantedError` naming the broker
+        and what it refused (or that it did not answer) when that did not do."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         wanted = list(filters)
@@ -326,7 +338,7 @@ class Link:
                 return
             wanted = [f for f, _ in refused]
             delay = backoff_delay(attempt, *SUBSCRIBE_RETRY_S)
-            if loop.time() + delay - started > self.timeout_s:
+            if not self._repaired or loop.time() + delay - started > self.timeout_s:
                 named = ", ".join(f"{f} (code {r})" for f, r in refused)
                 raise _NotGrantedError(
                     f"the broker {self.broker} refused the subscription to {named}, "
