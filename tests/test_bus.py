@@ -1430,7 +1430,7 @@ async def test_a_refused_narrow_check_gives_no_verdict() -> None:
     over for the link (the link's task does not ask again: it would spin)."""
     topic = member_topic("n1")
     bus = bus_for(fast_settings("mqtt://127.0.0.1:1"), "n1", will=WillSpec(topic))
-    bus._filters[MEMBERS] = None
+    bus._subs.add([MEMBERS])
     bus._retained[topic] = _Retained(encode(record("n1")), None)
     bus._protocol = "5"
     client = CheckClient()

@@ -42,12 +42,11 @@ on one link, lost echoes) is `imexd.bus.repairs`, engaged per link by the broker
 (`[bus] broker`); on Mosquitto none of it runs.
 
 Why one module of about 1200 lines (the issue that split it out asked for 800): the
-reconnect loop, the replay of the desired state, the sync by ping, the echo tracking,
-the refused subscriptions and the retained check all read and write one link state (the
-current client, its leave event, the lock that orders replay against callers' changes,
-the filters refused on the link and the check's verdict, both of which hold `Synced`
-back). The repairs, the events, the echo ledger and the waits, which hold state of their
-own, live beside it.
+reconnect loop, the replay of the desired state, the sync by ping, the echo tracking and
+the retained check all read and write one link state (the current client, its leave
+event, the lock that orders replay against callers' changes, the check's verdict, which
+holds `Synced` back). What holds state of its own lives beside it: the repairs, the
+events, the subscriptions' grants and refusals, the echo ledger and the waits.
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ from imexd.bus.events import (
 )
 from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error, topic_matches
 from imexd.bus.repairs import RESYNC_QUIET_S, SUBSCRIBE_RETRIES, Repairs, engaged
+from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set, unless, within_loop_time
 from imexd.errors import BusError
 from imexd.logs import get_logger
@@ -106,14 +106,6 @@ def _check_topic_name(topic: str) -> None:
 def _check_client_id(client_id: str) -> None:
     if not client_id or len(client_id.encode()) > 65535 or "\0" in client_id:
         raise ValueError(f"client_id must be a non-empty string, not {client_id!r}")
-
-
-def _check_filter(topic_filter: str) -> None:
-    levels = topic_filter.split("/")
-    if not topic_filter or "#" in levels[:-1] or "\0" in topic_filter:
-        raise ValueError(f"{topic_filter!r} is not a topic filter")
-    if any(("+" in lv and lv != "+") or ("#" in lv and lv != "#") for lv in levels):
-        raise ValueError(f"{topic_filter!r} is not a topic filter")
 
 
 class _LinkLostError(BusError):
@@ -220,10 +212,8 @@ class Bus:
         self._log = get_logger("bus", client_id=client_id)
 
         # Desired state, replayed on every connection.
-        self._filters: dict[str, None] = {}
+        self._subs = Subscriptions(self._ping_topic)
         self._retained: dict[str, _Retained] = {}
-        self._dropped_filters: set[str] = set()
-        """Filters given up while no link was up: a resumed MQTT 5 session may hold them."""
 
         # Link state.
         self._lock = asyncio.Lock()
@@ -248,7 +238,7 @@ class Bus:
         self._link_since = 0.0
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._echoes = Echoes(
-            echo_timeout_s, self._refused, self._echo_can_come, on_lost=self._echo_lost
+            echo_timeout_s, self._refused, self._subs.can_echo, on_lost=self._echo_lost
         )
         self._drop_logged: set[tuple[str, str]] = set()
 
@@ -282,17 +272,8 @@ class Bus:
         self._check_seen = False
         self._sync_withheld = False
         """A snapshot completed while the broker was not trusted: `Synced` once it is."""
-        self._granted: set[str] = set()
-        """Filters the broker granted on this link (what a `Synced` can cover)."""
-        self._missing: dict[str, str] = {}
-        """Filters (ours, or the ping topic) the broker refused on this link: the refusal."""
-        self._refusal = asyncio.Event()
-        """Set when a subscription was refused (or a refused one dropped): retry, resync."""
         self._refusal_drop = False
         """The current link was dropped for refused subscriptions: not a stable link."""
-        self.subscribe_refused = ""
-        """Which subscriptions the broker of this link refuses, naming it and them; "" when
-        none. No `Synced` while it is set (BusConnected reason `SubscribeRefused`)."""
         self._put_on_link: set[str] = set()
         """Topics of our records published on this link (see `_Retained.replay`)."""
         self._repairs = Repairs(
@@ -315,6 +296,12 @@ class Bus:
     def broker(self) -> str | None:
         """The URL of the broker we are connected to."""
         return self._broker
+
+    @property
+    def subscribe_refused(self) -> str:
+        """Which subscriptions the broker of this link refuses, naming it and them; "" when
+        none. No `Synced` while it is set (BusConnected reason `SubscribeRefused`)."""
+        return self._subs.detail
 
     @property
     def repaired(self) -> bool:
@@ -402,15 +389,10 @@ class Bus:
         """Add filters (QoS 1), kept across reconnects; one `Synced` follows their snapshot
         (one SUBSCRIBE and one round trip for all of them). Before the first connect they
         are only noted: that connect subscribes them with the rest."""
-        for topic_filter in topic_filters:
-            _check_filter(topic_filter)
         async with self._lock:
-            new = [f for f in dict.fromkeys(topic_filters) if f not in self._filters]
+            new = self._subs.add(topic_filters)
             if not new:
                 return
-            for topic_filter in new:
-                self._filters[topic_filter] = None
-                self._dropped_filters.discard(topic_filter)
             live = self._live()
             if live is None:
                 return
@@ -421,31 +403,27 @@ class Bus:
             except BusError as exc:
                 self._declare_dead(client, f"subscribe failed: {exc}")
                 return
-            if any(f in self._missing for f in new):
+            if any(f in self._subs.refused for f in new):
                 return  # the link's task retries it, then resyncs
         await unless(leave, self._resync(client))
 
     async def unsubscribe(self, topic_filter: str) -> None:
         """Remove a filter now and from later connections."""
         async with self._lock:
-            if topic_filter not in self._filters:
+            if not self._subs.remove(topic_filter):
                 return
-            del self._filters[topic_filter]
-            self._granted.discard(topic_filter)
-            self._echoes.forget(self._covered)
-            self._repairs.forget(self._covered)
-            if self._missing.pop(topic_filter, None) is not None:
-                self._refusal.set()  # maybe nothing is refused now: resync
+            self._echoes.forget(self._subs.covers)
+            self._repairs.forget(self._subs.covers)
             live = self._live()
             if live is None:
-                self._dropped_filters.add(topic_filter)
+                self._subs.dropped.add(topic_filter)
                 return
             client, leave = live
             try:
                 if not await unless(leave, client.unsubscribe(topic_filter)):
-                    self._dropped_filters.add(topic_filter)
+                    self._subs.dropped.add(topic_filter)
             except BusError as exc:
-                self._dropped_filters.add(topic_filter)
+                self._subs.dropped.add(topic_filter)
                 self._declare_dead(client, f"unsubscribe failed: {exc}")
 
     async def retain(
@@ -736,7 +714,7 @@ class Bus:
                 async with self._lock:
                     self._client = client
                     await self._forget_filters(client)
-                    await self._subscribe(client, [self._ping_topic, *self._filters])
+                    await self._subscribe(client, [self._ping_topic, *self._subs.wanted])
                     for topic, entry in list(self._retained.items()):
                         if entry.replay:
                             await self._put_retained(client, topic, entry)
@@ -745,7 +723,7 @@ class Bus:
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
-                waits = {leave, self._refusal}
+                waits = {leave, self._subs.changed}
                 if self._repairing:
                     waits.add(burst)
                 if not checked:
@@ -756,7 +734,7 @@ class Bus:
                 await first_set(waits, max(0.0, due - time.monotonic()))
                 if leave.is_set():
                     break
-                if self._refusal.is_set():
+                if self._subs.changed.is_set():
                     await self._settle(client, leave)
                 elif not checked and self._own_echo.is_set():
                     checked = await self._check_retained(client)
@@ -783,55 +761,35 @@ class Bus:
         then grows, as such a link does not count as stable, so an ACL refusal does not
         spin). Elsewhere a refusal is an ACL's and the link is given up at once.
         """
-        self._refusal.clear()
+        subs = self._subs
+        subs.changed.clear()
         s = self.settings
         retries = SUBSCRIBE_RETRIES if self._repairing else 0
         for attempt in range(retries):
-            if not self._wanted_missing():
+            if not subs.still_refused(self._broker or ""):
                 break
             delay = backoff_delay(attempt, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
             await first_set({leave}, delay)
             if leave.is_set():
                 return
             async with self._lock:
-                wanted = self._wanted_missing()
+                wanted = subs.still_refused(self._broker or "")
                 if wanted:
                     await self._subscribe(client, wanted)
-        if self._wanted_missing():
+        if subs.still_refused(self._broker or ""):
             self._refusal_drop = True
             raise BusError(
-                f"{self.subscribe_refused}; still refused after {retries} retries: "
+                f"{subs.detail}; still refused after {retries} retries: "
                 "dropping the link for the next broker"
             )
-        self._refusal.clear()
-        covered = frozenset(self._granted)
+        subs.changed.clear()
+        covered = frozenset(subs.granted)
         await self._round_trip(client)
         self._mark_synced(covered)
 
-    def _wanted_missing(self) -> list[str]:
-        """The refused filters we still want (a caller may have unsubscribed some)."""
-        self._missing = {
-            f: code
-            for f, code in self._missing.items()
-            if f == self._ping_topic or f in self._filters
-        }
-        self.subscribe_refused = self._refusal_detail()
-        return list(self._missing)
-
-    def _refusal_detail(self) -> str:
-        if not self._missing:
-            return ""
-        refused = ", ".join(f"{f} (code {code})" for f, code in self._missing.items())
-        return f"the broker {self._broker} refused our subscription to {refused}"
-
-    def _echo_can_come(self, topic: str) -> bool:
-        """Whether a granted subscription of ours covers `topic` (so its echo can come)."""
-        return any(topic_matches(f, topic) for f in self._filters if f not in self._missing)
-
     async def _forget_filters(self, client: Client) -> None:
         """Unsubscribe what a resumed MQTT 5 session may still hold from an older link."""
-        stale = sorted(self._dropped_filters - set(self._filters))
-        self._dropped_filters.clear()
+        stale = self._subs.forget_dropped()
         if client.v5:
             for topic_filter in stale:
                 await client.unsubscribe(topic_filter)
@@ -848,7 +806,7 @@ class Bus:
             return None
         if not self._retained[will.topic].replay and will.topic not in self._put_on_link:
             return None  # the caller publishes it on this link after Synced
-        for topic_filter in self._filters:
+        for topic_filter in self._subs.wanted:
             if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
                 levels = will.topic.split("/")
                 if len(levels) < 3:
@@ -927,7 +885,7 @@ class Bus:
         correct what we delivered by the broker's fresh retained snapshot. A refused
         SUBSCRIBE is left to the link's task (it retries, then resyncs); a lost round trip
         ends the link."""
-        filters = [f for f in self._filters if f not in self._missing]
+        filters = [f for f in self._subs.wanted if f not in self._subs.refused]
         if filters and await self._read_again(client, filters):
             self._repairs.resyncs += 1
 
@@ -940,7 +898,7 @@ class Bus:
             started = self._repairs.begin(filters)
             try:
                 await self._subscribe(client, filters)
-                if any(f in self._missing for f in filters):
+                if any(f in self._subs.refused for f in filters):
                     return False
                 await self._round_trip(client)
             finally:
@@ -979,7 +937,8 @@ class Bus:
         return True
 
     async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
-        """Subscribe; a refused filter is noted (`_missing`) for the link's task to retry.
+        """Subscribe; a refused filter is noted (`Subscriptions.refused`) for the link's task
+        to retry.
 
         On a repaired link the topics these filters cover start over as not live: their
         retained copies that the broker sends now are a fresh snapshot."""
@@ -989,21 +948,11 @@ class Bus:
         answers = dict(zip(wanted, await client.subscribe(wanted), strict=True))
         if answers.get(self._ping_topic) is not None:
             answers[self._ping_topic] = await self._ping_at_qos0(client)
-        refusals = [answers[f] for f in wanted]
-        refused: list[tuple[str, str]] = []
-        for topic_filter, refusal in zip(wanted, refusals, strict=True):
-            if refusal is None:
-                self._missing.pop(topic_filter, None)
-                self._granted.add(topic_filter)
-            else:
-                self._missing[topic_filter] = refusal
-                refused.append((topic_filter, refusal))
-        self.subscribe_refused = self._refusal_detail()
+        broker = self._broker or ""
+        refused = self._subs.answered(broker, wanted, [answers[f] for f in wanted])
         if not refused:
             return
         self.synced_at = None
-        self._refusal.set()
-        broker = self._broker or ""
         for topic_filter, refusal in refused:
             self._log.warning(
                 "bus_subscribe_refused",
@@ -1034,7 +983,7 @@ class Bus:
 
     async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
         self._put_on_link.add(topic)
-        if self._covered(topic):
+        if self._subs.covers(topic):
             self._echoes.expect(topic, entry.payload)
         expiry_s = entry.expiry_s if entry.payload else None
         await client.publish(topic, entry.payload, qos=QOS, retain=True, expiry_s=expiry_s)
@@ -1074,7 +1023,7 @@ class Bus:
 
     async def _resync(self, client: Client) -> None:
         """After a new subscription: prove its snapshot arrived, or replace the link."""
-        covered = frozenset(self._granted)
+        covered = frozenset(self._subs.granted)
         try:
             await self._round_trip(client)
         except BusError as exc:
@@ -1090,9 +1039,6 @@ class Bus:
             self._log.warning("bus_disconnect_unclean", error=error)
 
     # State changes and incoming messages.
-
-    def _covered(self, topic: str) -> bool:
-        return any(topic_matches(f, topic) for f in self._filters)
 
     def _declare_dead(self, client: Client, reason: str) -> None:
         """A caller's operation found the link dead: drop it; the loop reconnects."""
@@ -1116,11 +1062,8 @@ class Bus:
         self._own_echo = asyncio.Event()
         self.retained_checked = False
         self._sync_withheld = False
-        self._missing.clear()
-        self._granted.clear()
-        self._refusal.clear()
+        self._subs.link_up()
         self._refusal_drop = False
-        self.subscribe_refused = ""
         self._put_on_link.clear()
         self._connected = True
         self._broker = str(broker)
@@ -1143,7 +1086,7 @@ class Bus:
         self._broker = None
         self._protocol = None
         self.synced_at = None
-        self.subscribe_refused = ""
+        self._subs.detail = ""
         self._echoes.reset()
         for echo in self._pings.values():
             echo.cancel()
@@ -1171,15 +1114,15 @@ class Bus:
         broker failed the retained check and a check of this link is still to come (our
         record is replayed, so its echo starts one), or a subscription we need is refused
         (the link's task retries it, then resyncs)."""
-        if self._missing:
+        if self._subs.refused:
             return
         self._sync_withheld = bool(self.no_retained_wildcard) and self._check_target() is not None
         if self._sync_withheld:
             return
         self.no_retained_wildcard = ""
         self.synced_at = time.monotonic()
-        filters = frozenset(self._granted) if covered is None else covered
-        self._emit(Synced(self.synced_at, filters=filters & set(self._filters)))
+        filters = frozenset(self._subs.granted) if covered is None else covered
+        self._emit(Synced(self.synced_at, filters=filters & set(self._subs.wanted)))
 
     def _emit(self, event: Event) -> None:
         self._queue.put_nowait(event)
