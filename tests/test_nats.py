@@ -33,7 +33,7 @@ from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests import nats_builds
 from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
-from tests.nats_servers import Nats, NatsCluster, find_nats_server
+from tests.nats_servers import Nats, NatsCluster
 from tests.support import IMEXD
 
 pytestmark = pytest.mark.slow
@@ -69,13 +69,12 @@ def one(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     check_closed(cluster)
 
 
-@pytest.fixture
-def three(tmp_path: Path) -> Iterator[Cluster]:
-    """Agents on a cluster of three nats-servers (Debian's build only: three servers are
-    slow on 2 cores); each agent has all three URLs."""
-    if find_nats_server() is None:
-        pytest.skip("nats-server is not installed (apt-get install nats-server)")
-    servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1)
+@pytest.fixture(params=nats_builds.CLUSTER_PARAMS)
+def three(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """Agents on a cluster of three nats-servers (Debian's build; 2.14.0 too with
+    `$IMEXD_TEST_NATS_CLUSTER_CURRENT` set: tests/nats_builds.py); each agent has all
+    three URLs."""
+    servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1, binary=request.param)
     servers.start()
     cluster = Cluster(tmp_path, broker=servers)
     try:
