@@ -5,8 +5,9 @@ The modules, lowest first:
   the control plane's one-shot link, `imexd.control.link`);
 - `events`: what the link tells its caller (`Connected` ... `SubscribeRefused`) and the
   Last Will it keeps; no I/O, so the pure layers (the shard) import it alone;
-- `waits`, `echoes`, `subscriptions`: waiting on a link, which of our publications came
-  back, and which filters the broker granted or refused;
+- `waits`, `echoes`, `subscriptions`, `check`: waiting on a link, which of our
+  publications came back, which filters the broker granted or refused, and whether the
+  broker's retained snapshots can be trusted at all;
 - `repairs`: what a broker that reorders or loses messages needs (NATS 2.9), engaged per
   link by the broker profile (`[bus] broker`);
 - `link`: the `Bus` itself.

@@ -41,12 +41,12 @@ What a clustered broker needs beyond this (stale copies, re-reads, subscriptions
 on one link, lost echoes) is `imexd.bus.repairs`, engaged per link by the broker profile
 (`[bus] broker`); on Mosquitto none of it runs.
 
-Why one module of about 1200 lines (the issue that split it out asked for 800): the
-reconnect loop, the replay of the desired state, the sync by ping, the echo tracking and
-the retained check all read and write one link state (the current client, its leave
-event, the lock that orders replay against callers' changes, the check's verdict, which
-holds `Synced` back). What holds state of its own lives beside it: the repairs, the
-events, the subscriptions' grants and refusals, the echo ledger and the waits.
+Why one module of about 1150 lines (the issue that split it out asked for 800): the
+reconnect loop, the replay of the desired state, the sync by ping and the echo tracking
+all read and write one link state (the current client, its leave event, the lock that
+orders replay against callers' changes). What holds state of its own lives beside it:
+the repairs, the events, the subscriptions' grants and refusals, the retained check's
+verdict, the echo ledger and the waits.
 """
 
 from __future__ import annotations
@@ -63,11 +63,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
+from imexd.bus.check import RetainedCheck, check_filters
 from imexd.bus.echoes import Echoes
 from imexd.bus.events import (
-    NO_RETAINED_WILDCARD,
     SUBSCRIBE_REFUSED,
-    BrokerChecked,
     Connected,
     ConnectFailed,
     Disconnected,
@@ -79,7 +78,7 @@ from imexd.bus.events import (
     Synced,
     WillSpec,
 )
-from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error, topic_matches
+from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
 from imexd.bus.repairs import RESYNC_QUIET_S, SUBSCRIBE_RETRIES, Repairs, engaged
 from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set, unless, within_loop_time
@@ -259,19 +258,7 @@ class Bus:
         topic outside the contract): what a benchmark counts at the receiver."""
         self.writes: Counter[str] = Counter()
         """Records set or cleared through `retain`, by topic kind."""
-        self.no_retained_wildcard = ""
-        """Why the broker cannot be trusted with the retained snapshot (it did not send our
-        own record back, flagged retained, to a new wildcard subscription); "" while no
-        link failed that check since one passed it. No `Synced` while it is set."""
-        self.retained_checked = False
-        """The current link passed the retained-wildcard check."""
-        self._own_echo = asyncio.Event()
-        """Set when our own record (on the will's topic) came back live on this link."""
-        self._checking: str | None = None
-        """The will topic whose retained copy the check is waiting for."""
-        self._check_seen = False
-        self._sync_withheld = False
-        """A snapshot completed while the broker was not trusted: `Synced` once it is."""
+        self._check = RetainedCheck()
         self._refusal_drop = False
         """The current link was dropped for refused subscriptions: not a stable link."""
         self._put_on_link: set[str] = set()
@@ -302,6 +289,18 @@ class Bus:
         """Which subscriptions the broker of this link refuses, naming it and them; "" when
         none. No `Synced` while it is set (BusConnected reason `SubscribeRefused`)."""
         return self._subs.detail
+
+    @property
+    def no_retained_wildcard(self) -> str:
+        """Why the broker cannot be trusted with the retained snapshot (it did not send our
+        own record back, flagged retained, to a new wildcard subscription); "" while no
+        link failed that check since one passed it. No `Synced` while it is set."""
+        return self._check.failed
+
+    @property
+    def retained_checked(self) -> bool:
+        """The current link passed the retained-wildcard check."""
+        return self._check.passed
 
     @property
     def repaired(self) -> bool:
@@ -727,7 +726,7 @@ class Bus:
                 if self._repairing:
                     waits.add(burst)
                 if not checked:
-                    waits.add(self._own_echo)
+                    waits.add(self._check.own_echo)
                 burst.clear()
                 reread_at = self._repairs.due() if self._repairing else math.inf
                 due = min(next_ping, reread_at)
@@ -736,7 +735,7 @@ class Bus:
                     break
                 if self._subs.changed.is_set():
                     await self._settle(client, leave)
-                elif not checked and self._own_echo.is_set():
+                elif not checked and self._check.own_echo.is_set():
                     checked = await self._check_retained(client)
                 elif self._repairing and time.monotonic() >= self._repairs.due():
                     await self._reread(client)  # its round trip proves the link too
@@ -796,35 +795,25 @@ class Bus:
 
     def _check_target(self) -> tuple[str, str, str] | None:
         """(our record's topic, the shard's wildcard filter covering it, the check's own
-        filter), if we have both a record and such a filter.
-
-        The check's filter matches that one topic only: `{p}/domains/D/+/C/N` for the
-        member topic `{p}/domains/D/members/C/N` (no other kind of topic has three levels
-        under a domain)."""
+        filter), if we have both a record and such a filter (`check_filters`)."""
         will = self._will
         if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
             return None
         if not self._retained[will.topic].replay and will.topic not in self._put_on_link:
             return None  # the caller publishes it on this link after Synced
-        for topic_filter in self._subs.wanted:
-            if topic_filter != will.topic and topic_matches(topic_filter, will.topic):
-                levels = will.topic.split("/")
-                if len(levels) < 3:
-                    return None
-                levels[-3] = "+"  # {p}/domains/D/members/C/N -> {p}/domains/D/+/C/N
-                return will.topic, topic_filter, "/".join(levels)
-        return None
+        filters = check_filters(will.topic, self._subs.wanted)
+        return None if filters is None else (will.topic, *filters)
 
     async def _check_retained(self, client: Client) -> bool:
         """The broker must send our record, flagged retained, to a new wildcard
         subscription before a round trip returns, or its snapshots cannot be trusted.
 
-        On a link that may lose updates (MQTT 3.1.1, or one where a re-read corrected
-        something) the shard's own filter is subscribed again and read like a re-read:
+        On a repaired link (`imexd.bus.repairs`) the shard's own filter is subscribed
+        again and read like a re-read:
         nats-server 2.9 sometimes grants a reconnecting client's first SUBSCRIBE without
         the retained messages, and this second read completes its view before any claim
         counts. False when that subscription was refused (the link's task retries it).
-        Elsewhere (Mosquitto over MQTT 5) that second read would send every record of the
+        Elsewhere (Mosquitto) that second read would send every record of the
         shard again, k messages to each of k nodes: the check's own filter, which
         matches our record only, is subscribed at QoS 0 and dropped at once, under the
         bus lock, so that no record of ours is published while it overlaps the shard's
@@ -836,8 +825,7 @@ class Bus:
             return True
         topic, shard_filter, topic_filter = target
         refusal: str | None = None
-        self._check_seen = False
-        self._checking = topic
+        self._check.begin(topic)
         try:
             if self._repairing:
                 if not await self._read_again(client, [shard_filter]):
@@ -850,34 +838,19 @@ class Bus:
                         await self._round_trip(client)
                         await client.unsubscribe(topic_filter)
         finally:
-            self._checking = None
+            self._check.end()
         broker = self._broker or ""
         if refusal is not None:
             self._log.warning(
                 "bus_broker_check_refused", broker=broker, filter=topic_filter, code=refusal
             )
             return True
-        if self._check_seen:
-            self.retained_checked = True
-            if self.no_retained_wildcard:
-                self._log.info("bus_retained_wildcard_ok", broker=broker)
-            self.no_retained_wildcard = ""
-            self._emit(BrokerChecked(broker, ok=True))
-            if self._sync_withheld:
-                self._mark_synced()
-            return True
-        detail = (
-            f"the broker {broker} did not send our retained record back to a new "
-            f"subscription of {topic_filter}: it does not deliver retained messages to "
-            "wildcard subscriptions, so the member snapshot cannot be trusted"
-        )
-        if not self.no_retained_wildcard:
-            self._log.warning(
-                "bus_broker_check_failed", reason=NO_RETAINED_WILDCARD, broker=broker, detail=detail
-            )
-        self.no_retained_wildcard = detail
-        self.synced_at = None
-        self._emit(BrokerChecked(broker, ok=False, detail=detail))
+        verdict = self._check.verdict(broker, topic_filter, self._log)
+        if not verdict.ok:
+            self.synced_at = None
+        self._emit(verdict)
+        if verdict.ok and self._check.withheld:
+            self._mark_synced()
         return True
 
     async def _reread(self, client: Client) -> None:
@@ -1059,9 +1032,7 @@ class Bus:
         self._ever_connected = True
         self._link_since = time.monotonic()
         self._dead_reason = None
-        self._own_echo = asyncio.Event()
-        self.retained_checked = False
-        self._sync_withheld = False
+        self._check.link_up()
         self._subs.link_up()
         self._refusal_drop = False
         self._put_on_link.clear()
@@ -1116,10 +1087,10 @@ class Bus:
         (the link's task retries it, then resyncs)."""
         if self._subs.refused:
             return
-        self._sync_withheld = bool(self.no_retained_wildcard) and self._check_target() is not None
-        if self._sync_withheld:
+        self._check.withheld = bool(self._check.failed) and self._check_target() is not None
+        if self._check.withheld:
             return
-        self.no_retained_wildcard = ""
+        self._check.failed = ""
         self.synced_at = time.monotonic()
         filters = frozenset(self._subs.granted) if covered is None else covered
         self._emit(Synced(self.synced_at, filters=filters & set(self._subs.wanted)))
@@ -1144,12 +1115,10 @@ class Bus:
         self._echoes.seen(topic, payload, live=not retained)
         will = self._will
         if will is not None and topic == will.topic and payload:
-            if retained and self._checking == topic:
-                self._check_seen = True
-                if not self._repairing:
-                    return  # the check's own filter: what we published, already delivered
+            if self._check.saw(topic, retained=retained) and not self._repairing:
+                return  # the check's own filter: what we published, already delivered
             if not retained and self._retained.get(topic, _Retained(b"", None)).payload == payload:
-                self._own_echo.set()
+                self._check.own_echo.set()
         if self._repairing and self._repairs.intercept(topic, payload, retained=retained):
             return
         result = decode_message(self.topics, topic, payload, retained=retained)

@@ -1,0 +1,99 @@
+"""The retained-wildcard check: may this broker's snapshots be trusted at all?
+
+A snapshot only means something when the broker sends retained messages to wildcard
+subscriptions; RabbitMQ's MQTT plugin (3.10) sends them only to subscriptions that name
+the topic exactly, so its agents would each see an empty shard and all report ready,
+each alone. So once our own record came back live on a link, the link subscribes a
+wildcard filter that matches it again and expects it back, flagged retained, before a
+round trip returns; until a link passes, no `Synced` (docs/bus.md, *Connection*).
+
+The link (`imexd.bus.link`) does the subscribing; this module holds which filter to use,
+what was seen, and the verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from imexd.bus.events import NO_RETAINED_WILDCARD, BrokerChecked
+from imexd.bus.mqtt import topic_matches
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+
+def check_filters(record_topic: str, wanted: Iterable[str]) -> tuple[str, str] | None:
+    """(a wanted wildcard filter covering `record_topic`, the check's own filter), or None
+    when no wanted filter covers it.
+
+    The check's own filter matches that one topic only: `{p}/domains/D/+/C/N` for the
+    member topic `{p}/domains/D/members/C/N` (no other kind of topic has three levels
+    under a domain)."""
+    for topic_filter in wanted:
+        if topic_filter != record_topic and topic_matches(topic_filter, record_topic):
+            levels = record_topic.split("/")
+            if len(levels) < 3:
+                return None
+            levels[-3] = "+"  # {p}/domains/D/members/C/N -> {p}/domains/D/+/C/N
+            return topic_filter, "/".join(levels)
+    return None
+
+
+class RetainedCheck:
+    """The check's state over a bus's links, and its verdict."""
+
+    def __init__(self) -> None:
+        self.failed = ""
+        """Why the broker cannot be trusted with the retained snapshot; "" while no link
+        failed the check since one passed it (`Bus.no_retained_wildcard`)."""
+        self.passed = False
+        """The current link passed the check (`Bus.retained_checked`)."""
+        self.own_echo = asyncio.Event()
+        """Set when our own record came back live on this link: the check may run."""
+        self.withheld = False
+        """A snapshot completed while the broker was not trusted: `Synced` once it is."""
+        self._topic: str | None = None
+        self._seen = False
+
+    def link_up(self) -> None:
+        """A new link: nothing checked on it yet."""
+        self.own_echo = asyncio.Event()
+        self.passed = False
+        self.withheld = False
+
+    def begin(self, record_topic: str) -> None:
+        """The check's subscription goes out: watch for our record's retained copy."""
+        self._topic, self._seen = record_topic, False
+
+    def end(self) -> None:
+        self._topic = None
+
+    def saw(self, topic: str, *, retained: bool) -> bool:
+        """A message on our record's topic arrived; whether it is the copy the check
+        waits for."""
+        if retained and topic == self._topic:
+            self._seen = True
+            return True
+        return False
+
+    def verdict(self, broker: str, topic_filter: str, log: FilteringBoundLogger) -> BrokerChecked:
+        """The verdict of the check that just ended, logged on a change."""
+        if self._seen:
+            self.passed = True
+            if self.failed:
+                log.info("bus_retained_wildcard_ok", broker=broker)
+            self.failed = ""
+            return BrokerChecked(broker, ok=True)
+        detail = (
+            f"the broker {broker} did not send our retained record back to a new "
+            f"subscription of {topic_filter}: it does not deliver retained messages to "
+            "wildcard subscriptions, so the member snapshot cannot be trusted"
+        )
+        if not self.failed:
+            log.warning(
+                "bus_broker_check_failed", reason=NO_RETAINED_WILDCARD, broker=broker, detail=detail
+            )
+        self.failed = detail
+        return BrokerChecked(broker, ok=False, detail=detail)
