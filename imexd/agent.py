@@ -40,7 +40,8 @@ from types import MappingProxyType
 from typing import Final
 
 from imexd import membership as mb
-from imexd.bus import Bus, Event, WillSpec
+from imexd.bus.events import Event, WillSpec
+from imexd.bus.link import Bus
 from imexd.channel_keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
 from imexd.daemon.probes import DaemonProbes

@@ -40,7 +40,7 @@ from typing import Final, Protocol
 
 import structlog
 
-from imexd.bus import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
+from imexd.bus.events import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
 from imexd.channels import (
     Applied,
     Devices,
@@ -75,7 +75,7 @@ _UNREAD: Final = Driver(major=None, count=None, channel0=None, error="not read y
 
 
 class Subscriptions(Protocol):
-    """The part of `imexd.bus.Bus` the keeper uses: its own topic filter."""
+    """The part of `imexd.bus.link.Bus` the keeper uses: its own topic filter."""
 
     async def subscribe(self, topic_filter: str, /) -> None: ...
 

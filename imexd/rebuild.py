@@ -64,7 +64,7 @@ from typing import Final, Protocol
 
 import structlog
 
-from imexd.bus import Connected, Disconnected, Event, Synced
+from imexd.bus.events import Connected, Disconnected, Event, Synced
 from imexd.errors import BusError
 from imexd.guard import BEAT_S, Guard
 from imexd.messages import (
@@ -346,7 +346,7 @@ class Rebuild:
 
 
 class Publisher(Protocol):
-    """The part of `imexd.bus.Bus` the rebuilder uses."""
+    """The part of `imexd.bus.link.Bus` the rebuilder uses."""
 
     async def put_retained(self, topic: str, data: bytes) -> None: ...
 

@@ -28,9 +28,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 from structlog.testing import capture_logs
 
-from imexd.bus import (
+from imexd.bus.echoes import Echoes
+from imexd.bus.events import (
     BrokerChecked,
-    Bus,
     Connected,
     ConnectFailed,
     Disconnected,
@@ -40,8 +40,7 @@ from imexd.bus import (
     Synced,
     WillSpec,
 )
-from imexd.bus.echoes import Echoes
-from imexd.bus.link import _Retained
+from imexd.bus.link import Bus, _Retained
 from imexd.bus.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
@@ -492,7 +491,8 @@ async def test_publish_with_message_expiry(broker: Mosquitto) -> None:
 
 _AGENT = """
 import asyncio, sys
-from imexd.bus import Bus, WillSpec
+from imexd.bus.link import Bus
+from imexd.bus.events import WillSpec
 from imexd.logs import configure_logging
 from imexd.settings import BusSettings
 from imexd.messages import MemberRecord, MemberState

@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from imexd import health
 from imexd import membership as mb
-from imexd.bus import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
+from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
 from imexd.metrics import Metrics

@@ -10,7 +10,7 @@ from typing import Literal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imexd.bus import Connected, Disconnected, Synced
+from imexd.bus.events import Connected, Disconnected, Synced
 from imexd.guard import Guard
 from imexd.health import Heartbeats
 from imexd.logs import get_logger

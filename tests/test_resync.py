@@ -27,8 +27,10 @@ import pytest
 
 import imexd.bus.repairs
 import imexd.bus.waits
-from imexd.bus import RESYNC_SETTLE_S, Bus, Disconnected, Event, Synced
+from imexd.bus.events import Disconnected, Event, Synced
+from imexd.bus.link import Bus
 from imexd.bus.mqtt import Client, connect
+from imexd.bus.repairs import RESYNC_SETTLE_S
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError

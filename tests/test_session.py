@@ -20,7 +20,8 @@ import aiomqtt
 import msgspec
 import pytest
 
-from imexd.bus import BrokerChecked, Bus, Connected, Disconnected, Synced, WillSpec
+from imexd.bus.events import BrokerChecked, Connected, Disconnected, Synced, WillSpec
+from imexd.bus.link import Bus
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings

@@ -11,7 +11,7 @@ import msgspec
 from hypothesis import given
 
 from imexd import membership as mb
-from imexd.bus import (
+from imexd.bus.events import (
     BrokerChecked,
     Connected,
     Disconnected,

@@ -1,6 +1,7 @@
 """The agent's message bus: one resilient MQTT link, and what it tells its caller.
 
-The modules, lowest first:
+The modules, lowest first; import from them directly (this file imports nothing, so that
+a control-plane command that needs only `mqtt` does not load the link and its logging):
 - `mqtt`: the MQTT boundary, the only module that imports aiomqtt and paho (also used by
   the control plane's one-shot link, `imexd.control.link`);
 - `events`: what the link tells its caller (`Connected` ... `SubscribeRefused`) and the
@@ -15,46 +16,3 @@ The modules, lowest first:
 It imports the layers below it (messages, topics, settings, names, retry, logs, errors)
 and nothing above: no agent, shard, health or control module.
 """
-
-from imexd.bus.events import (
-    DELIBERATE_REASONS,
-    NO_RETAINED_WILDCARD,
-    SESSION_TAKEN_OVER,
-    SUBSCRIBE_REFUSED,
-    BrokerChecked,
-    Connected,
-    ConnectFailed,
-    Disconnected,
-    EchoLost,
-    Event,
-    Protocol,
-    Refused,
-    SubscribeRefused,
-    Synced,
-    WillSpec,
-)
-from imexd.bus.link import Bus, EventStream
-from imexd.bus.repairs import RESYNC_QUIET_S, RESYNC_SETTLE_MAX_S, RESYNC_SETTLE_S
-
-__all__ = [
-    "DELIBERATE_REASONS",
-    "NO_RETAINED_WILDCARD",
-    "RESYNC_QUIET_S",
-    "RESYNC_SETTLE_MAX_S",
-    "RESYNC_SETTLE_S",
-    "SESSION_TAKEN_OVER",
-    "SUBSCRIBE_REFUSED",
-    "BrokerChecked",
-    "Bus",
-    "ConnectFailed",
-    "Connected",
-    "Disconnected",
-    "EchoLost",
-    "Event",
-    "EventStream",
-    "Protocol",
-    "Refused",
-    "SubscribeRefused",
-    "Synced",
-    "WillSpec",
-]

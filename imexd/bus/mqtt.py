@@ -1,6 +1,6 @@
 """The MQTT boundary: the only module that imports aiomqtt and paho.
 
-The agent's resilient link (`imexd.bus.Bus`) and the control plane's one-shot link
+The agent's resilient link (`imexd.bus.link.Bus`) and the control plane's one-shot link
 (`imexd.control.link.Link`) both connect through `connect` and talk through `Client`.
 What they get is imexd's own: `Message`s with plain bytes, subscription results as text,
 the broker's DISCONNECT reason as an int, and every failure as `imexd.errors.BusError`

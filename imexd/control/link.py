@@ -1,6 +1,6 @@
 """The control plane's link to the broker: one short-lived MQTT connection per command.
 
-Why its own `Link` and not `imexd.bus.Bus`: the commands are one-shot (connect, read a
+Why its own `Link` and not `imexd.bus.link.Bus`: the commands are one-shot (connect, read a
 snapshot, write, verify, leave), so Bus's reconnect loop and replayed desired state would
 only hide an unreachable broker behind retries, where an operator wants a clear error
 within seconds. And Bus proves its snapshot with a ping on `{p}/nodes/{node}/ping` with a
