@@ -9,6 +9,8 @@ library code they stand in for.
 from __future__ import annotations
 
 import asyncio
+import socket
+from pathlib import Path
 
 import aiomqtt
 import pytest
@@ -22,6 +24,8 @@ from imexd.bus import mqtt
 from imexd.bus.mqtt import topic_matches
 from imexd.demo.brokers import Mosquitto
 from imexd.settings import BusSettings, parse_broker_url
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LEVEL = st.sampled_from(["a", "b", "c", "", "imex", "n1%2Ex", "$SYS"])
 TOPIC = st.lists(LEVEL, min_size=1, max_size=5).map("/".join).filter(bool)
@@ -198,3 +202,29 @@ async def test_a_write_registered_as_the_link_breaks_touches_no_closed_socket(
     finally:
         loop.set_exception_handler(None)
     assert errors == []
+
+
+async def test_a_tcp_link_sends_each_packet_at_once(broker: Mosquitto) -> None:
+    """TCP_NODELAY on every TCP link: a round trip of imexd is small packets written back
+    to back, and with Nagle's algorithm the second waited for a delayed ACK (44 ms a
+    round trip of `imexd workload create`; the broker's side is config/mosquitto.conf's
+    `set_tcp_nodelay`)."""
+    settings = BusSettings(url=(broker.url,))
+    client = await mqtt.connect(
+        settings, parse_broker_url(broker.url), client_id="nodelay", timeout_s=5.0
+    )
+    try:
+        sock = client._inner._client.socket()
+        assert isinstance(sock, socket.socket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        await client.close(2.0)
+
+
+def test_the_shipped_and_the_demo_mosquitto_send_each_packet_at_once(tmp_path: Path) -> None:
+    """Mosquitto leaves Nagle's algorithm on unless told: its SUBACK, the retained
+    snapshot and the ping's echo then wait for the client's delayed ACK, 40 ms a round
+    trip (1 to 2 ms with it)."""
+    shipped = (ROOT / "config" / "mosquitto.conf").read_text().splitlines()
+    assert "set_tcp_nodelay true" in shipped
+    assert "set_tcp_nodelay true" in Mosquitto(tmp_path).config_text().splitlines()

@@ -189,6 +189,7 @@ class Mosquitto:
             "log_type warning",
             "log_type notice",
             "max_keepalive 65535",
+            "set_tcp_nodelay true",
         ]
         if not any(line.split()[:1] == ["user"] for line in self.extra_config.splitlines()):
             # As root Mosquitto drops to the mosquitto user, which cannot read files in
