@@ -487,9 +487,12 @@ class Health:
         return changed
 
     def gist(self) -> tuple[object, ...]:
-        """What a published report must say without delay (`REPORT_HOLD_S`): readiness
-        and each condition's status."""
-        return (self.is_ready, *((c.type, c.status) for c in self._conditions))
+        """What a published report must say without delay (`REPORT_HOLD_S`): readiness,
+        each condition's status, and each workload's channel readiness for its generation
+        (what `imexd workload create --wait` waits for, while ChannelsReady may stay True
+        as a new workload comes and is made)."""
+        workloads = ((w.workload, w.generation, w.ready) for w in self._facts.channels.workloads)
+        return (self.is_ready, *((c.type, c.status) for c in self._conditions), *workloads)
 
     def report(self) -> HealthReport:
         """The report as of now."""

@@ -931,6 +931,28 @@ def test_the_gist_is_readiness_and_condition_statuses() -> None:
     assert h.gist()[0] is True
 
 
+def test_a_workloads_channel_made_ready_is_in_the_gist() -> None:
+    """`imexd workload create --wait` waits for every listed node to report the channel
+    ready: seen holding that report for REPORT_HOLD_S (0.5 to 0.9 s of a 0.9 s create on 4
+    nodes), because ChannelsReady stayed True while a new workload came and was made. Each
+    workload's readiness for its generation is part of the gist; its message is not."""
+    h = Health(channels(workloads=(made("job-a", 3),)))
+    before = h.gist()
+    h.update(channels(workloads=(made("job-a", 3), made("job-b", 7))))
+    assert h.gist() != before, "job-b's channel made ready"
+    made_b = h.gist()
+    h.update(channels(workloads=(made("job-a", 3), made("job-b", 7, generation=2))))
+    assert h.gist() != made_b, "a new generation made ready"
+    again = h.gist()
+    h.update(channels(workloads=(made("job-a", 3), made("job-b", 7, generation=2))))
+    assert h.gist() == again
+    failing = (made("job-a", 3), refused("job-c", 9, "MknodFailed", "EPERM"))
+    h.update(channels(workloads=failing))
+    detail = h.gist()
+    h.update(channels(workloads=(made("job-a", 3), refused("job-c", 9, "MknodFailed", "EIO"))))
+    assert h.gist() == detail, "a message is detail"
+
+
 def test_a_gist_change_is_published_at_once_a_detail_after_the_hold() -> None:
     """The first report and every gist change go out at once; a change of detail only
     waits until `hold_s` after the last publication, taking later changes with it; an
