@@ -26,8 +26,6 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
-import psutil
-
 from imexd.errors import ConfigError
 from imexd.imex import CMD_PORT, SERVER_PORT, check_extra
 from imexd.messages import Mode, address_problem
@@ -902,6 +900,8 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
 
 def default_address() -> str:
     """The first non-loopback IPv4 address of this host, else 127.0.0.1."""
+    import psutil  # noqa: PLC0415 - lazy: the control commands load settings, not this
+
     for addrs in psutil.net_if_addrs().values():
         for addr in addrs:
             if addr.family == socket.AF_INET and not addr.address.startswith("127."):

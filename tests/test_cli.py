@@ -276,11 +276,12 @@ def test_a_control_command_loads_no_logging_stack() -> None:
     connects through imexd.bus.mqtt only: it loads neither the agent's link nor structlog,
     nor the rich and pygments that structlog pulls in where rich is installed (seen when
     the bus became a package whose __init__ imported the link: 0.13 s of every prolog's
-    two commands)."""
+    two commands), nor psutil (the settings' default node address)."""
     code = "__import__('imexd.cli.main').cli.main.main(['workload', 'list'])"
     imported = _imported_after(code, env={"IMEXD_BUS_URL": "mqtt://127.0.0.1:9"})
     assert "msgspec" in imported, "the command did not run"
     assert [m for m in imported if m in ("structlog", "rich", "pygments", "aiohttp")] == []
+    assert "psutil" not in imported, "the control plane has no node address to look up"
 
 
 def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
