@@ -1,7 +1,7 @@
 """The agent: one root coroutine that keeps this node's IMEX daemon in its domain.
 
 `run(settings, stop=..., handover=...)` wires the pieces together and owns their
-lifecycle; what it decides lives elsewhere: the shard view (imexd.shard) judges the
+lifecycle; what it decides lives elsewhere: the shard view (imexd.membership.shard) judges the
 records of our (domain, clique), the reconciler (imexd.reconcile) writes the files and
 drives the supervisor, fleet and health (imexd.fleet, imexd.health) judge the facts, and
 imexd.guard contains the failures of each task. Named long-lived tasks, each with a
@@ -39,7 +39,6 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Final
 
-from imexd import membership as mb
 from imexd.bus import Bus, Event, WillSpec
 from imexd.channel_keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
@@ -55,6 +54,8 @@ from imexd.guard import BEAT_S, Guard, describe
 from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
 from imexd.http import HealthServer
 from imexd.logs import get_logger
+from imexd.membership import slots as mb
+from imexd.membership.shard import Identity, Plan, ShardView
 from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.metrics import Metrics
@@ -65,7 +66,6 @@ from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
-from imexd.shard import Identity, Plan, ShardView
 from imexd.state import NodeState, StateStore
 from imexd.topics import Topics
 

@@ -188,6 +188,21 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.topics",
         }
     ),
+    # Membership: the pure slot rules and the agent's view of its shard. The contract,
+    # the bus's events (no I/O), the facts it fills, the settings, the state file's record
+    # and the reconciler's `Desired`; never the agent, the bus's link, health or the
+    # control plane.
+    "imexd.membership": frozenset(
+        {
+            "imexd.bus.events",
+            "imexd.facts",
+            "imexd.messages",
+            "imexd.reconcile",
+            "imexd.settings",
+            "imexd.state",
+            "imexd.topics",
+        }
+    ),
     # The simulator: written apart from the agent, so that the agent's parsers are tested
     # against output it did not write.
     "imexd.sim": frozenset({"imexd", "imexd.errors"}),
