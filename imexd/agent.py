@@ -19,7 +19,7 @@ heartbeat that /healthz watches:
   periodically (imexd.daemon.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
-- `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
+- `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
 - `rebuild`: gives a broker that lost its retained state back the spec, workloads and
   assignment this node follows (imexd.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Final
 
 from imexd.bus import Bus, Event, WillSpec
-from imexd.channel_keeper import ChannelKeeper
+from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
 from imexd.daemon.probes import DaemonProbes
 from imexd.daemon.state import PROBLEMS as DAEMON_PROBLEMS

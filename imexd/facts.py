@@ -218,7 +218,7 @@ _NO_OPS: Final[Mapping[tuple[str, str], int]] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChannelFacts:
-    """The node's IMEX channel devices (imexd.channel_keeper keeps them)."""
+    """The node's IMEX channel devices (imexd.channels.keeper keeps them)."""
 
     managed: bool = True
     """`[channels] manage`: false means another tool owns dev_dir and imexd touches nothing."""

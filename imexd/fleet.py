@@ -13,9 +13,9 @@ answers which question:
   report on the bus: `imexd domain status` and `domain list`, `domain status --wait`
   (Slurm prologs), the demo and the benchmarks. It reads the nodes' DomainUp conditions
   and domain views, so a change of `sight` shows in `judge` too.
-- `judge_workload(record, reports, members, ...)`: is a workload's IMEX channel ready on
-  every node it lists (`imexd workload create --wait`, `workload status` and `list`),
-  from the ChannelInfo each node's report carries.
+- `judge_workload(record, reports, members, ...)`, in `imexd.channels.fleet`: is a
+  workload's IMEX channel ready on every node it lists (`imexd workload create --wait`,
+  `workload status` and `list`), from the ChannelInfo each node's report carries.
 
 The tables they print are rendered here too, so the same judgement reads the same
 everywhere.

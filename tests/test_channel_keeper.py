@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from imexd.bus import Connected, Disconnected, SubscribeRefused, Synced
-from imexd.channel_keeper import ChannelKeeper
+from imexd.channels.keeper import ChannelKeeper
 from imexd.demo.nodes import CHANNEL_MAJOR, fake_driver
 from imexd.facts import ChannelFacts, ChannelState, Facts
 from imexd.guard import Guard

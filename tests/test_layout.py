@@ -133,9 +133,9 @@ def _calls_fleet_judge(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-JUDGE_HOMES = {"imexd.fleet", "imexd.workload_fleet"}
+JUDGE_HOMES = {"imexd.fleet", "imexd.channels.fleet"}
 """The homes of judgements: whether a domain is UP (fleet), whether a workload's channel
-is ready on its nodes (workload_fleet)."""
+is ready on its nodes (channels.fleet)."""
 
 
 def test_the_domain_is_judged_in_fleet_only() -> None:
@@ -200,6 +200,24 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.reconcile",
             "imexd.settings",
             "imexd.state",
+            "imexd.topics",
+        }
+    ),
+    # IMEX channels: the leaves and the contract; the domain's fleet module (report
+    # freshness, tables); for the keeper task the bus's events and the agent's guard.
+    # Never the agent, the command line or the control plane, which call in.
+    "imexd.channels": frozenset(
+        {
+            "imexd.bus",
+            "imexd.errors",
+            "imexd.facts",
+            "imexd.files",
+            "imexd.fleet",
+            "imexd.guard",
+            "imexd.logs",
+            "imexd.messages",
+            "imexd.retry",
+            "imexd.settings",
             "imexd.topics",
         }
     ),

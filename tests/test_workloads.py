@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from imexd.channels.fleet import judge_workload, render_workload_status
 from imexd.cli.main import main
 from imexd.control import workloads
 from imexd.control.commands import load_control_settings
@@ -38,7 +39,6 @@ from imexd.messages import (
 )
 from imexd.settings import Settings
 from imexd.topics import Topics
-from imexd.workload_fleet import judge_workload, render_workload_status
 from tests.reports import member_record, report
 from tests.support import raw_client
 from tests.test_control import retained, valid
