@@ -274,8 +274,9 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(problem)
 
 
-# What a HealthReport's conditions mean: the agent writes them (imexd.health), every
-# reader of reports (imexd.fleet, imexd.cli.query, the control plane) reads them back.
+# What a HealthReport's conditions mean: the agent writes them (imexd.health.conditions),
+# every reader of reports (imexd.health.fleet, imexd.cli.query, the control plane) reads
+# them back.
 
 BUS_CONNECTED: Final = "BusConnected"
 SLOT_SETTLED: Final = "SlotSettled"

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from imexd import health
 from imexd.bus import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
+from imexd.health import conditions as health
+from imexd.health.metrics import Metrics
 from imexd.membership import slots as mb
 from imexd.membership.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
-from imexd.metrics import Metrics
 from imexd.reconcile import Desired
 from imexd.state import NodeState
 from imexd.topics import TopicRef

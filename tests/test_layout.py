@@ -133,7 +133,7 @@ def _calls_fleet_judge(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-JUDGE_HOMES = {"imexd.fleet", "imexd.channels.fleet"}
+JUDGE_HOMES = {"imexd.health.fleet", "imexd.channels.fleet"}
 """The homes of judgements: whether a domain is UP (fleet), whether a workload's channel
 is ready on its nodes (channels.fleet)."""
 
@@ -162,7 +162,6 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     # metrics and the fleet's link facts. Never the bus, the agent or the control plane.
     "imexd.daemon": frozenset(
         {
-            "imexd",
             "imexd.errors",
             "imexd.imex",
             "imexd.logs",
@@ -170,9 +169,10 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.retry",
             "imexd.settings",
             "imexd.facts",
-            "imexd.fleet",
+            "imexd.health",
+            "imexd.health.fleet",
             "imexd.guard",
-            "imexd.metrics",
+            "imexd.health.metrics",
         }
     ),
     # The message bus: the leaves below it. Never the shard, the agent, health or the
@@ -212,11 +212,27 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.errors",
             "imexd.facts",
             "imexd.files",
-            "imexd.fleet",
+            "imexd.health.fleet",
             "imexd.guard",
             "imexd.logs",
             "imexd.messages",
             "imexd.retry",
+            "imexd.settings",
+            "imexd.topics",
+        }
+    ),
+    # Health: the leaves and the contract, `imexd` for the version, and the types of the
+    # daemon's ctl table (fleet, for type checking only). Never the agent, the bus, the
+    # command line or the control plane, which read its judgements.
+    "imexd.health": frozenset(
+        {
+            "imexd",
+            "imexd.daemon.ctl",
+            "imexd.errors",
+            "imexd.facts",
+            "imexd.imex",
+            "imexd.logs",
+            "imexd.messages",
             "imexd.settings",
             "imexd.topics",
         }

@@ -28,7 +28,7 @@ from imexd.control import workloads
 from imexd.control.commands import load_control_settings
 from imexd.control.link import Logged
 from imexd.demo.brokers import Mosquitto
-from imexd.fleet import SeenReport
+from imexd.health.fleet import SeenReport
 from imexd.messages import (
     ChannelInfo,
     ChannelsView,

@@ -23,7 +23,7 @@ from imexd.channels.fleet import channel_conflicts, conflict_line
 from imexd.control.link import Link
 from imexd.control.store import Store, summarize
 from imexd.errors import BusError
-from imexd.fleet import (
+from imexd.health.fleet import (
     DomainState,
     DomainStatus,
     judge,

@@ -35,7 +35,7 @@ from imexd.control import commands, workloads
 from imexd.control.commands import EXIT_FAILED, EXIT_OK
 from imexd.control.link import Link
 from imexd.control.store import Store
-from imexd.fleet import seconds_text, table
+from imexd.health.fleet import seconds_text, table
 from imexd.messages import WorkloadRecord
 from imexd.names import job_of
 from imexd.settings import Settings

@@ -53,7 +53,7 @@ from imexd.channels.fleet import (
 from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
 from imexd.control.link import Link, Logged
 from imexd.control.store import Store
-from imexd.fleet import SeenReport
+from imexd.health.fleet import SeenReport
 from imexd.messages import WorkloadRecord, encode
 from imexd.settings import Settings
 
