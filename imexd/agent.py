@@ -1,10 +1,11 @@
 """The agent: one root coroutine that keeps this node's IMEX daemon in its domain.
 
 `run(settings, stop=..., handover=...)` wires the pieces together and owns their
-lifecycle; what it decides lives elsewhere: the shard view (imexd.shard) judges the
-records of our (domain, clique), the reconciler (imexd.reconcile) writes the files and
-drives the supervisor, fleet and health (imexd.fleet, imexd.health) judge the facts, and
-imexd.guard contains the failures of each task. Named long-lived tasks, each with a
+lifecycle; what it decides lives elsewhere: the shard view (imexd.membership.shard)
+judges the records of our (domain, clique), the reconciler (imexd.reconcile) writes the
+files and drives the supervisor, fleet and health (imexd.health.fleet,
+imexd.health.conditions) judge the facts, and imexd.guard contains the failures of each
+task. Named long-lived tasks, each with a
 heartbeat that /healthz watches:
 
 - `events`: reads the bus (our shard's records, the domain's spec, our assignment and
@@ -19,7 +20,7 @@ heartbeat that /healthz watches:
   periodically (imexd.daemon.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
-- `channels`: the channel devices of the domain's workloads (imexd.channel_keeper);
+- `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
 - `rebuild`: gives a broker that lost its retained state back the spec, workloads and
   assignment this node follows (imexd.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
@@ -39,10 +40,9 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Final
 
-from imexd import membership as mb
 from imexd.bus.events import Event, WillSpec
 from imexd.bus.link import Bus
-from imexd.channel_keeper import ChannelKeeper
+from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
 from imexd.daemon.probes import DaemonProbes
 from imexd.daemon.state import PROBLEMS as DAEMON_PROBLEMS
@@ -53,12 +53,14 @@ from imexd.fabric import discover
 from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts
 from imexd.files import remove_stale_temps
 from imexd.guard import BEAT_S, Guard, describe
-from imexd.health import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
-from imexd.http import HealthServer
+from imexd.health.conditions import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
+from imexd.health.http import HealthServer
+from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
+from imexd.membership import slots as mb
+from imexd.membership.shard import Identity, Plan, ShardView
 from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
 from imexd.messages import now as wire_now
-from imexd.metrics import Metrics
 from imexd.names import client_id
 from imexd.pacer import Pacer
 from imexd.rebuild import Rebuilder
@@ -66,7 +68,6 @@ from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
 from imexd.sdnotify import Notifier
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
-from imexd.shard import Identity, Plan, ShardView
 from imexd.state import NodeState, StateStore
 from imexd.topics import Topics
 

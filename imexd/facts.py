@@ -1,8 +1,8 @@
 """What the agent knows about its node: one immutable snapshot of facts.
 
 The agent fills a `Facts` from what its components already track (bus, membership,
-supervisor, probes, fabric discovery, channel devices); `imexd.health` turns it into
-conditions and `imexd.fleet.sight` judges the node's domain from it. Its own module
+supervisor, probes, fabric discovery, channel devices); `imexd.health.conditions` turns
+it into conditions and `imexd.health.fleet.sight` judges the node's domain from it. Its own module
 because both read it and neither may import the other's rules: plain data, no behaviour,
 and only the leaf `imexd.daemon.state` from imexd.
 """
@@ -218,7 +218,7 @@ _NO_OPS: Final[Mapping[tuple[str, str], int]] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChannelFacts:
-    """The node's IMEX channel devices (imexd.channel_keeper keeps them)."""
+    """The node's IMEX channel devices (imexd.channels.keeper keeps them)."""
 
     managed: bool = True
     """`[channels] manage`: false means another tool owns dev_dir and imexd touches nothing."""

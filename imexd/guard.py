@@ -16,8 +16,8 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from imexd.health import Heartbeats
-from imexd.metrics import Metrics
+from imexd.health.conditions import Heartbeats
+from imexd.health.metrics import Metrics
 from imexd.retry import backoff_delay
 
 BEAT_S: Final = 1.0

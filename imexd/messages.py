@@ -160,7 +160,7 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     settled: float | None = None
     """Wall-clock seconds when this node's claim settled into `member`, kept unchanged
     while it stays a member (also across agent restarts); None for claims, standby and
-    agents that predate the field. Earlier wins a slot two members hold (membership.py)."""
+    agents that predate the field. Earlier wins a slot two members hold (membership/slots.py)."""
     channel_count: Count | None = None
     """The driver's ImexChannelCount on this node (None: unknown, or an agent that
     predates channels): it must be equal on every member (ChannelCountMismatch)."""
@@ -274,8 +274,9 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(problem)
 
 
-# What a HealthReport's conditions mean: the agent writes them (imexd.health), every
-# reader of reports (imexd.fleet, imexd.cli.query, the control plane) reads them back.
+# What a HealthReport's conditions mean: the agent writes them (imexd.health.conditions),
+# every reader of reports (imexd.health.fleet, imexd.cli.query, the control plane) reads
+# them back.
 
 BUS_CONNECTED: Final = "BusConnected"
 SLOT_SETTLED: Final = "SlotSettled"

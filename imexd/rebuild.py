@@ -67,6 +67,7 @@ import structlog
 from imexd.bus.events import Connected, Disconnected, Event, Synced
 from imexd.errors import BusError
 from imexd.guard import BEAT_S, Guard
+from imexd.health.metrics import Metrics
 from imexd.messages import (
     Assignment,
     BrokerEpoch,
@@ -78,7 +79,6 @@ from imexd.messages import (
     encode,
     now,
 )
-from imexd.metrics import Metrics
 from imexd.topics import TopicRef, Topics
 
 TASK: Final = "rebuild"

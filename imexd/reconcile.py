@@ -26,7 +26,7 @@ from imexd.daemon.supervisor import Supervisor
 from imexd.errors import FileWriteError
 from imexd.facts import LastWrite, Member
 from imexd.files import read_text_or_empty, write_atomic, write_file
-from imexd.metrics import Metrics
+from imexd.health.metrics import Metrics
 from imexd.render import remove_hosts_block, render_files
 from imexd.settings import Settings
 from imexd.state import NodeState

@@ -28,7 +28,7 @@ import msgspec
 
 from imexd.errors import ConfigError, ParseError
 from imexd.imex import EMPTY_SLOT_ADDRESS, IMEX_DEFAULTS, check_extra
-from imexd.membership import resolve
+from imexd.membership.slots import resolve
 from imexd.messages import MemberRecord, address_problem
 from imexd.settings import Settings
 
@@ -454,7 +454,7 @@ def dry_run(
 ) -> tuple[tuple[str, str, str], ...]:
     """What the agent would write for these records: (path, file name, text) per file.
 
-    Slots come from `membership.resolve`, the rule the agent applies to the same
+    Slots come from `slots.resolve`, the rule the agent applies to the same
     records, so the dry run cannot disagree with the agent: two records on one slot
     render the one the agent would keep. ParseError when the records disagree with the
     settings or each other; RenderError (a ValueError) when one cannot be rendered.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from imexd import facts as fx
-from imexd import health as hl
+from imexd.health import conditions as hl
 from imexd.messages import DomainSpec, HealthReport, MemberRecord, MemberState
 
 NOW = 1_800_000_000.0

@@ -28,9 +28,9 @@ from imexd import guard, reconcile
 from imexd.agent import EXIT_HANDOVER, Agent
 from imexd.daemon.state import DaemonState
 from imexd.demo.brokers import Mosquitto
-from imexd.health import Heartbeats
+from imexd.health.conditions import Heartbeats
+from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
-from imexd.metrics import Metrics
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node, end_in_process
 

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from imexd.bus.events import Connected, Disconnected, SubscribeRefused, Synced
-from imexd.channel_keeper import ChannelKeeper
+from imexd.channels.keeper import ChannelKeeper
 from imexd.demo.nodes import CHANNEL_MAJOR, fake_driver
 from imexd.facts import ChannelFacts, ChannelState, Facts
 from imexd.guard import Guard
-from imexd.health import Heartbeats
+from imexd.health.conditions import Heartbeats
+from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received, WorkloadRecord
-from imexd.metrics import Metrics
 from imexd.settings import ChannelsSettings
 from imexd.topics import TopicRef, Topics
 

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped] # no stubs
 
-from imexd.channels import (
+from imexd.channels.devices import (
     CDI_KIND,
     CONTAINER_DEV_DIR,
     DEVICE_NAME,

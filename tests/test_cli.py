@@ -286,8 +286,8 @@ def test_a_control_command_loads_no_logging_stack() -> None:
 
 def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
     """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed)
-    and aiohttp (its HTTP endpoint is imexd.http's own) out of the agent's process; it has
-    imported the agent's modules when it reaches the settings check here (exit 2)."""
+    and aiohttp (its HTTP endpoint is imexd.health.http's own) out of the agent's process; it
+    has imported the agent's modules when it reaches the settings check here (exit 2)."""
     code = (
         "__import__('imexd.cli.main').cli.main.main(['run', '--config', '/nonexistent/imexd.toml'])"
     )

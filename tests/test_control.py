@@ -38,7 +38,7 @@ from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
-from imexd.fleet import (
+from imexd.health.fleet import (
     render_list,
 )
 from imexd.messages import Assignment, DomainSpec, MemberState, Presence, encode, json_schemas

@@ -27,7 +27,7 @@ import pytest
 
 from imexd.cli.main import main
 from imexd.demo import DemoError, brokers, scenario, screen
-from imexd.fleet import judge
+from imexd.health.fleet import judge
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
 RUN_TIMEOUT_S = 90.0

@@ -6,8 +6,8 @@ the control plane against a test broker), and every other one is said not to be 
 with why); all of them must parse with the real CLI, and the `--help` of each runs.
 
 Reasons are read from the source with `ast` rather than listed here, so a new condition
-reason or supervisor code in `imexd/health.py` or `imexd/daemon/state.py` fails this file until
-docs/troubleshooting.md explains it.
+reason or supervisor code in `imexd/health/conditions.py` or `imexd/daemon/state.py`
+fails this file until docs/troubleshooting.md explains it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TROUBLESHOOTING = DOCS / "troubleshooting.md"
-HEALTH_SOURCES = tuple(ROOT / "imexd" / name for name in ("health.py", "fleet.py", "messages.py"))
+HEALTH_SOURCES = tuple(
+    ROOT / "imexd" / name for name in ("health/conditions.py", "health/fleet.py", "messages.py")
+)
 DAEMON_SOURCE = ROOT / "imexd" / "daemon" / "state.py"
 
 DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' && .venv/bin/imexd demo"
@@ -72,7 +74,7 @@ def _prose_lines(text: str) -> Iterator[str]:
 
 @cache
 def _health_reasons() -> frozenset[str]:
-    """Reason literals of the conditions (health.py, fleet.sight, messages.failing):
+    """Reason literals of the conditions (health/conditions.py, fleet.sight, messages.failing):
     `_Verdict(status, reason, ...)`, `Sight(status, reason, ...)` and `reason="..."`."""
     reasons: set[str] = set()
     trees = [ast.parse(source.read_text()) for source in HEALTH_SOURCES]
@@ -161,14 +163,15 @@ def _relative_links(path: Path) -> Iterator[str]:
 
 
 def test_health_reasons_are_found() -> None:
-    """The reason extractor finds the reasons health.py is known to produce."""
+    """The reason extractor finds the reasons health/conditions.py is known to produce."""
     assert {"PeersUnreachable", "PublishRefused", "DaemonCrashLoop", "Missing"} <= (
         _health_reasons()
     )
 
 
 def test_every_health_reason_is_in_troubleshooting() -> None:
-    """Every condition reason health.py can produce is explained in troubleshooting.md."""
+    """Every condition reason health/conditions.py can produce is explained in
+    troubleshooting.md."""
     text = TROUBLESHOOTING.read_text()
     missing = sorted(r for r in _health_reasons() if f"`{r}`" not in text)
     assert not missing, f"docs/troubleshooting.md does not explain: {missing}"

@@ -1,5 +1,5 @@
 """The domain judgement and its tables: pure functions over HealthReports built by the
-real health model (`imexd.fleet.judge`, `render_status`, `status_json`)."""
+real health model (`imexd.health.fleet.judge`, `render_status`, `status_json`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from imexd import facts as fx
-from imexd.fleet import (
+from imexd.health.fleet import (
     FUTURE_SKEW_S,
     STALE_INTERVALS,
     START_GRACE_INTERVALS,

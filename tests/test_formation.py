@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 from imexd.agent import Agent
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.demo.brokers import Mosquitto
-from imexd.membership import Phase
+from imexd.membership.slots import Phase
 from imexd.settings import Settings, settings_from_mapping
 from tests.cluster import BusClient, Cluster, Node, formed, members
 from tests.faultproxy import FaultProxy
@@ -366,7 +366,7 @@ async def test_no_shared_slot_and_one_start_per_round_with_deliveries_delayed(
             # operator would configure such a link. With FAST's 2 s timeout the link is
             # declared dead again and again, a reconnect can outlast the 2 s will delay,
             # and the slot it held is taken meanwhile: a partition, which the settled
-            # stamps resolve (membership.py), not the barrier this test is about.
+            # stamps resolve (membership/slots.py), not the barrier this test is about.
             nodes[0].sections["bus"]["ping_interval_s"] = DELAYED_PING_S
             lanes.append(_Lane(name, nodes, bus, logs, random.Random(11 + index)))
         async with asyncio.TaskGroup() as group:

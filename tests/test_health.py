@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from imexd import fleet, health, messages
+from imexd import messages
 from imexd.facts import (
     BusFacts,
     ChannelFacts,
@@ -23,7 +23,9 @@ from imexd.facts import (
     MembershipFacts,
     SlotLink,
 )
-from imexd.health import Health, Heartbeats
+from imexd.health import conditions as health
+from imexd.health import fleet
+from imexd.health.conditions import Health, Heartbeats
 from imexd.messages import Condition, HealthReport
 
 T0 = 1_000.0

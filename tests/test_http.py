@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd import health, messages
+from imexd import messages
 from imexd.errors import FatalError
 from imexd.facts import (
     BusFacts,
@@ -28,10 +28,11 @@ from imexd.facts import (
     MembershipFacts,
     SlotLink,
 )
-from imexd.health import Health, Heartbeats
-from imexd.http import HealthServer, ServerLimits
+from imexd.health import conditions as health
+from imexd.health.conditions import Health, Heartbeats
+from imexd.health.http import HealthServer, ServerLimits
+from imexd.health.metrics import CONTENT_TYPE, Metrics
 from imexd.messages import HealthReport
-from imexd.metrics import CONTENT_TYPE, Metrics
 
 MEMBERS = {0: Member("n1", "127.0.0.1"), 1: Member("n2", "127.0.0.2")}
 READY = Facts(

@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from imexd import health
-from imexd import membership as mb
 from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
+from imexd.health import conditions as health
+from imexd.health.metrics import Metrics
+from imexd.membership import slots as mb
+from imexd.membership.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
-from imexd.metrics import Metrics
 from imexd.reconcile import Desired
-from imexd.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.state import NodeState
 from imexd.topics import TopicRef
 from tests.test_shard import (
@@ -178,7 +178,7 @@ def test_observers_keep_the_incumbent_in_their_files() -> None:
 
 def test_a_fresh_observer_that_sees_both_in_one_snapshot_ranks_them() -> None:
     """With no incumbent known (both records in our first snapshot), the stamps decide:
-    what a lying node can still do, documented in imexd.membership."""
+    what a lying node can still do, documented in imexd.membership.slots."""
     v = view()
     n2 = rec("n2", 1)
     v.apply(received(n2), 0.0)

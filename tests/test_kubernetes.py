@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from imexd.cli.main import build_parser
-from imexd.http import PATHS
+from imexd.health.http import PATHS
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView, encode
 from imexd.settings import (
     DEFAULT_CONFIG_PATH,

@@ -133,9 +133,9 @@ def _calls_fleet_judge(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-JUDGE_HOMES = {"imexd.fleet", "imexd.workload_fleet"}
+JUDGE_HOMES = {"imexd.health.fleet", "imexd.channels.fleet"}
 """The homes of judgements: whether a domain is UP (fleet), whether a workload's channel
-is ready on its nodes (workload_fleet)."""
+is ready on its nodes (channels.fleet)."""
 
 
 def test_the_domain_is_judged_in_fleet_only() -> None:
@@ -162,7 +162,6 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     # metrics and the fleet's link facts. Never the bus, the agent or the control plane.
     "imexd.daemon": frozenset(
         {
-            "imexd",
             "imexd.errors",
             "imexd.imex",
             "imexd.logs",
@@ -170,9 +169,10 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.retry",
             "imexd.settings",
             "imexd.facts",
-            "imexd.fleet",
+            "imexd.health",
+            "imexd.health.fleet",
             "imexd.guard",
-            "imexd.metrics",
+            "imexd.health.metrics",
         }
     ),
     # The message bus: the leaves below it. Never the shard, the agent, health or the
@@ -184,6 +184,55 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.messages",
             "imexd.names",
             "imexd.retry",
+            "imexd.settings",
+            "imexd.topics",
+        }
+    ),
+    # Membership: the pure slot rules and the agent's view of its shard. The contract,
+    # the bus's events (no I/O), the facts it fills, the settings, the state file's record
+    # and the reconciler's `Desired`; never the agent, the bus's link, health or the
+    # control plane.
+    "imexd.membership": frozenset(
+        {
+            "imexd.bus.events",
+            "imexd.facts",
+            "imexd.messages",
+            "imexd.reconcile",
+            "imexd.settings",
+            "imexd.state",
+            "imexd.topics",
+        }
+    ),
+    # IMEX channels: the leaves and the contract; the domain's fleet module (report
+    # freshness, tables); for the keeper task the bus's events and the agent's guard.
+    # Never the agent, the command line or the control plane, which call in.
+    "imexd.channels": frozenset(
+        {
+            "imexd.bus",
+            "imexd.errors",
+            "imexd.facts",
+            "imexd.files",
+            "imexd.health.fleet",
+            "imexd.guard",
+            "imexd.logs",
+            "imexd.messages",
+            "imexd.retry",
+            "imexd.settings",
+            "imexd.topics",
+        }
+    ),
+    # Health: the leaves and the contract, `imexd` for the version, and the types of the
+    # daemon's ctl table (fleet, for type checking only). Never the agent, the bus, the
+    # command line or the control plane, which read its judgements.
+    "imexd.health": frozenset(
+        {
+            "imexd",
+            "imexd.daemon.ctl",
+            "imexd.errors",
+            "imexd.facts",
+            "imexd.imex",
+            "imexd.logs",
+            "imexd.messages",
             "imexd.settings",
             "imexd.topics",
         }

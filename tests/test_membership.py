@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imexd.membership import (
+from imexd.membership.slots import (
     ClaimState,
     Decision,
     Echo,

@@ -28,7 +28,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd import health
 from imexd.facts import (
     BusFacts,
     ChannelFacts,
@@ -38,9 +37,10 @@ from imexd.facts import (
     Member,
     MembershipFacts,
 )
-from imexd.http import PATHS
+from imexd.health import conditions as health
+from imexd.health.http import PATHS
+from imexd.health.metrics import Metrics
 from imexd.messages import CONDITION_TYPES
-from imexd.metrics import Metrics
 from tests.support import IMEXD
 
 ROOT = Path(__file__).resolve().parent.parent

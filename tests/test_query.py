@@ -18,10 +18,10 @@ import pytest
 from imexd.cli.query import print_report
 from imexd.demo.brokers import free_port
 from imexd.facts import BusFacts, DaemonFacts, Facts, Member, MembershipFacts
-from imexd.health import Health, Heartbeats
-from imexd.http import HealthServer
+from imexd.health.conditions import Health, Heartbeats
+from imexd.health.http import HealthServer
+from imexd.health.metrics import Metrics
 from imexd.messages import HealthReport
-from imexd.metrics import Metrics
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 READY = Facts(

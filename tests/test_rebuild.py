@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from imexd.bus.events import Connected, Disconnected, Synced
 from imexd.guard import Guard
-from imexd.health import Heartbeats
+from imexd.health.conditions import Heartbeats
+from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.messages import (
     Assignment,
@@ -24,7 +25,6 @@ from imexd.messages import (
     decode_message,
     encode,
 )
-from imexd.metrics import Metrics
 from imexd.rebuild import TASK, Held, Outcome, Rebuild, Rebuilder, Verdict, decide, verdict
 from imexd.topics import Topics
 

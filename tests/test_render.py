@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from imexd.cli.main import main
 from imexd.errors import ConfigError
 from imexd.imex import EMPTY_SLOT_ADDRESS, check_extra
-from imexd.membership import resolve
+from imexd.membership.slots import resolve
 from imexd.messages import MemberRecord, MemberState, address_problem
 from imexd.render import (
     RenderError,

@@ -10,7 +10,6 @@ import hypothesis.strategies as st
 import msgspec
 from hypothesis import given
 
-from imexd import membership as mb
 from imexd.bus.events import (
     BrokerChecked,
     Connected,
@@ -21,17 +20,8 @@ from imexd.bus.events import (
     Synced,
 )
 from imexd.logs import get_logger
-from imexd.messages import (
-    MAX_HOLD_S,
-    Deleted,
-    DomainSpec,
-    MemberRecord,
-    MemberState,
-    Presence,
-    Received,
-)
-from imexd.reconcile import Desired
-from imexd.shard import (
+from imexd.membership import slots as mb
+from imexd.membership.shard import (
     DOUBT_S,
     FIRST_START_WINDOWS,
     OVERWRITE_PACE_S,
@@ -42,6 +32,16 @@ from imexd.shard import (
     Plan,
     ShardView,
 )
+from imexd.messages import (
+    MAX_HOLD_S,
+    Deleted,
+    DomainSpec,
+    MemberRecord,
+    MemberState,
+    Presence,
+    Received,
+)
+from imexd.reconcile import Desired
 from imexd.state import NodeState
 from imexd.topics import TopicRef, Topics
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from imexd import fleet
 from imexd.daemon.ctl import parse_domain_json
+from imexd.health import fleet
 
 NAMES = {0: "n0", 1: "n1", 2: "n2"}
 

@@ -22,12 +22,13 @@ from typing import Any
 import msgspec
 import pytest
 
+from imexd.channels.fleet import judge_workload, render_workload_status
 from imexd.cli.main import main
 from imexd.control import workloads
 from imexd.control.commands import load_control_settings
 from imexd.control.link import Logged
 from imexd.demo.brokers import Mosquitto
-from imexd.fleet import SeenReport
+from imexd.health.fleet import SeenReport
 from imexd.messages import (
     ChannelInfo,
     ChannelsView,
@@ -38,7 +39,6 @@ from imexd.messages import (
 )
 from imexd.settings import Settings
 from imexd.topics import Topics
-from imexd.workload_fleet import judge_workload, render_workload_status
 from tests.reports import member_record, report
 from tests.support import raw_client
 from tests.test_control import retained, valid

@@ -632,4 +632,3 @@ def _no_delay(inner: aiomqtt.Client) -> None:
     sock = inner._client.socket()
     if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-

@@ -12,11 +12,11 @@ and reads the two retained outputs they publish (`MemberRecord`s and `HealthRepo
   health reports and the domain's workloads are cleared (see `commands.delete` for what
   happens at the timeout);
 - `domain list`, `domain status NAME [--json] [--watch] [--wait S]`: tables judged by the
-  pure `imexd.fleet.judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
+  pure `imexd.health.fleet.judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
 - `node assign NODE DOMAIN`, `node unassign NODE`;
 - `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
   IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
-  clients (see `workloads`), judged by the pure `imexd.workload_fleet.judge_workload`.
+  clients (see `workloads`), judged by the pure `imexd.channels.fleet.judge_workload`.
 - `gc [--live-jobs IDS | --live-jobs-file FILE] [--older-than S] [--apply]`: the domains
   and workloads dead Slurm jobs left (`job-<id>`), listed, and deleted with `--apply`
   through the two deletes above (see `gc` for the selectors and the in-use rule).

@@ -19,10 +19,11 @@ from typing import Final, TextIO
 import msgspec
 
 from imexd import preflight
+from imexd.channels.fleet import channel_conflicts, conflict_line
 from imexd.control.link import Link
 from imexd.control.store import Store, summarize
 from imexd.errors import BusError
-from imexd.fleet import (
+from imexd.health.fleet import (
     DomainState,
     DomainStatus,
     judge,
@@ -41,7 +42,6 @@ from imexd.messages import (
 )
 from imexd.messages import now as wire_now
 from imexd.settings import Settings, load_settings
-from imexd.workload_fleet import channel_conflicts, conflict_line
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1

@@ -30,15 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TextIO
 
+from imexd.channels.fleet import judge_workload
 from imexd.control import commands, workloads
 from imexd.control.commands import EXIT_FAILED, EXIT_OK
 from imexd.control.link import Link
 from imexd.control.store import Store
-from imexd.fleet import seconds_text, table
+from imexd.health.fleet import seconds_text, table
 from imexd.messages import WorkloadRecord
 from imexd.names import job_of
 from imexd.settings import Settings
-from imexd.workload_fleet import judge_workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Pure: the link feeds it decoded messages (`apply`), the commands ask it questions
 (`elsewhere`, `last_seen`, ...) and `summarize` judges every domain it knows with the
-fleet's one judgement (`imexd.fleet.judge`).
+fleet's one judgement (`imexd.health.fleet.judge`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from imexd.fleet import DomainSummary, SeenReport, judge, seconds_text
+from imexd.health.fleet import DomainSummary, SeenReport, judge, seconds_text
 from imexd.messages import (
     Assignment,
     Deleted,

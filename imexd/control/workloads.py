@@ -4,7 +4,7 @@ A workload is a named user of a domain's IMEX, isolated from the domain's other 
 by its own IMEX channel. The control plane writes one retained `WorkloadRecord` per
 workload on `{p}/domains/{d}/workloads/{w}`; the agents of the nodes it lists make the
 channel's device node (plus a CDI spec and an env file) and report it in their
-HealthReport's `channels`, which `imexd.fleet.judge_workload` judges.
+HealthReport's `channels`, which `imexd.channels.fleet.judge_workload` judges.
 
 Channels are unique within a domain. Allocation (`create` without `--channel`) takes the
 lowest channel from 1 that no other workload of the domain holds, below the smallest
@@ -39,13 +39,7 @@ from typing import Final, TextIO
 
 import msgspec
 
-from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
-from imexd.control.link import Link, Logged
-from imexd.control.store import Store
-from imexd.fleet import SeenReport
-from imexd.messages import WorkloadRecord, encode
-from imexd.settings import Settings
-from imexd.workload_fleet import (
+from imexd.channels.fleet import (
     WorkloadStatus,
     channel_conflicts,
     conflict_line,
@@ -56,6 +50,12 @@ from imexd.workload_fleet import (
     workload_list_json,
     workload_status_json,
 )
+from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
+from imexd.control.link import Link, Logged
+from imexd.control.store import Store
+from imexd.health.fleet import SeenReport
+from imexd.messages import WorkloadRecord, encode
+from imexd.settings import Settings
 
 EXIT_NO_CHANNEL: Final = 3
 DEFAULT_CHANNEL_COUNT: Final = 2048

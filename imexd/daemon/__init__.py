@@ -10,7 +10,7 @@ stops `nvidia-imex`.
 
 It imports the leaves (`imexd.imex`, `imexd.errors`, `imexd.logs`, `imexd.settings`,
 `imexd.retry`, `imexd.process`); `probes`, the agent's task, also `imexd.guard` (its
-heartbeat), `imexd.metrics` and `imexd.fleet` (the link facts). Nothing here imports
-the agent, the bus or the control plane; `imexd.facts` and `imexd.fleet` import the
-snapshot types of `state` and `ctl`.
+heartbeat), `imexd.health.metrics` and `imexd.health.fleet` (the link facts). Nothing
+here imports the agent, the bus or the control plane; `imexd.facts` and
+`imexd.health.fleet` import the snapshot types of `state` and `ctl`.
 """

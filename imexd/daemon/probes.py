@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from imexd import fleet
 from imexd.daemon.ctl import Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.facts import LinkFacts
 from imexd.guard import BEAT_S, Guard
-from imexd.metrics import Metrics
+from imexd.health import fleet
+from imexd.health.metrics import Metrics
 
 if TYPE_CHECKING:
     from imexd.daemon.supervisor import Supervisor

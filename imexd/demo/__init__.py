@@ -20,7 +20,7 @@ One job per module:
 - `scenario`: the four acts (form, kill a daemon, kill an agent, leave), what they
   measure, and the cleanup.
 
-The domain is judged as `imexd domain status` judges it (`imexd.fleet.judge`).
+The domain is judged as `imexd domain status` judges it (`imexd.health.fleet.judge`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from imexd.demo.nodes import (
 from imexd.demo.screen import Screen, headline, table_lines
 from imexd.demo.timings import FAST
 from imexd.errors import BusError, ConfigError
-from imexd.fleet import DomainStatus, SeenReport, judge
+from imexd.health.fleet import DomainStatus, SeenReport, judge
 from imexd.messages import HealthReport
 from imexd.settings import Settings, load_settings
 

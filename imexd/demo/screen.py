@@ -1,8 +1,8 @@
 """What the demo shows: the table of nodes, its colours, and the terminal it is drawn on.
 
 Pure rendering of what the scenario knows (each agent's HealthReport, how its processes
-are), laid out by `imexd.fleet.table` like every table imexd prints; only the colours and
-the redrawing in place belong to the demo.
+are), laid out by `imexd.health.fleet.table` like every table imexd prints; only the
+colours and the redrawing in place belong to the demo.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Final, TextIO
 
-from imexd.fleet import table
+from imexd.health.fleet import table
 from imexd.messages import HealthReport, failing
 
 SNAPSHOT_EVERY_S: Final = 1.0

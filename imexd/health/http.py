@@ -35,9 +35,9 @@ import msgspec
 
 from imexd import messages
 from imexd.errors import FatalError
-from imexd.health import Health, Heartbeats
+from imexd.health.conditions import Health, Heartbeats
+from imexd.health.metrics import CONTENT_TYPE, Metrics
 from imexd.logs import get_logger
-from imexd.metrics import CONTENT_TYPE, Metrics
 from imexd.settings import parse_listen
 
 PATHS: Final = ("/healthz", "/readyz", "/status", "/metrics")

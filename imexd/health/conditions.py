@@ -5,8 +5,8 @@ operator can read in `/readyz`, `imexd status` or `imexd domain status` is teste
 plain asserts. The agent fills one `imexd.facts.Facts` snapshot; `conditions` turns it
 into Kubernetes-style conditions whose `since` stays put while status and reason do not
 change, and `report` builds the payload served at `/status` and published on the bus.
-Whether the domain is UP is not decided here: DomainUp is `imexd.fleet.sight`'s verdict.
-The condition types and readiness (`messages.ready`, `failing`, `describe`) belong to the
+Whether the domain is UP is not decided here: DomainUp is `imexd.health.fleet.sight`'s
+verdict. The condition types and readiness (`messages.ready`, `failing`, `describe`) belong to the
 HealthReport contract in imexd.messages. `Health` keeps the latest snapshot for the HTTP
 handlers, and `Heartbeats` is the liveness side: wedged tasks, never the broker or the
 peers.
@@ -21,8 +21,9 @@ from typing import Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd import fleet, messages, topics
+from imexd import messages, topics
 from imexd.facts import ChannelFacts, DaemonFacts, Facts
+from imexd.health import fleet
 from imexd.messages import (
     BUS_CONNECTED,
     CHANNELS_READY,

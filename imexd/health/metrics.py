@@ -18,8 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from imexd import __version__, fleet, messages
+from imexd import __version__, messages
 from imexd.facts import DAEMON_STATES, Facts
+from imexd.health import fleet
 from imexd.messages import Condition, DropReason
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST

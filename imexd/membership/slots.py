@@ -130,7 +130,7 @@ Incumbency: who keeps a slot that two members claim
     A member that has held its slot over a continuous link keeps it against any member
     record that appears on it later, whatever that record's stamp or name (`step`,
     `incumbent=True`): it never claims again because of another node's record, and its
-    daemon keeps running (imexd.shard states the rule for the daemon). Every other node
+    daemon keeps running (imexd.membership.shard states the rule for the daemon). Every other node
     keeps the incumbent in its files (`resolve`, `incumbents`), and all of them report
     the conflict (SlotContested).
     Continuity is what the node can know about its own record: it has stood on the

@@ -3,9 +3,9 @@
 `judge_workload` reads a workload's record and its domain's health reports and says
 READY, PENDING, FAILED or UNKNOWN, with one row per listed node; `imexd workload status`,
 `workload list` and `workload create --wait` use it (a Slurm prolog that ran
-`domain create --channel` waits with `workload status --wait`). Apart
-from imexd.fleet, which judges whether a *domain* is UP, because a channel is a different
-question asked by different commands; both judge reports alike (`report_state`: fresh,
+`domain create --channel` waits with `workload status --wait`). Apart from
+imexd.health.fleet, which judges whether a *domain* is UP, because a channel is a
+different question asked by different commands; both judge reports alike (`report_state`: fresh,
 stale or stamped in the future).
 """
 
@@ -17,7 +17,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from imexd.fleet import (
+from imexd.health.fleet import (
     AGENT_DOWN,
     CLOCK_SKEW,
     FUTURE_SKEW_S,

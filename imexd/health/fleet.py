@@ -8,14 +8,15 @@ answers which question:
   link between two live members names both ends. The agent calls it after each probe.
 - `sight(facts)`: is the domain UP as this node sees it (its DomainUp condition and its
   UP/DEGRADED/DOWN/FORMING verdict); `domain_view(facts)` is the same verdict per member,
-  for the node's HealthReport. imexd.health only wraps `sight` into the condition.
+  for the node's HealthReport. imexd.health.conditions only wraps `sight` into the
+  condition.
 - `judge(spec, records, reports, ...)`: is the domain UP from every member's record and
   report on the bus: `imexd domain status` and `domain list`, `domain status --wait`
   (Slurm prologs), the demo and the benchmarks. It reads the nodes' DomainUp conditions
   and domain views, so a change of `sight` shows in `judge` too.
-- `judge_workload(record, reports, members, ...)`: is a workload's IMEX channel ready on
-  every node it lists (`imexd workload create --wait`, `workload status` and `list`),
-  from the ChannelInfo each node's report carries.
+- `judge_workload(record, reports, members, ...)`, in `imexd.channels.fleet`: is a
+  workload's IMEX channel ready on every node it lists (`imexd workload create --wait`,
+  `workload status` and `list`), from the ChannelInfo each node's report carries.
 
 The tables they print are rendered here too, so the same judgement reads the same
 everywhere.

@@ -8,7 +8,7 @@ a clock: events go in through `apply(event, now)`, a step comes out of `derive(n
 ...)` as a `Plan`, and `commit(plan)` keeps it once the agent has published. The agent
 (imexd.agent) only does the I/O: subscribing, publishing, saving state, reconciling.
 
-What the view guards against, beyond the slot rules of `imexd.membership`:
+What the view guards against, beyond the slot rules of `imexd.membership.slots`:
 - a broker restart: records of the previous link stay, unconfirmed, until the new link
   confirms them or `confirm_grace_s` passes, so the hosts block is not rewritten (and
   SIGUSR1 sent twice) for a membership that never changed;
@@ -20,8 +20,8 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   that cancels the drop, so files and SIGUSR1 never see the blip;
 - claims that never settle: they stop counting after `claim_stale_s`;
 - a claim settled by a stale barrier: the live echo of our own claim settles it (see
-  imexd.membership), so the view counts what we published and is still in flight, takes
-  the barrier (`membership.Echo`) at the echo of the last of it, and after a reconnect
+  imexd.membership.slots), so the view counts what we published and is still in flight, takes
+  the barrier (`slots.Echo`) at the echo of the last of it, and after a reconnect
   re-publishes a claim in flight and waits for the new link's echo;
 - a daemon started before its domain formed: the first start in a shard waits, at most
   `FIRST_START_WINDOWS` x `[domain] settle_s`, while claims of the shard are in flight
@@ -40,7 +40,7 @@ What the view guards against, beyond the slot rules of `imexd.membership`:
   incarnation) came first, which we resume;
 - another node's record reaching a running daemon: every plan passes `own_change`, the
   one rule of when a settled member's daemon may stop or restart (DESIGN.md invariant
-  1), and the view keeps what `imexd.membership`'s incumbency needs: whether our own
+  1), and the view keeps what `imexd.membership.slots`'s incumbency needs: whether our own
   record stood without a break (`continuous`) and who held each other slot first
   (`incumbents`).
 
@@ -48,7 +48,7 @@ Why one module of about 1100 lines: every guard above reads and writes the same 
 the shard (kept, unconfirmed, held for a lost peer, doubted after a deletion) and the
 same claim in flight (its echo, the link's broker check); split by guard, each piece
 would reach into the others' private state. The slot rules themselves live in
-`imexd.membership`, the records' wire format in `imexd.messages`.
+`imexd.membership.slots`, the records' wire format in `imexd.messages`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ from typing import Final
 
 import structlog
 
-from imexd import membership as mb
 from imexd.bus.events import (
     BrokerChecked,
     Connected,
@@ -75,6 +74,7 @@ from imexd.bus.events import (
     WillSpec,
 )
 from imexd.facts import Contest, Member, MembershipFacts, MembershipState
+from imexd.membership import slots as mb
 from imexd.messages import (
     MAX_HOLD_S,
     Deleted,
@@ -326,7 +326,7 @@ class ShardView:
     @property
     def incumbent(self) -> bool:
         """We hold our slot first: our record stood without a break, on links that keep
-        the broker's order (see imexd.membership, "Incumbency")."""
+        the broker's order (see imexd.membership.slots, "Incumbency")."""
         return self.continuous and self.ordered
 
     @classmethod

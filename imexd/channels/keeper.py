@@ -2,9 +2,9 @@
 
 The control plane writes a `WorkloadRecord` per workload of a domain; `ChannelKeeper`
 follows the workloads of the node's domain (its own subscription on the agent's bus),
-and its task `channels` makes what `imexd.channels.plan` says the node should have:
-device nodes, CDI specs and env files (`imexd.channels.Devices`, in a worker thread).
-It keeps `ChannelFacts` for health, metrics and the HealthReport.
+and its task `channels` makes what `imexd.channels.devices.plan` says the node should
+have: device nodes, CDI specs and env files (`imexd.channels.devices.Devices`, in a
+worker thread). It keeps `ChannelFacts` for health, metrics and the HealthReport.
 
 When it removes, and when not:
 
@@ -15,8 +15,8 @@ When it removes, and when not:
 - a workload deleted, the node dropped from its `nodes`, or the domain left: its device
   node, CDI spec and env file go at the next apply;
 - a channel that two active records of the domain claim: the one that held it first
-  keeps it (`imexd.channels.channel_holders`: the order the records came in, and at start
-  the devices on disk), the other gets no device on any node;
+  keeps it (`imexd.channels.devices.channel_holders`: the order the records came in, and
+  at start the devices on disk), the other gets no device on any node;
 - the node leaving (SIGTERM): `clear()` removes everything of ours; a hand-over (SIGUSR2)
   keeps everything, for the next agent;
 - `[channels] manage = false`: the keeper makes and removes nothing and only reads the
@@ -41,7 +41,7 @@ from typing import Final, Protocol
 import structlog
 
 from imexd.bus.events import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
-from imexd.channels import (
+from imexd.channels.devices import (
     Applied,
     Devices,
     Driver,
@@ -126,7 +126,7 @@ class ChannelKeeper:
         self.driver = _UNREAD
         self.driver_logged = False
         self.held: dict[int, str] = {}
-        """Channel -> the workload that holds it in the domain (`channels.channel_holders`):
+        """Channel -> the workload that holds it in the domain (`devices.channel_holders`):
         sticky in a conflict, on every node, whatever the node lists."""
         self.seeded = False
         """`held` was read from the devices on disk: done once, before the first plan, so
