@@ -208,7 +208,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     # Never the agent, the command line or the control plane, which call in.
     "imexd.channels": frozenset(
         {
-            "imexd.bus",
+            "imexd.bus.events",
             "imexd.errors",
             "imexd.facts",
             "imexd.files",

@@ -14,7 +14,7 @@ The modules, lowest first:
 It imports the leaves and the contract (`imexd.errors`, `imexd.files`, `imexd.messages`,
 `imexd.settings`, `imexd.topics`, `imexd.retry`, `imexd.logs`, `imexd.facts`); `fleet`
 also `imexd.health.fleet` (report freshness and the table layout, shared with the
-domain's judgement); `keeper`, the agent's task, also the bus's events (`imexd.bus`) and
+domain's judgement); `keeper`, the agent's task, also the bus's events (`imexd.bus.events`) and
 `imexd.guard` (its heartbeat). Nothing here imports the agent, the command line or the
 control plane, which call in.
 """
