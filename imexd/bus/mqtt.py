@@ -468,6 +468,15 @@ class MessageStream:
         )
 
 
+_NO_DELAY: Final = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
+"""Send each packet at once (TCP_NODELAY; paho leaves Nagle's algorithm on). A round trip
+of imexd is a few small packets written back to back (a SUBSCRIBE, then the ping that
+proves its snapshot; a claim, then its barrier): with Nagle's algorithm the second waits
+for the ACK of the first, which the peer's kernel delays by up to 40 ms (seen as 44 ms
+per round trip of `imexd workload create` on loopback). A Unix socket has no such
+option."""
+
+
 def _client(
     settings: BusSettings,
     broker: BrokerURL,
@@ -519,6 +528,7 @@ def _client(
         broker.path if unix else broker.host,
         broker.port or 1883,
         transport="unix" if unix else "tcp",
+        socket_options=() if unix else _NO_DELAY,
         username=settings.username or None,
         password=password,
         identifier=client_id,
@@ -615,20 +625,5 @@ async def connect(
         # own iterator and `__aexit__`; we learn of the end from `_watch` (and read the
         # cause there), so a link that ends while no one awaits it is not a lost error.
         inner._disconnected.add_done_callback(_own_end)
-        _no_delay(inner)
         return client
     raise AssertionError("protocol_versions() is never empty")  # pragma: no cover
-
-
-def _no_delay(inner: aiomqtt.Client) -> None:
-    """Send each packet at once (TCP_NODELAY; paho leaves Nagle's algorithm on).
-
-    A round trip of imexd is a few small packets written back to back (a SUBSCRIBE, then
-    the ping that proves its snapshot; a claim, then its barrier): with Nagle's algorithm
-    the second waits for the ACK of the first, which the broker's kernel delays by up to
-    40 ms. Seen as 44 ms per round trip of `imexd workload create` on loopback. A Unix
-    socket or TLS over one has no such option: left alone.
-    """
-    sock = inner._client.socket()
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
