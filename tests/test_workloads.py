@@ -40,7 +40,7 @@ from imexd.messages import (
 from imexd.settings import Settings
 from imexd.topics import Topics
 from tests.reports import member_record, report
-from tests.support import raw_client
+from tests.support import cancel_and_wait, raw_client
 from tests.test_control import retained, valid
 
 T = Topics("imex/v2")
@@ -631,9 +631,7 @@ async def fake_agent(
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 async def test_create_waits_until_every_listed_node_has_the_channel(
