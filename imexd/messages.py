@@ -220,8 +220,10 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, SlotView] = msgspec.field(default_factory=dict)
 
 
-class ChannelInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """One workload's channel on this node, as the agent made it (or could not)."""
+class ChannelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One workload's channel on this node, as the agent made it (or could not). A ready
+    one is sent without its empty reason and message, so that 200 workloads fit a report
+    (`HealthReport`, MAX_PAYLOAD) instead of the last ones being omitted."""
 
     workload: WorkloadName
     channel: Channel

@@ -80,6 +80,7 @@ def report(
         ),
         daemon=daemon,
         domain_probe=probe,
+        channels=fx.ChannelFacts(synced=True, count=8, major=242),
     )
     return hl.report(facts, hl.conditions(facts, [], at if since is None else since), at)
 

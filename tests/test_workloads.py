@@ -30,8 +30,10 @@ from imexd.control.link import Logged
 from imexd.demo.brokers import Mosquitto
 from imexd.health.fleet import SeenReport
 from imexd.messages import (
+    CHANNELS_READY,
     ChannelInfo,
     ChannelsView,
+    Condition,
     DomainSpec,
     HealthReport,
     WorkloadRecord,
@@ -697,6 +699,32 @@ async def test_delete_waits_until_no_node_lists_the_workload(
     assert await records(broker) == {}
     assert await cli("workload", "delete", "w2", "--domain", "d1") == 1
     assert "no workload w2 in domain d1" in capsys.readouterr().err
+
+
+async def test_delete_waits_for_a_node_that_has_not_shown_its_channels(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen with 200 workloads: right after a hand-over, the new agent's first report lists
+    no workload (ChannelsReady Unknown, Pending: its first apply is still to come), and
+    `delete --wait` took that for "no node lists it" and returned while the device was
+    still there. A report that cannot say (channels pending, or workloads omitted to fit
+    the payload) keeps the delete waiting, and the error names the node and why."""
+    pending = Condition(
+        type=CHANNELS_READY, status="Unknown", reason="Pending", message="", since=NOW
+    )
+    assert (await create(settings, "w1", nodes=["n1"]))[0] == 0
+    first = channel_report("n1", 0, at=time.time())
+    conditions = [c for c in first.conditions if c.type != CHANNELS_READY] + [pending]
+    report = msgspec.structs.replace(first, conditions=conditions)
+    await put(broker, {T.health("d1", "n1"): encode(report)})
+    assert await cli("workload", "delete", "w1", "--wait", "0.5") == 1
+    assert "n1 has not shown its channels yet" in capsys.readouterr().err
+    assert (await create(settings, "w2", nodes=["n2"]))[0] == 0
+    view = ChannelsView(count=8, major=242, workloads=[info("w0", 1, 1)], omitted=1)
+    cut = msgspec.structs.replace(channel_report("n2", 0, at=time.time()), channels=view)
+    await put(broker, {T.health("d1", "n2"): encode(cut)})
+    assert await cli("workload", "delete", "w2", "--wait", "0.5") == 1
+    assert "n2 has not shown its channels yet" in capsys.readouterr().err
 
 
 async def test_env_prints_the_exports_of_an_active_workload(

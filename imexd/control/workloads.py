@@ -54,7 +54,7 @@ from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
 from imexd.control.link import Link, Logged
 from imexd.control.store import Store
 from imexd.health.fleet import SeenReport
-from imexd.messages import WorkloadRecord, encode
+from imexd.messages import CHANNELS_READY, ChannelsView, HealthReport, WorkloadRecord, encode
 from imexd.settings import Settings
 
 EXIT_NO_CHANNEL: Final = 3
@@ -406,27 +406,51 @@ async def delete(
         if refused:
             return say_refused(refused, err)
 
-        def holders() -> list[str]:
+        def holders() -> tuple[list[str], list[str]]:
+            """(the nodes whose fresh report lists the workload, those whose fresh report
+            cannot say: channels not shown yet, or workloads omitted to fit)."""
             now = time.time()
-            return sorted(
-                s.report.node
-                for s in store.reports_of(found)
-                if s.report.channels is not None
-                and any(i.workload == name for i in s.report.channels.workloads)
-                and report_state(s, now=now, report_interval_s=interval) == "fresh"
-            )
+            listing, unsure = [], []
+            for seen in store.reports_of(found):
+                view = seen.report.channels
+                if (
+                    view is None
+                    or report_state(seen, now=now, report_interval_s=interval) != "fresh"
+                ):
+                    continue
+                if any(i.workload == name for i in view.workloads):
+                    listing.append(seen.report.node)
+                elif _channels_pending(seen.report) or _may_be_omitted(name, view):
+                    unsure.append(seen.report.node)
+            return sorted(listing), sorted(unsure)
 
         print(f"workload {name} in {found}: deleted (channel {record.channel} freed)", file=out)
-        await link.wait_until(lambda: not holders(), wait_s)
-        left = holders()
-    if left and wait_s > 0:
-        print(
-            f"imexd: workload {name} in {found}: still listed after {wait_s:g} s by "
-            f"{', '.join(left)} (their agents have not removed the channel yet)",
-            file=err,
-        )
+        await link.wait_until(lambda: holders() == ([], []), wait_s)
+        listing, unsure = holders()
+    if (listing or unsure) and wait_s > 0:
+        said = []
+        if listing:
+            said.append(
+                f"still listed after {wait_s:g} s by {', '.join(listing)} (their agents have "
+                "not removed the channel yet)"
+            )
+        for node in unsure:
+            said.append(f"{node} has not shown its channels yet (its agent may hold the channel)")
+        print(f"imexd: workload {name} in {found}: {'; '.join(said)}", file=err)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _may_be_omitted(name: str, view: ChannelsView) -> bool:
+    """Whether workload `name` may be among those the report left out to fit its payload
+    (the last ones by name)."""
+    return view.omitted > 0 and (not view.workloads or name > view.workloads[-1].workload)
+
+
+def _channels_pending(report: HealthReport) -> bool:
+    """Whether the node's channels are not shown yet (ChannelsReady Unknown: a new agent
+    before its first apply lists no workload, whatever its devices are)."""
+    return any(c.type == CHANNELS_READY and c.status == "Unknown" for c in report.conditions)
 
 
 async def list_workloads(
