@@ -61,6 +61,36 @@ def engaged(profile: BrokerProfile, protocol: Literal["5", "3.1.1"]) -> bool:
     return profile == "nats"
 
 
+class StaleCopies:
+    """The stale-copy filter of one link: nats-server 2.9 sends a new subscription's
+    retained copies after the live messages its JetStream consumer already delivered, so
+    a retained copy of a topic that got a live message since a filter covering it was
+    last subscribed is older than that message. The agent's bus (`Repairs`) and the
+    control plane's link (`imexd.control.link`) both drop such copies."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+        """Topics that got a live message since a filter covering them was subscribed."""
+        self.dropped = 0
+        """Retained copies dropped because a live message on their topic came first."""
+
+    def subscribed(self, filters: Iterable[str]) -> None:
+        """`filters` were (re)subscribed: the retained copies the broker sends for them now
+        are a fresh snapshot, whatever came live before."""
+        wanted = list(filters)
+        self.live = {t for t in self.live if not any(topic_matches(f, t) for f in wanted)}
+
+    def stale(self, topic: str, *, retained: bool) -> bool:
+        """Note one incoming message; whether it is a stale retained copy (counted)."""
+        if not retained:
+            self.live.add(topic)
+            return False
+        if topic in self.live:
+            self.dropped += 1
+            return True
+        return False
+
+
 @dataclass(slots=True)
 class Verdict:
     """What a re-read's snapshot says differently from what the link delivered."""
@@ -94,7 +124,7 @@ class Repairs:
         self._quiet_s = resync_quiet_s
         self._ping_topic = ping_topic
         self._rand = rand
-        self._live_topics: set[str] = set()
+        self._copies = StaleCopies()
         self._known: dict[str, tuple[bytes, float]] = {}
         """Per topic, the payload we delivered last on this link (b"": deleted) and
         time.monotonic() then."""
@@ -110,27 +140,27 @@ class Repairs:
         self.burst = asyncio.Event()
         """Set by the first live message since the last re-read: the link's task then
         schedules the re-read that follows the burst."""
-        self.stale_retained = 0
-        """Retained copies dropped because a live message on their topic came first."""
         self.resyncs = 0
         """Re-reads completed."""
         self.resync_corrections = 0
         """Topics a re-read corrected: a record delivered, changed or deleted, or one of
         ours published again, because the broker's snapshot said otherwise."""
 
+    @property
+    def stale_retained(self) -> int:
+        """Retained copies dropped because a live message on their topic came first."""
+        return self._copies.dropped
+
     def link_up(self) -> None:
         """A new link: nothing is live on it yet, nothing delivered; re-reads start over."""
-        self._live_topics.clear()
+        self._copies.live.clear()
         self._known.clear()
         self._next_periodic = self._jittered()
 
     def subscribed(self, filters: Iterable[str]) -> None:
         """`filters` were (re)subscribed: the retained copies the broker sends for them now
         are a fresh snapshot, whatever came live before."""
-        wanted = list(filters)
-        self._live_topics = {
-            t for t in self._live_topics if not any(topic_matches(f, t) for f in wanted)
-        }
+        self._copies.subscribed(filters)
 
     def intercept(self, topic: str, payload: bytes, *, retained: bool) -> bool:
         """Note one incoming message; True when it must not reach the caller: a retained
@@ -139,17 +169,15 @@ class Repairs:
         re-read's copy, which `differences` weighs once the snapshot is complete."""
         if topic == self._ping_topic:
             return False
+        if self._copies.stale(topic, retained=retained):
+            return True
         if not retained:
-            self._live_topics.add(topic)
             at = time.monotonic()
             if self._last_live <= self._last_reread:
                 self._first_live = at
                 self.burst.set()
             self._last_live = at
             return False
-        if topic in self._live_topics:
-            self.stale_retained += 1
-            return True
         if self._snapshot is not None and any(
             topic_matches(f, topic) for f in self._snapshot_filters
         ):
@@ -220,7 +248,7 @@ class Repairs:
         verdict = Verdict()
         verdict.blind = not snapshot and any(self._known.get(t, (b"", 0.0))[0] for t in scope)
         for topic in sorted(scope | set(snapshot)):
-            if topic == self._ping_topic or topic in self._live_topics:
+            if topic == self._ping_topic or topic in self._copies.live:
                 continue
             fresh = snapshot.get(topic, b"")
             held, at = self._known.get(topic, (b"", -math.inf))

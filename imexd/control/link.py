@@ -50,7 +50,7 @@ from types import TracebackType
 from typing import Final, Self
 
 from imexd.bus.mqtt import Client, connect, topic_matches
-from imexd.bus.repairs import engaged
+from imexd.bus.repairs import StaleCopies, engaged
 from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
@@ -158,11 +158,8 @@ class Link:
         self._last: dict[str, bytes] = {}
         self._repaired = False
         """This link gets the broker repairs (`imexd.bus.repairs.engaged`)."""
-        self._live_topics: set[str] = set()
-        """Topics that got a live message on this link: on a repaired link a retained copy
-        of one of them arriving later is older than that message (`_on_message`)."""
-        self.stale_retained = 0
-        """Retained copies dropped because a live message on their topic came first."""
+        self._copies = StaleCopies()
+        """On a repaired link, the stale retained copies dropped (`_on_message`)."""
         self.workload_log: list[Logged] = []
         """Every valid workload message in the order the broker delivered it, the
         retained snapshot first (see `put_echoed`)."""
@@ -184,7 +181,7 @@ class Link:
                 continue
             self._client, self._index, self.broker, self.lost = client, index, str(broker), None
             self._repaired = engaged(self.settings.broker, "5" if client.v5 else "3.1.1")
-            self._live_topics = set()
+            self._copies.live.clear()
             self._reader = asyncio.create_task(self._read(client), name="control-read")
             try:
                 await self._grant(client, filters)
@@ -255,7 +252,7 @@ class Link:
                 if echo is not None and not echo.done():
                     echo.set_result(None)
             return
-        if self._repaired and self._stale(topic, retained=retained):
+        if self._repaired and self._copies.stale(topic, retained=retained):
             return
         self._last[topic] = payload
         result = decode_message(self.topics, topic, payload, retained=retained)
@@ -272,18 +269,10 @@ class Link:
         self.changed.set()
         self._notify()
 
-    def _stale(self, topic: str, *, retained: bool) -> bool:
-        """Whether this message is a retained copy older than a live message that came
-        first on its topic: nats-server 2.9 may send a new subscription's retained copies
-        after live messages on the same topic (any subscription of this link covers it, so
-        every later change comes live too), and the copy would undo them."""
-        if not retained:
-            self._live_topics.add(topic)
-            return False
-        if topic in self._live_topics:
-            self.stale_retained += 1
-            return True
-        return False
+    @property
+    def stale_retained(self) -> int:
+        """Retained copies dropped because a live message on their topic came first."""
+        return self._copies.dropped
 
     def _notify(self) -> None:
         for watcher in list(self._watchers):
