@@ -57,8 +57,9 @@ REPORT_HOLD_S: Final = 1.0
 """Seconds after the last published report that a report whose `Health.gist` is the same
 (only details changed: a message, a reason, the slot being claimed, the domain view short
 of DomainUp) waits before it is published, taking whatever changes meanwhile with it. A
-report whose gist changed (readiness, a condition's status) goes out at once: that is what
-`imexd domain status --wait` and the control plane judge by. A formation thus costs each
+report whose gist changed (readiness, a condition's status, a workload's channel made
+ready) goes out at once: that is what `imexd domain status --wait`, `workload create
+--wait` and the control plane judge by. A formation thus costs each
 node a few reports instead of one per judgement, and no detail is older than this."""
 
 
