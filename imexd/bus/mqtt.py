@@ -472,9 +472,8 @@ _NO_DELAY: Final = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 """Send each packet at once (TCP_NODELAY; paho leaves Nagle's algorithm on). A round trip
 of imexd is a few small packets written back to back (a SUBSCRIBE, then the ping that
 proves its snapshot; a claim, then its barrier): with Nagle's algorithm the second waits
-for the ACK of the first, which the peer's kernel delays by up to 40 ms (seen as 44 ms
-per round trip of `imexd workload create` on loopback). A Unix socket has no such
-option."""
+for the ACK of the first, which the peer's kernel may delay (Linux's delayed ACK;
+docs/performance.md has what it cost). A Unix socket has no such option."""
 
 
 def _client(

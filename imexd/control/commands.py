@@ -57,7 +57,7 @@ CONTROL_NAME: Final = "imexd-control"
 host name that is not DNS-1123 must not make its settings invalid."""
 CONTROL_ADDRESS: Final = "127.0.0.1"
 """Placeholder `[node] address` while loading settings: without one, loading them looks
-up this host's interfaces (psutil), about 10 ms of every prolog command for nothing."""
+up this host's interfaces (importing psutil), in every prolog command, for nothing."""
 
 
 def load_control_settings(config: str | None, environ: Mapping[str, str] | None = None) -> Settings:
