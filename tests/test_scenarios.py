@@ -72,6 +72,7 @@ def test_four_agents_form_a_domain(c: Cluster) -> None:
 def test_a_joining_agent_makes_the_others_reload_not_restart(c: Cluster) -> None:
     """A fifth agent is taken in with one honoured SIGUSR1 per peer and no restart."""
     nodes = form(c, 4)
+    quiet(c, nodes)
     before = pids(nodes)
     reloads = {n.name: len(n.reloads()) for n in nodes}
     n5 = c.add("n5")
@@ -153,6 +154,7 @@ def test_a_node_lost_during_a_broker_outage_is_dropped_after_the_grace(c: Cluste
     nodes = form(c, 3)
     stay, victim = nodes[:2], nodes[2]
     slot = slot_of(victim)
+    quiet(c, nodes)
     before = pids(stay)
     reloads = {n.name: len(n.reloads()) for n in stay}
     c.broker.stop()
