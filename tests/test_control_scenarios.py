@@ -89,6 +89,11 @@ def retained(c: Cluster, topic_filter: str = "imex/v2/#") -> dict[str, bytes]:
         return bus.retained(topic_filter)
 
 
+def stopped(n: Node) -> bool:
+    """Whether the node's supervisor says its daemon is STOPPED."""
+    return bool(n.status()["daemon"]["state"] == "STOPPED")
+
+
 def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     """create => UP; one daemon crash loops => DaemonCrashLoop, DEGRADED; delete => idle."""
     nodes = form_d1(c)
@@ -149,7 +154,10 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert "domain d1: deleted (cleared the spec, 3 assignment(s)" in deleted.stdout
     c.wait(lambda: all(n.daemon_pids_on_host() == [] for n in nodes), timeout=20)
-    c.wait(lambda: all(n.ready() and n.status().get("domain") is None for n in nodes))
+    # The daemon's exit is seen on the host before the supervisor has reaped it (STOPPING).
+    c.wait(
+        lambda: all(n.ready() and n.status().get("domain") is None and stopped(n) for n in nodes)
+    )
     for n in nodes:
         assert not (n.run_dir / "config.cfg").exists(), n.name
         assert not (n.run_dir / "nodes_config.cfg").exists(), n.name
