@@ -62,7 +62,7 @@ persistence) is stopped and started again, empty, on its address. Measured from 
 until `imexd domain status --wait` of both domains and `imexd workload status --wait` of
 both workloads, all four started at once right after the restart, have exited 0 (each
 one's time, and the slowest: nobody runs `create` again); the records the agents
-restored (imexd.rebuild), the agents that found the broker lost, and the daemons started
+restored (imexd.agent.rebuild), the agents that found the broker lost, and the daemons started
 or restarted meanwhile (must be 0).
 
 Agents as processes (`--agents process`): every agent is its own `imexd run` process with
@@ -133,7 +133,7 @@ import psutil
 import structlog
 from harness import BenchError, Figure, machine, sweep
 
-from imexd.agent import Agent
+from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.demo.nodes import fake_driver
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast

@@ -52,7 +52,7 @@ With `--rebuild` (Mosquitto only) phases 3 to 5 are replaced by: a DomainSpec an
 WorkloadRecord per domain written as the control plane would (generation 1); once the
 agents hold them, the broker (no persistence) is stopped and started again, empty, on its
 port. Measured from its start until a subscriber of the bench has every spec and workload
-back (imexd.rebuild: the agents give back what they follow), and until every agent's
+back (imexd.agent.rebuild: the agents give back what they follow), and until every agent's
 `rebuild.broker_lost_state` (from the workers' logs); the agents' settled views must not
 change meanwhile (their hosts files would be rewritten: there are no daemons to restart).
 In phases 3 to 5 every agent of the other cliques must receive no member record: the
@@ -98,7 +98,7 @@ import psutil
 import structlog
 from harness import ROOT, BenchError, Figure, machine, sweep
 
-from imexd.agent import Agent
+from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nodes import fake_driver
 from imexd.messages import DomainSpec, WorkloadRecord, encode
@@ -1114,7 +1114,7 @@ class Bench:
             ok=not churn,
             note=f"{', '.join(churn[:5])}; {len(moved)} agents' views moved and came back "
             "(the wills Mosquitto publishes as it shuts down, taken back as the link drops: "
-            "a daemon's files wait for a proven link, imexd.agent)",
+            "a daemon's files wait for a proven link, imexd.agent.run)",
         )
         lost: list[float] = []
         restored = 0

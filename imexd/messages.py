@@ -437,7 +437,7 @@ class Retry(msgspec.Struct, frozen=True, kw_only=True):
 class BrokerEpoch(msgspec.Struct, frozen=True, kw_only=True):
     """The agents' retained mark on `{p}/broker/epoch`, written by the first agent that
     finds none: another epoch, or none, after a reconnect means that the broker lost its
-    retained state (imexd.rebuild)."""
+    retained state (imexd.agent.rebuild)."""
 
     v: Literal[1] = 1
     epoch: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -604,7 +604,7 @@ class Received:
     """True when it comes from the broker's retained store (a snapshot), not live."""
     data: bytes = field(default=b"", compare=False, repr=False)
     """The payload's bytes as they came: what an agent restores to a broker that lost
-    them (imexd.rebuild), unknown fields of a newer writer included."""
+    them (imexd.agent.rebuild), unknown fields of a newer writer included."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,8 @@ the key, the value found and what was expected (`ConfigError`); the CLI exits 2 
 Each field's docstring-like `doc` metadata states its unit, default and why; the
 shipped `config/imexd.toml` and `docs/configuration.md` list every one of them.
 
-Why one module of about 900 lines: most of it is the declaration of every setting with
-its default, check and explanation, which the loader walks field by field; the text
-forms of the same table (example file, reference) are apart in imexd.settings_text.
+One piece because the loader walks the declaration of every setting field by field; the
+text forms of the same table (example file, reference) are in `imexd.settings_text`.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ UNIT_TIMEOUT_STOP_S = 30.0
 default of [daemon] service_stop_timeout_s."""
 SHUTDOWN_MARGIN_S = 5.0
 """What the agent's bounded shutdown adds to [daemon] stop_timeout_s (clearing its
-records, disconnecting); imexd.agent bounds its shutdown with the same value."""
+records, disconnecting); imexd.agent.run bounds its shutdown with the same value."""
 
 CONFIG_KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

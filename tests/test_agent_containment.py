@@ -23,14 +23,16 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from imexd import agent as agent_module
-from imexd import guard, reconcile
-from imexd.agent import EXIT_HANDOVER, Agent
+from imexd.agent import reconcile
+from imexd.agent import run as agent_module
+from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.state import DaemonState
 from imexd.demo.brokers import Mosquitto
+from imexd.health import guard
 from imexd.health.conditions import Heartbeats
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
+from imexd.membership.desired import Desired
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node, end_in_process
 
@@ -362,13 +364,13 @@ async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
     marks: dict[str, float] = {}
     set_desired, apply = Agent._set_desired, reconcile.Reconciler.apply
 
-    def mark_desired(self: Agent, desired: reconcile.Desired) -> None:
+    def mark_desired(self: Agent, desired: Desired) -> None:
         if self.node == "n1" and len(desired.members) == 2 and desired != self.desired:
             marks.setdefault("desired", time.monotonic())
         set_desired(self, desired)
 
     async def mark_apply(
-        self: reconcile.Reconciler, desired: reconcile.Desired, saved: Any
+        self: reconcile.Reconciler, desired: Desired, saved: Any
     ) -> reconcile.Probe | None:
         if self.settings.node.name == "n1" and len(desired.members) == 2:
             marks.setdefault("apply", time.monotonic())

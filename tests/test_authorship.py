@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd.agent import EXIT_HANDOVER
+from imexd.agent.run import EXIT_HANDOVER
 from tests.cluster import Cluster, Node, formed, members, pids, slot_of, untouched
 from tests.support import loopback_address
 

@@ -377,7 +377,7 @@ async def test_only_the_control_plane_asks_a_node_to_retry_and_the_node_reads_it
 
 
 async def test_a_node_gives_an_empty_broker_back_what_it_follows(broker: ShippedBroker) -> None:
-    """The rebuild grants (imexd.rebuild): a node writes a spec, a workload record, its own
+    """The rebuild grants (imexd.agent.rebuild): a node writes a spec, a workload record, its own
     assignment and the broker epoch, and everyone reads the epoch; nothing else of the
     control plane's, and no peer's topic, opens up with them."""
     workload = T.workload(DOMAIN, "job-a")

@@ -21,8 +21,8 @@ from imexd.bus.events import Connected, Disconnected, SubscribeRefused, Synced
 from imexd.channels.keeper import ChannelKeeper
 from imexd.demo.nodes import CHANNEL_MAJOR, fake_driver
 from imexd.facts import ChannelFacts, ChannelState, Facts
-from imexd.guard import Guard
 from imexd.health.conditions import Heartbeats
+from imexd.health.guard import Guard
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received, WorkloadRecord

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from imexd.agent import EXIT_HANDOVER
+from imexd.agent.run import EXIT_HANDOVER
 from imexd.demo.nodes import CHANNEL_MAJOR
 from imexd.messages import MemberRecord, WorkloadRecord, decode, encode
 from tests.cluster import Cluster, Node

@@ -170,7 +170,7 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
             "STOPPED",
         )
     # Presence records stay: the agents are alive, idle, and can be assigned again; and the
-    # broker epoch: this broker kept its state (imexd.rebuild).
+    # broker epoch: this broker kept its state (imexd.agent.rebuild).
     left = {t for t in retained(c) if not t.endswith("/presence") and t != EPOCH}
     assert left == set(), "spec, assignments, records and reports are all gone"
     assert sorted(retained(c, "imex/v2/nodes/+/presence")) == [
@@ -236,7 +236,7 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
         assert n.daemon_pids_on_host() == [pids[n.name]], n.name
     # The broker lost its retained state (no persistence): the agents published theirs again.
     c.wait(lambda: len(retained(c, "imex/v2/domains/d1/members/+/+")) == 3, timeout=10)
-    # The spec was lost with the rest, and the agents gave it back (imexd.rebuild): the
+    # The spec was lost with the rest, and the agents gave it back (imexd.agent.rebuild): the
     # status is UP again with nobody running `domain create`.
     up = imexd(c, "domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -246,7 +246,7 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
 
 def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> None:
     """Broker restarted without persistence, one agent back: it gives the spec back
-    (imexd.rebuild), and the status is FORMING with the two others missing, exit 1."""
+    (imexd.agent.rebuild), and the status is FORMING with the two others missing, exit 1."""
     nodes = form_d1(c)
     frozen = nodes[1:]
     for n in frozen:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.agent import Agent
+from imexd.agent.run import Agent
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.demo.brokers import Mosquitto
 from imexd.membership.slots import Phase

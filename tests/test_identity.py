@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.agent import Agent
+from imexd.agent.run import Agent
 from imexd.daemon.output import identified_id
 from imexd.demo.brokers import Mosquitto
 from imexd.messages import DAEMON_READY

@@ -26,9 +26,9 @@ from imexd.facts import Contest, Facts
 from imexd.health import conditions as health
 from imexd.health.metrics import Metrics
 from imexd.membership import slots as mb
+from imexd.membership.desired import Desired
 from imexd.membership.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
-from imexd.reconcile import Desired
 from imexd.state import NodeState
 from imexd.topics import TopicRef
 from tests.test_shard import (

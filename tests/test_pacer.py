@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from imexd.pacer import Pacer
+from imexd.agent.pacer import Pacer
 
 
 class FakeTime:

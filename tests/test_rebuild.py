@@ -1,4 +1,4 @@
-"""The rebuild's decision (imexd.rebuild): pure, driven by bus events, no broker."""
+"""The rebuild's decision (imexd.agent.rebuild): pure, driven by bus events, no broker."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Literal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from imexd.agent.rebuild import TASK, Held, Outcome, Rebuild, Rebuilder, Verdict, decide, verdict
 from imexd.bus.events import Connected, Disconnected, Synced
-from imexd.guard import Guard
 from imexd.health.conditions import Heartbeats
+from imexd.health.guard import Guard
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.messages import (
@@ -25,7 +26,6 @@ from imexd.messages import (
     decode_message,
     encode,
 )
-from imexd.rebuild import TASK, Held, Outcome, Rebuild, Rebuilder, Verdict, decide, verdict
 from imexd.topics import Topics
 
 T = Topics("imex/v2")

@@ -1,4 +1,4 @@
-"""An empty broker rebuilt by the fleet, and nothing deleted brought back (imexd.rebuild).
+"""An empty broker rebuilt by the fleet, and nothing deleted brought back (imexd.agent.rebuild).
 
 Real agent processes (tests/cluster.py), a real Mosquitto without persistence restarted on
 the same address, the control plane through the real CLI. Two domains with a workload

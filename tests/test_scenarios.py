@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from imexd.agent import EXIT_HANDOVER
+from imexd.agent.run import EXIT_HANDOVER
 from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
 from tests.cluster import Cluster, Node, members, pids, quiet, slot_of
 

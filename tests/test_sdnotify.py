@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from imexd.sdnotify import Notifier
+from imexd.health.sdnotify import Notifier
 
 
 class Listener:

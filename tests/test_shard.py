@@ -21,6 +21,7 @@ from imexd.bus.events import (
 )
 from imexd.logs import get_logger
 from imexd.membership import slots as mb
+from imexd.membership.desired import Desired
 from imexd.membership.shard import (
     DOUBT_S,
     FIRST_START_WINDOWS,
@@ -41,7 +42,6 @@ from imexd.messages import (
     Presence,
     Received,
 )
-from imexd.reconcile import Desired
 from imexd.state import NodeState
 from imexd.topics import TopicRef, Topics
 

@@ -41,12 +41,10 @@ What a clustered broker needs beyond this (stale copies, re-reads, subscriptions
 on one link, lost echoes) is `imexd.bus.repairs`, engaged per link by the broker profile
 (`[bus] broker`); on Mosquitto none of it runs.
 
-Why one module of about 1150 lines (the issue that split it out asked for 800): the
-reconnect loop, the replay of the desired state, the sync by ping and the echo tracking
-all read and write one link state (the current client, its leave event, the lock that
-orders replay against callers' changes). What holds state of its own lives beside it:
-the repairs, the events, the subscriptions' grants and refusals, the retained check's
-verdict, the echo ledger and the waits.
+One piece because the reconnect loop, the replay of the desired state, the sync by ping
+and the echo tracking all read and write one link state (the current client, its leave
+event, the lock that orders replay against callers' changes); what holds state of its
+own lives beside it in `imexd.bus`.
 """
 
 from __future__ import annotations
@@ -485,7 +483,7 @@ class Bus:
     async def put_retained(self, topic: str, data: bytes) -> None:
         """Publish `data` retained (QoS 1) once, and never again on a reconnect: a record
         written by someone else that the agent gives back to a broker that lost it
-        (imexd.rebuild). Replaying it would undo a later deletion. BusError when it cannot
+        (imexd.agent.rebuild). Replaying it would undo a later deletion. BusError when it cannot
         be sent."""
         _check_topic_name(topic)
         client = self._client

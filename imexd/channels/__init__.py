@@ -15,6 +15,6 @@ It imports the leaves and the contract (`imexd.errors`, `imexd.files`, `imexd.me
 `imexd.settings`, `imexd.topics`, `imexd.retry`, `imexd.logs`, `imexd.facts`); `fleet`
 also `imexd.health.fleet` (report freshness and the table layout, shared with the
 domain's judgement); `keeper`, the agent's task, also the bus's events (`imexd.bus.events`) and
-`imexd.guard` (its heartbeat). Nothing here imports the agent, the command line or the
+`imexd.health.guard` (its heartbeat). Nothing here imports the agent, the command line or the
 control plane, which call in.
 """

@@ -52,7 +52,7 @@ from imexd.channels.devices import (
     read_driver,
 )
 from imexd.facts import ChannelFacts, ChannelState
-from imexd.guard import BEAT_S, Guard, describe
+from imexd.health.guard import BEAT_S, Guard, describe
 from imexd.logs import get_logger
 from imexd.messages import Deleted, DomainSpec, MemberRecord, Received, WorkloadRecord
 from imexd.retry import backoff_delay

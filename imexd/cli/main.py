@@ -258,7 +258,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # several MB of every agent's memory (docs/performance.md). None in sys.modules makes
     # that import fail here, in the agent's process only, as if rich were absent.
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
-    from imexd import agent, preflight  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd import preflight  # noqa: PLC0415 - lazy: only this command pays for it
+    from imexd.agent.run import run as run_agent  # noqa: PLC0415 - lazy, as above
     from imexd.logs import configure_logging, get_logger, install_loop_handler  # noqa: PLC0415
     from imexd.settings import load_settings  # noqa: PLC0415 - with the agent
 
@@ -288,7 +289,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, on_stop, sig.name)
         loop.add_signal_handler(signal.SIGUSR2, on_handover)
         try:
-            return await agent.run(settings, stop=stop, handover=handover)
+            return await run_agent(settings, stop=stop, handover=handover)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
                 loop.remove_signal_handler(sig)

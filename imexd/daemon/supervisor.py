@@ -48,11 +48,9 @@ The supervisor is an async context manager: leaving it stops the daemon, unless
 running, writing to its output files for the next agent. The snapshot it publishes
 is `imexd/daemon/state.py`; the system calls are `imexd/daemon/process.py`.
 
-Why one module of about 870 lines: the system calls, the output files and the snapshot
-are already apart (the modules above); what is left is the state machine, whose every
-transition reads and writes the same few facts (the child, the wish to run, the failure
-window, the pending reload, the conflict). Split further, those would be private state
-shared between files.
+One piece because every transition of the state machine reads and writes the same few
+facts (the child, the wish to run, the failure window, the pending reload, the
+conflict); the system calls, the output files and the snapshot are apart.
 """
 
 from __future__ import annotations

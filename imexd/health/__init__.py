@@ -8,11 +8,15 @@ The modules, lowest first:
   (`Health`, `ReportSchedule`), and the task heartbeats (`Heartbeats`); pure;
 - `metrics`: the Prometheus series of one agent, a view of the same facts (`Metrics`);
 - `http`: the agent's HTTP endpoint (`HealthServer`: `/healthz`, `/readyz`, `/status`,
-  `/metrics`), which only reads the three above.
+  `/metrics`), which only reads the three above;
+- `guard`: the containment of the agent's named tasks (restarts with backoff) and their
+  heartbeats, which `/healthz` reads;
+- `sdnotify`: systemd's notify protocol (READY=1, STATUS=, WATCHDOG=1, STOPPING=1).
 
 It imports the leaves and the contract (`imexd.facts`, `imexd.imex`, `imexd.messages`,
-`imexd.topics`, `imexd.settings`, `imexd.errors`, `imexd.logs`, and `imexd` for the
-version); `fleet` reads the types of `imexd.daemon.ctl`'s table, for type checking only.
-Nothing here imports the agent, the bus, the command line or the control plane: they,
-the daemon's probe task, the guard and the channels' judgement read what it decides.
+`imexd.topics`, `imexd.settings`, `imexd.errors`, `imexd.logs`, `imexd.retry`, and
+`imexd` for the version); `fleet` reads the types of `imexd.daemon.ctl`'s table, for
+type checking only. Nothing here imports the agent, the bus, the command line or the
+control plane: they, the daemon's probe task and the channels' keeper use its guard and
+read what it decides.
 """

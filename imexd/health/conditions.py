@@ -51,7 +51,7 @@ REPORT_PACE_S: Final = 0.1
 """Seconds between two judgements of the facts while changes keep coming (a formation
 delivers dozens of records per node in a second): the first change after a quiet period
 is judged at once, the ones within this pause after it together at its end
-(`imexd.pacer.Pacer`). So /readyz and systemd's STATUS= lag a burst by at most this much,
+(`imexd.agent.pacer.Pacer`). So /readyz and systemd's STATUS= lag a burst by at most this much,
 and never miss its last change."""
 REPORT_HOLD_S: Final = 1.0
 """Seconds after the last published report that a report whose `Health.gist` is the same

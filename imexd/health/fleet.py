@@ -21,9 +21,8 @@ answers which question:
 The tables they print are rendered here too, so the same judgement reads the same
 everywhere.
 
-Why one module of about 870 lines: the per-node rule (`sight`) and the fleet's
-(`judge`) must agree on what ready, joining and failed mean, and the tables must print
-exactly what they judged; apart, the same words would be defined in several files.
+One piece because the per-node rule (`sight`), the fleet's (`judge`) and the tables must
+use the same words for ready, joining and failed.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Metrics:
             "imexd_broker_rebuilds",
             "Links on which the agent found that the broker had lost its retained state (the "
             "epoch record its previous link saw was gone or replaced) and gave back what it "
-            "follows (imexd.rebuild).",
+            "follows (imexd.agent.rebuild).",
             registry=self.registry,
         )
         self._restored = Counter(

@@ -6,7 +6,7 @@ what should run (`Desired`), its claim and the decision behind it. Its own modul
 because this is the agent's judgement, and it is testable without a broker, a daemon or
 a clock: events go in through `apply(event, now)`, a step comes out of `derive(now,
 ...)` as a `Plan`, and `commit(plan)` keeps it once the agent has published. The agent
-(imexd.agent) only does the I/O: subscribing, publishing, saving state, reconciling.
+(imexd.agent.run) only does the I/O: subscribing, publishing, saving state, reconciling.
 
 What the view guards against, beyond the slot rules of `imexd.membership.slots`:
 - a broker restart: records of the previous link stay, unconfirmed, until the new link
@@ -44,11 +44,9 @@ What the view guards against, beyond the slot rules of `imexd.membership.slots`:
   record stood without a break (`continuous`) and who held each other slot first
   (`incumbents`).
 
-Why one module of about 1100 lines: every guard above reads and writes the same records of
-the shard (kept, unconfirmed, held for a lost peer, doubted after a deletion) and the
-same claim in flight (its echo, the link's broker check); split by guard, each piece
-would reach into the others' private state. The slot rules themselves live in
-`imexd.membership.slots`, the records' wire format in `imexd.messages`.
+One piece because every guard above reads and writes the same records of the shard and
+the same claim in flight; the slot rules live in `imexd.membership.slots`, the records'
+wire format in `imexd.messages`.
 """
 
 from __future__ import annotations
@@ -75,6 +73,7 @@ from imexd.bus.events import (
 )
 from imexd.facts import Contest, Member, MembershipFacts, MembershipState
 from imexd.membership import slots as mb
+from imexd.membership.desired import Desired
 from imexd.messages import (
     MAX_HOLD_S,
     Deleted,
@@ -86,7 +85,6 @@ from imexd.messages import (
     Received,
     encode,
 )
-from imexd.reconcile import Desired
 from imexd.settings import Settings
 from imexd.state import NodeState
 from imexd.topics import Topics
@@ -396,6 +394,18 @@ class ShardView:
             self.sync_after = now
         return was_duplicate
 
+    def leaving(self) -> bool:
+        """We leave the current shard: nothing more is reported for it. True when we
+        published in it, so that our records there must be cleared."""
+        self.current = None
+        return self.published
+
+    def due_at(self) -> float | None:
+        """When the next step is due without any event: a timer of the last plan, or the
+        end of the wait for a new link to confirm the old records (None: neither)."""
+        due = [at for at in (self.wake_at, self.confirm_by) if at is not None]
+        return min(due) if due else None
+
     # -- bus events -----------------------------------------------------------------
 
     def apply(self, event: Event, now: float) -> Identity | None:
@@ -690,6 +700,11 @@ class ShardView:
         self.echo = None
         self.republish = False
         self.reassert_at = None
+
+    def sent(self, record: MemberRecord | None) -> None:
+        """The publish of `record` (after `sending`) returned: a record of ours stands in
+        this shard, to be cleared when we leave it."""
+        self.published = self.published or record is not None
 
     def _on_own_echo(self, data: bytes, now: float) -> None:
         """A live copy of our own record came back: the barrier of our claim, if it is the

@@ -191,10 +191,9 @@ Releasing a slot (`step(release=True)`)
     freed slot goes to a waiting node whatever the names. It claims nothing while the
     release holds and claims afresh once it ends.
 
-Why one module of about 950 lines: a third of it is the argument above, which must sit
-with the rule it argues; the rank, the incumbents, the claim's steps and the dealing of
-free slots are one rule that the argument covers as a whole, and split apart, each part
-would hold only half of why it is safe.
+One piece because the argument above must sit with the rule it argues, and the rank, the
+incumbents, the claim's steps and the dealing of free slots are one rule that it covers
+as a whole.
 """
 
 from __future__ import annotations

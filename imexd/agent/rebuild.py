@@ -66,7 +66,7 @@ import structlog
 
 from imexd.bus.events import Connected, Disconnected, Event, Synced
 from imexd.errors import BusError
-from imexd.guard import BEAT_S, Guard
+from imexd.health.guard import BEAT_S, Guard
 from imexd.health.metrics import Metrics
 from imexd.messages import (
     Assignment,

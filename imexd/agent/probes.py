@@ -28,8 +28,8 @@ import structlog
 from imexd.daemon.ctl import Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.facts import LinkFacts
-from imexd.guard import BEAT_S, Guard
 from imexd.health import fleet
+from imexd.health.guard import BEAT_S, Guard
 from imexd.health.metrics import Metrics
 
 if TYPE_CHECKING:

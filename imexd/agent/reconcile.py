@@ -14,42 +14,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Literal
 
 import structlog
 
 from imexd.daemon.state import DaemonState
 from imexd.daemon.supervisor import Supervisor
 from imexd.errors import FileWriteError
-from imexd.facts import LastWrite, Member
+from imexd.facts import LastWrite
 from imexd.files import read_text_or_empty, write_atomic, write_file
 from imexd.health.metrics import Metrics
+from imexd.membership.desired import Desired
 from imexd.render import remove_hosts_block, render_files
 from imexd.settings import Settings
 from imexd.state import NodeState
 
 Probe = Literal["now", "soon"]
 """When the agent should probe the daemon after a reconcile."""
-
-_NO_MEMBERS: Final[MappingProxyType[int, Member]] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Desired:
-    """What should run on this node, derived from membership."""
-
-    domain: str | None = None
-    clique: str = ""
-    slot: int | None = None
-    run: bool = False
-    """Whether the IMEX daemon should run (a settled member with a clique, no mismatch)."""
-    members: MappingProxyType[int, Member] = field(default_factory=lambda: _NO_MEMBERS)
-    """slot -> name and address of the settled members (the hosts block / node list)."""
-    cleanup: bool = False
-    """Not in a domain: remove our hosts block and IMEX files."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

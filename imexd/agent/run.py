@@ -2,9 +2,9 @@
 
 `run(settings, stop=..., handover=...)` wires the pieces together and owns their
 lifecycle; what it decides lives elsewhere: the shard view (imexd.membership.shard)
-judges the records of our (domain, clique), the reconciler (imexd.reconcile) writes the
+judges the records of our (domain, clique), the reconciler (imexd.agent.reconcile) writes the
 files and drives the supervisor, fleet and health (imexd.health.fleet,
-imexd.health.conditions) judge the facts, and imexd.guard contains the failures of each
+imexd.health.conditions) judge the facts, and imexd.health.guard contains the failures of each
 task. Named long-lived tasks, each with a
 heartbeat that /healthz watches:
 
@@ -17,12 +17,12 @@ heartbeat that /healthz watches:
   exactly what the change needs (start, SIGUSR1, restart, or nothing), and passes on
   an operator's `imexd node retry`;
 - `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
-  periodically (imexd.daemon.probes);
+  periodically (imexd.agent.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
 - `rebuild`: gives a broker that lost its retained state back the spec, workloads and
-  assignment this node follows (imexd.rebuild);
+  assignment this node follows (imexd.agent.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -40,11 +40,14 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Final
 
+from imexd.agent.pacer import Pacer
+from imexd.agent.probes import DaemonProbes
+from imexd.agent.rebuild import Rebuilder
+from imexd.agent.reconcile import Reconciler
 from imexd.bus.events import Event, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
-from imexd.daemon.probes import DaemonProbes
 from imexd.daemon.state import PROBLEMS as DAEMON_PROBLEMS
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.daemon.supervisor import Supervisor
@@ -52,21 +55,19 @@ from imexd.errors import DiscoveryError, FileWriteError
 from imexd.fabric import discover
 from imexd.facts import BusFacts, DaemonFacts, FabricFacts, Facts
 from imexd.files import remove_stale_temps
-from imexd.guard import BEAT_S, Guard, describe
 from imexd.health.conditions import REPORT_PACE_S, Health, Heartbeats, ReportSchedule
+from imexd.health.guard import BEAT_S, Guard, describe
 from imexd.health.http import HealthServer
 from imexd.health.metrics import Metrics
+from imexd.health.sdnotify import Notifier
 from imexd.logs import get_logger
 from imexd.membership import slots as mb
+from imexd.membership.desired import Desired
 from imexd.membership.shard import Identity, Plan, ShardView
 from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.names import client_id
-from imexd.pacer import Pacer
-from imexd.rebuild import Rebuilder
-from imexd.reconcile import Desired, Reconciler
 from imexd.retry import backoff_delay
-from imexd.sdnotify import Notifier
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
 from imexd.state import NodeState, StateStore
 from imexd.topics import Topics
@@ -83,7 +84,7 @@ UNSUPERVISED_SURVEY_S: Final = 5.0
 UNSUPERVISED: Final = "Unsupervised"
 """DaemonReady's reason for such a daemon."""
 STEP_PACE_S: Final = 0.05
-"""Seconds between two membership steps while records keep coming (`imexd.pacer.Pacer`):
+"""Seconds between two membership steps while records keep coming (`imexd.agent.pacer.Pacer`):
 the first record after a quiet period is stepped at once, those within this pause after
 it together at its end. The claim's barrier is taken as its echo arrives
 (`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
@@ -194,7 +195,7 @@ class Agent:
             await stack.enter_async_context(supervisor)
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
-            await bus.subscribe(self.topics.epoch())  # imexd.rebuild
+            await bus.subscribe(self.topics.epoch())  # imexd.agent.rebuild
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node))
             if self._target() is not None:
@@ -208,7 +209,7 @@ class Agent:
                         guard.start(tasks, "events", lambda: self._events_loop(bus)),
                         guard.start(tasks, "membership", self._membership_loop),
                         guard.start(tasks, "reconcile", self._reconcile_loop),
-                        guard.start(tasks, "probe", self._probe_loop),  # imexd.daemon.probes
+                        guard.start(tasks, "probe", self._probe_loop),  # imexd.agent.probes
                         guard.start(tasks, "report", self._report_loop),
                         guard.start(tasks, "channels", lambda: self.channels.run(guard)),
                         guard.start(tasks, "rebuild", lambda: self.rebuild.run(bus, guard)),
@@ -408,18 +409,15 @@ class Agent:
         return domain, self.clique
 
     async def _membership_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         shard = self.shard
         while True:
             self.heartbeats.beat("membership")
             timeout = BEAT_S
-            if shard.wake_at is not None:
-                timeout = max(0.0, min(timeout, shard.wake_at - loop.time()))
-            if shard.confirm_by is not None:
-                timeout = max(0.0, min(timeout, shard.confirm_by - time.monotonic()))
+            if (due := shard.due_at()) is not None:
+                timeout = max(0.0, min(timeout, due - time.monotonic()))
             await self.step_pace.wait(self.wake, timeout)  # a burst of records: few steps
             await self._retarget()
-            await self._step(loop.time())
+            await self._step(time.monotonic())
 
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
@@ -435,8 +433,7 @@ class Agent:
             domain, clique = old
             self.log.info("membership.leave", domain=domain, clique=clique)
             async with self.report_lock:
-                shard.current = None  # no report for the old shard after the clears
-                if shard.published:
+                if shard.leaving():  # no report for the old shard after the clears
                     await self._clear_records(bus, domain, clique)
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
@@ -580,7 +577,7 @@ class Agent:
         # Not replayed by the bus on a new link: the shard judges that link's snapshot
         # first (our slot may have been taken meanwhile) and publishes it again itself.
         await bus.retain(self.topics.member(domain, clique, self.node), record, replay=False)
-        shard.published = shard.published or record is not None
+        shard.sent(record)
 
     def _set_desired(self, desired: Desired) -> None:
         if desired != self.desired:
