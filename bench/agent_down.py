@@ -15,23 +15,25 @@ idle. Targets (issue 25): 2 s for a stopped node, the will delay + 2 s for a kil
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
+import harness  # noqa: F401 - first: the checkout's tests on the path
 
-from imexd.demo.timings import FAST  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
-from tests.support import IMEXD  # noqa: E402
+from imexd.demo.timings import FAST
+from tests.cluster import Cluster
+from tests.support import IMEXD
 
 BOUND_S = 60.0
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="imexd-agent-down-") as folder:
         c = Cluster(Path(folder))
         try:

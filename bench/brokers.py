@@ -53,17 +53,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+import harness  # noqa: F401 - first: the checkout's tests on the path
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
-
-from imexd.demo import DemoError  # noqa: E402
-from imexd.demo.brokers import Mosquitto, find_mosquitto, free_port, log_tail  # noqa: E402
-from imexd.names import client_id  # noqa: E402
-from tests.cluster import Node  # noqa: E402
-from tests.nats_servers import (  # noqa: E402
+from imexd.demo import DemoError
+from imexd.demo.brokers import Mosquitto, find_mosquitto, free_port, log_tail
+from imexd.names import client_id
+from tests.cluster import Node
+from tests.nats_servers import (
     Nats,
     NatsCluster,
     find_nats_server,

@@ -36,8 +36,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import scale
 
 from imexd.demo.brokers import Mosquitto

@@ -1,8 +1,11 @@
-"""What every benchmark shares: its error, its figures, the machine it ran on, and the
-sweep of the processes it left.
+"""What every benchmark shares: its error, its figures, the machine it ran on, the sweep
+of the processes it left, and the way to the tests' launchers.
 
 The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
-this folder is first on their import path and they import this module as `harness`.
+this folder is first on their import path and they import this module as `harness`,
+first. Importing it also puts the checkout on the path, once for every benchmark, so
+that they start nodes and brokers with the launchers the tests use (`tests.cluster`'s
+simulated nodes, `tests.nats_servers`), not with copies of them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +22,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout the benchmarks measure."""
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
 
 
 class BenchError(Exception):

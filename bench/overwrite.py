@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import harness  # noqa: F401 - first: the checkout's tests on the path
 
 from tests.cluster import BusClient, Cluster, formed
 from tests.support import loopback_address

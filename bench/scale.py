@@ -96,7 +96,7 @@ from typing import Any, Final, TextIO
 import aiomqtt
 import psutil
 import structlog
-from harness import ROOT, BenchError, Figure, machine, sweep
+from harness import BenchError, Figure, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto
@@ -104,8 +104,6 @@ from imexd.demo.nodes import fake_driver
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 from imexd.topics import Topics
-
-sys.path.insert(0, str(ROOT))  # tests.nats_servers: the tests' nats-server launchers
 from tests.nats_servers import Nats, NatsCluster, find_nats_server
 
 SCRIPT: Final = Path(__file__).resolve()

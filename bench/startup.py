@@ -42,12 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.cluster: the scenario tests' simulated node
-
-from imexd.daemon.output import OUTPUT_FILES  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
+from imexd.daemon.output import OUTPUT_FILES
+from tests.cluster import Cluster
 
 VENV_BIN = Path(sys.executable).parent
 LIMIT_S = 60.0
