@@ -535,11 +535,11 @@ def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
     assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.MEMBER)
 
 
-def refused(record: MemberRecord, *, lossy_link: bool = True) -> Refused:
+def refused(record: MemberRecord, *, repaired: bool = True) -> Refused:
     """The bus's verdict when our publication of `record` did not come back in time."""
     topic = Topics("imex/v2").member(record.domain, record.clique, record.node)
     ref = TopicRef("member", record.domain, record.clique, record.node)
-    return Refused(topic, "did not come back", ref=ref, lossy_link=lossy_link)
+    return Refused(topic, "did not come back", ref=ref, repaired=repaired)
 
 
 def test_a_claim_whose_echo_was_lost_is_published_again_and_settles_on_the_new_echo() -> None:
@@ -562,13 +562,13 @@ def test_a_claim_whose_echo_was_lost_is_published_again_and_settles_on_the_new_e
 def test_a_claim_the_broker_kept_without_its_echo_is_published_again() -> None:
     """Seen on a three-server NATS cluster at 256 nodes: a re-read's snapshot held our
     claim (so the bus did not call it refused) but its live echo never came; the claimant
-    waited for good and its clique never formed. EchoLost on a lossy link publishes the
+    waited for good and its clique never formed. EchoLost on a repaired link publishes the
     claim again, like a lost echo."""
     v = view()
     mine = claim(v, 0.0)
     topic = Topics("imex/v2").member(mine.domain, mine.clique, mine.node)
     ref = TopicRef("member", mine.domain, mine.clique, mine.node)
-    v.apply(EchoLost(topic, ref=ref, lossy_link=True), 5.0)
+    v.apply(EchoLost(topic, ref=ref, repaired=True), 5.0)
     plan = derive(v, 5.0)
     assert plan.publish, "the claim is published again"
     publish(v, plan, 5.1)
@@ -581,7 +581,7 @@ def test_a_late_echo_on_a_link_that_loses_nothing_is_waited_for() -> None:
     MQTT 5 link whose broker lost nothing the claim waits for its echo."""
     v = view()
     mine = claim(v, 0.0)
-    v.apply(refused(mine, lossy_link=False), 5.0)
+    v.apply(refused(mine, repaired=False), 5.0)
     assert not derive(v, 5.0).publish
     assert v.in_flight
     v.apply(received(mine, retained=False), 7.0)  # the late echo
@@ -1056,7 +1056,7 @@ def test_a_kept_record_whose_echo_was_lost_stands_as_if_it_came_back() -> None:
     v.sending(record)
     v.commit(plan)
     ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=ME)
-    v.apply(EchoLost(topic="t", ref=ref, lossy_link=True), 10.0)
+    v.apply(EchoLost(topic="t", ref=ref, repaired=True), 10.0)
     assert v.in_flight == []
     assert v.continuous
     v.apply(received(rec(ME, 3, inc=3, address="10.6.6.6"), retained=False), 11.0)

@@ -95,7 +95,7 @@ class Refused:
     detail: str
     ref: TopicRef | None = None
     """What the topic addresses (None: not an imexd topic)."""
-    lossy_link: bool = False
+    repaired: bool = False
     """The link may lose an echo (a repaired link: `Connected.repaired`); elsewhere a
     missing echo is a refusal or an overloaded agent, and publishing again would only add
     load."""
@@ -109,7 +109,7 @@ class EchoLost:
 
     topic: str
     ref: TopicRef | None = None
-    lossy_link: bool = False
+    repaired: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1099,12 +1099,11 @@ class Bus:
     def _refused(self, topic: str) -> None:
         detail = "our retained publication did not come back: the broker refused it (ACL?)"
         self._log.warning("bus_publish_refused", topic=topic, detail=detail)
-        self._emit(Refused(topic, detail, ref=self.topics.parse(topic), lossy_link=self._repairing))
+        self._emit(Refused(topic, detail, ref=self.topics.parse(topic), repaired=self._repairing))
 
     def _echo_lost(self, topic: str) -> None:
-        lossy = self._repairing
-        self._log.info("bus_echo_lost", topic=topic[:300], lossy_link=lossy)
-        self._emit(EchoLost(topic, ref=self.topics.parse(topic), lossy_link=lossy))
+        self._log.info("bus_echo_lost", topic=topic[:300], repaired=self._repairing)
+        self._emit(EchoLost(topic, ref=self.topics.parse(topic), repaired=self._repairing))
 
     def _dispatch(self, topic: str, payload: bytes, *, retained: bool) -> None:
         """Decode one message into an event; drop, count and log-once anything wrong."""

@@ -10,7 +10,7 @@ JetStream consumer per subscription, and it
 - loses live updates published while that consumer is being set up, and echoes of our
   own publications, so a view can stay wrong until someone reads the broker again
   (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
-  publishes a claim again when the link says an echo may be lost: `lossy_link`);
+  publishes a claim again when the link says an echo may be lost: `repaired`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
   died (`SUBSCRIBE_RETRIES`: the link subscribes again on the same link before it gives
   the link up for the next broker).

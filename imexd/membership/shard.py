@@ -105,7 +105,7 @@ OVERWRITE_PACE_S: Final = 5.0
 so that two agents with one name do not re-publish over each other at link speed."""
 RECLAIMS_ON_LOST_ECHO: Final = 3
 """Times a claim whose echo did not come back in time (`Refused`) is published again on
-one link that may lose echoes (`Refused.lossy_link`): a clustered broker (NATS 2.9) may
+one link that may lose echoes (`Refused.repaired`): a clustered broker (NATS 2.9) may
 keep the claim and never deliver its echo to the claimant, which would wait for it until
 the link ends; a broker that refuses the publication for good (an ACL) is not asked
 forever."""
@@ -307,7 +307,7 @@ class ShardView:
         self.ordered = True
         """The link keeps the broker's order (not a repaired link, `Connected.repaired`,
         and no echo lost on it), which incumbency assumes: on a link that may lose
-        updates (a clustered NATS; `Refused.lossy_link`) two members may settle one slot
+        updates (a clustered NATS; `Refused.repaired`) two members may settle one slot
         without a break on either side, and the stamps decide."""
         self.republish = False
         """A new link, or a lost echo: a claim in flight must be published again and wait
@@ -441,7 +441,7 @@ class ShardView:
             if not event.deliberate and self.suspect_until is not None:
                 return self._on_suspect_link_loss()
         elif isinstance(event, Refused | EchoLost):
-            self.ordered = self.ordered and not event.lossy_link
+            self.ordered = self.ordered and not event.repaired
             self._on_refused(event, now)
         elif isinstance(event, ConnectFailed | SubscribeRefused):
             # A refused filter leaves a partial view until the bus gets it (then Synced).
@@ -586,7 +586,7 @@ class ShardView:
                 self._on_own_echo(data, now)  # kept by the broker: as good as its echo
             return
         if (
-            not event.lossy_link
+            not event.repaired
             or record.state is not MemberState.CLAIMING
             or self.echo is not None
             or self.reclaims >= RECLAIMS_ON_LOST_ECHO
