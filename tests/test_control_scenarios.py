@@ -296,10 +296,10 @@ def trace(seen: list[tuple[str, bytes]]) -> str:
 
 def test_an_agent_publishes_no_report_after_it_left_a_deleted_domain(c: Cluster) -> None:
     """Once an agent cleared its record for a deleting spec, no report of it follows."""
-    # Fails today (agent bug, imexd/agent.py `_leave_deleted`): the report loop publishes
-    # a HealthReport after the agent cleared its own, so the control plane finds
-    # "leftover" reports, and the agent's Bus keeps the stale report as desired state,
-    # publishing it again after a reconnect. Fixed by stopping reports before the clears.
+    # Failed once (imexd/agent/run.py `_leave_deleted`): the report loop published a
+    # HealthReport after the agent cleared its own, so the control plane found
+    # "leftover" reports, and the agent's Bus kept the stale report as desired state,
+    # publishing it again after a reconnect. Reports now stop before the clears.
     nodes = form_d1(c)
     assert len(nodes) == 3
     with BusClient(c.broker).record("imex/v2/domains/d1/#") as recorder:
