@@ -2,11 +2,10 @@
 
 `run(settings, stop=..., handover=...)` wires the pieces together and owns their
 lifecycle; what it decides lives elsewhere: the shard view (imexd.membership.shard)
-judges the records of our (domain, clique), the reconciler (imexd.agent.reconcile) writes the
-files and drives the supervisor, fleet and health (imexd.health.fleet,
-imexd.health.conditions) judge the facts, and imexd.health.guard contains the failures of each
-task. Named long-lived tasks, each with a
-heartbeat that /healthz watches:
+judges the records of our (domain, clique), the reconciler (imexd.agent.reconcile)
+writes the files and drives the supervisor, fleet and health (imexd.health.fleet,
+imexd.health.conditions) judge the facts, and imexd.health.guard contains the failures
+of each task. Named long-lived tasks, each with a heartbeat that /healthz watches:
 
 - `events`: reads the bus (our shard's records, the domain's spec, our assignment and
   retry requests, link state) into the shard view and wakes `membership`;
