@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from imexd.sim.cfgfile import ImexConfigError, parse_config_text
 from imexd.sim.config import (
-    ImexConfigError,
     Resolver,
     SimEnv,
     config_from_values,
@@ -15,7 +15,6 @@ from imexd.sim.config import (
     find_identity,
     load_config,
     node_list_digest,
-    parse_config_text,
     parse_hosts,
     read_node_list,
 )

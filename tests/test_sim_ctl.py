@@ -11,14 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from imexd.sim.config import DEFAULT_CONFIG_PATH
-from imexd.sim.ctl import UsageError, main, parse_args, target_from_config
-from imexd.sim.protocol import (
+from imexd.sim.cfgfile import DEFAULT_CONFIG_PATH
+from imexd.sim.command import (
+    QUERY_FRAME,
+    QUERY_REPLIES,
     CmdTarget,
     CommandError,
     NodeState,
+    target_from_config,
+)
+from imexd.sim.ctl import UsageError, main, parse_args, query
+from imexd.sim.protocol import (
+    Link,
+    LinkStatus,
     QueryReply,
     QueryRequest,
+    StatusReply,
     ask_all_blocking,
     encode,
 )
@@ -93,21 +101,92 @@ def test_a_disabled_command_service_is_unavailable(
     assert "IMEX_CMD_ENABLED=0" in out.err
 
 
-def test_query_runs_without_asyncio() -> None:
+HEAVY = ("asyncio", "msgspec", "dataclasses", "typing", "imexd.sim.protocol", "imexd.sim.table")
+
+
+def test_query_imports_only_the_socket_layer(tmp_path: Path) -> None:
     """`-q` (the agent's probe, at every start and every probe interval) is a blocking
-    socket round trip: asyncio and the table renderer are not even imported."""
+    socket round trip that reads config.cfg as the agent wrote it: no event loop, no
+    msgspec, no dataclasses, not even typing, so that it costs about what a small C
+    program costs. A module-level import added to its path fails here."""
+    cfg = tmp_path / "config.cfg"
+    cfg.write_text("IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\nIMEX_CMD_PORT=1\nLOG_LEVEL=4\n")
     probe = (
         "import sys\n"
         "from imexd.sim.ctl import main\n"
-        "code = main(['-i', '127.0.0.1', '1', '-q', '-t', '200'])\n"
-        "print('\\n' + str(code) + ' ' + ','.join(m for m in ('asyncio', 'imexd.sim.table') "
-        "if m in sys.modules))"
+        f"code = main(['-c', {str(cfg)!r}, '-q', '-t', '200'])\n"
+        f"print('\\n' + str(code) + ' ' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
     )
     assert done.stdout.splitlines()[0] == "UNAVAILABLE"
-    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""]
+    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""], done.stdout
+
+
+def test_the_query_frames_are_the_protocols() -> None:
+    """`-q` compares its request and the daemon's replies as bytes: they are exactly what
+    the protocol's encoder writes, for every state word."""
+    assert encode(QueryRequest()) == QUERY_FRAME
+    assert {encode(QueryReply(state=state)): state for state in NodeState} == QUERY_REPLIES
+
+
+def _answer_once(reply: bytes) -> tuple[socket.socket, threading.Thread]:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return server, thread
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        (b'{"state": "READY", "type": "query"}\n', NodeState.READY),
+        (b'{"type":"query","state":"SOON"}\n', "answered something unreadable"),
+        (b"READY\n", "answered something unreadable"),
+        (
+            encode(
+                StatusReply(
+                    node=0,
+                    state=NodeState.READY,
+                    version="570.172",
+                    instance="i",
+                    pid=1,
+                    digest="d",
+                    server_port=50000,
+                    cmd_port=50005,
+                    nodes=["n0"],
+                    links=[Link(status=LinkStatus.CONNECTED, changed=True)],
+                )
+            ),
+            "answered a query with StatusReply",
+        ),
+    ],
+)
+def test_any_other_query_reply_goes_to_the_strict_decoder(
+    reply: bytes, expected: NodeState | str
+) -> None:
+    """A reply that is not the daemon's own bytes for a state is decoded strictly: the
+    same reply in another key order is still understood; a wrong word, a bare word or a
+    reply of another kind is an error that says so."""
+    server, thread = _answer_once(reply)
+    target = CmdTarget("127.0.0.1", server.getsockname()[1])
+    try:
+        if isinstance(expected, NodeState):
+            assert query(target, timeout_s=5.0) is expected
+        else:
+            with pytest.raises(CommandError, match=expected):
+                query(target, timeout_s=5.0)
+    finally:
+        thread.join(timeout=5)
+        server.close()
 
 
 def test_domain_view_runs_without_asyncio() -> None:

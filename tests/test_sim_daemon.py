@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import free_port
-from imexd.sim.config import USAGE
-from imexd.sim.protocol import CmdTarget, CommandError, StatusReply, StatusRequest, ask_blocking
+from imexd.sim.cfgfile import USAGE
+from imexd.sim.command import CmdTarget, CommandError
+from imexd.sim.protocol import StatusReply, StatusRequest, ask_blocking
 from tests.support import loopback_address, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "imex"

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from imexd.sim.protocol import Link, LinkStatus, NodeState, StatusReply
+from imexd.sim.command import NodeState
+from imexd.sim.protocol import Link, LinkStatus, StatusReply
 from imexd.sim.table import (
     LEGEND,
     DomainView,

@@ -7,7 +7,10 @@ tested, demonstrated and benchmarked on machines without GPUs. Simulated daemons
 really listen, really connect to the addresses their host names resolve to and report
 real connectivity; many share one machine by binding different 127.0.0.0/8 addresses.
 
-Modules: `config` (config.cfg, nodes_config.cfg, name resolution, identity), `wire`
-(the peer and command protocols), `imexlog` (IMEX's log format), `table` (the `-N`
-text and JSON renderings, pure), `daemon` and `ctl` (the two programs).
+Modules: `cfgfile` (config.cfg's keys), `command` (the ctl's side of the command
+service: where it listens, one blocking round trip, `-q`), `config` (the rest of what
+both tools read: nodes_config.cfg, name resolution, identity, the `IMEXD_SIM_*` knobs),
+`protocol` (the peer and command frames), `links` (the daemon's peer links), `imexlog`
+(IMEX's log format), `table` (the `-N` text and JSON renderings, pure), `daemon` and
+`ctl` (the two programs). `ctl -q` imports only `cfgfile` and `command`.
 """

@@ -1,11 +1,12 @@
 """What both simulated tools read: config.cfg, nodes_config.cfg, names and the environment.
 
 The daemon and the ctl must agree on every rule here (the real ctl resolves names
-exactly as the daemon does), so the rules live in one module: `KEY=value` parsing
-with IMEX's defaults, the node list and its digest, host name resolution through the
-system resolver or a per-node hosts file, the node's own identity, and the
-`IMEXD_SIM_*` knobs. Every failure is an `ImexConfigError` whose message is the exact
-line the real tool prints, so the CLI layer only prints it and exits 1.
+exactly as the daemon does), so the rules live in one module: config.cfg with IMEX's
+defaults (its keys are read and checked by `imexd.sim.cfgfile`, which `-q` imports
+alone), the node list and its digest, host name resolution through the system resolver
+or a per-node hosts file, the node's own identity, and the `IMEXD_SIM_*` knobs. Every
+failure is an `ImexConfigError` whose message is the exact line the real tool prints,
+so the CLI layer only prints it and exits 1.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from imexd.errors import ImexdError
+from imexd.sim.cfgfile import (
+    DEFAULT_CMD_PORT,
+    DEFAULT_LOG_FILE,
+    DEFAULT_NODES_PATH,
+    DEFAULT_SERVER_PORT,
+    ImexConfigError,
+    check_values,
+    is_ip,
+    read_config,
+)
 
-DEFAULT_CONFIG_PATH = "/etc/nvidia-imex/config.cfg"
-DEFAULT_NODES_PATH = "/etc/nvidia-imex/nodes_config.cfg"
-DEFAULT_LOG_FILE = "/var/log/nvidia-imex.log"
 SENTINEL_ADDRESS = "127.0.0.2"
 """Where imexd points empty slots; the simulator never dials it (see `dialable`)."""
 
@@ -33,15 +40,6 @@ DEFAULT_VERSION = "570.172"
 NO_GPU_VERSION = "NO_GPU"
 STATE_FILE_NAME = "imexd-sim-persist.json"
 """The stand-in for /var/run/nvidia-imex/persist.dat, kept in IMEXD_SIM_STATE_DIR."""
-
-USAGE = (
-    "Usage: nvidia-imex-ctl [-i <IP> <PORT>|-u <unix domain socket path>|"
-    "-c <nvidia-imex config.cfg path>] <-n|-N|-q|-s|-d|-m> [-t <timeout>]"
-)
-
-
-class ImexConfigError(ImexdError):
-    """A file or setting the simulated tools cannot use; the message is printed as is."""
 
 
 # config.cfg
@@ -64,7 +62,7 @@ class ImexConfig:
     """1 = fork into the background like the packaged service; imexd writes 0."""
     bind_interface_ip: str = ""
     """Empty: the node list entry that is an address of a local interface."""
-    server_port: int = 50000
+    server_port: int = DEFAULT_SERVER_PORT
     node_config_file: str = DEFAULT_NODES_PATH
     wait_for_quorum: str = "RECOVERY"
     """RECOVERY: wait for former peers after an unclean exit; NONE: never wait."""
@@ -73,93 +71,23 @@ class ImexConfig:
     cmd_enabled: bool = True
     cmd_bind_interface_ip: str = ""
     """Empty: all interfaces."""
-    cmd_port: int = 50005
+    cmd_port: int = DEFAULT_CMD_PORT
     cmd_unix_domain_path: str = ""
     """Non-empty: the command service listens on this Unix socket instead of TCP."""
     disconnected_grace_time: int = -1
     """Seconds a lost peer stays RECOVERING before cleanup (DISCONNECTED); -1 never."""
 
 
-_BOOL_KEYS = {
-    "LOG_APPEND_TO_LOG": "log_append",
-    "DAEMONIZE": "daemonize",
-    "IMEX_ENABLE_AUTH_ENCRYPTION": "auth_encryption",
-    "IMEX_CMD_ENABLED": "cmd_enabled",
-}
-_PORT_KEYS = {"SERVER_PORT": "server_port", "IMEX_CMD_PORT": "cmd_port"}
-_STR_KEYS = {
-    "LOG_FILE_NAME": "log_file_name",
-    "BIND_INTERFACE_IP": "bind_interface_ip",
-    "IMEX_NODE_CONFIG_FILE": "node_config_file",
-    "IMEX_CMD_BIND_INTERFACE_IP": "cmd_bind_interface_ip",
-    "IMEX_CMD_UNIX_DOMAIN_PATH": "cmd_unix_domain_path",
-}
-
-
-def parse_config_text(text: str, path: str) -> dict[str, str]:
-    """`KEY=value` lines; `#` comments and blank lines are skipped; the last key wins."""
-    values: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip():
-            raise ImexConfigError(f"Invalid line {number} in configuration file {path}: {raw}")
-        values[key.strip()] = value.strip()
-    return values
-
-
 def config_from_values(values: Mapping[str, str], path: str) -> ImexConfig:
-    """Validate the keys the simulator uses; unknown keys are kept but ignored."""
-    kwargs: dict[str, Any] = {}
-
-    def bad(key: str, expected: str) -> ImexConfigError:
-        return ImexConfigError(
-            f"Invalid value '{values[key]}' for {key} in configuration file {path}: "
-            f"expected {expected}"
-        )
-
-    for key, value in values.items():
-        if key in _BOOL_KEYS:
-            if value not in ("0", "1"):
-                raise bad(key, "0 or 1")
-            kwargs[_BOOL_KEYS[key]] = value == "1"
-        elif key in _PORT_KEYS:
-            if not value.isdigit() or not 1 <= int(value) <= 65535:
-                raise bad(key, "a port 1..65535")
-            kwargs[_PORT_KEYS[key]] = int(value)
-        elif key in _STR_KEYS:
-            kwargs[_STR_KEYS[key]] = value
-        elif key == "LOG_LEVEL":
-            if value not in ("0", "1", "2", "3", "4"):
-                raise bad(key, "0..4")
-            kwargs["log_level"] = int(value)
-        elif key == "IMEX_WAIT_FOR_QUORUM":
-            if value not in ("RECOVERY", "NONE"):
-                raise bad(key, "RECOVERY or NONE")
-            kwargs["wait_for_quorum"] = value
-        elif key == "IMEX_NODE_DISCONNECTED_GRACE_TIME":
-            try:
-                grace = int(value)
-            except ValueError:
-                raise bad(key, "-1, 0 or a number of seconds") from None
-            if grace < -1:
-                raise bad(key, "-1, 0 or a number of seconds")
-            kwargs["disconnected_grace_time"] = grace
-    for key in ("BIND_INTERFACE_IP", "IMEX_CMD_BIND_INTERFACE_IP"):
-        if values.get(key) and not is_ip(values[key]):
-            raise bad(key, "an IPv4 or IPv6 address, or empty")
-    return ImexConfig(path=path, values=MappingProxyType(dict(values)), **kwargs)
+    """Validate the keys the simulator uses (`imexd.sim.cfgfile.check_values`); unknown
+    keys are kept but ignored."""
+    fields: dict[str, Any] = check_values(dict(values), path)
+    return ImexConfig(path=path, values=MappingProxyType(dict(values)), **fields)
 
 
 def load_config(path: str) -> ImexConfig:
     """Read and validate config.cfg; a missing file fails like `nvidia-imex-ctl` does."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        raise ImexConfigError(f"Unable to open configuration file at {path}") from None
-    return config_from_values(parse_config_text(text, path), path)
+    return config_from_values(read_config(path), path)
 
 
 # nodes_config.cfg
@@ -188,15 +116,6 @@ def node_list_digest(entries: Iterable[str]) -> str:
 
 
 # Names
-
-
-def is_ip(text: str) -> bool:
-    """An IPv4 or IPv6 literal, as nodes_config.cfg and config.cfg may hold."""
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 def same_address(a: str, b: str) -> bool:

@@ -10,34 +10,22 @@ daemon answered (whatever the domain state), 1 on any failure.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from imexd.sim.config import (
-    DEFAULT_CONFIG_PATH,
-    USAGE,
-    ImexConfigError,
-    Resolver,
-    SimEnv,
-    dialable,
-    load_config,
-)
-from imexd.sim.protocol import (
+from imexd.sim.cfgfile import DEFAULT_CONFIG_PATH, USAGE, ImexConfigError
+from imexd.sim.command import (
+    QUERY_FRAME,
+    QUERY_REPLIES,
     CmdTarget,
     CommandError,
     NodeState,
-    QueryReply,
-    QueryRequest,
-    StatusReply,
-    StatusRequest,
-    ask_all_blocking,
-    ask_blocking,
+    exchange,
+    target_from_config,
 )
 
+TYPE_CHECKING = False  # typing's own flag costs `-q` the import of typing
 if TYPE_CHECKING:
     from imexd.sim.table import DomainView
 
@@ -49,18 +37,29 @@ class UsageError(Exception):
     """The command line is wrong; the message (if any) is printed before the usage."""
 
 
-@dataclass(frozen=True, kw_only=True)
 class CtlArgs:
-    """The parsed command line."""
+    """The parsed command line (a plain class: `-q` imports no dataclasses)."""
 
-    mode: str
-    """One of q, N, n (and s, d, m, which the simulator does not model)."""
-    config: str = DEFAULT_CONFIG_PATH
-    target: CmdTarget | None = None
-    """From -i or -u; None = from the command service keys of `config`."""
-    json: bool = False
-    host_names: bool = False
-    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+    __slots__ = ("config", "host_names", "json", "mode", "target", "timeout_s")
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        config: str = DEFAULT_CONFIG_PATH,
+        target: CmdTarget | None = None,
+        json: bool = False,
+        host_names: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_MS / 1000,
+    ) -> None:
+        self.mode = mode
+        """One of q, N, n (and s, d, m, which the simulator does not model)."""
+        self.config = config
+        self.target = target
+        """From -i or -u; None = from the command service keys of `config`."""
+        self.json = json
+        self.host_names = host_names
+        self.timeout_s = timeout_s
 
 
 def parse_args(argv: Sequence[str]) -> CtlArgs | None:
@@ -120,20 +119,15 @@ def parse_args(argv: Sequence[str]) -> CtlArgs | None:
     )
 
 
-def target_from_config(path: str) -> CmdTarget:
-    """Where the daemon of config.cfg at `path` serves commands."""
-    cfg = load_config(path)
-    if not cfg.cmd_enabled:
-        raise CommandError(f"IMEX_CMD_ENABLED=0 in {path}: the command service is disabled")
-    if cfg.cmd_unix_domain_path:
-        return CmdTarget(path=cfg.cmd_unix_domain_path)
-    host = cfg.cmd_bind_interface_ip or cfg.bind_interface_ip or "127.0.0.1"
-    return CmdTarget(host=host, port=cfg.cmd_port)
+def query(target: CmdTarget, *, timeout_s: float) -> NodeState:
+    """`-q`: the daemon's state word. A reply other than the daemon's own bytes for a
+    state goes through the protocol's strict decoder, which says what is wrong with it."""
+    line = exchange(target, QUERY_FRAME, timeout_s=timeout_s)
+    if (state := QUERY_REPLIES.get(line)) is not None:
+        return state
+    from imexd.sim.protocol import QueryReply, decode_reply  # noqa: PLC0415 - lazy: an odd reply only
 
-
-def query(target: CmdTarget, timeout_s: float) -> NodeState:
-    """`-q`: the local daemon's state word, without an event loop (see `ask_blocking`)."""
-    reply = ask_blocking(target, QueryRequest(), timeout_s=timeout_s)
+    reply = decode_reply(target, line)
     if not isinstance(reply, QueryReply):
         raise CommandError(f"{target} answered a query with {type(reply).__name__}")
     return reply.state
@@ -143,7 +137,15 @@ def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> 
     """`-N`: the local node's answer, then every peer's, asked all at once (blocking
     sockets under one selector: the agent runs this every domain probe interval, and an
     event loop's import would cost more than the questions)."""
-    from imexd.sim.table import build_view  # noqa: PLC0415 - lazy: `-q` prints no table
+    # Lazy: `-q` needs none of these (imexd.sim.command).
+    from imexd.sim.config import Resolver, dialable  # noqa: PLC0415
+    from imexd.sim.protocol import (  # noqa: PLC0415
+        StatusReply,
+        StatusRequest,
+        ask_all_blocking,
+        ask_blocking,
+    )
+    from imexd.sim.table import build_view  # noqa: PLC0415
 
     local = ask_blocking(target, StatusRequest(), timeout_s=timeout_s)
     if not isinstance(local, StatusReply):
@@ -190,7 +192,7 @@ def run(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
 def run_query(args: CtlArgs, target: CmdTarget) -> int:
     """`-q`: print the state word; exit 1 (printing UNAVAILABLE) when nobody answers."""
     try:
-        state = query(target, args.timeout_s)
+        state = query(target, timeout_s=args.timeout_s)
     except CommandError as exc:
         return unavailable(args, exc)
     print(state)
@@ -207,7 +209,8 @@ def unavailable(args: CtlArgs, exc: CommandError) -> int:
 
 def monitor(args: CtlArgs, target: CmdTarget, hosts_file: str | None) -> int:
     """`-n`: `-N` once a second until SIGINT or SIGTERM; each round bounded by -t."""
-    import threading  # noqa: PLC0415 - lazy: only the monitor waits between rounds
+    import signal  # noqa: PLC0415 - lazy: only the monitor waits between rounds
+    import threading  # noqa: PLC0415
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -248,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return unavailable(args, exc)
     if args.mode == "q":
         return run_query(args, target)
+    from imexd.sim.config import SimEnv  # noqa: PLC0415 - lazy: `-q` returned above
+
     hosts_file = SimEnv.hosts_file_from_environ()
     try:
         return run(args, target, hosts_file)

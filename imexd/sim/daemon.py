@@ -34,16 +34,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from imexd.sim.cfgfile import ImexConfigError, is_ip
+from imexd.sim.command import MAX_LINE, NodeState
 from imexd.sim.config import (
     NO_GPU_VERSION,
     STATE_FILE_NAME,
     ImexConfig,
-    ImexConfigError,
     Resolver,
     SimEnv,
     dialable,
     find_identity,
-    is_ip,
     load_config,
     local_addresses,
     node_list_digest,
@@ -52,14 +52,12 @@ from imexd.sim.config import (
 from imexd.sim.imexlog import ImexLog, format_line
 from imexd.sim.links import HEARTBEAT, Outgoing, PeerLink
 from imexd.sim.protocol import (
-    MAX_LINE,
     PEER_DECODER,
     REQUEST_DECODER,
     Bye,
     Hello,
     Link,
     LinkStatus,
-    NodeState,
     QueryReply,
     QueryRequest,
     Request,

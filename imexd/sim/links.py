@@ -12,8 +12,8 @@ import asyncio
 import time
 from typing import cast
 
+from imexd.sim.command import MAX_LINE
 from imexd.sim.protocol import (
-    MAX_LINE,
     PEER_DECODER,
     Bye,
     Heartbeat,

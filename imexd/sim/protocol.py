@@ -12,7 +12,8 @@ timeout. Either side sends `bye` before a graceful exit.
 
 Command service (IMEX_CMD_PORT or IMEX_CMD_UNIX_DOMAIN_PATH): one request per
 connection, `query` (the `-q` word) or `status` (this node's row and node list, from
-which `-N` is assembled), answered by one line.
+which `-N` is assembled), answered by one line. The ctl's `-q` needs none of this
+module (`imexd.sim.command`).
 """
 
 from __future__ import annotations
@@ -22,28 +23,11 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 
 import msgspec
 
-from imexd.errors import ImexdError
-
-MAX_LINE = 64 * 1024
-"""Longest frame accepted; a status reply for 2048 nodes stays well below."""
-
-
-class NodeState(StrEnum):
-    """The words `nvidia-imex-ctl -q` prints."""
-
-    INITIALIZING = "INITIALIZING"
-    STARTING_AUTH_SERVER = "STARTING_AUTH_SERVER"
-    WAITING_FOR_PEERS = "WAITING_FOR_PEERS"
-    WAITING_FOR_RECOVERY = "WAITING_FOR_RECOVERY"
-    INIT_GPU = "INIT_GPU"
-    READY = "READY"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    UNAVAILABLE = "UNAVAILABLE"
+from imexd.sim.command import MAX_LINE, CmdTarget, CommandError, NodeState, exchange
 
 
 class LinkStatus(StrEnum):
@@ -161,24 +145,6 @@ def encode(message: msgspec.Struct) -> bytes:
     return _ENCODER.encode(message) + b"\n"
 
 
-class CommandError(ImexdError):
-    """The command service could not be reached, timed out or answered nonsense."""
-
-
-@dataclass(frozen=True)
-class CmdTarget:
-    """Where a command service listens: `host` and `port`, or a Unix socket `path`."""
-
-    host: str = ""
-    port: int = 0
-    path: str = ""
-
-    def __str__(self) -> str:
-        if self.path:
-            return self.path
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
 def ask_all_blocking(
     targets: Sequence[CmdTarget], request: Request, *, timeout_s: float
 ) -> list[Reply | CommandError]:
@@ -255,43 +221,20 @@ def _step(
     if not line.endswith(b"\n"):
         return line, True
     try:
+        return decode_reply(target, line)
+    except CommandError as exc:
+        return exc
+
+
+def decode_reply(target: CmdTarget, line: bytes) -> Reply:
+    """A command service's reply line, decoded strictly."""
+    try:
         return REPLY_DECODER.decode(line)
     except msgspec.DecodeError as exc:
-        return CommandError(f"{target} answered something unreadable: {exc}")
+        raise CommandError(f"{target} answered something unreadable: {exc}") from exc
 
 
 def ask_blocking(target: CmdTarget, request: Request, *, timeout_s: float) -> Reply:
     """Send one request and read its reply within `timeout_s` seconds, without an event
-    loop: the real `nvidia-imex-ctl -q` is a small C program, and asyncio's import alone
-    would make ours cost several times what the agent's probes of a real daemon cost."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        if target.path:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            address: str | tuple[str, int] = target.path
-        else:
-            sock = socket.create_connection((target.host, target.port), timeout=timeout_s)
-            address = ""
-        with sock:
-            sock.settimeout(timeout_s)
-            if address:
-                sock.connect(address)
-            sock.sendall(encode(request))
-            line = b""
-            while not line.endswith(b"\n"):
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                chunk = sock.recv(MAX_LINE)
-                if not chunk:
-                    break
-                line += chunk
-                if len(line) > MAX_LINE:
-                    raise CommandError(f"{target} answered more than {MAX_LINE} bytes")
-        if not line:
-            raise CommandError(f"{target} closed the connection without answering")
-        return REPLY_DECODER.decode(line)
-    except TimeoutError:
-        raise CommandError(f"no answer from {target} within {timeout_s * 1000:.0f} ms") from None
-    except msgspec.DecodeError as exc:
-        raise CommandError(f"{target} answered something unreadable: {exc}") from exc
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"cannot talk to {target}: {exc}") from exc
+    loop (`imexd.sim.command.exchange`)."""
+    return decode_reply(target, exchange(target, encode(request), timeout_s=timeout_s))

@@ -13,8 +13,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from imexd.sim.config import is_ip
-from imexd.sim.protocol import Link, LinkStatus, NodeState, StatusReply
+from imexd.sim.cfgfile import is_ip
+from imexd.sim.command import NodeState
+from imexd.sim.protocol import Link, LinkStatus, StatusReply
 
 LEGEND = (
     "Connectivity Table Legend:",
