@@ -26,6 +26,7 @@ from structlog.testing import capture_logs
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
 from imexd.agent.run import EXIT_HANDOVER, Agent
+from imexd.daemon.ctl import LocalProbe, Prober
 from imexd.daemon.state import DaemonState
 from imexd.demo.brokers import Mosquitto
 from imexd.health import guard
@@ -351,6 +352,43 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert run.agent.probes.imex_status == "READY"
         assert not run.task.done()
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
+async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `ctl -q` that says READY makes the daemon RUNNING; that RUNNING asked `ctl -q`
+    once more at once, for the answer just read (one more ctl process per node in every
+    job start). Now the next `ctl -q` waits for `probe_interval_s` (30 s here)."""
+    calls: list[tuple[float, bool]] = []
+    local = Prober.local
+
+    async def counted(self: Prober, *, timeout: float | None = None) -> LocalProbe:  # noqa: ASYNC109
+        result = await local(self, timeout=timeout)
+        calls.append((time.monotonic(), result.ready))
+        return result
+
+    monkeypatch.setattr(Prober, "local", counted)
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    overrides: dict[str, dict[str, Any]] = {
+        "daemon": {"start_s": 30.0, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0}
+    }
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=overrides)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        assert not run.task.done()
+        assert run.agent.supervisor is not None
+        assert run.agent.supervisor.state is DaemonState.RUNNING  # by READY: start_s is 30 s
+        said_ready = next(at for at, ready in calls if ready)
+        await asyncio.sleep(1.5)
+        after = [at - said_ready for at, _ in calls if at > said_ready]
+        assert after == [], f"ctl -q again {after} s after it said READY"
     finally:
         await end_agents([node], runs)
         broker.stop()

@@ -1,8 +1,9 @@
 """The agent's probes of its running daemon: when to ask `ctl`, and what it last said.
 
-`ctl -q` runs every `STARTING_PROBE_S` while the daemon is STARTING (READY makes it
-RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait), then every
-`[daemon] probe_interval_s`. `ctl -N -j` runs in a short series after every start and
+`ctl -q` runs `STARTING_PROBE_S` after the last one ended while the daemon is STARTING
+(READY makes it RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait),
+then every `[daemon] probe_interval_s`; counted from the end, so that slow probes on a
+busy host do not run back to back. `ctl -N -j` runs in a short series after every start and
 every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until it shows every member
 connected, then every `[daemon] domain_probe_interval_s`. A membership change alone
 probes nothing: its SIGUSR1, paced by the daemon's reload window, starts the series when
@@ -41,7 +42,8 @@ DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
 member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
-"""Seconds between `ctl -q` probes while the daemon is STARTING: READY makes it RUNNING."""
+"""Seconds from one `ctl -q` probe's end to the next while the daemon is STARTING: READY
+makes it RUNNING."""
 HEARD_GAP_S: Final = 0.05
 """The least time between two probes that the daemon's lines asked for (a chatty daemon
 must not keep `ctl` running back to back)."""
@@ -79,6 +81,8 @@ class DaemonProbes:
         """The daemon wrote lines since the last look (`on_output`)."""
         self._heard_probe = 0.0
         """time.monotonic() of the last probe its lines asked for."""
+        self._said_ready = False
+        """The `ctl -q` being handled said READY: the RUNNING it causes needs no other."""
         self._due: list[float] = []
         """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
         self._supervisor: Supervisor | None = None
@@ -99,7 +103,8 @@ class DaemonProbes:
     def on_daemon_change(self, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
         """The supervisor's news, `seen` being (state, reloads_sent) before it."""
         if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
-            self.now()
+            if not self._said_ready:  # RUNNING by `start_s` or by adoption: ask it now
+                self.now()
             self._domain_soon()
         elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
             self.now()  # ctl -q at once: READY makes it RUNNING
@@ -174,7 +179,8 @@ class DaemonProbes:
                 await guard.beating("probe", self._local(), limit=bound)
                 starting = supervisor.state is DaemonState.STARTING
                 interval = s.daemon.probe_interval_s
-                next_local = now + (min(STARTING_PROBE_S, interval) if starting else interval)
+                ended = time.monotonic()
+                next_local = ended + (min(STARTING_PROBE_S, interval) if starting else interval)
             due = self._due
             if due and now >= due[0]:
                 while due and now >= due[0]:
@@ -191,7 +197,11 @@ class DaemonProbes:
         if self._supervisor is not None:
             self._supervisor.listening = not result.ready  # its READY line is news
             if result.ready:
-                self._supervisor.report_ready()  # a STARTING daemon is RUNNING now
+                self._said_ready = True
+                try:
+                    self._supervisor.report_ready()  # a STARTING daemon is RUNNING now
+                finally:
+                    self._said_ready = False
         status = result.state.value if result.state is not None else ""
         error = "" if result.ready or result.state is not None else result.reason
         if not result.ready and result.state is None:
