@@ -135,7 +135,7 @@ from harness import BenchError, Figure, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto, free_port
-from imexd.demo.nodes import fake_driver
+from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
@@ -432,7 +432,7 @@ class Node:
         self.dir = run.root / name
         self.dir.mkdir(parents=True)
         self.hosts_file = self.dir / "hosts"
-        self.hosts_file.write_text("127.0.0.1 localhost\n")
+        """Written with the node's settings (`sections`)."""
         self.signal_log = self.dir / "signals.log"
         self.view: dict[int, str] = {}
         """slot -> address of the members its files map (or its membership, no daemon)."""
@@ -448,37 +448,21 @@ class Node:
         """The node's settings: the shipped defaults (or the fast table, `--timings fast`)
         but for what the docstring lists."""
         daemons = self.run.daemons
-        env = {
-            "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
-            "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
-        }
-        if self.run.fast:
-            env["IMEXD_SIM_RELOAD_WINDOW_S"] = SIM_RELOAD_WINDOW_S
         domain: dict[str, Any] = {"max_nodes": self.run.opts.max_nodes}
         if self.assigned:
             domain["assigned"] = True
         else:
             domain["name"] = self.domain
-        sections: dict[str, dict[str, Any]] = {
-            "node": {
-                "name": self.name,
-                "address": self.address,
-                "clique": f"{CLUSTER}.{self.group}" if daemons else "",
-                "state_dir": str(self.dir / "state"),
-            },
-            "domain": domain,
-            "bus": {"url": [self.run.broker.url]},
-            "imex": {
-                "binary": str(SIM_DAEMON),
-                "ctl": str(SIM_CTL),
-                "run_dir": str(self.dir / "run"),
-                "hosts_file": str(self.hosts_file),
-                "env": env,
-            },
-            "health": {"listen": health_listen},
-            "channels": fake_driver(self.dir),
-        }
+        sections = node_folder(
+            self.dir, name=self.name, address=self.address, health_listen=health_listen
+        )
+        sections["node"]["clique"] = f"{CLUSTER}.{self.group}" if daemons else ""
+        sections["domain"] = domain
+        sections["bus"] = {"url": [self.run.broker.url]}
+        sections["imex"] |= {"binary": str(SIM_DAEMON), "ctl": str(SIM_CTL)}
+        sections["imex"]["env"]["IMEXD_SIM_SIGNAL_LOG"] = str(self.signal_log)
         if self.run.fast:
+            sections["imex"]["env"]["IMEXD_SIM_RELOAD_WINDOW_S"] = SIM_RELOAD_WINDOW_S
             sections = with_fast(sections)
         sections["bus"]["will_delay_s"] = self.run.opts.will_delay_s
         sections["daemon"] = sections.get("daemon", {}) | self.run.daemon_overrides()

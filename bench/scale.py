@@ -100,7 +100,7 @@ from harness import BenchError, Figure, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto
-from imexd.demo.nodes import fake_driver
+from imexd.demo.nodes import node_folder
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 from imexd.topics import Topics
@@ -236,7 +236,6 @@ class Worker:
     def sections(self, node: NodePlan) -> dict[str, dict[str, Any]]:
         """The node's settings: the shipped defaults but what the module docstring lists."""
         folder = self.root / "nodes" / node.name
-        folder.mkdir(parents=True, exist_ok=True)
         urls = list(self.spec["urls"])
         turn = node.index % len(urls)  # the agents spread over a cluster's servers
         bus: dict[str, Any] = {"url": urls[turn:] + urls[:turn]}
@@ -245,19 +244,13 @@ class Worker:
             bus["resync_interval_s"] = float(self.spec["resync_interval_s"])
         if self.spec["protocol"] != "auto":
             bus["protocol"] = self.spec["protocol"]
-        return {
-            "node": {
-                "name": node.name,
-                "address": node.address,
-                "clique": "",
-                "state_dir": str(folder / "state"),
-            },
-            "domain": {"name": node.domain, "max_nodes": MAX_NODES},
-            "bus": bus,
-            "imex": {"run_dir": str(folder / "run"), "hosts_file": str(folder / "hosts")},
-            "health": {"listen": "127.0.0.1:0"},
-            "channels": fake_driver(folder),
-        }
+        sections = node_folder(
+            folder, name=node.name, address=node.address, health_listen="127.0.0.1:0"
+        )
+        sections["node"]["clique"] = ""  # no daemon: the membership alone is measured
+        sections["domain"] = {"name": node.domain, "max_nodes": MAX_NODES}
+        sections["bus"] = bus
+        return sections
 
     def build(self) -> None:
         for raw in self.spec["nodes"]:

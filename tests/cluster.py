@@ -1,8 +1,9 @@
 """A cluster of real agents for scenario tests: one `imexd run` process per node.
 
-Each node gets its own loopback address, state dir, run dir, hosts file, signal log,
-health port, and channel folders with a fake driver (`fake_driver`: no agent touches
-/dev); its IMEX daemon is the simulator, pointed at the node's hosts file. Timings
+Each node gets its own loopback address, signal log and health port, and the folder
+every simulated node has (`imexd.demo.nodes.node_folder`: state and run dirs, a hosts
+file, channel folders with a fake driver, so no agent touches /dev); its IMEX daemon is
+the simulator, pointed at the node's hosts file. Timings
 are the demo's fast ones (`imexd.demo.timings.FAST`: settle, probes, reload window, will
 delay) so scenarios run in seconds; everything else is the agent exactly as shipped.
 Every wait is bounded. The helpers at the end (`formed`, `members`, `slot_of`, `pids`,
@@ -33,7 +34,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.demo.brokers import Mosquitto, free_port
-from imexd.demo.nodes import fake_driver
+from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
@@ -97,9 +98,6 @@ class Node:
         self.netns = netns
         """The network namespace the agent runs in (None: the test's own)."""
         self.http_host = "127.0.0.1" if netns is None else self.address
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.hosts_file = self.dir / "hosts"
-        self.hosts_file.write_text("127.0.0.1 localhost\n")
         self.signal_log = self.dir / "signals.log"
         self.health_port = free_port()
         self.config_path = self.dir / "imexd.toml"
@@ -107,30 +105,30 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         self.proxy: FaultProxy | None = None
         """The fault proxy on this node's bus link, when `Cluster.add(via_proxy=True)`."""
-        self.sections: dict[str, dict[str, Any]] = {
-            "node": {
-                "name": name,
-                "address": self.address,
-                "clique": clique,
-                "state_dir": str(self.dir / "state"),
-            },
-            "domain": {"max_nodes": 8},
-            "bus": {"url": broker_urls},
-            "imex": {
-                "binary": str(VENV_BIN / "imexd-sim-daemon"),
-                "ctl": str(VENV_BIN / "imexd-sim-ctl"),
-                "run_dir": str(self.dir / "run"),
-                "hosts_file": str(self.hosts_file),
-                "env": {
-                    "IMEXD_SIM_HOSTS_FILE": str(self.hosts_file),
-                    "IMEXD_SIM_RELOAD_WINDOW_S": SIM_RELOAD_WINDOW_S,
-                    "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
+        self.sections: dict[str, dict[str, Any]] = node_folder(
+            self.dir,
+            name=name,
+            address=self.address,
+            health_listen=f"{self.http_host}:{self.health_port}",
+        )
+        self.hosts_file = Path(self.sections["imex"]["hosts_file"])
+        _merge(
+            self.sections,
+            {
+                "node": {"clique": clique},
+                "domain": {"max_nodes": 8},
+                "bus": {"url": broker_urls},
+                "imex": {
+                    "binary": str(VENV_BIN / "imexd-sim-daemon"),
+                    "ctl": str(VENV_BIN / "imexd-sim-ctl"),
+                    "env": {
+                        "IMEXD_SIM_RELOAD_WINDOW_S": SIM_RELOAD_WINDOW_S,
+                        "IMEXD_SIM_SIGNAL_LOG": str(self.signal_log),
+                    },
                 },
+                "log": {"level": "info", "format": "json"},
             },
-            "health": {"listen": f"{self.http_host}:{self.health_port}"},
-            "channels": fake_driver(self.dir),
-            "log": {"level": "info", "format": "json"},
-        }
+        )
         _merge(self.sections, FAST)
         if domain is not None:
             self.sections["domain"]["name"] = domain

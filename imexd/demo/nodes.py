@@ -17,7 +17,7 @@ import stat
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import psutil
 
@@ -107,6 +107,31 @@ def fake_driver(
     }
 
 
+def node_folder(
+    folder: Path, *, name: str, address: str, health_listen: str
+) -> dict[str, dict[str, Any]]:
+    """Lay out a simulated node in `folder` and return the settings that point its agent
+    there: `[node]` name, address and state folder; `[imex]` run folder and hosts file,
+    which the simulated daemon resolves names through alone (IMEXD_SIM_HOSTS_FILE);
+    `[health]` listen; `[channels]` on a fake driver (`fake_driver`).
+
+    The demo, tests/cluster.py and the benchmarks lay out every simulated node this way
+    and add their own clique, domain, broker, simulator and timings."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hosts = folder / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    return {
+        "node": {"name": name, "address": address, "state_dir": str(folder / "state")},
+        "imex": {
+            "run_dir": str(folder / "run"),
+            "hosts_file": str(hosts),
+            "env": {"IMEXD_SIM_HOSTS_FILE": str(hosts)},
+        },
+        "health": {"listen": health_listen},
+        "channels": fake_driver(folder),
+    }
+
+
 # Nodes.
 
 
@@ -134,20 +159,13 @@ class DemoNode:
         """Its agent's last `/status`; None while the agent does not answer."""
         self.orphan_pid: int | None = None
         folder.mkdir(parents=True)
-        hosts = folder / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n")
+        own = node_folder(
+            folder, name=name, address=address, health_listen=f"127.0.0.1:{self.health_port}"
+        )
+        own["imex"]["env"]["IMEXD_SIM_RELOAD_WINDOW_S"] = SIM_RELOAD_WINDOW_S
         sections = {k: dict(v) for k, v in settings.items()}
-        sections["node"] |= {"name": name, "address": address, "state_dir": str(folder / "state")}
-        sections["imex"] |= {
-            "run_dir": str(folder / "run"),
-            "hosts_file": str(hosts),
-            "env": {
-                "IMEXD_SIM_HOSTS_FILE": str(hosts),
-                "IMEXD_SIM_RELOAD_WINDOW_S": SIM_RELOAD_WINDOW_S,
-            },
-        }
-        sections["health"] |= {"listen": f"127.0.0.1:{self.health_port}"}
-        sections["channels"] = fake_driver(folder)
+        for section, values in own.items():
+            sections[section] = sections.get(section, {}) | values
         self.config_path.write_text(render_toml(sections))
 
     @property
