@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import scale
+from harness import log_agents
 
 from imexd.demo.brokers import Mosquitto
 
@@ -72,7 +73,7 @@ async def formation(nodes: int, cliques: int, root: Path, *, counted: bool) -> d
         want.setdefault(p.clique, set()).add(p.address)
     try:
         with (root / "agents.log").open("w") as log:
-            worker.configure_logs(log)
+            log_agents(log, worker.capture)
             worker.build()
             watch = asyncio.create_task(worker.watch())
             gc.collect()

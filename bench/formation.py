@@ -111,7 +111,6 @@ import asyncio
 import contextlib
 import cProfile
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -131,7 +130,7 @@ from typing import Any, Final, TextIO
 import aiomqtt
 import psutil
 import structlog
-from harness import BenchError, Figure, machine, sweep
+from harness import BenchError, Figure, log_agents, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto, free_port
@@ -219,23 +218,6 @@ class Capture:
             for s in self.seen
             if s.event == event and after <= s.at <= before and (node is None or s.node == node)
         ]
-
-
-def configure_capture(capture: Capture, out: TextIO) -> None:
-    """Route the in-process agents' logs (JSON, level info, as shipped) through `capture`."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            capture,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(default=str),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(out),
-        cache_logger_on_first_use=False,
-    )
 
 
 # The broker's view ---------------------------------------------------------------------
@@ -2057,7 +2039,7 @@ async def one_run(
     root.mkdir(parents=True)
     run = Run(opts, n, daemons=daemons, root=root, octet=octet)
     run.result.kind = kind
-    configure_capture(run.capture, log_out)
+    log_agents(log_out, run.capture)
     print(f"\nrun {index}: N = {n}, {describe_run(daemons, opts.agents, kind)}", flush=True)
     try:
         if kind == "jobstart":

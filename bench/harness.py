@@ -1,5 +1,6 @@
 """What every benchmark shares: its error, its figures, the machine it ran on, the sweep
-of the processes it left, and the way to the tests' launchers.
+of the processes it left, the in-process agents' logs, and the way to the tests'
+launchers.
 
 The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
 this folder is first on their import path and they import this module as `harness`,
@@ -11,19 +12,40 @@ simulated nodes, `tests.nats_servers`), not with copies of them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 import psutil
+import structlog
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout the benchmarks measure."""
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
+
+
+def log_agents(out: TextIO, tap: Any) -> None:
+    """Route the in-process agents' logs to `out` as shipped (JSON lines, level info),
+    through `tap` first: a structlog processor that notes the events a benchmark times."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            tap,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(default=str),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
 
 
 class BenchError(Exception):

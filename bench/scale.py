@@ -77,7 +77,6 @@ import contextlib
 import cProfile
 import datetime as dt
 import json
-import logging
 import os
 import resource
 import shutil
@@ -91,12 +90,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 import aiomqtt
 import psutil
 import structlog
-from harness import BenchError, Figure, machine, sweep
+from harness import BenchError, Figure, log_agents, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto
@@ -216,22 +215,6 @@ class Worker:
                 self.up.add(node)
                 self.emit(ev="up", node=node, at=time.monotonic())
         return event_dict
-
-    def configure_logs(self, out: TextIO) -> None:
-        """The agents' logs as shipped (JSON, level info) into the worker's log file."""
-        structlog.configure(
-            processors=[
-                structlog.contextvars.merge_contextvars,
-                self.capture,
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=True),
-                structlog.processors.format_exc_info,
-                structlog.processors.JSONRenderer(default=str),
-            ],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-            logger_factory=structlog.PrintLoggerFactory(out),
-            cache_logger_on_first_use=False,
-        )
 
     def sections(self, node: NodePlan) -> dict[str, dict[str, Any]]:
         """The node's settings: the shipped defaults but what the module docstring lists."""
@@ -392,7 +375,7 @@ def worker_main(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     worker = Worker(spec)
     with Path(spec["log"]).open("w") as out:
-        worker.configure_logs(out)
+        log_agents(out, worker.capture)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(worker.serve())
     return 0
