@@ -394,6 +394,41 @@ async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
         broker.stop()
 
 
+async def test_a_join_that_changed_nothing_does_not_hold_the_first_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A join is applied at once, and with no member yet it changes nothing (no file, no
+    daemon); its settle_s then held the domain's first start, which came a moment later,
+    on every job start. settle_s coalesces what a running daemon is given: an apply that
+    gave it nothing starts no window."""
+    settle_s = 3.0  # large: a start inside it did not wait for it
+    marks: dict[str, float] = {}
+    apply = reconcile.Reconciler.apply
+
+    async def mark_apply(
+        self: reconcile.Reconciler, desired: Desired, saved: Any
+    ) -> reconcile.Probe | None:
+        key = "start" if desired.members else "join"
+        marks.setdefault(key, time.monotonic())
+        return await apply(self, desired, saved)
+
+    monkeypatch.setattr(reconcile.Reconciler, "apply", mark_apply)
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    overrides = {"domain": {"settle_s": settle_s, "claim_stale_s": 60.0}}
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=overrides)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        await until(lambda: "start" in marks or run.task.done())
+        assert not run.task.done()
+        # Checked while settle_s (3 s) after the join's apply has not elapsed.
+        assert marks["start"] - marks["join"] < settle_s / 2, marks
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
 async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

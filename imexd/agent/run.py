@@ -601,7 +601,8 @@ class Agent:
             if not self.dirty.is_set() and not due:
                 continue
             # Leading edge: the first change after a quiet period is applied at once; what
-            # follows within settle_s of it is coalesced into one write and one signal.
+            # follows within settle_s of a round that wrote or signalled is coalesced into
+            # one write and one signal.
             # The supervisor's SIGUSR1 pacing makes sure the last change reaches the daemon.
             if (wait := quiet_at - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
@@ -657,6 +658,9 @@ class Agent:
                 retry_at, attempt = None, 0
                 reconciler.write_error = reconciler.write_path = ""
                 if probe == "now":
+                    # Nothing was given to a running daemon (it was stopped, or there is
+                    # nothing to run yet): no burst to coalesce, the next change goes at once.
+                    quiet_at = 0.0
                     self.probes.now()
                 # "soon": the start or the paced SIGUSR1 starts the domain probes
                 # (_on_daemon_change), not this write.
