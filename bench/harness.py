@@ -19,10 +19,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import psutil
 import structlog
+from structlog.typing import Processor
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout the benchmarks measure."""
@@ -30,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
 
 
-def log_agents(out: TextIO, tap: Any) -> None:
+def log_agents(out: TextIO, tap: Processor) -> None:
     """Route the in-process agents' logs to `out` as shipped (JSON lines, level info),
     through `tap` first: a structlog processor that notes the events a benchmark times."""
     structlog.configure(

@@ -10,6 +10,7 @@ message is the exact line the real tool prints.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 
 from imexd.errors import ImexdError
 
@@ -78,7 +79,7 @@ def read_config(path: str) -> dict[str, str]:
     return parse_config_text(text, path)
 
 
-def check_values(values: dict[str, str], path: str) -> dict[str, bool | int | str]:
+def check_values(values: Mapping[str, str], path: str) -> dict[str, bool | int | str]:
     """Validate the keys the simulator uses: the fields of `ImexConfig` that they set
     (`imexd.sim.config`). Unknown keys are ignored."""
     fields: dict[str, bool | int | str] = {}

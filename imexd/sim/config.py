@@ -81,7 +81,7 @@ class ImexConfig:
 def config_from_values(values: Mapping[str, str], path: str) -> ImexConfig:
     """Validate the keys the simulator uses (`imexd.sim.cfgfile.check_values`); unknown
     keys are kept but ignored."""
-    fields: dict[str, Any] = check_values(dict(values), path)
+    fields: dict[str, Any] = check_values(values, path)
     return ImexConfig(path=path, values=MappingProxyType(dict(values)), **fields)
 
 
