@@ -40,8 +40,9 @@ from imexd.bus.events import (
     Synced,
     WillSpec,
 )
-from imexd.bus.link import Bus, _Retained
+from imexd.bus.link import Bus
 from imexd.bus.mqtt import protocol_versions, refuses_protocol, topic_matches
+from imexd.bus.records import Record
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.errors import BusError
 from imexd.messages import (
@@ -1431,7 +1432,7 @@ async def test_a_refused_narrow_check_gives_no_verdict() -> None:
     topic = member_topic("n1")
     bus = bus_for(fast_settings("mqtt://127.0.0.1:1"), "n1", will=WillSpec(topic))
     bus._subs.add([MEMBERS])
-    bus._retained[topic] = _Retained(encode(record("n1")), None)
+    bus._records.declare(topic, Record(encode(record("n1")), None))
     bus._protocol = "5"
     client = CheckClient()
     with capture_logs() as logs:

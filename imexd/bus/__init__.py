@@ -9,6 +9,8 @@ a control-plane command that needs only `mqtt` does not load the link and its lo
 - `waits`, `echoes`, `subscriptions`, `check`: waiting on a link, which of our
   publications came back, which filters the broker granted or refused, and whether the
   broker's retained snapshots can be trusted at all;
+- `rotation`, `records`, `pings`, `drops`: which broker next and how long to wait, our
+  retained records, the sync ping's round trip, and what arrives malformed;
 - `repairs`: what a broker that reorders or loses messages needs (NATS 2.9), engaged per
   link by the broker profile (`[bus] broker`);
 - `link`: the `Bus` itself.

@@ -7,6 +7,16 @@ each alone. So once our own record came back live on a link, the link subscribes
 wildcard filter that matches it again and expects it back, flagged retained, before a
 round trip returns; until a link passes, no `Synced` (docs/bus.md, *Connection*).
 
+Which filter: on a repaired link (`imexd.bus.repairs`) the shard's own filter, read again
+like a re-read (nats-server 2.9 sometimes grants a reconnecting client's first SUBSCRIBE
+without the retained messages, and this second read completes its view before any claim
+counts). Elsewhere that second read would send every record of the shard again, k
+messages to each of k nodes, so the check's own filter, which matches our record only, is
+subscribed at QoS 0 and dropped at once, under the bus lock: no record of ours is
+published while it overlaps the shard's (its echo would come once per matching
+subscription, and a second echo could pass for a later record's). A refusal of that
+filter gives no verdict on the link.
+
 The link (`imexd.bus.link`) does the subscribing; this module holds which filter to use,
 what was seen, and the verdict.
 """

@@ -1,67 +1,38 @@
 """The agent's MQTT link: one resilient connection that replays the caller's desired state.
 
 A `Bus` owns one named task that keeps one connection to one of the configured brokers
-(`[bus] url`, tried in turn) and replays the caller's desired state onto every new
-connection: its subscriptions, its retained records and its Last Will. The caller never
-reconnects, re-subscribes or re-publishes itself; it declares what it wants and reads
-typed events (`imexd.bus.events`).
+(`[bus] url`, tried in turn: `imexd.bus.rotation`) and replays the caller's desired state
+onto every new connection: its subscriptions, its retained records (`imexd.bus.records`)
+and its Last Will. The caller never reconnects, re-subscribes or re-publishes itself; it
+declares what it wants and reads typed events (`imexd.bus.events`).
 
-Why it is built this way:
-- Brokers restart and may lose (persistence off) or keep stale (persistence on) retained
-  state, so after every connect the bus re-subscribes, then re-publishes its records, then
-  proves the retained snapshot was delivered (a ping through its own topic comes back
-  after every retained message of the subscriptions: `Synced`).
-- Links die silently (a frozen broker, a dropped NAT entry): a periodic round trip through
-  the broker proves the link, and a missing echo tears it down *without* DISCONNECT, so
-  the broker publishes our will if we stay away. A clean close sends DISCONNECT, which
-  suppresses the will (hand-over keeps the record; a leave clears it first). A busy loop
-  is not a dead link (`imexd.bus.waits.within_loop_time`).
-- Every connect asks for MQTT 5 (its Will Delay keeps a link blip from dropping the node)
-  and falls back to 3.1.1 for that connect only when the broker says so (`imexd.bus.mqtt`
-  decides). On MQTT 5 the bus resumes its session (Clean Start off, the session outlives
-  the Will Delay), so a reconnect within the delay suppresses the will. The will is a
-  tombstone (`WillSpec.tombstone`, state lost) whose `hold_s` tells peers how long to keep
-  the node: 0 where the broker already waited its Will Delay, the delay itself on 3.1.1.
-- A broker must deliver retained messages to wildcard subscriptions, or the snapshot
-  says nothing: once our own record came back live, the bus subscribes a filter that
-  matches it again and expects it back flagged retained before a round trip returns
-  (`BrokerChecked`); until a link passes that check, no `Synced`.
-- A subscription the broker refuses (SUBACK failure) leaves a partial view: no `Synced`
-  until every filter is granted (`SubscribeRefused`); the link is given up for the next
-  broker, and a record whose echo could only come through a refused filter is not judged.
-- Our own retained publications must come back (`imexd.bus.echoes`): the MQTT client drops
-  PUBACK reason codes and 3.1.1 has none, so an ACL's refusal shows only that way.
-- A record whose slot may have been taken while the link was down (the member record)
-  is not replayed blindly on a new link (`retain(replay=False)`): the caller judges the
-  new link's snapshot first and publishes it again, or claims again.
-- Anything wrong on the wire is dropped, counted per reason (`dropped`) and logged once
-  per sender topic and reason; it never ends or stalls the connection.
-
-What a clustered broker needs beyond this (stale copies, re-reads, subscriptions retried
-on one link, lost echoes) is `imexd.bus.repairs`, engaged per link by the broker profile
-(`[bus] broker`); on Mosquitto none of it runs.
-
-One piece because the reconnect loop, the replay of the desired state, the sync by ping
-and the echo tracking all read and write one link state (the current client, its leave
-event, the lock that orders replay against callers' changes); what holds state of its
-own lives beside it in `imexd.bus`.
+After every connect the link re-subscribes, publishes its records again, and proves that
+the retained snapshot arrived with a round trip through its own ping topic (`Synced`,
+`imexd.bus.pings`); the same round trip, repeated, proves the link, and a missing echo
+drops it without DISCONNECT so that the broker publishes the will. A snapshot counts only
+while every filter is granted and the broker passed the retained-wildcard check
+(`imexd.bus.check`); our own records must come back (`imexd.bus.echoes`). Every connect
+asks for MQTT 5 and resumes its session (the Will Delay keeps a blip from dropping the
+node); 3.1.1 only where the broker says so (`imexd.bus.mqtt`). Anything wrong on the wire
+is dropped, counted per reason and logged once. What a clustered broker needs beyond
+this is `imexd.bus.repairs`, engaged per link by the broker profile (`[bus] broker`); on
+Mosquitto none of it runs. docs/bus.md gives the reasons for each rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
 from imexd.bus.check import RetainedCheck, check_filters
+from imexd.bus.drops import Drops
 from imexd.bus.echoes import Echoes
 from imexd.bus.events import (
     SUBSCRIBE_REFUSED,
@@ -77,12 +48,15 @@ from imexd.bus.events import (
     WillSpec,
 )
 from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
+from imexd.bus.pings import LinkLostError, Pings
+from imexd.bus.records import Record, Records
 from imexd.bus.repairs import RESYNC_QUIET_S, SUBSCRIBE_RETRIES, Repairs, engaged
+from imexd.bus.rotation import Rotation
 from imexd.bus.subscriptions import Subscriptions
-from imexd.bus.waits import first_set, unless, within_loop_time
+from imexd.bus.waits import first_set, unless
 from imexd.errors import BusError
 from imexd.logs import get_logger
-from imexd.messages import Dropped, DropReason, Payload, Ping, Received, decode_message, encode, now
+from imexd.messages import Dropped, Payload, Ping, Received, decode_message, encode
 from imexd.names import is_dns1123_subdomain
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
@@ -90,9 +64,6 @@ from imexd.topics import Topics
 
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""
-
-_MAX_DROP_LOG_KEYS: Final = 4096
-"""Distinct (topic, reason) pairs remembered for log-once; a flood cannot grow memory."""
 
 
 def _check_topic_name(topic: str) -> None:
@@ -103,20 +74,6 @@ def _check_topic_name(topic: str) -> None:
 def _check_client_id(client_id: str) -> None:
     if not client_id or len(client_id.encode()) > 65535 or "\0" in client_id:
         raise ValueError(f"client_id must be a non-empty string, not {client_id!r}")
-
-
-class _LinkLostError(BusError):
-    """The current connection failed; the reconnect loop replaces it."""
-
-
-@dataclass(slots=True)
-class _Retained:
-    payload: bytes
-    """b"": delete the retained record once, then forget the entry."""
-    expiry_s: float | None
-    replay: bool = True
-    """Published again on every new link; False: only when the caller publishes it on
-    that link (after judging its snapshot). A clear is always replayed."""
 
 
 class EventStream:
@@ -200,9 +157,6 @@ class Bus:
         self._will = will
         self._timeout_s = timeout_s
         self._ping_interval_s = settings.ping_interval_s
-        self._ping_timeout_s = (
-            ping_timeout_s if ping_timeout_s is not None else max(2.0, settings.ping_interval_s)
-        )
         self._close_timeout_s = close_timeout_s
         self._rand = rand
         self._ping_topic = self.topics.ping(node)
@@ -210,7 +164,7 @@ class Bus:
 
         # Desired state, replayed on every connection.
         self._subs = Subscriptions(self._ping_topic)
-        self._retained: dict[str, _Retained] = {}
+        self._records = Records()
 
         # Link state.
         self._lock = asyncio.Lock()
@@ -225,8 +179,11 @@ class Bus:
         """Why the current link is left cleanly (set_will, set_client_id)."""
         self._unplanned = False
         """A link was lost or a connect failed since the last link came up."""
-        self._seq = itertools.count()
-        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._pings = Pings(
+            node,
+            self._ping_topic,
+            max(2.0, settings.ping_interval_s) if ping_timeout_s is None else ping_timeout_s,
+        )
         self._dead_reason: str | None = None
         self._ever_connected = False
         self._took_v5: set[str] = set()
@@ -237,7 +194,7 @@ class Bus:
         self._echoes = Echoes(
             echo_timeout_s, self._refused, self._subs.can_echo, on_lost=self._echo_lost
         )
-        self._drop_logged: set[tuple[str, str]] = set()
+        self._drops = Drops()
 
         self._connected = False
         self._broker: str | None = None
@@ -249,7 +206,7 @@ class Bus:
         """Why the last connection attempt or link failed (never holds secrets)."""
         self.synced_at: float | None = None
         """time.monotonic() of the last `Synced` on the current link; None while down."""
-        self.dropped: Counter[str] = Counter({reason.value: 0 for reason in DropReason})
+        self.dropped = self._drops.counts
         """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
         self.deliveries: Counter[tuple[str, str]] = Counter()
         """Messages the broker delivered, by (topic kind, domain) (`("other", "")` for a
@@ -259,8 +216,6 @@ class Bus:
         self._check = RetainedCheck()
         self._refusal_drop = False
         """The current link was dropped for refused subscriptions: not a stable link."""
-        self._put_on_link: set[str] = set()
-        """Topics of our records published on this link (see `_Retained.replay`)."""
         self._repairs = Repairs(
             resync_s=settings.resync_interval_s,
             resync_quiet_s=resync_quiet_s,
@@ -448,9 +403,9 @@ class Bus:
         ref = self.topics.parse(topic)
         self.writes["other" if ref is None else ref.kind] += 1
         data = b"" if payload is None else encode(payload)
-        entry = _Retained(data, message_expiry_s, replay=replay or not data)
+        entry = Record(data, message_expiry_s, replay=replay or not data)
         async with self._lock:
-            self._retained[topic] = entry
+            self._records.declare(topic, entry)
             live = self._live()
             if live is None:
                 return
@@ -561,53 +516,35 @@ class Bus:
     # The connection loop.
 
     async def _run(self) -> None:
-        """Connect, serve, and reconnect with capped jittered backoff until closed.
-
-        Brokers are tried in turn: after a failed connect the next one is tried at once
-        until each was tried in this round; then the bus waits, doubling the wait per
-        failed round. A link that ends (even one that worked) is followed by one jittered
-        wait, so that a fleet does not reconnect to a restarted broker at the same instant,
-        and the next attempt goes to the next broker.
-        """
-        index = 0
-        rounds = 0
-        left = len(self.brokers)
+        """Connect, serve, and reconnect with capped jittered backoff until closed
+        (`imexd.bus.rotation` says which broker is next and how long to wait first)."""
+        s = self.settings
+        turn = Rotation(len(self.brokers), s.reconnect_initial_s, s.reconnect_max_s, self._rand)
         while not self._closing:
+            broker = self.brokers[turn.index]
             try:
-                await self._session(index)
-            except _LinkLostError:
-                # _link_down logged why. Only a link that held resets the backoff, so a
-                # broker that drops us right after each connect is not hammered.
+                await self._session(turn.index)
+            except LinkLostError:
+                # _link_down logged why; a link dropped for refusals did not hold.
                 self._unplanned = True
-                stable = time.monotonic() - self._link_since >= _STABLE_S
-                if stable and not self._refusal_drop:
-                    rounds = 0
-                left = 1
+                held = time.monotonic() - self._link_since >= _STABLE_S
+                delay = turn.next(lost=True, stable=held and not self._refusal_drop)
             except BusError as exc:
                 self._unplanned = True
-                self._connect_failed(self.brokers[index], str(exc))
+                self._connect_failed(broker, str(exc))
+                delay = turn.next(lost=False)
             except Exception as exc:  # a bug: log it, keep the agent on the bus
                 self._unplanned = True
-                self._log.exception("bus_session_crashed", broker=str(self.brokers[index]))
-                self._connect_failed(self.brokers[index], describe_error(exc))
+                self._log.exception("bus_session_crashed", broker=str(broker))
+                self._connect_failed(broker, describe_error(exc))
+                delay = turn.next(lost=False)
             else:
-                rounds, left = 0, len(self.brokers)
+                turn.left_cleanly()
                 continue  # a clean leave (new will, or close): reconnect at once, or stop
-            index = (index + 1) % len(self.brokers)
-            left -= 1
-            if left > 0:
+            if delay is None:
                 continue
-            delay = backoff_delay(
-                rounds,
-                self.settings.reconnect_initial_s,
-                self.settings.reconnect_max_s,
-                self._rand,
-            )
-            rounds += 1
-            left = len(self.brokers)
-            self._log.info(
-                "bus_reconnect_wait", delay_s=round(delay, 3), next=str(self.brokers[index])
-            )
+            next_broker = str(self.brokers[turn.index])
+            self._log.info("bus_reconnect_wait", delay_s=round(delay, 3), next=next_broker)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
@@ -615,7 +552,7 @@ class Bus:
     async def _session(self, index: int) -> None:
         """One connection: connect, replay, serve until a clean leave or a failure.
 
-        Returns after a clean leave (DISCONNECT sent). Raises `_LinkLostError` when an
+        Returns after a clean leave (DISCONNECT sent). Raises `LinkLostError` when an
         established link failed (it was dropped without DISCONNECT), another BusError
         when connecting failed.
         """
@@ -637,14 +574,14 @@ class Bus:
                         self._serve(client, leave, reader), name=f"bus-link:{self.client_id}"
                     )
                 clean = True
-            except* _LinkLostError as group:
+            except* LinkLostError as group:
                 reason = self._dead_reason or str(group.exceptions[0])
-                raise _LinkLostError(reason) from None
+                raise LinkLostError(reason) from None
         except BaseException as exc:
             # A failed link gets no DISCONNECT: the broker then publishes our will if we
             # stay away, and a DISCONNECT arriving late cannot keep a stale record alive.
             client.abort()
-            if not isinstance(exc, _LinkLostError):
+            if not isinstance(exc, LinkLostError):
                 reason = describe_error(exc)
             raise
         finally:
@@ -700,7 +637,7 @@ class Bus:
             async for message in client.messages():
                 self._dispatch(message.topic, message.payload, retained=message.retained)
         except BusError as exc:
-            raise _LinkLostError(str(exc)) from None
+            raise LinkLostError(str(exc)) from None
 
     async def _serve(
         self, client: Client, leave: asyncio.Event, reader: asyncio.Task[None]
@@ -712,9 +649,8 @@ class Bus:
                     self._client = client
                     await self._forget_filters(client)
                     await self._subscribe(client, [self._ping_topic, *self._subs.wanted])
-                    for topic, entry in list(self._retained.items()):
-                        if entry.replay:
-                            await self._put_retained(client, topic, entry)
+                    for topic, entry in self._records.replayed():
+                        await self._put_retained(client, topic, entry)
                 await self._settle(client, leave)
             checked = False
             next_ping = time.monotonic() + self._ping_interval_s
@@ -746,7 +682,7 @@ class Bus:
             # disconnect result, which would otherwise be left unread.
             self._kill(client, str(exc))
             await asyncio.wait({reader}, timeout=self._timeout_s)
-            raise _LinkLostError(str(exc)) from None
+            raise LinkLostError(str(exc)) from None
         reader.cancel()
 
     async def _settle(self, client: Client, leave: asyncio.Event) -> None:
@@ -795,29 +731,14 @@ class Bus:
         """(our record's topic, the shard's wildcard filter covering it, the check's own
         filter), if we have both a record and such a filter (`check_filters`)."""
         will = self._will
-        if will is None or not self._retained.get(will.topic, _Retained(b"", None)).payload:
-            return None
-        if not self._retained[will.topic].replay and will.topic not in self._put_on_link:
-            return None  # the caller publishes it on this link after Synced
+        if will is None or not self._records.held(will.topic):
+            return None  # none, or the caller publishes it on this link after Synced
         filters = check_filters(will.topic, self._subs.wanted)
         return None if filters is None else (will.topic, *filters)
 
     async def _check_retained(self, client: Client) -> bool:
-        """The broker must send our record, flagged retained, to a new wildcard
-        subscription before a round trip returns, or its snapshots cannot be trusted.
-
-        On a repaired link (`imexd.bus.repairs`) the shard's own filter is subscribed
-        again and read like a re-read:
-        nats-server 2.9 sometimes grants a reconnecting client's first SUBSCRIBE without
-        the retained messages, and this second read completes its view before any claim
-        counts. False when that subscription was refused (the link's task retries it).
-        Elsewhere (Mosquitto) that second read would send every record of the
-        shard again, k messages to each of k nodes: the check's own filter, which
-        matches our record only, is subscribed at QoS 0 and dropped at once, under the
-        bus lock, so that no record of ours is published while it overlaps the shard's
-        (its echo would come once per matching subscription, and a second echo could pass
-        for a later record's). A refusal of that filter gives no verdict on this link.
-        """
+        """The retained-wildcard check of this link (`imexd.bus.check` says why and how);
+        False when a repaired link's SUBSCRIBE was refused (the link's task retries it)."""
         target = self._check_target()
         if target is None:
             return True
@@ -874,37 +795,15 @@ class Bus:
                 await self._round_trip(client)
             finally:
                 snapshot = self._repairs.end()
-            ours = {t: r.payload for t, r in self._retained.items() if r.payload and r.replay}
-            verdict = self._repairs.differences(filters, snapshot, ours, started)
-            if verdict.blind:
-                self._log.warning(
-                    "bus_resync_empty",
-                    broker=self._broker,
-                    filters=filters,
-                    why="the broker sent no retained message for a re-read of filters that "
-                    "hold records: nothing is deleted on its word",
-                )
+            log = self._log.bind(broker=self._broker)
+            ours = self._records.ours()
+            verdict = self._repairs.differences(filters, snapshot, ours, started, log)
             for topic in verdict.republish:
-                await self._put_retained(client, topic, self._retained[topic])
-            corrected = list(verdict.republish)
-            for topic, payload in verdict.deliver:
-                result = decode_message(self.topics, topic, payload, retained=True)
-                if isinstance(result, Dropped):
-                    self._drop(topic, result)
-                    continue
-                corrected.append(topic)
-                self._repairs.delivered(topic, payload)
-                self._emit(result)
-        if corrected:
-            self._repairs.resync_corrections += len(corrected)
-            self._log.warning(
-                "bus_resync_corrected",
-                broker=self._broker,
-                topics=corrected[:20],
-                count=len(corrected),
-                total=self._repairs.resync_corrections,
-                why="the broker's retained snapshot differed from what the link delivered",
-            )
+                record = self._records.get(topic)
+                if record is not None:
+                    await self._put_retained(client, topic, record)
+            delivered = [t for t, p in verdict.deliver if self._deliver(t, p, retained=True)]
+        self._repairs.corrected([*verdict.republish, *delivered], log)
         return True
 
     async def _subscribe(self, client: Client, filters: Iterable[str]) -> None:
@@ -918,7 +817,9 @@ class Bus:
             self._repairs.subscribed(wanted)
         answers = dict(zip(wanted, await client.subscribe(wanted), strict=True))
         if answers.get(self._ping_topic) is not None:
-            answers[self._ping_topic] = await self._ping_at_qos0(client)
+            answers[self._ping_topic] = await self._pings.subscribe_qos0(
+                client, self._broker or "", self._log
+            )
         broker = self._broker or ""
         refused = self._subs.answered(broker, wanted, [answers[f] for f in wanted])
         if not refused:
@@ -934,63 +835,16 @@ class Bus:
             )
             self._emit(SubscribeRefused(broker, topic_filter, refusal, self.subscribe_refused))
 
-    async def _ping_at_qos0(self, client: Client) -> str | None:
-        """Subscribe the ping topic at QoS 0 where the broker refused it at QoS 1; the
-        refusal, or None.
-
-        The ping is a barrier behind the snapshot only at the snapshot's QoS: Mosquitto
-        sends QoS 0 at once but queues QoS 1 messages beyond its in-flight window (20),
-        so a QoS 0 echo came back after 21 of 200 retained members. A clustered NATS
-        refuses new QoS 1 subscriptions (JetStream consumers) for tens of seconds after
-        a server died, and it writes a new subscription's retained copies out before it
-        reads our next packet, so there a QoS 0 echo still comes after them.
-        """
-        (refusal,) = await client.subscribe([self._ping_topic], qos=0)
-        if refusal is None:
-            self._log.info(
-                "bus_ping_qos0", broker=self._broker, why="the broker refused the ping at QoS 1"
-            )
-        return refusal
-
-    async def _put_retained(self, client: Client, topic: str, entry: _Retained) -> None:
-        self._put_on_link.add(topic)
+    async def _put_retained(self, client: Client, topic: str, entry: Record) -> None:
+        self._records.publishing(topic)
         if self._subs.covers(topic):
             self._echoes.expect(topic, entry.payload)
         expiry_s = entry.expiry_s if entry.payload else None
         await client.publish(topic, entry.payload, qos=QOS, retain=True, expiry_s=expiry_s)
-        if not entry.payload and self._retained.get(topic) is entry:
-            del self._retained[topic]
+        self._records.sent(topic, entry)
 
     async def _round_trip(self, client: Client) -> float:
-        """Publish a Ping to our own topic and wait for it; the seconds it took.
-
-        The broker sends every retained message of a subscription before anything we
-        publish after its SUBACK at the same QoS, so the echo (QoS 1, like the records;
-        see `_ping_at_qos0`) also marks the end of the snapshot.
-        """
-        seq = next(self._seq)
-        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pings[seq] = echo
-        started = time.monotonic()
-
-        async def exchange() -> None:
-            ping = Ping(node=self.node, seq=seq, sent=now())
-            await client.publish(self._ping_topic, encode(ping), qos=QOS)
-            await echo
-
-        try:
-            came, late = await within_loop_time(exchange(), self._ping_timeout_s)
-        finally:
-            self._pings.pop(seq, None)
-        if not came:
-            reason = (
-                f"no ping echo within {self._ping_timeout_s:g} s (+{late:.1f} s that this "
-                "agent's event loop ran late): the link is dead"
-            )
-            raise _LinkLostError(reason)
-        if late >= self._ping_timeout_s / 2:
-            self._log.info("bus_ping_loop_late", late_s=round(late, 3))
-        return time.monotonic() - started
+        return await self._pings.round_trip(client, self._log)
 
     async def _resync(self, client: Client) -> None:
         """After a new subscription: prove its snapshot arrived, or replace the link."""
@@ -1033,7 +887,7 @@ class Bus:
         self._check.link_up()
         self._subs.link_up()
         self._refusal_drop = False
-        self._put_on_link.clear()
+        self._records.link_up()
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"
@@ -1057,9 +911,7 @@ class Bus:
         self.synced_at = None
         self._subs.detail = ""
         self._echoes.reset()
-        for echo in self._pings.values():
-            echo.cancel()
-        self._pings.clear()
+        self._pings.cancel()
         event = Disconnected(str(broker), reason, reason_code)
         if not event.deliberate:
             self.last_error = reason
@@ -1114,32 +966,26 @@ class Bus:
         if will is not None and topic == will.topic and payload:
             if self._check.saw(topic, retained=retained) and not self._repairing:
                 return  # the check's own filter: what we published, already delivered
-            if not retained and self._retained.get(topic, _Retained(b"", None)).payload == payload:
+            if not retained and self._records.payload(topic) == payload:
                 self._check.own_echo.set()
         if self._repairing and self._repairs.intercept(topic, payload, retained=retained):
             return
+        self._deliver(topic, payload, retained=retained)
+
+    def _deliver(self, topic: str, payload: bytes, *, retained: bool) -> bool:
+        """Decode one message and hand it to the caller; False when it was dropped."""
         result = decode_message(self.topics, topic, payload, retained=retained)
         if isinstance(result, Dropped):
             self._drop(topic, result)
-        elif isinstance(result, Received) and isinstance(result.payload, Ping):
-            # Only our own pings reach us (our ping topic); other pings are ignored.
-            echo = self._pings.get(result.payload.seq) if topic == self._ping_topic else None
-            if echo is not None and not echo.done():
-                echo.set_result(None)
-        else:
-            if self._repairing:
-                self._repairs.delivered(topic, payload)
-            self._emit(result)
+            return False
+        if isinstance(result, Received) and isinstance(result.payload, Ping):
+            if topic == self._ping_topic:  # only ours reach us; others are ignored
+                self._pings.echoed(result.payload.seq)
+            return True
+        if self._repairing:
+            self._repairs.delivered(topic, payload)
+        self._emit(result)
+        return True
 
     def _drop(self, topic: str, dropped: Dropped) -> None:
-        self.dropped[dropped.reason.value] += 1
-        key = (topic, dropped.reason.value)
-        if key in self._drop_logged or len(self._drop_logged) >= _MAX_DROP_LOG_KEYS:
-            return
-        self._drop_logged.add(key)
-        self._log.warning(
-            "bus_message_dropped",
-            topic=topic[:300],
-            reason=dropped.reason.value,
-            detail=dropped.detail[:300],
-        )
+        self._drops.drop(topic, dropped, self._log)

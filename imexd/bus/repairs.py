@@ -29,10 +29,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from imexd.bus.mqtt import topic_matches
 from imexd.settings import BrokerProfile
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 SUBSCRIBE_RETRIES: Final = 3
 """SUBSCRIBEs of a refused filter retried on one repaired link (with backoff) before the
@@ -227,6 +230,7 @@ class Repairs:
         snapshot: Mapping[str, bytes],
         ours: Mapping[str, bytes],
         started: float,
+        log: FilteringBoundLogger,
     ) -> Verdict:
         """What the fresh `snapshot` of `filters` says differently from what we delivered,
         given `ours` (the records we publish ourselves and replay, by topic).
@@ -236,7 +240,8 @@ class Repairs:
         record we hold that the snapshot lacks comes out as deleted; a record we never
         delivered, or a different one, as received. An empty snapshot while we hold records
         is a broker that did not send the retained messages again for a SUBSCRIBE of an
-        existing filter (Mosquitto, amqtt and nats-server 2.9 do): it deletes nothing.
+        existing filter (Mosquitto, amqtt and nats-server 2.9 do): it deletes nothing
+        (logged: `bus_resync_empty`).
         """
         quiet_from = started - self._quiet_s
         self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
@@ -247,6 +252,13 @@ class Repairs:
         }
         verdict = Verdict()
         verdict.blind = not snapshot and any(self._known.get(t, (b"", 0.0))[0] for t in scope)
+        if verdict.blind:
+            log.warning(
+                "bus_resync_empty",
+                filters=filters,
+                why="the broker sent no retained message for a re-read of filters that "
+                "hold records: nothing is deleted on its word",
+            )
         for topic in sorted(scope | set(snapshot)):
             if topic == self._ping_topic or topic in self._copies.live:
                 continue
@@ -263,6 +275,19 @@ class Repairs:
                 continue
             verdict.deliver.append((topic, fresh))
         return verdict
+
+    def corrected(self, topics: list[str], log: FilteringBoundLogger) -> None:
+        """A re-read put `topics` right (delivered or published again): counted, logged."""
+        if not topics:
+            return
+        self.resync_corrections += len(topics)
+        log.warning(
+            "bus_resync_corrected",
+            topics=topics[:20],
+            count=len(topics),
+            total=self.resync_corrections,
+            why="the broker's retained snapshot differed from what the link delivered",
+        )
 
     def _jittered(self) -> float:
         if self._resync_s <= 0:

@@ -1,0 +1,76 @@
+"""Our retained records: what every new link publishes again, and what it did publish.
+
+The caller declares its records (`Bus.retain`); the link replays them on each new
+connection. A record whose slot may have been taken while the link was down (the member
+record) is not replayed blindly: `replay=False` leaves it to the caller, who judges the
+new link's snapshot first and then publishes it there (docs/bus.md, *Connection*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Record:
+    """One retained record of ours."""
+
+    payload: bytes
+    """b"": delete the retained record once, then forget the entry."""
+    expiry_s: float | None
+    replay: bool = True
+    """Published again on every new link; False: only when the caller publishes it on
+    that link (after judging its snapshot). A clear is always replayed."""
+
+
+class Records:
+    """Our records by topic, and which of them were published on the current link."""
+
+    def __init__(self) -> None:
+        self._by_topic: dict[str, Record] = {}
+        self._on_link: set[str] = set()
+
+    def declare(self, topic: str, record: Record) -> None:
+        """Set (or, with an empty payload, clear once) our record on `topic`."""
+        self._by_topic[topic] = record
+
+    def get(self, topic: str) -> Record | None:
+        return self._by_topic.get(topic)
+
+    def replayed(self) -> list[tuple[str, Record]]:
+        """What a new link publishes again, by topic."""
+        return [(t, r) for t, r in self._by_topic.items() if r.replay]
+
+    def ours(self) -> dict[str, bytes]:
+        """The payloads we publish ourselves and replay, by topic (what a re-read compares
+        the broker's snapshot with)."""
+        return {t: r.payload for t, r in self._by_topic.items() if r.payload and r.replay}
+
+    def link_up(self) -> None:
+        """A new link: nothing of ours was published on it yet."""
+        self._on_link.clear()
+
+    def publishing(self, topic: str) -> None:
+        """Our record on `topic` is being published on this link."""
+        self._on_link.add(topic)
+
+    def sent(self, topic: str, record: Record) -> None:
+        """`record` went out; a clear is forgotten then, unless a newer record replaced it
+        meanwhile (a clear that failed to go out is replayed on the next link)."""
+        if not record.payload and self._by_topic.get(topic) is record:
+            del self._by_topic[topic]
+
+    def payload(self, topic: str) -> bytes:
+        """Our declared record on `topic`; b"" when none."""
+        record = self._by_topic.get(topic)
+        return b"" if record is None else record.payload
+
+    def held(self, topic: str) -> bytes:
+        """Our record on `topic` as the broker should hold it from this link: b"" when we
+        hold none, or only one that the caller has not yet published on this link."""
+        record = self._by_topic.get(topic)
+        if record is None or not record.payload:
+            return b""
+        if not record.replay and topic not in self._on_link:
+            return b""
+        return record.payload
