@@ -91,7 +91,7 @@ from imexd.settings import DaemonSettings, Settings
 
 HANDLER_RECHECK_S = 0.1
 """How soon to look again when a due SIGUSR1 would still kill the daemon."""
-OUTPUT_LISTEN_S = 0.02
+OUTPUT_LISTEN_S = 0.005
 """How often the output is read while `listening`: the daemon's READY line is news."""
 LISTEN_FOR_S = 60.0
 """Listening ends this long after a start: a daemon that never gets READY costs no more
