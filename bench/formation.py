@@ -129,8 +129,7 @@ from typing import Any, Final, TextIO
 
 import aiomqtt
 import psutil
-import structlog
-from harness import BenchError, Figure, log_agents, machine, sweep
+from harness import BenchError, Figure, InProcAgent, end_agents, log_agents, machine, sweep
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto, free_port
@@ -519,48 +518,40 @@ class Node:
 
 
 class InProcNode(Node):
-    """An agent running as a coroutine of this process."""
+    """An agent running as a coroutine of this process (`harness.InProcAgent`)."""
 
     def __init__(
         self, run: Run, name: str, group: int, host: int, *, assigned: bool = False
     ) -> None:
         super().__init__(run, name, group, host, assigned=assigned)
         self.settings: Settings = settings_from_mapping(self.sections("127.0.0.1:0"))
-        self.stop = asyncio.Event()
-        self.handover = asyncio.Event()
-        self.agent: Agent | None = None
-        self.task: asyncio.Task[int] | None = None
+        self.hosted: InProcAgent | None = None
+
+    @property
+    def agent(self) -> Agent | None:
+        return None if self.hosted is None else self.hosted.agent
 
     def start(self) -> None:
-        self.agent = Agent(self.settings)
+        self.hosted = InProcAgent(self.name, self.settings)
         self.started_at = time.monotonic()
-        self.task = asyncio.create_task(self._main(self.agent), name=f"agent-{self.name}")
-
-    async def _main(self, agent: Agent) -> int:
-        # Tasks the agent creates inherit this context: its daemon's events carry our name.
-        structlog.contextvars.bind_contextvars(bench_node=self.name)
-        return await agent.run(stop=self.stop, handover=self.handover)
+        self.hosted.start()
 
     @property
     def alive(self) -> bool:
-        return self.task is not None and not self.task.done()
+        return self.hosted is not None and self.hosted.alive
 
     def leave(self) -> None:
-        self.stop.set()
+        if self.hosted is not None:
+            self.hosted.leave()
 
     async def exited(self, limit_s: float) -> int | None:
-        if self.task is None:
-            return None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(limit_s):
-                return await asyncio.shield(self.task)
-        return None
+        return None if self.hosted is None else await self.hosted.exited(limit_s)
 
     def refresh(self) -> None:
         """Without daemons no file is written: take the agent's membership instead."""
-        if self.agent is None or self.run.daemons:
+        if self.hosted is None or self.run.daemons:
             return
-        members = {slot: m.address for slot, m in self.agent.desired.members.items()}
+        members = self.hosted.members()
         if members != self.view:
             self.view, self.view_at = members, time.monotonic()
 
@@ -1904,19 +1895,12 @@ class Run:
         """End the agents gracefully (bounded), then every process of the run."""
         for node in self.nodes:
             node.leave()
-        inproc = [n for n in self.nodes if isinstance(n, InProcNode)]
-        tasks = [n.task for n in inproc if n.task is not None and not n.task.done()]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=25)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5)
-        for node in inproc:
-            if node.task is not None and node.task.done() and not node.task.cancelled():
-                exc = node.task.exception()
-                if exc is not None and not self.result.error:
-                    self.result.error = f"agent {node.name} failed: {exc!r}"
+        hosted = [n.hosted for n in self.nodes if isinstance(n, InProcNode) and n.hosted]
+        await end_agents(hosted, 25)
+        for agent in hosted:
+            exc = agent.failure()
+            if exc is not None and not self.result.error:
+                self.result.error = f"agent {agent.name} failed: {exc!r}"
         deadline = time.monotonic() + 25
         for node in self.all_nodes():
             if isinstance(node, ProcNode):

@@ -1,6 +1,6 @@
 """What every benchmark shares: its error, its figures, the machine it ran on, the sweep
-of the processes it left, the in-process agents' logs, and the way to the tests'
-launchers.
+of the processes it left, the in-process agents (`InProcAgent`) and their logs, and the
+way to the tests' launchers.
 
 The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
 this folder is first on their import path and they import this module as `harness`,
@@ -11,12 +11,14 @@ simulated nodes, `tests.nats_servers`), not with copies of them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -24,6 +26,9 @@ from typing import TextIO
 import psutil
 import structlog
 from structlog.typing import Processor
+
+from imexd.agent.run import Agent
+from imexd.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout the benchmarks measure."""
@@ -47,6 +52,75 @@ def log_agents(out: TextIO, tap: Processor) -> None:
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+
+
+class InProcAgent:
+    """An agent as a coroutine of this process (formation.py's in-process nodes, scale.py's
+    workers). Its log events carry its name as `bench_node` (tasks the agent creates
+    inherit the context), and `leave` is what SIGTERM does to `imexd run`."""
+
+    def __init__(self, name: str, settings: Settings) -> None:
+        self.name = name
+        self.agent = Agent(settings)
+        self.stop = asyncio.Event()
+        self.handover = asyncio.Event()
+        self.task: asyncio.Task[int] | None = None
+
+    def start(self, on_exit: Callable[[], None] | None = None) -> None:
+        """Start it (once); `on_exit` is called when its run ends, however it ends."""
+        if self.task is None:
+            self.task = asyncio.create_task(self._main(on_exit), name=f"agent-{self.name}")
+
+    async def _main(self, on_exit: Callable[[], None] | None) -> int:
+        structlog.contextvars.bind_contextvars(bench_node=self.name)
+        try:
+            return await self.agent.run(stop=self.stop, handover=self.handover)
+        finally:
+            if on_exit is not None:
+                on_exit()
+
+    @property
+    def alive(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def leave(self) -> None:
+        self.stop.set()
+
+    async def exited(self, limit_s: float) -> int | None:
+        """Its exit code once it ended (None: not started, or still running after `limit_s`)."""
+        if self.task is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                return await asyncio.shield(self.task)
+        return None
+
+    def members(self) -> dict[int, str]:
+        """Its settled membership: slot -> address."""
+        return {slot: m.address for slot, m in self.agent.desired.members.items()}
+
+    def failure(self) -> BaseException | None:
+        """What ended its run with an error (None: running, cancelled, or a clean exit)."""
+        task = self.task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+
+async def end_agents(agents: Iterable[InProcAgent], limit_s: float) -> None:
+    """Every agent leaves; those still running after `limit_s` are cancelled (bounded)."""
+    running = []
+    for agent in agents:
+        agent.leave()
+        if agent.alive and agent.task is not None:
+            running.append(agent.task)
+    if not running:
+        return
+    _, pending = await asyncio.wait(running, timeout=limit_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5)
 
 
 class BenchError(Exception):

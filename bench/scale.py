@@ -94,10 +94,8 @@ from typing import Any, Final
 
 import aiomqtt
 import psutil
-import structlog
-from harness import BenchError, Figure, log_agents, machine, sweep
+from harness import BenchError, Figure, InProcAgent, end_agents, log_agents, machine, sweep
 
-from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nodes import node_folder
 from imexd.messages import DomainSpec, WorkloadRecord, encode
@@ -171,9 +169,7 @@ class Hosted:
     """One agent of a worker, and what the worker last told the bench about it."""
 
     plan: NodePlan
-    agent: Agent
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[int] | None = None
+    run: InProcAgent
     seen_desired: object = None
     view: dict[int, str] = field(default_factory=dict)
 
@@ -239,19 +235,11 @@ class Worker:
         for raw in self.spec["nodes"]:
             plan = NodePlan(**raw)
             settings = settings_from_mapping(self.sections(plan))
-            self.hosted[plan.name] = Hosted(plan, Agent(settings))
-
-    async def _agent(self, h: Hosted) -> int:
-        # Tasks the agent creates inherit this context: its events carry our name.
-        structlog.contextvars.bind_contextvars(bench_node=h.plan.name)
-        try:
-            return await h.agent.run(stop=h.stop, handover=asyncio.Event())
-        finally:
-            self.emit(ev="exit", node=h.plan.name, at=time.monotonic())
+            self.hosted[plan.name] = Hosted(plan, InProcAgent(plan.name, settings))
 
     def start(self, h: Hosted) -> None:
-        if h.task is None:
-            h.task = asyncio.create_task(self._agent(h), name=f"agent-{h.plan.name}")
+        name = h.plan.name
+        h.run.start(on_exit=lambda: self.emit(ev="exit", node=name, at=time.monotonic()))
 
     async def start_all(self, hosted: Sequence[Hosted], ramp_s: float) -> None:
         """Start `hosted`, spread evenly over `ramp_s` seconds (0: all at once)."""
@@ -269,11 +257,11 @@ class Worker:
         while True:
             changed = []
             for h in self.hosted.values():
-                desired = h.agent.desired
+                desired = h.run.agent.desired
                 if desired is h.seen_desired:
                     continue
                 h.seen_desired = desired
-                view = {slot: m.address for slot, m in desired.members.items()}
+                view = h.run.members()
                 if view != h.view:
                     h.view = view
                     changed.append([h.plan.name, sorted(view.items())])
@@ -297,9 +285,9 @@ class Worker:
         the loop's lateness since the last call."""
         per_node: dict[str, dict[str, int]] = {}
         for name, h in self.hosted.items():
-            if h.task is None:
+            if h.run.task is None:
                 continue  # not started (the joiner before its phase)
-            bus = h.agent.bus
+            bus = h.run.agent.bus
             counts: Counter[str] = Counter()
             if bus is not None:
                 for (kind, domain), count in bus.deliveries.items():
@@ -318,15 +306,7 @@ class Worker:
         """Every agent leaves (bounded), then the rest is cancelled."""
         if self.starter is not None:
             self.starter.cancel()
-        for h in self.hosted.values():
-            h.stop.set()
-        tasks = [h.task for h in self.hosted.values() if h.task is not None and not h.task.done()]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=QUIT_LIMIT_S - 10)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5)
+        await end_agents((h.run for h in self.hosted.values()), QUIT_LIMIT_S - 10)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -353,7 +333,7 @@ class Worker:
                     case ["join", name]:
                         self.start(self.hosted[name])
                     case ["leave", name]:
-                        self.hosted[name].stop.set()
+                        self.hosted[name].run.leave()
                     case ["stats"]:
                         if profiler is not None and profiler_path is not None:
                             profiler.disable()
