@@ -138,6 +138,7 @@ from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
 from imexd.settings_text import render_toml
+from tests.cluster import spawn_agent
 
 VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"
@@ -584,16 +585,8 @@ class ProcNode(Node):
         self._last_status: dict[str, Any] = {}
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-        with self.log_path.open("ab") as log:
-            self.started_at = time.monotonic()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "imexd", "run", "--config", str(self.config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self.started_at = time.monotonic()
+        self.proc = spawn_agent(self.config, self.log_path)
 
     @property
     def alive(self) -> bool:

@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
@@ -74,6 +74,30 @@ def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any
                 target[key] = {**target[key], **value}
             else:
                 target[key] = value
+
+
+def spawn_agent(
+    config: Path,
+    log: Path,
+    *,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """`imexd run --config CONFIG` as shipped, in a session of its own (a Ctrl-C or a
+    test's signal reaches it only when sent to it), stdout and stderr appended to `log`.
+
+    The environment is this process's without any `IMEXD_*` variable (those would
+    override the settings file), plus `env`; `prefix` runs it through another command
+    (`ip netns exec NS`)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "imexd", "run", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=clean | dict(env or {}),
+            start_new_session=True,
+        )
 
 
 class Node:
@@ -167,17 +191,8 @@ class Node:
     def start(self) -> None:
         """Start the agent (a new process; the previous one must have ended)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} still runs"
-        log = self.log_path.open("ab")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
         prefix = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "imexd", "run", "--config", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
+        self.proc = spawn_agent(self.config_path, self.log_path, prefix=prefix)
 
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, spawn_agent
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +20,8 @@ CLIQUE = "4fe1c2d3-a4b5-c6d7-e8f9-a0b1c2d3e4f5.7"
 def _start_with_child(c: Cluster, name: str, child: Path) -> None:
     """Start an agent whose NVML child is the given script (auto clique)."""
     node = c.add(name, clique="auto", start=False)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    env["IMEXD_FABRIC_CHILD_CMD"] = f"{sys.executable} {child}"
-    log = node.log_path.open("ab")
-    node.proc = subprocess.Popen(
-        [sys.executable, "-m", "imexd", "run", "--config", str(node.config_path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    log.close()
+    env = {"IMEXD_FABRIC_CHILD_CMD": f"{sys.executable} {child}"}
+    node.proc = spawn_agent(node.config_path, node.log_path, env=env)
 
 
 def _condition(status: dict[str, object], kind: str) -> dict[str, str]:
