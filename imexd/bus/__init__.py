@@ -13,7 +13,9 @@ a control-plane command that needs only `mqtt` does not load the link and its lo
   retained records, the sync ping's round trip, and what arrives malformed;
 - `repairs`: what a broker that reorders or loses messages needs (NATS 2.9), engaged per
   link by the broker profile (`[bus] broker`);
-- `link`: the `Bus` itself.
+- `engine`: the state of the current link and the task that keeps one (connect, replay,
+  prove the snapshot, serve, reconnect);
+- `link`: the `Bus` itself, what callers use: the desired state and what they may ask.
 
 It imports the layers below it (messages, topics, settings, names, retry, logs, errors)
 and nothing above: no agent, shard, health or control module.

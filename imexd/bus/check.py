@@ -17,7 +17,7 @@ published while it overlaps the shard's (its echo would come once per matching
 subscription, and a second echo could pass for a later record's). A refusal of that
 filter gives no verdict on the link.
 
-The link (`imexd.bus.link`) does the subscribing; this module holds which filter to use,
+The link (`imexd.bus.engine`) does the subscribing; this module holds which filter to use,
 what was seen, and the verdict.
 """
 

@@ -17,7 +17,7 @@ JetStream consumer per subscription, and it
 
 Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
 none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
-speaks) and none on MQTT 5. The link (`imexd.bus.link`) owns the I/O; this module owns
+speaks) and none on MQTT 5. The link (`imexd.bus.engine`) owns the I/O; this module owns
 the repairs' state and verdicts, so it holds no client and sends nothing.
 """
 
