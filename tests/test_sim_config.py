@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from imexd.sim.cfgfile import ImexConfigError, parse_config_text
+from imexd.sim.cfgfile import ImexConfigError, is_ip, parse_config_text
 from imexd.sim.config import (
     Resolver,
     SimEnv,
@@ -162,3 +165,45 @@ def test_environment_knobs_are_checked() -> None:
     with pytest.raises(ImexConfigError, match="IMEXD_SIM_EXIT_CODE"):
         SimEnv.from_environ({"IMEXD_SIM_EXIT_CODE": "300"})
     assert SimEnv.hosts_file_from_environ({"IMEXD_SIM_HOSTS_FILE": "/h"}) == "/h"
+
+
+def _ipaddress_says(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0.0.0.0",
+        "127.0.0.1",
+        "255.255.255.255",
+        "256.1.1.1",
+        "01.2.3.4",
+        "1.2.3",
+        "1.2.3.4.5",
+        "1.2.3.4 ",
+        "1..3.4",
+        "\u0661.2.3.4",
+        "+1.2.3.4",
+        "::1",
+        "fe80::1%eth0",
+        "::ffff:1.2.3.4",
+        "node-a",
+        "",
+    ],
+)
+def test_is_ip_agrees_with_ipaddress(text: str) -> None:
+    """The quick check of dotted quads (so that `ctl -q` need not import ipaddress)
+    accepts and refuses exactly what `ipaddress` does."""
+    assert is_ip(text) == _ipaddress_says(text)
+
+
+@given(st.lists(st.text("0123456789+-\u0661 ", max_size=4), min_size=1, max_size=5))
+def test_is_ip_agrees_with_ipaddress_on_any_dotted_text(parts: list[str]) -> None:
+    """The same for any dots and digits, signs, spaces and non-ASCII digits."""
+    text = ".".join(parts)
+    assert is_ip(text) == _ipaddress_says(text)

@@ -101,14 +101,26 @@ def test_a_disabled_command_service_is_unavailable(
     assert "IMEX_CMD_ENABLED=0" in out.err
 
 
-HEAVY = ("asyncio", "msgspec", "dataclasses", "typing", "imexd.sim.protocol", "imexd.sim.table")
+HEAVY = (
+    "asyncio",
+    "msgspec",
+    "dataclasses",
+    "typing",
+    "imexd.sim.protocol",
+    "imexd.sim.table",
+    "socket",
+    "selectors",
+    "ipaddress",
+)
+"""What `-q` must not import: `socket` (its enums and selectors) and `ipaddress` cost more
+than the round trip itself; the C module `_socket` and a check of IPv4 literals do."""
 
 
 def test_query_imports_only_the_socket_layer(tmp_path: Path) -> None:
     """`-q` (the agent's probe, at every start and every probe interval) is a blocking
     socket round trip that reads config.cfg as the agent wrote it: no event loop, no
-    msgspec, no dataclasses, not even typing, so that it costs about what a small C
-    program costs. A module-level import added to its path fails here."""
+    msgspec, no dataclasses, not even typing or the socket module, so that it costs about
+    what a small C program costs. A module-level import added to its path fails here."""
     cfg = tmp_path / "config.cfg"
     cfg.write_text("IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\nIMEX_CMD_PORT=1\nLOG_LEVEL=4\n")
     probe = (

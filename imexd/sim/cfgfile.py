@@ -9,7 +9,6 @@ message is the exact line the real tool prints.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 
 from imexd.errors import ImexdError
@@ -47,12 +46,31 @@ _STR_KEYS = {
 
 
 def is_ip(text: str) -> bool:
-    """An IPv4 or IPv6 literal, as nodes_config.cfg and config.cfg may hold."""
+    """An IPv4 or IPv6 literal, as nodes_config.cfg and config.cfg may hold.
+
+    A dotted quad that `ipaddress` would take is recognised here, so that `ctl -q`
+    reading config.cfg does not import it; anything else is its verdict."""
+    octets = text.split(".")
+    if len(octets) == 4 and all(_octet(o) for o in octets):
+        return True
+    import ipaddress  # noqa: PLC0415 - lazy: IPv6 and the refusals only
+
     try:
         ipaddress.ip_address(text)
     except ValueError:
         return False
     return True
+
+
+def _octet(text: str) -> bool:
+    """0 to 255 in ASCII decimal, without a leading zero (as `ipaddress` requires)."""
+    return (
+        0 < len(text) <= 3
+        and text.isascii()
+        and text.isdigit()
+        and (text == "0" or text[0] != "0")
+        and int(text) <= 255
+    )
 
 
 def parse_config_text(text: str, path: str) -> dict[str, str]:

@@ -1,8 +1,11 @@
 """The ctl's side of the command service: where it listens, one blocking round trip, `-q`.
 
 `imexd-sim-ctl -q` runs at every one of the agent's probes of a simulated daemon, so
-this module, `imexd.sim.cfgfile` and the ctl's entry point import only the standard
-library's socket layer: no event loop, no msgspec, no dataclasses. The frames are those
+this module, `imexd.sim.cfgfile` and the ctl's entry point import only the C socket
+module: no event loop, no msgspec, no dataclasses, not even the `socket` module, whose
+enums and selectors cost more than the round trip (`_socket` is what it wraps; the
+command service's address is an IP literal or a Unix socket path, so nothing here needs
+its name resolution). The frames are those
 of `imexd.sim.protocol`: the query's request and its replies are kept here as bytes
 (tests/test_sim_ctl.py checks them against the protocol's encoder), so that `-q`
 (`imexd.sim.ctl.query`) decodes nothing unless a reply is not one of them.
@@ -10,7 +13,7 @@ of `imexd.sim.protocol`: the query's request and its replies are kept here as by
 
 from __future__ import annotations
 
-import socket
+import _socket
 import time
 from enum import StrEnum
 
@@ -88,15 +91,14 @@ def exchange(target: CmdTarget, frame: bytes, *, timeout_s: float) -> bytes:
     event loop: the real `nvidia-imex-ctl` is a small C program, and asyncio's import
     alone would make ours cost several times what the agent's probes of it cost."""
     deadline = time.monotonic() + timeout_s
+    family = _socket.AF_UNIX if target.path else _socket.AF_INET
+    if ":" in target.host:
+        family = _socket.AF_INET6
     try:
-        if target.path:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        else:
-            sock = socket.create_connection((target.host, target.port), timeout=timeout_s)
-        with sock:
+        sock = _socket.socket(family, _socket.SOCK_STREAM)
+        try:
             sock.settimeout(timeout_s)
-            if target.path:
-                sock.connect(target.path)
+            sock.connect(target.path or (target.host, target.port))
             sock.sendall(frame)
             line = b""
             while not line.endswith(b"\n"):
@@ -107,6 +109,8 @@ def exchange(target: CmdTarget, frame: bytes, *, timeout_s: float) -> bytes:
                 line += chunk
                 if len(line) > MAX_LINE:
                     raise CommandError(f"{target} answered more than {MAX_LINE} bytes")
+        finally:
+            sock.close()
     except TimeoutError:
         raise CommandError(f"no answer from {target} within {timeout_s * 1000:.0f} ms") from None
     except (OSError, ValueError) as exc:
