@@ -86,16 +86,20 @@ def target_from_config(path: str) -> CmdTarget:
     return CmdTarget(host=host or "127.0.0.1", port=int(fields.get("cmd_port", DEFAULT_CMD_PORT)))
 
 
+def address_family(target: CmdTarget) -> int:
+    """The socket family of `target`: a Unix path, or an IPv6 or IPv4 literal."""
+    if target.path:
+        return _socket.AF_UNIX
+    return _socket.AF_INET6 if ":" in target.host else _socket.AF_INET
+
+
 def exchange(target: CmdTarget, frame: bytes, *, timeout_s: float) -> bytes:
     """Send one frame and read one reply line within `timeout_s` seconds, without an
     event loop: the real `nvidia-imex-ctl` is a small C program, and asyncio's import
     alone would make ours cost several times what the agent's probes of it cost."""
     deadline = time.monotonic() + timeout_s
-    family = _socket.AF_UNIX if target.path else _socket.AF_INET
-    if ":" in target.host:
-        family = _socket.AF_INET6
     try:
-        sock = _socket.socket(family, _socket.SOCK_STREAM)
+        sock = _socket.socket(address_family(target), _socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout_s)
             sock.connect(target.path or (target.host, target.port))

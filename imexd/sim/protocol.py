@@ -27,7 +27,14 @@ from enum import StrEnum
 
 import msgspec
 
-from imexd.sim.command import MAX_LINE, CmdTarget, CommandError, NodeState, exchange
+from imexd.sim.command import (
+    MAX_LINE,
+    CmdTarget,
+    CommandError,
+    NodeState,
+    address_family,
+    exchange,
+)
 
 
 class LinkStatus(StrEnum):
@@ -161,8 +168,7 @@ def ask_all_blocking(
     with selectors.DefaultSelector() as selector:
         for index, target in enumerate(targets):
             try:
-                family = socket.AF_UNIX if target.path else _family(target.host)
-                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock = socket.socket(address_family(target), socket.SOCK_STREAM)
                 sock.setblocking(False)
                 code = sock.connect_ex(target.path or (target.host, target.port))
             except (OSError, ValueError) as exc:
@@ -192,10 +198,6 @@ def ask_all_blocking(
             selector.unregister(key.fileobj)
             key.fileobj.close()  # type: ignore[union-attr]
     return results
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _step(
