@@ -27,7 +27,14 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.daemon.output import EXIT_LINE_CHARS, parse_imex_line, quote_lines
+from imexd.daemon.inotify import Inotify
+from imexd.daemon.output import (
+    EXIT_LINE_CHARS,
+    DaemonOutput,
+    Tail,
+    parse_imex_line,
+    quote_lines,
+)
 from imexd.daemon.process import daemon_environment, spawn_error
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.daemon.supervisor import Supervisor
@@ -589,6 +596,86 @@ async def test_a_crash_backs_off_and_restarts_with_the_restart_counted(node: Nod
         "RUNNING",
         "STOPPING",
     ]
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0.5)[0])
+
+
+def test_inotify_wakes_on_a_write_to_a_watched_file_only(tmp_path: Path) -> None:
+    """The watch follows the open file; after `clear()` its writes wake nothing."""
+    path = tmp_path / "out"
+    path.write_bytes(b"")
+    inotify = Inotify.open()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        inotify.watch(fd)
+        assert not _readable(inotify.fileno())
+        with path.open("ab") as out:
+            out.write(b"line\n")
+        assert _readable(inotify.fileno())
+        inotify.drain()
+        assert not _readable(inotify.fileno())
+        inotify.clear()
+        inotify.drain()  # the removal's own IN_IGNORED
+        with path.open("ab") as out:
+            out.write(b"line\n")
+        assert not _readable(inotify.fileno())
+        with pytest.raises(OSError, match="inotify_add_watch"):
+            inotify.watch(10**6)  # not an open file
+    finally:
+        os.close(fd)
+        inotify.close()
+        inotify.close()
+
+
+async def test_output_is_read_when_the_daemon_writes_not_on_a_timer(
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With inotify the output is read when the daemon writes: a line written a second
+    after the first comes without the reads every `output_poll_s` that a timer makes."""
+    script = tmp_path / "quiet-daemon"
+    script.write_text("#!/bin/sh\necho first\nsleep 1\necho second\nexec sleep 30\n")
+    script.chmod(0o755)
+    reads: list[float] = []
+    poll = DaemonOutput.poll
+
+    def counted(self: DaemonOutput, tail: Tail) -> None:
+        reads.append(time.monotonic())
+        poll(self, tail)
+
+    monkeypatch.setattr(DaemonOutput, "poll", counted)
+    with capture_logs() as logs:
+        async with node.supervisor(binary=str(script), output_poll_s=0.05) as sup:
+            await sup.ensure_started()
+            sup.listening = False
+            await until(sup, lambda s: "second" in s.last_lines)
+    assert "first" in sup.last_lines
+    assert len(reads) <= 6, f"{len(reads)} reads: a timer at 0.05 s makes 20 a second"
+    assert not [e for e in logs if e["event"] == "daemon.output_polled"]
+
+
+async def test_without_inotify_the_output_is_read_on_the_timer(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No inotify (another kernel, instances used up): the output is read every
+    `output_poll_s`, and the log says so once."""
+
+    def missing() -> Inotify:
+        raise OSError(errno.EMFILE, "inotify_init1: Too many open files")
+
+    monkeypatch.setattr(Inotify, "open", staticmethod(missing))
+    with capture_logs() as logs:
+        async with node.supervisor(output_poll_s=0.05) as sup:
+            await sup.ensure_started()
+            sup.listening = False
+            await until(sup, lambda s: any("IMEX version" in line for line in s.last_lines))
+    polled = [e for e in logs if e["event"] == "daemon.output_polled"]
+    assert len(polled) == 1
+    assert "Too many open files" in polled[0]["error"]
+    assert "0.05 s" in polled[0]["consequence"]
 
 
 async def test_the_daemon_outlives_its_log_reader(node: Node, tmp_path: Path) -> None:

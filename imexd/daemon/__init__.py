@@ -5,6 +5,7 @@ stops `nvidia-imex`.
 - `state`: its snapshot (`DaemonState`, `DaemonReason`, `DaemonStatus`), a leaf;
 - `process`: the system calls of one daemon process (spawn, adopt, pidfd, signals);
 - `output`: its output files, tailed into the log;
+- `inotify`: the wake-up when it writes them (Linux inotify), so no timer reads them;
 - `ctl`: `nvidia-imex-ctl -q` and `-N -j`, run bounded and parsed (`Prober`); when to
   ask is the agent's `probe` task (`imexd.agent.probes`).
 

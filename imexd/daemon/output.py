@@ -8,8 +8,9 @@ write (a pipe without one would kill it with SIGPIPE, or block it when full). A
 spawn truncates them; when one grows past `max_bytes` it is truncated after it was
 read to its end (the daemon's O_APPEND writes then start again at 0), so they stay
 small even while no agent runs for long; a line written in the instant between that
-last read and the truncation is lost. Regular files cannot be watched with epoll, so
-the supervisor reads them every `output_poll_s` (`DaemonOutput.poll`).
+last read and the truncation is lost. The supervisor reads them (`DaemonOutput.poll`)
+when inotify says the daemon wrote (`imexd/daemon/inotify.py`), or every `output_poll_s`
+where it cannot watch them.
 
 Separate from the supervisor (`imexd/daemon/supervisor.py`) because reading, splitting, cutting
 and truncating files is one job with its own edge cases, none of which is a decision
@@ -37,7 +38,7 @@ OUTPUT_MAX_BYTES = 4 * 1024 * 1024
 """An output file read to its end is truncated once it is larger than this."""
 
 OUTPUT_POLL_S = 0.2
-"""How often the output files are read for new lines."""
+"""How often at most the output files are read for new lines (how often, without inotify)."""
 
 OUTPUT_MODE = 0o640
 """The output files' permissions: the daemon's log is not for every local user."""

@@ -67,6 +67,7 @@ from typing import Any, Self
 
 import psutil
 
+from imexd.daemon.inotify import Inotify
 from imexd.daemon.output import (
     OUTPUT_MAX_BYTES,
     OUTPUT_POLL_S,
@@ -132,7 +133,8 @@ class Supervisor:
         pid or reload bookkeeping. `rand` feeds the backoff jitter (tests pin it).
         `output_dir` holds the daemon's output files (`OUTPUT_FILES`; config.cfg's
         folder by default: every agent of the node must find them there), truncated
-        past `output_max_bytes` and read every `output_poll_s` seconds.
+        past `output_max_bytes` and read when the daemon writes, at most every
+        `output_poll_s` seconds (every `output_poll_s` where inotify is missing).
         """
         path = os.fspath(config_path)
         if not os.path.isabs(path):
@@ -149,7 +151,7 @@ class Supervisor:
         self.on_output: Callable[[], None] | None = None
         """Called after a read found new lines of the daemon (the agent's probes listen)."""
         self.listening = False
-        """Read the output every OUTPUT_LISTEN_S instead of `output_poll_s` (the agent
+        """Read new output within OUTPUT_LISTEN_S instead of `output_poll_s` (the agent
         waits for the daemon's word), for at most LISTEN_FOR_S after its start."""
         self._binary = binary
         self._config_path = os.path.normpath(path)
@@ -199,6 +201,12 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._watching = asyncio.Event()
         """Set while a daemon is watched: without one, `_tail` sleeps on it, not a timer."""
+        self._inotify: Inotify | None = None
+        """Wakes `_tail` when the watched daemon writes (None: read on a timer instead)."""
+        self._written = asyncio.Event()
+        """Set by `_inotify` when the daemon wrote; `_tail` reads, then clears it."""
+        self._notified = False
+        """Whether the watched daemon's files are all under `_inotify`."""
         self._acks: list[asyncio.Future[DaemonStatus]] = []
 
     @classmethod
@@ -435,6 +443,16 @@ class Supervisor:
         if self._task is not None:
             raise RuntimeError("a Supervisor can be entered only once")
         self._loop = asyncio.get_running_loop()
+        try:
+            self._inotify = Inotify.open()
+        except OSError as exc:
+            self._log.info(
+                "daemon.output_polled",
+                error=str(exc),
+                consequence=f"the daemon's output is read every {self._output_poll:g} s",
+            )
+        else:
+            self._loop.add_reader(self._inotify.fileno(), self._on_written)
         self._task = asyncio.create_task(self._run(), name="daemon-supervisor")
         self._tail_task = asyncio.create_task(self._tail(), name="daemon-output")
         return self
@@ -473,6 +491,7 @@ class Supervisor:
                     await self._terminate(child, self._stop_reason_on_exit())
         finally:
             self._last_resort()
+            self._close_inotify()
             self._notify()
         if failure is not None:
             raise RuntimeError("the daemon supervisor loop failed") from failure
@@ -668,6 +687,7 @@ class Supervisor:
         """Make `child` the watched daemon; its start (or adoption) opens a reload window."""
         assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._child = child
+        self._watch_output(child)
         self._watching.set()
         self.listening = True  # until a probe finds it READY
         self._last_tail = child.output
@@ -714,10 +734,48 @@ class Supervisor:
         child.exited.set()
         self._kick.set()
 
+    def _watch_output(self, child: DaemonProcess) -> None:
+        """Put `child`'s output files under inotify (those of the previous daemon out).
+
+        A file that cannot be watched sends the daemon's output back to the timer.
+        """
+        self._notified = False
+        inotify = self._inotify
+        if inotify is None:
+            return
+        inotify.clear()
+        try:
+            for stream in child.output.streams:
+                inotify.watch(stream.fd)
+        except OSError as exc:
+            inotify.clear()
+            self._log.info(
+                "daemon.output_polled",
+                pid=child.pid,
+                error=str(exc),
+                consequence=f"its output is read every {self._output_poll:g} s",
+            )
+            return
+        self._notified = True
+        self._written.set()  # what it wrote before the watch (an adopted daemon's) is read
+
+    def _on_written(self) -> None:
+        """The inotify descriptor is readable: a watched file was written."""
+        if self._inotify is not None:
+            self._inotify.drain()
+        self._written.set()
+
+    def _close_inotify(self) -> None:
+        inotify, self._inotify = self._inotify, None
+        if inotify is not None and self._loop is not None:
+            self._loop.remove_reader(inotify.fileno())
+            inotify.close()
+
     async def _tail(self) -> None:
-        """Read the daemon's output files every `output_poll_s` (files cannot be awaited),
-        while a daemon is watched; without one, no timer runs (an agent without a daemon,
-        or between daemons, costs no wake-ups)."""
+        """Read the watched daemon's output files when it writes (inotify), or every
+        `output_poll_s` where that cannot be watched; reads are at least that far apart
+        (OUTPUT_LISTEN_S while `listening`), however much it writes. Without a daemon no
+        timer runs (an agent without one, or between daemons, costs no wake-ups)."""
         while True:
             await self._watching.wait()
             child = self._child
@@ -726,12 +784,19 @@ class Supervisor:
                 and child is not None
                 and time.monotonic() - child.started < LISTEN_FOR_S
             )
-            await asyncio.sleep(OUTPUT_LISTEN_S if listening else self._output_poll)
+            gap = OUTPUT_LISTEN_S if listening else self._output_poll
+            if self._notified:
+                await self._written.wait()
+                self._written.clear()
+            else:
+                await asyncio.sleep(gap)
             child = self._child
             if child is None or child.released:
                 self._watching.clear()
                 continue
             self._output.poll(child.output)
+            if self._notified:
+                await asyncio.sleep(gap)
 
     def _send_reload(self, child: DaemonProcess) -> None:
         """SIGUSR1 to the daemon itself (not its group), carrying every pending request."""
@@ -862,6 +927,9 @@ class Supervisor:
         child.release(self._loop)
         if self._child is child:
             self._child = None
+            self._notified = False
+            if self._inotify is not None:
+                self._inotify.clear()
             self._reload_pending = None
             self._last_ran = child.ran
         return exit_desc
