@@ -105,6 +105,46 @@ async def test_each_tasks_failure_counter_is_shown_from_zero() -> None:
     assert 'imexd_task_failures_total{task="probe"} 0.0' in text
 
 
+async def test_a_rest_ends_at_its_event_or_its_deadline_and_owes_no_beat() -> None:
+    """`Guard.rest`: True when woken, False at the deadline, never stale meanwhile."""
+    clock = [100.0]
+    hb = Heartbeats(clock=lambda: clock[0])
+    guarded = guard.Guard(hb, Metrics(), get_logger("test"))
+    hb.register("probe", guard.BEAT_S)
+    wake = asyncio.Event()
+    async with asyncio.timeout(10):
+        resting = asyncio.create_task(guarded.rest("probe", wake, None))
+        await asyncio.sleep(0.05)
+        clock[0] += 60.0
+        assert hb.stale() == []
+        wake.set()
+        assert await resting
+        assert hb.stale() == []
+        wake.clear()
+        assert not await guarded.rest("probe", wake, time.monotonic() + 0.05)
+        assert not await guarded.rest("probe", None, time.monotonic() - 1.0)  # past: at once
+
+
+async def test_an_idle_agents_tasks_are_not_woken_to_beat(tmp_path: Path) -> None:
+    """A ready agent with nothing to do: its tasks wait for their input or their own
+    deadlines; no timer wakes them every second to beat."""
+    async with running_agent(tmp_path) as r:
+        await asyncio.sleep(1.0)  # the start's last turns
+        beats: list[str] = []
+        beat = r.agent.heartbeats.beat
+
+        def counted(name: str) -> None:
+            beats.append(name)
+            beat(name)
+
+        r.agent.heartbeats.beat = counted  # type: ignore[method-assign]
+        await asyncio.sleep(3.0)
+        resting = {"events", "membership", "reconcile", "rebuild", "channels", "watchdog"}
+        woken = [name for name in beats if name in resting]
+        assert len(woken) <= 2, f"{woken}: a task at rest beat while nothing happened"
+        assert r.agent.heartbeats.stale() == []
+
+
 async def test_a_renderer_that_raises_never_touches_the_daemon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

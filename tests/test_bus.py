@@ -701,8 +701,10 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosqui
         (member_topic("n9"), encode(record("n9")).replace(b"127.0.0.1", b"not-an-ip")),
         ("imex/v2/domains/d1/whatever", b"{}"),
     ]
+    counted: list[int] = []
     with capture_logs() as logs:
         async with bus_for(fast_settings(broker.url), "n1") as bus:
+            bus.on_counted = lambda: counted.append(sum(bus.dropped.values()))
             await bus.subscribe("imex/v2/#")
             async with asyncio.timeout(5):
                 await synced(bus)
@@ -723,6 +725,7 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosqui
         "address": 1,  # "not-an-ip"
         "unknown_topic": 1,
     }
+    assert counted == [1, 2, 3, 4, 5, 6, 7, 8]  # each drop told at once: facts read them
     dropped = [e for e in logs if e["event"] == "bus_message_dropped"]
     assert sorted(e["reason"] for e in dropped) == sorted(
         [

@@ -619,6 +619,19 @@ def test_heartbeat_goes_stale_after_three_of_its_own_intervals() -> None:
     assert hb.stale() == []
 
 
+def test_a_task_at_rest_is_never_stale_and_leaving_the_rest_beats() -> None:
+    """Waiting for the next input is not being wedged: no beat is owed meanwhile."""
+    clock = FakeClock()
+    hb = Heartbeats(clock=clock)
+    hb.register("events", 1.0)
+    with hb.resting("events"):
+        clock.t += 3600.0
+        assert hb.stale() == []
+    assert hb.stale() == []  # leaving the rest beat it
+    clock.t += 3.5
+    assert hb.stale() == [("events", 3.5)]  # at work, silent: wedged
+
+
 def test_heartbeat_of_an_unknown_name_is_a_bug() -> None:
     """Beating an unknown task, or registering one without an interval, raises."""
     hb = Heartbeats(clock=FakeClock())

@@ -1061,3 +1061,23 @@ def test_a_kept_record_whose_echo_was_lost_stands_as_if_it_came_back() -> None:
     assert v.continuous
     v.apply(received(rec(ME, 3, inc=3, address="10.6.6.6"), retained=False), 11.0)
     assert v.overwritten_total == 1
+
+
+def test_a_peers_claim_turning_stale_is_a_step_due_without_any_event() -> None:
+    """`due_at` names every time-based change, so an idle agent waits for events alone:
+    a peer's claim counts until claim_stale_s unchanged, then a step is due."""
+    v = view()
+    settle(v)
+    assert v.due_at(5.0) is None  # a settled member among settled members: no timer
+    v.apply(received(rec("n2", 1, MemberState.CLAIMING)), now=5.0)
+    assert v.due_at(5.0) == 35.0  # claim_stale_s = 30 after it was first seen
+    assert v.due_at(36.0) is None  # stale already: nothing more is due for it
+
+
+def test_the_facts_change_when_an_overwrite_leaves_its_window() -> None:
+    """`facts_due`: the end of the RecordOverwritten window, the one time-based fact."""
+    v = view()
+    assert v.facts_due(0.0) is None
+    v.overwrites.append(10.0)
+    assert v.facts_due(11.0) == 10.0 + OVERWRITE_WINDOW_S
+    assert v.facts_due(10.0 + OVERWRITE_WINDOW_S) is None

@@ -35,8 +35,9 @@ class Pacer:
         self._quiet_at = float("-inf")
         """clock() from which a change starts a turn at once (`pause_s` after the last)."""
 
-    async def wait(self, changed: asyncio.Event, limit_s: float) -> bool:
-        """Wait up to `limit_s` for `changed`, then clear it; True when it was set.
+    async def wait(self, changed: asyncio.Event, limit_s: float | None) -> bool:
+        """Wait up to `limit_s` (None: for as long as it takes) for `changed`, then clear
+        it; True when it was set.
 
         A change within `pause_s` of the previous changed turn waits for the end of the
         pause first; what is set meanwhile is cleared with it, for this turn to take. A

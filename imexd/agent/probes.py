@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Final
@@ -102,6 +102,8 @@ class DaemonProbes:
 
     def on_daemon_change(self, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
         """The supervisor's news, `seen` being (state, reloads_sent) before it."""
+        if status.state is not seen[0]:
+            self._wake.set()  # whether there is a daemon to probe at all
         if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
             if not self._said_ready:  # RUNNING by `start_s` or by adoption: ask it now
                 self.now()
@@ -143,12 +145,7 @@ class DaemonProbes:
         next_domain = 0.0
         while True:
             guard.heartbeats.beat("probe")
-            wake = min([next_local, *self._due[:1]])
-            timeout = min(BEAT_S, max(0.0, wake - time.monotonic()))
-            if not self._wake.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await self._wake.wait()
+            await guard.rest("probe", self._wake, min([next_local, *self._due[:1]]))
             self._wake.clear()
             now = time.monotonic()
             if self._now:
@@ -168,9 +165,11 @@ class DaemonProbes:
                 if self.imex_status or self.probe_error or self.domain_view:
                     self.imex_status, self.probe_error, self.domain_view = "", "", None
                     self.on_change()
-                # Nothing to probe: wake on the next start (`now`), not on stale timers.
+                # Nothing to probe. Without a daemon its next start wakes the task
+                # (`on_daemon_change`); one that runs unwanted is about to stop: look again.
                 self._due.clear()
-                next_local = max(next_local, now + BEAT_S)
+                idle = supervisor.state not in (DaemonState.RUNNING, DaemonState.STARTING)
+                next_local = math.inf if idle else now + BEAT_S
                 continue
             # A hung ctl (or IMEX command service) is bounded by probe_timeout_s and shows
             # in DaemonReady; it must not stall this task's heartbeat and fail /healthz.

@@ -53,7 +53,6 @@ any spec or workload record (the ACL grants it for the restores: docs/security.m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import secrets
 import time
@@ -66,7 +65,7 @@ import structlog
 
 from imexd.bus.events import Connected, Disconnected, Event, Synced
 from imexd.errors import BusError
-from imexd.health.guard import BEAT_S, Guard
+from imexd.health.guard import Guard
 from imexd.health.metrics import Metrics
 from imexd.messages import (
     Assignment,
@@ -402,10 +401,7 @@ class Rebuilder:
         check_at: float | None = None
         while True:
             guard.heartbeats.beat(TASK)
-            limit = BEAT_S if check_at is None else max(0.0, check_at - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(BEAT_S, limit)):
-                    await self.wake.wait()
+            await guard.rest(TASK, self.wake, check_at)
             self.wake.clear()
             if check_at is not None and time.monotonic() >= check_at:
                 check_at = None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import replace
 from types import MappingProxyType
@@ -141,6 +142,9 @@ class Agent:
         """The pid of a daemon running our config that this agent does not supervise,
         while it stands aside (`_survey_unsupervised`): reported as it is."""
         self.surveyed_at = -UNSUPERVISED_SURVEY_S
+        self.survey_due: float | None = None
+        """time.monotonic() of the next survey while this agent stands aside (None: it
+        does not)."""
         self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
         """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
@@ -176,6 +180,7 @@ class Agent:
             mode="assigned" if s.domain.assigned else "static",
         )
         bus = Bus(s.bus, node=self.node, client_id=self._client_id, will=self._first_will())
+        bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
         supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
         self.bus, self.supervisor = bus, supervisor
         self.reconciler = Reconciler(
@@ -310,13 +315,11 @@ class Agent:
     async def _events_loop(self, bus: Bus) -> None:
         events = aiter(bus.events())
         while True:
-            self.heartbeats.beat("events")
-            # One timer per heartbeat, not one per event: a formation brings dozens a second.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(BEAT_S):
-                    async for event in events:
-                        self._on_event(event, bus)
+            with self.heartbeats.resting("events"):
+                event = await anext(events, None)
+                while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
+            self._on_event(event, bus)
 
     def _on_event(self, event: Event, bus: Bus) -> None:
         # What a new link's rebuild decided counts as part of its snapshot, before Synced.
@@ -408,15 +411,28 @@ class Agent:
         return domain, self.clique
 
     async def _membership_loop(self) -> None:
-        shard = self.shard
         while True:
             self.heartbeats.beat("membership")
-            timeout = BEAT_S
-            if (due := shard.due_at()) is not None:
-                timeout = max(0.0, min(timeout, due - time.monotonic()))
-            await self.step_pace.wait(self.wake, timeout)  # a burst of records: few steps
+            with self.heartbeats.resting("membership"):
+                # A burst of records: few steps. Nothing due and no record: no step.
+                await self.step_pace.wait(self.wake, self._step_due())
             await self._retarget()
             await self._step(time.monotonic())
+
+    def _step_due(self) -> float | None:
+        """Seconds until a membership step is due without any event (None: none is): the
+        shard's timers, the release of a FATAL daemon's slot, the survey while standing
+        aside."""
+        now = time.monotonic()
+        due = [t for t in (self.shard.due_at(now), self.survey_due) if t is not None]
+        status = self._parts()[1].status
+        after = self.settings.daemon.release_after_s
+        fatal = status.fatal_since if status.state is DaemonState.FATAL else None
+        if after > 0 and fatal is not None and fatal + after > now:
+            due.append(fatal + after)
+        if self.released_until > now:
+            due.append(self.released_until)
+        return max(0.0, min(due) - now) if due else None
 
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
@@ -469,10 +485,12 @@ class Agent:
             running=desired.run and (desired.domain, desired.clique) == shard.current,
             release=self._release_due,
         )
+        self.survey_due = None
         if plan.hold:
             # Another agent may run as this node: what runs keeps running, and a daemon
             # of our config that runs without us is reported as it is.
             await self._survey_unsupervised()
+            self.survey_due = self.surveyed_at + UNSUPERVISED_SURVEY_S
         elif plan.desired is None:
             return  # no shard, or no synced snapshot yet
         elif plan.desired.cleanup:
@@ -593,10 +611,7 @@ class Agent:
         quiet_at = 0.0  # from then on a change is applied at once (settle_s after the last)
         while True:
             self.heartbeats.beat("reconcile")
-            timeout = BEAT_S if retry_at is None else max(0.0, retry_at - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(timeout, BEAT_S)):
-                    await self.dirty.wait()
+            await self.guard.rest("reconcile", self.dirty, retry_at)
             due = retry_at is not None and time.monotonic() >= retry_at
             if not self.dirty.is_set() and not due:
                 continue
@@ -689,6 +704,8 @@ class Agent:
         seen, self.daemon_seen = self.daemon_seen, (status.state, status.reloads_sent)
         self.probes.on_daemon_change(status, seen)
         self.changed.set()
+        if status.state is not seen[0]:
+            self.wake.set()  # a FATAL daemon's slot is released after release_after_s
 
     async def _probe_loop(self) -> None:
         _, supervisor = self._parts()
@@ -757,8 +774,10 @@ class Agent:
         schedule = ReportSchedule(self.settings.health.report_interval_s)
         while True:
             self.heartbeats.beat("report")
-            limit = max(0.0, min(BEAT_S, schedule.next_at() - time.monotonic()))
-            await self.report_pace.wait(self.changed, limit)  # changes in a burst: one turn
+            now = time.monotonic()
+            due = min(schedule.next_at(), self.shard.facts_due(now) or math.inf)
+            with self.heartbeats.resting("report"):  # changes in a burst: one turn
+                await self.report_pace.wait(self.changed, max(0.0, due - now))
             health = self.health
             if health.update(self.facts()):
                 schedule.changed(health.gist(), time.monotonic())
@@ -800,7 +819,7 @@ class Agent:
         while True:
             self.heartbeats.beat("discover")
             if time.monotonic() < next_at:
-                await asyncio.sleep(min(BEAT_S, next_at - time.monotonic()))
+                await self.guard.rest("discover", None, next_at)
                 continue
             try:
                 found = await discover(DISCOVERY_TIMEOUT_S)
@@ -821,10 +840,10 @@ class Agent:
     async def _watchdog_loop(self) -> None:
         interval = self.notifier.watchdog_interval()
         while True:
-            self.heartbeats.beat("watchdog")
             if interval is not None and not self.heartbeats.stale():
                 self.notifier.watchdog()
-            await asyncio.sleep(min(BEAT_S, interval or BEAT_S))
+            until = None if interval is None else time.monotonic() + interval
+            await self.guard.rest("watchdog", None, until)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

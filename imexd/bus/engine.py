@@ -132,6 +132,9 @@ class LinkEngine:
         """time.monotonic() of the last `Synced` on the current link; None while down."""
         self.dropped = self._drops.counts
         """Dropped incoming messages per DropReason value (imexd_bus_dropped_total)."""
+        self.on_counted: Callable[[], object] | None = None
+        """Called when a message moved a counter here without an event (dropped as
+        malformed, or held back by a repair): the caller's facts read those counters."""
         self.deliveries: Counter[tuple[str, str]] = Counter()
         """Messages the broker delivered, by (topic kind, domain) (`("other", "")` for a
         topic outside the contract): what a benchmark counts at the receiver."""
@@ -624,6 +627,7 @@ class LinkEngine:
             if not retained and self._records.payload(topic) == payload:
                 self._check.own_echo.set()
         if self._repairing and self._repairs.intercept(topic, payload, retained=retained):
+            self._counted()
             return
         self._deliver(topic, payload, retained=retained)
 
@@ -644,3 +648,8 @@ class LinkEngine:
 
     def _drop(self, topic: str, dropped: Dropped) -> None:
         self._drops.drop(topic, dropped, self._log)
+        self._counted()
+
+    def _counted(self) -> None:
+        if self.on_counted is not None:
+            self.on_counted()

@@ -30,7 +30,6 @@ which repairs what someone else removed or changed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections import Counter
@@ -52,7 +51,7 @@ from imexd.channels.devices import (
     read_driver,
 )
 from imexd.facts import ChannelFacts, ChannelState
-from imexd.health.guard import BEAT_S, Guard, describe
+from imexd.health.guard import Guard, describe
 from imexd.logs import get_logger
 from imexd.messages import Deleted, DomainSpec, MemberRecord, Received, WorkloadRecord
 from imexd.retry import backoff_delay
@@ -256,10 +255,7 @@ class ChannelKeeper:
         while True:
             guard.heartbeats.beat(TASK)
             due = next_check if self.retry_at is None else min(next_check, self.retry_at)
-            timeout = min(BEAT_S, max(0.0, due - time.monotonic()))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self.wake.wait()
+            await guard.rest(TASK, self.wake, due)
             now = time.monotonic()
             if not self.wake.is_set() and now < due:
                 continue

@@ -14,9 +14,10 @@ peers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, Literal, NamedTuple
 
 import msgspec
@@ -544,8 +545,10 @@ class ReportSchedule:
 class Heartbeats:
     """Stamps of the agent's long-running tasks: the concrete meaning of "alive".
 
-    Each task registers with its own loop interval and beats once per turn; a task
-    silent for more than `factor` of its intervals is wedged and fails `/healthz`.
+    Each task registers with its own loop interval and beats once per turn; a task at
+    work silent for more than `factor` of its intervals is wedged and fails `/healthz`.
+    A task at rest (`resting`: waiting for its next input) owes no beat, so an idle
+    agent is not woken every interval only to say it lives.
     Nothing here depends on the broker or the peers: a broker outage must not get
     agents restarted by their liveness probe.
     """
@@ -554,6 +557,7 @@ class Heartbeats:
         self._clock = clock
         self._factor = factor
         self._tasks: dict[str, tuple[float, float]] = {}
+        self._resting: set[str] = set()
 
     def register(self, name: str, interval_s: float) -> None:
         """Start watching `name`, expected to beat every `interval_s` seconds."""
@@ -565,6 +569,17 @@ class Heartbeats:
         """Stamp `name` as alive now."""
         interval, _ = self._tasks[name]
         self._tasks[name] = (interval, self._clock())
+
+    @contextlib.contextmanager
+    def resting(self, name: str) -> Iterator[None]:
+        """While inside, `name` waits for its next input: at rest, not wedged however long
+        it waits. Leaving beats it: from then on it is at work."""
+        self._resting.add(name)
+        try:
+            yield
+        finally:
+            self._resting.discard(name)
+            self.beat(name)
 
     def names(self) -> list[str]:
         return sorted(self._tasks)
@@ -578,7 +593,7 @@ class Heartbeats:
         out = [
             (name, t - last)
             for name, (interval, last) in self._tasks.items()
-            if t - last > self._factor * interval
+            if t - last > self._factor * interval and name not in self._resting
         ]
         return sorted(out, key=lambda item: -item[1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -21,7 +22,7 @@ from imexd.health.metrics import Metrics
 from imexd.retry import backoff_delay
 
 BEAT_S: Final = 1.0
-"""Longest sleep of every loop: each beats its heartbeat at least this often."""
+"""How often a task at work beats its heartbeat (one at rest owes none: `Guard.rest`)."""
 TASK_RESTART_INITIAL_S: Final = 0.5
 TASK_RESTART_MAX_S: Final = 30.0
 """Backoff of a task restarted after an unexpected error (capped, jittered)."""
@@ -117,6 +118,24 @@ class Guard:
                 await self.beating(name, asyncio.sleep(delay), limit=delay)
             else:
                 return
+
+    async def rest(self, name: str, wake: asyncio.Event | None, until: float | None) -> bool:
+        """Wait at rest for `wake` or until time.monotonic() reaches `until` (None or
+        math.inf: no deadline); True when `wake` is set.
+
+        Waiting for the next input is not being wedged: no heartbeat is owed meanwhile,
+        so no timer wakes an idle agent to beat. Each loop states its own deadlines.
+        """
+        event = wake if wake is not None else asyncio.Event()
+        with self.heartbeats.resting(name):
+            if not event.is_set():
+                delay = None
+                if until is not None and until != math.inf:
+                    delay = max(0.0, until - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await event.wait()
+        return event.is_set()
 
     async def beating(self, name: str, work: Coroutine[Any, Any, _T], *, limit: float) -> _T:
         """Await `work` while beating `name`'s heartbeat for at most `limit` + a margin.

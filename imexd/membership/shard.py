@@ -400,11 +400,25 @@ class ShardView:
         self.current = None
         return self.published
 
-    def due_at(self) -> float | None:
-        """When the next step is due without any event: a timer of the last plan, or the
-        end of the wait for a new link to confirm the old records (None: neither)."""
+    def due_at(self, now: float) -> float | None:
+        """When the next step is due without any event (None: no step is): a timer of the
+        last plan, the end of the wait for a new link to confirm the old records, or a
+        peer's claim turning stale (`claim_stale_s` unchanged). Time changes nothing else
+        here, so between these an agent waits for events alone."""
         due = [at for at in (self.wake_at, self.confirm_by) if at is not None]
+        due += [
+            at + self.claim_stale_s
+            for _, at in self.claims_seen.values()
+            if at + self.claim_stale_s > now
+        ]
         return min(due) if due else None
+
+    def facts_due(self, now: float) -> float | None:
+        """When `facts` changes without any event: the end of OVERWRITE_WINDOW_S after a
+        record written over ours (None: it does not)."""
+        if not self.overwrites or now - self.overwrites[-1] >= OVERWRITE_WINDOW_S:
+            return None
+        return self.overwrites[-1] + OVERWRITE_WINDOW_S
 
     # -- bus events -----------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 Pure: no I/O, no asyncio, no clocks. The agent keeps the retained member records of
 its (domain, clique) shard, one per node, and calls these functions on every change
-(and once a second); time comes in as `now` (monotonic) and `wall_now` (wall clock, for
-settle stamps). The one fact from the wire that records cannot carry, where the node's
-own claim came back relative to the others' records, comes in as an `Echo`.
+(and when a claim turns stale: `ShardView.due_at`); time comes in as `now` (monotonic)
+and `wall_now` (wall clock, for settle stamps). The one fact from the wire that
+records cannot carry, where the node's own claim came back relative to the others'
+records, comes in as an `Echo`.
 
 The conflict rule (`resolve`)
     Only `claiming` and `member` records with a slot below max_nodes compete. On each
