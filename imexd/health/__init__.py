@@ -7,6 +7,7 @@ The modules, lowest first:
 - `conditions`: the agent's facts in, conditions, readiness and the HealthReport out
   (`Health`, `ReportSchedule`), and the task heartbeats (`Heartbeats`); pure;
 - `metrics`: the Prometheus series of one agent, a view of the same facts (`Metrics`);
+- `exposition`: the Prometheus text format those series are written in; pure;
 - `http`: the agent's HTTP endpoint (`HealthServer`: `/healthz`, `/readyz`, `/status`,
   `/metrics`), which only reads the three above;
 - `guard`: the containment of the agent's named tasks (restarts with backoff) and their
