@@ -241,7 +241,19 @@ def test_domain_status_help_describes_wait_and_json() -> None:
     assert "exit codes: 0 the domain is UP; 1 not UP" in text
 
 
-HEAVY = ("asyncio", "msgspec", "psutil", "structlog", "aiohttp", "aiomqtt", "rich", "pygments")
+HEAVY = (
+    "asyncio",
+    "msgspec",
+    "psutil",
+    "structlog",
+    "aiohttp",
+    "aiomqtt",
+    "rich",
+    "pygments",
+    "prometheus_client",
+    "http.client",
+    "email",
+)
 """What a control command's start must not import before it runs (--version, --help, a
 usage error): each costs milliseconds of every prolog's start."""
 
@@ -285,15 +297,38 @@ def test_a_control_command_loads_no_logging_stack() -> None:
 
 
 def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
-    """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed)
-    and aiohttp (its HTTP endpoint is imexd.health.http's own) out of the agent's process; it
-    has imported the agent's modules when it reaches the settings check here (exit 2)."""
+    """`imexd run` keeps rich and pygments (pulled in by structlog where rich is installed),
+    aiohttp (its HTTP endpoint is imexd.health.http's own), prometheus_client (its text
+    format is imexd.health.exposition's) and the http.client and email that paho's
+    urllib.request import brings out of the agent's process; it has imported the agent's
+    modules when it reaches the settings check here (exit 2)."""
     code = (
         "__import__('imexd.cli.main').cli.main.main(['run', '--config', '/nonexistent/imexd.toml'])"
     )
     imported = _imported_after(code)
     assert "structlog" in imported
-    assert [m for m in imported if m in ("rich", "pygments", "aiohttp")] == []
+    assert "aiomqtt" in imported
+    heavy = ("rich", "pygments", "aiohttp", "prometheus_client", "http.client", "email")
+    assert [m for m in imported if m in heavy] == []
+
+
+def test_a_module_imported_lazily_loads_at_its_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's stand-in for urllib.request: importing it loads nothing, using it loads
+    the real module, and every attribute is the real one's."""
+    import importlib
+
+    from imexd.cli.main import _import_lazily
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    _import_lazily("colorsys")
+    stand_in = sys.modules["colorsys"]
+    colorsys = importlib.import_module("colorsys")
+    assert colorsys is stand_in
+    assert "rgb_to_hsv" not in vars(stand_in)  # not loaded by its import
+    assert colorsys.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
+    assert sys.modules["colorsys"] is not stand_in  # the real one took its place
+    _import_lazily("colorsys")  # already loaded: left alone
+    assert sys.modules["colorsys"].rgb_to_hsv is colorsys.rgb_to_hsv
 
 
 def test_the_parsers_copies_of_constants_match() -> None:
