@@ -43,17 +43,20 @@ def gauge(
     name: str, help_text: str, value: float | None = None, *, labels: Sequence[str] = ()
 ) -> Family:
     """A gauge family; with `value`, its one unlabelled sample."""
-    family = Family(name, help_text, "gauge", tuple(labels))
-    if value is not None:
-        family.add((), value)
-    return family
+    return _family("gauge", name, help_text, value, labels)
 
 
 def counter(
     name: str, help_text: str, value: float | None = None, *, labels: Sequence[str] = ()
 ) -> Family:
     """A counter family (`name` without `_total`); with `value`, its one unlabelled sample."""
-    family = Family(name, help_text, "counter", tuple(labels))
+    return _family("counter", name, help_text, value, labels)
+
+
+def _family(
+    kind: Kind, name: str, help_text: str, value: float | None, labels: Sequence[str]
+) -> Family:
+    family = Family(name, help_text, kind, tuple(labels))
     if value is not None:
         family.add((), value)
     return family
