@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
 from imexd.agent.run import EXIT_HANDOVER, Agent
-from imexd.daemon.ctl import LocalProbe, Prober
+from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
 from imexd.daemon.state import DaemonState
 from imexd.demo.brokers import Mosquitto
 from imexd.health import guard
@@ -308,6 +308,39 @@ def start_agent(node: Node) -> Running:
 
 async def end_agents(nodes: list[Node], runs: list[Running]) -> None:
     await end_in_process(nodes, [(r.stop, r.task) for r in runs], WAIT_S)
+
+
+async def test_the_domain_is_probed_every_domain_probe_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ctl -N -j` runs every domain_probe_interval_s on its own timer, not when the local
+    probe's (30 s here) happens to wake the probe task."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    timers = {"start_s": 30.0, "probe_interval_s": 30.0, "domain_probe_interval_s": 0.5}
+    node = Node(
+        tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides={"daemon": timers}
+    )
+    probed: list[float] = []
+    domain = Prober.domain
+
+    async def counted(self: Prober, **kwargs: Any) -> DomainResult:
+        probed.append(time.monotonic())
+        return await domain(self, **kwargs)
+
+    monkeypatch.setattr(Prober, "domain", counted)
+    runs: list[Running] = []
+    try:
+        runs.append(r := start_agent(node))
+        await until(lambda: r.agent.health.is_ready or r.task.done())
+        assert not r.task.done()
+        await asyncio.sleep(1.0)  # the start's series is over: what follows is the timer
+        del probed[:]
+        await asyncio.sleep(3.0)
+        assert len(probed) >= 4, probed
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
 
 
 async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path: Path) -> None:

@@ -145,7 +145,8 @@ class DaemonProbes:
         next_domain = 0.0
         while True:
             guard.heartbeats.beat("probe")
-            await guard.rest("probe", self._wake, min([next_local, *self._due[:1]]))
+            periodic = next_domain if supervisor.state is DaemonState.RUNNING else math.inf
+            await guard.rest("probe", self._wake, min([next_local, periodic, *self._due[:1]]))
             self._wake.clear()
             now = time.monotonic()
             if self._now:
