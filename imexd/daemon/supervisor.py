@@ -443,16 +443,6 @@ class Supervisor:
         if self._task is not None:
             raise RuntimeError("a Supervisor can be entered only once")
         self._loop = asyncio.get_running_loop()
-        try:
-            self._inotify = Inotify.open()
-        except OSError as exc:
-            self._log.info(
-                "daemon.output_polled",
-                error=str(exc),
-                consequence=f"the daemon's output is read every {self._output_poll:g} s",
-            )
-        else:
-            self._loop.add_reader(self._inotify.fileno(), self._on_written)
         self._task = asyncio.create_task(self._run(), name="daemon-supervisor")
         self._tail_task = asyncio.create_task(self._tail(), name="daemon-output")
         return self
@@ -739,16 +729,18 @@ class Supervisor:
 
         A file that cannot be watched sends the daemon's output back to the timer.
         """
+        assert self._loop is not None  # noqa: S101 - set in __aenter__
         self._notified = False
-        inotify = self._inotify
-        if inotify is None:
-            return
-        inotify.clear()
         try:
+            if self._inotify is None:  # opened for the first daemon: none without one
+                self._inotify = Inotify.open()
+                self._loop.add_reader(self._inotify.fileno(), self._on_written)
+            self._inotify.clear()
             for stream in child.output.streams:
-                inotify.watch(stream.fd)
+                self._inotify.watch(stream.fd)
         except OSError as exc:
-            inotify.clear()
+            if self._inotify is not None:
+                self._inotify.clear()
             self._log.info(
                 "daemon.output_polled",
                 pid=child.pid,
