@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from dataclasses import replace
 from types import MappingProxyType
@@ -425,11 +424,8 @@ class Agent:
         aside."""
         now = time.monotonic()
         due = [t for t in (self.shard.due_at(now), self.survey_due) if t is not None]
-        status = self._parts()[1].status
-        after = self.settings.daemon.release_after_s
-        fatal = status.fatal_since if status.state is DaemonState.FATAL else None
-        if after > 0 and fatal is not None and fatal + after > now:
-            due.append(fatal + after)
+        if (release_at := self._release_at()) is not None and release_at > now:
+            due.append(release_at)
         if self.released_until > now:
             due.append(self.released_until)
         return max(0.0, min(due) - now) if due else None
@@ -551,22 +547,26 @@ class Agent:
         before we would take it back.
         """
         s = self.settings
-        _, supervisor = self._parts()
-        status = supervisor.status
         mono = time.monotonic()
-        after = s.daemon.release_after_s
-        if (
-            after > 0
-            and status.state is DaemonState.FATAL
-            and status.fatal_since is not None
-            and mono - status.fatal_since >= after
-        ):
+        release_at = self._release_at()
+        if release_at is not None and mono >= release_at:
             if mono >= self.released_until:
                 self.log.warning(
-                    "membership.release", slot=self.shard.claim.slot, fatal_for_s=round(after, 1)
+                    "membership.release",
+                    slot=self.shard.claim.slot,
+                    fatal_for_s=round(s.daemon.release_after_s, 1),
                 )
             self.released_until = mono + s.domain.claim_stale_s
         return mono < self.released_until
+
+    def _release_at(self) -> float | None:
+        """time.monotonic() from which a FATAL daemon's slot is given up: release_after_s
+        after it turned FATAL (None: it is not FATAL, or the release is off)."""
+        status = self._parts()[1].status
+        after = self.settings.daemon.release_after_s
+        if after <= 0 or status.state is not DaemonState.FATAL or status.fatal_since is None:
+            return None
+        return status.fatal_since + after
 
     async def _leave_deleted(self, plan: Plan) -> None:
         """The control plane deletes the domain: clear our record and stop the daemon."""
@@ -775,7 +775,9 @@ class Agent:
         while True:
             self.heartbeats.beat("report")
             now = time.monotonic()
-            due = min(schedule.next_at(), self.shard.facts_due(now) or math.inf)
+            due = schedule.next_at()
+            if (facts_due := self.shard.facts_due(now)) is not None:
+                due = min(due, facts_due)
             with self.heartbeats.resting("report"):  # changes in a burst: one turn
                 await self.report_pace.wait(self.changed, max(0.0, due - now))
             health = self.health
