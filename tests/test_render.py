@@ -730,7 +730,8 @@ def test_render_reserved_extra_key_is_a_config_error(
 
 def test_the_simulator_reads_what_we_render(tmp_path: Path) -> None:
     """The simulator reads our config.cfg (comment, empty values), node list and hosts block."""
-    from imexd.sim.config import load_config, parse_hosts, read_node_list
+    from imexd.sim.config import load_config, read_node_list
+    from imexd.sim.hosts import parse_hosts
 
     settings = _settings(run_dir=str(tmp_path))
     settings.config_path.write_text(render_config(settings))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -17,17 +18,20 @@ from imexd.sim.command import (
     QUERY_REPLIES,
     CmdTarget,
     CommandError,
+    LinkStatus,
     NodeState,
+    NodeStatus,
+    decode_status,
+    exchange_all,
     target_from_config,
 )
 from imexd.sim.ctl import UsageError, main, parse_args, query
 from imexd.sim.protocol import (
     Link,
-    LinkStatus,
     QueryReply,
     QueryRequest,
     StatusReply,
-    ask_all_blocking,
+    decode_reply,
     encode,
 )
 
@@ -201,19 +205,50 @@ def test_any_other_query_reply_goes_to_the_strict_decoder(
         server.close()
 
 
-def test_domain_view_runs_without_asyncio() -> None:
-    """`-N` (the agent's domain probe, every domain probe interval) asks its peers over
-    blocking sockets under one selector: asyncio is not imported."""
+HEAVY_FOR_DOMAIN = ("asyncio", "msgspec", "dataclasses", "typing", "imexd.sim.protocol")
+"""What `-N` must not import: msgspec alone (with the dataclasses and typing it imports)
+cost `-N` about three times what the rest of it costs."""
+
+
+def test_domain_view_imports_no_event_loop_and_no_decoder_library() -> None:
+    """`-N -j` (the agent's domain probe, after every start and link news) asks the local
+    daemon and its peers over blocking sockets and reads their replies with the standard
+    json module: a daemon answering a two-node status prints the real `-N -j` document,
+    and none of HEAVY_FOR_DOMAIN is imported on the way."""
+    local = StatusReply(
+        node=0,
+        state=NodeState.READY,
+        version="570.172",
+        instance="i",
+        pid=1,
+        digest="d",
+        server_port=50000,
+        cmd_port=1,
+        nodes=["127.0.0.1", "127.0.0.2"],
+        links=[Link(status=LinkStatus.CONNECTED, changed=True)] * 2,
+    )
+    server, thread = _answer_once(encode(local))
+    port = server.getsockname()[1]
     probe = (
         "import sys\n"
         "from imexd.sim.ctl import main\n"
-        "code = main(['-i', '127.0.0.1', '1', '-N', '-j', '-t', '200'])\n"
-        "print('\\n' + str(code) + ' ' + ','.join(m for m in ('asyncio',) if m in sys.modules))"
+        f"code = main(['-i', '127.0.0.1', '{port}', '-N', '-j', '-t', '2000'])\n"
+        "print('\\n' + str(code) + ' ' + ','.join(m for m in "
+        f"{HEAVY_FOR_DOMAIN!r} if m in sys.modules))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+        )
+    finally:
+        thread.join(timeout=5)
+        server.close()
+    lines = done.stdout.splitlines()
+    assert lines[-1].split(" ") == ["0", ""], done.stdout + done.stderr
+    document = json.loads(lines[0])
+    assert document["nodes"]["0"]["status"] == "READY"
+    assert document["nodes"]["1"]["status"] == "UNAVAILABLE"  # the sentinel is never asked
+    assert document["status"] == "DEGRADED"
 
 
 def test_every_peer_is_asked_at_once_within_one_deadline() -> None:
@@ -247,15 +282,84 @@ def test_every_peer_is_asked_at_once_within_one_deadline() -> None:
     ]
     try:
         started = time.monotonic()
-        got = ask_all_blocking(targets, QueryRequest(), timeout_s=2.0)
+        got = exchange_all(targets, QUERY_FRAME, timeout_s=2.0)
         took = time.monotonic() - started
     finally:
         for thread in threads:
             thread.join(timeout=5)
         for sock in (answering, *silent, *held):
             sock.close()
-    assert got[0] == QueryReply(state=NodeState.READY)
+    assert got[0] == encode(QueryReply(state=NodeState.READY))
     assert all(isinstance(g, CommandError) and "no answer" in str(g) for g in got[1:3]), got
     assert isinstance(got[3], CommandError)
     assert "Connection refused" in str(got[3])
     assert took < 3.5, f"{took:.1f} s: one deadline for every peer, not one each (4 s)"
+
+
+def _status_lines() -> list[bytes]:
+    """A valid status reply, and every way of breaking it that `-N` could meet: each
+    field missing or of another JSON type, a word that is not a state, a link that is
+    not one, another kind of reply, not JSON, not UTF-8, and an extra field."""
+    good = json.loads(
+        encode(
+            StatusReply(
+                node=1,
+                state=NodeState.READY,
+                version="570.172",
+                instance="i",
+                pid=7,
+                digest="d",
+                server_port=50000,
+                cmd_port=50005,
+                nodes=["gpu-a", "127.0.0.2"],
+                links=[Link(status=LinkStatus.CONNECTED, changed=True)] * 2,
+            )
+        )
+    )
+    documents: list[object] = [good, {**good, "extra": [1]}, [good], None, "status"]
+    others: list[object] = [None, True, 1, 1.0, "1", [], {}]
+    for name in good:
+        documents.append({k: v for k, v in good.items() if k != name})
+        documents += [{**good, name: other} for other in others]
+    documents += [
+        {**good, "state": "SOON"},
+        {**good, "nodes": ["gpu-a", 2]},
+        {**good, "links": [{"status": "CONNECTED", "changed": 1}]},
+        {**good, "links": [{"status": "UP", "changed": True}]},
+        {**good, "links": [{"changed": True}]},
+        {**good, "links": ["C"]},
+        {**good, "links": [{"status": "CONNECTED", "changed": True, "since": 3}]},
+    ]
+    lines = [json.dumps(d).encode() + b"\n" for d in documents]
+    return [*lines, b"{", b'{"type":"status"', b"\xff\xfe\n", b"\n"]
+
+
+@pytest.mark.parametrize("line", _status_lines())
+def test_status_replies_are_read_as_strictly_as_the_protocol_reads_them(line: bytes) -> None:
+    """`-N` reads status replies without msgspec (`decode_status`): for every reply it
+    accepts exactly what the protocol's strict decoder accepts as a StatusReply, and
+    reads the same values from it."""
+    target = CmdTarget("127.0.0.1", 1)
+    try:
+        strict: object = decode_reply(target, line)
+    except CommandError as exc:
+        strict = exc
+    try:
+        lean: object = decode_status(target, line)
+    except CommandError as exc:
+        lean = exc
+    if not isinstance(strict, StatusReply):
+        assert isinstance(lean, CommandError), (line, strict)
+        assert "answered something unreadable" in str(lean)
+        return
+    assert isinstance(lean, NodeStatus), (line, lean)
+    assert (lean.node, lean.state, lean.version, lean.cmd_port, lean.nodes) == (
+        strict.node,
+        strict.state,
+        strict.version,
+        strict.cmd_port,
+        strict.nodes,
+    )
+    assert [(c.status, c.changed) for c in lean.links] == [
+        (link.status, link.changed) for link in strict.links
+    ]

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from imexd.sim.command import NodeState
-from imexd.sim.protocol import Link, LinkStatus, StatusReply
+from imexd.sim.command import Cell, LinkStatus, NodeState, NodeStatus
 from imexd.sim.table import (
     LEGEND,
     DomainView,
@@ -40,19 +39,15 @@ ROW = re.compile(rf"^\s+(?P<id>\d+) {{8}}{CELL}(?:\s+{CELL})*$")
 TIMESTAMP = re.compile(r"^\d{1,2}/\d{1,2}/\d{4} \d{2}:\d{2}:\d{2}\.\d{3}$")
 DOMAIN = re.compile(r"^Domain State: (UP|DEGRADED|DOWN)$")
 
-CONNECTED = Link(status=LinkStatus.CONNECTED, changed=True)
-NEVER = Link(status=LinkStatus.NEVER_CONNECTED, changed=False)
+CONNECTED = Cell(status=LinkStatus.CONNECTED, changed=True)
+NEVER = Cell(status=LinkStatus.NEVER_CONNECTED, changed=False)
 
 
-def reply(node: int, links: list[Link], *, state: NodeState = NodeState.READY) -> StatusReply:
-    return StatusReply(
+def reply(node: int, links: list[Cell], *, state: NodeState = NodeState.READY) -> NodeStatus:
+    return NodeStatus(
         node=node,
         state=state,
         version="570.172",
-        instance=f"i{node}",
-        pid=1,
-        digest="d",
-        server_port=50000,
         cmd_port=50005,
         nodes=["gpu-a", "gpu-b", "gpu-c"],
         links=links,
@@ -60,10 +55,10 @@ def reply(node: int, links: list[Link], *, state: NodeState = NodeState.READY) -
 
 
 def three_nodes(
-    *, peer2: StatusReply | None, local_state: NodeState = NodeState.READY
+    *, peer2: NodeStatus | None, local_state: NodeState = NodeState.READY
 ) -> DomainView:
     local = reply(0, [CONNECTED, CONNECTED, CONNECTED], state=local_state)
-    peers: dict[int, StatusReply | None] = {1: reply(1, [CONNECTED] * 3), 2: peer2}
+    peers: dict[int, NodeStatus | None] = {1: reply(1, [CONNECTED] * 3), 2: peer2}
     addresses = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     return build_view(local=local, addresses=addresses, peers=peers, at=1764455833.561)
 
@@ -132,7 +127,7 @@ def test_simulated_lines_match_the_sample_patterns_and_columns() -> None:
 
 def test_matrix_cells_keep_four_character_columns() -> None:
     """`!M!` and two-digit node ids keep the sample's column layout."""
-    mismatch = Link(status=LinkStatus.NODE_MAP_MISMATCH, changed=True)
+    mismatch = Cell(status=LinkStatus.NODE_MAP_MISMATCH, changed=True)
     rows = tuple(
         NodeRow(
             index=i,
@@ -194,7 +189,7 @@ def test_json_status_words_include_the_real_ones() -> None:
         (reply(2, [CONNECTED] * 3), NodeState.SHUTTING_DOWN, "DOWN"),
     ],
 )
-def test_domain_state(peer2: StatusReply | None, local_state: NodeState, expected: str) -> None:
+def test_domain_state(peer2: NodeStatus | None, local_state: NodeState, expected: str) -> None:
     """UP needs every node READY and every cell C; a local daemon not READY is DOWN."""
     view = three_nodes(peer2=peer2, local_state=local_state)
     assert view.status == expected

@@ -8,9 +8,11 @@ really listen, really connect to the addresses their host names resolve to and r
 real connectivity; many share one machine by binding different 127.0.0.0/8 addresses.
 
 Modules: `cfgfile` (config.cfg's keys), `command` (the ctl's side of the command
-service: where it listens, one blocking round trip, `-q`), `config` (the rest of what
-both tools read: nodes_config.cfg, name resolution, identity, the `IMEXD_SIM_*` knobs),
-`protocol` (the peer and command frames), `links` (the daemon's peer links), `imexlog`
-(IMEX's log format), `table` (the `-N` text and JSON renderings, pure), `daemon` and
-`ctl` (the two programs). `ctl -q` imports only `cfgfile` and `command`.
+service: where it listens, blocking round trips, `-q`'s frames, the status replies as
+`-N` reads them), `hosts` (names to addresses, the sentinel), `config` (the rest of what
+both tools read: nodes_config.cfg, identity, the `IMEXD_SIM_*` knobs), `protocol` (the
+peer and command frames, msgspec), `links` (the daemon's peer links), `imexlog` (IMEX's
+log format), `table` (the `-N` text and JSON renderings, pure), `daemon` and `ctl` (the
+two programs). `ctl -q` imports only `cfgfile` and `command`; `ctl -N` adds `hosts` and
+`table`, and neither imports msgspec or an event loop.
 """

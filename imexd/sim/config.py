@@ -3,8 +3,8 @@
 The daemon and the ctl must agree on every rule here (the real ctl resolves names
 exactly as the daemon does), so the rules live in one module: config.cfg with IMEX's
 defaults (its keys are read and checked by `imexd.sim.cfgfile`, which `-q` imports
-alone), the node list and its digest, host name resolution through the system resolver
-or a per-node hosts file, the node's own identity, and the `IMEXD_SIM_*` knobs. Every
+alone), the node list and its digest, the node's own identity, and the `IMEXD_SIM_*`
+knobs; names are resolved in `imexd.sim.hosts`, which `-N` imports alone. Every
 failure is an `ImexConfigError` whose message is the exact line the real tool prints,
 so the CLI layer only prints it and exits 1.
 """
@@ -12,7 +12,6 @@ so the CLI layer only prints it and exits 1.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import math
 import os
 import socket
@@ -29,12 +28,9 @@ from imexd.sim.cfgfile import (
     DEFAULT_SERVER_PORT,
     ImexConfigError,
     check_values,
-    is_ip,
     read_config,
 )
-
-SENTINEL_ADDRESS = "127.0.0.2"
-"""Where imexd points empty slots; the simulator never dials it (see `dialable`)."""
+from imexd.sim.hosts import same_address
 
 DEFAULT_VERSION = "570.172"
 NO_GPU_VERSION = "NO_GPU"
@@ -118,102 +114,6 @@ def node_list_digest(entries: Iterable[str]) -> str:
 # Names
 
 
-def same_address(a: str, b: str) -> bool:
-    """Addresses compared as addresses (`::1` equals `0:0:0:0:0:0:0:1`)."""
-    try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-    except ValueError:
-        return a == b
-
-
-def dialable(address: str | None) -> bool:
-    """Whether a daemon should ever connect to, or a ctl query, this address.
-
-    The real daemon dials the sentinel too and is refused forever; skipping it gives
-    the same NEVER_CONNECTED cell without 17 refused connections per node every 3 s.
-    """
-    return address is not None and not same_address(address, SENTINEL_ADDRESS)
-
-
-def parse_hosts(text: str) -> dict[str, str]:
-    """/etc/hosts format: `address name [alias...]`; the first address for a name wins."""
-    table: dict[str, str] = {}
-    for raw in text.splitlines():
-        words = raw.split("#", 1)[0].split()
-        if len(words) < 2 or not is_ip(words[0]):
-            continue
-        for name in words[1:]:
-            table.setdefault(name.lower(), words[0])
-    return table
-
-
-def read_hosts(path: str) -> dict[str, str]:
-    """The table of a hosts file; unreadable = empty (every name unresolved).
-
-    Read synchronously even from the event loop: a local file of a few hundred bytes
-    costs less than a hop to a thread.
-    """
-    try:
-        return parse_hosts(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        return {}
-
-
-class Resolver:
-    """Host names to addresses: the hosts file in IMEXD_SIM_HOSTS_FILE, else the system.
-
-    With a hosts file nothing else is asked (no DNS), so each simulated node sees only
-    its own /etc/hosts stand-in; the file is read again at every `resolve` so that a
-    SIGUSR1 picks up what the agent rewrote.
-    """
-
-    def __init__(self, hosts_file: str | None) -> None:
-        self.hosts_file = hosts_file
-
-    async def resolve(self, entries: Iterable[str]) -> list[str | None]:
-        """The address of each entry (itself when it is one), or None when unknown."""
-        entries = list(entries)
-        if self.hosts_file is not None:
-            table = read_hosts(self.hosts_file)
-            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
-        import asyncio  # noqa: PLC0415 - lazy: `imexd-sim-ctl -q` runs without asyncio
-
-        return list(await asyncio.gather(*(self._system(e) for e in entries)))
-
-    def resolve_blocking(self, entries: Iterable[str]) -> list[str | None]:
-        """`resolve` without an event loop (`imexd-sim-ctl -N`): the system resolver is
-        asked one entry after another."""
-        entries = list(entries)
-        if self.hosts_file is not None:
-            table = read_hosts(self.hosts_file)
-            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
-        return [self._system_blocking(e) for e in entries]
-
-    @staticmethod
-    def _system_blocking(entry: str) -> str | None:
-        if is_ip(entry):
-            return entry
-        try:
-            infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return None
-        return str(infos[0][4][0]) if infos else None
-
-    @staticmethod
-    async def _system(entry: str) -> str | None:
-        import asyncio  # noqa: PLC0415 - see resolve
-
-        if is_ip(entry):
-            return entry
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                entry, None, type=socket.SOCK_STREAM
-            )
-        except (OSError, UnicodeError):
-            return None
-        return str(infos[0][4][0]) if infos else None
-
-
 def local_addresses() -> set[str]:
     """Addresses of this host's interfaces (psutil), for an empty BIND_INTERFACE_IP."""
     import psutil  # noqa: PLC0415 - only needed when BIND_INTERFACE_IP is empty
@@ -277,12 +177,6 @@ class SimEnv:
     identify_as: int | None = None
     """IMEXD_SIM_IDENTIFY_AS: the node id logged in `Identified this node as ID <n>`
     instead of the real one (the fault an agent's identity check must catch)."""
-
-    @staticmethod
-    def hosts_file_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
-        """The one knob the ctl reads: it must resolve names exactly as the daemon."""
-        env = os.environ if environ is None else environ
-        return env.get("IMEXD_SIM_HOSTS_FILE", "").strip() or None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> SimEnv:

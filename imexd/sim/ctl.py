@@ -21,12 +21,14 @@ from imexd.sim.command import (
     CmdTarget,
     CommandError,
     NodeState,
+    decode_status,
     exchange,
     target_from_config,
 )
 
 TYPE_CHECKING = False  # typing's own flag costs `-q` the import of typing
 if TYPE_CHECKING:
+    from imexd.sim.command import NodeStatus
     from imexd.sim.table import DomainView
 
 DEFAULT_TIMEOUT_MS = 5000
@@ -135,35 +137,36 @@ def query(target: CmdTarget, *, timeout_s: float) -> NodeState:
 
 def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> DomainView:
     """`-N`: the local node's answer, then every peer's, asked all at once (blocking
-    sockets under one selector: the agent runs this every domain probe interval, and an
-    event loop's import would cost more than the questions)."""
-    # Lazy: `-q` needs none of these (imexd.sim.command).
-    from imexd.sim.config import Resolver, dialable  # noqa: PLC0415
-    from imexd.sim.protocol import (  # noqa: PLC0415
-        StatusReply,
-        StatusRequest,
-        ask_all_blocking,
-        ask_blocking,
-    )
+    sockets under one poll, replies read with the standard json module: the agent runs
+    this after every start and at the daemon's news of a link, and an event loop's or
+    msgspec's import would cost more than the questions)."""
+    # Lazy: `-q` needs none of these.
+    from imexd.sim.command import STATUS_FRAME, exchange_all  # noqa: PLC0415
+    from imexd.sim.hosts import Resolver, dialable  # noqa: PLC0415
     from imexd.sim.table import build_view  # noqa: PLC0415
 
-    local = ask_blocking(target, StatusRequest(), timeout_s=timeout_s)
-    if not isinstance(local, StatusReply):
-        raise CommandError(f"{target} answered a status request with {type(local).__name__}")
+    local = decode_status(target, exchange(target, STATUS_FRAME, timeout_s=timeout_s))
     addresses = Resolver(hosts_file).resolve_blocking(local.nodes)
     asked = {
         j: CmdTarget(host=address, port=local.cmd_port)
         for j, address in enumerate(addresses)
         if j != local.node and address is not None and dialable(address)
     }
-    answers = ask_all_blocking(list(asked.values()), StatusRequest(), timeout_s=timeout_s)
-    replies = dict(zip(asked, answers, strict=True))
-    peers = {
-        j: reply if isinstance(reply := replies.get(j), StatusReply) else None
-        for j in range(len(local.nodes))
-        if j != local.node
-    }
+    answers = exchange_all(list(asked.values()), STATUS_FRAME, timeout_s=timeout_s)
+    peers: dict[int, NodeStatus | None] = dict.fromkeys(range(len(local.nodes)))
+    for (j, peer), answer in zip(asked.items(), answers, strict=True):
+        if not isinstance(answer, CommandError):
+            peers[j] = _readable(peer, answer)
+    del peers[local.node]
     return build_view(local=local, addresses=addresses, peers=peers, at=time.time())
+
+
+def _readable(peer: CmdTarget, answer: bytes) -> NodeStatus | None:
+    """A peer's status reply; None (UNAVAILABLE, a row of I) when it is unreadable."""
+    try:
+        return decode_status(peer, answer)
+    except CommandError:
+        return None
 
 
 def _render(view: DomainView, args: CtlArgs) -> str:
@@ -251,9 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return unavailable(args, exc)
     if args.mode == "q":
         return run_query(args, target)
-    from imexd.sim.config import SimEnv  # noqa: PLC0415 - lazy: `-q` returned above
+    from imexd.sim.hosts import hosts_file_from_environ  # noqa: PLC0415 - lazy: `-q` returned above
 
-    hosts_file = SimEnv.hosts_file_from_environ()
+    hosts_file = hosts_file_from_environ()
     try:
         return run(args, target, hosts_file)
     except KeyboardInterrupt:  # pragma: no cover - only outside monitor mode

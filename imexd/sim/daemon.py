@@ -35,20 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from imexd.sim.cfgfile import ImexConfigError, is_ip
-from imexd.sim.command import MAX_LINE, NodeState
+from imexd.sim.command import MAX_LINE, LinkStatus, NodeState
 from imexd.sim.config import (
     NO_GPU_VERSION,
     STATE_FILE_NAME,
     ImexConfig,
-    Resolver,
     SimEnv,
-    dialable,
     find_identity,
     load_config,
     local_addresses,
     node_list_digest,
     read_node_list,
 )
+from imexd.sim.hosts import Resolver, dialable
 from imexd.sim.imexlog import ImexLog, format_line
 from imexd.sim.links import HEARTBEAT, Outgoing, PeerLink
 from imexd.sim.protocol import (
@@ -57,7 +56,6 @@ from imexd.sim.protocol import (
     Bye,
     Hello,
     Link,
-    LinkStatus,
     QueryReply,
     QueryRequest,
     Request,

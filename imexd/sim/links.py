@@ -12,14 +12,13 @@ import asyncio
 import time
 from typing import cast
 
-from imexd.sim.command import MAX_LINE
+from imexd.sim.command import MAX_LINE, LinkStatus
 from imexd.sim.protocol import (
     PEER_DECODER,
     Bye,
     Heartbeat,
     Hello,
     Link,
-    LinkStatus,
     encode,
 )
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from imexd.sim.cfgfile import is_ip
-from imexd.sim.command import NodeState
-from imexd.sim.protocol import Link, LinkStatus, StatusReply
+from imexd.sim.command import Cell, LinkStatus, NodeState, NodeStatus
 
 LEGEND = (
     "Connectivity Table Legend:",
@@ -32,7 +30,7 @@ LEGEND = (
 NOT_AVAILABLE = "N/A"
 """What `hostName` holds for address entries, and `version` for unreachable nodes."""
 
-_INVALID = Link(status=LinkStatus.INVALID, changed=False)
+_INVALID = Cell(status=LinkStatus.INVALID, changed=False)
 
 
 def format_timestamp(at: float) -> str:
@@ -42,28 +40,42 @@ def format_timestamp(at: float) -> str:
     return f"{t.tm_mon}/{t.tm_mday}/{t.tm_year} {time.strftime('%H:%M:%S', t)}.{millis:03d}"
 
 
-@dataclass(frozen=True, kw_only=True)
 class NodeRow:
-    """One node as `-N` shows it: its line under `Nodes:` and its matrix row."""
+    """One node as `-N` shows it: its line under `Nodes:` and its matrix row (a plain
+    class: `-N` imports no dataclasses)."""
 
-    index: int
-    host: str
-    """Its address as the ctl resolved it, else the entry itself."""
-    host_name: str
-    """The entry when it is a host name, else N/A."""
-    state: str
-    version: str
-    links: tuple[Link, ...]
+    __slots__ = ("host", "host_name", "index", "links", "state", "version")
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        host: str,
+        host_name: str,
+        state: str,
+        version: str,
+        links: tuple[Cell, ...],
+    ) -> None:
+        self.index = index
+        self.host = host
+        """Its address as the ctl resolved it, else the entry itself."""
+        self.host_name = host_name
+        """The entry when it is a host name, else N/A."""
+        self.state = state
+        self.version = version
+        self.links = links
 
 
-@dataclass(frozen=True, kw_only=True)
 class DomainView:
     """The whole `-N` answer; `status` is the `Domain State:` word."""
 
-    timestamp: str
-    local: int | None
-    """The node whose command service was asked first: marked with asterisks."""
-    nodes: tuple[NodeRow, ...]
+    __slots__ = ("local", "nodes", "timestamp")
+
+    def __init__(self, *, timestamp: str, local: int | None, nodes: tuple[NodeRow, ...]) -> None:
+        self.timestamp = timestamp
+        self.local = local
+        """The node whose command service was asked first: marked with asterisks."""
+        self.nodes = nodes
 
     @property
     def status(self) -> str:
@@ -86,7 +98,7 @@ class DomainView:
 
 
 def node_row(
-    index: int, entry: str, address: str | None, reply: StatusReply | None, count: int
+    index: int, entry: str, address: str | None, reply: NodeStatus | None, count: int
 ) -> NodeRow:
     """A row from a node's own status reply; None (unreachable) = UNAVAILABLE, all I."""
     host = address or entry
@@ -113,9 +125,9 @@ def node_row(
 
 def build_view(
     *,
-    local: StatusReply,
+    local: NodeStatus,
     addresses: Sequence[str | None],
-    peers: Mapping[int, StatusReply | None],
+    peers: Mapping[int, NodeStatus | None],
     at: float,
 ) -> DomainView:
     """Assemble `-N` from the local reply and each peer's (None = not reachable)."""
