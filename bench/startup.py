@@ -9,6 +9,9 @@ that exit their CPU time (user + system), which a loaded machine does not inflat
 - `imexd --version`: a control command's start (argument parsing, no broker);
 - `imexd-sim-ctl -q`: one probe of a running simulated daemon (what the agent runs every
   probe interval, and at every daemon start);
+- `imexd-sim-ctl -N -j`: one domain probe of the same one-node domain (what the agent runs
+  after a start, a SIGUSR1 or the daemon's news of a link, and every domain probe
+  interval);
 - `imexd-sim-daemon`: from its spawn until its first line on stderr (the daemon's start
   as the agent sees it);
 - one `imexd run` agent (tests.cluster's node: a simulated daemon, the fast timings) in a
@@ -43,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from harness import ROOT
+from harness import ROOT, compile_bytecode
 
 from imexd.daemon.output import OUTPUT_FILES
 from tests.cluster import Cluster
@@ -164,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
     if opts.tree is not None:
+        compile_bytecode(opts.tree)
         env["PYTHONPATH"] = str(opts.tree.resolve())
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the agent inherits it
         os.chdir(opts.tree)  # `python -m imexd` puts its working folder first on sys.path
@@ -181,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = str(node.run_dir / "config.cfg")
         ctl = [str(VENV_BIN / "imexd-sim-ctl"), "-c", config, "-q"]
         show("imexd-sim-ctl -q", repeat(opts.runs, lambda: timed(ctl, env)))
+        domain = [str(VENV_BIN / "imexd-sim-ctl"), "-c", config, "-N", "-j"]
+        show("imexd-sim-ctl -N -j", repeat(opts.runs, lambda: timed(domain, env)))
         # A second daemon on the agent's files, on other ports: its start-up fails or
         # serves, either way after its first line, which is all that is timed.
         daemon = [str(VENV_BIN / "imexd-sim-daemon"), "-c", config, "-p", "1"]
