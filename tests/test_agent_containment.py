@@ -430,6 +430,44 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
         broker.stop()
 
 
+async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a daemon counted RUNNING by `start_s` (0.3 s) began the quick series of
+    `ctl -N -j` (0.2, 0.5, 1 s ...) while it was still INITIALIZING (1.5 s here): probes
+    of links it cannot have yet, one process each, on every node of a job start. The
+    series begins at its READY now; then the links are probed until complete."""
+    probed: list[tuple[float, str]] = []
+    domain = Prober.domain
+    agents: list[Agent] = []
+
+    async def counted(self: Prober, **kwargs: Any) -> DomainResult:
+        probed.append((time.monotonic(), agents[0].probes.imex_status))
+        return await domain(self, **kwargs)
+
+    monkeypatch.setattr(Prober, "domain", counted)
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    slow_ready: dict[str, dict[str, Any]] = {
+        "daemon": {"start_s": 0.3, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0},
+        "imex": {"env": {"IMEXD_SIM_START_DELAY_S": "1.5"}},
+    }
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=slow_ready)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        agents.append(run.agent)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        assert not run.task.done()
+        await until(lambda: run.agent.probes.domain_view is not None, within_s=5)
+        before_ready = [at for at, status in probed if status != "READY"]
+        assert before_ready == [], f"{len(before_ready)} domain probes before READY"
+        assert probed, "no domain probe after READY"
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
 async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,11 +3,13 @@
 `ctl -q` runs `STARTING_PROBE_S` after the last one ended while the daemon is STARTING
 (READY makes it RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait),
 then every `[daemon] probe_interval_s`; counted from the end, so that slow probes on a
-busy host do not run back to back. `ctl -N -j` runs in a short series after every start and
-every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until it shows every member
-connected, then every `[daemon] domain_probe_interval_s`. A membership change alone
-probes nothing: its SIGUSR1, paced by the daemon's reload window, starts the series when
-it is sent. How the ctl runs (bounded, killed with its process group) is `imexd.daemon.ctl`.
+busy host do not run back to back. `ctl -N -j` runs in a short series once a start's
+`ctl -q` says READY and after every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`),
+until it shows every member connected, and every `[daemon] domain_probe_interval_s` of a
+RUNNING daemon, counted from its start: a daemon that has not said READY has no links to
+show, so nothing asks for them sooner. A membership change alone probes nothing: its
+SIGUSR1, paced by the daemon's reload window, starts the series when it is sent. How the
+ctl runs (bounded, killed with its process group) is `imexd.daemon.ctl`.
 
 The daemon's own words come first: while it is not READY, or a member is missing from
 its links, every new line it writes is probed at once (`on_output`; coalesced, at most
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from imexd.settings import Settings
 
 DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Seconds after a daemon start or a SIGUSR1 at which `ctl -N -j` runs until it shows every
+"""Seconds after a start's READY or a SIGUSR1 at which `ctl -N -j` runs until it shows every
 member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
@@ -83,14 +85,21 @@ class DaemonProbes:
         """time.monotonic() of the last probe its lines asked for."""
         self._said_ready = False
         """The `ctl -q` being handled said READY: the RUNNING it causes needs no other."""
+        self._await_ready = False
+        """This daemon's READY has not been read yet: when it is, the series begins."""
+        self._started_at = 0.0
+        """time.monotonic() of the daemon's start (or adoption): the periodic domain
+        probe counts from it."""
         self._due: list[float] = []
         """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
+        self._last_domain = 0.0
+        """time.monotonic() of the last domain probe's start."""
         self._supervisor: Supervisor | None = None
         self._members: Callable[[], Mapping[int, str]] = dict
         """Slot -> node of the members the daemon was given (the agent's `desired`)."""
 
     def now(self) -> None:
-        """Probe at once: the daemon was just started, adopted or restarted."""
+        """Probe at once (`ctl -q`): the daemon was just started, adopted or restarted."""
         self._now = True
         self._wake.set()
 
@@ -106,9 +115,11 @@ class DaemonProbes:
             self._wake.set()  # whether there is a daemon to probe at all
         if status.state is DaemonState.RUNNING and seen[0] is not DaemonState.RUNNING:
             if not self._said_ready:  # RUNNING by `start_s` or by adoption: ask it now
+                if seen[0] is not DaemonState.STARTING:  # adopted: it started before us
+                    self._await_ready, self._started_at = True, time.monotonic()
                 self.now()
-            self._domain_soon()
         elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
+            self._await_ready, self._started_at = True, time.monotonic()
             self.now()  # ctl -q at once: READY makes it RUNNING
         elif status.reloads_sent > seen[1]:
             self._domain_soon()  # SIGUSR1 delivered: the links move now
@@ -142,9 +153,11 @@ class DaemonProbes:
         self._supervisor, self._members = supervisor, members
         supervisor.on_output = self.on_output
         next_local = 0.0
-        next_domain = 0.0
         while True:
             guard.heartbeats.beat("probe")
+            next_domain = self._started_at + s.daemon.domain_probe_interval_s
+            if self._last_domain > self._started_at:
+                next_domain = self._last_domain + s.daemon.domain_probe_interval_s
             periodic = next_domain if supervisor.state is DaemonState.RUNNING else math.inf
             await guard.rest("probe", self._wake, min([next_local, periodic, *self._due[:1]]))
             self._wake.clear()
@@ -152,8 +165,6 @@ class DaemonProbes:
             if self._now:
                 self._now = False
                 next_local = now
-                if not self._due:
-                    next_domain = now
             if self._heard:
                 self._heard = False
                 soon = max(now, self._heard_probe + HEARD_GAP_S)
@@ -182,18 +193,20 @@ class DaemonProbes:
                 ended = time.monotonic()
                 next_local = ended + (min(STARTING_PROBE_S, interval) if starting else interval)
             due = self._due
-            if due and now >= due[0]:
-                while due and now >= due[0]:
-                    due.pop(0)
-                next_domain = now
-            if now >= next_domain and supervisor.state is DaemonState.RUNNING:
-                next_domain = now + s.daemon.domain_probe_interval_s
+            asked = bool(due) and now >= due[0]
+            while due and now >= due[0]:
+                due.pop(0)
+            if (asked or now >= next_domain) and supervisor.state is DaemonState.RUNNING:
+                self._last_domain = now
                 await guard.beating("probe", self._domain(), limit=bound)
                 if self._domain_complete():
                     due.clear()
 
     async def _local(self) -> None:
         result = await self.prober.local()
+        if result.ready and self._await_ready:
+            self._await_ready = False
+            self._domain_soon()  # now it has links to show
         if self._supervisor is not None:
             self._supervisor.listening = not result.ready  # its READY line is news
             if result.ready:
