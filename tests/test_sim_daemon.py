@@ -580,3 +580,25 @@ def test_monitor_mode_repeats_until_interrupted(
     finally:
         monitor.send_signal(signal.SIGTERM)
         assert monitor.wait(timeout=10) == 0
+
+
+def test_the_daemon_program_runs_without_openssl() -> None:
+    """`imexd-sim-daemon` speaks no TLS: its entry point keeps ssl out of the process, so
+    asyncio does not load OpenSSL at each simulated daemon's start, and the
+    installed script is that entry point."""
+    probe = (
+        "import sys\n"
+        "sys.argv = ['imexd-sim-daemon', '--version']\n"
+        "from imexd.sim import daemon_main\n"
+        "code = daemon_main()\n"
+        "import asyncio.sslproto\n"
+        "print(code, asyncio.sslproto.ssl is None, '_ssl' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.splitlines()[-1] == "0 True False", done.stdout + done.stderr
+    assert done.stdout.startswith("IMEX version is: ")
+    script = BIN / "imexd-sim-daemon"
+    if script.exists():
+        assert "from imexd.sim import daemon_main" in script.read_text()
