@@ -25,9 +25,10 @@ from structlog.testing import capture_logs
 
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
+from imexd.agent.probes import DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
-from imexd.daemon.state import DaemonState
+from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.demo.brokers import Mosquitto
 from imexd.health import guard
 from imexd.health.conditions import Heartbeats
@@ -463,6 +464,44 @@ async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
         before_ready = [at for at, status in probed if status != "READY"]
         assert before_ready == [], f"{len(before_ready)} domain probes before READY"
         assert probed, "no domain probe after READY"
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
+async def test_a_start_is_not_probed_the_instant_it_is_spawned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a new start asked `ctl -q` the instant the daemon was spawned, when no
+    process serves a command yet: one refused `ctl` per node in every job start. Its first
+    probe now comes with its first lines, or `STARTING_PROBE_S` after the start."""
+    starts: list[float] = []
+    probes: list[float] = []
+    changed = DaemonProbes.on_daemon_change
+    local = Prober.local
+
+    def noted(self: DaemonProbes, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
+        if status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
+            starts.append(time.monotonic())
+        changed(self, status, seen)
+
+    async def counted(self: Prober, *, timeout: float | None = None) -> LocalProbe:  # noqa: ASYNC109
+        probes.append(time.monotonic())
+        return await local(self, timeout=timeout)
+
+    monkeypatch.setattr(DaemonProbes, "on_daemon_change", noted)
+    monkeypatch.setattr(Prober, "local", counted)
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=SLOW_TIMERS)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        assert not run.task.done()
+        assert len(starts) == 1, starts
+        first = min(at for at in probes if at >= starts[0])
+        assert first - starts[0] >= 0.05, f"ctl -q {first - starts[0]:.3f} s after the spawn"
     finally:
         await end_agents([node], runs)
         broker.stop()

@@ -1,15 +1,16 @@
 """The agent's probes of its running daemon: when to ask `ctl`, and what it last said.
 
-`ctl -q` runs `STARTING_PROBE_S` after the last one ended while the daemon is STARTING
-(READY makes it RUNNING at once: `[daemon] start_s` bounds a start, it is not a wait),
-then every `[daemon] probe_interval_s`; counted from the end, so that slow probes on a
-busy host do not run back to back. `ctl -N -j` runs in a short series once a start's
-`ctl -q` says READY and after every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`),
-until it shows every member connected, and every `[daemon] domain_probe_interval_s` of a
-RUNNING daemon, counted from its start: a daemon that has not said READY has no links to
-show, so nothing asks for them sooner. A membership change alone probes nothing: its
-SIGUSR1, paced by the daemon's reload window, starts the series when it is sent. How the
-ctl runs (bounded, killed with its process group) is `imexd.daemon.ctl`.
+`ctl -q` runs `STARTING_PROBE_S` after a start and after the last one ended while the
+daemon is STARTING (READY makes it RUNNING at once: `[daemon] start_s` bounds a start,
+it is not a wait), then every `[daemon] probe_interval_s`; counted from the end, so that
+slow probes on a busy host do not run back to back. `ctl -N -j` runs in a short series
+once a start's `ctl -q` says READY and after every SIGUSR1 that was delivered
+(`DOMAIN_PROBE_SERIES_S`), until it shows every member connected, and every `[daemon]
+domain_probe_interval_s` of a RUNNING daemon, counted from its start: a daemon that has
+not said READY has no links to show, so nothing asks for them sooner. A membership
+change alone probes nothing: its SIGUSR1, paced by the daemon's reload window, starts
+the series when it is sent. How the ctl runs (bounded, killed with its process group) is
+`imexd.daemon.ctl`.
 
 The daemon's own words come first: while it is not READY, or a member is missing from
 its links, every new line it writes is probed at once (`on_output`; coalesced, at most
@@ -44,8 +45,8 @@ DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
 member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
 a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
 STARTING_PROBE_S: Final = 0.2
-"""Seconds from one `ctl -q` probe's end to the next while the daemon is STARTING: READY
-makes it RUNNING."""
+"""Seconds from a start, and from one `ctl -q` probe's end, to the next probe while the
+daemon is STARTING: READY makes it RUNNING."""
 HEARD_GAP_S: Final = 0.05
 """The least time between two probes that the daemon's lines asked for (a chatty daemon
 must not keep `ctl` running back to back)."""
@@ -90,6 +91,8 @@ class DaemonProbes:
         self._started_at = 0.0
         """time.monotonic() of the daemon's start (or adoption): the periodic domain
         probe counts from it."""
+        self._first_probe = 0.0
+        """time.monotonic() of a new start's first `ctl -q` (0: none pending)."""
         self._due: list[float] = []
         """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
         self._last_domain = 0.0
@@ -119,8 +122,11 @@ class DaemonProbes:
                     self._await_ready, self._started_at = True, time.monotonic()
                 self.now()
         elif status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
+            # Not at once: a process spawned this instant serves no command yet. Its
+            # lines (`on_output`) ask sooner; READY makes it RUNNING.
             self._await_ready, self._started_at = True, time.monotonic()
-            self.now()  # ctl -q at once: READY makes it RUNNING
+            self._first_probe = self._started_at + STARTING_PROBE_S
+            self._wake.set()
         elif status.reloads_sent > seen[1]:
             self._domain_soon()  # SIGUSR1 delivered: the links move now
 
@@ -162,6 +168,8 @@ class DaemonProbes:
             await guard.rest("probe", self._wake, min([next_local, periodic, *self._due[:1]]))
             self._wake.clear()
             now = time.monotonic()
+            if self._first_probe:
+                next_local, self._first_probe = self._first_probe, 0.0
             if self._now:
                 self._now = False
                 next_local = now
