@@ -147,6 +147,22 @@ def test_the_query_frames_are_the_protocols() -> None:
     assert {encode(QueryReply(state=state)): state for state in NodeState} == QUERY_REPLIES
 
 
+def status_reply(nodes: list[str], *, node: int = 0, cmd_port: int = 50005) -> StatusReply:
+    """A READY node's status reply, every link CONNECTED."""
+    return StatusReply(
+        node=node,
+        state=NodeState.READY,
+        version="570.172",
+        instance="i",
+        pid=7,
+        digest="d",
+        server_port=50000,
+        cmd_port=cmd_port,
+        nodes=nodes,
+        links=[Link(status=LinkStatus.CONNECTED, changed=True)] * len(nodes),
+    )
+
+
 def _answer_once(reply: bytes) -> tuple[socket.socket, threading.Thread]:
     server = socket.create_server(("127.0.0.1", 0))
 
@@ -168,20 +184,7 @@ def _answer_once(reply: bytes) -> tuple[socket.socket, threading.Thread]:
         (b'{"type":"query","state":"SOON"}\n', "answered something unreadable"),
         (b"READY\n", "answered something unreadable"),
         (
-            encode(
-                StatusReply(
-                    node=0,
-                    state=NodeState.READY,
-                    version="570.172",
-                    instance="i",
-                    pid=1,
-                    digest="d",
-                    server_port=50000,
-                    cmd_port=50005,
-                    nodes=["n0"],
-                    links=[Link(status=LinkStatus.CONNECTED, changed=True)],
-                )
-            ),
+            encode(status_reply(["n0"])),
             "answered a query with StatusReply",
         ),
     ],
@@ -215,18 +218,7 @@ def test_domain_view_imports_no_event_loop_and_no_decoder_library() -> None:
     daemon and its peers over blocking sockets and reads their replies with the standard
     json module: a daemon answering a two-node status prints the real `-N -j` document,
     and none of HEAVY_FOR_DOMAIN is imported on the way."""
-    local = StatusReply(
-        node=0,
-        state=NodeState.READY,
-        version="570.172",
-        instance="i",
-        pid=1,
-        digest="d",
-        server_port=50000,
-        cmd_port=1,
-        nodes=["127.0.0.1", "127.0.0.2"],
-        links=[Link(status=LinkStatus.CONNECTED, changed=True)] * 2,
-    )
+    local = status_reply(["127.0.0.1", "127.0.0.2"], cmd_port=1)
     server, thread = _answer_once(encode(local))
     port = server.getsockname()[1]
     probe = (
@@ -300,22 +292,7 @@ def _status_lines() -> list[bytes]:
     """A valid status reply, and every way of breaking it that `-N` could meet: each
     field missing or of another JSON type, a word that is not a state, a link that is
     not one, another kind of reply, not JSON, not UTF-8, and an extra field."""
-    good = json.loads(
-        encode(
-            StatusReply(
-                node=1,
-                state=NodeState.READY,
-                version="570.172",
-                instance="i",
-                pid=7,
-                digest="d",
-                server_port=50000,
-                cmd_port=50005,
-                nodes=["gpu-a", "127.0.0.2"],
-                links=[Link(status=LinkStatus.CONNECTED, changed=True)] * 2,
-            )
-        )
-    )
+    good = json.loads(encode(status_reply(["gpu-a", "127.0.0.2"], node=1)))
     documents: list[object] = [good, {**good, "extra": [1]}, [good], None, "status"]
     others: list[object] = [None, True, 1, 1.0, "1", [], {}]
     for name in good:
