@@ -311,6 +311,29 @@ async def end_agents(nodes: list[Node], runs: list[Running]) -> None:
     await end_in_process(nodes, [(r.stop, r.task) for r in runs], WAIT_S)
 
 
+SLOW_READY: dict[str, dict[str, Any]] = {
+    "daemon": {"start_s": 0.3, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0},
+    "imex": {"env": {"IMEXD_SIM_START_DELAY_S": "1.5"}},
+}
+"""A daemon that says READY 1.5 s after its start, long after `start_s` (0.3 s); probes
+that only an event can bring sooner than 30 s and 600 s."""
+
+
+@asynccontextmanager
+async def one_agent(tmp_path: Path, overrides: dict[str, dict[str, Any]]) -> AsyncIterator[Running]:
+    """One agent of a one-node domain on its own broker, started; stopped at the end."""
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=overrides)
+    runs: list[Running] = []
+    try:
+        runs.append(run := start_agent(node))
+        yield run
+    finally:
+        await end_agents([node], runs)
+        broker.stop()
+
+
 async def test_the_domain_is_probed_every_domain_probe_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -408,16 +431,7 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
     """Issue 22: a daemon slower to say READY than `start_s` was counted RUNNING by time,
     which ended the quick `ctl -q` series, so its READY waited for `probe_interval_s`
     (here 30 s). Its own lines are news now: the node is ready within seconds of them."""
-    broker = Mosquitto(tmp_path / "broker")
-    broker.start()
-    slow_ready: dict[str, dict[str, Any]] = {
-        "daemon": {"start_s": 0.3, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0},
-        "imex": {"env": {"IMEXD_SIM_START_DELAY_S": "1.5"}},
-    }
-    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=slow_ready)
-    runs: list[Running] = []
-    try:
-        runs.append(run := start_agent(node))
+    async with one_agent(tmp_path, SLOW_READY) as run:
         await until(lambda: run.agent.supervisor is not None and run.agent.supervisor.pid)
         supervisor = run.agent.supervisor
         assert supervisor is not None
@@ -426,9 +440,6 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert run.agent.probes.imex_status == "READY"
         assert not run.task.done()
-    finally:
-        await end_agents([node], runs)
-        broker.stop()
 
 
 async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
@@ -447,16 +458,7 @@ async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
         return await domain(self, **kwargs)
 
     monkeypatch.setattr(Prober, "domain", counted)
-    broker = Mosquitto(tmp_path / "broker")
-    broker.start()
-    slow_ready: dict[str, dict[str, Any]] = {
-        "daemon": {"start_s": 0.3, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0},
-        "imex": {"env": {"IMEXD_SIM_START_DELAY_S": "1.5"}},
-    }
-    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=slow_ready)
-    runs: list[Running] = []
-    try:
-        runs.append(run := start_agent(node))
+    async with one_agent(tmp_path, SLOW_READY) as run:
         agents.append(run.agent)
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert not run.task.done()
@@ -464,9 +466,6 @@ async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
         before_ready = [at for at, status in probed if status != "READY"]
         assert before_ready == [], f"{len(before_ready)} domain probes before READY"
         assert probed, "no domain probe after READY"
-    finally:
-        await end_agents([node], runs)
-        broker.stop()
 
 
 async def test_a_start_is_not_probed_the_instant_it_is_spawned(
@@ -491,20 +490,12 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
 
     monkeypatch.setattr(DaemonProbes, "on_daemon_change", noted)
     monkeypatch.setattr(Prober, "local", counted)
-    broker = Mosquitto(tmp_path / "broker")
-    broker.start()
-    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=SLOW_TIMERS)
-    runs: list[Running] = []
-    try:
-        runs.append(run := start_agent(node))
+    async with one_agent(tmp_path, SLOW_TIMERS) as run:
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert not run.task.done()
         assert len(starts) == 1, starts
         first = min(at for at in probes if at >= starts[0])
         assert first - starts[0] >= 0.05, f"ctl -q {first - starts[0]:.3f} s after the spawn"
-    finally:
-        await end_agents([node], runs)
-        broker.stop()
 
 
 async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
@@ -522,15 +513,7 @@ async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
         return result
 
     monkeypatch.setattr(Prober, "local", counted)
-    broker = Mosquitto(tmp_path / "broker")
-    broker.start()
-    overrides: dict[str, dict[str, Any]] = {
-        "daemon": {"start_s": 30.0, "probe_interval_s": 30.0, "domain_probe_interval_s": 600.0}
-    }
-    node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=overrides)
-    runs: list[Running] = []
-    try:
-        runs.append(run := start_agent(node))
+    async with one_agent(tmp_path, SLOW_TIMERS) as run:
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert not run.task.done()
         assert run.agent.supervisor is not None
@@ -539,9 +522,6 @@ async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
         await asyncio.sleep(1.5)
         after = [at - said_ready for at, _ in calls if at > said_ready]
         assert after == [], f"ctl -q again {after} s after it said READY"
-    finally:
-        await end_agents([node], runs)
-        broker.stop()
 
 
 async def test_a_join_that_changed_nothing_does_not_hold_the_first_start(
