@@ -10,8 +10,8 @@ of `imexd.sim.protocol`: the query's request and its replies are kept here as by
 (tests/test_sim_ctl.py checks them against the protocol's encoder), so that `-q`
 (`imexd.sim.ctl.query`) decodes nothing unless a reply is not one of them. `-N` reads
 the status replies with the standard json module, checked field by field as the
-protocol's msgspec decoder checks them (`decode_status`): msgspec's import alone costs
-`-N` about twice what the rest of it costs.
+protocol's msgspec decoder checks them (`decode_status`): `-N` runs after every daemon
+start, and msgspec's import would cost it more than its questions (docs/performance.md).
 """
 
 from __future__ import annotations
