@@ -25,7 +25,7 @@ from structlog.testing import capture_logs
 
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
-from imexd.agent.probes import DaemonProbes
+from imexd.agent.probes import STARTING_PROBE_S, DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
@@ -476,8 +476,14 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
     probe now comes with its first lines, or `STARTING_PROBE_S` after the start."""
     starts: list[float] = []
     probes: list[float] = []
+    lines: list[float] = []
     changed = DaemonProbes.on_daemon_change
+    heard = DaemonProbes.on_output
     local = Prober.local
+
+    def listened(self: DaemonProbes) -> None:
+        lines.append(time.monotonic())
+        heard(self)
 
     def noted(self: DaemonProbes, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
         if status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
@@ -489,13 +495,18 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
         return await local(self, timeout=timeout)
 
     monkeypatch.setattr(DaemonProbes, "on_daemon_change", noted)
+    monkeypatch.setattr(DaemonProbes, "on_output", listened)
     monkeypatch.setattr(Prober, "local", counted)
     async with one_agent(tmp_path, SLOW_TIMERS) as run:
         await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
         assert not run.task.done()
         assert len(starts) == 1, starts
         first = min(at for at in probes if at >= starts[0])
-        assert first - starts[0] >= 0.05, f"ctl -q {first - starts[0]:.3f} s after the spawn"
+        news = min([at for at in lines if at >= starts[0]] + [starts[0] + STARTING_PROBE_S])
+        assert first >= news, (
+            f"ctl -q {first - starts[0]:.3f} s after the spawn, before its first lines "
+            f"({news - starts[0]:.3f} s) and before STARTING_PROBE_S"
+        )
 
 
 async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
