@@ -340,3 +340,25 @@ def test_status_replies_are_read_as_strictly_as_the_protocol_reads_them(line: by
     assert [(c.status, c.changed) for c in lean.links] == [
         (link.status, link.changed) for link in strict.links
     ]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [status_reply(["127.0.0.2"], node=5), status_reply(["127.0.0.1", "127.0.0.3"], cmd_port=70000)],
+    ids=["node id beyond the list", "command port beyond 65535"],
+)
+def test_odd_but_well_formed_status_replies_are_shown_not_a_crash(
+    reply: StatusReply, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replies the protocol's decoder takes but that name no row of their own (a node id
+    beyond the node list) or a port no peer can have: `-N` prints the rows it can, the
+    rest UNAVAILABLE, and exits 0, instead of a KeyError or an OverflowError."""
+    server, thread = _answer_once(encode(reply))
+    try:
+        code = main(["-i", "127.0.0.1", str(server.getsockname()[1]), "-N", "-j", "-t", "2000"])
+    finally:
+        thread.join(timeout=5)
+        server.close()
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["nodes"][str(len(reply.nodes) - 1)]["status"] == "UNAVAILABLE"

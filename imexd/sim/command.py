@@ -289,7 +289,7 @@ def exchange_all(
             try:
                 sock.setblocking(False)
                 code = sock.connect_ex(target.path or (target.host, target.port))
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, OverflowError) as exc:  # a port beyond 65535
                 sock.close()
                 results[index] = CommandError(f"cannot talk to {target}: {exc}")
                 continue

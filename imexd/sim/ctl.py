@@ -157,7 +157,7 @@ def domain_view(target: CmdTarget, timeout_s: float, hosts_file: str | None) -> 
     for (j, peer), answer in zip(asked.items(), answers, strict=True):
         if not isinstance(answer, CommandError):
             peers[j] = _readable(peer, answer)
-    del peers[local.node]
+    peers.pop(local.node, None)  # a node id beyond its own list: no row is its own
     return build_view(local=local, addresses=addresses, peers=peers, at=time.time())
 
 
