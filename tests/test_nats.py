@@ -143,7 +143,14 @@ def form(c: Cluster, names: list[str]) -> list[Node]:
     c.wait(c.all_ready, timeout=30)
     created = imexd(c, "domain", "create", "d1", "--nodes", ",".join(names))
     assert created.returncode == 0, created.stdout + created.stderr
-    c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
+    # 60 s, not 30: on nats-server 2.14 a peer's record can arrive only through the
+    # link's re-reads (issue 23: about 8 s for three idle agents); under the whole suite's
+    # load it took more than 30 s in two of seven full runs. What each node saw is said.
+    try:
+        c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=60)
+    except AssertionError as exc:
+        seen = {n.name: n.domain_view() for n in nodes}
+        raise AssertionError(f"not UP with {len(nodes)} on every node: {seen}") from exc
     assert [n.slot() for n in nodes] == list(range(len(nodes))), "list order is slot order"
     domain_up(c, len(nodes))
     return nodes
@@ -213,6 +220,7 @@ def fail_over(c: Cluster, nodes: list[Node], dead: Nats) -> None:
     c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=120)
 
 
+@pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
 def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) -> None:
     """Three agents (one dotted name) form d1 in a dotted clique on 3.1.1; a fourth joins
     with a reload, not a restart; a leave clears its record and frees its slot."""
@@ -244,6 +252,7 @@ def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) ->
     assert untouched(nodes, before) == []
 
 
+@pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
 def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) -> None:
     """SIGKILL on 3.1.1 (no Will Delay at the broker): the will is a `lost` tombstone with
     hold_s = will_delay_s, so peers keep the node that long, then drop it."""
@@ -264,6 +273,7 @@ def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) ->
     assert untouched(stay, before) == []
 
 
+@pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
 def test_a_nats_restart_keeps_the_retained_state_and_the_daemons(one: Cluster) -> None:
     """nats-server stopped and started on the same store: the spec (which no agent
     republishes) and the member records are still there; no daemon restarts or reloads."""
