@@ -161,9 +161,8 @@ class DaemonProbes:
         next_local = 0.0
         while True:
             guard.heartbeats.beat("probe")
-            next_domain = self._started_at + s.daemon.domain_probe_interval_s
-            if self._last_domain > self._started_at:
-                next_domain = self._last_domain + s.daemon.domain_probe_interval_s
+            since = max(self._started_at, self._last_domain)  # this daemon's last probe
+            next_domain = since + s.daemon.domain_probe_interval_s
             periodic = next_domain if supervisor.state is DaemonState.RUNNING else math.inf
             await guard.rest("probe", self._wake, min([next_local, periodic, *self._due[:1]]))
             self._wake.clear()

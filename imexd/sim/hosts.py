@@ -93,8 +93,7 @@ class Resolver:
         """The address of each entry (itself when it is one), or None when unknown."""
         entries = list(entries)
         if self.hosts_file is not None:
-            table = read_hosts(self.hosts_file)
-            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
+            return self._from_file(self.hosts_file, entries)
         import asyncio  # noqa: PLC0415 - lazy: `imexd-sim-ctl` runs without asyncio
 
         return list(await asyncio.gather(*(self._system(e) for e in entries)))
@@ -104,9 +103,14 @@ class Resolver:
         asked one entry after another."""
         entries = list(entries)
         if self.hosts_file is not None:
-            table = read_hosts(self.hosts_file)
-            return [e if is_ip(e) else table.get(e.lower()) for e in entries]
+            return self._from_file(self.hosts_file, entries)
         return [self._system_blocking(e) for e in entries]
+
+    @staticmethod
+    def _from_file(path: str, entries: list[str]) -> list[str | None]:
+        """Each entry through the hosts file at `path` (read now), an address as itself."""
+        table = read_hosts(path)
+        return [e if is_ip(e) else table.get(e.lower()) for e in entries]
 
     @staticmethod
     def _system_blocking(entry: str) -> str | None:
