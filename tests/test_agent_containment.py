@@ -442,6 +442,37 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
         assert not run.task.done()
 
 
+async def test_the_daemons_ready_is_judged_at_once_not_at_the_end_of_a_pause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22, seen as `bench/startup.py`'s READY line -> ready report growing from 24 to
+    56 ms: any change judged within `REPORT_PACE_S` before the daemon's READY (there, a
+    periodic domain probe) held READY's judgement to the end of that pause. The daemon's
+    and its probes' news is never paced now. With a 20 s pause, readiness before the fix
+    waited for the end of the pause that the start's own changes began."""
+    monkeypatch.setattr(agent_module, "REPORT_PACE_S", 20.0)
+    async with one_agent(tmp_path, SLOW_READY) as run:
+        await until(lambda: run.agent.probes.imex_status == "READY" or run.task.done(), 15)
+        said = time.monotonic()
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=10)
+        assert not run.task.done()
+        assert time.monotonic() - said < 10
+
+
+def test_the_probes_and_the_keepers_news_is_urgent(tmp_path: Path) -> None:
+    """What the daemon's probes and the channel keeper report is judged at once (a bus
+    event only sets `changed`: a formation brings dozens, judged paced)."""
+    node = Node(tmp_path, "n1", ["mqtt://127.0.0.1:1"], domain="d1", clique="c1")
+    agent = Agent(settings_from_mapping(node.sections, environ={}))
+    agent.probes.on_change()
+    assert agent.urgent.is_set()
+    assert agent.changed.is_set()
+    agent.urgent.clear()
+    agent.changed.clear()
+    agent.channels.on_change()
+    assert agent.urgent.is_set()
+
+
 async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -86,6 +86,41 @@ async def test_a_change_during_the_hold_is_taken_by_that_turn() -> None:
     assert await p.wait(changed, 0.01) is False  # nothing was left behind
 
 
+async def test_urgent_news_within_the_pause_is_taken_at_once() -> None:
+    """Issue 22: the daemon's READY, judged 30 ms after an unrelated turn, waited for the
+    rest of the pause. News a job waits for is never held; both events are cleared."""
+    t = FakeTime()
+    p = pacer(t)
+    changed, urgent = asyncio.Event(), asyncio.Event()
+    changed.set()
+    await p.wait(changed, 1.0, urgent)
+    t.now += 0.03
+    urgent.set()
+    changed.set()
+    assert await p.wait(changed, 1.0, urgent) is True
+    assert t.sleeps == []
+    assert not changed.is_set()
+    assert not urgent.is_set()
+    t.now += 0.03  # a plain change right after it is paced again
+    changed.set()
+    assert await p.wait(changed, 1.0, urgent) is True
+    assert t.sleeps == [pytest.approx(0.07)]
+
+
+async def test_urgent_news_during_a_hold_ends_it() -> None:
+    """A hold already under way ends when urgent news arrives, not at the pause's end."""
+    p = Pacer(30.0)
+    changed, urgent = asyncio.Event(), asyncio.Event()
+    changed.set()
+    await p.wait(changed, 1.0, urgent)
+    changed.set()  # within the pause: this turn holds
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, urgent.set)
+    async with asyncio.timeout(10):  # the pause is 30 s
+        assert await p.wait(changed, 1.0, urgent) is True
+    assert not urgent.is_set()
+
+
 async def test_a_turn_without_a_change_starts_no_pause() -> None:
     """The idle turn (the limit ran out) does not delay the change that follows it."""
     t = FakeTime()

@@ -6,7 +6,8 @@ recomputation costs about as much as the event itself. A `Pacer` keeps the first
 after a quiet period immediate and folds the changes that follow within `pause_s` into
 one turn at the end of the pause. The event is cleared only after the pause, so a change
 that arrives during it is taken by that turn: the last change is never lost, only
-delayed by at most `pause_s`.
+delayed by at most `pause_s`. News that a job waits for (`urgent`: the daemon's state,
+what its probes said, a channel made) is never held: it ends a pause at once.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ class Pacer:
         self._quiet_at = float("-inf")
         """clock() from which a change starts a turn at once (`pause_s` after the last)."""
 
-    async def wait(self, changed: asyncio.Event, limit_s: float | None) -> bool:
+    async def wait(
+        self,
+        changed: asyncio.Event,
+        limit_s: float | None,
+        urgent: asyncio.Event | None = None,
+    ) -> bool:
         """Wait up to `limit_s` (None: for as long as it takes) for `changed`, then clear
-        it; True when it was set.
+        it (and `urgent`); True when it was set.
 
         A change within `pause_s` of the previous changed turn waits for the end of the
-        pause first; what is set meanwhile is cleared with it, for this turn to take. A
+        pause first, unless `urgent` is set or gets set meanwhile (set it together with
+        `changed`); what is set meanwhile is cleared with it, for this turn to take. A
         turn without a change (`limit_s` ran out) starts no pause.
         """
         if not changed.is_set():
@@ -50,7 +57,24 @@ class Pacer:
             if not changed.is_set():
                 return False
         if (hold := self._quiet_at - self._clock()) > 0:
-            await self._sleep(hold)
+            await self._hold(hold, urgent)
         self._quiet_at = self._clock() + self.pause_s
         changed.clear()
+        if urgent is not None:
+            urgent.clear()
         return True
+
+    async def _hold(self, seconds: float, urgent: asyncio.Event | None) -> None:
+        """Sleep `seconds`, or until `urgent` is set."""
+        if urgent is None:
+            await self._sleep(seconds)
+            return
+        if urgent.is_set():
+            return
+        pause = asyncio.ensure_future(self._sleep(seconds))
+        news = asyncio.ensure_future(urgent.wait())
+        try:
+            await asyncio.wait((pause, news), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pause.cancel()
+            news.cancel()

@@ -18,7 +18,8 @@ of each task. Named long-lived tasks, each with a heartbeat that /healthz watche
 - `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
   periodically (imexd.agent.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
-  `health.REPORT_PACE_S`, the first at once), publishes the HealthReport, tells systemd;
+  `health.REPORT_PACE_S`, the first at once; the daemon's, its probes' and the channels'
+  news at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
 - `rebuild`: gives a broker that lost its retained state back the spec, workloads and
   assignment this node follows (imexd.agent.rebuild);
@@ -147,18 +148,21 @@ class Agent:
         self.daemon_seen: tuple[DaemonState, int] = (DaemonState.STOPPED, 0)
         """(state, reloads_sent) of the last daemon snapshot: a start or a signal is news."""
         self.changed = asyncio.Event()
+        """The facts may have moved: the report loop judges them again (paced)."""
+        self.urgent = asyncio.Event()
+        """What moved is news a job waits for (`_news`): judged at once, never paced."""
         self.probes = DaemonProbes(
             settings,
             Prober.from_settings(settings),
             metrics=self.metrics,
             log=self.log,
-            on_change=self.changed.set,
+            on_change=self._news,
         )
         self.report_pace = Pacer(REPORT_PACE_S)
         self.report_lock = asyncio.Lock()
         """Held while a report is published or our records cleared: no report after a clear."""
         self.bus_facts = BusFacts()
-        self.channels = ChannelKeeper.from_settings(settings, on_change=self.changed.set)
+        self.channels = ChannelKeeper.from_settings(settings, on_change=self._news)
         self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -700,10 +704,16 @@ class Agent:
 
     # -- daemon and probes ----------------------------------------------------------
 
+    def _news(self) -> None:
+        """The daemon, its probes or a channel moved: readiness, DomainUp and ChannelsReady
+        follow from them, and a prolog waits for those, so the report loop judges at once."""
+        self.urgent.set()
+        self.changed.set()
+
     def _on_daemon_change(self, status: DaemonStatus) -> None:
         seen, self.daemon_seen = self.daemon_seen, (status.state, status.reloads_sent)
         self.probes.on_daemon_change(status, seen)
-        self.changed.set()
+        self._news()
         if status.state is not seen[0]:
             self.wake.set()  # a FATAL daemon's slot is released after release_after_s
 
@@ -779,7 +789,7 @@ class Agent:
             if (facts_due := self.shard.facts_due(now)) is not None:
                 due = min(due, facts_due)
             with self.heartbeats.resting("report"):  # changes in a burst: one turn
-                await self.report_pace.wait(self.changed, max(0.0, due - now))
+                await self.report_pace.wait(self.changed, max(0.0, due - now), self.urgent)
             health = self.health
             if health.update(self.facts()):
                 schedule.changed(health.gist(), time.monotonic())

@@ -98,7 +98,8 @@ class ChannelKeeper:
         self.topics = topics
         self.log = log
         self.on_change = on_change
-        """Called whenever the facts may have changed (the agent's report wakes)."""
+        """Called when the keeper moved the facts itself (followed a domain, applied, saw
+        the driver, judged the channels): the agent's report judges them at once."""
         self.devices = Devices(settings)
 
         # The view of the workloads.
@@ -196,7 +197,11 @@ class ChannelKeeper:
             await bus.subscribe(self.topics.workloads_filter(domain))
 
     def on_event(self, event: Event) -> None:
-        """Take one bus event in (every event the agent reads; others are ignored)."""
+        """Take one bus event in (every event the agent reads; others are ignored).
+
+        Only the task wakes: the agent judges its facts after every bus event anyway, and
+        `on_change` is for what the task did (news a `workload create --wait` waits for).
+        """
         if isinstance(event, Received | Deleted):
             ref = event.ref
             if not self.told or ref.domain != self.domain:
@@ -207,7 +212,7 @@ class ChannelKeeper:
                 if deleting != self.deleting:
                     self.deleting = deleting
                     self.log.info("channels.domain_deleting", domain=ref.domain, now=deleting)
-                    self._changed()
+                    self.wake.set()
                 return
             if ref.kind != "workload":
                 return
@@ -217,7 +222,7 @@ class ChannelKeeper:
                 self.records[ref.workload] = event.payload
                 if self.fresh is not None:
                     self.fresh.add(ref.workload)
-            self._changed()
+            self.wake.set()
         elif self.domain is None:
             return  # no domain: the view is empty and stays synced whatever the link does
         elif isinstance(event, Connected):
@@ -234,7 +239,7 @@ class ChannelKeeper:
                     self.log.info("channels.gone_while_away", workloads=gone)
                 self.fresh = None
             self.synced = True
-            self._changed()
+            self.wake.set()
 
     def _covers(self, event: Synced) -> bool:
         """Whether `event` proves our workloads filter's snapshot (a Synced that does not

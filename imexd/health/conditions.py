@@ -53,7 +53,8 @@ REPORT_PACE_S: Final = 0.1
 delivers dozens of records per node in a second): the first change after a quiet period
 is judged at once, the ones within this pause after it together at its end
 (`imexd.agent.pacer.Pacer`). So /readyz and systemd's STATUS= lag a burst by at most this much,
-and never miss its last change."""
+and never miss its last change; the daemon's, its probes' and the channels' news is judged
+at once."""
 REPORT_HOLD_S: Final = 1.0
 """Seconds after the last published report that a report whose `Health.gist` is the same
 (only details changed: a message, a reason, the slot being claimed, the domain view short
