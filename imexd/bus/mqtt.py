@@ -182,8 +182,8 @@ def _lighten_properties() -> bool:
 
     paho 2.x builds two tables of 27 property names and types in every `Properties()`,
     which it creates for every PUBLISH and PUBACK it decodes, and `unpack` first clears
-    the new object by trying all 27 names. That made an MQTT 5 link cost twice what a
-    3.1.1 link costs in CPU (bench/scale.py, docs/performance.md). The tables are the same
+    the new object by trying all 27 names. That made an MQTT 5 link cost far more CPU than
+    a 3.1.1 link (docs/performance.md). The tables are the same
     for every instance and paho never changes them, so every instance now shares one
     copy, and `clear` drops the set properties from the instance's own attributes (where
     paho's `__setattr__` puts them). Everything else, validation included, is paho's own.

@@ -280,11 +280,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415 - lazy: --version and --help do not pay for it
 
     # The agent logs JSON lines or plain console lines. structlog imports rich (and rich
-    # pygments) wherever rich is installed, for a traceback style the agent never uses:
-    # several MB of every agent's memory (docs/performance.md). None in sys.modules makes
+    # pygments) wherever rich is installed, for a traceback style the agent never uses,
+    # at a cost in every agent's memory (docs/performance.md). None in sys.modules makes
     # that import fail here, in the agent's process only, as if rich were absent.
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
-    # paho imports urllib.request (and with it http.client and email, about 4 MB) for a
+    # paho imports urllib.request (and with it http.client and email) for a
     # proxy lookup that runs only where PySocks is installed: load it on first use instead.
     _import_lazily("urllib.request")
     from imexd import preflight  # noqa: PLC0415 - lazy: only this command pays for it

@@ -13,7 +13,8 @@ and reads the two retained outputs they publish (`MemberRecord`s and `HealthRepo
   happens at the timeout);
 - `domain list`, `domain status NAME [--json] [--watch] [--wait S]`: tables judged by the
   pure `imexd.health.fleet.judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
-- `node assign NODE DOMAIN`, `node unassign NODE`;
+- `node assign NODE DOMAIN`, `node unassign NODE`, `node forget NODE` (a dead node's
+  records), `node retry NODE` (ask its agent to try a FATAL daemon again);
 - `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
   IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
   clients (see `workloads`), judged by the pure `imexd.channels.fleet.judge_workload`.
@@ -31,4 +32,8 @@ The modules, one job each: `link` (one short-lived connection over `imexd.bus.mq
 CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftovers) and
 `schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop
 and signals are `imexd.cli.main`'s.
+
+It may import the leaves, the bus's MQTT layer and broker repairs, and the pure fleet
+judgements (`imexd.health.fleet`, `imexd.channels.fleet`); never the agent, the shard or
+the daemon: it runs on no node (tests/test_layout.py holds the arrows).
 """

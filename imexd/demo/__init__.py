@@ -21,6 +21,8 @@ One job per module:
   measure, and the cleanup.
 
 The domain is judged as `imexd domain status` judges it (`imexd.health.fleet.judge`).
+It may import the leaves, the control plane's link and the fleet judgement; never the
+agent's code, which runs in the processes it starts (tests/test_layout.py).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ FAST: Final[Mapping[str, Mapping[str, float | int]]] = {
 }
 """Settings overrides by section. `reload_min_interval_s` 1.2 s fits the simulator's
 SIGUSR1 window of SIM_RELOAD_WINDOW_S. Probes stay at one a second: each is a Python
-process (~0.1 s of CPU), and faster ones from several nodes would starve a two-core
-machine; a change triggers a probe at once."""
+process, and faster ones from several nodes would starve a small machine; a change
+triggers a probe at once."""
 
 SIM_RELOAD_WINDOW_S: Final = "1"
 """IMEXD_SIM_RELOAD_WINDOW_S for the simulated daemons: one SIGUSR1 honoured per second

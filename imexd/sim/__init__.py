@@ -14,7 +14,8 @@ both tools read: nodes_config.cfg, identity, the `IMEXD_SIM_*` knobs), `protocol
 peer and command frames, msgspec), `links` (the daemon's peer links), `imexlog` (IMEX's
 log format), `table` (the `-N` text and JSON renderings, pure), `daemon` and `ctl` (the
 two programs). `ctl -q` imports only `cfgfile` and `command`; `ctl -N` adds `hosts` and
-`table`, and neither imports msgspec or an event loop.
+`table`, and neither imports msgspec or an event loop. Of imexd it imports `imexd.errors`
+only, so the agent's parsers are tested against words written apart from them.
 """
 
 
