@@ -129,7 +129,16 @@ from typing import Any, Final, TextIO
 
 import aiomqtt
 import psutil
-from harness import BenchError, Figure, InProcAgent, end_agents, log_agents, machine, sweep
+from harness import (
+    BenchError,
+    Figure,
+    InProcAgent,
+    cpu_seconds,
+    end_agents,
+    log_agents,
+    machine,
+    sweep,
+)
 
 from imexd.agent.run import Agent
 from imexd.demo.brokers import Mosquitto, free_port
@@ -809,16 +818,6 @@ async def run_command(
         await proc.wait()
         return 124, f"killed after {limit_s:g} s"
     return proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace")
-
-
-def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
-    """pid -> user + system CPU seconds of each process still alive."""
-    out: dict[int, float] = {}
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            t = proc.cpu_times()
-            out[proc.pid] = t.user + t.system
-    return out
 
 
 def cpu_busy() -> Callable[[], float]:

@@ -1,6 +1,6 @@
-"""What every benchmark shares: its error, its figures, the machine it ran on, the sweep
-of the processes it left, the in-process agents (`InProcAgent`) and their logs, and the
-way to the tests' launchers.
+"""What every benchmark shares: its error, its figures, the machine it ran on, the CPU
+and memory of the processes it watches, the sweep of the processes it left, the
+in-process agents (`InProcAgent`) and their logs, and the way to the tests' launchers.
 
 The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
 this folder is first on their import path and they import this module as `harness`,
@@ -166,6 +166,25 @@ class Figure:
         if self.unit in ("", "count"):
             return f"{self.value:g}"
         return f"{self.value:.2f} {self.unit}"
+
+
+def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
+    """pid -> user + system CPU seconds of each process still alive."""
+    out: dict[int, float] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            out[proc.pid] = t.user + t.system
+    return out
+
+
+def rss_mb(procs: Iterable[psutil.Process]) -> float:
+    """The resident memory of the processes still alive, together, in MiB."""
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return total / 2**20
 
 
 def sweep(root: Path) -> int:

@@ -94,7 +94,17 @@ from typing import Any, Final
 
 import aiomqtt
 import psutil
-from harness import BenchError, Figure, InProcAgent, end_agents, log_agents, machine, sweep
+from harness import (
+    BenchError,
+    Figure,
+    InProcAgent,
+    cpu_seconds,
+    end_agents,
+    log_agents,
+    machine,
+    rss_mb,
+    sweep,
+)
 
 from imexd.demo.brokers import Mosquitto
 from imexd.demo.nodes import node_folder
@@ -522,15 +532,6 @@ class Options:
     nats_server: str | None = None
 
 
-def processes_cpu(procs: Iterable[psutil.Process]) -> float:
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            t = proc.cpu_times()
-            total += t.user + t.system
-    return total
-
-
 def interpolate(samples: Sequence[tuple[float, ...]], at: float, index: int) -> float:
     """Field `index` of time-stamped `samples` at time `at`, linearly between two samples."""
     before = [s for s in samples if s[0] <= at]
@@ -543,12 +544,8 @@ def interpolate(samples: Sequence[tuple[float, ...]], at: float, index: int) -> 
     return v0 + (v1 - v0) * (at - t0) / (t1 - t0)
 
 
-def rss_mb(procs: Iterable[psutil.Process]) -> float:
-    total = 0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            total += proc.memory_info().rss
-    return total / 2**20
+def _cpu(procs: Iterable[psutil.Process]) -> float:
+    return sum(cpu_seconds(procs).values())
 
 
 class Bench:
@@ -755,8 +752,8 @@ class Bench:
             done, problem = await self.wait_cliques(groups, limit, "formation")
         finally:
             sampler.cancel()
-        cpu1 = processes_cpu(self.agent_procs())
-        broker1 = processes_cpu(broker)
+        cpu1 = _cpu(self.agent_procs())
+        broker1 = _cpu(broker)
         t_formed = time.monotonic() if problem else max(done.values())
         ups = [self.ups.get(p.name) for p in self.plan]
         if any(u is None for u in ups):
@@ -867,8 +864,8 @@ class Bench:
 
     def _sample_now(self, broker: list[psutil.Process]) -> tuple[float, float, float, float]:
         """(when, agent CPU-s, broker CPU-s, broker RSS MB)."""
-        agents = processes_cpu(self.agent_procs())
-        return time.monotonic(), agents, processes_cpu(broker), rss_mb(broker)
+        agents = _cpu(self.agent_procs())
+        return time.monotonic(), agents, _cpu(broker), rss_mb(broker)
 
     def add_foreign(self, phase: str, counts: Mapping[str, Mapping[str, int]]) -> None:
         """Member records an agent received from a clique not its own (must be none)."""
@@ -891,10 +888,10 @@ class Bench:
         assert self.broker is not None
         broker = self.broker.processes()
         c0 = await self.counts()
-        a0, b0, t0 = processes_cpu(self.agent_procs()), processes_cpu(broker), time.monotonic()
+        a0, b0, t0 = _cpu(self.agent_procs()), _cpu(broker), time.monotonic()
         await asyncio.sleep(self.opts.idle_s)
         c1 = await self.counts()
-        a1, b1, t1 = processes_cpu(self.agent_procs()), processes_cpu(broker), time.monotonic()
+        a1, b1, t1 = _cpu(self.agent_procs()), _cpu(broker), time.monotonic()
         span = t1 - t0
         n = len(c1)
         delivered = sum(
