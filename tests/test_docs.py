@@ -31,9 +31,11 @@ from subprocess import CompletedProcess
 import pytest
 
 from imexd import messages
+from imexd.cli.control import add_control_commands
 from imexd.cli.main import build_parser
 from imexd.demo.brokers import Mosquitto, find_mosquitto
 from imexd.topics import TopicRef, Topics
+from tests.test_layout import _graph
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -55,6 +57,7 @@ _LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)")
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+_T = typing.TypeVar("_T", str, tuple[str, str])
 
 
 def _markdown_files() -> list[Path]:
@@ -225,11 +228,29 @@ def test_the_architecture_map_names_every_module_and_no_other() -> None:
     assert named <= existing, f"the map names modules that do not exist: {named - existing}"
 
 
-def test_the_architecture_lists_every_topic_payload_and_condition() -> None:
-    """docs/architecture.md's bus contract and health sections against messages.py and
-    topics.py: every topic kind, every payload type and every condition type."""
-    text = ARCHITECTURE.read_text()
-    contract = _section(text, "## Bus contract")
+def _documented_topics(contract: str) -> set[str]:
+    """The topics of the bus contract's topic table: the first cell of each row."""
+    return set(re.findall(r"^\| `(\{p\}/[^`]*)` \|", contract, re.M))
+
+
+def _documented_payloads(contract: str) -> set[str]:
+    """The payload types of the bus contract's fields table: each row `| Name | `v, ...`."""
+    return set(re.findall(r"^\| ([A-Z][A-Za-z]+) \| `v, ", contract, re.M))
+
+
+def _documented_conditions(health: str) -> set[str]:
+    """The condition types of the health section's condition table: rows whose first
+    cell is one CamelCase word (the endpoint table's rows start with a backtick)."""
+    return set(re.findall(r"^\| ([A-Z][a-z]+(?:[A-Z][a-z]+)+) \|", health, re.M))
+
+
+def _both_ways(documented: set[_T], actual: set[_T]) -> tuple[list[_T], list[_T]]:
+    """(what the code has and the docs do not, what the docs name and the code has not)."""
+    return sorted(actual - documented), sorted(documented - actual)
+
+
+def _built_topics() -> dict[str, str]:
+    """Topic kind -> its topic as the docs write it: `{p}` and `{name}` placeholders."""
     topics = Topics("{p}")
     built = {
         "member": topics.member("{domain}", "c", "{node}").replace("/c/", "/{clique}/"),
@@ -242,19 +263,187 @@ def test_the_architecture_lists_every_topic_payload_and_condition() -> None:
         "presence": topics.presence("{node}"),
         "epoch": topics.epoch(),
     }
-    assert set(built) == set(typing.get_args(typing.get_type_hints(TopicRef)["kind"])), (
-        "a topic kind this test does not build"
-    )
-    undocumented = [t for t in built.values() if f"| `{_unescape(t)}` |" not in contract]
-    assert undocumented == [], f"topics missing from the bus contract: {undocumented}"
-    payloads = set(typing.get_args(messages.Payload))
-    missing = [p.__name__ for p in payloads if f"| {p.__name__} | `v, " not in contract]
+    assert set(built) == _topic_kinds(), "a topic kind this test does not build"
+    return {kind: _unescape(topic) for kind, topic in built.items()}
+
+
+def _topic_kinds() -> set[str]:
+    return set(typing.get_args(typing.get_type_hints(TopicRef)["kind"]))
+
+
+def test_the_architecture_lists_every_topic_payload_and_condition() -> None:
+    """docs/architecture.md's bus contract and health sections against messages.py and
+    topics.py, both ways: every topic kind, payload type and condition type has its row,
+    and no row names a topic, payload or condition that the code does not have."""
+    text = ARCHITECTURE.read_text()
+    contract = _section(text, "## Bus contract")
+    missing, extra = _both_ways(_documented_topics(contract), set(_built_topics().values()))
+    assert missing == [], f"topics missing from the bus contract: {missing}"
+    assert extra == [], f"the bus contract names topics the code does not build: {extra}"
+    payloads = {p.__name__ for p in typing.get_args(messages.Payload)}
+    missing, extra = _both_ways(_documented_payloads(contract), payloads)
     assert missing == [], f"payloads missing from the bus contract's fields table: {missing}"
+    assert extra == [], f"the fields table names payloads messages.py does not have: {extra}"
     health = _section(text, "## Health")
-    conditions = [c for c in messages.CONDITION_TYPES if f"| {c} |" not in health]
-    assert conditions == [], f"conditions missing from the health table: {conditions}"
+    missing, extra = _both_ways(_documented_conditions(health), set(messages.CONDITION_TYPES))
+    assert missing == [], f"conditions missing from the health table: {missing}"
+    assert extra == [], f"the health table names conditions messages.py does not have: {extra}"
     words = {6: "six", 7: "seven", 8: "eight"}
     assert f"into {words.get(len(messages.CONDITION_TYPES))} conditions" in health
+
+
+def test_the_contract_checks_see_a_stale_row() -> None:
+    """Not blind: a row for a topic, payload or condition the code lacks is reported."""
+    topic = "| `{p}/nodes/{node}/gone` | yes, QoS 1 | control plane | Gone |"
+    assert _documented_topics(topic) == {"{p}/nodes/{node}/gone"}
+    assert _documented_payloads("| Gone | `v, node` |") == {"Gone"}
+    health = "| condition | True when |\n| GoneReady | never |\n| `GET /x` | 404 |"
+    assert _documented_conditions(health) == {"GoneReady"}
+    assert _both_ways({"GoneReady", "BusConnected"}, {"BusConnected"}) == ([], ["GoneReady"])
+
+
+def _diagram() -> str:
+    """The architecture's opening picture: its first fenced block."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if _FENCE.match(line)) + 1
+    end = next(i for i in range(start, len(lines)) if _FENCE.match(lines[i]))
+    return "\n".join(lines[start:end])
+
+
+def _control_groups() -> dict[str, list[str]]:
+    """The control plane's command groups (imexd/cli/control.py) -> their subcommands,
+    in the parser's order; a group without subcommands (`gc`) has none."""
+    parser = argparse.ArgumentParser(prog="imexd")
+    add_control_commands(parser.add_subparsers())
+    groups: dict[str, list[str]] = {}
+    for line in _subcommands(parser):
+        group, *rest = line.split()[1:]
+        groups.setdefault(group, []).extend(rest)
+    return groups
+
+
+def _diagram_problems(diagram: str) -> list[str]:
+    """What the picture says that the CLI and topics.py do not: a control plane group
+    missing or with other subcommands than the CLI's, an `imexd` command that does not
+    exist, topic kinds other than TopicRef's."""
+    problems = []
+    groups = _control_groups()
+    commands = {line.split()[1] for line in _subcommands(build_parser())}
+    mentions = re.findall(r"\bimexd ([a-z][a-z-]*)((?: [a-z][a-z-]*(?:\|[a-z][a-z-]*)*)?)", diagram)
+    named = {name for name, _ in mentions}
+    problems += [f"imexd {g} missing" for g in groups if g not in named]
+    problems += [f"imexd {n}: no such command" for n in sorted(named - commands)]
+    for name, subs in mentions:
+        if name in groups and subs.strip() != "|".join(groups[name]):
+            problems.append(f"imexd {name}{subs}: the CLI has {'|'.join(groups[name])!r}")
+    kinds = re.search(r"topic kinds: ([a-z,|\s]+?)[;.(]", diagram)
+    documented = {k.strip(" |\n") for k in kinds.group(1).split(",")} if kinds else set()
+    missing, extra = _both_ways(documented, _topic_kinds())
+    problems += [f"topic kind {k} missing" for k in missing]
+    problems += [f"topic kind {k}: no such kind" for k in extra]
+    return problems
+
+
+def test_the_architecture_diagram_names_every_command_group_and_topic_kind() -> None:
+    """docs/architecture.md's picture names each control plane command group with all of
+    its subcommands, and the topic kinds, as the code has them: no group, subcommand or
+    kind missing, none that the code does not have."""
+    problems = _diagram_problems(_diagram())
+    assert problems == [], f"the picture of docs/architecture.md disagrees: {problems}"
+
+
+def test_the_diagram_check_sees_drift() -> None:
+    """Not blind: a stale subcommand, a missing group and an unknown topic kind are
+    reported."""
+    diagram = "imexd domain create|delete\nimexd frob\n| topic kinds: member, |\n| gone; |"
+    problems = _diagram_problems(diagram)
+    assert "imexd workload missing" in problems
+    assert "imexd frob: no such command" in problems
+    assert any(p.startswith("imexd domain create|delete:") for p in problems)
+    assert "topic kind gone: no such kind" in problems
+    assert "topic kind spec missing" in problems
+
+
+def _module_of(path: str) -> str:
+    """`membership/shard.py` -> `imexd.membership.shard`; `health/` -> `imexd.health`."""
+    return "imexd." + path.removesuffix("/").removesuffix(".py").replace("/", ".")
+
+
+@cache
+def _import_graph() -> Mapping[str, frozenset[str]]:
+    """imexd module -> the imexd modules it imports, lazy and type-only imports included
+    (the graph tests/test_layout.py checks)."""
+    return {name: frozenset(imports) for name, imports in _graph().items()}
+
+
+def _layers(table: str) -> dict[str, int]:
+    """The map's modules and packages (`imexd.health`) -> their layer's place, lowest 0;
+    a row with an empty layer cell is in the layer above it."""
+    layers: dict[str, int] = {}
+    names: list[str] = []
+    for row in re.finditer(r"^\| ([^|]*?) ?\| (`[^|]*)\|", table, re.M):
+        if row.group(1):
+            names.append(row.group(1))
+        for path in re.findall(r"`([a-z_]+(?:\.py|/))`", row.group(2)):
+            layers[_module_of(path)] = len(names) - 1
+    return layers
+
+
+def _layer_of(module: str, layers: Mapping[str, int]) -> int | None:
+    """The layer of a module: its own row's, or its package's."""
+    return layers.get(module, layers.get(".".join(module.split(".")[:2])))
+
+
+def _upward_imports(layers: Mapping[str, int]) -> set[tuple[str, str]]:
+    """Each import of a module from a later layer of the map than its own."""
+    return {
+        (module, imported)
+        for module, imports in _import_graph().items()
+        for imported in imports
+        if (low := _layer_of(module, layers)) is not None
+        and (high := _layer_of(imported, layers)) is not None
+        and high > low
+    }
+
+
+def test_the_architecture_layers_hold() -> None:
+    """docs/architecture.md's layering against the imports: a module imports from its
+    own layer of the map and the layers before it; the exceptions the Modules section
+    lists (`- `a.py` imports `b/c.py``) are exactly the imports that do otherwise."""
+    text = ARCHITECTURE.read_text()
+    layers = _layers(_section(text, "### The map"))
+    assert {"imexd.imex", "imexd.health", "imexd.cli"} <= layers.keys()
+    assert layers["imexd.imex"] < layers["imexd.messages"] < layers["imexd.cli"]
+    listed = {
+        (_module_of(a), _module_of(b))
+        for a, b in re.findall(r"^- `([a-z_/]+\.py)` imports `([a-z_/]+\.py)`", text, re.M)
+    }
+    missing, extra = _both_ways(listed, _upward_imports(layers))
+    assert missing == [], f"imports against the layers of docs/architecture.md: {missing}"
+    assert extra == [], f"docs/architecture.md lists exceptions no module makes: {extra}"
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    """Not blind: with the daemon's state put in a layer after the facts, the facts'
+    import of it is upward."""
+    layers = _layers("| leaves | `facts.py` | x | |\n| edges | `daemon/` | x | |")
+    assert layers == {"imexd.facts": 0, "imexd.daemon": 1}
+    assert ("imexd.facts", "imexd.daemon.state") in _upward_imports(layers)
+
+
+def test_the_architecture_names_who_imports_the_leaves() -> None:
+    """docs/architecture.md's "imported by" lists (what IMEX is, what may name a node)
+    name exactly the modules that import the leaf, no more and no fewer."""
+    table = _section(ARCHITECTURE.read_text(), "### Where each decision lives")
+    rows = re.findall(r"^\|[^|]*\| `([a-z_/]+\.py)` \| [^|]*imported by ([^|]*)\|", table, re.M)
+    assert {leaf for leaf, _ in rows} >= {"imex.py", "names.py"}
+    graph = _import_graph()
+    for leaf, cell in rows:
+        listed = {_module_of(path) for path in re.findall(r"`([a-z_/]+\.py)`", cell)}
+        importers = {m for m, imports in graph.items() if _module_of(leaf) in imports}
+        missing, extra = _both_ways(listed, importers)
+        assert missing == [], f"{leaf}: importers missing from docs/architecture.md: {missing}"
+        assert extra == [], f"{leaf}: docs/architecture.md names non-importers: {extra}"
 
 
 def _unescape(topic: str) -> str:

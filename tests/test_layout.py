@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, and the MQTT libraries behind one module.
+"""The package's shape: no import cycle, the arrows each package may draw, rules that load
+no I/O, and the MQTT libraries behind one module.
 
 Read from the source with `ast` (every `import`, also the lazy ones inside functions),
 so a cycle that only bites when a command imports late is caught here too.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,11 +22,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module `path` imports (absolute names), lazy imports included."""
+def _imports(path: Path, *, runtime: bool = False) -> set[str]:
+    """Every module `path` imports (absolute names), lazy imports included; with
+    `runtime`, not those under `if TYPE_CHECKING:` (types only, never loaded)."""
     found: set[str] = set()
     package = _module_name(path).rpartition(".")[0] if path.name != "__init__.py" else None
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _walk(ast.parse(path.read_text(), str(path)), runtime=runtime):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -38,11 +41,33 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    """imexd module -> the imexd modules it imports."""
+def _walk(tree: ast.AST, *, runtime: bool) -> Iterator[ast.AST]:
+    """ast.walk, skipping the bodies of `if TYPE_CHECKING:` when `runtime`."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if runtime and isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _graph(*, runtime: bool = False) -> dict[str, set[str]]:
+    """imexd module -> the imexd modules it imports (`runtime`: that it loads)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     return {
-        name: {imported for imported in _imports(path) if imported in modules and imported != name}
+        name: {
+            imported
+            for imported in _imports(path, runtime=runtime)
+            if imported in modules and imported != name
+        }
         for name, path in modules.items()
     }
 
@@ -240,6 +265,39 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     # The simulator: written apart from the agent, so that the agent's parsers are tested
     # against output it did not write.
     "imexd.sim": frozenset({"imexd", "imexd.errors"}),
+    # The control plane: a short-lived MQTT link (the bus's mqtt layer and its broker
+    # repairs), the contract and the pure judgements of domains and workloads. Never the
+    # agent, the shard, the daemon or the rest of health: it runs on no node.
+    "imexd.control": frozenset(
+        {
+            "imexd",
+            "imexd.bus.mqtt",
+            "imexd.bus.repairs",
+            "imexd.channels.fleet",
+            "imexd.errors",
+            "imexd.health.fleet",
+            "imexd.messages",
+            "imexd.names",
+            "imexd.preflight",
+            "imexd.retry",
+            "imexd.settings",
+            "imexd.topics",
+        }
+    ),
+    # The demo: starts `imexd run` processes and reads them as an operator would (the
+    # control plane's link, the fleet judgement); never the agent's code in its process.
+    "imexd.demo": frozenset(
+        {
+            "imexd",
+            "imexd.control.link",
+            "imexd.errors",
+            "imexd.health.fleet",
+            "imexd.messages",
+            "imexd.process",
+            "imexd.settings",
+            "imexd.settings_text",
+        }
+    ),
 }
 TOP_OF_THE_LAYERS = "imexd.cli"
 """Nothing imports the command line but itself and `python -m imexd`."""
@@ -294,6 +352,65 @@ def test_the_package_rule_sees_a_wrong_arrow() -> None:
     graph = _graph()
     graph["imexd.daemon.supervisor"] = graph["imexd.daemon.supervisor"] | {"imexd.bus"}
     assert _wrong_arrows(graph) == ["imexd.daemon.supervisor -> imexd.bus"]
+
+
+PURE_RULES = (
+    "imexd.membership",
+    "imexd.health.fleet",
+    "imexd.channels.fleet",
+    "imexd.render",
+    "imexd.facts",
+    "imexd.state",
+)
+"""The rules a newcomer can own without a broker, a daemon or a disk: what they load."""
+IO_MODULES = (
+    "imexd.agent",
+    "imexd.bus.engine",
+    "imexd.bus.link",
+    "imexd.bus.mqtt",
+    "imexd.daemon.process",
+    "imexd.daemon.supervisor",
+    "imexd.daemon.ctl",
+    "imexd.files",
+    "imexd.health.http",
+    "imexd.process",
+)
+"""Modules that talk to the broker, run processes or write files."""
+
+
+def _io_reached(graph: dict[str, set[str]]) -> list[str]:
+    """Each pure rule that loads an I/O module, directly or through another module."""
+    found = []
+    for module in sorted(graph):
+        if not any(_package(module, rule) for rule in PURE_RULES):
+            continue
+        seen: set[str] = set()
+        todo = [module]
+        while todo:
+            for imported in graph[todo.pop()] - seen:
+                seen.add(imported)
+                todo.append(imported)
+        found += [
+            f"{module} -> {io}"
+            for io in sorted(seen)
+            if any(_package(io, entry) for entry in IO_MODULES)
+        ]
+    return found
+
+
+def test_the_rules_load_no_io() -> None:
+    """The pure rules (slots, the shard, `Desired`, the fleet judgements, the renderer,
+    the records) load nothing that does I/O, not even through a leaf: types that only
+    the type checker reads (`if TYPE_CHECKING:`) do not count. The shard once loaded the
+    file writer through the state file's record."""
+    assert _io_reached(_graph(runtime=True)) == []
+
+
+def test_the_io_rule_sees_a_path_through_a_leaf() -> None:
+    """Not blind: the shard reaching the file writer through a leaf is reported."""
+    graph = _graph(runtime=True)
+    graph["imexd.state"] = graph["imexd.state"] | {"imexd.files"}
+    assert "imexd.membership.shard -> imexd.files" in _io_reached(graph)
 
 
 def _part(module: str) -> str:

@@ -2,6 +2,7 @@
 
 The modules, lowest first:
 - `pacer`: leading-edge coalescing for the loops that recompute on every change;
+- `statefile`: the state file across restarts (`StateStore`), read once, saved on change;
 - `reconcile`: `Desired` made real in the IMEX files and the daemon (`Reconciler`), the
   only writer of the files and the only caller of the supervisor's start, reload and
   restart;

@@ -44,6 +44,7 @@ from imexd.agent.pacer import Pacer
 from imexd.agent.probes import DaemonProbes
 from imexd.agent.rebuild import Rebuilder
 from imexd.agent.reconcile import Reconciler
+from imexd.agent.statefile import StateStore
 from imexd.bus.events import Event, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
@@ -69,7 +70,7 @@ from imexd.messages import now as wire_now
 from imexd.names import client_id
 from imexd.retry import backoff_delay
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
-from imexd.state import NodeState, StateStore
+from imexd.state import NodeState
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
