@@ -1,53 +1,16 @@
 """Giving a broker that lost its retained state back what the agent follows.
 
-DESIGN.md invariant 3: the broker is a cache the fleet can rebuild. Every agent already
-publishes its own records again after each connect (`imexd.bus`); this module keeps the
-control plane's records the agent follows (its domain's spec, the domain's workloads,
-its own assignment) as the exact bytes that last came, and decides after each connect
-whether to give them back. `Rebuild` decides and is pure: events go in (`apply`), what to
-publish comes out (`take`). `Rebuilder` is the agent's side: it feeds the agent's events
-through, says what happened (log, metrics), and publishes in the agent's task `rebuild`.
-
-How an empty broker is told from a deletion. "Our own record is missing" is no evidence:
-an agent whose link was down while `imexd domain delete` ran comes back to a healthy
-broker without its record and without the spec, and must not bring the domain back. So
-the broker carries an epoch: a retained `BrokerEpoch` with a random id on `{p}/broker/epoch`,
-written by the first agent that finds none. After a connect, once the snapshot is in, the
-epoch the previous link saw is compared with the new snapshot's (`verdict`):
-
-- the same: the broker kept its state (KEPT); a followed record missing from the snapshot
-  was deleted while we were away, and the agent takes that deletion in (`Outcome.gone`);
-- gone or different: the broker lost its state (LOST, a restart without persistence, an
-  empty standby on the same address); each followed record whose topic is empty in the
-  snapshot, or holds an older `generation`, is published again (`Outcome.restore`), and
-  if the snapshot had no epoch a new one is written after the restores;
-- no epoch seen before (this agent's first link, or a broker that refuses the epoch):
-  UNKNOWN; nothing is restored and nothing inferred.
-
-Rules of what comes back:
-- only what the agent followed up to the loss, as it last came, with its generation;
-  an older generation never replaces a newer one, and when several agents restore, a
-  record that comes back older than one we restored on this link is published again, so
-  the newest generation wins;
-- a record deleted while our link was up is forgotten at once, so it never comes back;
-- the new link's epoch becomes the one "previous" means only once this link's restores
-  came back: a link lost before that finds the broker lost again, and restores again,
-  instead of reading our own unrestored records as deleted;
-- a spec in state `deleting` comes back as it is: it only keeps nodes out of the domain,
-  never brings it up, and `imexd domain delete` run again finishes the job;
-- a workload in state `claiming` is not kept: it belongs to a control-plane command in
-  flight, which writes it again or gives up;
-- only on an MQTT 5 link (`Connected.protocol`): there Mosquitto delivers a new
-  subscription's whole retained snapshot before a round trip returns. An MQTT 3.1.1 link
-  (NATS) may miss part of it, which would pass for a lost or a deleted record; there the
-  agent only follows the epoch it sees.
-
-What remains (docs/brokers.md says it to operators): an agent away while a record was
-deleted *and* the broker then lost its state, all in the same absence, restores that
-record when it comes back (it cannot know of the deletion). The same holds for a record
-the control plane wrote to the empty broker before the agents rebuilt it: a higher
-generation remembered by an agent wins over it. A node with valid credentials can write
-any spec or workload record (the ACL grants it for the restores: docs/security.md).
+The broker is a cache the fleet can rebuild: every agent publishes its own records again
+after each connect (`imexd.bus`), and this module keeps the control plane's records it
+follows (its domain's spec, the domain's workloads, its own assignment) as the exact bytes
+that last came, and decides after each connect whether to give them back. `Rebuild`
+decides and is pure: events go in (`apply`), what to publish comes out (`take`);
+`Rebuilder` feeds the agent's events through, logs, counts and publishes in the agent's
+task `rebuild`. The rule to know: a missing record is no evidence, since it may have been
+deleted while we were away; the retained broker epoch decides (`verdict`): under the same
+epoch it was deleted, under another or none the broker lost it and it is restored, newest
+generation only. The decision table and what never comes back:
+docs/bus.md#rebuilding-an-empty-broker.
 """
 
 from __future__ import annotations

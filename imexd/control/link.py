@@ -1,39 +1,15 @@
 """The control plane's link to the broker: one short-lived MQTT connection per command.
 
-Why its own `Link` and not `imexd.bus.link.Bus`: the commands are one-shot (connect, read a
-snapshot, write, verify, leave), so Bus's reconnect loop and replayed desired state would
-only hide an unreachable broker behind retries, where an operator wants a clear error
-within seconds. And Bus proves its snapshot with a ping on `{p}/nodes/{node}/ping` with a
-DNS-1123 `node`, while the shipped broker ACL grants ping topics per user (`%u`) and names
-the control plane's user `imexd_control` (not a DNS-1123 name, on purpose), so a Bus-based
-control plane would never sync there. The `Link` proves its snapshot the same way (an echo
-of its own non-retained message, which the broker queues after every retained message of
-the earlier subscriptions) on `{p}/domains/_control/sync/{client_id}`: readable and writable
-under the shipped ACL's `{p}/domains/#` grant, and matched by no agent subscription (`_control`
-is not a DNS-1123 label, so it is never a domain).
-
-An echo is a barrier only behind messages of its own QoS: Mosquitto sends QoS 0 at once but
-holds QoS 1 messages beyond its in-flight window (`max_inflight_messages`, 20 by default)
-in a queue, so a QoS 0 echo overtook a snapshot of 30 retained workloads and `workload
-delete` of the last one said "no workload"; RabbitMQ even keeps one queue per QoS. So the
-link syncs once per QoS it reads at: the QoS 0 echo on the topic above, and, once a QoS 1
-filter is subscribed, a QoS 1 echo on `.../sync/{client_id}/q1` (a QoS 1 subscription of
-its own, so commands that read only at QoS 0 still need no JetStream consumer on NATS).
-
-Both links connect through `imexd.bus.mqtt` (the same client factory, TLS, password and
-protocol fallback) and decode with `imexd.messages.decode_message`, so both sides drop
-the same malformed messages.
-
-A refused subscription (SUBACK failure) moves the link, while nothing was written on it,
-to the next broker of `[bus] url` with every subscription so far; an ACL refusal fails
-the same way on every broker, and the error names each broker and filter. Two of the
-bus's broker repairs (`imexd.bus.repairs`) run here too, on a repaired link only (`[bus]
-broker`): a refused subscription is first asked for again with backoff within the
-operation timeout (a clustered NATS 2.9 refuses some for tens of seconds after one of its
-servers died), and a retained copy that arrives after a live message on its topic is
-dropped (nats-server 2.9 sends a new subscription's retained copies after live messages
-it already delivered, and the older copy would undo them in `store` and in
-`workload_log`, the channel race's order).
+Its own `Link`, not `imexd.bus.link.Bus`: the commands are one-shot (connect, read a
+snapshot, write, verify, leave), and an unreachable broker must be a clear error, not
+retries; and Bus's snapshot ping needs a node's ACL grant, which the control plane's user
+lacks. The `Link` proves its snapshot with an echo of its own non-retained message on
+`{p}/domains/_control/sync/{client_id}` (never a domain, no agent subscribes). The rule to
+know: an echo is a barrier only behind messages of its own QoS, so the link syncs once per
+QoS it reads at (the QoS 1 echo on `.../sync/{client_id}/q1`). It connects and decodes
+through the agents' own code (`imexd.bus.mqtt`, `imexd.messages.decode_message`). Why,
+the sync topics, and refused subscriptions and broker repairs:
+docs/control-plane.md#why-a-direct-mqtt-client.
 """
 
 from __future__ import annotations

@@ -1,56 +1,16 @@
 """The IMEX daemon supervisor: one explicit state machine around one `nvidia-imex`.
 
-States follow supervisord's model (`DaemonState`), and every change of state is one
-structured log event, `daemon.state` with `from`, `to` and `reason`:
-
-    STOPPED --ensure_started--> STARTING --READY (report_ready) or start_s alive--> RUNNING
-    STARTING/RUNNING --exit--> BACKOFF --delay--> STARTING ...
-    BACKOFF --crash_loop_starts failures in crash_loop_window_s--> FATAL
-    FATAL --fatal_cooldown_s--> STARTING (one more try: a failure goes straight back)
-    FATAL/BACKOFF --retry (an operator: `imexd node retry`)--> STARTING, failures forgotten
-    any running state --stop/restart/leave--> STOPPING --> STOPPED
-
-Why it looks the way it does:
-- IMEX reads its files only at start and a restart makes it a "new instance" whose
-  peers tear down memory imported from it, so the supervisor never restarts a healthy
-  daemon on its own: only crashes (with capped, jittered exponential backoff, reset
-  after `stable_s` alive) and explicit `restart()` calls (config.cfg or the node's
-  identity changed) start a new one.
-- `start_s` bounds a start, it is not a wait: the agent probes a STARTING daemon
-  (`ctl -q`) quickly and calls `report_ready()` the moment it says READY, which makes it
-  RUNNING at once. A daemon alive for `start_s` without READY is RUNNING too (its probes
-  then say why it is not ready); one that exits before either was a failed start.
-  `stable_s` is counted from the start, not from RUNNING, so an early READY does not
-  shorten the backoff reset, and a crash after an early READY is a crash of a running
-  daemon (it counts in `restarts`, not in `start_failures`). Only an exit the agent did
-  not ask for makes the next daemon a restart: a stop (a domain delete, a leave) or a
-  requested `restart()` followed by a start is planned, and counts nowhere.
-- SIGUSR1 (re-resolve host names, reconnect) is honoured at most once per 5 s and
-  silently dropped inside that window, so `request_reload()` paces signals at least
-  `reload_min_interval_s` apart and coalesces every request that arrives inside the
-  window into one signal sent when the window ends: the last change always arrives.
-  The window is taken to start when the daemon starts (or is adopted), because the
-  daemon has just read every file then, and an early SIGUSR1 could reach a process
-  that has not installed its handler yet (the default action kills it).
-- An agent restart (upgrade, crash) must not restart IMEX: at start the supervisor
-  looks for a daemon already running our config path (`find_imex_processes`,
-  `classify_processes`) and, when the agent says the files on disk are what it would
-  write now, adopts it instead of starting a new one, watching its exit with a pidfd,
-  since it is not our child.
-- The daemon's stdout and stderr go to files next to config.cfg, not pipes, tailed
-  by whoever supervises it (`imexd/daemon/output.py` says why).
-- The daemon runs in its own process group (session); stopping it is SIGTERM to the
-  group, SIGKILL after `stop_timeout_s`, and whatever is left of the group is killed
-  and waited for, so nothing is left behind, never waiting forever.
-
-The supervisor is an async context manager: leaving it stops the daemon, unless
-`detach()` was called (hand over for an upgrade), in which case the daemon keeps
-running, writing to its output files for the next agent. The snapshot it publishes
-is `imexd/daemon/state.py`; the system calls are `imexd/daemon/process.py`.
-
-One piece because every transition of the state machine reads and writes the same few
-facts (the child, the wish to run, the failure window, the pending reload, the
-conflict); the system calls, the output files and the snapshot are apart.
+States follow supervisord's model (`DaemonState`); every change is one log event,
+`daemon.state` with `from`, `to` and `reason`. Two rules to know:
+- a healthy daemon is never restarted on the supervisor's own: a restart makes IMEX a new
+  instance whose peers drop the memory imported from it, so only crashes (with backoff)
+  and explicit `restart()` calls start a new one; an agent restart adopts a daemon that
+  already runs our config when the files on disk are what the agent would write;
+- SIGUSR1 is paced (`request_reload()`): at most one per `reload_min_interval_s`,
+  requests inside the window coalesced into one, so the last change always arrives.
+The transitions, and why starts, stops, adoption and hand-over work as they do:
+docs/architecture.md#daemon-supervision. The snapshot it publishes is
+`imexd/daemon/state.py`; the system calls are `imexd/daemon/process.py`.
 """
 
 from __future__ import annotations
@@ -100,7 +60,7 @@ wake-ups than any other."""
 
 
 class Supervisor:
-    """Runs, watches and signals one IMEX daemon; see the module docstring.
+    """Runs, watches and signals one IMEX daemon (docs/architecture.md#daemon-supervision).
 
     Drive it from the agent's reconcile step, asking for exactly what a change needs:
     `ensure_started(adopt=...)` when the daemon should run, `restart(reason)` when

@@ -1,52 +1,16 @@
 """The agent's view of its (domain, clique) shard: what the bus says, and what to do.
 
-One job: turn the bus events of one shard (the member records, the domain's spec, the
-link coming and going) into what this node must do next: publish or clear its record,
-what should run (`Desired`), its claim and the decision behind it. Its own module
-because this is the agent's judgement, and it is testable without a broker, a daemon or
-a clock: events go in through `apply(event, now)`, a step comes out of `derive(now,
-...)` as a `Plan`, and `commit(plan)` keeps it once the agent has published. The agent
-(imexd.agent.run) only does the I/O: subscribing, publishing, saving state, reconciling.
-
-What the view guards against, beyond the slot rules of `imexd.membership.slots`:
-- a broker restart: records of the previous link stay, unconfirmed, until the new link
-  confirms them or `confirm_grace_s` passes, so the hosts block is not rewritten (and
-  SIGUSR1 sent twice) for a membership that never changed;
-- a broker shutdown: it publishes every will at once before dropping the link, so
-  deletions just before a link loss are taken back (`DOUBT_S`);
-- a peer's link blip where the broker applies no Will Delay (MQTT 3.1.1): its will is a
-  tombstone (state `lost`, `hold_s`), and the peer's previous record stays for hold_s
-  (at most MAX_HOLD_S) before it is dropped like a clear; its record coming back within
-  that cancels the drop, so files and SIGUSR1 never see the blip;
-- claims that never settle: they stop counting after `claim_stale_s`;
-- a claim settled by a stale barrier: the live echo of our own claim settles it (see
-  imexd.membership.slots), so the view counts what we published and is still in flight, takes
-  the barrier (`slots.Echo`) at the echo of the last of it, and after a reconnect
-  re-publishes a claim in flight and waits for the new link's echo;
-- a daemon started before its domain formed: the first start in a shard waits, at most
-  `FIRST_START_WINDOWS` x `[domain] settle_s`, while claims of the shard are in flight
-  or nodes the spec lists are not members yet, so that it starts once with all of them;
-- a reconnect after our will fired: our member record is published again only where
-  the new link's snapshot still holds it or holds nothing competing on its slot, and its
-  echo is checked like a claim's; a node that took our slot meanwhile keeps it, and we
-  claim again (`_rejoin`);
-- a record written over ours (the owner is the only author of its record): once we
-  published on a link, anything else on our topic that arrives while nothing of ours is
-  in flight is put back by our next step, counted and reported (RecordOverwritten);
-- a second agent running with this node's name: only evidence makes us stand aside
-  (`duplicate`): the broker taking our session, a record of our name published again
-  while we watch it, or written over again after we put ours back. One record of our
-  name is watched before we claim over it, unless our past run's record (state dir's
-  incarnation) came first, which we resume;
-- another node's record reaching a running daemon: every plan passes `own_change`, the
-  one rule of when a settled member's daemon may stop or restart (DESIGN.md invariant
-  1), and the view keeps what `imexd.membership.slots`'s incumbency needs: whether our own
-  record stood without a break (`continuous`) and who held each other slot first
-  (`incumbents`).
-
-One piece because every guard above reads and writes the same records of the shard and
-the same claim in flight; the slot rules live in `imexd.membership.slots`, the records'
-wire format in `imexd.messages`.
+`ShardView` turns the bus events of one shard (member records, the domain's spec, the link
+coming and going) into what this node must do next: its record, its claim, and what should
+run (`Desired`). Events go in through `apply(event, now)`, a `Plan` comes out of
+`derive(now, ...)`, and `commit(plan)` keeps it once the agent has published; the agent
+(imexd.agent.run) only does the I/O, so this is testable without a broker, daemon or clock.
+Two rules to know: a settled member's daemon stops or restarts only for the node's own
+reasons, never for another node's record while our link was continuous (`own_change`);
+and a claim settles only at the live echo of the last record we published
+(`imexd.membership.slots`). The other guards (broker restarts, wills, stale claims, a
+second agent with our name, records written over ours) and why each exists:
+docs/membership.md#what-the-shard-guards-against.
 """
 
 from __future__ import annotations
@@ -324,7 +288,7 @@ class ShardView:
     @property
     def incumbent(self) -> bool:
         """We hold our slot first: our record stood without a break, on links that keep
-        the broker's order (see imexd.membership.slots, "Incumbency")."""
+        the broker's order (docs/membership.md, *Incumbency*)."""
         return self.continuous and self.ordered
 
     @classmethod

@@ -1,200 +1,15 @@
 """Slots inside one (domain, clique): who holds which, and what this node does next.
 
-Pure: no I/O, no asyncio, no clocks. The agent keeps the retained member records of
-its (domain, clique) shard, one per node, and calls these functions on every change
-(and when a claim turns stale: `ShardView.due_at`); time comes in as `now` (monotonic)
-and `wall_now` (wall clock, for settle stamps). The one fact from the wire that
-records cannot carry, where the node's own claim came back relative to the others'
-records, comes in as an `Echo`.
-
-The conflict rule (`resolve`)
-    Only `claiming` and `member` records with a slot below max_nodes compete. On each
-    slot the incumbent wins first: the member the caller has seen hold the slot before
-    any other member record stood there (`incumbents`, below). Without one, the winner
-    is the record with the smallest rank:
-      1. members with a believable settle stamp, earlier `settled` first;
-      2. members without one: no stamp (an agent older than the field), a stamp of 0
-         or below or not a number, or one more than FUTURE_STAMP_S (30 s) ahead of
-         the caller's wall clock;
-      3. claims;
-    and the node name breaks every tie. A member beats a claim; between two claims the
-    lower name wins the map, which only shapes preferences (who looks for a free slot);
-    whether a node's own claim settles is the broker's order (`step`, below). The rank
-    is a total order over the records of distinct nodes, so every node that holds the
-    same records computes the same map, whatever order they arrived in. A DomainSpec
-    that lists nodes is an allow-list: records of other nodes take no part; nor do
-    standby and leaving records, nor claims the caller found stale (`stale_claims`: a
-    live claim settles or moves within a round trip through the broker, so one that
-    stands unchanged far longer belongs to a dead or broken agent, or to nobody).
-
-Claiming (`step`)
-    After the retained snapshot a node publishes `claiming` for its preferred slot. The
-    claim is settled by a barrier, not a clock: the moment the node's own claim comes back
-    live from the broker (its echo, `Echo`), it becomes `member` if no competing record (a
-    member, or a claim of another allowed node that is not stale) stands on the slot in
-    its view at that moment, and gives the slot up otherwise, claiming the next one at
-    once. A competing record that reaches it before the echo was accepted first, so the
-    claim is lost; the node still waits for the echo before it claims again, because the
-    view at the echo is the one that deals its next slot the same way on every node
-    (below). Only a member starts its daemon. A node that finds no slot waits as
-    `standby` and claims again when a slot frees. A member never yields to a claim, nor
-    to any member record while it is the incumbent (below); without continuity it
-    yields only to a member that ranks first on the same slot, which exists only when
-    both sides of a partition settled it.
-
-Which slot (`preferred_slot`)
-    A slot is *owned* by right when it is the node's position in the spec's list, or
-    (without such a position) its previous slot from the state dir. A node claims an
-    owned slot only when no competing record stands there: a claim on a slot that holds
-    one would lose to it (it was accepted first), so pre-empting one only costs a round.
-    Any other slot is taken only when nobody holds it at all, so newcomers never disturb
-    claims in flight. Those *free* slots are dealt out in turn, smallest first, to the
-    nodes looking for one (the *seekers*), less those that will take their own list
-    position:
-      1. the losers of a conflict, by name (their claims came first);
-      2. the standby nodes and a node claiming afresh, by name;
-      3. a node whose claim just lost, dealing at its echo: after every seeker in that
-         view, and from that view (`Echo.view`), unless the slot dealt is held by now.
-    Seekers that see the same records thus pick distinct slots. Turn 3 is what keeps a
-    herd from claiming in k rounds: the view at the echo of a claim holds exactly what
-    the broker accepted before it, so every seeker in it claimed before us and is dealt
-    before us. k nodes started at once on an empty shard all claim slot 0; the i-th
-    claim the broker accepts sees at its echo the i - 1 before it, each still on slot 0
-    (a loser, which will move at its own echo, never before) or moved to the slot its
-    own echo dealt it, and takes the slot left for it, i - 1. So a fresh clique of k
-    settles in two claim rounds, with at most two claims per node, whatever the delays
-    (tests/test_membership.py shows it as a property). Nodes that claim afresh let the
-    losers they see take the first free slots, since those claimed before them. Slots
-    that a spec reserves for a listed node that holds nothing yet are not free to
-    others, so list positions survive and edits of the list never cascade. Names and
-    turns only shape these preferences (how likely two claims meet), and so does when a
-    lost claim moves; who wins a slot is the broker's order below, and the argument
-    below holds for any choice of slot and any time of claiming.
-
-Why two members never share a slot (one broker, any delivery delay)
-    Assumption: the broker forwards the messages of our shard to each session in the
-    order it accepted them, across topics and publishers, and queues the retained
-    messages a SUBSCRIBE matches before anything the same connection publishes after it.
-    MQTT itself promises only per-topic order per publisher (MQTT-4.6.0-6); Mosquitto
-    gives the stronger order because it is one thread that appends every accepted PUBLISH
-    to each matching session's queue at once and sends each queue in order on a fresh
-    connection (out of order only for the retransmissions of a resumed session, which
-    precede everything new on the new link, and for messages dropped when a session's
-    queue passes `max_queued_messages`: a gap we assume away). imexd.bus relies on the
-    same order for its snapshot ping. Another broker must be checked for it.
-    Then a node's view at the live echo of its claim C is exactly the broker's retained
-    state of the shard at the moment it accepted C (every record accepted before C was
-    delivered before the echo, nothing accepted after it was), as long as the claim was
-    the last record the node published (`ShardView` counts its publications in flight, so
-    an older identical echo is not mistaken for C's). Say A and B settle slot s with
-    claims accepted at tA < tB. From tA on, A's record stands on s without a break: the
-    claim, then A's member record; A publishes nothing else while it holds s. So the
-    broker's state at tB holds A's record on s, B sees it at its echo and does not
-    settle: a contradiction, whatever the delays. Rival claims are ordered by the broker,
-    not by name: one that reaches me before my echo was accepted before my claim and
-    beats it, unless it had moved away when the broker accepted mine (then my view at
-    the echo no longer holds it, and the slot was free at that moment); one that reaches
-    me after my echo was accepted after it, sees my claim (or my member record) at its
-    own echo, and loses. Which slot a node claims and when it claims it play no part in
-    this argument: only the settling at the echo does. Progress: a claim accepted while
-    no competing record stands on its slot settles, so each round of rivals for a free
-    slot ends with one member; the losers move at their echo, and free slots are dealt
-    by turn.
-
-What still needs a clock
-    - A reconnect. The old link's echoes are gone and the new link's retained snapshot
-      comes in no particular order among itself, so a claim in flight is re-published
-      after the new link's snapshot and waits for that new echo: a rival in the snapshot
-      then counts as earlier. Two nodes that both reconnect may both lose a round, never
-      both win. No clock is involved, but the echo may take as long as the reconnect.
-    - Stale claims (`claim_stale_s`): a claim that stands unchanged that long stops
-      counting, which assumes a live claimant settles or moves well within it (one round
-      trip). Two nodes that disagree on staleness near the limit can both settle.
-    - Healed partitions and a broker that lost its retained state: each side settled
-      without the other's record, so two members meet; where neither kept continuity
-      (incumbency, below), the `settled` stamps (wall clocks, believed within
-      FUTURE_STAMP_S) pick the survivor.
-    - A spec edit that drops a member from the list while another claims its slot: the
-      dropped node stops its daemon when it reads the new spec, not before.
-
-Why it converges
-    Once the records stop changing from outside, a claim accepted while no competing
-    record stands on its slot settles within one round trip, and a node whose claim
-    lost moves at its echo (one round trip) to a slot where none stood. Members are
-    never displaced by claims, so each claim round adds at least one member until the
-    slots or the claimants run out, and the standby nodes are woken by the record change
-    that frees a slot. In the simulator of tests/test_membership.py (one broker, any
-    delivery delay, per-session order) a group settles within a few rounds of the last
-    join, leave or crash.
-
-Incumbency: who keeps a slot that two members claim
-    A member that has held its slot over a continuous link keeps it against any member
-    record that appears on it later, whatever that record's stamp or name (`step`,
-    `incumbent=True`): it never claims again because of another node's record, and its
-    daemon keeps running (imexd.membership.shard states the rule for the daemon). Every other node
-    keeps the incumbent in its files (`resolve`, `incumbents`), and all of them report
-    the conflict (SlotContested).
-    Continuity is what the node can know about its own record: it has stood on the
-    broker without a break since the claim settled at its echo (or since a resumed record
-    was kept), on one link or across a reconnect whose snapshot gave it back exactly as
-    it was last published (`ShardView.continuous`). An observer's incumbent of a slot is
-    the member whose record it saw stand there first, kept across its own reconnects
-    while that record comes back unchanged, forgotten when the record leaves the slot
-    or is dropped.
-    Why it is safe: by the argument above, on one broker two members never settle one
-    slot, so a second member record on a slot held over a continuous link did not
-    settle there; it is forged, left from a past that the broker did not keep, or
-    from a side of a split that the holder never saw. The holder is the one whose
-    daemon the running jobs use. It assumes the one broker's order (above), so a link
-    that may lose updates (MQTT 3.1.1, which is all a NATS cluster speaks, or one on
-    which an echo was found lost) gives no incumbency; and that a node's
-    continuity is real: a broker that restarts with its retained state kept and the
-    node's record in it is the same broker as far as the record goes.
-    When stamps still decide: between members that both lost continuity, where no
-    node can tell who held the slot first. A broker that lost its state (a restart
-    without persistence, a cold standby on the same address) and a clustered broker's
-    split (each side settled without the other's record) are such cases. There the
-    member that settled first stays (`settled`, below) and the other claims again
-    (PartitionHealed). An observer without an incumbent for the slot, such as an agent
-    that just started and sees both records in one snapshot, ranks them the same way.
-    What a node with valid credentials that lies can still do (with the broker's ACL
-    `pattern write .../members/+/%u`, only the node itself or a copy of its
-    credentials can write its record): it cannot move a holder whose link is
-    continuous, nor change the holder's entry in the files of observers that saw the
-    holder first; it can win the slot in the files of an observer that sees both
-    records only in one snapshot (a freshly started agent, one whose record of the
-    holder changed while it was away) by copying the holder's stamp or stating an
-    earlier one, and win against a holder that lost continuity the same way (its link
-    dropped past its will, its broker lost its state, its agent restarted: a resumed
-    record is kept only if nothing ranks first on its slot). A holder with continuity
-    keeps its daemon, and every node reports the conflict (SlotContested,
-    imexd_slot_contested), naming the contender, so an operator can remove the record
-    and revoke the credentials that wrote it.
-
-Who survives when both lost continuity, and why both sides agree
-    Each member carries `settled`, its wall clock when its claim settled, unchanged for
-    as long as it stays a member (an agent restart resumes its retained record and keeps
-    the stamp). When the partition heals both sides hold both records, and the rank
-    above is a function of the records alone, up to the one clock test: a stamp is
-    disbelieved when it lies more than 30 s in the reader's future, which honest nodes
-    with synchronised clocks (NTP, well under a second) never produce, or when it is 0
-    or below or not a number, which no clock produces; so both sides rank both members
-    alike and agree that the one that settled first stays; the other claims again
-    (PartitionHealed). Keeping the earlier one keeps the node that held the slot
-    longest, usually the one whose daemon the running jobs use. A member without a
-    believable stamp (an agent older than the field) still beats any claim, so an
-    upgrade in place never moves a slot; it stamps its record at its next resume.
-
-Releasing a slot (`step(release=True)`)
-    A member whose daemon cannot run gives its slot up only when a node waits as
-    standby for one: it publishes `standby` with `released` set (Phase.RELEASED,
-    reason Released), which peers leave out of the nodes waiting for a slot, so the
-    freed slot goes to a waiting node whatever the names. It claims nothing while the
-    release holds and claims afresh once it ends.
-
-One piece because the argument above must sit with the rule it argues, and the rank, the
-incumbents, the claim's steps and the dealing of free slots are one rule that it covers
-as a whole.
+Pure: no I/O, no asyncio, no clocks. The agent calls these functions with the retained
+member records of its shard on every change; time comes in as `now` (monotonic) and
+`wall_now` (wall clock), the broker's order as an `Echo`. The rules a reader must know:
+- `resolve`: on each slot the incumbent member wins; else the smallest rank (stamped
+  members by `settled`, then members without a believable stamp, then claims; the node
+  name breaks every tie).
+- `step`: a claim settles at its own live echo, when no competing record stands on its
+  slot in the view at that moment; no timer decides it.
+The full rules (which slot, incumbency, release) are in docs/membership.md, with why two
+members never share a slot: docs/membership.md#why-two-members-never-share-a-slot.
 """
 
 from __future__ import annotations
@@ -470,8 +285,8 @@ def resolve(
     newest, ties broken by content, so the arrival order never matters. `wall_now` is
     the caller's wall clock, against which members' `settled` stamps are believed or
     not (None: every stamp is believed); claims of nodes in `stale` take no part.
-    `incumbents`: slot -> the node the caller saw hold it first (see the module
-    docstring); its member record on that slot wins before any rank.
+    `incumbents`: slot -> the node the caller saw hold it first (docs/membership.md,
+    *Incumbency*); its member record on that slot wins before any rank.
     """
     winners: dict[int, MemberRecord] = {}
     losers: set[str] = set()
@@ -529,7 +344,7 @@ def preferred_slot(
 
     In order: its list position when the spec lists it and no member or lower-named
     claim holds that position; else its previous slot on the same terms; else a free
-    slot dealt by turn (see the module docstring). Our own record is left out: the
+    slot dealt by turn (docs/membership.md, *Which slot*). Our own record is left out: the
     question is where we would stand if we claimed afresh.
     """
     if not allowed(node, spec):
@@ -587,8 +402,8 @@ def step(
     holds (a daemon that cannot run). `incumbent`: our member record has stood on the
     broker without a break since it settled, on links that keep the broker's order
     (`ShardView.incumbent`): as a member we keep our slot against any other member
-    record (see "Incumbency"); otherwise the stamps decide. `incumbents`: the other
-    slots' incumbents, for `resolve`.
+    record (docs/membership.md, *Incumbency*); otherwise the stamps decide.
+    `incumbents`: the other slots' incumbents, for `resolve`.
     """
     latest = _latest(records)
     own = latest.pop(me.node, None)
@@ -723,7 +538,7 @@ def _claiming(at: _Step, slot: int, echo: Echo | None) -> Decision:
 def _rank(
     state: MemberState, settled: float | None, node: str, wall_now: float | None
 ) -> tuple[int, float, str]:
-    """Smaller wins a slot (the rule of the module docstring).
+    """Smaller wins a slot (docs/membership.md, *The conflict rule*).
 
     Stamped members first, by settle time; then members without a believable stamp;
     then claims; the node name breaks every tie.
