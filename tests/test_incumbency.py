@@ -29,7 +29,7 @@ from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.membership.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
-from imexd.state import NodeState
+from imexd.nodestate import NodeState
 from imexd.topics import TopicRef
 from tests.test_shard import (
     CLIQUE,

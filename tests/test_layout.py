@@ -199,7 +199,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.facts",
             "imexd.messages",
             "imexd.settings",
-            "imexd.state",
+            "imexd.nodestate",
             "imexd.topics",
         }
     ),
@@ -258,7 +258,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.render",
             "imexd.retry",
             "imexd.settings",
-            "imexd.state",
+            "imexd.nodestate",
             "imexd.topics",
         }
     ),
@@ -360,7 +360,7 @@ PURE_RULES = (
     "imexd.channels.fleet",
     "imexd.render",
     "imexd.facts",
-    "imexd.state",
+    "imexd.nodestate",
 )
 """The rules a newcomer can own without a broker, a daemon or a disk: what they load."""
 IO_MODULES = (
@@ -409,7 +409,7 @@ def test_the_rules_load_no_io() -> None:
 def test_the_io_rule_sees_a_path_through_a_leaf() -> None:
     """Not blind: the shard reaching the file writer through a leaf is reported."""
     graph = _graph(runtime=True)
-    graph["imexd.state"] = graph["imexd.state"] | {"imexd.files"}
+    graph["imexd.nodestate"] = graph["imexd.nodestate"] | {"imexd.files"}
     assert "imexd.membership.shard -> imexd.files" in _io_reached(graph)
 
 

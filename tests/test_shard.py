@@ -42,7 +42,7 @@ from imexd.messages import (
     Presence,
     Received,
 )
-from imexd.state import NodeState
+from imexd.nodestate import NodeState
 from imexd.topics import TopicRef, Topics
 
 CLAIMING = MemberState.CLAIMING

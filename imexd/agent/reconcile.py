@@ -28,9 +28,9 @@ from imexd.facts import LastWrite
 from imexd.files import read_text_or_empty, write_atomic, write_file
 from imexd.health.metrics import Metrics
 from imexd.membership.desired import Desired
+from imexd.nodestate import NodeState
 from imexd.render import remove_hosts_block, render_files
 from imexd.settings import Settings
-from imexd.state import NodeState
 
 Probe = Literal["now", "soon"]
 """When the agent should probe the daemon after a reconcile."""

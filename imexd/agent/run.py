@@ -68,9 +68,9 @@ from imexd.membership.shard import Identity, Plan, ShardView
 from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.names import client_id
+from imexd.nodestate import NodeState
 from imexd.retry import backoff_delay
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings
-from imexd.state import NodeState
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75

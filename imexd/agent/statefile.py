@@ -3,7 +3,7 @@
 A restarted agent reads it to claim its previous slot again (slots are sticky, so the
 IMEX node ids of its peers do not move) and to publish a higher incarnation than any
 record it left on the bus. The file is small JSON, written atomically; the record itself
-(`imexd.state.NodeState`) is pure, so the shard that decides what to save imports no I/O.
+(`imexd.nodestate.NodeState`) is pure, so the shard that decides what to save imports no I/O.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgspec
 from imexd.errors import FileWriteError
 from imexd.files import write_atomic
 from imexd.logs import get_logger
-from imexd.state import NodeState
+from imexd.nodestate import NodeState
 
 STATE_FILE = "state.json"
 

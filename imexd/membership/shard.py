@@ -49,8 +49,8 @@ from imexd.messages import (
     Received,
     encode,
 )
+from imexd.nodestate import NodeState
 from imexd.settings import Settings
-from imexd.state import NodeState
 from imexd.topics import Topics
 
 DOUBT_S: Final = 1.0
