@@ -1447,6 +1447,60 @@ async def test_a_refused_narrow_check_gives_no_verdict() -> None:
     assert [e["event"] for e in logs] == ["bus_broker_check_refused"]
 
 
+class GrantingClient:
+    """A link whose broker grants the check's new filter and sends our record's retained
+    copy for it, as any broker does for a filter it has not granted before."""
+
+    v5 = False
+
+    def __init__(self, bus: Bus, topic: str, payload: bytes) -> None:
+        self.bus, self.topic, self.payload = bus, topic, payload
+        self.subscribed: list[str] = []
+
+    async def subscribe(self, filters: list[str], *, qos: int = 1) -> list[str | None]:
+        self.subscribed.extend(filters)
+        for topic_filter in filters:
+            if topic_matches(topic_filter, self.topic):
+                self.bus._dispatch(self.topic, self.payload, retained=True)
+        return [None] * len(filters)
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        pass
+
+
+async def test_a_reread_without_our_copy_is_no_verdict_the_check_asks_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen on nats-server 2.14: the repaired link's check re-read the shard's filter, the
+    broker sent no retained copy again for a filter it had granted (`bus_resync_empty`),
+    and the link judged BrokerNoRetainedWildcard and never synced (a node missing from a
+    formation for good). A re-read without our copy proves nothing: the check asks with
+    its own new filter, which brings the copy, and the link passes."""
+    topic = member_topic("n1")
+    payload = encode(record("n1"))
+    bus = bus_for(fast_settings("mqtt://127.0.0.1:1"), "n1", will=WillSpec(topic))
+    bus._subs.add([MEMBERS])
+    bus._records.declare(topic, Record(payload, None))
+    bus._repairing = True
+    client = GrantingClient(bus, topic, payload)
+
+    async def blind_read(_client: object, filters: list[str]) -> bool:
+        assert filters == [MEMBERS]
+        return True  # granted, and no retained copy came back
+
+    async def no_round_trip(_client: object) -> None:
+        return None
+
+    monkeypatch.setattr(bus, "_read_again", blind_read)
+    monkeypatch.setattr(bus, "_round_trip", no_round_trip)
+    assert await bus._check_retained(client)  # type: ignore[arg-type]
+    assert bus.no_retained_wildcard == ""
+    assert client.subscribed == [topic.replace("/members/", "/+/")]
+    checked = bus._queue.get_nowait()
+    assert isinstance(checked, BrokerChecked)
+    assert checked.ok
+
+
 async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
     broker: Mosquitto,
 ) -> None:

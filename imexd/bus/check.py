@@ -10,12 +10,14 @@ round trip returns; until a link passes, no `Synced` (docs/bus.md, *Connection*)
 Which filter: on a repaired link (`imexd.bus.repairs`) the shard's own filter, read again
 like a re-read (nats-server 2.9 sometimes grants a reconnecting client's first SUBSCRIBE
 without the retained messages, and this second read completes its view before any claim
-counts). Elsewhere that second read would send every record of the shard again, k
-messages to each of k nodes, so the check's own filter, which matches our record only, is
-subscribed at QoS 0 and dropped at once, under the bus lock: no record of ours is
-published while it overlaps the shard's (its echo would come once per matching
-subscription, and a second echo could pass for a later record's). A refusal of that
-filter gives no verdict on the link.
+counts); a re-read without our record proves nothing (a broker may send no retained
+copies again for a filter it already granted: `bus_resync_empty`), so the check then asks
+as below, with a filter the broker has not granted yet. Elsewhere that second read would
+send every record of the shard again, k messages to each of k nodes, so the check's own
+filter, which matches our record only, is subscribed at QoS 0 and dropped at once, under
+the bus lock: no record of ours is published while it overlaps the shard's (its echo
+would come once per matching subscription, and a second echo could pass for a later
+record's). A refusal of that filter gives no verdict on the link.
 
 The link (`imexd.bus.engine`) does the subscribing; this module holds which filter to use,
 what was seen, and the verdict.
@@ -66,6 +68,8 @@ class RetainedCheck:
         """A snapshot completed while the broker was not trusted: `Synced` once it is."""
         self._topic: str | None = None
         self._seen = False
+        self.narrow = False
+        """The check reads its own filter (not the shard's): the copy it brings is not news."""
 
     def link_up(self) -> None:
         """A new link: nothing checked on it yet."""
@@ -73,9 +77,15 @@ class RetainedCheck:
         self.passed = False
         self.withheld = False
 
-    def begin(self, record_topic: str) -> None:
-        """The check's subscription goes out: watch for our record's retained copy."""
-        self._topic, self._seen = record_topic, False
+    def begin(self, record_topic: str, *, narrow: bool) -> None:
+        """The check's subscription goes out (`narrow`: its own filter): watch for our
+        record's retained copy."""
+        self._topic, self._seen, self.narrow = record_topic, False, narrow
+
+    @property
+    def seen(self) -> bool:
+        """The check's read brought our record's retained copy."""
+        return self._seen
 
     def end(self) -> None:
         self._topic = None

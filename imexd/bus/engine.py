@@ -402,13 +402,19 @@ class LinkEngine:
             return True
         topic, shard_filter, topic_filter = target
         refusal: str | None = None
-        self._check.begin(topic)
         try:
+            narrow = True
             if self._repairing:
+                self._check.begin(topic, narrow=False)
                 if not await self._read_again(client, [shard_filter]):
                     return False
-                topic_filter = shard_filter
-            else:
+                # A re-read without our copy proves nothing (nats-server 2.14 may send no
+                # copies again for a filter it granted): then ask as a new filter does.
+                narrow = not self._check.seen
+                if not narrow:
+                    topic_filter = shard_filter
+            if narrow:
+                self._check.begin(topic, narrow=True)
                 async with self._lock:
                     (refusal,) = await client.subscribe([topic_filter], qos=0)
                     if refusal is None:
@@ -622,7 +628,7 @@ class LinkEngine:
         self._echoes.seen(topic, payload, live=not retained)
         will = self._will
         if will is not None and topic == will.topic and payload:
-            if self._check.saw(topic, retained=retained) and not self._repairing:
+            if self._check.saw(topic, retained=retained) and self._check.narrow:
                 return  # the check's own filter: what we published, already delivered
             if not retained and self._records.payload(topic) == payload:
                 self._check.own_echo.set()
