@@ -133,6 +133,9 @@ def test_a_hand_over_keeps_the_devices_and_a_leave_removes_them(c: Cluster) -> N
 
     n1.start()
     c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    # The channel is ready at once from the devices on disk; wait until the agent took
+    # the daemon over too: an agent leaves running a daemon it has not taken over yet.
+    c.wait(c.all_ready, timeout=WAIT_S)
     assert os.lstat(device(n1, 3)).st_ino == inode, "the next agent keeps the node"
     assert n1.stop() == 0
     assert not device(n1, 3).exists()
@@ -329,6 +332,7 @@ def test_a_conflict_resolved_before_a_hand_over_stays_resolved_after_it(c: Clust
     assert n1.wait_exit() == EXIT_HANDOVER
     n1.start()
     c.wait(lambda: ready_with(n1, "job-a", 1), timeout=WAIT_S)
+    c.wait(c.all_ready, timeout=WAIT_S)  # the daemon taken over too (see the test above)
     assert refused_with(n1, "job-b", "ChannelConflict")
     assert assert_device(n1, 3, 1000, 1000, 0o660).st_ino == inode
 
