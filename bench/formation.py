@@ -134,6 +134,7 @@ from harness import (
     Figure,
     InProcAgent,
     cpu_seconds,
+    cpu_total,
     end_agents,
     log_agents,
     machine,
@@ -1129,7 +1130,7 @@ class Run:
             self.expect_groups(groups), 60 + 2 * self.n, "formation"
         )
         cpu1 = me.cpu_times()
-        procs_cpu = sum(cpu_seconds(self.agent_processes()).values())
+        procs_cpu = cpu_total(self.agent_processes())
         ups = [n.connected_at() for n in self.nodes]
         will_ups = [n.connected_at(will=True) for n in self.nodes]
         if any(u is None for u in ups) or any(u is None for u in will_ups):
@@ -1199,7 +1200,7 @@ class Run:
                 "(daemon start, first probe)",
             )
         formation_busy = busy()
-        daemons_cpu = sum(cpu_seconds(self.daemon_processes()).values())
+        daemons_cpu = cpu_total(self.daemon_processes())
         if self.daemons:
             r.add(
                 "formation: CPU of the simulated daemons",

@@ -178,6 +178,11 @@ def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
     return out
 
 
+def cpu_total(procs: Iterable[psutil.Process]) -> float:
+    """User + system CPU seconds of the processes still alive, together."""
+    return sum(cpu_seconds(procs).values())
+
+
 def rss_mb(procs: Iterable[psutil.Process]) -> float:
     """The resident memory of the processes still alive, together, in MiB."""
     total = 0

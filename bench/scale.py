@@ -98,7 +98,7 @@ from harness import (
     BenchError,
     Figure,
     InProcAgent,
-    cpu_seconds,
+    cpu_total,
     end_agents,
     log_agents,
     machine,
@@ -544,10 +544,6 @@ def interpolate(samples: Sequence[tuple[float, ...]], at: float, index: int) -> 
     return v0 + (v1 - v0) * (at - t0) / (t1 - t0)
 
 
-def _cpu(procs: Iterable[psutil.Process]) -> float:
-    return sum(cpu_seconds(procs).values())
-
-
 class Bench:
     """One run: the broker, the workers, the phases."""
 
@@ -752,8 +748,8 @@ class Bench:
             done, problem = await self.wait_cliques(groups, limit, "formation")
         finally:
             sampler.cancel()
-        cpu1 = _cpu(self.agent_procs())
-        broker1 = _cpu(broker)
+        cpu1 = cpu_total(self.agent_procs())
+        broker1 = cpu_total(broker)
         t_formed = time.monotonic() if problem else max(done.values())
         ups = [self.ups.get(p.name) for p in self.plan]
         if any(u is None for u in ups):
@@ -864,8 +860,8 @@ class Bench:
 
     def _sample_now(self, broker: list[psutil.Process]) -> tuple[float, float, float, float]:
         """(when, agent CPU-s, broker CPU-s, broker RSS MB)."""
-        agents = _cpu(self.agent_procs())
-        return time.monotonic(), agents, _cpu(broker), rss_mb(broker)
+        agents = cpu_total(self.agent_procs())
+        return time.monotonic(), agents, cpu_total(broker), rss_mb(broker)
 
     def add_foreign(self, phase: str, counts: Mapping[str, Mapping[str, int]]) -> None:
         """Member records an agent received from a clique not its own (must be none)."""
@@ -888,10 +884,10 @@ class Bench:
         assert self.broker is not None
         broker = self.broker.processes()
         c0 = await self.counts()
-        a0, b0, t0 = _cpu(self.agent_procs()), _cpu(broker), time.monotonic()
+        a0, b0, t0 = cpu_total(self.agent_procs()), cpu_total(broker), time.monotonic()
         await asyncio.sleep(self.opts.idle_s)
         c1 = await self.counts()
-        a1, b1, t1 = _cpu(self.agent_procs()), _cpu(broker), time.monotonic()
+        a1, b1, t1 = cpu_total(self.agent_procs()), cpu_total(broker), time.monotonic()
         span = t1 - t0
         n = len(c1)
         delivered = sum(
