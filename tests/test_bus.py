@@ -29,6 +29,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from structlog.testing import capture_logs
 
 from imexd.bus.echoes import Echoes
+from imexd.bus.engine import CHECK_OVER
 from imexd.bus.events import (
     BrokerChecked,
     Connected,
@@ -1440,7 +1441,7 @@ async def test_a_refused_narrow_check_gives_no_verdict() -> None:
     client = CheckClient()
     with capture_logs() as logs:
         done = await bus._check_retained(client)  # type: ignore[arg-type]
-    assert done
+    assert done == CHECK_OVER
     assert client.subscribed == [topic.replace("/members/", "/+/")]
     assert bus.no_retained_wildcard == ""
     assert bus._queue.empty()
@@ -1493,7 +1494,7 @@ async def test_a_reread_without_our_copy_is_no_verdict_the_check_asks_anew(
 
     monkeypatch.setattr(bus, "_read_again", blind_read)
     monkeypatch.setattr(bus, "_round_trip", no_round_trip)
-    assert await bus._check_retained(client)  # type: ignore[arg-type]
+    assert await bus._check_retained(client) == CHECK_OVER  # type: ignore[arg-type]
     assert bus.no_retained_wildcard == ""
     assert client.subscribed == [topic.replace("/members/", "/+/")]
     checked = bus._queue.get_nowait()

@@ -20,7 +20,7 @@ import aiomqtt
 import msgspec
 import pytest
 
-from imexd.bus.events import BrokerChecked, Connected, Disconnected, Synced, WillSpec
+from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Synced, WillSpec
 from imexd.bus.link import Bus
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
@@ -346,13 +346,15 @@ async def test_the_retained_check_brings_back_our_record_alone(broker: Mosquitto
 class NoRetainedRelay:
     """An MQTT-aware relay in front of a real broker that never delivers retained
     messages: every PUBLISH from the broker with the retain flag is dropped (and, at QoS
-    1, acknowledged to the broker on the client's behalf). Live messages pass."""
+    1, acknowledged to the broker on the client's behalf). Live messages pass. With
+    `dropping` set False, it passes retained messages too (a broker that was only slow)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.host = loopback_address()
         self.port = free_port(self.host)
         self.dropped = 0
+        self.dropping = True
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -407,7 +409,7 @@ class NoRetainedRelay:
                         break
                 body = await src.readexactly(length)
                 kind, flags = head[0] >> 4, head[0] & 0x0F
-                if ack_to is not None and kind == 3 and flags & 0x01:
+                if self.dropping and ack_to is not None and kind == 3 and flags & 0x01:
                     self.dropped += 1
                     qos = (flags >> 1) & 0x03
                     if qos:
@@ -440,6 +442,29 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
             assert not again.ok
             await no_event(bus, Synced, lambda _: True, 1.0)
             assert bus.synced_at is None
+        finally:
+            await bus.close()
+
+
+async def test_a_failed_check_is_asked_again_on_the_same_link(broker: Mosquitto) -> None:
+    """Seen on a loaded nats-server 2.14 cluster (256 agents): one check's retained copy
+    came after its round trip, the link judged BrokerNoRetainedWildcard, and the node never
+    synced again on that link (its peers lacked it for good). A failed check is asked
+    again, with backoff, on the same link: once the broker delivers, the link passes and
+    is synced without a reconnect."""
+    async with NoRetainedRelay(broker.port) as relay:
+        bus = await agent_bus(fast_settings(relay.url))
+        try:
+            checked = await next_event(bus, BrokerChecked)
+            assert not checked.ok
+            assert bus.synced_at is None
+            relay.dropping = False
+            seen: list[Event] = []
+            again = await next_event(bus, BrokerChecked, lambda e: e.ok, within=5, seen=seen)
+            assert again.ok
+            assert not [e for e in seen if isinstance(e, (Connected, Disconnected))]
+            assert bus.no_retained_wildcard == ""
+            assert bus.synced_at is not None
         finally:
             await bus.close()
 

@@ -52,6 +52,13 @@ from imexd.topics import Topics
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""
 
+CHECK_OVER: Final = "over"
+"""The retained-wildcard check passed, or cannot be asked on this link."""
+CHECK_REFUSED: Final = "refused"
+"""The check's re-read was refused: the link's task subscribes again, then asks again."""
+CHECK_FAILED: Final = "failed"
+"""Our copy did not come: the verdict stands, and the check is asked again after a backoff."""
+
 
 class LinkEngine:
     """The state of the current link and the task that keeps one (see the module)."""
@@ -311,24 +318,35 @@ class LinkEngine:
                         await self._put_retained(client, topic, entry)
                 await self._settle(client, leave)
             checked = False
+            check_at = 0.0  # once our echo came; after a failed check, its next try
+            failed_checks = 0
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
                 waits = {leave, self._subs.changed}
                 if self._repairing:
                     waits.add(burst)
-                if not checked:
+                if not checked and not check_at:
                     waits.add(self._check.own_echo)
                 burst.clear()
                 reread_at = self._repairs.due() if self._repairing else math.inf
-                due = min(next_ping, reread_at)
+                due = min(next_ping, reread_at, check_at or math.inf)
                 await first_set(waits, max(0.0, due - time.monotonic()))
                 if leave.is_set():
                     break
                 if self._subs.changed.is_set():
                     await self._settle(client, leave)
-                elif not checked and self._check.own_echo.is_set():
-                    checked = await self._check_retained(client)
+                elif not checked and self._check.own_echo.is_set() and time.monotonic() >= check_at:
+                    outcome = await self._check_retained(client)
+                    checked = outcome == CHECK_OVER
+                    if outcome == CHECK_FAILED:
+                        # One late copy is no proof: a loaded broker may send it after
+                        # the round trip. The verdict stands until a check passes.
+                        s = self.settings
+                        delay = backoff_delay(
+                            failed_checks, s.reconnect_initial_s, s.reconnect_max_s, self._rand
+                        )
+                        check_at, failed_checks = time.monotonic() + delay, failed_checks + 1
                 elif self._repairing and time.monotonic() >= self._repairs.due():
                     await self._reread(client)  # its round trip proves the link too
                     next_ping = time.monotonic() + self._ping_interval_s
@@ -394,12 +412,14 @@ class LinkEngine:
         filters = check_filters(will.topic, self._subs.wanted)
         return None if filters is None else (will.topic, *filters)
 
-    async def _check_retained(self, client: Client) -> bool:
-        """The retained-wildcard check of this link (`imexd.bus.check` says why and how);
-        False when a repaired link's SUBSCRIBE was refused (the link's task retries it)."""
+    async def _check_retained(self, client: Client) -> str:
+        """The retained-wildcard check of this link (`imexd.bus.check` says why and how):
+        CHECK_OVER when it passed or cannot be asked on this link, CHECK_REFUSED when a
+        repaired link's SUBSCRIBE was refused (the link's task retries it), CHECK_FAILED
+        when our copy did not come (asked again after a backoff)."""
         target = self._check_target()
         if target is None:
-            return True
+            return CHECK_OVER
         topic, shard_filter, topic_filter = target
         refusal: str | None = None
         try:
@@ -407,7 +427,7 @@ class LinkEngine:
             if self._repairing:
                 self._check.begin(topic, narrow=False)
                 if not await self._read_again(client, [shard_filter]):
-                    return False
+                    return CHECK_REFUSED
                 # A re-read without our copy proves nothing (nats-server 2.14 may send no
                 # copies again for a filter it granted): then ask as a new filter does.
                 narrow = not self._check.seen
@@ -427,14 +447,15 @@ class LinkEngine:
             self._log.warning(
                 "bus_broker_check_refused", broker=broker, filter=topic_filter, code=refusal
             )
-            return True
+            return CHECK_OVER
         verdict = self._check.verdict(broker, topic_filter, self._log)
         if not verdict.ok:
             self.synced_at = None
+            self._check.withheld = True  # a check that passes later brings Synced back
         self._emit(verdict)
         if verdict.ok and self._check.withheld:
             self._mark_synced()
-        return True
+        return CHECK_OVER if verdict.ok else CHECK_FAILED
 
     async def _reread(self, client: Client) -> None:
         """Anti-entropy (a repair): subscribe every granted filter again on this link and
