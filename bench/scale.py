@@ -470,9 +470,13 @@ class BrokerUnderTest:
     """Stop and start it again on its port, empty (Mosquitto without persistence)."""
 
 
-def start_broker(kind: str, folder: Path, nats_server: str | None = None) -> BrokerUnderTest:
+def start_broker(
+    kind: str, folder: Path, nats_server: str | None = None, consumer_replicas: int | None = 1
+) -> BrokerUnderTest:
     """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`
-    (NATS: the binary `nats_server`, None: `find_nats_server`).
+    (NATS: the binary `nats_server`, None: `find_nats_server`; a cluster's consumers with
+    `consumer_replicas` replicas in memory, None: nats-server's default, the streams'
+    replicas on disk).
     Blocking (NATS's readiness check runs an event loop of its own): run it in a thread."""
     if kind == "mosquitto":
         mosquitto = Mosquitto(folder)
@@ -493,7 +497,9 @@ def start_broker(kind: str, folder: Path, nats_server: str | None = None) -> Bro
         single.start()
         servers = [single]
     else:
-        cluster = NatsCluster(folder, size=3, binary=nats_server)
+        cluster = NatsCluster(
+            folder, size=3, binary=nats_server, consumer_replicas=consumer_replicas
+        )
         cluster.start()
         servers = cluster.servers
 
@@ -530,6 +536,7 @@ class Options:
     ramp_s: float = 0.0
     rebuild: bool = False
     nats_server: str | None = None
+    consumer_replicas: int | None = 1
 
 
 def interpolate(samples: Sequence[tuple[float, ...]], at: float, index: int) -> float:
@@ -698,7 +705,11 @@ class Bench:
         load = os.getloadavg()
         self.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
         self.broker = await asyncio.to_thread(
-            start_broker, self.opts.broker, self.root / "broker", self.opts.nats_server
+            start_broker,
+            self.opts.broker,
+            self.root / "broker",
+            self.opts.nats_server,
+            self.opts.consumer_replicas,
         )
         sizes = clique_sizes(self.opts.nodes, self.opts.cliques)
         self.log(
@@ -1154,6 +1165,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         metavar="PATH",
         help="the nats-server binary (default: on PATH, else /usr/sbin/nats-server)",
     )
+    parser.add_argument(
+        "--nats-consumer-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="nats-cluster: replicas of each subscription's consumer, in memory (1, as "
+        "docs/brokers.md configures it); 0: nats-server's default (the streams' 3, on disk)",
+    )
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")
     parser.add_argument(
@@ -1211,6 +1230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         ramp_s=args.ramp_s,
         rebuild=args.rebuild,
         nats_server=args.nats_server,
+        consumer_replicas=args.nats_consumer_replicas or None,
     )
 
 
