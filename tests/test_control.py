@@ -1008,8 +1008,9 @@ async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
 async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
     broker: Mosquitto,
 ) -> None:
-    """Still refused at the end of the timeout, the read goes on at the next URL with every
-    subscription of the link, its snapshot included."""
+    """Still refused after the retries the repairs allow (`refusal_waits`) or at the end of
+    the timeout, the read goes on at the next URL with every subscription of the link, its
+    snapshot included."""
     members = T.all_members_filter("d1")
     async with RefusingRelay(broker.port, {members: None}) as relay:
         async with Link(settings_311(broker.url)) as writer:

@@ -30,7 +30,7 @@ import imexd.bus.waits
 from imexd.bus.events import Disconnected, Event, Synced
 from imexd.bus.link import Bus
 from imexd.bus.mqtt import Client, connect
-from imexd.bus.repairs import RESYNC_SETTLE_S
+from imexd.bus.repairs import RESYNC_SETTLE_S, SUBSCRIBE_RETRIES, refusal_waits
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError
@@ -133,6 +133,15 @@ async def connect_peer(s: BusSettings, url: str) -> Client:
     return await connect(
         s, parse_broker_url(url), client_id=f"peer-{secrets.token_hex(4)}", timeout_s=10.0
     )
+
+
+def test_both_links_ask_again_for_a_refused_subscription_by_one_rule() -> None:
+    """A refusal is asked for again only on a repaired link (elsewhere it is an ACL's),
+    SUBSCRIBE_RETRIES times, each wait in [d/2, d] with d doubling up to the largest."""
+    assert refusal_waits(False, 0.25, 2.0, lambda: 1.0) == []
+    assert refusal_waits(True, 0.25, 2.0, lambda: 1.0)[:3] == [0.25, 0.5, 1.0]
+    assert len(refusal_waits(True, 0.25, 2.0, lambda: 0.0)) == SUBSCRIBE_RETRIES
+    assert refusal_waits(True, 0.5, 0.6, lambda: 0.0) == [0.25, 0.3, 0.3]
 
 
 async def test_a_retained_copy_after_a_live_update_of_its_topic_is_dropped(

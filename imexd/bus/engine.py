@@ -38,7 +38,7 @@ from imexd.bus.events import (
 from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
 from imexd.bus.pings import LinkLostError, Pings
 from imexd.bus.records import Record, Records
-from imexd.bus.repairs import SUBSCRIBE_RETRIES, Repairs, engaged
+from imexd.bus.repairs import Repairs, engaged, refusal_waits
 from imexd.bus.rotation import Rotation
 from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set
@@ -364,20 +364,20 @@ class LinkEngine:
     async def _settle(self, client: Client, leave: asyncio.Event) -> None:
         """Get every refused subscription granted, then prove the snapshot (`Synced`).
 
-        On a repaired link a refused filter is subscribed again after a backoff
-        (`imexd.retry`), at most `SUBSCRIBE_RETRIES` times; one still refused then is a
-        link problem: BusError, and the reconnect loop tries the next broker (its backoff
-        then grows, as such a link does not count as stable, so an ACL refusal does not
-        spin). Elsewhere a refusal is an ACL's and the link is given up at once.
+        On a repaired link a refused filter is subscribed again after each of
+        `refusal_waits` (paced by the reconnect backoff's settings); one still refused
+        then is a link problem: BusError, and the reconnect loop tries the next broker
+        (its backoff then grows, as such a link does not count as stable, so an ACL
+        refusal does not spin). Elsewhere a refusal is an ACL's and the link is given up
+        at once.
         """
         subs = self._subs
         subs.changed.clear()
         s = self.settings
-        retries = SUBSCRIBE_RETRIES if self._repairing else 0
-        for attempt in range(retries):
+        waits = refusal_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
+        for delay in waits:
             if not subs.still_refused(self._broker or ""):
                 break
-            delay = backoff_delay(attempt, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
             await first_set({leave}, delay)
             if leave.is_set():
                 return
@@ -388,7 +388,7 @@ class LinkEngine:
         if subs.still_refused(self._broker or ""):
             self._refusal_drop = True
             raise BusError(
-                f"{subs.detail}; still refused after {retries} retries: "
+                f"{subs.detail}; still refused after {len(waits)} retries: "
                 "dropping the link for the next broker"
             )
         subs.changed.clear()

@@ -12,8 +12,8 @@ JetStream consumer per subscription, and it
   (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
   publishes a claim again when the link says an echo may be lost: `repaired`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
-  died (`SUBSCRIBE_RETRIES`: the link subscribes again on the same link before it gives
-  the link up for the next broker).
+  died (`refusal_waits`: the link subscribes again on the same link before it gives
+  the link up for the next broker; the control plane's link asks again the same way).
 
 Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
 none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from imexd.bus.mqtt import topic_matches
+from imexd.retry import backoff_delay
 from imexd.settings import BrokerProfile
 
 if TYPE_CHECKING:
@@ -42,6 +43,19 @@ SUBSCRIBE_RETRIES: Final = 3
 link is dropped for the next broker. Answers nats-server 2.9 refusing new QoS 1
 subscriptions for tens of seconds after a server of its cluster died; elsewhere a refusal
 is an ACL's, and the link is given up at once."""
+
+
+def refusal_waits(
+    repaired: bool, initial_s: float, largest_s: float, rand: Callable[[], float]
+) -> list[float]:
+    """The waits before each new SUBSCRIBE of a refused filter on one link: none unless
+    the link is `repaired`, else SUBSCRIBE_RETRIES of them, doubling from `initial_s` up
+    to `largest_s`, jittered (`imexd.retry`). The agent's link and the control plane's
+    both ask again by these, each with its own pace."""
+    if not repaired:
+        return []
+    return [backoff_delay(n, initial_s, largest_s, rand) for n in range(SUBSCRIBE_RETRIES)]
+
 
 RESYNC_QUIET_S: Final = 5.0
 """A re-read leaves alone a topic whose record changed this recently: a clustered

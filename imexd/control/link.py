@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import random
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,12 +27,11 @@ from types import TracebackType
 from typing import Final, Self
 
 from imexd.bus.mqtt import Client, connect, topic_matches
-from imexd.bus.repairs import StaleCopies, engaged
+from imexd.bus.repairs import StaleCopies, engaged, refusal_waits
 from imexd.control.store import Store
 from imexd.errors import BusError
 from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
 from imexd.names import client_id
-from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 from imexd.topics import Topics
 
@@ -40,8 +40,9 @@ CONNECT_TIMEOUT_S: Final = 5.0
 OPERATION_TIMEOUT_S: Final = 5.0
 """Bound on each broker round trip (SUBACK, PUBACK, the sync echo)."""
 SUBSCRIBE_RETRY_S: Final = (0.25, 2.0)
-"""First and largest wait before a refused subscription is asked for again (doubling,
-jittered: `imexd.retry.backoff_delay`), within OPERATION_TIMEOUT_S."""
+"""First and largest wait before a refused subscription is asked for again on a repaired
+link (`imexd.bus.repairs.refusal_waits`), within the operation timeout: a command waits
+less than the agent, which paces by its reconnect settings."""
 READ_QOS: Final = 0
 """QoS of the control plane's subscriptions, except the workload filters of a link that
 races for a channel (`Link(race=True)`) and their sync echo (QoS 1). Its reads need the
@@ -293,6 +294,7 @@ class Link:
         loop = asyncio.get_running_loop()
         started = loop.time()
         wanted = list(filters)
+        waits = iter(refusal_waits(self._repaired, *SUBSCRIBE_RETRY_S, random.random))
         for attempt in itertools.count():
             try:
                 refusals = await self._subscribe_qos(client, wanted)
@@ -302,8 +304,8 @@ class Link:
             if not refused:
                 return
             wanted = [f for f, _ in refused]
-            delay = backoff_delay(attempt, *SUBSCRIBE_RETRY_S)
-            if not self._repaired or loop.time() + delay - started > self.timeout_s:
+            delay = next(waits, None)
+            if delay is None or loop.time() + delay - started > self.timeout_s:
                 named = ", ".join(f"{f} (code {r})" for f, r in refused)
                 raise _NotGrantedError(
                     f"the broker {self.broker} refused the subscription to {named}, "
