@@ -446,14 +446,18 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
             await bus.close()
 
 
-async def test_a_failed_check_is_asked_again_on_the_same_link(broker: Mosquitto) -> None:
+NATS_LIKE = {"broker": "nats", "reconnect_initial_s": 0.5, "reconnect_max_s": 1.0}
+"""A repaired link (`[bus] broker = "nats"`) with rechecks slow enough to steer."""
+
+
+async def test_a_failed_check_is_asked_again_on_a_repaired_link(broker: Mosquitto) -> None:
     """Seen on a loaded nats-server 2.14 cluster (256 agents): one check's retained copy
     came after its round trip, the link judged BrokerNoRetainedWildcard, and the node never
-    synced again on that link (its peers lacked it for good). A failed check is asked
-    again, with backoff, on the same link: once the broker delivers, the link passes and
-    is synced without a reconnect."""
+    synced again on that link (its peers lacked it for good). On a repaired link a failed
+    check is asked again, with backoff: once the broker delivers, the link passes and is
+    synced without a reconnect."""
     async with NoRetainedRelay(broker.port) as relay:
-        bus = await agent_bus(fast_settings(relay.url))
+        bus = await agent_bus(fast_settings(relay.url, **NATS_LIKE))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
@@ -465,6 +469,49 @@ async def test_a_failed_check_is_asked_again_on_the_same_link(broker: Mosquitto)
             assert not [e for e in seen if isinstance(e, (Connected, Disconnected))]
             assert bus.no_retained_wildcard == ""
             assert bus.synced_at is not None
+        finally:
+            await bus.close()
+
+
+async def test_a_repaired_link_whose_check_keeps_failing_moves_to_the_next_broker(
+    broker: Mosquitto,
+) -> None:
+    """Seen on nats-server 2.14 after a server was killed under a formed domain: the server
+    an agent moved to never served its retained record, and every check on that link
+    failed (the node unready for good). After the refused-subscription rule's retries
+    (`refusal_waits`) the link is dropped for the next broker, and the check passes there."""
+    async with NoRetainedRelay(broker.port) as relay:
+        bus = await agent_bus(fast_settings(relay.url, broker.url, **NATS_LIKE))
+        try:
+            checked = await next_event(bus, BrokerChecked)
+            assert not checked.ok
+            assert relay.url in checked.detail
+            down = await next_event(bus, Disconnected, within=10)
+            assert down.broker == relay.url
+            assert "dropping the link for the next broker" in down.reason
+            up = await next_event(bus, Connected, within=10)
+            assert up.broker == broker.url
+            passed = await next_event(bus, BrokerChecked, within=10)
+            assert passed.ok
+            assert bus.no_retained_wildcard == ""
+        finally:
+            await bus.close()
+
+
+async def test_a_failed_check_on_a_link_without_repairs_stands_until_the_next_connect(
+    broker: Mosquitto,
+) -> None:
+    """Elsewhere (RabbitMQ's plugin fails every time) the check is not asked again on the
+    link: one verdict, no link dropped for it."""
+    async with NoRetainedRelay(broker.port) as relay:
+        bus = await agent_bus(fast_settings(relay.url, broker="mosquitto"))
+        try:
+            checked = await next_event(bus, BrokerChecked)
+            assert not checked.ok
+            relay.dropping = False
+            await no_event(bus, BrokerChecked, lambda _: True, 2.0)
+            await no_event(bus, Disconnected, lambda _: True, 0.1)
+            assert bus.synced_at is None
         finally:
             await bus.close()
 

@@ -45,7 +45,6 @@ from imexd.bus.waits import first_set
 from imexd.errors import BusError
 from imexd.logs import get_logger
 from imexd.messages import Dropped, Ping, Received, decode_message
-from imexd.retry import backoff_delay
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 from imexd.topics import Topics
 
@@ -57,7 +56,8 @@ CHECK_OVER: Final = "over"
 CHECK_REFUSED: Final = "refused"
 """The check's re-read was refused: the link's task subscribes again, then asks again."""
 CHECK_FAILED: Final = "failed"
-"""Our copy did not come: the verdict stands, and the check is asked again after a backoff."""
+"""Our copy did not come: the verdict stands (on a repaired link the check is asked again,
+then the link moves: `LinkEngine._check_failed`)."""
 
 
 class LinkEngine:
@@ -149,7 +149,8 @@ class LinkEngine:
         """Records set or cleared through `retain`, by topic kind."""
         self._check = RetainedCheck()
         self._refusal_drop = False
-        """The current link was dropped for refused subscriptions: not a stable link."""
+        """The current link was dropped for refused subscriptions or a failed retained
+        check: not a stable link."""
         self._repairs = Repairs(
             resync_s=settings.resync_interval_s,
             resync_quiet_s=resync_quiet_s,
@@ -320,6 +321,10 @@ class LinkEngine:
             checked = False
             check_at = 0.0  # once our echo came; after a failed check, its next try
             failed_checks = 0
+            s = self.settings
+            check_waits = refusal_waits(
+                self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand
+            )
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
@@ -340,13 +345,10 @@ class LinkEngine:
                     outcome = await self._check_retained(client)
                     checked = outcome == CHECK_OVER
                     if outcome == CHECK_FAILED:
-                        # One late copy is no proof: a loaded broker may send it after
-                        # the round trip. The verdict stands until a check passes.
-                        s = self.settings
-                        delay = backoff_delay(
-                            failed_checks, s.reconnect_initial_s, s.reconnect_max_s, self._rand
-                        )
-                        check_at, failed_checks = time.monotonic() + delay, failed_checks + 1
+                        checked = self._check_failed(check_waits, failed_checks)
+                        if not checked:
+                            check_at = time.monotonic() + check_waits[failed_checks]
+                            failed_checks += 1
                 elif self._repairing and time.monotonic() >= self._repairs.due():
                     await self._reread(client)  # its round trip proves the link too
                     next_ping = time.monotonic() + self._ping_interval_s
@@ -360,6 +362,25 @@ class LinkEngine:
             await asyncio.wait({reader}, timeout=self._timeout_s)
             raise LinkLostError(str(exc)) from None
         reader.cancel()
+
+    def _check_failed(self, waits: list[float], failed: int) -> bool:
+        """After the `failed`-th failed check of this link (0-based): False when the check
+        is asked again after `waits[failed]`; True when the verdict stands for the link.
+
+        On a repaired link (nats-server) a loaded server may send our copy after the round
+        trip, and one restarted under a cluster may not serve a retained record it holds:
+        it is asked again by the refused-subscription rule (`refusal_waits`), then the link
+        is dropped for the next broker, as for a subscription still refused. Elsewhere the
+        verdict stands until the next connect (RabbitMQ's plugin fails every time)."""
+        if failed < len(waits):
+            return False
+        if waits:
+            self._refusal_drop = True
+            raise BusError(
+                f"{self._check.failed}; still so after {len(waits)} more checks: "
+                "dropping the link for the next broker"
+            )
+        return True
 
     async def _settle(self, client: Client, leave: asyncio.Event) -> None:
         """Get every refused subscription granted, then prove the snapshot (`Synced`).
@@ -416,7 +437,7 @@ class LinkEngine:
         """The retained-wildcard check of this link (`imexd.bus.check` says why and how):
         CHECK_OVER when it passed or cannot be asked on this link, CHECK_REFUSED when a
         repaired link's SUBSCRIBE was refused (the link's task retries it), CHECK_FAILED
-        when our copy did not come (asked again after a backoff)."""
+        when our copy did not come (`_check_failed` says what then)."""
         target = self._check_target()
         if target is None:
             return CHECK_OVER
