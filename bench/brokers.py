@@ -5,11 +5,11 @@
 
 For each broker it can start on free loopback ports (Mosquitto 2 with MQTT 5, the same
 Mosquitto with `[bus] protocol = "3.1.1"` forced, one nats-server with JetStream, a
-three-server NATS cluster with `mqtt { stream_replicas: 3 }`, a private RabbitMQ node
-with its MQTT plugin, amqtt), the script runs three agents as `imexd run` processes with
-simulated IMEX daemons (tests/cluster.py's `Node`: the demo's fast timings, so
-`[bus] will_delay_s` = 2 s), on a dotted clique (`<uuid>.7`) with dotted node names, and
-measures, each step bounded (a miss is printed as MISS, never hidden):
+three-server NATS cluster with `mqtt { stream_replicas: 3, consumer_replicas: 1 }`, a
+private RabbitMQ node with its MQTT plugin, amqtt), the script runs three agents as
+`imexd run` processes with simulated IMEX daemons (tests/cluster.py's `Node`: the demo's
+fast timings, so `[bus] will_delay_s` = 2 s), on a dotted clique (`<uuid>.7`) with dotted
+node names, and measures, each step bounded (a miss is printed as MISS, never hidden):
 
 1. formation: from the agents' start until `imexd domain status d1 --nodes ... --wait`
    exits 0 (the control plane's judgement: every member READY and connected), and
@@ -147,7 +147,8 @@ class NatsTarget:
     protocol = "3.1.1"
 
     def __init__(self, folder: Path, size: int) -> None:
-        self.cluster = NatsCluster(folder, size=size) if size > 1 else None
+        # As docs/brokers.md configures a cluster: each consumer one replica, in memory.
+        self.cluster = NatsCluster(folder, size=size, consumer_replicas=1) if size > 1 else None
         self.single = Nats(folder) if size == 1 else None
 
     @property

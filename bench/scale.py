@@ -31,7 +31,10 @@ and `[bus] will_delay_s` = `--will-delay-s` (2 s, so the crash is short), plus t
 broker's URLs (`--broker nats-cluster`: all three, in an order rotated per agent so the
 agents spread over the servers; NATS: `[bus] protocol = "3.1.1"`, all it speaks).
 `--nats-server PATH` runs that nats-server binary (default: the one on PATH, else
-/usr/sbin/nats-server); its `--version` is printed with the machine.
+/usr/sbin/nats-server); its `--version` is printed with the machine. The cluster's
+consumers (one per QoS 1 subscription) have one replica in memory, as docs/brokers.md
+configures them; `--nats-consumer-replicas 0` leaves nats-server's default (the streams'
+three replicas, on disk).
 
 Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden):
 1. formation: every agent starts at once. Measured from the last agent's first link up
