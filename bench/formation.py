@@ -138,6 +138,7 @@ from harness import (
     end_agents,
     log_agents,
     machine,
+    print_figures,
     sweep,
 )
 
@@ -1938,13 +1939,8 @@ def describe_run(daemons: bool, agents: str, kind: str) -> str:
 
 def print_result(result: Result) -> None:
     mode = describe_run(result.daemons, result.agents, result.kind)
-    print(f"\nN = {result.n}, {mode}; {result.load}")
-    if result.error:
-        print(f"  ERROR: {result.error}")
-    width = max((len(f.name) for f in result.figures), default=10)
-    print(f"  {'figure':<{width}}  {'value':>12}  {'target':<30}  verdict  note")
-    for f in result.figures:
-        print(f"  {f.name:<{width}}  {f.shown():>12}  {f.target:<30}  {f.verdict:<7}  {f.note}")
+    title = f"N = {result.n}, {mode}; {result.load}"
+    print_figures(title, result.figures, result.error, target_width=30)
 
 
 def print_summary(results: Sequence[Result]) -> None:

@@ -19,7 +19,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -166,6 +166,22 @@ class Figure:
         if self.unit in ("", "count"):
             return f"{self.value:g}"
         return f"{self.value:.2f} {self.unit}"
+
+
+def print_figures(
+    title: str, figures: Sequence[Figure], error: str | None = None, *, target_width: int = 10
+) -> None:
+    """One run's table: a title line, the error if any, then a row per figure."""
+    print(f"\n{title}")
+    if error:
+        print(f"  ERROR: {error}")
+    width = max((len(f.name) for f in figures), default=10)
+    print(f"  {'figure':<{width}}  {'value':>12}  {'target':<{target_width}}  verdict  note")
+    for f in figures:
+        print(
+            f"  {f.name:<{width}}  {f.shown():>12}  {f.target:<{target_width}}  "
+            f"{f.verdict:<7}  {f.note}"
+        )
 
 
 def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:

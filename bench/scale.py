@@ -105,6 +105,7 @@ from harness import (
     end_agents,
     log_agents,
     machine,
+    print_figures,
     rss_mb,
     sweep,
 )
@@ -1117,18 +1118,13 @@ class Bench:
 # Output and main -----------------------------------------------------------------------
 
 
-def print_figures(bench: Bench) -> None:
+def print_bench(bench: Bench) -> None:
     o = bench.opts
-    print(
-        f"\nN = {o.nodes} in {o.cliques} cliques, broker {o.broker}, {o.workers} worker "
+    title = (
+        f"N = {o.nodes} in {o.cliques} cliques, broker {o.broker}, {o.workers} worker "
         f"processes; {bench.load}"
     )
-    if bench.error:
-        print(f"  ERROR: {bench.error}")
-    width = max((len(f.name) for f in bench.figures), default=10)
-    print(f"  {'figure':<{width}}  {'value':>12}  {'target':<10}  verdict  note")
-    for f in bench.figures:
-        print(f"  {f.name:<{width}}  {f.shown():>12}  {f.target:<10}  {f.verdict:<7}  {f.note}")
+    print_figures(title, bench.figures, bench.error)
 
 
 async def run_bench(opts: Options, root: Path) -> Bench:
@@ -1282,7 +1278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    print_figures(bench)
+    print_bench(bench)
     if opts.json_out is not None:
         data = {
             "options": {k: str(v) for k, v in asdict(opts).items()},
