@@ -51,22 +51,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import harness  # noqa: F401 - first: the checkout's tests on the path
 import paho.mqtt.client as paho
+import psutil
+from harness import MosquittoTarget, NatsTarget, Target, pids_alive
 from paho.mqtt.enums import CallbackAPIVersion
 
 from imexd.demo import DemoError
-from imexd.demo.brokers import Mosquitto, find_mosquitto, free_port, log_tail
+from imexd.demo.brokers import free_port, log_tail
 from imexd.names import client_id
 from tests.cluster import Node
-from tests.nats_servers import (
-    Nats,
-    NatsCluster,
-    find_nats_server,
-    mqtt_connect_problem,
-)
+from tests.nats_servers import mqtt_connect_problem
 
 DOMAIN: Final = "d1"
 CLIQUE: Final = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -85,103 +82,12 @@ QUIET_S: Final = 5.0
 BROKERS: Final = ("mosquitto-5", "mosquitto-3.1.1", "nats", "nats-cluster", "rabbitmq", "amqtt")
 
 
-# Brokers: one shape for all (start, stop, kill a server, where to connect).
-
-
-class Target(Protocol):
-    @property
-    def protocol(self) -> str | None:
-        """The `[bus] protocol` the agents get; None: the default (auto)."""
-
-    @property
-    def urls(self) -> list[str]: ...
-
-    @property
-    def endpoint(self) -> tuple[str, int]: ...
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def version(self) -> str: ...
-
-
-def _first_line(command: list[str]) -> str:
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({exc})"
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    return lines[0] if lines else "unknown"
+# Brokers: the two only this benchmark starts (Mosquitto and NATS: `harness`).
 
 
 def _otp_release() -> str:
     found = sorted(Path("/usr/lib/erlang/releases").glob("[0-9]*"))
     return found[-1].name if found else "unknown"
-
-
-class MosquittoTarget:
-    def __init__(self, folder: Path, protocol: str | None) -> None:
-        self.server = Mosquitto(folder, persistence=True)
-        self.protocol = protocol
-
-    @property
-    def urls(self) -> list[str]:
-        return [self.server.url]
-
-    @property
-    def endpoint(self) -> tuple[str, int]:
-        return self.server.host, self.server.port
-
-    def start(self) -> None:
-        self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def version(self) -> str:
-        return _first_line([find_mosquitto() or "mosquitto", "-h"])
-
-
-class NatsTarget:
-    protocol = "3.1.1"
-
-    def __init__(self, folder: Path, size: int) -> None:
-        # As docs/brokers.md configures a cluster: each consumer one replica, in memory.
-        self.cluster = NatsCluster(folder, size=size, consumer_replicas=1) if size > 1 else None
-        self.single = Nats(folder) if size == 1 else None
-
-    @property
-    def servers(self) -> list[Nats]:
-        return (
-            self.cluster.servers
-            if self.cluster is not None
-            else [self.single]
-            if self.single
-            else []
-        )
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self.servers]
-
-    @property
-    def endpoint(self) -> tuple[str, int]:
-        server = next((s for s in self.servers if s.alive()), self.servers[0])
-        return server.host, server.port
-
-    def start(self) -> None:
-        if self.cluster is not None:
-            self.cluster.start()
-        elif self.single is not None:
-            self.single.start()
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
-
-    def version(self) -> str:
-        return _first_line([find_nats_server() or "nats-server", "--version"])
 
 
 class RabbitTarget:
@@ -279,6 +185,9 @@ class RabbitTarget:
         release = plugins[-1].name.split("-", 1)[1] if plugins else "unknown"
         return f"RabbitMQ {release} (rabbitmq_mqtt), Erlang/OTP {_otp_release()}"
 
+    def processes(self) -> list[psutil.Process]:
+        return pids_alive([self.proc.pid if self.proc is not None else None])
+
 
 class AmqttTarget:
     """amqtt (the demo's Python broker) as its own process on a fixed port; MQTT 3.1.1."""
@@ -336,6 +245,9 @@ class AmqttTarget:
 
     def version(self) -> str:
         return f"amqtt {importlib.metadata.version('amqtt')}"
+
+    def processes(self) -> list[psutil.Process]:
+        return pids_alive([self.proc.pid if self.proc is not None else None])
 
 
 def make_target(name: str, folder: Path) -> Target:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import psutil
 import structlog
@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 """The checkout the benchmarks measure."""
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
+
+from imexd.demo.brokers import Mosquitto, find_mosquitto  # noqa: E402 - after the path
+from tests.nats_servers import Nats, NatsCluster, find_nats_server  # noqa: E402
 
 
 def compile_bytecode(tree: Path = ROOT) -> None:
@@ -249,3 +252,129 @@ def _git(*args: str) -> str:
     return subprocess.run(
         ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=True
     ).stdout.strip()
+
+
+# Brokers: one shape for every benchmark (start, stop, where to connect, its processes).
+
+
+class Target(Protocol):
+    @property
+    def protocol(self) -> str | None:
+        """The `[bus] protocol` the agents get; None: the default (auto)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    @property
+    def endpoint(self) -> tuple[str, int]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def version(self) -> str: ...
+
+    def processes(self) -> list[psutil.Process]: ...
+
+
+def first_line(command: list[str]) -> str:
+    """The first line a command prints (a version), or "unknown (why)"."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return lines[0] if lines else "unknown"
+
+
+def pids_alive(pids: Iterable[int | None]) -> list[psutil.Process]:
+    """The processes of `pids` that still run."""
+    found = []
+    for pid in pids:
+        if pid is not None:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
+    return found
+
+
+class MosquittoTarget:
+    """A Mosquitto on a free port; `persistence`: whether a restart keeps its store."""
+
+    def __init__(self, folder: Path, protocol: str | None, *, persistence: bool = True) -> None:
+        self.server = Mosquitto(folder, persistence=persistence)
+        self.protocol = protocol
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.server.url]
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.server.host, self.server.port
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def version(self) -> str:
+        return first_line([find_mosquitto() or "mosquitto", "-h"])
+
+    def processes(self) -> list[psutil.Process]:
+        proc = self.server.proc
+        return pids_alive([proc.pid if proc is not None else None])
+
+
+class NatsTarget:
+    """One nats-server, or a cluster of `size` configured as docs/brokers.md does (each
+    consumer `consumer_replicas` replicas in memory; None: the server's default)."""
+
+    protocol = "3.1.1"
+
+    def __init__(
+        self,
+        folder: Path,
+        size: int,
+        *,
+        binary: str | None = None,
+        consumer_replicas: int | None = 1,
+    ) -> None:
+        self.binary = binary
+        self.cluster = (
+            NatsCluster(folder, size=size, binary=binary, consumer_replicas=consumer_replicas)
+            if size > 1
+            else None
+        )
+        self.single = Nats(folder, binary=binary) if size == 1 else None
+
+    @property
+    def servers(self) -> list[Nats]:
+        if self.cluster is not None:
+            return self.cluster.servers
+        return [self.single] if self.single else []
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        server = next((s for s in self.servers if s.alive()), self.servers[0])
+        return server.host, server.port
+
+    def start(self) -> None:
+        if self.cluster is not None:
+            self.cluster.start()
+        elif self.single is not None:
+            self.single.start()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def version(self) -> str:
+        return first_line([self.binary or find_nats_server() or "nats-server", "--version"])
+
+    def processes(self) -> list[psutil.Process]:
+        return pids_alive(s.pid for s in self.servers)

@@ -101,6 +101,9 @@ from harness import (
     BenchError,
     Figure,
     InProcAgent,
+    MosquittoTarget,
+    NatsTarget,
+    Target,
     cpu_total,
     end_agents,
     log_agents,
@@ -110,12 +113,11 @@ from harness import (
     sweep,
 )
 
-from imexd.demo.brokers import Mosquitto
 from imexd.demo.nodes import node_folder
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 from imexd.topics import Topics
-from tests.nats_servers import Nats, NatsCluster, find_nats_server
+from tests.nats_servers import find_nats_server
 
 SCRIPT: Final = Path(__file__).resolve()
 """This script: the workers run it with `--worker SPEC`."""
@@ -461,60 +463,28 @@ class WorkerProc:
 # Brokers -------------------------------------------------------------------------------
 
 
-@dataclass
-class BrokerUnderTest:
-    """The broker (or cluster) of a run: what the agents are given and its processes."""
-
-    kind: str
-    urls: list[str]
-    protocol: str
-    processes: Callable[[], list[psutil.Process]]
-    stop: Callable[[], None]
-    restart: Callable[[], None] | None = None
-    """Stop and start it again on its port, empty (Mosquitto without persistence)."""
-
-
 def start_broker(
     kind: str, folder: Path, nats_server: str | None = None, consumer_replicas: int | None = 1
-) -> BrokerUnderTest:
+) -> Target:
     """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`
     (NATS: the binary `nats_server`, None: `find_nats_server`; a cluster's consumers with
     `consumer_replicas` replicas in memory, None: nats-server's default, the streams'
-    replicas on disk).
+    replicas on disk). Mosquitto keeps no store, so `--rebuild` restarts it empty.
     Blocking (NATS's readiness check runs an event loop of its own): run it in a thread."""
+    target: Target
     if kind == "mosquitto":
-        mosquitto = Mosquitto(folder)
-        mosquitto.start()
-
-        def mosquitto_procs() -> list[psutil.Process]:
-            return [psutil.Process(mosquitto.proc.pid)] if mosquitto.proc is not None else []
-
-        def mosquitto_restart() -> None:
-            mosquitto.stop()
-            mosquitto.start()
-
-        return BrokerUnderTest(
-            kind, [mosquitto.url], "auto", mosquitto_procs, mosquitto.stop, mosquitto_restart
-        )
-    if kind == "nats":
-        single = Nats(folder, binary=nats_server)
-        single.start()
-        servers = [single]
+        target = MosquittoTarget(folder, "auto", persistence=False)
     else:
-        cluster = NatsCluster(
-            folder, size=3, binary=nats_server, consumer_replicas=consumer_replicas
-        )
-        cluster.start()
-        servers = cluster.servers
+        size = 1 if kind == "nats" else 3
+        target = NatsTarget(folder, size, binary=nats_server, consumer_replicas=consumer_replicas)
+    target.start()
+    return target
 
-    def nats_procs() -> list[psutil.Process]:
-        return [psutil.Process(s.pid) for s in servers if s.pid is not None]
 
-    def nats_stop() -> None:
-        for server in servers:
-            server.stop()
-
-    return BrokerUnderTest(kind, [s.url for s in servers], Nats.protocol, nats_procs, nats_stop)
+def restart(target: Target) -> None:
+    """Stop `target` and start it again on its port (a Mosquitto without a store: empty)."""
+    target.stop()
+    target.start()
 
 
 # Figures -------------------------------------------------------------------------------
@@ -567,7 +537,7 @@ class Bench:
         self.leaver = self.clique0[0]
         address = f"127.200.0.{10 + len(self.clique0)}"
         self.joiner = NodePlan(f"n{opts.nodes:04d}.c00.scale", 0, address, opts.nodes, False)
-        self.broker: BrokerUnderTest | None = None
+        self.broker: Target | None = None
         self.workers: list[WorkerProc] = []
         self.victim_worker: WorkerProc | None = None
         self.figures: list[Figure] = []
@@ -732,7 +702,7 @@ class Bench:
         base = {
             "root": str(self.root),
             "urls": self.broker.urls,
-            "protocol": self.broker.protocol,
+            "protocol": self.broker.protocol or "auto",
             "will_delay_s": self.opts.will_delay_s,
             "resync_interval_s": self.opts.resync_interval_s,
         }
@@ -1025,7 +995,7 @@ class Bench:
     async def rebuild(self) -> None:
         """An empty broker on the same port: until every spec and workload is back."""
         assert self.broker is not None
-        if self.broker.restart is None:
+        if not isinstance(self.broker, MosquittoTarget):
             raise BenchError("--rebuild: only a Mosquitto can be restarted empty")
         topics = Topics(PREFIX)
         domains = sorted({p.domain for p in self.plan})
@@ -1039,7 +1009,7 @@ class Bench:
                 await c.publish(topics.workload(d, "job"), encode(job), qos=1, retain=True)
         await asyncio.sleep(2.0)  # every agent got them live (milliseconds)
         views = dict(self.views)
-        await asyncio.to_thread(self.broker.restart)
+        await asyncio.to_thread(restart, self.broker)
         t0 = time.monotonic()
         wall0 = time.time()
         back: dict[str, float] = {}
