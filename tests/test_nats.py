@@ -217,7 +217,11 @@ def fail_over(c: Cluster, nodes: list[Node], dead: Nats) -> None:
     consumer of every MQTT session that moves; on 2 busy cores its subscriptions are
     refused for tens of seconds before that settles (20 to 30 s is usual here),
     hence the wide bound."""
-    c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=120)
+    try:
+        c.wait(lambda: all(broker_of(n) not in ("", dead.url) for n in nodes), timeout=120)
+    except AssertionError as exc:
+        seen = {n.name: n.condition("BusConnected") for n in nodes}
+        raise AssertionError(f"not every agent on a live server: {seen}") from exc
 
 
 @pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
