@@ -16,7 +16,7 @@ import contextlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from imexd.bus.check import RetainedCheck, check_filters
@@ -38,7 +38,7 @@ from imexd.bus.events import (
 from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
 from imexd.bus.pings import LinkLostError, Pings
 from imexd.bus.records import Record, Records
-from imexd.bus.repairs import Repairs, engaged, refusal_waits
+from imexd.bus.repairs import SUBSCRIBE_RETRIES, Repairs, engaged, refusal_waits
 from imexd.bus.rotation import Rotation
 from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set
@@ -320,10 +320,9 @@ class LinkEngine:
                 await self._settle(client, leave)
             checked = False
             check_at = 0.0  # once our echo came; after a failed check, its next try
-            failed_checks = 0
             s = self.settings
-            check_waits = refusal_waits(
-                self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand
+            check_waits = iter(
+                refusal_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
             )
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
@@ -345,10 +344,10 @@ class LinkEngine:
                     outcome = await self._check_retained(client)
                     checked = outcome == CHECK_OVER
                     if outcome == CHECK_FAILED:
-                        checked = self._check_failed(check_waits, failed_checks)
-                        if not checked:
-                            check_at = time.monotonic() + check_waits[failed_checks]
-                            failed_checks += 1
+                        delay = self._check_failed(check_waits)
+                        checked = delay is None
+                        if delay is not None:
+                            check_at = time.monotonic() + delay
                 elif self._repairing and time.monotonic() >= self._repairs.due():
                     await self._reread(client)  # its round trip proves the link too
                     next_ping = time.monotonic() + self._ping_interval_s
@@ -363,24 +362,23 @@ class LinkEngine:
             raise LinkLostError(str(exc)) from None
         reader.cancel()
 
-    def _check_failed(self, waits: list[float], failed: int) -> bool:
-        """After the `failed`-th failed check of this link (0-based): False when the check
-        is asked again after `waits[failed]`; True when the verdict stands for the link.
+    def _check_failed(self, waits: Iterator[float]) -> float | None:
+        """After a failed check of this link: the wait before it is asked again (the next
+        of `waits`), or None when the verdict stands for the link.
 
         On a repaired link (nats-server) a loaded server may send our copy after the round
         trip, and one restarted under a cluster may not serve a retained record it holds:
         it is asked again by the refused-subscription rule (`refusal_waits`), then the link
         is dropped for the next broker, as for a subscription still refused. Elsewhere the
         verdict stands until the next connect (RabbitMQ's plugin fails every time)."""
-        if failed < len(waits):
-            return False
-        if waits:
+        delay = next(waits, None)
+        if delay is None and self._repairing:
             self._refusal_drop = True
             raise BusError(
-                f"{self._check.failed}; still so after {len(waits)} more checks: "
+                f"{self._check.failed}; still so after {SUBSCRIBE_RETRIES} more checks: "
                 "dropping the link for the next broker"
             )
-        return True
+        return delay
 
     async def _settle(self, client: Client, leave: asyncio.Event) -> None:
         """Get every refused subscription granted, then prove the snapshot (`Synced`).
