@@ -85,7 +85,6 @@ import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -106,6 +105,7 @@ from harness import (
     Target,
     cpu_total,
     end_agents,
+    first_line,
     log_agents,
     machine,
     print_figures,
@@ -1208,13 +1208,7 @@ def nats_server_version(binary: str | None) -> str:
     path = binary or find_nats_server()
     if path is None:
         return "no nats-server found"
-    try:
-        done = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{path}: {exc}"
-    return f"{path}: {done.stdout.strip() or done.stderr.strip()}"
+    return f"{path}: {first_line([path, '--version'])}"
 
 
 def raise_fd_limit() -> None:
