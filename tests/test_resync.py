@@ -20,6 +20,7 @@ import contextlib
 import gc
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,9 +38,11 @@ from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
+from tests.cluster import Cluster, pids, quiet, untouched
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import NatsCluster, find_nats_server
 from tests.test_bus import fast_settings
+from tests.test_session import NoRetainedRelay
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -406,11 +409,76 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(
         async with asyncio.timeout(5):
             await view.synced.wait()
         began = time.monotonic()
+        slot = 0
         while bus.resyncs == 0:
             assert time.monotonic() - began < 4.0, "no re-read during an endless burst"
-            bus._dispatch(topic("n3"), encode(record("n3", 1)), retained=False)
+            slot += 1  # a change each time: a message that repeats the record is no news
+            bus._dispatch(topic("n3"), encode(record("n3", slot)), retained=False)
             await asyncio.sleep(0.1)
         view.stop()
+
+
+async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_lost_them(
+    broker: Mosquitto,
+) -> None:
+    """Seen at 256 nodes on a three-server nats-server 2.14.0 cluster: three members of a
+    clique, all on one server, lacked a peer's member record for 45 s. They had missed its
+    live update, and their server's retained map lacked it too, so their re-reads had
+    nothing to correct, while the peer's own server held it and the peer's re-reads found
+    nothing to put right. A repaired link publishes its records again at each periodic
+    re-read, whatever its own server says; the relay here is the server that lost the
+    record (it drops the record's retained copies, and its first live update)."""
+    mine = encode(record("n1", 0, MemberState.MEMBER))
+    live_updates = 0
+
+    def lost_record(t: str, retained: bool) -> bool:
+        nonlocal live_updates
+        if t != topic("n1"):
+            return False
+        if retained:
+            return True
+        live_updates += 1
+        return live_updates == 1
+
+    s = settings(broker.url, resync_interval_s=0.5)
+    async with NoRetainedRelay(broker.port, lost_record) as server:
+        reader_settings = settings(server.url, resync_interval_s=0.5)
+        async with Bus(reader_settings, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
+            view = View(reader)
+            await reader.subscribe(FILTER)
+            async with asyncio.timeout(5):
+                await view.synced.wait()
+            async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
+                await writer.subscribe(FILTER)
+                await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+                await view.until({topic("n1"): mine}, within=10)
+                assert server.dropped >= 1
+                assert live_updates >= 2
+                assert writer.resync_corrections == 0, "the writer's server held it all along"
+            view.stop()
+
+
+async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
+    """Peers publish their records again at every periodic re-read: a live message that
+    repeats what the link delivered last on its topic is no change, and starts no burst,
+    so a formed domain does not re-read after each peer's refresh."""
+    peer = await client_of(broker.url)
+    current = encode(record("n2", 4, MemberState.MEMBER))
+    s = settings(broker.url, resync_interval_s=600.0)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.2) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        await peer.publish(topic("n2"), current, retain=True)
+        await view.until({topic("n2"): current}, within=5)
+        await until_at_least(lambda: bus.resyncs, 1, within=5)  # the burst's re-read
+        resyncs = bus.resyncs
+        await peer.publish(topic("n2"), current, retain=True)
+        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        assert bus.resyncs == resyncs, "a re-read after a message that changed nothing"
+        view.stop()
+    await peer.close(2.0)
 
 
 async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error() -> None:
@@ -437,3 +505,31 @@ async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error
     finally:
         loop.set_exception_handler(previous)
     assert unretrieved == []
+
+
+def test_a_formed_domain_whose_agents_refresh_their_records_touches_no_daemon(
+    tmp_path: Path,
+) -> None:
+    """On repaired links every agent publishes its member record again at its periodic
+    re-reads (here every 0.75 to 1.25 s, a record unchanged for RESYNC_QUIET_S), and its
+    peers get the same record again: no daemon gets a signal or a restart while they do."""
+    c = Cluster(tmp_path)
+    try:
+        fast = {"bus": {"broker": "nats", "resync_interval_s": 1.0}}
+        nodes = [c.add(name, overrides=fast) for name in ("n1", "n2", "n3")]
+        c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=30)
+        quiet(c, nodes)
+        before, signals = pids(nodes), {n.name: n.signals() for n in nodes}
+        with c.client() as client:
+            client.record(TOPICS.members_filter("d1", "c1"))
+
+            def refreshed() -> Counter[str]:
+                return Counter(t.rsplit("/", 1)[-1] for t, payload in client.seen() if payload)
+
+            # The retained copy, then at least two refreshes each (a record that changed
+            # within the re-read's quiet time, RESYNC_QUIET_S, is not published again).
+            c.wait(lambda: all(refreshed()[n.name] >= 3 for n in nodes), timeout=30)
+        assert untouched(nodes, before) == []
+        assert {n.name: n.signals() for n in nodes} == signals
+    finally:
+        c.close()
