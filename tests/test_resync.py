@@ -458,6 +458,48 @@ async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_l
             view.stop()
 
 
+async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosquitto) -> None:
+    """A re-read after each burst of changes is no periodic one: it neither refreshes our
+    records nor puts the next periodic re-read off. Here a peer changes its record every
+    1.3 s and each burst brings a re-read before the periodic one would come (every 1.5
+    to 2.5 s); the server that lost our record still gets it again."""
+    mine = encode(record("n1", 0, MemberState.MEMBER))
+    live_updates = 0
+
+    def lost_record(t: str, retained: bool) -> bool:
+        nonlocal live_updates
+        if t != topic("n1"):
+            return False
+        if retained:
+            return True
+        live_updates += 1
+        return live_updates == 1
+
+    s = settings(broker.url, resync_interval_s=2.0)
+    async with NoRetainedRelay(broker.port, lost_record) as server:
+        reader_settings = settings(server.url, resync_interval_s=600.0)
+        async with Bus(reader_settings, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
+            view = View(reader)
+            await reader.subscribe(FILTER)
+            async with asyncio.timeout(5):
+                await view.synced.wait()
+            peer = await client_of(broker.url)
+            async with Bus(
+                s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.1
+            ) as writer:
+                await writer.subscribe(FILTER)
+                await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+                began = time.monotonic()
+                slot = 0
+                while view.records.get(topic("n1")) != mine:
+                    assert time.monotonic() - began < 12.0, "our record never came again"
+                    slot += 1
+                    await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
+                    await asyncio.sleep(1.3)
+            view.stop()
+            await peer.close(2.0)
+
+
 async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
     """Peers publish their records again at every periodic re-read: a live message that
     repeats what the link delivered last on its topic is no change, and starts no burst,

@@ -226,8 +226,9 @@ class Repairs:
 
     def due(self) -> float:
         """time.monotonic() of the next re-read: the periodic one (`[bus]
-        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step),
-        or the one after a burst of live messages, whichever comes first; inf: none."""
+        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step;
+        a burst's re-read does not put it off), or the one after a burst of live messages,
+        whichever comes first; inf: none."""
         if self._resync_s <= 0:
             return math.inf
         due = self._next_periodic
@@ -244,7 +245,8 @@ class Repairs:
         started = time.monotonic()
         self.refreshing = started >= self._next_periodic
         self._last_reread = started
-        self._next_periodic = self._jittered()
+        if self.refreshing:  # a burst's re-read does not put the periodic one off
+            self._next_periodic = self._jittered()
         self._snapshot, self._snapshot_filters = {}, filters
         return started
 
