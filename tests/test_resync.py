@@ -21,7 +21,7 @@ import gc
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -418,6 +418,39 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(
         view.stop()
 
 
+class ServerThatLost:
+    """The drop rule of a `NoRetainedRelay` standing for a server of a cluster that lost
+    `topic`'s record: its retained copies never come, and neither does its first live
+    update; later live updates pass (`live_updates` counts them all)."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.live_updates = 0
+
+    def __call__(self, t: str, retained: bool) -> bool:
+        if t != self.topic:
+            return False
+        if retained:
+            return True
+        self.live_updates += 1
+        return self.live_updates == 1
+
+
+@contextlib.asynccontextmanager
+async def reader_behind(server: NoRetainedRelay) -> AsyncIterator[View]:
+    """The view of n2, a repaired link through `server`, synced on FILTER."""
+    s = settings(server.url, resync_interval_s=600.0)
+    async with Bus(s, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
+        view = View(reader)
+        await reader.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        try:
+            yield view
+        finally:
+            view.stop()
+
+
 async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_lost_them(
     broker: Mosquitto,
 ) -> None:
@@ -429,33 +462,16 @@ async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_l
     re-read, whatever its own server says; the relay here is the server that lost the
     record (it drops the record's retained copies, and its first live update)."""
     mine = encode(record("n1", 0, MemberState.MEMBER))
-    live_updates = 0
-
-    def lost_record(t: str, retained: bool) -> bool:
-        nonlocal live_updates
-        if t != topic("n1"):
-            return False
-        if retained:
-            return True
-        live_updates += 1
-        return live_updates == 1
-
+    lost = ServerThatLost(topic("n1"))
     s = settings(broker.url, resync_interval_s=0.5)
-    async with NoRetainedRelay(broker.port, lost_record) as server:
-        reader_settings = settings(server.url, resync_interval_s=0.5)
-        async with Bus(reader_settings, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
-            view = View(reader)
-            await reader.subscribe(FILTER)
-            async with asyncio.timeout(5):
-                await view.synced.wait()
-            async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
-                await writer.subscribe(FILTER)
-                await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
-                await view.until({topic("n1"): mine}, within=10)
-                assert server.dropped >= 1
-                assert live_updates >= 2
-                assert writer.resync_corrections == 0, "the writer's server held it all along"
-            view.stop()
+    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
+        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
+            await writer.subscribe(FILTER)
+            await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+            await view.until({topic("n1"): mine}, within=10)
+            assert server.dropped >= 1
+            assert lost.live_updates >= 2
+            assert writer.resync_corrections == 0, "the writer's server held it all along"
 
 
 async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosquitto) -> None:
@@ -464,40 +480,21 @@ async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosqu
     1.3 s and each burst brings a re-read before the periodic one would come (every 1.5
     to 2.5 s); the server that lost our record still gets it again."""
     mine = encode(record("n1", 0, MemberState.MEMBER))
-    live_updates = 0
-
-    def lost_record(t: str, retained: bool) -> bool:
-        nonlocal live_updates
-        if t != topic("n1"):
-            return False
-        if retained:
-            return True
-        live_updates += 1
-        return live_updates == 1
-
     s = settings(broker.url, resync_interval_s=2.0)
-    async with NoRetainedRelay(broker.port, lost_record) as server:
-        reader_settings = settings(server.url, resync_interval_s=600.0)
-        async with Bus(reader_settings, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
-            view = View(reader)
-            await reader.subscribe(FILTER)
-            async with asyncio.timeout(5):
-                await view.synced.wait()
-            peer = await client_of(broker.url)
-            async with Bus(
-                s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.1
-            ) as writer:
-                await writer.subscribe(FILTER)
-                await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
-                began = time.monotonic()
-                slot = 0
-                while view.records.get(topic("n1")) != mine:
-                    assert time.monotonic() - began < 12.0, "our record never came again"
-                    slot += 1
-                    await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
-                    await asyncio.sleep(1.3)
-            view.stop()
-            await peer.close(2.0)
+    lost = ServerThatLost(topic("n1"))
+    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
+        peer = await client_of(broker.url)
+        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.1) as w:
+            await w.subscribe(FILTER)
+            await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+            began = time.monotonic()
+            slot = 0
+            while view.records.get(topic("n1")) != mine:
+                assert time.monotonic() - began < 12.0, "our record never came again"
+                slot += 1
+                await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
+                await asyncio.sleep(1.3)
+        await peer.close(2.0)
 
 
 async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
