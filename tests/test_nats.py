@@ -107,10 +107,11 @@ up on another server (`fail_over`), but UP also needs a synced snapshot, and nat
 machine (a full suite run) the fourth peer's record took over 30 s to reach every agent
 after the second kill, and the three took over 30 s after the first; alone it takes a
 few seconds."""
-HEAL_S = 90.0
+HEAL_S = 150.0
 """Bound for a restarted server to be current again (its JetStream consumers caught up)
 before the next kill: under a full suite's load one consumer of 2.9.10 once stayed behind
-past 30 s."""
+past 30 s, and in stop 36 the restarted server's `$MQTT_rmsgs` consumer was still not
+current after 90 s (the test passed alone five times in six right after)."""
 
 
 def until_ok(c: Cluster, *args: str, within: float) -> subprocess.CompletedProcess[str]:
