@@ -10,10 +10,7 @@ JetStream consumer per subscription, and it
 - loses live updates published while that consumer is being set up, and echoes of our
   own publications, so a view can stay wrong until someone reads the broker again
   (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
-  publishes a claim again when the link says an echo may be lost: `repaired`); and a
-  server may miss a record in its retained map as well as its live update, so that its
-  subscribers' re-reads cannot correct them: the periodic re-read publishes our own
-  records again (`Repairs.refreshing`);
+  publishes a claim again when the link says an echo may be lost: `repaired`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
   died (`refusal_waits`: the link subscribes again on the same link before it gives
   the link up for the next broker; the control plane's link asks again the same way).
@@ -119,9 +116,6 @@ class Verdict:
     """(topic, payload) to deliver flagged retained (b"": the record is gone)."""
     republish: list[str] = field(default_factory=list)
     """Our own records the broker's copy differs from: publish them again."""
-    refresh: list[str] = field(default_factory=list)
-    """Our own records the broker's copy matches, published again by a periodic re-read
-    (`Repairs.refreshing`): another server of the cluster may have lost them."""
     blind: bool = False
     """The snapshot was empty while we hold records: nothing was deleted on its word."""
 
@@ -160,12 +154,6 @@ class Repairs:
         """time.monotonic() of the first live message since the last re-read began."""
         self._last_reread = -math.inf
         self._next_periodic = math.inf
-        self.refreshing = False
-        """The re-read under way is the periodic one: it publishes our records again even
-        where our server holds them. A server of a cluster that missed one of them (its
-        retained map lacks it, and its subscribers missed the live update) serves every
-        re-read of those subscribers without it, and only a new publication reaches them
-        (seen on nats-server 2.14.0: docs/performance.md)."""
         self.burst = asyncio.Event()
         """Set by the first live message since the last re-read: the link's task then
         schedules the re-read that follows the burst."""
@@ -201,8 +189,6 @@ class Repairs:
         if self._copies.stale(topic, retained=retained):
             return True
         if not retained:
-            if self._known.get(topic, (None,))[0] == payload:
-                return False  # it repeats what we delivered (a peer's refresh): no news
             at = time.monotonic()
             if self._last_live <= self._last_reread:
                 self._first_live = at
@@ -226,9 +212,8 @@ class Repairs:
 
     def due(self) -> float:
         """time.monotonic() of the next re-read: the periodic one (`[bus]
-        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step;
-        a burst's re-read does not put it off), or the one after a burst of live messages,
-        whichever comes first; inf: none."""
+        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step),
+        or the one after a burst of live messages, whichever comes first; inf: none."""
         if self._resync_s <= 0:
             return math.inf
         due = self._next_periodic
@@ -242,11 +227,8 @@ class Repairs:
 
     def begin(self, filters: list[str]) -> float:
         """A re-read of `filters` starts: hold their retained copies back; its start."""
-        started = time.monotonic()
-        self.refreshing = started >= self._next_periodic
-        self._last_reread = started
-        if self.refreshing:  # a burst's re-read does not put the periodic one off
-            self._next_periodic = self._jittered()
+        self._last_reread = started = time.monotonic()
+        self._next_periodic = self._jittered()
         self._snapshot, self._snapshot_filters = {}, filters
         return started
 
@@ -260,25 +242,20 @@ class Repairs:
         self,
         filters: list[str],
         snapshot: Mapping[str, bytes],
-        *,
         ours: Mapping[str, bytes],
-        published: Mapping[str, bytes],
         started: float,
         log: FilteringBoundLogger,
     ) -> Verdict:
         """What the fresh `snapshot` of `filters` says differently from what we delivered,
-        given `ours` (the records we publish ourselves and replay, by topic) and
-        `published` (ours as this link published them, the member record included).
+        given `ours` (the records we publish ourselves and replay, by topic).
 
         Left alone: topics with a live message during the re-read (it is newer) and topics
         whose record changed within `resync_quiet_s` before it (the snapshot may lag). A
         record we hold that the snapshot lacks comes out as deleted; a record we never
-        delivered, or a different one, as received. Ours go out again where the snapshot
-        differs; on a periodic re-read (`refreshing`), every one of `published` that the
-        snapshot shows as we published it goes out again too. An empty snapshot while we
-        hold records is a broker that did not send the retained messages again for a
-        SUBSCRIBE of an existing filter (Mosquitto, amqtt and nats-server 2.9 do): it
-        deletes nothing (logged: `bus_resync_empty`).
+        delivered, or a different one, as received. An empty snapshot while we hold records
+        is a broker that did not send the retained messages again for a SUBSCRIBE of an
+        existing filter (Mosquitto, amqtt and nats-server 2.9 do): it deletes nothing
+        (logged: `bus_resync_empty`).
         """
         quiet_from = started - self._quiet_s
         self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
@@ -302,9 +279,6 @@ class Repairs:
             fresh = snapshot.get(topic, b"")
             held, at = self._known.get(topic, (b"", -math.inf))
             if at >= quiet_from:
-                continue
-            if self.refreshing and fresh and published.get(topic) == fresh:
-                verdict.refresh.append(topic)
                 continue
             own = ours.get(topic)
             if own is not None:
