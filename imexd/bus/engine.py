@@ -320,10 +320,7 @@ class LinkEngine:
                 await self._settle(client, leave)
             checked = False
             check_at = 0.0  # once our echo came; after a failed check, its next try
-            s = self.settings
-            check_waits = iter(
-                refusal_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
-            )
+            check_waits = iter(self._refusal_waits())
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
@@ -373,12 +370,22 @@ class LinkEngine:
         verdict stands until the next connect (RabbitMQ's plugin fails every time)."""
         delay = next(waits, None)
         if delay is None and self._repairing:
-            self._refusal_drop = True
-            raise BusError(
-                f"{self._check.failed}; still so after {SUBSCRIBE_RETRIES} more checks: "
-                "dropping the link for the next broker"
+            raise self._drop_for_next_broker(
+                f"{self._check.failed}; still so after {SUBSCRIBE_RETRIES} more checks"
             )
         return delay
+
+    def _refusal_waits(self) -> list[float]:
+        """This link's waits before asking the broker again for what it refused or failed
+        (`refusal_waits`, paced by the reconnect backoff's settings)."""
+        s = self.settings
+        return refusal_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
+
+    def _drop_for_next_broker(self, why: str) -> BusError:
+        """The error that ends a link whose asking again ran out, for the next broker; such
+        a link does not count as stable, so the reconnect backoff grows."""
+        self._refusal_drop = True
+        return BusError(f"{why}: dropping the link for the next broker")
 
     async def _settle(self, client: Client, leave: asyncio.Event) -> None:
         """Get every refused subscription granted, then prove the snapshot (`Synced`).
@@ -392,8 +399,7 @@ class LinkEngine:
         """
         subs = self._subs
         subs.changed.clear()
-        s = self.settings
-        waits = refusal_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
+        waits = self._refusal_waits()
         for delay in waits:
             if not subs.still_refused(self._broker or ""):
                 break
@@ -405,10 +411,8 @@ class LinkEngine:
                 if wanted:
                     await self._subscribe(client, wanted)
         if subs.still_refused(self._broker or ""):
-            self._refusal_drop = True
-            raise BusError(
-                f"{subs.detail}; still refused after {len(waits)} retries: "
-                "dropping the link for the next broker"
+            raise self._drop_for_next_broker(
+                f"{subs.detail}; still refused after {len(waits)} retries"
             )
         subs.changed.clear()
         covered = frozenset(subs.granted)
