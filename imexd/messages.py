@@ -170,6 +170,11 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     hold_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Lost only: seconds the peers keep the node's previous record before dropping it
     (0 when the broker already waited a Will Delay; peers clamp it to MAX_HOLD_S)."""
+    seq: Count = 0
+    """The record's place among those this agent run (`incarnation`) published: 1 for its
+    first, one more for each record that says something new; a record published again
+    unchanged keeps its seq. 0: no place (a Last Will, which the broker writes when it
+    fires, and agents that predate the field). `order` reads it."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)
@@ -183,6 +188,16 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"a {self.state.value} record cannot be released")
         if self.hold_s and self.state is not MemberState.LOST:
             raise ValueError(f"a {self.state.value} record cannot have hold_s {self.hold_s}")
+
+
+def order(record: MemberRecord) -> tuple[int, int] | None:
+    """Where `record` stands among the records its writer published: (incarnation, seq),
+    later is greater; None when it has no place (seq 0: a Last Will, or an agent that
+    predates seq). A clustered broker may serve an older copy of a record than the one
+    it delivered live; this is how a reader tells which is later (imexd.bus.repairs)."""
+    if record.seq == 0 or record.state is MemberState.LOST:
+        return None
+    return (record.incarnation, record.seq)
 
 
 class Condition(msgspec.Struct, frozen=True, kw_only=True):

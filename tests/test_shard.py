@@ -872,6 +872,30 @@ def test_a_record_written_over_ours_is_put_back_at_the_next_step() -> None:
     assert v.facts(plan.desired, 3.0 + OVERWRITE_WINDOW_S).reason == ""
 
 
+def test_our_records_carry_their_place_in_this_run() -> None:
+    """Each record that says something new gets the next seq; one published again
+    unchanged keeps it (peers see no new record); a copy of ours written over it with a
+    later place (a forgery of this run) is outranked by the record we put back, so that
+    no re-read prefers the forgery as the later copy."""
+    v = view()
+    assert claim(view(), 0.0).seq == 1
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    assert (ours.state, ours.seq) == (MemberState.MEMBER, 2)
+    assert v.record(v.claim, driver="") == ours  # nothing new: the same place
+    assert v.record(v.claim, driver="") == ours  # asking twice changes nothing
+    forged = msgspec.structs.replace(ours, address="10.6.6.6", seq=40)
+    v.apply(received(forged, retained=False), 3.0)
+    plan = derive(v, 3.0)
+    assert plan.publish
+    assert plan.decision is not None
+    back = v.record(plan.decision.claim, driver="")
+    assert back == msgspec.structs.replace(ours, seq=41)
+    v2 = view(incarnation=4)  # a new run starts over, after every record of the last
+    assert claim(v2, 0.0).seq == 1
+
+
 def test_what_came_before_our_last_publication_is_no_overwrite() -> None:
     """A record on our topic while our last publication is in flight was accepted before
     it (the broker's order): ours replaces it anyway, nothing is counted."""

@@ -156,6 +156,7 @@ class LinkEngine:
             resync_quiet_s=resync_quiet_s,
             ping_topic=self._ping_topic,
             rand=rand,
+            topics=self.topics,
         )
         self._repairing = False
         """The current link gets the broker repairs (`imexd.bus.repairs.engaged`)."""

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from imexd.bus.mqtt import topic_matches
+from imexd.messages import MemberRecord, Received, decode_message, order
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerProfile
+from imexd.topics import Topics
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -136,7 +138,9 @@ class Repairs:
         resync_quiet_s: float,
         ping_topic: str,
         rand: Callable[[], float],
+        topics: Topics,
     ) -> None:
+        self._topics = topics
         self._resync_s = resync_s
         self._quiet_s = resync_quiet_s
         self._ping_topic = ping_topic
@@ -145,6 +149,10 @@ class Repairs:
         self._known: dict[str, tuple[bytes, float]] = {}
         """Per topic, the payload we delivered last on this link (b"": deleted) and
         time.monotonic() then."""
+        self._gone: dict[str, tuple[int, int]] = {}
+        """Per topic whose record was cleared, the `order` of the record it cleared (the
+        last one delivered before the clear), kept across links: no copy that old or older
+        comes back."""
         self._snapshot: dict[str, bytes] | None = None
         """While a re-read runs: the retained copies it got, held back from the caller."""
         self._snapshot_filters: list[str] = []
@@ -204,11 +212,18 @@ class Repairs:
 
     def delivered(self, topic: str, payload: bytes) -> None:
         """`payload` reached the caller on `topic` (what a re-read compares with)."""
+        if payload:
+            self._gone.pop(topic, None)
+        elif (held := self._known.get(topic, (b"", 0.0))[0]) and (
+            cleared := self._order(topic, held)
+        ):
+            self._gone[topic] = cleared
         self._known[topic] = (payload, time.monotonic())
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Drop what was delivered on topics no subscription of ours covers now."""
         self._known = {t: k for t, k in self._known.items() if keep(t)}
+        self._gone = {t: g for t, g in self._gone.items() if keep(t)}
 
     def due(self) -> float:
         """time.monotonic() of the next re-read: the periodic one (`[bus]
@@ -249,13 +264,16 @@ class Repairs:
         """What the fresh `snapshot` of `filters` says differently from what we delivered,
         given `ours` (the records we publish ourselves and replay, by topic).
 
-        Left alone: topics with a live message during the re-read (it is newer) and topics
-        whose record changed within `resync_quiet_s` before it (the snapshot may lag). A
-        record we hold that the snapshot lacks comes out as deleted; a record we never
-        delivered, or a different one, as received. An empty snapshot while we hold records
-        is a broker that did not send the retained messages again for a SUBSCRIBE of an
-        existing filter (Mosquitto, amqtt and nats-server 2.9 do): it deletes nothing
-        (logged: `bus_resync_empty`).
+        A record that carries its writer's order (`imexd.messages.order`) is judged by it,
+        whenever it changed: a copy later than the one we hold comes out as received, an
+        earlier one (or one no later than a record cleared since) is left alone. The rest
+        is judged by time. Left alone: topics with a live message during the re-read (it
+        is newer) and topics whose record changed within `resync_quiet_s` before it (the
+        snapshot may lag). A record we hold that the snapshot lacks comes out as deleted;
+        a record we never delivered, or a different one, as received. An empty snapshot
+        while we hold records is a broker that did not send the retained messages again
+        for a SUBSCRIBE of an existing filter (Mosquitto, amqtt and nats-server 2.9 do): it
+        deletes nothing (logged: `bus_resync_empty`).
         """
         quiet_from = started - self._quiet_s
         self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
@@ -278,9 +296,14 @@ class Repairs:
                 continue
             fresh = snapshot.get(topic, b"")
             held, at = self._known.get(topic, (b"", -math.inf))
+            own = ours.get(topic)
+            later = None if own is not None or fresh == held else self._later(topic, fresh, held)
+            if later is not None:
+                if later:
+                    verdict.deliver.append((topic, fresh))
+                continue
             if at >= quiet_from:
                 continue
-            own = ours.get(topic)
             if own is not None:
                 if fresh != own:
                     verdict.republish.append(topic)
@@ -289,6 +312,28 @@ class Repairs:
                 continue
             verdict.deliver.append((topic, fresh))
         return verdict
+
+    def _later(self, topic: str, fresh: bytes, held: bytes) -> bool | None:
+        """Whether the snapshot's `fresh` copy is later than `held`, what we delivered
+        last (b"": nothing, or a clear), by their writer's order; None: the order cannot
+        tell, time decides (either lacks an order, both have the same, or `fresh` is
+        later than a record cleared since: it may be one the writer published just
+        before its clear, which we missed)."""
+        new = self._order(topic, fresh) if fresh else None
+        if new is None:
+            return None
+        if held:
+            old = self._order(topic, held)
+            return None if old is None or old == new else new > old
+        cleared = self._gone.get(topic)
+        return False if cleared is not None and new <= cleared else None
+
+    def _order(self, topic: str, payload: bytes) -> tuple[int, int] | None:
+        """The writer's order of the record `payload` on `topic` (None: it has none)."""
+        message = decode_message(self._topics, topic, payload, retained=True)
+        if isinstance(message, Received) and isinstance(message.payload, MemberRecord):
+            return order(message.payload)
+        return None
 
     def corrected(self, topics: list[str], log: FilteringBoundLogger) -> None:
         """A re-read put `topics` right (delivered or published again): counted, logged."""

@@ -21,6 +21,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
+import msgspec
 import structlog
 
 from imexd.bus.events import (
@@ -254,6 +255,9 @@ class ShardView:
         come back yet, oldest first (b"": a clear)."""
         self.last_sent: MemberRecord | None = None
         """The record we published last (None: none, or a clear)."""
+        self.seq = 0
+        """The place (`MemberRecord.seq`) of the last record of this run we published, or
+        of a record of this run written over ours: the next new record gets the next."""
         self.echo: mb.Echo | None = None
         """The barrier of our claim: taken at the live echo of `last_sent`."""
         self.continuous = False
@@ -311,6 +315,7 @@ class ShardView:
         """This agent run's incarnation (loaded from the state dir)."""
         self.incarnation = incarnation
         self.claim = mb.ClaimState(node=self.node, incarnation=incarnation)
+        self.seq = 0
 
     # -- shards ---------------------------------------------------------------------
 
@@ -503,6 +508,9 @@ class ShardView:
             else f"wrote {record.state.value} slot {record.slot} at {record.address} "
             f"(incarnation {record.incarnation})"
         )
+        if record is not None and record.incarnation == self.incarnation:
+            # A copy of this run placed later than ours: ours, put back, goes after it.
+            self.seq = max(self.seq, record.seq)
         self.overwrites = [t for t in self.overwrites if now - t < OVERWRITE_WINDOW_S]
         self.overwrites.append(now)
         self.overwritten_total += 1
@@ -675,6 +683,8 @@ class ShardView:
         """
         self.in_flight.append(b"" if record is None else encode(record))
         self.last_sent = record
+        if record is not None:
+            self.seq = max(self.seq, record.seq)
         self.echo = None
         self.republish = False
         self.reassert_at = None
@@ -1129,7 +1139,7 @@ class ShardView:
         if state is None or self.current is None:
             return None
         domain, clique = self.current
-        return MemberRecord(
+        record = MemberRecord(
             node=self.node,
             domain=domain,
             clique=clique,
@@ -1143,6 +1153,14 @@ class ShardView:
             settled=claim.settled,
             channel_count=channel_count,
             released=claim.record_released,
+            seq=self.seq,
+        )
+        # Its place among this run's records: the last one's, when it says nothing new
+        # (published again), else the next (a reader takes the later of two copies).
+        return (
+            record
+            if record == self.last_sent
+            else msgspec.structs.replace(record, seq=self.seq + 1)
         )
 
     def commit(self, plan: Plan) -> None:
