@@ -54,7 +54,9 @@ def repairs(quiet_s: float) -> Repairs:
 
 
 def verdict(r: Repairs, snapshot: dict[str, bytes], filters: list[str] | None = None) -> list:
-    return r.differences(filters or [FILTER], snapshot, {}, time.monotonic(), LOG).deliver
+    return r.differences(
+        filters or [FILTER], snapshot, ours={}, published={}, started=time.monotonic(), log=LOG
+    ).deliver
 
 
 def test_a_reread_never_applies_an_older_copy_of_a_peer_record() -> None:

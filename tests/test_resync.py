@@ -20,7 +20,8 @@ import contextlib
 import gc
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,20 @@ from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
+from tests.cluster import Cluster, pids, quiet, untouched
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import NatsCluster, find_nats_server
 from tests.test_bus import fast_settings
+from tests.test_session import NoRetainedRelay
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
 FILTER = TOPICS.members_filter("d1", CLIQUE)
 
 
-def record(node: str, slot: int, state: MemberState = MemberState.CLAIMING) -> MemberRecord:
+def record(
+    node: str, slot: int, state: MemberState = MemberState.CLAIMING, *, seq: int = 0
+) -> MemberRecord:
     return MemberRecord(
         node=node,
         domain="d1",
@@ -57,6 +62,7 @@ def record(node: str, slot: int, state: MemberState = MemberState.CLAIMING) -> M
         state=state,
         max_nodes=18,
         mode="names",
+        seq=seq,
     )
 
 
@@ -367,6 +373,36 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
     await peer.close(2.0)
 
 
+async def test_a_burst_of_ordered_records_is_read_again_without_the_quiet_time(
+    broker: Mosquitto,
+) -> None:
+    """Seen on nats-server 2.9.10 at 18 agents: a peer's member update lost during a
+    formation waited 6 s (the quiet time, 5 s, then 1 s) for the re-read that put it
+    right. A record that carries its writer's order needs no quiet time (a re-read never
+    applies an older copy of it), so a burst of such records alone is read again
+    RESYNC_SETTLE_S after its last live message; a burst with a record without an order
+    still waits for the quiet time."""
+    peer = await client_of(broker.url)
+    later = encode(record("n2", 4, MemberState.MEMBER, seq=2))
+    await peer.publish(topic("n2"), later, retain=True)
+    s = settings(broker.url, resync_interval_s=600.0)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=30.0) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        await view.until({topic("n2"): later}, within=5)
+        # The lost update: n2's earlier claim stands in the view (delivered live).
+        bus._dispatch(topic("n2"), encode(record("n2", 4, seq=1)), retained=False)
+        await until_at_least(lambda: bus.resync_corrections, 1, within=RESYNC_SETTLE_S + 4)
+        assert view.records[topic("n2")] == later
+        # A burst with a record without an order (seq 0): no re-read within the quiet time.
+        resyncs = bus.resyncs
+        bus._dispatch(topic("n3"), encode(record("n3", 5)), retained=False)
+        await asyncio.sleep(RESYNC_SETTLE_S + 1.5)
+        assert bus.resyncs == resyncs
+        view.stop()
+    await peer.close(2.0)
+
+
 @pytest.mark.parametrize(("profile", "protocol"), [("auto", "5"), ("mosquitto", "3.1.1")])
 async def test_no_repair_runs_on_a_link_whose_broker_keeps_order(
     broker: Mosquitto, profile: str, protocol: str
@@ -406,11 +442,115 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(
         async with asyncio.timeout(5):
             await view.synced.wait()
         began = time.monotonic()
+        slot = 0
         while bus.resyncs == 0:
             assert time.monotonic() - began < 4.0, "no re-read during an endless burst"
-            bus._dispatch(topic("n3"), encode(record("n3", 1)), retained=False)
+            slot += 1  # a change each time: a message that repeats the record is no news
+            bus._dispatch(topic("n3"), encode(record("n3", slot)), retained=False)
             await asyncio.sleep(0.1)
         view.stop()
+
+
+class ServerThatLost:
+    """The drop rule of a `NoRetainedRelay` standing for a server of a cluster that lost
+    `topic`'s record: its retained copies never come, and neither does its first live
+    update; later live updates pass (`live_updates` counts them all)."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.live_updates = 0
+
+    def __call__(self, t: str, retained: bool) -> bool:
+        if t != self.topic:
+            return False
+        if retained:
+            return True
+        self.live_updates += 1
+        return self.live_updates == 1
+
+
+@contextlib.asynccontextmanager
+async def reader_behind(server: NoRetainedRelay) -> AsyncIterator[View]:
+    """The view of n2, a repaired link through `server`, synced on FILTER."""
+    s = settings(server.url, resync_interval_s=600.0)
+    async with Bus(s, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
+        view = View(reader)
+        await reader.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        try:
+            yield view
+        finally:
+            view.stop()
+
+
+async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_lost_them(
+    broker: Mosquitto,
+) -> None:
+    """Seen at 256 nodes on a three-server nats-server 2.14.0 cluster: three members of a
+    clique, all on one server, lacked a peer's member record for 45 s. They had missed its
+    live update, and their server's retained map lacked it too, so their re-reads had
+    nothing to correct, while the peer's own server held it and the peer's re-reads found
+    nothing to put right. A repaired link publishes its records again at each periodic
+    re-read, whatever its own server says; the relay here is the server that lost the
+    record (it drops the record's retained copies, and its first live update)."""
+    mine = encode(record("n1", 0, MemberState.MEMBER))
+    lost = ServerThatLost(topic("n1"))
+    s = settings(broker.url, resync_interval_s=0.5)
+    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
+        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
+            await writer.subscribe(FILTER)
+            await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+            await view.until({topic("n1"): mine}, within=10)
+            assert server.dropped >= 1
+            assert lost.live_updates >= 2
+            assert writer.resync_corrections == 0, "the writer's server held it all along"
+
+
+async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosquitto) -> None:
+    """A re-read after each burst of changes is no periodic one: it neither refreshes our
+    records nor puts the next periodic re-read off. Here a peer changes its record every
+    1.3 s and each burst brings a re-read before the periodic one would come (every 1.5
+    to 2.5 s); the server that lost our record still gets it again."""
+    mine = encode(record("n1", 0, MemberState.MEMBER))
+    s = settings(broker.url, resync_interval_s=2.0)
+    lost = ServerThatLost(topic("n1"))
+    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
+        peer = await client_of(broker.url)
+        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.1) as w:
+            await w.subscribe(FILTER)
+            await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+            began = time.monotonic()
+            slot = 0
+            while view.records.get(topic("n1")) != mine:
+                assert time.monotonic() - began < 12.0, "our record never came again"
+                slot += 1
+                await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
+                await asyncio.sleep(1.3)
+        await peer.close(2.0)
+
+
+async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
+    """Peers publish their records again at every periodic re-read: a live message that
+    repeats what the link delivered last on its topic is no change, and starts no burst,
+    so a formed domain does not re-read after each peer's refresh."""
+    peer = await client_of(broker.url)
+    current = encode(record("n2", 4, MemberState.MEMBER))
+    s = settings(broker.url, resync_interval_s=600.0)
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.2) as bus:
+        view = View(bus)
+        await bus.subscribe(FILTER)
+        async with asyncio.timeout(5):
+            await view.synced.wait()
+        await peer.publish(topic("n2"), current, retain=True)
+        await view.until({topic("n2"): current}, within=5)
+        await until_at_least(lambda: bus.resyncs, 1, within=5)  # the burst's re-read
+        resyncs = bus.resyncs
+        await peer.publish(topic("n2"), current, retain=True)
+        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        assert bus.resyncs == resyncs, "a re-read after a message that changed nothing"
+        view.stop()
+    await peer.close(2.0)
 
 
 async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error() -> None:
@@ -437,3 +577,31 @@ async def test_a_ping_cancelled_as_its_publish_fails_leaves_no_unretrieved_error
     finally:
         loop.set_exception_handler(previous)
     assert unretrieved == []
+
+
+def test_a_formed_domain_whose_agents_refresh_their_records_touches_no_daemon(
+    tmp_path: Path,
+) -> None:
+    """On repaired links every agent publishes its member record again at its periodic
+    re-reads (here every 0.75 to 1.25 s, a record unchanged for RESYNC_QUIET_S), and its
+    peers get the same record again: no daemon gets a signal or a restart while they do."""
+    c = Cluster(tmp_path)
+    try:
+        fast = {"bus": {"broker": "nats", "resync_interval_s": 1.0}}
+        nodes = [c.add(name, overrides=fast) for name in ("n1", "n2", "n3")]
+        c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=30)
+        quiet(c, nodes)
+        before, signals = pids(nodes), {n.name: n.signals() for n in nodes}
+        with c.client() as client:
+            client.record(TOPICS.members_filter("d1", "c1"))
+
+            def refreshed() -> Counter[str]:
+                return Counter(t.rsplit("/", 1)[-1] for t, payload in client.seen() if payload)
+
+            # The retained copy, then at least two refreshes each (a record that changed
+            # within the re-read's quiet time, RESYNC_QUIET_S, is not published again).
+            c.wait(lambda: all(refreshed()[n.name] >= 3 for n in nodes), timeout=30)
+        assert untouched(nodes, before) == []
+        assert {n.name: n.signals() for n in nodes} == signals
+    finally:
+        c.close()

@@ -343,14 +343,24 @@ async def test_the_retained_check_brings_back_our_record_alone(broker: Mosquitto
         await bus.close()
 
 
+def retained_copies(_topic: str, retained: bool) -> bool:
+    """`NoRetainedRelay`'s default: drop every retained PUBLISH, pass every live one."""
+    return retained
+
+
 class NoRetainedRelay:
     """An MQTT-aware relay in front of a real broker that never delivers retained
     messages: every PUBLISH from the broker with the retain flag is dropped (and, at QoS
     1, acknowledged to the broker on the client's behalf). Live messages pass. With
-    `dropping` set False, it passes retained messages too (a broker that was only slow)."""
+    `dropping` set False, it passes retained messages too (a broker that was only slow).
+    `drop(topic, retained)` says which PUBLISHes it drops instead (a server that lost
+    one record)."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(
+        self, target_port: int, drop: Callable[[str, bool], bool] = retained_copies
+    ) -> None:
         self.target_port = target_port
+        self._drop = drop
         self.host = loopback_address()
         self.port = free_port(self.host)
         self.dropped = 0
@@ -409,11 +419,15 @@ class NoRetainedRelay:
                         break
                 body = await src.readexactly(length)
                 kind, flags = head[0] >> 4, head[0] & 0x0F
-                if self.dropping and ack_to is not None and kind == 3 and flags & 0x01:
+                topic_length = int.from_bytes(body[:2], "big")
+                if (
+                    self.dropping
+                    and ack_to is not None
+                    and kind == 3
+                    and self._drop(body[2 : 2 + topic_length].decode(), bool(flags & 0x01))
+                ):
                     self.dropped += 1
-                    qos = (flags >> 1) & 0x03
-                    if qos:
-                        topic_length = int.from_bytes(body[:2], "big")
+                    if (flags >> 1) & 0x03:
                         packet_id = body[2 + topic_length : 4 + topic_length]
                         ack_to.write(b"\x40\x02" + packet_id)
                     continue

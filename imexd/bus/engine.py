@@ -505,9 +505,11 @@ class LinkEngine:
             finally:
                 snapshot = self._repairs.end()
             log = self._log.bind(broker=self._broker)
-            ours = self._records.ours()
-            verdict = self._repairs.differences(filters, snapshot, ours, started, log)
-            for topic in verdict.republish:
+            ours, published = self._records.ours(), self._records.published_here()
+            verdict = self._repairs.differences(
+                filters, snapshot, ours=ours, published=published, started=started, log=log
+            )
+            for topic in [*verdict.republish, *verdict.refresh]:
                 record = self._records.get(topic)
                 if record is not None:
                     await self._put_retained(client, topic, record)

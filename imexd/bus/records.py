@@ -46,6 +46,10 @@ class Records:
         the broker's snapshot with)."""
         return {t: r.payload for t, r in self._by_topic.items() if r.payload and r.replay}
 
+    def published_here(self) -> dict[str, bytes]:
+        """Our records as this link published them, by topic (`held` of each)."""
+        return {t: payload for t in self._by_topic if (payload := self.held(t))}
+
     def link_up(self) -> None:
         """A new link: nothing of ours was published on it yet."""
         self._on_link.clear()

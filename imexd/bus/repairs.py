@@ -10,7 +10,10 @@ JetStream consumer per subscription, and it
 - loses live updates published while that consumer is being set up, and echoes of our
   own publications, so a view can stay wrong until someone reads the broker again
   (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
-  publishes a claim again when the link says an echo may be lost: `repaired`);
+  publishes a claim again when the link says an echo may be lost: `repaired`); and a
+  server may miss a record in its retained map as well as its live update, so that its
+  subscribers' re-reads cannot correct them: the periodic re-read publishes our own
+  records again (`Repairs.refreshing`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
   died (`refusal_waits`: the link subscribes again on the same link before it gives
   the link up for the next broker; the control plane's link asks again the same way).
@@ -60,14 +63,16 @@ def refusal_waits(
 
 
 RESYNC_QUIET_S: Final = 5.0
-"""A re-read leaves alone a topic whose record changed this recently: a clustered
-broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds each
-server's retained map asynchronously), and a "correction" would then flap it."""
+"""A re-read leaves alone a topic whose record changed this recently and carries no
+writer's order (`imexd.messages.order`; a member record that has one is judged by it): a
+clustered broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds
+each server's retained map asynchronously), and a "correction" would then flap it."""
 RESYNC_SETTLE_S: Final = 1.0
-"""A re-read also follows every burst of changes, `resync_quiet_s` + this many seconds
-after its last live message, so that an update lost in a formation is corrected seconds
-after it, not a whole `[bus] resync_interval_s` later (a NATS cluster loses such updates:
-docs/brokers.md)."""
+"""A re-read also follows every burst of changes, this many seconds after its last live
+message (after `resync_quiet_s` more when the burst held a record without a writer's
+order, which the quiet time protects), so that an update lost in a formation is
+corrected seconds after it, not a whole `[bus] resync_interval_s` later (a NATS cluster
+loses such updates: docs/brokers.md)."""
 RESYNC_SETTLE_MAX_S: Final = 15.0
 """A burst that never ends (links that keep dropping on an overloaded cluster) defers its
 re-read at most this long after its first live message."""
@@ -118,6 +123,9 @@ class Verdict:
     """(topic, payload) to deliver flagged retained (b"": the record is gone)."""
     republish: list[str] = field(default_factory=list)
     """Our own records the broker's copy differs from: publish them again."""
+    refresh: list[str] = field(default_factory=list)
+    """Our own records the broker's copy matches, published again by a periodic re-read
+    (`Repairs.refreshing`): another server of the cluster may have lost them."""
     blind: bool = False
     """The snapshot was empty while we hold records: nothing was deleted on its word."""
 
@@ -159,9 +167,18 @@ class Repairs:
         self._last_live = -math.inf
         """time.monotonic() of the last live message on a filter (not a ping)."""
         self._first_live = -math.inf
+        self._last_unordered = -math.inf
+        """time.monotonic() of the last live message whose record has no writer's order
+        (`imexd.messages.order`): its topic is protected by the quiet time."""
         """time.monotonic() of the first live message since the last re-read began."""
         self._last_reread = -math.inf
         self._next_periodic = math.inf
+        self.refreshing = False
+        """The re-read under way is the periodic one: it publishes our records again even
+        where our server holds them. A server of a cluster that missed one of them (its
+        retained map lacks it, and its subscribers missed the live update) serves every
+        re-read of those subscribers without it, and only a new publication reaches them
+        (seen on nats-server 2.14.0: docs/performance.md)."""
         self.burst = asyncio.Event()
         """Set by the first live message since the last re-read: the link's task then
         schedules the re-read that follows the burst."""
@@ -197,9 +214,13 @@ class Repairs:
         if self._copies.stale(topic, retained=retained):
             return True
         if not retained:
+            if self._known.get(topic, (None,))[0] == payload:
+                return False  # it repeats what we delivered (a peer's refresh): no news
             at = time.monotonic()
             if self._last_live <= self._last_reread:
                 self._first_live = at
+            if self._order(topic, payload) is None:
+                self._last_unordered = at
                 self.burst.set()
             self._last_live = at
             return False
@@ -227,23 +248,26 @@ class Repairs:
 
     def due(self) -> float:
         """time.monotonic() of the next re-read: the periodic one (`[bus]
-        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step),
-        or the one after a burst of live messages, whichever comes first; inf: none."""
+        resync_interval_s`, jittered by +-25 % so that a fleet does not re-read in step;
+        a burst's re-read does not put it off), or the one after a burst of live messages,
+        whichever comes first; inf: none."""
         if self._resync_s <= 0:
             return math.inf
         due = self._next_periodic
         if self._last_live > self._last_reread:
-            due = min(
-                due,
-                self._last_live + self._quiet_s + RESYNC_SETTLE_S,
-                self._first_live + RESYNC_SETTLE_MAX_S,
-            )
+            settled = self._last_live + RESYNC_SETTLE_S
+            if self._last_unordered > self._last_reread:
+                settled = max(settled, self._last_unordered + self._quiet_s + RESYNC_SETTLE_S)
+            due = min(due, settled, self._first_live + RESYNC_SETTLE_MAX_S)
         return due
 
     def begin(self, filters: list[str]) -> float:
         """A re-read of `filters` starts: hold their retained copies back; its start."""
-        self._last_reread = started = time.monotonic()
-        self._next_periodic = self._jittered()
+        started = time.monotonic()
+        self.refreshing = started >= self._next_periodic
+        self._last_reread = started
+        if self.refreshing:  # a burst's re-read does not put the periodic one off
+            self._next_periodic = self._jittered()
         self._snapshot, self._snapshot_filters = {}, filters
         return started
 
@@ -257,12 +281,15 @@ class Repairs:
         self,
         filters: list[str],
         snapshot: Mapping[str, bytes],
+        *,
         ours: Mapping[str, bytes],
+        published: Mapping[str, bytes],
         started: float,
         log: FilteringBoundLogger,
     ) -> Verdict:
         """What the fresh `snapshot` of `filters` says differently from what we delivered,
-        given `ours` (the records we publish ourselves and replay, by topic).
+        given `ours` (the records we publish ourselves and replay, by topic) and
+        `published` (ours as this link published them, the member record included).
 
         A record that carries its writer's order (`imexd.messages.order`) is judged by it,
         whenever it changed: a copy later than the one we hold comes out as received, an
@@ -270,10 +297,12 @@ class Repairs:
         is judged by time. Left alone: topics with a live message during the re-read (it
         is newer) and topics whose record changed within `resync_quiet_s` before it (the
         snapshot may lag). A record we hold that the snapshot lacks comes out as deleted;
-        a record we never delivered, or a different one, as received. An empty snapshot
-        while we hold records is a broker that did not send the retained messages again
-        for a SUBSCRIBE of an existing filter (Mosquitto, amqtt and nats-server 2.9 do): it
-        deletes nothing (logged: `bus_resync_empty`).
+        a record we never delivered, or a different one, as received. Ours go out again
+        where the snapshot differs; on a periodic re-read (`refreshing`), every one of
+        `published` that the snapshot shows as we published it goes out again too. An
+        empty snapshot while we hold records is a broker that did not send the retained
+        messages again for a SUBSCRIBE of an existing filter (Mosquitto, amqtt and
+        nats-server 2.9 do): it deletes nothing (logged: `bus_resync_empty`).
         """
         quiet_from = started - self._quiet_s
         self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
@@ -304,6 +333,9 @@ class Repairs:
                 continue
             if at >= quiet_from:
                 continue
+            if self.refreshing and fresh and published.get(topic) == fresh:
+                verdict.refresh.append(topic)
+                continue
             if own is not None:
                 if fresh != own:
                     verdict.republish.append(topic)
@@ -330,6 +362,9 @@ class Repairs:
 
     def _order(self, topic: str, payload: bytes) -> tuple[int, int] | None:
         """The writer's order of the record `payload` on `topic` (None: it has none)."""
+        ref = self._topics.parse(topic)
+        if not payload or ref is None or ref.kind != "member":
+            return None
         message = decode_message(self._topics, topic, payload, retained=True)
         if isinstance(message, Received) and isinstance(message.payload, MemberRecord):
             return order(message.payload)
