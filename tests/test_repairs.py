@@ -53,7 +53,9 @@ def repairs(quiet_s: float) -> Repairs:
     )
 
 
-def verdict(r: Repairs, snapshot: dict[str, bytes], filters: list[str] | None = None) -> list:
+def verdict(
+    r: Repairs, snapshot: dict[str, bytes], filters: list[str] | None = None
+) -> list[tuple[str, bytes]]:
     return r.differences(
         filters or [FILTER], snapshot, ours={}, published={}, started=time.monotonic(), log=LOG
     ).deliver
