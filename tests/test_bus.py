@@ -1528,21 +1528,3 @@ async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
         assert max(waits) >= 0.2
         lost = [e["reason"] for e in logs if e["event"] == "bus_disconnected"]
         assert all(MEMBERS in reason for reason in lost if reason != "closed")
-
-
-async def test_a_ping_refused_at_qos_1_is_subscribed_at_qos_0_on_the_same_link(
-    broker: Mosquitto,
-) -> None:
-    """A broker that refuses the ping filter's QoS 1 subscription (a NATS cluster after a
-    server died) gets it at QoS 0 at once: the link syncs, stays, and says so in a log."""
-    ping = TOPICS.ping("n1")
-    async with RefusingRelay(broker.port, {ping: {1}}) as relay:
-        bus = bus_for(settings_311(relay.url), "n1")
-        await bus.subscribe(MEMBERS)
-        with capture_logs() as logs:
-            async with bus:
-                await next_event(bus, Synced, within=10)
-                assert bus.subscribe_refused == ""
-        assert relay.connections == 1
-        assert (relay.seen[ping], relay.refused[ping]) == (2, 1)
-        assert [e for e in logs if e["event"] == "bus_ping_qos0"]

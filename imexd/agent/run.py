@@ -203,9 +203,10 @@ class Agent:
             await stack.enter_async_context(supervisor)
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
-            await bus.subscribe(self.topics.epoch())  # imexd.agent.rebuild
+            # None of them is judged by its order among others (`Bus.subscribe`).
+            await bus.subscribe(self.topics.epoch(), ordered=False)  # imexd.agent.rebuild
             if s.domain.assigned:
-                await bus.subscribe(self.topics.assignment(self.node))
+                await bus.subscribe(self.topics.assignment(self.node), ordered=False)
             if self._target() is not None:
                 await self._retarget()
             await stack.enter_async_context(bus)
@@ -468,7 +469,11 @@ class Agent:
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
         # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        await bus.subscribe(*filters, self.topics.retry(domain, self.node))
+        # A claim settles at its echo (imexd.membership.slots.barrier): the members filter
+        # needs the broker's one order, the spec and the retry request do not.
+        spec, members = self._shard_filters(domain, clique)
+        await bus.subscribe(members)
+        await bus.subscribe(spec, self.topics.retry(domain, self.node), ordered=False)
         bus.set_will(shard.will(self.topics, domain, clique))
 
     def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:

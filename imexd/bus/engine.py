@@ -38,7 +38,13 @@ from imexd.bus.events import (
 from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
 from imexd.bus.pings import LinkLostError, Pings
 from imexd.bus.records import Record, Records
-from imexd.bus.repairs import SUBSCRIBE_RETRIES, Repairs, engaged, refusal_waits
+from imexd.bus.repairs import (
+    SUBSCRIBE_RETRIES,
+    Repairs,
+    engaged,
+    refusal_waits,
+    subscription_qos,
+)
 from imexd.bus.rotation import Rotation
 from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set
@@ -526,11 +532,11 @@ class LinkEngine:
         wanted = list(filters)
         if self._repairing:
             self._repairs.subscribed(wanted)
-        answers = dict(zip(wanted, await client.subscribe(wanted), strict=True))
-        if answers.get(self._ping_topic) is not None:
-            answers[self._ping_topic] = await self._pings.subscribe_qos0(
-                client, self._broker or "", self._log
-            )
+        answers: dict[str, str | None] = {}
+        for qos in (1, 0):  # the ordered filters first: a SUBSCRIBE per QoS
+            group = [f for f in wanted if self._qos(f) == qos]
+            if group:
+                answers.update(zip(group, await client.subscribe(group, qos=qos), strict=True))
         broker = self._broker or ""
         refused = self._subs.answered(broker, wanted, [answers[f] for f in wanted])
         if not refused:
@@ -545,6 +551,10 @@ class LinkEngine:
                 code=refusal,
             )
             self._emit(SubscribeRefused(broker, topic_filter, refusal, self._subs.detail))
+
+    def _qos(self, topic_filter: str) -> int:
+        """The QoS to subscribe `topic_filter` at on this link (`subscription_qos`)."""
+        return subscription_qos(self._repairing, self._subs.ordered(topic_filter))
 
     async def _put_retained(self, client: Client, topic: str, entry: Record) -> None:
         self._records.publishing(topic)

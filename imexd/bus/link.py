@@ -247,12 +247,19 @@ class Bus(LinkEngine):
 
     # Desired state.
 
-    async def subscribe(self, *topic_filters: str) -> None:
-        """Add filters (QoS 1), kept across reconnects; one `Synced` follows their snapshot
-        (one SUBSCRIBE and one round trip for all of them). Before the first connect they
-        are only noted: that connect subscribes them with the rest."""
+    async def subscribe(self, *topic_filters: str, ordered: bool = True) -> None:
+        """Add filters, kept across reconnects; one `Synced` follows their snapshot (one
+        SUBSCRIBE and one round trip for all of them). Before the first connect they are
+        only noted: that connect subscribes them with the rest.
+
+        `ordered`: the caller judges by the order in which the broker delivers these
+        filters' messages (a claim settles at its echo; a channel's first holder keeps
+        it). Such a filter is subscribed at QoS 1 on every broker, and so is every filter
+        on a link without the broker repairs. On a repaired link the others, and the
+        ping, are subscribed at QoS 0 (`imexd.bus.repairs.subscription_qos`
+        says why)."""
         async with self._lock:
-            new = self._subs.add(topic_filters)
+            new = self._subs.add(topic_filters, ordered=ordered)
             if not new:
                 return
             live = self._live()

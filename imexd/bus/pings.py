@@ -3,6 +3,12 @@
 A broker sends every retained message of a subscription before anything the same
 connection publishes after its SUBACK at the same QoS, so an echo marks the end of a
 snapshot (`Synced`), and an echo that does not come marks a dead link (docs/bus.md).
+The ping is subscribed at the snapshot's QoS, 1, except on a repaired link
+(`imexd.bus.repairs.subscription_qos`), where it is QoS 0: Mosquitto queues QoS 1
+messages beyond its in-flight window (20) but sends QoS 0 at once, so there a QoS 0 echo
+would overtake a large snapshot; nats-server writes a new subscription's retained copies
+out before it reads the client's next packet, so there a QoS 0 echo still comes after
+them.
 """
 
 from __future__ import annotations
@@ -34,23 +40,6 @@ class Pings:
         self._timeout_s = timeout_s
         self._seq = itertools.count()
         self._waiting: dict[int, asyncio.Future[None]] = {}
-
-    async def subscribe_qos0(
-        self, client: Client, broker: str, log: FilteringBoundLogger
-    ) -> str | None:
-        """Subscribe the ping topic at QoS 0 where the broker refused it at QoS 1; the
-        refusal, or None.
-
-        The echo is a barrier behind the snapshot only at the snapshot's QoS: Mosquitto
-        queues QoS 1 messages beyond its in-flight window (20) but sends QoS 0 at once.
-        A clustered NATS may refuse new QoS 1 subscriptions after a server died; it
-        writes a new subscription's retained copies out before it reads our next packet,
-        so there a QoS 0 echo still comes after them.
-        """
-        (refusal,) = await client.subscribe([self.topic], qos=0)
-        if refusal is None:
-            log.info("bus_ping_qos0", broker=broker, why="the broker refused the ping at QoS 1")
-        return refusal
 
     async def round_trip(self, client: Client, log: FilteringBoundLogger) -> float:
         """Publish a Ping to our own topic and wait for it; the seconds it took.

@@ -16,7 +16,10 @@ JetStream consumer per subscription, and it
   records again (`Repairs.refreshing`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
   died (`refusal_waits`: the link subscribes again on the same link before it gives
-  the link up for the next broker; the control plane's link asks again the same way).
+  the link up for the next broker; the control plane's link asks again the same way);
+- makes a JetStream consumer for every QoS 1 subscription, through its cluster's meta
+  group: on nats-server 2.14 seven of them per agent kept 256 agents from forming
+  (`subscription_qos`: only the filters whose order a caller judges by get one).
 
 Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
 none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
@@ -60,6 +63,24 @@ def refusal_waits(
     if not repaired:
         return []
     return [backoff_delay(n, initial_s, largest_s, rand) for n in range(SUBSCRIBE_RETRIES)]
+
+
+def subscription_qos(repaired: bool, ordered: bool) -> int:
+    """The QoS to subscribe a filter at: 1 (`imexd.bus.mqtt.QOS`) on a link without the
+    repairs, and for an `ordered` filter (`Bus.subscribe`) on any link; 0 for the others,
+    the ping's included, on a repaired link.
+
+    A NATS server makes each QoS 1 subscription a JetStream consumer, created through
+    the cluster's meta group, and 2.14 times out those of hundreds of agents connecting at
+    once (refused SUBSCRIBEs, links lost: docs/brokers.md). A QoS 0 subscription is a
+    plain NATS one. What it gives up is delivery across the loss of a route or a link:
+    the re-reads correct that for retained records, and an ordered filter keeps its one
+    order because its consumer reads the one stream. The ping's echo still marks the end
+    of a snapshot: NATS writes a new subscription's retained copies out before it reads
+    the client's next packet (`imexd.bus.pings`). Mosquitto would not keep that barrier
+    for a QoS 1 snapshot past its in-flight window, which is why only repaired links (a
+    NATS cluster) mix the two."""
+    return 1 if ordered or not repaired else 0
 
 
 RESYNC_QUIET_S: Final = 5.0

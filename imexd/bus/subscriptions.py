@@ -32,8 +32,10 @@ class Subscriptions:
 
     def __init__(self, ping_topic: str) -> None:
         self._ping_topic = ping_topic
-        self.wanted: dict[str, None] = {}
-        """The caller's filters, in the order subscribed (a dict: ordered and unique)."""
+        self.wanted: dict[str, bool] = {}
+        """The caller's filters, in the order subscribed, each with whether the caller
+        judges by the broker's one order of its messages (`ordered`: QoS 1 on every
+        broker; `Bus.subscribe` says what the others get)."""
         self.dropped: set[str] = set()
         """Filters given up while no link was up: a resumed MQTT 5 session may hold them."""
         self.granted: set[str] = set()
@@ -46,16 +48,23 @@ class Subscriptions:
         """Which subscriptions the broker of this link refuses, naming it and them; ""
         when none (`Bus.subscribe_refused`)."""
 
-    def add(self, filters: Iterable[str]) -> list[str]:
-        """Want `filters` (each checked); the ones not wanted before, in order."""
+    def add(self, filters: Iterable[str], *, ordered: bool = True) -> list[str]:
+        """Want `filters` (each checked); the ones not wanted before, in order. A filter
+        wanted again as `ordered` stays ordered from its next SUBSCRIBE on."""
         filters = list(filters)
         for topic_filter in filters:
             check_filter(topic_filter)
         new = [f for f in dict.fromkeys(filters) if f not in self.wanted]
+        for topic_filter in dict.fromkeys(filters):
+            self.wanted[topic_filter] = ordered or self.wanted.get(topic_filter, False)
         for topic_filter in new:
-            self.wanted[topic_filter] = None
             self.dropped.discard(topic_filter)
         return new
+
+    def ordered(self, topic_filter: str) -> bool:
+        """Whether the caller judges by the order of `topic_filter`'s messages (a filter
+        not wanted, the ping's, is not)."""
+        return self.wanted.get(topic_filter, False)
 
     def remove(self, topic_filter: str) -> bool:
         """Stop wanting `topic_filter`; False when it was not wanted."""
