@@ -361,9 +361,10 @@ class BusSettings:
         "The broker profile: which links get the repairs for a broker that reorders or "
         "loses messages (stale retained copies dropped, re-reads every resync_interval_s "
         "and after each burst of changes, refused subscriptions retried on the link, lost "
-        'echoes published again). "mosquitto": none. "nats": on every link (any clustered '
-        'broker that loses updates). "auto": on links that run MQTT 3.1.1 (all that NATS '
-        "speaks), none on MQTT 5.",
+        "echoes published again, QoS 0 for the subscriptions whose order the agent does "
+        'not judge by). "mosquitto": none. "nats": on every link (any clustered broker that '
+        'loses updates). "auto": on links that run MQTT 3.1.1 (all that NATS speaks), none '
+        'on MQTT 5; set "mosquitto" for a Mosquitto told protocol = "3.1.1".',
         _one_of(*get_args(BrokerProfile)),
     )
     resync_interval_s: float = _setting(

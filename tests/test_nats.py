@@ -11,9 +11,9 @@ is the `imexd` CLI with the same settings (`Cluster.control_env`). Every wait is
 In the cluster test, nats-server 2.9.10 refuses new QoS 1 subscriptions (each a
 JetStream consumer) for tens of seconds after a server died: the agents' bus and the
 control plane's link ask again, then move to another server; the control plane's reads
-and the agents' ping filter are QoS 0 (a plain NATS subscription, never refused that
-way); `until_ok` still backs the one-shot CLI commands up. It takes 80 to 150 s (passed
-4 of 4 runs, up to load average 14).
+and every agent filter but the members and workloads ones (whose order it judges by)
+are QoS 0 (a plain NATS subscription, never refused that way); `until_ok` still backs
+the one-shot CLI commands up. It takes 36 to 160 s (docs/performance.md).
 """
 
 from __future__ import annotations
