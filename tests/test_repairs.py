@@ -125,3 +125,38 @@ def test_tombstones_and_records_of_agents_without_seq_keep_the_quiet_time_rule()
     r = repairs(quiet_s=60.0)
     r.delivered(PEER, peer(0))  # an agent that predates seq
     assert verdict(r, {PEER: peer(0, incarnation=4)}) == []
+
+
+def test_our_own_record_that_the_snapshot_lacks_is_published_again_never_deleted() -> None:
+    """Seen on nats-server 2.14.0 after a server kill: the server logged "unable to store
+    retained message ... timeout after 5s" for a late joiner's member record; its re-reads
+    delivered the record's absence as a clear, the membership took it for a write by
+    another agent ("cleared it", `record_overwritten`) and, on the second, judged a
+    duplicate node and stepped out. A record this link published, that came back to us
+    and that no live clear followed, is one the broker lost: it goes out again, and the
+    view is told nothing. A clear by anyone else comes live (it is delivered as usual)."""
+    own = TOPICS.member("d1", "c1", "n1")
+    record = peer(3).replace(b'"n2"', b'"n1"')
+    r = repairs(quiet_s=0.0)
+    r.delivered(own, record)
+    lost = r.differences(
+        [FILTER],
+        {PEER: peer(1)},
+        ours={},
+        published={own: record},
+        started=time.monotonic(),
+        log=LOG,
+    )
+    assert lost.republish == [own]
+    assert (own, b"") not in lost.deliver
+    # After a live clear (someone else's, or ours) the snapshot's word stands.
+    r.delivered(own, b"")
+    cleared = r.differences(
+        [FILTER],
+        {PEER: peer(1)},
+        ours={},
+        published={own: record},
+        started=time.monotonic(),
+        log=LOG,
+    )
+    assert own not in cleared.republish

@@ -13,7 +13,10 @@ JetStream consumer per subscription, and it
   publishes a claim again when the link says an echo may be lost: `repaired`); and a
   server may miss a record in its retained map as well as its live update, so that its
   subscribers' re-reads cannot correct them: the periodic re-read publishes our own
-  records again (`Repairs.refreshing`);
+  records again (`Repairs.refreshing`); and 2.14 gives up storing a retained message
+  after its 5 s request timeout: a re-read publishes again a record of ours that came
+  back to us and is missing from the snapshot, instead of telling the caller it was
+  cleared (`Repairs.differences`);
 - refuses new QoS 1 subscriptions for tens of seconds after a server of the cluster
   died (`refusal_waits`: the link subscribes again on the same link before it gives
   the link up for the next broker; the control plane's link asks again the same way);
@@ -339,7 +342,9 @@ class Repairs:
         earlier one (or one no later than a record cleared since) is left alone. The rest
         is judged by time. Left alone: topics with a live message during the re-read (it
         is newer) and topics whose record changed within `resync_quiet_s` before it (the
-        snapshot may lag). A record we hold that the snapshot lacks comes out as deleted;
+        snapshot may lag). One of `published` that came back to us and that the snapshot
+        lacks is a store the broker lost (no clear came live): it goes out again, and the
+        caller hears nothing. Any other record we hold that the snapshot lacks comes out as deleted;
         a record we never delivered, or a different one, as received. Ours go out again
         where the snapshot differs; on a periodic re-read (`refreshing`), every one of
         `published` that the snapshot shows as we published it goes out again too. An
@@ -384,6 +389,11 @@ class Repairs:
                     verdict.republish.append(topic)
                 continue
             if fresh == held or (verdict.blind and not fresh):
+                continue
+            if not fresh and held and published.get(topic) == held:
+                # Ours, echoed, and no clear came live: the broker lost its store
+                # (nats-server 2.14 gives up after its 5 s request timeout).
+                verdict.republish.append(topic)
                 continue
             verdict.deliver.append((topic, fresh))
         return verdict
