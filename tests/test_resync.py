@@ -31,13 +31,7 @@ import imexd.bus.waits
 from imexd.bus.events import Disconnected, Event, Synced
 from imexd.bus.link import Bus
 from imexd.bus.mqtt import Client, connect
-from imexd.bus.repairs import (
-    CHECK_PATIENCE_S,
-    RESYNC_SETTLE_S,
-    SUBSCRIBE_RETRIES,
-    check_waits,
-    refusal_waits,
-)
+from imexd.bus.repairs import RESYNC_SETTLE_S, SUBSCRIBE_RETRIES, refusal_waits
 from imexd.control.link import Link
 from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError
@@ -159,17 +153,6 @@ def test_both_links_ask_again_for_a_refused_subscription_by_one_rule() -> None:
     assert refusal_waits(True, 0.25, 2.0, lambda: 1.0)[:3] == [0.25, 0.5, 1.0]
     assert len(refusal_waits(True, 0.25, 2.0, lambda: 0.0)) == SUBSCRIBE_RETRIES
     assert refusal_waits(True, 0.5, 0.6, lambda: 0.0) == [0.25, 0.3, 0.3]
-
-
-def test_a_failed_check_is_asked_again_for_the_patience_of_a_repaired_link() -> None:
-    """The check's waits: none without the repairs; else the refusal waits, then more at
-    the largest delay until they add up to CHECK_PATIENCE_S (nats-server's 5 s store)."""
-    assert check_waits(False, 0.25, 2.0, lambda: 1.0) == []
-    waits = check_waits(True, 0.2, 1.0, lambda: 1.0)
-    assert waits[:3] == refusal_waits(True, 0.2, 1.0, lambda: 1.0)
-    assert sum(waits) >= CHECK_PATIENCE_S > sum(waits[:-1])
-    assert max(waits) == 1.0
-    assert check_waits(True, 0.5, 30.0, lambda: 1.0) == [0.5, 1.0, 2.0, 4.0]
 
 
 async def test_a_retained_copy_after_a_live_update_of_its_topic_is_dropped(

@@ -18,8 +18,7 @@ filter, which matches our record only, is subscribed at QoS 0 and dropped at onc
 the bus lock: no record of ours is published while it overlaps the shard's (its echo
 would come once per matching subscription, and a second echo could pass for a later
 record's). A refusal of that filter gives no verdict on the link. On a repaired link a failed
-check is asked again for `imexd.bus.repairs.CHECK_PATIENCE_S`, then the link moves
-(`imexd.bus.engine.LinkEngine._check_failed`).
+check is asked again, then the link moves (`imexd.bus.engine.LinkEngine._check_failed`).
 
 The link (`imexd.bus.engine`) does the subscribing; this module holds which filter to use,
 what was seen, and the verdict.

@@ -39,9 +39,8 @@ from imexd.bus.mqtt import QOS, Client, Will, connect, describe_error
 from imexd.bus.pings import LinkLostError, Pings
 from imexd.bus.records import Record, Records
 from imexd.bus.repairs import (
-    CHECK_PATIENCE_S,
+    SUBSCRIBE_RETRIES,
     Repairs,
-    check_waits,
     engaged,
     refusal_waits,
     subscription_qos,
@@ -328,10 +327,7 @@ class LinkEngine:
                 await self._settle(client, leave)
             checked = False
             check_at = 0.0  # once our echo came; after a failed check, its next try
-            s = self.settings
-            waits_left = iter(
-                check_waits(self._repairing, s.reconnect_initial_s, s.reconnect_max_s, self._rand)
-            )
+            check_waits = iter(self._refusal_waits())
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
@@ -352,7 +348,7 @@ class LinkEngine:
                     outcome = await self._check_retained(client)
                     checked = outcome == CHECK_OVER
                     if outcome == CHECK_FAILED:
-                        delay = self._check_failed(waits_left)
+                        delay = self._check_failed(check_waits)
                         checked = delay is None
                         if delay is not None:
                             check_at = time.monotonic() + delay
@@ -374,16 +370,15 @@ class LinkEngine:
         """After a failed check of this link: the wait before it is asked again (the next
         of `waits`), or None when the verdict stands for the link.
 
-        On a repaired link (nats-server) a loaded server may not have stored our record
-        or loaded its copy in time, and one restarted under a cluster may not serve a
-        retained record it holds: it is asked again for `CHECK_PATIENCE_S` (`check_waits`),
-        then the link is dropped for the next broker, as for a subscription still refused.
-        Elsewhere the verdict stands until the next connect (RabbitMQ's plugin fails every
-        time)."""
+        On a repaired link (nats-server) a loaded server may send our copy after the round
+        trip, and one restarted under a cluster may not serve a retained record it holds:
+        it is asked again by the refused-subscription rule (`refusal_waits`), then the link
+        is dropped for the next broker, as for a subscription still refused. Elsewhere the
+        verdict stands until the next connect (RabbitMQ's plugin fails every time)."""
         delay = next(waits, None)
         if delay is None and self._repairing:
             raise self._drop_for_next_broker(
-                f"{self._check.failed}; still so after {CHECK_PATIENCE_S:g} s of checks"
+                f"{self._check.failed}; still so after {SUBSCRIBE_RETRIES} more checks"
             )
         return delay
 

@@ -68,28 +68,6 @@ def refusal_waits(
     return [backoff_delay(n, initial_s, largest_s, rand) for n in range(SUBSCRIBE_RETRIES)]
 
 
-CHECK_PATIENCE_S: Final = 6.0
-"""How long a repaired link asks a failed retained-wildcard check again before it drops
-the link for the next broker. nats-server gives up storing a retained message when its
-internal request times out (5 s: it logs "unable to store retained message"), and a new
-subscription gets only the retained copies it could load in time; each check's re-read
-publishes our record again where the snapshot lacks it, so a server that stores it then
-keeps the link. Seen on 2.14.0 after a server was killed: a late joiner whose record a
-server had not stored dropped link after link, each within 1.5 s, and never got ready."""
-
-
-def check_waits(
-    repaired: bool, initial_s: float, largest_s: float, rand: Callable[[], float]
-) -> list[float]:
-    """The waits before each new try of a failed check on one link: none unless the link
-    is `repaired`, else the `refusal_waits`, then more at their pace until they add up to
-    CHECK_PATIENCE_S."""
-    waits = refusal_waits(repaired, initial_s, largest_s, rand)
-    while waits and sum(waits) < CHECK_PATIENCE_S:
-        waits.append(backoff_delay(len(waits), initial_s, largest_s, rand))
-    return waits
-
-
 def subscription_qos(repaired: bool, ordered: bool) -> int:
     """The QoS to subscribe a filter at: 1 (`imexd.bus.mqtt.QOS`) on a link without the
     repairs, and for an `ordered` filter (`Bus.subscribe`) on any link; 0 for the others,
