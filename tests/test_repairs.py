@@ -15,7 +15,7 @@ import time
 
 import structlog
 
-from imexd.bus.repairs import Repairs
+from imexd.bus.repairs import Repairs, Verdict
 from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
 from imexd.topics import Topics
 
@@ -138,25 +138,22 @@ def test_our_own_record_that_the_snapshot_lacks_is_published_again_never_deleted
     own = TOPICS.member("d1", "c1", "n1")
     record = peer(3).replace(b'"n2"', b'"n1"')
     r = repairs(quiet_s=0.0)
+
+    def reread() -> Verdict:
+        return r.differences(
+            [FILTER],
+            {PEER: peer(1)},
+            ours={},
+            published={own: record},
+            started=time.monotonic(),
+            log=LOG,
+        )
+
     r.delivered(own, record)
-    lost = r.differences(
-        [FILTER],
-        {PEER: peer(1)},
-        ours={},
-        published={own: record},
-        started=time.monotonic(),
-        log=LOG,
-    )
+    lost = reread()
     assert lost.republish == [own]
     assert (own, b"") not in lost.deliver
     # After a live clear (someone else's, or ours) the snapshot's word stands.
     r.delivered(own, b"")
-    cleared = r.differences(
-        [FILTER],
-        {PEER: peer(1)},
-        ours={},
-        published={own: record},
-        started=time.monotonic(),
-        log=LOG,
-    )
+    cleared = reread()
     assert own not in cleared.republish
