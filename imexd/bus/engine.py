@@ -532,11 +532,13 @@ class LinkEngine:
         wanted = list(filters)
         if self._repairing:
             self._repairs.subscribed(wanted)
+        groups: dict[int, list[str]] = {}
+        for topic_filter in wanted:
+            groups.setdefault(self._qos(topic_filter), []).append(topic_filter)
         answers: dict[str, str | None] = {}
-        for qos in (1, 0):  # the ordered filters first: a SUBSCRIBE per QoS
-            group = [f for f in wanted if self._qos(f) == qos]
-            if group:
-                answers.update(zip(group, await client.subscribe(group, qos=qos), strict=True))
+        for qos in sorted(groups, reverse=True):  # the ordered filters first
+            group = groups[qos]
+            answers.update(zip(group, await client.subscribe(group, qos=qos), strict=True))
         broker = self._broker or ""
         refused = self._subs.answered(broker, wanted, [answers[f] for f in wanted])
         if not refused:

@@ -21,8 +21,8 @@ JetStream consumer per subscription, and it
   died (`refusal_waits`: the link subscribes again on the same link before it gives
   the link up for the next broker; the control plane's link asks again the same way);
 - makes a JetStream consumer for every QoS 1 subscription, through its cluster's meta
-  group: on nats-server 2.14 seven of them per agent kept 256 agents from forming
-  (`subscription_qos`: only the filters whose order a caller judges by get one).
+  group, which times out creating hundreds at once (`subscription_qos`: only the filters
+  whose order a caller judges by get one; the figures are in docs/performance.md).
 
 Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
 none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
-from imexd.bus.mqtt import topic_matches
+from imexd.bus.mqtt import QOS, topic_matches
 from imexd.messages import MemberRecord, Received, decode_message, order
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerProfile
@@ -69,9 +69,9 @@ def refusal_waits(
 
 
 def subscription_qos(repaired: bool, ordered: bool) -> int:
-    """The QoS to subscribe a filter at: 1 (`imexd.bus.mqtt.QOS`) on a link without the
-    repairs, and for an `ordered` filter (`Bus.subscribe`) on any link; 0 for the others,
-    the ping's included, on a repaired link.
+    """The QoS to subscribe a filter at: QOS (1) on a link without the repairs, and for
+    an `ordered` filter (`Bus.subscribe`) on any link; 0 for the others, the ping's
+    included, on a repaired link.
 
     A NATS server makes each QoS 1 subscription a JetStream consumer, created through
     the cluster's meta group, and 2.14 times out those of hundreds of agents connecting at
@@ -83,7 +83,7 @@ def subscription_qos(repaired: bool, ordered: bool) -> int:
     the client's next packet (`imexd.bus.pings`). Mosquitto would not keep that barrier
     for a QoS 1 snapshot past its in-flight window, which is why only repaired links (a
     NATS cluster) mix the two."""
-    return 1 if ordered or not repaired else 0
+    return QOS if ordered or not repaired else 0
 
 
 RESYNC_QUIET_S: Final = 5.0

@@ -54,11 +54,12 @@ class Subscriptions:
         filters = list(filters)
         for topic_filter in filters:
             check_filter(topic_filter)
-        new = [f for f in dict.fromkeys(filters) if f not in self.wanted]
+        new: list[str] = []
         for topic_filter in dict.fromkeys(filters):
+            if topic_filter not in self.wanted:
+                new.append(topic_filter)
+                self.dropped.discard(topic_filter)
             self.wanted[topic_filter] = ordered or self.wanted.get(topic_filter, False)
-        for topic_filter in new:
-            self.dropped.discard(topic_filter)
         return new
 
     def ordered(self, topic_filter: str) -> bool:
