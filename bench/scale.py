@@ -32,9 +32,10 @@ broker's URLs (`--broker nats-cluster`: all three, in an order rotated per agent
 agents spread over the servers; NATS: `[bus] protocol = "3.1.1"`, all it speaks).
 `--nats-server PATH` runs that nats-server binary (default: the one on PATH, else
 /usr/sbin/nats-server); its `--version` is printed with the machine. The cluster's
-consumers (one per QoS 1 subscription) have one replica in memory, as docs/brokers.md
-configures them; `--nats-consumer-replicas 0` leaves nats-server's default (the streams'
-three replicas, on disk).
+consumers (one per QoS 1 subscription) are held in memory with one replica, as
+docs/brokers.md configures them (nats-server 2.9.12 and later ignore the replica count and
+give them the streams' three); `--nats-consumer-replicas 0` leaves nats-server's default
+(the streams' three replicas, on disk).
 
 Phases, each ended by a bounded wait (a miss is reported as a miss, never hidden):
 1. formation: every agent starts at once. Measured from the last agent's first link up
@@ -1140,7 +1141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         default=1,
         metavar="N",
         help="nats-cluster: replicas of each subscription's consumer, in memory (1, as "
-        "docs/brokers.md configures it); 0: nats-server's default (the streams' 3, on disk)",
+        "docs/brokers.md configures it; nats-server 2.9.12 and later ignore it and use the "
+        "streams' 3); 0: nats-server's default (the streams' 3, on disk)",
     )
     parser.add_argument("--workers", type=int, default=4, help="agent processes (4)")
     parser.add_argument("--will-delay-s", type=float, default=2.0, help="[bus] will_delay_s (2)")

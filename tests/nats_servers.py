@@ -110,7 +110,8 @@ class Nats:
         """Replicas of the MQTT streams (sessions, messages, retained); None: one."""
         self.consumer_replicas = consumer_replicas
         """Replicas of the consumer behind each QoS 1 subscription, held in memory; None:
-        nats-server's default (the streams' replicas, on disk)."""
+        nats-server's default (the streams' replicas, on disk). nats-server 2.9.12 and later
+        ignore the count (logged as a warning) and give each the streams' replicas."""
         self.binary = binary
         """The nats-server binary; None: `find_nats_server()` when started."""
         self.proc: subprocess.Popen[bytes] | None = None
