@@ -21,8 +21,9 @@ JetStream consumer per subscription, and it
   died (`refusal_waits`: the link subscribes again on the same link before it gives
   the link up for the next broker; the control plane's link asks again the same way);
 - makes a JetStream consumer for every QoS 1 subscription, through its cluster's meta
-  group, which times out creating hundreds at once (`subscription_qos`: only the filters
-  whose order a caller judges by get one; the figures are in docs/performance.md).
+  group (from 2.9.12 on replicated like the streams, whatever `consumer_replicas` says),
+  which times out creating hundreds at once (`subscription_qos`: only the filters whose
+  order a caller judges by get one; the figures are in docs/performance.md).
 
 Which links get them is the broker profile (`[bus] broker`, `engaged`): "mosquitto"
 none, "nats" all, "auto" all on a link that runs MQTT 3.1.1 (the only version NATS
@@ -322,8 +323,8 @@ class Repairs:
         is newer) and topics whose record changed within `resync_quiet_s` before it (the
         snapshot may lag). One of `published` that came back to us and that the snapshot
         lacks is a store the broker lost (no clear came live): it goes out again, and the
-        caller hears nothing. Any other record we hold that the snapshot lacks comes out as deleted;
-        a record we never delivered, or a different one, as received. Ours go out again
+        caller hears nothing. Any other record we hold that the snapshot lacks comes out
+        as deleted; a record we never delivered, or a different one, as received. Ours go out again
         where the snapshot differs; on a periodic re-read (`refreshing`), every one of
         `published` that the snapshot shows as we published it goes out again too. An
         empty snapshot while we hold records is a broker that did not send the retained
