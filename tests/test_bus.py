@@ -1203,11 +1203,25 @@ class RefusingRelay:
     """An MQTT 3.1.1 relay in front of a real broker that refuses SUBSCRIBEs as a NATS
     cluster does after a server died: it answers the filters of `refuse` itself with a
     SUBACK failure (0x80) and passes the others on. `refuse[filter]` holds which of that
-    filter's SUBSCRIBEs (counted from 1, over all connections) are refused; None: all."""
+    filter's SUBSCRIBEs (counted from 1, over all connections) are refused; None: all.
 
-    def __init__(self, target_port: int, refuse: dict[str, set[int] | None]) -> None:
+    It also drops the first `skip_retained[topic]` retained copies of a topic on their way
+    to the client, as nats-server 2.14 leaves out of a new subscription's snapshot, without
+    a word, a retained message whose load timed out (server/mqtt.go,
+    `loadRetainedMessages`: "skip requests that timed out")."""
+
+    def __init__(
+        self,
+        target_port: int,
+        refuse: dict[str, set[int] | None],
+        *,
+        skip_retained: dict[str, int] | None = None,
+    ) -> None:
         self.target_port = target_port
         self.refuse = refuse
+        self.skip_retained = dict(skip_retained or {})
+        """Retained copies still to drop, per topic."""
+        self.skipped = 0
         self.seen: dict[str, int] = dict.fromkeys(refuse, 0)
         """SUBSCRIBEs seen per filter of `refuse`."""
         self.refused: dict[str, int] = dict.fromkeys(refuse, 0)
@@ -1301,6 +1315,19 @@ class RefusingRelay:
         kept = packet_id + b"".join(e for e, r in entries if not r)
         return b"\x82" + _remaining_length(len(kept)) + kept
 
+    def _skips(self, packet: bytes) -> bool:
+        """Whether to drop this retained PUBLISH (`skip_retained`)."""
+        i = 1
+        while packet[i] & 0x80:
+            i += 1
+        size = int.from_bytes(packet[i + 1 : i + 3], "big")
+        topic = packet[i + 3 : i + 3 + size].decode()
+        if self.skip_retained.get(topic, 0) <= 0:
+            return False
+        self.skip_retained[topic] -= 1
+        self.skipped += 1
+        return True
+
     async def _down(
         self,
         src: asyncio.StreamReader,
@@ -1314,6 +1341,8 @@ class RefusingRelay:
                     granted = iter(packet[4:])
                     codes = bytes(0x80 if r else next(granted) for r in refused)
                     packet = b"\x90" + _remaining_length(2 + len(codes)) + packet[2:4] + codes
+                if packet[0] & 0xF1 == 0x31 and self._skips(packet):  # a retained PUBLISH
+                    continue
                 dst.write(packet)
                 await dst.drain()
 

@@ -41,7 +41,15 @@ from imexd.errors import BusError
 from imexd.health.fleet import (
     render_list,
 )
-from imexd.messages import Assignment, DomainSpec, MemberState, Presence, encode, json_schemas
+from imexd.messages import (
+    Assignment,
+    DomainSpec,
+    MemberState,
+    Presence,
+    WorkloadRecord,
+    encode,
+    json_schemas,
+)
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
@@ -1054,6 +1062,50 @@ async def test_after_a_write_a_refused_subscription_does_not_move_the_link(
             with pytest.raises(BusError, match="refused the subscription"):
                 await link.read(members)
             assert link.broker == relay.url
+
+
+async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired_link(
+    broker: Mosquitto,
+) -> None:
+    """nats-server 2.14 leaves a retained message whose load timed out out of a new
+    subscription's snapshot, without a word (`RefusingRelay.skip_retained`). On a link
+    that gets the broker repairs, a read subscribes again until a fresh snapshot brings
+    nothing it lacked: every member record is read, and the copy read twice is logged and
+    stored once."""
+    members, workloads = T.all_members_filter("d1"), T.workloads_filter("d1")
+    records = {T.member("d1", "c1", f"n{i}"): encode(member_record(f"n{i}", i)) for i in range(3)}
+    records |= {
+        T.workload("d1", w): encode(WorkloadRecord(workload=w, domain="d1", channel=c))
+        for c, w in enumerate(["w0", "w1"], start=1)
+    }
+    await put(broker, records)
+    left_out = {T.member("d1", "c1", "n1"): 1, T.workload("d1", "w1"): 1}
+    refuse: dict[str, set[int] | None] = {members: set(), workloads: set()}
+    async with RefusingRelay(broker.port, refuse, skip_retained=left_out) as relay:
+        async with Link(settings_311(relay.url), race=True) as link:
+            store = await link.read(members, workloads)
+            assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
+            assert sorted(logged.topic for logged in link.workload_log) == [
+                T.workload("d1", "w0"),
+                T.workload("d1", "w1"),
+            ]
+        assert relay.skipped == 2
+        # The first snapshot, the one that brought the two left out, one that brought none.
+        assert relay.seen == {members: 3, workloads: 3}
+
+
+async def test_without_the_broker_repairs_a_read_subscribes_once(broker: Mosquitto) -> None:
+    """Mosquitto sends a subscription's whole retained snapshot: a read there subscribes
+    once and reads it all, with no second SUBSCRIBE."""
+    members = T.all_members_filter("d1")
+    records = {T.member("d1", "c1", f"n{i}"): member_record(f"n{i}", i) for i in range(3)}
+    await put(broker, {topic: encode(record) for topic, record in records.items()})
+    async with RefusingRelay(broker.port, {members: set()}) as relay:
+        s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
+        async with Link(s) as link:
+            store = await link.read(members)
+            assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
+        assert relay.seen[members] == 1
 
 
 # Schemas.
