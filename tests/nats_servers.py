@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from imexd.bus.mqtt import Client, connect
 from imexd.demo import DemoError
@@ -205,6 +205,45 @@ class Nats:
             return ""
         return f"{url}: {verdict}"
 
+    def retained_feeds(self) -> tuple[set[str], set[str]]:
+        """(the feeds this server holds, the feed it reads), each named by its deliver
+        subject. Each server of a cluster fills its retained map from one `$MQTT_rmsgs`
+        consumer (its feed) delivered to a subscription of its own; nats-server 2.10.11
+        and later make that consumer ephemeral, with one replica, held by any server of
+        the cluster. From its monitoring endpoint (`/jsz`, `/subsz`)."""
+        report = self._monitor("jsz?accounts=true&consumers=true&config=true")
+        held = {
+            str((consumer.get("config") or {}).get("deliver_subject"))
+            for account in report.get("account_details") or []
+            for stream in account.get("stream_detail") or []
+            if stream.get("name") == "$MQTT_rmsgs"
+            for consumer in stream.get("consumer_detail") or []
+            if (consumer.get("cluster") or {}).get("leader") == self.name
+        }
+        subs = self._monitor("subsz?subs=1&limit=100000").get("subscriptions_list") or []
+        reads = {str(sub.get("subject")) for sub in subs}
+        return held, {s for s in reads if s.startswith("$MQTT.sub.")}
+
+    def retained_stored(self) -> int:
+        """The last sequence of the `$MQTT_rmsgs` stream (the retained store) as this
+        server reports it (`/jsz`); 0 when it reports none."""
+        report = self._monitor("jsz?accounts=true&streams=true")
+        return max(
+            (
+                int((stream.get("state") or {}).get("last_seq") or 0)
+                for account in report.get("account_details") or []
+                for stream in account.get("stream_detail") or []
+                if stream.get("name") == "$MQTT_rmsgs"
+            ),
+            default=0,
+        )
+
+    def _monitor(self, query: str) -> dict[str, Any]:
+        url = f"http://{self.host}:{self.monitor_port}/{query}"
+        with urllib.request.urlopen(url, timeout=5.0) as answer:
+            report: dict[str, Any] = json.load(answer)
+        return report
+
     def start(self, *, timeout: float = NATS_START_TIMEOUT_S) -> None:
         """Start it and wait until it accepts MQTT clients; DemoError (with its log) when
         it does not within `timeout` seconds (it is stopped then)."""
@@ -363,10 +402,12 @@ def retained_flow(servers: list[Nats], deadline: float) -> None:
             time.sleep(0.2)
     # Clearing the marker is tidiness: a slow acknowledgement must not fail the start.
     with contextlib.suppress(BusError, TimeoutError, OSError):
-        asyncio.run(_publish(first, topic, b"", wait_s=10.0))
+        asyncio.run(publish_retained(first, topic, b"", wait_s=10.0))
 
 
-async def _publish(server: Nats, topic: str, payload: bytes, *, wait_s: float = 2.0) -> None:
+async def publish_retained(
+    server: Nats, topic: str, payload: bytes, *, wait_s: float = 2.0
+) -> None:
     client = await _connect(server, wait_s)
     try:
         await client.publish(topic, payload, retain=True)
@@ -374,11 +415,33 @@ async def _publish(server: Nats, topic: str, payload: bytes, *, wait_s: float = 
         await client.close(wait_s)
 
 
+async def retained_copy(server: Nats, topic: str, *, wait_s: float = 2.0) -> bytes | None:
+    """The retained message on `topic` that a new subscription through `server` gets
+    within `wait_s`, None when none comes (or the server cannot be reached)."""
+    try:
+        client = await _connect(server, wait_s)
+    except BusError:
+        return None
+    try:
+        async with asyncio.timeout(wait_s):
+            (refusal,) = await client.subscribe([topic], qos=0)
+            if refusal is not None:
+                return None
+            async for message in client.messages():
+                if message.retained:
+                    return message.payload
+    except (BusError, TimeoutError):
+        return None
+    finally:
+        await client.close(wait_s)
+    return None
+
+
 async def _retained_problem(first: Nats, other: Nats, topic: str, payload: bytes) -> str:
     """Publish `payload` retained through `first` and read it back through `other`; what
     went wrong, or the empty string."""
     try:
-        await _publish(first, topic, payload)
+        await publish_retained(first, topic, payload)
         client = await _connect(other, 2.0)
         try:
             async with asyncio.timeout(2.0):

@@ -492,14 +492,17 @@ async def test_a_repaired_link_whose_check_keeps_failing_moves_to_the_next_broke
 ) -> None:
     """Seen on nats-server 2.14 after a server was killed under a formed domain: the server
     an agent moved to never served its retained record, and every check on that link
-    failed (the node unready for good). After the refused-subscription rule's retries
-    (`refusal_waits`) the link is dropped for the next broker, and the check passes there."""
+    failed (the node unready for good: that server's retained feed had died with the
+    killed one, docs/brokers.md, which the failure's detail names). After the
+    refused-subscription rule's retries (`refusal_waits`) the link is dropped for the next
+    broker, and the check passes there."""
     async with NoRetainedRelay(broker.port) as relay:
         bus = await agent_bus(fast_settings(relay.url, broker.url, **NATS_LIKE))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
             assert relay.url in checked.detail
+            assert "the server that fed it retained messages died" in checked.detail
             down = await next_event(bus, Disconnected, within=10)
             assert down.broker == relay.url
             assert "dropping the link for the next broker" in down.reason
@@ -522,6 +525,7 @@ async def test_a_failed_check_on_a_link_without_repairs_stands_until_the_next_co
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
+            assert "NATS" not in checked.detail
             relay.dropping = False
             await no_event(bus, BrokerChecked, lambda _: True, 2.0)
             await no_event(bus, Disconnected, lambda _: True, 0.1)

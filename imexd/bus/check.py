@@ -99,8 +99,13 @@ class RetainedCheck:
             return True
         return False
 
-    def verdict(self, broker: str, topic_filter: str, log: FilteringBoundLogger) -> BrokerChecked:
-        """The verdict of the check that just ended, logged on a change."""
+    def verdict(
+        self, broker: str, topic_filter: str, log: FilteringBoundLogger, *, repaired: bool
+    ) -> BrokerChecked:
+        """The verdict of the check that just ended, logged on a change. On a `repaired`
+        link (a NATS cluster) a failure may also mean the server stopped adding records
+        to its snapshots when the server holding its retained feed died (nats-server
+        2.10.11 and later: docs/brokers.md); the detail says so."""
         if self._seen:
             self.passed = True
             if self.failed:
@@ -112,6 +117,11 @@ class RetainedCheck:
             f"subscription of {topic_filter}: it does not deliver retained messages to "
             "wildcard subscriptions, so the member snapshot cannot be trusted"
         )
+        if repaired:
+            detail += (
+                " (on a NATS cluster of 2.10.11 or later: the server that fed it retained "
+                "messages died, and it sends no record written since until that one is back)"
+            )
         if not self.failed:
             log.warning(
                 "bus_broker_check_failed", reason=NO_RETAINED_WILDCARD, broker=broker, detail=detail

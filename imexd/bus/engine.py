@@ -478,7 +478,7 @@ class LinkEngine:
                 "bus_broker_check_refused", broker=broker, filter=topic_filter, code=refusal
             )
             return CHECK_OVER
-        verdict = self._check.verdict(broker, topic_filter, self._log)
+        verdict = self._check.verdict(broker, topic_filter, self._log, repaired=self._repairing)
         if not verdict.ok:
             self.synced_at = None
             self._check.withheld = True  # a check that passes later brings Synced back
