@@ -87,6 +87,8 @@ class BusFacts:
     no_retained_wildcard: str = ""
     """Why the broker's retained snapshot cannot be trusted: it did not send our own
     record, flagged retained, to a new wildcard subscription; "" when it did."""
+    retained_not_served: bool = False
+    """With `no_retained_wildcard`: nor to a subscription of its own topic."""
     subscribe_refused: str = ""
     """Which filter the broker refuses to subscribe us to, and where (a clustered broker
     refuses some for a while after a server died); "" when none."""

@@ -174,6 +174,15 @@ def test_a_broker_without_retained_wildcards_is_not_trusted() -> None:
     assert (c.status, c.reason, c.message) == ("False", "BrokerNoRetainedWildcard", why)
 
 
+def test_a_broker_that_does_not_serve_our_record_at_all_says_so() -> None:
+    """Nor to a subscription of its own topic (a NATS cluster whose retained feed died with
+    a server): BusConnected False with BrokerRetainedNotServed and the bus's words."""
+    why = "the broker mqtt://b:1883 did not send our retained record back ... nor to one"
+    bus = BusFacts(connected=True, synced=True, no_retained_wildcard=why, retained_not_served=True)
+    c = cond(working(bus=bus), "BusConnected")
+    assert (c.status, c.reason, c.message) == ("False", "BrokerRetainedNotServed", why)
+
+
 # SlotSettled
 
 

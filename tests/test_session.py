@@ -343,6 +343,26 @@ async def test_the_retained_check_brings_back_our_record_alone(broker: Mosquitto
         await bus.close()
 
 
+def _filters(body: bytes, *, v5: bool) -> list[str]:
+    """The topic filters of a SUBSCRIBE packet's body (after the fixed header)."""
+    rest = body[2:]  # the packet id
+    if v5:  # the properties: a variable byte integer length, then that many bytes
+        length, i, multiplier = 0, 0, 1
+        while True:
+            length += (rest[i] & 0x7F) * multiplier
+            multiplier *= 128
+            i += 1
+            if not rest[i - 1] & 0x80:
+                break
+        rest = rest[i + length :]
+    found = []
+    while len(rest) >= 3:
+        size = int.from_bytes(rest[:2], "big")
+        found.append(rest[2 : 2 + size].decode(errors="replace"))
+        rest = rest[2 + size + 1 :]  # the filter, then its options byte
+    return found
+
+
 def retained_copies(_topic: str, retained: bool) -> bool:
     """`NoRetainedRelay`'s default: drop every retained PUBLISH, pass every live one."""
     return retained
@@ -354,13 +374,24 @@ class NoRetainedRelay:
     1, acknowledged to the broker on the client's behalf). Live messages pass. With
     `dropping` set False, it passes retained messages too (a broker that was only slow).
     `drop(topic, retained)` says which PUBLISHes it drops instead (a server that lost
-    one record)."""
+    one record). With `wildcards_only` it passes the retained copies that follow a
+    SUBSCRIBE of topics without a wildcard, as RabbitMQ's MQTT plugin (3.10) serves them;
+    without, it is a server that serves no retained record at all (a NATS cluster's server
+    whose retained feed died with another server, docs/brokers.md)."""
 
     def __init__(
-        self, target_port: int, drop: Callable[[str, bool], bool] = retained_copies
+        self,
+        target_port: int,
+        drop: Callable[[str, bool], bool] = retained_copies,
+        *,
+        wildcards_only: bool = False,
     ) -> None:
         self.target_port = target_port
         self._drop = drop
+        self.wildcards_only = wildcards_only
+        self._exact = False
+        """The last SUBSCRIBE named its topics without a wildcard."""
+        self._v5 = False
         self.host = loopback_address()
         self.port = free_port(self.host)
         self.dropped = 0
@@ -419,11 +450,17 @@ class NoRetainedRelay:
                         break
                 body = await src.readexactly(length)
                 kind, flags = head[0] >> 4, head[0] & 0x0F
+                if kind == 1:  # CONNECT: "MQTT" and the protocol level (5: MQTT 5)
+                    self._v5 = body[6] == 5
+                if kind == 8:
+                    filters = _filters(body, v5=self._v5)
+                    self._exact = all("+" not in f and "#" not in f for f in filters)
                 topic_length = int.from_bytes(body[:2], "big")
                 if (
                     self.dropping
                     and ack_to is not None
                     and kind == 3
+                    and not (self.wildcards_only and self._exact)
                     and self._drop(body[2 : 2 + topic_length].decode(), bool(flags & 0x01))
                 ):
                     self.dropped += 1
@@ -440,14 +477,18 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
 ) -> None:
     """A broker that keeps retained messages from wildcard subscriptions: once our record
     came back live, the check fails (BrokerChecked not ok, naming the broker), the bus
-    is no longer synced, and on the next link no Synced comes while the check fails."""
-    async with NoRetainedRelay(broker.port) as relay:
+    is no longer synced, and on the next link no Synced comes while the check fails. It
+    serves our record to a subscription of its own topic (as RabbitMQ's plugin does): the
+    failure is BrokerNoRetainedWildcard, not BrokerRetainedNotServed."""
+    async with NoRetainedRelay(broker.port, wildcards_only=True) as relay:
         bus = await agent_bus(fast_settings(relay.url))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
             assert relay.url in checked.detail
             assert bus.no_retained_wildcard == checked.detail
+            assert "wildcard subscriptions" in checked.detail
+            assert not bus.retained_not_served
             assert bus.synced_at is None
             assert relay.dropped > 0
             bus._kill(bus._client, "test: drop the link")  # type: ignore[arg-type]
@@ -502,7 +543,8 @@ async def test_a_repaired_link_whose_check_keeps_failing_moves_to_the_next_broke
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
             assert relay.url in checked.detail
-            assert "the server that fed it retained messages died" in checked.detail
+            assert "nor to one of its own topic" in checked.detail
+            assert bus.retained_not_served
             down = await next_event(bus, Disconnected, within=10)
             assert down.broker == relay.url
             assert "dropping the link for the next broker" in down.reason
@@ -520,12 +562,12 @@ async def test_a_failed_check_on_a_link_without_repairs_stands_until_the_next_co
 ) -> None:
     """Elsewhere (RabbitMQ's plugin fails every time) the check is not asked again on the
     link: one verdict, no link dropped for it."""
-    async with NoRetainedRelay(broker.port) as relay:
+    async with NoRetainedRelay(broker.port, wildcards_only=True) as relay:
         bus = await agent_bus(fast_settings(relay.url, broker="mosquitto"))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
-            assert "NATS" not in checked.detail
+            assert not bus.retained_not_served
             relay.dropping = False
             await no_event(bus, BrokerChecked, lambda _: True, 2.0)
             await no_event(bus, Disconnected, lambda _: True, 0.1)
@@ -624,13 +666,13 @@ def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Clus
 
 
 @contextlib.contextmanager
-def no_retained_relay(port: int) -> Iterator[NoRetainedRelay]:
+def no_retained_relay(port: int, *, wildcards_only: bool) -> Iterator[NoRetainedRelay]:
     """A `NoRetainedRelay` to the broker on `port`, served by a thread of its own (for
     tests that drive agent processes synchronously)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="no-retained-relay", daemon=True)
     thread.start()
-    relay = NoRetainedRelay(port)
+    relay = NoRetainedRelay(port, wildcards_only=wildcards_only)
     try:
         asyncio.run_coroutine_threadsafe(relay.__aenter__(), loop).result(5)
         yield relay
@@ -642,24 +684,28 @@ def no_retained_relay(port: int) -> Iterator[NoRetainedRelay]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("wildcards_only", "reason"),
+    [(True, "BrokerNoRetainedWildcard"), (False, "BrokerRetainedNotServed")],
+    ids=["rabbitmq-like", "nats-feed-lost"],
+)
 def test_an_agent_on_a_broker_without_retained_wildcards_says_so_and_never_settles(
-    c: Cluster,
+    c: Cluster, wildcards_only: bool, reason: str
 ) -> None:
-    """The agent's BusConnected is False with BrokerNoRetainedWildcard naming the broker,
-    and its slot never settles while that holds."""
+    """The agent's BusConnected is False naming the broker, with BrokerNoRetainedWildcard
+    where the broker serves our record to a subscription of its own topic only (RabbitMQ's
+    plugin) and BrokerRetainedNotServed where it serves it nowhere (a NATS server whose
+    retained feed died); its slot never settles while that holds."""
     assert isinstance(c.broker, Mosquitto)
-    with no_retained_relay(c.broker.port) as relay:
+    with no_retained_relay(c.broker.port, wildcards_only=wildcards_only) as relay:
         node = c.add("n1", bus_url=relay.url)
-        c.wait(
-            lambda: node.condition("BusConnected").get("reason") == "BrokerNoRetainedWildcard",
-            timeout=20,
-        )
+        c.wait(lambda: node.condition("BusConnected").get("reason") == reason, timeout=20)
         bus = node.condition("BusConnected")
         assert bus["status"] == "False"
         assert relay.url in bus["message"]
         time.sleep(2.0)
         assert node.condition("SlotSettled").get("status") != "True"
-        assert node.condition("BusConnected").get("reason") == "BrokerNoRetainedWildcard"
+        assert node.condition("BusConnected").get("reason") == reason
         assert not node.ready()
         assert len(node.log_events("bus_broker_check_failed")) == 1
         node.stop()

@@ -373,6 +373,7 @@ class Agent:
             resync_corrections=bus.resync_corrections,
             dropped=MappingProxyType(dict(bus.dropped)),
             no_retained_wildcard=bus.no_retained_wildcard,
+            retained_not_served=bus.retained_not_served,
             subscribe_refused=bus.subscribe_refused,
         )
         return self.bus_facts

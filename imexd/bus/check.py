@@ -17,8 +17,12 @@ send every record of the shard again, k messages to each of k nodes, so the chec
 filter, which matches our record only, is subscribed at QoS 0 and dropped at once, under
 the bus lock: no record of ours is published while it overlaps the shard's (its echo
 would come once per matching subscription, and a second echo could pass for a later
-record's). A refusal of that filter gives no verdict on the link. On a repaired link a failed
-check is asked again, then the link moves (`imexd.bus.engine.LinkEngine._check_failed`).
+record's). A refusal of that filter gives no verdict on the link. A failure then reads our
+record's own topic the same way, to name which: the broker serves it there
+(`BrokerNoRetainedWildcard`), or nowhere (`BrokerRetainedNotServed`: a NATS cluster of
+2.10.11 or later after the server holding this server's retained feed died,
+docs/brokers.md). On a repaired link a failed check is asked again, then the link moves
+(`imexd.bus.engine.LinkEngine._check_failed`).
 
 The link (`imexd.bus.engine`) does the subscribing; this module holds which filter to use,
 what was seen, and the verdict.
@@ -30,7 +34,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from imexd.bus.events import NO_RETAINED_WILDCARD, BrokerChecked
+from imexd.bus.events import NO_RETAINED_WILDCARD, RETAINED_NOT_SERVED, BrokerChecked
 from imexd.bus.mqtt import topic_matches
 
 if TYPE_CHECKING:
@@ -61,6 +65,8 @@ class RetainedCheck:
         self.failed = ""
         """Why the broker cannot be trusted with the retained snapshot; "" while no link
         failed the check since one passed it (`Bus.no_retained_wildcard`)."""
+        self.reason = ""
+        """`NO_RETAINED_WILDCARD` or `RETAINED_NOT_SERVED` while `failed` is set, else ""."""
         self.passed = False
         """The current link passed the check (`Bus.retained_checked`)."""
         self.own_echo = asyncio.Event()
@@ -100,31 +106,44 @@ class RetainedCheck:
         return False
 
     def verdict(
-        self, broker: str, topic_filter: str, log: FilteringBoundLogger, *, repaired: bool
+        self,
+        broker: str,
+        topic_filter: str,
+        log: FilteringBoundLogger,
+        *,
+        seen: bool,
+        served: bool | None,
     ) -> BrokerChecked:
-        """The verdict of the check that just ended, logged on a change. On a `repaired`
-        link (a NATS cluster) a failure may also mean the server stopped adding records
-        to its snapshots when the server holding its retained feed died (nats-server
-        2.10.11 and later: docs/brokers.md); the detail says so."""
-        if self._seen:
+        """The verdict of the check that just ended (`seen`: our copy came), logged on a
+        change. A failure is one of two, told apart by a read of our record's own topic
+        (`served`; None when not asked): a broker that serves retained messages only to a
+        subscription naming their topic (RabbitMQ's plugin, `NO_RETAINED_WILDCARD`), or
+        one that does not serve our record at all (`RETAINED_NOT_SERVED`): a NATS cluster
+        of 2.10.11 or later whose server holding this one's retained feed died
+        (docs/brokers.md)."""
+        if seen:
             self.passed = True
             if self.failed:
                 log.info("bus_retained_wildcard_ok", broker=broker)
-            self.failed = ""
+            self.failed = self.reason = ""
             return BrokerChecked(broker, ok=True)
-        detail = (
-            f"the broker {broker} did not send our retained record back to a new "
-            f"subscription of {topic_filter}: it does not deliver retained messages to "
-            "wildcard subscriptions, so the member snapshot cannot be trusted"
-        )
-        if repaired:
-            detail += (
-                " (on a NATS cluster of 2.10.11 or later: the server that fed it retained "
-                "messages died, and it sends no record written since until that one is back)"
+        if served is False:
+            reason = RETAINED_NOT_SERVED
+            detail = (
+                f"the broker {broker} did not send our retained record back to a new "
+                f"subscription of {topic_filter}, nor to one of its own topic: it does not "
+                "serve a retained record it took, so the member snapshot cannot be trusted "
+                "(a NATS cluster of 2.10.11 or later does so once the server that held this "
+                "server's retained feed died, until that server is back)"
+            )
+        else:
+            reason = NO_RETAINED_WILDCARD
+            detail = (
+                f"the broker {broker} did not send our retained record back to a new "
+                f"subscription of {topic_filter}: it does not deliver retained messages to "
+                "wildcard subscriptions, so the member snapshot cannot be trusted"
             )
         if not self.failed:
-            log.warning(
-                "bus_broker_check_failed", reason=NO_RETAINED_WILDCARD, broker=broker, detail=detail
-            )
-        self.failed = detail
+            log.warning("bus_broker_check_failed", reason=reason, broker=broker, detail=detail)
+        self.failed, self.reason = detail, reason
         return BrokerChecked(broker, ok=False, detail=detail)

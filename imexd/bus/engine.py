@@ -452,6 +452,7 @@ class LinkEngine:
             return CHECK_OVER
         topic, shard_filter, topic_filter = target
         refusal: str | None = None
+        served: bool | None = None
         try:
             narrow = True
             if self._repairing:
@@ -464,12 +465,12 @@ class LinkEngine:
                 if not narrow:
                     topic_filter = shard_filter
             if narrow:
-                self._check.begin(topic, narrow=True)
-                async with self._lock:
-                    (refusal,) = await client.subscribe([topic_filter], qos=0)
-                    if refusal is None:
-                        await self._round_trip(client)
-                        await client.unsubscribe(topic_filter)
+                refusal = await self._read_own(client, topic, topic_filter)
+            seen = self._check.seen
+            # Which failure: a broker that serves our record only to a subscription of its
+            # own topic, or one that does not serve it at all (`check.verdict`).
+            if refusal is None and not seen and await self._read_own(client, topic, topic) is None:
+                served = self._check.seen
         finally:
             self._check.end()
         broker = self._broker or ""
@@ -478,7 +479,7 @@ class LinkEngine:
                 "bus_broker_check_refused", broker=broker, filter=topic_filter, code=refusal
             )
             return CHECK_OVER
-        verdict = self._check.verdict(broker, topic_filter, self._log, repaired=self._repairing)
+        verdict = self._check.verdict(broker, topic_filter, self._log, seen=seen, served=served)
         if not verdict.ok:
             self.synced_at = None
             self._check.withheld = True  # a check that passes later brings Synced back
@@ -486,6 +487,18 @@ class LinkEngine:
         if verdict.ok and self._check.withheld:
             self._mark_synced()
         return CHECK_OVER if verdict.ok else CHECK_FAILED
+
+    async def _read_own(self, client: Client, topic: str, topic_filter: str) -> str | None:
+        """Subscribe `topic_filter` (matching our record's `topic` only) at QoS 0 under the
+        bus lock, wait a round trip for our record's copy (`RetainedCheck.seen`), and drop
+        it again; the broker's refusal, or None when it granted it."""
+        self._check.begin(topic, narrow=True)
+        async with self._lock:
+            (refusal,) = await client.subscribe([topic_filter], qos=0)
+            if refusal is None:
+                await self._round_trip(client)
+                await client.unsubscribe(topic_filter)
+        return refusal
 
     async def _reread(self, client: Client) -> None:
         """Anti-entropy (a repair): subscribe every granted filter again on this link and

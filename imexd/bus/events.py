@@ -129,6 +129,10 @@ SUBSCRIBE_REFUSED: Final = "SubscribeRefused"
 """The reason BusConnected gives while a subscription we need is refused."""
 
 NO_RETAINED_WILDCARD: Final = "BrokerNoRetainedWildcard"
+"""The check's failure where the broker serves our record to a subscription of its own
+topic only (`imexd.bus.check`)."""
+RETAINED_NOT_SERVED: Final = "BrokerRetainedNotServed"
+"""The check's failure where the broker does not serve our record at all."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Self
 
 from imexd.bus.engine import LinkEngine
-from imexd.bus.events import Event, WillSpec
+from imexd.bus.events import RETAINED_NOT_SERVED, Event, WillSpec
 from imexd.bus.mqtt import QOS
 from imexd.bus.records import Record
 from imexd.bus.repairs import RESYNC_QUIET_S
@@ -159,6 +159,12 @@ class Bus(LinkEngine):
         own record back, flagged retained, to a new wildcard subscription); "" while no
         link failed that check since one passed it. No `Synced` while it is set."""
         return self._check.failed
+
+    @property
+    def retained_not_served(self) -> bool:
+        """The failed check's broker did not send our record to a subscription of its own
+        topic either (`imexd.bus.check`: BusConnected `BrokerRetainedNotServed`)."""
+        return self._check.reason == RETAINED_NOT_SERVED
 
     @property
     def retained_checked(self) -> bool:

@@ -121,6 +121,8 @@ def _bus(f: Facts) -> _Verdict:
             f"the broker did not echo our retained publish on {fleet.name_list(bus.refused)}: "
             "check its ACL for this node",
         )
+    if bus.no_retained_wildcard and bus.retained_not_served:
+        return _Verdict("False", "BrokerRetainedNotServed", bus.no_retained_wildcard)
     if bus.no_retained_wildcard:
         return _Verdict("False", "BrokerNoRetainedWildcard", bus.no_retained_wildcard)
     if not bus.synced:
