@@ -30,6 +30,8 @@ SHIPPED_CONF = REPO / "config" / "mosquitto.conf"
 SHIPPED_ACL = REPO / "config" / "mosquitto.acl"
 CONTROL_USER = "imexd_control"
 """The control plane's user name (its certificate's CN) in config/mosquitto.acl."""
+CLIENT_SAN = "client@imexd.invalid"
+"""The subjectAltName of every client certificate (`Pki.client`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +61,13 @@ class Pki:
         self._serials: dict[str, int] = {}
 
     def client(self, name: str) -> Identity:
-        """The certificate with CN = `name` (a node name or the control plane's user)."""
+        """The certificate with CN = `name` (a node name or the control plane's user).
+
+        Its subjectAltName is one fixed e-mail address: the broker reads the CN only
+        (`use_identity_as_username`), and cryptography 51 refuses a certificate with an
+        empty subjectAltName, which is what trustme makes for a CN alone."""
         if name not in self._clients:
-            issued = self.ca.issue_cert(common_name=name)
+            issued = self.ca.issue_cert(CLIENT_SAN, common_name=name)
             ident = Identity(name, self.folder / f"{name}.crt", self.folder / f"{name}.key")
             issued.cert_chain_pems[0].write_to_path(str(ident.cert_file))
             issued.private_key_pem.write_to_path(str(ident.key_file))
