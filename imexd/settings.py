@@ -781,8 +781,11 @@ def settings_from_mapping(
     merged: dict[str, dict[str, tuple[Any, str, bool]]] = {}
     for section, table in raw.items():
         if section not in SECTIONS:
+            close = difflib.get_close_matches(section, list(SECTIONS), n=1)
             problems.append(
-                f"[{section}]: unknown section in {source}; expected one of " + ", ".join(SECTIONS)
+                f"[{section}]: unknown section in {source}; expected one of "
+                + ", ".join(SECTIONS)
+                + (f"; did you mean [{close[0]}]?" if close else "")
             )
             continue
         if not isinstance(table, dict):

@@ -106,6 +106,18 @@ def test_every_wrong_key_is_reported_at_once() -> None:
     assert len(problems) == 9
 
 
+def test_a_misspelt_section_gets_a_did_you_mean() -> None:
+    """An unknown section close to a known one is named with the one it likely means,
+    as a misspelt key is; one far from every section gets the list alone."""
+    problems = problems_of({"bsu": {"url": "mqtt://b"}, "zzz": {}})
+    assert problems[0] == (
+        "[bsu]: unknown section in <settings>; expected one of node, domain, bus, imex, "
+        "daemon, health, channels, log; did you mean [bus]?"
+    )
+    assert problems[1].startswith("[zzz]: unknown section")
+    assert "did you mean" not in problems[1]
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
