@@ -247,6 +247,26 @@ class Node:
     def ready(self) -> bool:
         return self.get("/readyz")[0] == 200
 
+    def brief(self) -> str:
+        """This node in one line, for a failed wait's message."""
+        if not self.alive():
+            return "not running"
+        status = self.status()
+        if not status:
+            return "running, no /status"
+        view = status.get("domain_view") or {}
+        daemon = status.get("daemon") or {}
+        failing = [
+            f"{c.get('type')}={c.get('status')} {c.get('reason')}"
+            for c in status.get("conditions", [])
+            if c.get("status") != "True"
+        ]
+        return (
+            f"ready={status.get('ready')} slot={status.get('slot')} "
+            f"daemon={daemon.get('state')} view={view.get('status')} "
+            f"{len(view.get('nodes') or {})} nodes; " + ", ".join(failing)
+        )
+
     def daemon_pid(self) -> int | None:
         pid = self.status().get("daemon", {}).get("pid")
         return pid if isinstance(pid, int) else None
@@ -538,8 +558,16 @@ class Cluster:
             node.start()
         return node
 
-    def wait(self, predicate: Callable[[], object], timeout: float = 30.0) -> None:
-        wait_for(predicate, timeout=timeout, interval=0.1)
+    def wait(
+        self, predicate: Callable[[], object], timeout: float = 30.0, *, what: str | None = None
+    ) -> None:
+        """`wait_for` whose failure shows every node's state as seen last."""
+        wait_for(predicate, timeout=timeout, interval=0.1, what=what, seen=self.brief)
+
+    def brief(self) -> dict[str, str]:
+        """Each node's state in one line: process, readiness, its view of the domain, and
+        the conditions that are not True (what a failed wait saw last)."""
+        return {name: node.brief() for name, node in self.nodes.items()}
 
     def all_ready(self, names: list[str] | None = None) -> bool:
         chosen = [self.nodes[n] for n in names] if names else list(self.nodes.values())
@@ -601,8 +629,13 @@ class Cluster:
 
 def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
     """Wait until `nodes` are ready and each judges the domain UP with all of them."""
-    c.wait(lambda: c.all_ready([n.name for n in nodes]), timeout=timeout)
-    c.wait(lambda: all(n.up_with(len(nodes)) for n in nodes), timeout=30)
+    names = [n.name for n in nodes]
+    c.wait(lambda: c.all_ready(names), timeout=timeout, what=f"{names} ready")
+    c.wait(
+        lambda: all(n.up_with(len(nodes)) for n in nodes),
+        timeout=30,
+        what=f"each of {names} judges the domain UP with {len(nodes)} members",
+    )
 
 
 QUIET_S = 2 * float(FAST["imex"]["reload_min_interval_s"])
@@ -624,7 +657,7 @@ def quiet(c: Cluster, nodes: list[Node], quiet_s: float = QUIET_S, timeout: floa
             seen, since = now, time.monotonic()
         return time.monotonic() - since >= quiet_s
 
-    c.wait(still, timeout=timeout)
+    c.wait(still, timeout=timeout, what=f"no signal to {[n.name for n in nodes]} for {quiet_s:g} s")
 
 
 def members(node: Node) -> dict[int, str]:

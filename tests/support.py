@@ -7,11 +7,14 @@ every wait is bounded in time.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
+import inspect
 import itertools
 import os
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,17 +37,100 @@ def loopback_address() -> str:
     return f"127.{second}.{n // 250 % 250}.{n % 250 + 2}"
 
 
+def describe(predicate: Callable[[], object]) -> str:
+    """What a wait waited for, from its predicate: a named function's name, or a lambda's
+    own source text (`lambda: node.ready()`), with where it was written."""
+    code = getattr(predicate, "__code__", None)
+    where = f" ({Path(code.co_filename).name}:{code.co_firstlineno})" if code else ""
+    name = getattr(predicate, "__qualname__", repr(predicate))
+    if getattr(predicate, "__name__", "") != "<lambda>":
+        return name + where
+    try:
+        lines, _ = inspect.getsourcelines(predicate)
+    except (OSError, TypeError):
+        return "a lambda" + where
+    text = textwrap.dedent("".join(lines))
+    for source in (text, f"({text.strip().rstrip(',')})"):
+        with contextlib.suppress(SyntaxError):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Lambda):
+                    segment = ast.get_source_segment(source, node) or ""
+                    return " ".join(segment.split()) + where
+    return " ".join(lines[0].split()) + where
+
+
+def _shown(value: object, limit: int = 600) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class Waiting:
+    """One bounded wait: polls a predicate, keeps what it saw last, and fails with a
+    message that names what was awaited and that last observation."""
+
+    def __init__(
+        self,
+        predicate: Callable[[], object],
+        *,
+        timeout: float,
+        what: str | None,
+        seen: Callable[[], object] | None,
+    ) -> None:
+        self.predicate = predicate
+        self.timeout = timeout
+        self.what = what or describe(predicate)
+        self.seen = seen
+        self.last: object = None
+        self.deadline = time.monotonic() + timeout
+
+    def done(self) -> bool:
+        """Whether the predicate holds now; raises once the deadline has passed."""
+        self.last = self.predicate()
+        if self.last:
+            return True
+        if time.monotonic() > self.deadline:
+            raise AssertionError(self.failure())
+        return False
+
+    def failure(self) -> str:
+        if self.seen is None:
+            last = _shown(self.last)
+        else:
+            try:
+                last = _shown(self.seen(), limit=2000)
+            except Exception as exc:
+                last = f"(could not observe: {exc!r})"
+        return f"not within {self.timeout:g} s: {self.what}; last seen: {last}"
+
+
 def wait_for(
-    predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.05
+    predicate: Callable[[], object],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    what: str | None = None,
+    seen: Callable[[], object] | None = None,
 ) -> None:
-    """Poll `predicate` until it is truthy; AssertionError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+    """Poll `predicate` until it is truthy; after `timeout` seconds an AssertionError that
+    names what was awaited (`what`, else the predicate's own source) and what was seen
+    last (`seen()`, else the predicate's last value)."""
+    waiting = Waiting(predicate, timeout=timeout, what=what, seen=seen)
+    while not waiting.done():
         time.sleep(interval)
+
+
+async def until(
+    predicate: Callable[[], object],
+    *,
+    within: float = 30.0,
+    interval: float = 0.05,
+    what: str | None = None,
+    seen: Callable[[], object] | None = None,
+) -> None:
+    """`wait_for` for a test that runs an event loop: sleeps without blocking it."""
+    waiting = Waiting(predicate, timeout=within, what=what, seen=seen)
+    while not waiting.done():  # noqa: ASYNC110 - polls what other processes do, no event
+        await asyncio.sleep(interval)
 
 
 def during(seconds: float, check: Callable[[], str | None], interval: float = 0.25) -> list[str]:

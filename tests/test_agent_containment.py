@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from imexd.logs import get_logger
 from imexd.membership.desired import Desired
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node, end_in_process
+from tests.support import until
 
 WAIT_S = 30.0
 
@@ -47,15 +48,6 @@ class Running:
     stop: asyncio.Event
     handover: asyncio.Event
     task: asyncio.Task[int]
-
-
-async def until(predicate: Callable[[], object], within_s: float = WAIT_S) -> None:
-    """Poll `predicate` every 50 ms until it holds; fail after `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_s} s")
-        await asyncio.sleep(0.05)
 
 
 @asynccontextmanager
@@ -435,9 +427,9 @@ async def test_the_daemons_ready_line_is_probed_at_once_not_at_the_interval(
         await until(lambda: run.agent.supervisor is not None and run.agent.supervisor.pid)
         supervisor = run.agent.supervisor
         assert supervisor is not None
-        await until(lambda: supervisor.state is DaemonState.RUNNING, within_s=10)
+        await until(lambda: supervisor.state is DaemonState.RUNNING, within=10)
         assert run.agent.probes.imex_status != "READY", "counted RUNNING by time, not READY"
-        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert run.agent.probes.imex_status == "READY"
         assert not run.task.done()
 
@@ -452,9 +444,9 @@ async def test_the_daemons_ready_is_judged_at_once_not_at_the_end_of_a_pause(
     waited for the end of the pause that the start's own changes began."""
     monkeypatch.setattr(agent_module, "REPORT_PACE_S", 20.0)
     async with one_agent(tmp_path, SLOW_READY) as run:
-        await until(lambda: run.agent.probes.imex_status == "READY" or run.task.done(), 15)
+        await until(lambda: run.agent.probes.imex_status == "READY" or run.task.done(), within=15)
         said = time.monotonic()
-        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=10)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within=10)
         assert not run.task.done()
         assert time.monotonic() - said < 10
 
@@ -491,9 +483,9 @@ async def test_no_domain_probe_asks_a_daemon_that_has_not_said_ready(
     monkeypatch.setattr(Prober, "domain", counted)
     async with one_agent(tmp_path, SLOW_READY) as run:
         agents.append(run.agent)
-        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert not run.task.done()
-        await until(lambda: run.agent.probes.domain_view is not None, within_s=5)
+        await until(lambda: run.agent.probes.domain_view is not None, within=5)
         before_ready = [at for at, status in probed if status != "READY"]
         assert before_ready == [], f"{len(before_ready)} domain probes before READY"
         assert probed, "no domain probe after READY"
@@ -529,7 +521,7 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
     monkeypatch.setattr(DaemonProbes, "on_output", listened)
     monkeypatch.setattr(Prober, "local", counted)
     async with one_agent(tmp_path, SLOW_TIMERS) as run:
-        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert not run.task.done()
         assert len(starts) == 1, starts
         first = min(at for at in probes if at >= starts[0])
@@ -556,7 +548,7 @@ async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
 
     monkeypatch.setattr(Prober, "local", counted)
     async with one_agent(tmp_path, SLOW_TIMERS) as run:
-        await until(lambda: run.agent.health.is_ready or run.task.done(), within_s=15)
+        await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert not run.task.done()
         assert run.agent.supervisor is not None
         assert run.agent.supervisor.state is DaemonState.RUNNING  # by READY: start_s is 30 s

@@ -54,7 +54,7 @@ from imexd.process import (
     survives_signal,
 )
 from imexd.settings import DaemonSettings, ImexSettings
-from tests.support import loopback_address
+from tests.support import loopback_address, wait_for
 
 FAKE_SOURCE = Path(__file__).with_name("fake_daemon.py")
 SIM_BINARY = Path(sys.executable).with_name("imexd-sim-daemon")
@@ -412,19 +412,10 @@ class Node:
         )
         self.children.append(proc)
         if self.binary == SIM_BINARY:
-            wait_until(lambda: listening(address, port))
+            wait_for(lambda: listening(address, port))
         else:
-            wait_until(pidfile.exists)
+            wait_for(pidfile.exists)
         return psutil.Process(proc.pid)
-
-
-def wait_until(predicate: object, timeout: float = 5.0) -> None:
-    """Block until `predicate()` is true (for a child to come up before the test goes on)."""
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {predicate}"
-        time.sleep(0.02)
 
 
 async def until(sup: Supervisor, predicate: Callable[[DaemonStatus], bool]) -> DaemonStatus:
@@ -435,7 +426,7 @@ async def until(sup: Supervisor, predicate: Callable[[DaemonStatus], bool]) -> D
 
 def read_pids(path: Path) -> list[int]:
     """The pids a fake daemon wrote to its pidfile, once it has written them."""
-    wait_until(path.exists)
+    wait_for(path.exists)
     return [int(word) for word in path.read_text().split()]
 
 
@@ -1084,7 +1075,7 @@ async def test_sim_output_is_still_logged_after_a_hand_over(sim: Node) -> None:
         await sup.ensure_started()
         pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
-        await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGHUP))
+        await asyncio.to_thread(wait_for, lambda: catches(pid, signal.SIGHUP))
         sup.detach()
     try:
         with capture_logs() as logs:
@@ -1173,7 +1164,7 @@ async def test_sim_starts_to_ready_and_stops_gracefully(sim: Node) -> None:
         await sup.ensure_started()
         pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
-        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
+        await asyncio.to_thread(wait_for, lambda: ctl_query(sim) == "READY\n")
         assert any("IMEX version" in line for line in sup.last_lines)
     assert (sup.state, sup.last_exit) == (DaemonState.STOPPED, "exit 0")
     assert gone(pid)
@@ -1218,7 +1209,7 @@ async def test_sim_ignoring_sigterm_is_killed_after_the_stop_timeout(sim: Node) 
         pid = (await until(sup, lambda s: s.state is DaemonState.RUNNING)).pid
         assert pid is not None
         # On a loaded host the simulator can still be importing when start_s is over
-        await asyncio.to_thread(wait_until, lambda: catches(pid, signal.SIGTERM))
+        await asyncio.to_thread(wait_for, lambda: catches(pid, signal.SIGTERM))
         began = time.monotonic()
         status = await sup.stop()
         took = time.monotonic() - began
@@ -1244,7 +1235,7 @@ async def test_sim_reload_burst_at_the_default_window_is_never_ignored(sim: Node
         assert sup.status.reload_pending
         async with asyncio.timeout(interval + 3.0):
             status = await sup.wait_for(lambda s: not s.reload_pending)
-        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == status.reloads_sent)
+        await asyncio.to_thread(wait_for, lambda: len(reloads(siglog)) == status.reloads_sent)
     sent = reloads(siglog)
     assert 1 <= len(sent) <= 2
     assert [verdict for _, _, verdict in sent] == ["honoured"] * len(sent)
@@ -1264,7 +1255,7 @@ async def test_sim_reloads_keep_their_distance_and_the_last_change_arrives(sim: 
         last_request = time.time()
         async with asyncio.timeout(5.0):
             status = await sup.wait_for(lambda s: not s.reload_pending)
-        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == status.reloads_sent)
+        await asyncio.to_thread(wait_for, lambda: len(reloads(siglog)) == status.reloads_sent)
     sent = reloads(siglog)
     assert len(sent) >= 2
     assert all(verdict == "honoured" for _, _, verdict in sent)
@@ -1286,7 +1277,7 @@ async def test_sim_matching_daemon_is_adopted_signalled_and_its_death_noticed(si
         )
         assert sup.request_reload("hosts changed")
         await until(sup, lambda s: s.reloads_sent == 1)
-        await asyncio.to_thread(wait_until, lambda: len(reloads(siglog)) == 1)
+        await asyncio.to_thread(wait_for, lambda: len(reloads(siglog)) == 1)
         assert reloads(siglog)[0][2] == "honoured"
         outside.kill()
         status = await until(sup, lambda s: s.state is DaemonState.BACKOFF)
@@ -1320,7 +1311,7 @@ async def test_sim_conflicting_daemon_blocks_the_start_until_it_is_gone(sim: Nod
         assert "SERVER_PORT" in status.detail
         outside.terminate()
         status = await until(sup, lambda s: s.state is DaemonState.RUNNING)
-        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n")
+        await asyncio.to_thread(wait_for, lambda: ctl_query(sim) == "READY\n")
 
 
 async def test_sim_ready_makes_a_start_running_before_start_s(sim: Node) -> None:
@@ -1330,7 +1321,7 @@ async def test_sim_ready_makes_a_start_running_before_start_s(sim: Node) -> None
         started = time.monotonic()
         status = await sup.ensure_started()
         assert status.state is DaemonState.STARTING
-        await asyncio.to_thread(wait_until, lambda: ctl_query(sim) == "READY\n", 20.0)
+        await asyncio.to_thread(wait_for, lambda: ctl_query(sim) == "READY\n", timeout=20.0)
         assert sup.report_ready()
         # Checked while start_s (30 s) has not elapsed.
         assert time.monotonic() - started < 30.0

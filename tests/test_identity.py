@@ -10,8 +10,6 @@ that is told to identify as another node (IMEXD_SIM_IDENTIFY_AS).
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from imexd.demo.brokers import Mosquitto
 from imexd.messages import DAEMON_READY
 from imexd.settings import settings_from_mapping
 from tests.cluster import Node, end_in_process
+from tests.support import until
 
 WAIT_S = 30.0
 
@@ -39,15 +38,6 @@ WAIT_S = 30.0
 def test_the_identity_line_is_read_from_the_message(message: str, expected: int | None) -> None:
     """The node id is taken from IMEX's identity line, and from no other line."""
     assert identified_id(message) == expected
-
-
-async def until(predicate: Callable[[], object], within_s: float = WAIT_S) -> None:
-    """Poll `predicate` every 50 ms until it holds; fail after `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_s} s")
-        await asyncio.sleep(0.05)
 
 
 async def test_a_daemon_that_identifies_as_another_node_is_an_identity_mismatch(

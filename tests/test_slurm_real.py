@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import free_port
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -137,15 +138,6 @@ def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports on which nothing listens now, outside the ephemeral range
     (`imexd.demo.brokers.free_port`)."""
     return [free_port() for _ in range(count)]
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Return once `check()` holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout:g} s: {what}")
-        time.sleep(0.2)
 
 
 @dataclass
@@ -373,7 +365,7 @@ def test_job_gets_its_channel(slurm: Cluster, layout: str, channel: str) -> None
     def deleted() -> bool:
         return any(c[1] == "delete" for c in slurm.imexd_calls(job))
 
-    wait_for(deleted, JOB_S, f"the epilog's delete of job-{job}")
+    wait_for(deleted, timeout=JOB_S, interval=0.2, what=f"the epilog's delete of job-{job}")
     delete = next(c for c in slurm.imexd_calls(job) if c[1] == "delete")
     assert delete[-3:] == ["epilog_slurmctld", "gpu", "0"]
     assert not (slurm.dir / "workloads" / f"job-{job}.env").exists()
@@ -393,7 +385,12 @@ def test_other_partition_is_not_touched(slurm: Cluster) -> None:
     def both_skipped() -> bool:
         return len(slurm.logged(job)) >= 2
 
-    wait_for(both_skipped, JOB_S, f"the prolog's and epilog's skip lines for job {job}")
+    wait_for(
+        both_skipped,
+        timeout=JOB_S,
+        interval=0.2,
+        what=f"the prolog's and epilog's skip lines for job {job}",
+    )
     assert slurm.imexd_calls(job) == []
     reason = "partition cpu is not in IMEXD_PARTITIONS (gpu)"
     assert [(p, reason in m) for _, p, m in slurm.logged(job)] == [("user.info", True)] * 2
@@ -411,11 +408,17 @@ def test_failing_prolog_requeues_a_batch_job(slurm: Cluster) -> None:
     job = submitted.stdout.strip().split(";")[0]
     try:
         # The failed start ends the job's run: Slurm runs EpilogSlurmctld, then requeues.
-        wait_for(lambda: len(slurm.imexd_calls(job)) >= 3, JOB_S, f"the epilog of job {job}")
+        wait_for(
+            lambda: len(slurm.imexd_calls(job)) >= 3,
+            timeout=JOB_S,
+            interval=0.2,
+            what=f"the epilog of job {job}",
+        )
         wait_for(
             lambda: slurm.job_field(job, "JobState") == "PENDING",
-            JOB_S,
-            f"job {job} pending again after the failed prolog",
+            timeout=JOB_S,
+            interval=0.2,
+            what=f"job {job} pending again after the failed prolog",
         )
         assert slurm.job_field(job, "Restarts") == "1"
         assert slurm.job_field(job, "BatchFlag") == "1"
@@ -457,7 +460,12 @@ def test_mixed_pair_picks_the_layout_by_partition(slurm: Cluster) -> None:
     def deleted() -> bool:
         return all(len(slurm.imexd_calls(job)) == 2 for job in (perjob, shared))
 
-    wait_for(deleted, JOB_S, f"the epilogs' deletes of jobs {perjob} and {shared}")
+    wait_for(
+        deleted,
+        timeout=JOB_S,
+        interval=0.2,
+        what=f"the epilogs' deletes of jobs {perjob} and {shared}",
+    )
     assert [c[:5] + c[-3:-1] for c in slurm.imexd_calls(perjob)] == [
         ["domain", "create", f"job-{perjob}", "--nodes", node, "prolog_slurmctld", "gpu"],
         ["domain", "delete", f"job-{perjob}", "--wait", "30", "epilog_slurmctld", "gpu"],
