@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from imexd.sim.protocol import (
     decode_reply,
     encode,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_flags_of_the_real_tool() -> None:
@@ -120,6 +123,31 @@ HEAVY = (
 than the round trip itself; the C module `_socket` and a check of IPv4 literals do."""
 
 
+def query_imports(cfg: Path, *python: str, site_dir: Path | None = None) -> tuple[str, str]:
+    """Run `-q` in a new interpreter (`python` its command line up to `-c`): its answer,
+    and the HEAVY modules it imported beyond those the interpreter had loaded at start
+    (what site and the install's .pth files load every process pays, not `-q`)."""
+    probe = (
+        "import sys\n"
+        + ("" if site_dir is None else f"import site; site.addsitedir({str(site_dir)!r})\n")
+        + "started = set(sys.modules)\n"
+        "from imexd.sim.ctl import main\n"
+        f"code = main(['-c', {str(cfg)!r}, '-q', '-t', '200'])\n"
+        f"added = [m for m in {HEAVY!r} if m in sys.modules and m not in started]\n"
+        "print('\\n' + str(code) + ' ' + ','.join(added) + ' ' + sys.modules['imexd'].__file__)"
+    )
+    done = subprocess.run(
+        [*python, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=cfg.parent,  # `-c` puts the folder it runs in first on sys.path
+    )
+    lines = done.stdout.splitlines()
+    return lines[0], lines[-1]
+
+
 def test_query_imports_only_the_socket_layer(tmp_path: Path) -> None:
     """`-q` (the agent's probe, at every start and every probe interval) is a blocking
     socket round trip that reads config.cfg as the agent wrote it: no event loop, no
@@ -127,17 +155,35 @@ def test_query_imports_only_the_socket_layer(tmp_path: Path) -> None:
     what a small C program costs. A module-level import added to its path fails here."""
     cfg = tmp_path / "config.cfg"
     cfg.write_text("IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\nIMEX_CMD_PORT=1\nLOG_LEVEL=4\n")
-    probe = (
-        "import sys\n"
-        "from imexd.sim.ctl import main\n"
-        f"code = main(['-c', {str(cfg)!r}, '-q', '-t', '200'])\n"
-        f"print('\\n' + str(code) + ' ' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert done.stdout.splitlines()[0] == "UNAVAILABLE"
-    assert done.stdout.splitlines()[-1].split(" ") == ["1", ""], done.stdout
+    answer, imported = query_imports(cfg, sys.executable)
+    assert answer == "UNAVAILABLE"
+    assert imported.split(" ")[:2] == ["1", ""], imported
+
+
+def test_query_imports_only_the_socket_layer_under_the_readmes_install(tmp_path: Path) -> None:
+    """The same holds under the install the README's first command makes (setuptools'
+    default editable mode, whose import hook loads pathlib and ipaddress in every process
+    before `-q` runs): a copy of the package installed that way, offline, imports nothing
+    heavy of its own."""
+    source = tmp_path / "src"
+    source.mkdir()
+    shutil.copytree(ROOT / "imexd", source / "imexd", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    prefix = tmp_path / "prefix"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    offline = ["--no-deps", "--no-build-isolation", "--no-index", "--ignore-installed"]
+    offline += ["--prefix", str(prefix)]  # beside, not instead of, the suite's own install
+    subprocess.run([*pip, *offline, "-e", str(source)], check=True, timeout=120)
+    (site_dir,) = prefix.glob("lib/python*/site-packages")
+    assert list(site_dir.glob("__editable__*finder.py")), "not setuptools' default mode"
+    cfg = tmp_path / "config.cfg"
+    cfg.write_text("IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\nIMEX_CMD_PORT=1\nLOG_LEVEL=4\n")
+    answer, imported = query_imports(cfg, sys.executable, "-S", site_dir=site_dir)
+    assert answer == "UNAVAILABLE"
+    code, heavy, origin = imported.split(" ")
+    assert Path(origin).is_relative_to(source), "the probe ran another install of imexd"
+    assert (code, heavy) == ("1", ""), imported
 
 
 def test_the_query_frames_are_the_protocols() -> None:
