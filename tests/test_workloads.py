@@ -731,7 +731,10 @@ async def test_env_prints_the_exports_of_an_active_workload(
     broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`workload env`: four export lines; exit 1 for an unknown or claiming workload."""
-    assert (await create(settings, "w1", domain="job-7", channel=3))[0] == 0
+    assert (await create(settings, "w1", domain="job-7", channel=3, nodes=["n1"]))[0] == 0
+    await put(
+        broker, {T.health("job-7", "n1"): live("n1", 0, domain="job-7", infos=[info("w1", 3, 1)])}
+    )
     capsys.readouterr()
     assert await cli("workload", "env", "w1") == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -747,13 +750,43 @@ async def test_env_prints_the_exports_of_an_active_workload(
     assert "is not active (state claiming" in capsys.readouterr().err
 
 
+async def test_env_of_a_workload_not_ready_exits_1_with_the_reason(
+    broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen on a machine without a GPU: `workload env` printed a device path and exited 0
+    while the workload was FAILED on every node. It exits 1, prints no export line, and
+    says which nodes lack the channel and why."""
+    assert (await create(settings, "w1", nodes=["n1", "n2"]))[0] == 0
+    missing = info("w1", 1, 1, ready=False, reason="NoChannelDevice", message="no driver")
+    await put(broker, {T.health("d1", "n1"): live("n1", 0, infos=[missing])})
+    capsys.readouterr()
+    assert await cli("workload", "env", "w1") == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("imexd workload env: workload w1 in d1 is not ready (FAILED")
+    assert "n1: NoChannelDevice (no driver); n2: NoReport" in err
+    await put(broker, {T.health("d1", "n1"): live("n1", 0, infos=[info("w1", 1, 1)])})
+    assert await cli("workload", "env", "w1") == 1
+    assert "is not ready (PENDING" in capsys.readouterr().err
+    await put(broker, {T.health("d1", "n2"): live("n2", 1, infos=[info("w1", 1, 1)])})
+    assert await cli("workload", "env", "w1") == 0
+    assert "export IMEX_CHANNEL=1" in capsys.readouterr().out.splitlines()
+
+
 async def test_domain_may_be_omitted_only_when_the_name_is_unique(
     broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One domain with the name: found; two: exit 2 naming both."""
-    assert (await create(settings, "w1", domain="d1"))[0] == 0
-    assert (await create(settings, "w1", domain="d2"))[0] == 0
-    assert (await create(settings, "w2", domain="d2"))[0] == 0
+    assert (await create(settings, "w1", domain="d1", nodes=["n1"]))[0] == 0
+    assert (await create(settings, "w1", domain="d2", nodes=["n2"]))[0] == 0
+    assert (await create(settings, "w2", domain="d2", nodes=["n2"]))[0] == 0
+    ready = {
+        T.health("d1", "n1"): live("n1", 0, infos=[info("w1", 1, 1)]),
+        T.health("d2", "n2"): live(
+            "n2", 0, domain="d2", infos=[info("w1", 1, 1), info("w2", 2, 1)]
+        ),
+    }
+    await put(broker, ready)
     capsys.readouterr()
     assert await cli("workload", "env", "w2") == 0
     assert "IMEXD_DOMAIN=d2" in capsys.readouterr().out

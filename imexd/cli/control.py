@@ -83,7 +83,8 @@ WORKLOAD_EXITS: Final = {
     "list": "0 listed; 1 bus error; 2 usage error",
     "status": "0 every listed node has the channel ready; 1 not ready, no such "
     "workload, or a bus error; 2 usage error (also: NAME in several domains and no --domain)",
-    "env": "0 printed; 1 no such workload, or not active; 2 usage error",
+    "env": "0 printed; 1 no such workload, not active, or not ready on every node it "
+    "lists (the reason on stderr, nothing on stdout), or a bus error; 2 usage error",
 }
 GC_EXITS: Final = (
     "0 listed (without --apply), or every candidate not in use deleted; 1 a delete failed "
@@ -371,7 +372,7 @@ def _workload_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
     q.add_argument("--json", action="store_true", help="print JSON (default: a table)")
     q.set_defaults(handler=_cmd_workload_status)
 
-    q = action("env", "print `export` lines for the workload's channel (Slurm TaskProlog)")
+    q = action("env", "print `export` lines for a ready workload's channel (Slurm TaskProlog)")
     q.add_argument("name", help="the workload's name")
     _domain_arg(q)
     q.set_defaults(handler=_cmd_workload_env)

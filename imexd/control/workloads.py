@@ -524,19 +524,36 @@ async def status(
 async def env(
     settings: Settings, name: str, *, domain: str | None, out: TextIO, err: TextIO
 ) -> int:
-    """Print the `export` lines of an active workload (for a Slurm TaskProlog)."""
+    """Print the `export` lines of a workload whose channel is ready on every node it
+    lists (for a Slurm TaskProlog); exit 1 with the reason, and no line, otherwise: a
+    job handed a device path that no node has would fail later, and further from why."""
+    interval = settings.health.report_interval_s
     async with Link(settings.bus) as link:
         found = await _locate(link, name, domain, "workload env", err)
         if isinstance(found, int):
             return found
         record = link.store.workloads[(found, name)]
-    if record.state != "active":
+        if record.state != "active":
+            print(
+                f"imexd workload env: workload {name} in {found} is not active (state "
+                f"{record.state}: its channel is still being claimed)",
+                file=err,
+            )
+            return EXIT_FAILED
+        t = link.topics
+        store = await link.read(t.all_members_filter(found), t.health_filter(found))
+        listed = record.nodes or sorted({n for d, _, n in store.members if d == found})
+        if listed:
+            await link.read(*(t.presence(n) for n in listed))  # AgentDown
+        result = _status_of(store, store.workloads.get((found, name), record), interval)
+    if result.state != "READY":
         print(
-            f"imexd workload env: workload {name} in {found} is not active (state "
-            f"{record.state}: its channel is still being claimed)",
+            f"imexd workload env: workload {name} in {found} is not ready ({result.state}, "
+            f"{result.ready} of {result.listed} nodes): {_not_ready(result)}; see "
+            f"`imexd workload status {name}`",
             file=err,
         )
         return EXIT_FAILED
-    for line in env_lines(record):
+    for line in env_lines(result.record):
         print(line, file=out)
     return EXIT_OK
