@@ -39,6 +39,7 @@ from imexd.channels.devices import (
     plan,
     read_driver,
 )
+from imexd.health.conditions import CHANNEL_MESSAGE_MAX
 from imexd.messages import WorkloadRecord
 from imexd.settings import ChannelsSettings
 
@@ -255,6 +256,28 @@ def test_no_channel_device_refuses_every_workload() -> None:
         ("b", "NoChannelDevice"),
     ]
     assert "/proc/devices lists no such" in refusals[0].message
+
+
+def test_no_channel_device_says_why_in_whole_words(tmp_path: Path) -> None:
+    """Seen on a machine without a GPU: the reason shown for NoChannelDevice was cut
+    mid-sentence ("(the NVIDIA driver is not loaded, or ...") because it repeated itself
+    and carried the driver parameters' problems too. It is the major's own clause, whole
+    within the report's limit for a channel message."""
+    devices, params = tmp_path / "devices", tmp_path / "params"
+    devices.write_text("Character devices:\n  1 mem\n")
+    driver = read_driver(ChannelsSettings(proc_devices=str(devices), driver_params=str(params)))
+    assert "cannot read" in driver.error  # the parameters' problem is known, not repeated
+    _, refusals = _plan([_record("w1", 1)], driver=driver)
+    message = refusals[0].message
+    assert message == (
+        f"{devices} lists no {DEVICE_NAME} character device (the NVIDIA driver is not "
+        "loaded, or too old for IMEX channels)"
+    )
+    on_proc = message.replace(str(devices), "/proc/devices")
+    assert len(on_proc) <= CHANNEL_MESSAGE_MAX
+    missing = read_driver(ChannelsSettings(proc_devices=str(tmp_path / "none")))
+    _, refusals = _plan([_record("w1", 1)], driver=missing)
+    assert refusals[0].message.startswith(f"cannot read {tmp_path / 'none'}: No such file")
 
 
 def test_a_channel_at_or_above_the_count_is_out_of_range() -> None:

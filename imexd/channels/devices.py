@@ -89,6 +89,8 @@ class Driver:
     """CreateImexChannel0: True when the driver made a world-writable channel0."""
     error: str = ""
     """Why something is unknown, one clause per fact; "" when all three were read."""
+    major_error: str = ""
+    """Why `major` is unknown, alone: the reason a workload gets no device (NoChannelDevice)."""
 
 
 def parse_proc_devices(text: str) -> int | None:
@@ -151,15 +153,15 @@ def read_driver(settings: ChannelsSettings) -> Driver:
     problems: list[str] = []
     devices, problem = _read(settings.proc_devices)
     major: int | None = None
-    if devices is None:
-        problems.append(problem)
-    else:
+    if devices is not None:
         major = parse_proc_devices(devices)
         if major is None:
-            problems.append(
+            problem = (
                 f"{settings.proc_devices} lists no {DEVICE_NAME} character device "
                 "(the NVIDIA driver is not loaded, or too old for IMEX channels)"
             )
+    if major is None:
+        problems.append(problem)
     params, problem = _read(settings.driver_params)
     count: int | None = None
     channel0: bool | None = None
@@ -171,7 +173,13 @@ def read_driver(settings: ChannelsSettings) -> Driver:
             problems.append(f"{settings.driver_params} has no ImexChannelCount")
         if channel0 is None:
             problems.append(f"{settings.driver_params} has no CreateImexChannel0")
-    return Driver(major=major, count=count, channel0=channel0, error="; ".join(problems))
+    return Driver(
+        major=major,
+        count=count,
+        channel0=channel0,
+        error="; ".join(problems),
+        major_error="" if major is not None else problems[0],
+    )
 
 
 # --- what the node should have ---------------------------------------------------------
@@ -308,8 +316,9 @@ def _refusal(
         )
 
     if driver.major is None:
-        why = f": {driver.error}" if driver.error else ""
-        return refuse(NO_CHANNEL_DEVICE, f"no {DEVICE_NAME} device to make channel{channel}{why}")
+        # The major's own clause alone: it must stay whole within a report's message.
+        why = driver.major_error or driver.error or f"no {DEVICE_NAME} device is known"
+        return refuse(NO_CHANNEL_DEVICE, why)
     if driver.count is not None and channel >= driver.count:
         return refuse(
             CHANNEL_OUT_OF_RANGE,
