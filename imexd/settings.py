@@ -542,6 +542,13 @@ class ChannelsSettings:
         "Keep a channel0 node that no workload owns (the driver makes a world-writable one "
         "with NVreg_CreateImexChannel0=1). false: it is removed, so that channels isolate.",
     )
+    simulate: bool = _setting(
+        False,
+        "The driver is simulated (a machine without a GPU: the demo, a tour, tests). Where "
+        "the agent may not mknod (no CAP_MKNOD), it makes a stand-in file marked as such "
+        "instead of the device node, and reports its channels Simulated. Needs a dev_dir "
+        "outside /dev.",
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -846,6 +853,11 @@ def settings_from_mapping(
     return Settings(**built)
 
 
+def _under_dev(path: str) -> bool:
+    """Whether `path` is /dev or below it (after resolving `..`, not symlinks)."""
+    return os.path.normpath(path) == "/dev" or os.path.normpath(path).startswith("/dev/")
+
+
 def _cross_checks(built: Mapping[str, Any]) -> list[str]:
     """Rules between keys: each problem names the keys involved."""
     problems: list[str] = []
@@ -893,12 +905,58 @@ def _cross_checks(built: Mapping[str, Any]) -> list[str]:
             f"domain.claim_stale_s = {domain.claim_stale_s}: expected more than 4 x "
             f"domain.settle_s ({4 * domain.settle_s}), or live claims would go stale"
         )
+    channels: ChannelsSettings = built["channels"]
+    if channels.simulate and _under_dev(channels.dev_dir):
+        problems.append(
+            f"channels.simulate = true: expected channels.dev_dir outside /dev (it is "
+            f"{channels.dev_dir!r}): a simulated driver's stand-ins never go where jobs "
+            "open real channel devices"
+        )
     if domain.assigned and domain.name:
         problems.append(
             f"domain.name = {domain.name!r}: expected empty when domain.assigned = true "
             "(the control plane names the domain)"
         )
     return problems
+
+
+HOST_ADDRESSES_SHOWN = 6
+"""How many of the host's addresses `node_address_problem` names."""
+
+
+def node_address_problem(node: NodeSettings) -> str | None:
+    """None when `node.address` is one of this host's addresses (any of 127.0.0.0/8 is,
+    on Linux), or the node runs no daemon (`clique = ""`); else why the IMEX daemon will
+    not start. IMEX binds only an address an interface holds ("No matching network
+    interface found"). A warning, not an error: the interface may come up later."""
+    if node.clique == "":
+        return None
+    import ipaddress  # noqa: PLC0415 - lazy: only `imexd config` and the agent's start
+
+    import psutil  # noqa: PLC0415 - lazy: as in default_address
+
+    wanted = ipaddress.ip_address(node.address)
+    if wanted.version == 4 and wanted in ipaddress.ip_network("127.0.0.0/8"):
+        return None
+    held = sorted(
+        {
+            ipaddress.ip_address(addr.address.split("%", 1)[0])
+            for addrs in psutil.net_if_addrs().values()
+            for addr in addrs
+            if addr.family in (socket.AF_INET, socket.AF_INET6)
+        },
+        key=lambda ip: (ip.version, ip),
+    )
+    if wanted in held:
+        return None
+    shown = ", ".join(map(str, held[:HOST_ADDRESSES_SHOWN]))
+    if len(held) > HOST_ADDRESSES_SHOWN:
+        shown += f" and {len(held) - HOST_ADDRESSES_SHOWN} more"
+    return (
+        f"not an address of this host ({shown or 'it has none'}): the IMEX daemon cannot "
+        "bind it and fails to start (DaemonCrashed) until an interface holds it; set "
+        "node.address to the node's address on the IMEX network"
+    )
 
 
 def default_address() -> str:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from imexd.cli.main import build_parser, main
@@ -33,7 +34,8 @@ def _imexd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_fatal_start_error_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    """An agent that cannot bind its health port says so on one line and exits 1."""
+    """An agent whose health port is taken prints one line, before any log line, that
+    names the address and the setting to change, and exits 1."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -48,8 +50,68 @@ def test_a_fatal_start_error_is_one_line_and_exit_1(tmp_path: Path) -> None:
         )
         proc = _imexd("run", "--config", str(config))
     assert proc.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"imexd: cannot listen on 127.0.0.1:{port}: Address already in use: another process "
+        f"holds the port (a second agent?): stop it, or set [health] listen "
+        f"(IMEXD_HEALTH_LISTEN) to a free HOST:PORT"
+    ]
+
+
+def _daemon_config(tmp_path: Path, **imex: str) -> Path:
+    """A settings file of a node that runs the simulated daemon, `imex` keys laid over."""
+    bin_dir = Path(sys.executable).parent
+    values = {
+        "run_dir": str(tmp_path / "run"),
+        "hosts_file": str(tmp_path / "hosts"),
+        "binary": str(bin_dir / "imexd-sim-daemon"),
+        "ctl": str(bin_dir / "imexd-sim-ctl"),
+    } | imex
+    config = tmp_path / "imexd.toml"
+    config.write_text(
+        f'[node]\nname = "n1"\naddress = "127.0.0.1"\nclique = "c1"\n'
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[bus]\nurl = "mqtt://127.0.0.1:{free_port()}"\n'
+        "[imex]\n" + "".join(f'{key} = "{value}"\n' for key, value in values.items())
+    )
+    return config
+
+
+def test_a_run_dir_that_cannot_be_created_is_a_configuration_error(tmp_path: Path) -> None:
+    """`imexd run` and `imexd config` refuse an `[imex] run_dir` below a regular file
+    (exit 2, nothing started), naming the key, the file in the way and why."""
+    (tmp_path / "file").write_text("")
+    config = _daemon_config(tmp_path, run_dir=str(tmp_path / "file" / "run"))
+    expected = (
+        f"imex.run_dir = '{tmp_path / 'file' / 'run'}': cannot create it: "
+        f"{tmp_path / 'file'} is not a directory"
+    )
+    for command in ("config", "run"):
+        proc = _imexd(command, "--config", str(config))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.splitlines() == ["imexd: invalid configuration:", f"  {expected}"]
+
+
+def test_config_warns_of_a_node_address_not_on_this_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`imexd config` says when `[node] address` is no address of this host (the IMEX
+    daemon could not bind it, as `imexd run` logs too), and still exits 0: an interface
+    may come up later. Any 127.0.0.0/8 address is this host's on Linux."""
+    held = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    elsewhere = next(a for a in ("203.0.113.77", "198.51.100.77", "192.0.2.77") if a not in held)
+    config = _daemon_config(tmp_path)
+    env = tmp_path / "imexd.env"
+    env.write_text(f"IMEXD_NODE_ADDRESS={elsewhere}\n")
+    assert main(["config", "-c", str(config), "--env-file", str(env)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"imexd config: warning: node.address = '{elsewhere}': not an address of this host "
+    ), err
+    assert "the IMEX daemon cannot bind it" in err
+    env.write_text("IMEXD_NODE_ADDRESS=127.0.0.9\n")
+    assert main(["config", "-c", str(config), "--env-file", str(env)]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_usage_errors_exit_2() -> None:

@@ -443,7 +443,8 @@ def test_config_reads_an_env_file_as_systemd_does(tmp_path: Path) -> None:
 
 
 def test_the_install_docs_env_example_validates(tmp_path: Path) -> None:
-    """The env-file block of docs/install.md, as an operator copies it, passes."""
+    """The env-file block of docs/install.md, as an operator copies it, passes; the only
+    warning is that its address is not this host's (it names the example's node)."""
     doc = (ROOT / "docs" / "install.md").read_text()
     marker = "and in `/etc/imexd/imexd.env` on that node"
     block = doc[doc.index(marker) :].split("```sh\n", 1)[1].split("```", 1)[0]
@@ -452,4 +453,5 @@ def test_the_install_docs_env_example_validates(tmp_path: Path) -> None:
     proc = _imexd("config", "--config", str(_node_file(tmp_path)), "--env-file", str(env_file))
     assert proc.returncode == 0, proc.stderr
     assert "node.address = '10.40.7.11'" in proc.stdout
-    assert "warning" not in proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert [w for w in warnings if "not an address of this host" not in w] == []

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import replace
 from types import MappingProxyType
@@ -70,7 +71,7 @@ from imexd.messages import now as wire_now
 from imexd.names import client_id
 from imexd.nodestate import NodeState
 from imexd.retry import backoff_delay
-from imexd.settings import SHUTDOWN_MARGIN_S, Settings
+from imexd.settings import SHUTDOWN_MARGIN_S, Settings, node_address_problem
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
@@ -171,27 +172,9 @@ class Agent:
     async def run(self, *, stop: asyncio.Event, handover: asyncio.Event) -> int:
         """Run until `stop`; leave (0) or hand over (EXIT_HANDOVER) when it is set."""
         s = self.settings
-        remove_stale_temps(s.config_path)
-        remove_stale_temps(s.nodes_config_path)
-        remove_stale_temps(s.imex.hosts_file)
-        self.saved = self._load_state()
-        self.shard.start(self.saved.incarnation)
-        self.log.info(
-            "agent.start",
-            incarnation=self.shard.incarnation,
-            previous_domain=self.saved.domain,
-            previous_slot=self.saved.slot,
-            mode="assigned" if s.domain.assigned else "static",
-        )
-        bus = Bus(s.bus, node=self.node, client_id=self._client_id, will=self._first_will())
-        bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
-        supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
-        self.bus, self.supervisor = bus, supervisor
-        self.reconciler = Reconciler(
-            s, supervisor, metrics=self.metrics, log=self.log, current=lambda: self.desired
-        )
-        guard = self.guard
         async with contextlib.AsyncExitStack() as stack:
+            # First, before a line is logged or a file touched: a taken health port ends
+            # the agent with that one line (FatalError), not after a start it never made.
             await stack.enter_async_context(
                 HealthServer(
                     s.health.listen,
@@ -200,6 +183,8 @@ class Agent:
                     metrics=self.metrics,
                 )
             )
+            bus, supervisor = self._start()
+            guard = self.guard
             await stack.enter_async_context(supervisor)
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
@@ -241,6 +226,34 @@ class Agent:
         self.log.info("agent.exit", code=code)
         return code
 
+    def _start(self) -> tuple[Bus, Supervisor]:
+        """Say the agent starts (and what it was), and build its bus and supervisor."""
+        s = self.settings
+        remove_stale_temps(s.config_path)
+        remove_stale_temps(s.nodes_config_path)
+        remove_stale_temps(s.imex.hosts_file)
+        self.saved = self._load_state()
+        self.shard.start(self.saved.incarnation)
+        self.log.info(
+            "agent.start",
+            incarnation=self.shard.incarnation,
+            previous_domain=self.saved.domain,
+            previous_slot=self.saved.slot,
+            mode="assigned" if s.domain.assigned else "static",
+        )
+        if os.geteuid() != 0:
+            self.log.info("agent.unprivileged", uid=os.geteuid())
+        if (why := node_address_problem(s.node)) is not None:
+            self.log.warning("agent.address_not_local", address=s.node.address, error=why)
+        bus = Bus(s.bus, node=self.node, client_id=self._client_id, will=self._first_will())
+        bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
+        supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
+        self.bus, self.supervisor = bus, supervisor
+        self.reconciler = Reconciler(
+            s, supervisor, metrics=self.metrics, log=self.log, current=lambda: self.desired
+        )
+        return bus, supervisor
+
     async def _shutdown(self, *, handover: bool) -> int:
         """Leave or hand over, bounded by stop_timeout_s + a margin."""
         bus, supervisor = self._parts()
@@ -260,7 +273,7 @@ class Agent:
                 await supervisor.stop("the agent is leaving")
                 await self.channels.clear()
                 if shard.published or shard.current is None:
-                    await asyncio.to_thread(self._reconciler.remove_files)
+                    await self._remove_files()
         except TimeoutError:
             self.log.error("agent.shutdown_timeout", budget_s=budget)
         except FileWriteError as exc:
@@ -270,6 +283,18 @@ class Agent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(supervisor.stop("the agent is leaving"), budget)
         return 0
+
+    async def _remove_files(self) -> None:
+        """The leave's last step: remove the IMEX files and our hosts block. A file that
+        cannot be removed (a run_dir below a regular file, a read-only folder) is one
+        warning that names it; the leave is done all the same."""
+        try:
+            await asyncio.to_thread(self._reconciler.remove_files)
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            self.log.warning(
+                "agent.cleanup_failed", error=f"cannot remove{where}: {exc.strerror or exc}"
+            )
 
     async def _say_stopped(self, bus: Bus) -> None:
         """Our presence's last word: this agent stopped, so that the control plane refuses

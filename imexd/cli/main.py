@@ -35,12 +35,15 @@ class _Command(Protocol):
 RUN_EXITS: Final = (
     "0 stopped by SIGTERM or SIGINT (left the domain, daemon stopped); 75 the IMEX daemon "
     "was left running for the next agent to adopt (SIGUSR2 hand-over, or a failure of the "
-    "agent itself); 1 a fatal error at start (e.g. the health port is taken); 2 invalid "
-    "configuration, or a file or program it names is missing (nothing started)"
+    "agent itself); 1 a fatal error at start (e.g. the health port is taken: one line, "
+    "before any log line); 2 invalid configuration, a file or program it names is missing, "
+    "or [imex] run_dir cannot be created (nothing started)"
 )
 CONFIG_EXITS: Final = (
-    "0 valid (the values, the example or the reference printed); 2 invalid configuration, "
-    "a problem in --env-file, or a file or program the settings name is missing"
+    "0 valid (the values, the example or the reference printed; a warning on stderr for "
+    "what `imexd run` would start with but fail on, e.g. a node address of another host); "
+    "2 invalid configuration, a problem in --env-file, a file or program the settings name "
+    "is missing, or a run_dir no one can create"
 )
 
 
@@ -214,6 +217,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     else:
         settings = _load_with_env_file(args.config, args.env_file)
     preflight.check(settings, programs=True)
+    for warning in preflight.warnings(settings):
+        print(f"imexd config: warning: {warning}", file=sys.stderr)
     for info in iter_settings():
         value = getattr(getattr(settings, info.section), info.key)
         if isinstance(value, tuple):
@@ -294,11 +299,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config)
     # A missing program or file is fatal for the agent: say which now, not after retries.
-    preflight.check(settings, programs=True)
+    preflight.check(settings, programs=True, agent=True)
     configure_logging(settings.log.level, settings.log.format)
     log = get_logger("agent")
-    if os.geteuid() != 0:
-        log.info("agent.unprivileged", uid=os.geteuid())
 
     async def main() -> int:
         install_loop_handler()

@@ -25,7 +25,9 @@ the agent much of its memory (docs/performance.md, issue 22).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import TracebackType
@@ -100,6 +102,26 @@ class _RefusedError(Exception):
         self.status = status
 
 
+_CHANGE: Final = "set [health] listen (IMEXD_HEALTH_LISTEN) to"
+_BIND_ADVICE: Final = {
+    errno.EADDRINUSE: "another process holds the port (a second agent?): stop it, or "
+    f"{_CHANGE} a free HOST:PORT",
+    errno.EADDRNOTAVAIL: f"not an address of this host: {_CHANGE} one of its addresses",
+    errno.EACCES: f"a port below 1024 needs CAP_NET_BIND_SERVICE: {_CHANGE} a higher port",
+}
+
+
+def _bind_advice(exc: OSError) -> str:
+    """Why `[health] listen` cannot be bound, and the setting to change, on one line.
+
+    asyncio's bind error repeats the address in its `strerror`: the errno's own text is
+    shorter, and the address is already in the caller's message."""
+    code = exc.errno if isinstance(exc.errno, int) and exc.errno > 0 else None
+    why = os.strerror(code) if code is not None else exc.strerror or str(exc)
+    advice = _BIND_ADVICE.get(code or 0, f"{_CHANGE} HOST:PORT of this host")
+    return f"{why}: {advice}"
+
+
 class HealthServer:
     """`/healthz`, `/readyz`, `/status` and `/metrics` over the agent's own state.
 
@@ -160,7 +182,7 @@ class HealthServer:
                 limit=max(lim.max_line_size, lim.max_field_size) + 2,
             )
         except OSError as exc:
-            raise FatalError(f"cannot listen on {self._listen}: {exc.strerror or exc}") from exc
+            raise FatalError(f"cannot listen on {self._listen}: {_bind_advice(exc)}") from exc
         _log.info("listening", url=self.url)
         return self
 
