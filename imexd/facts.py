@@ -211,7 +211,8 @@ class ChannelState:
     ready: bool = False
     """The device node, CDI spec and env file exist as the record asks."""
     reason: str = ""
-    """Why not ready: a ChannelsReady reason (ChannelConflict, MknodFailed, ...)."""
+    """Why not ready: a ChannelsReady reason (ChannelConflict, MknodFailed, ...); when
+    ready, "" or Simulated (`[channels] simulate`, the message says how)."""
     message: str = ""
 
 

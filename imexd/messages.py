@@ -247,7 +247,8 @@ class ChannelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     ready: bool
     """The device node (and CDI spec and env file) exist as the record asks."""
     reason: str = ""
-    """Why not ready (a ChannelsReady reason such as ChannelConflict); "" when ready."""
+    """Why not ready (a ChannelsReady reason such as ChannelConflict); "" when ready, or
+    Simulated when ready from a simulated driver (`[channels] simulate`)."""
     message: str = ""
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -38,10 +39,15 @@ from imexd.channels.devices import (
     parse_proc_devices,
     plan,
     read_driver,
+    standin_text,
 )
+from imexd.channels.fleet import judge_workload, render_workload_status
+from imexd.errors import ConfigError
+from imexd.facts import BusFacts, ChannelFacts, ChannelState, Facts
+from imexd.health import conditions as health
 from imexd.health.conditions import CHANNEL_MESSAGE_MAX
-from imexd.messages import WorkloadRecord
-from imexd.settings import ChannelsSettings
+from imexd.messages import ChannelsView, DaemonInfo, HealthReport, WorkloadRecord
+from imexd.settings import ChannelsSettings, load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 IS_ROOT = os.geteuid() == 0
@@ -1007,3 +1013,171 @@ def test_a_container_sees_only_its_channel(settings: ChannelsSettings) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["channel3", "IMEX_CHANNEL=3"]
+
+
+# --- a simulated driver ([channels] simulate) -------------------------------------------------
+
+_APPLY_IN_CHILD = """
+import json, sys
+from dataclasses import asdict
+from imexd.channels.devices import Devices, Want
+from imexd.settings import ChannelsSettings
+
+job = json.loads(sys.argv[1])
+devices = Devices(ChannelsSettings(**job["settings"]))
+wants = {w["channel"]: Want(**w) for w in job["wants"]}
+applied = devices.apply(wants, major=job["major"])
+print(json.dumps({
+    "made": sorted(applied.made),
+    "standins": sorted(applied.standins),
+    "failures": [[f.workload, f.reason, f.message] for f in applied.failures],
+    "ops": sorted([op, result, n] for (op, result), n in applied.ops.items()),
+    "held": {str(c): w for c, w in devices.held_on_disk(job["major"]).items()},
+}))
+"""
+
+
+def _apply_without_mknod(
+    settings: ChannelsSettings, wants: list[Want], major: int = MAJOR
+) -> dict[str, Any]:
+    """`Devices.apply` in a child process that may not mknod: root without CAP_MKNOD
+    (setpriv), or this unprivileged user as it is; what it did, as JSON."""
+    if IS_ROOT and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_MKNOD")
+    job = {
+        "settings": {
+            name: getattr(settings, name)
+            for name in ("dev_dir", "cdi_dir", "env_dir", "simulate", "manage")
+        },
+        "wants": [_fields(w) for w in wants],
+        "major": major,
+    }
+    prefix = ["setpriv", "--bounding-set=-mknod"] if IS_ROOT else []
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", _APPLY_IN_CHILD, json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def _fields(want: Want) -> dict[str, Any]:
+    return {name: getattr(want, name) for name in Want.__slots__}
+
+
+def _mine(want: Want) -> Want:
+    """`want` owned by a uid and gid this test may give away (its own, without root)."""
+    return want if IS_ROOT else replace(want, uid=os.getuid(), gid=os.getgid())
+
+
+@pytest.fixture
+def simulated(settings: ChannelsSettings) -> ChannelsSettings:
+    return replace(settings, simulate=True)
+
+
+def test_simulate_makes_a_marked_stand_in_where_mknod_is_not_permitted(
+    simulated: ChannelsSettings,
+) -> None:
+    """An agent that may not mknod, on a simulated driver: channel3 is a regular file
+    whose text says it is no device, with the workload's owner and mode; the CDI spec
+    and env file are written as for a device, and the stand-in counts as held."""
+    want = _mine(_want(channel=3, mode=0o600))
+    done = _apply_without_mknod(simulated, [want])
+    assert (done["made"], done["standins"], done["failures"]) == (["w1"], ["w1"], [])
+    assert done["held"] == {"3": "w1"}
+    node = _node(simulated, 3)
+    info = os.lstat(node)
+    assert stat.S_ISREG(info.st_mode)
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (want.uid, want.gid, 0o600)
+    assert node.read_text() == standin_text(MAJOR, 3)
+    assert node.read_text().startswith("imexd stand-in for an IMEX channel device: NOT a device")
+    assert (Path(simulated.env_dir) / "w1.env").read_text() == env_text(want)
+    assert (Path(simulated.cdi_dir) / "imexd-w1.json").exists()
+    again = _apply_without_mknod(simulated, [replace(want, mode=0o640)])
+    assert again["ops"] == [["cdi", "ok", 1], ["fix", "ok", 1]]  # the spec has the mode
+    assert os.lstat(node).st_ino == info.st_ino, "fixed in place, as a device node is"
+    assert stat.S_IMODE(os.lstat(node).st_mode) == 0o640
+    gone = _apply_without_mknod(simulated, [])
+    assert gone["made"] == []
+    assert not node.exists()
+
+
+def test_without_simulate_an_agent_that_may_not_mknod_fails(settings: ChannelsSettings) -> None:
+    """The same agent on a real driver: MknodFailed naming EPERM, and no stand-in is
+    made (nor is a stand-in left there taken for a channel)."""
+    node = _node(settings, 3)
+    node.parent.mkdir(parents=True)
+    node.write_text(standin_text(MAJOR, 3))
+    done = _apply_without_mknod(settings, [_mine(_want(channel=3))])
+    assert done["made"] == []
+    [(workload, reason, message)] = done["failures"]
+    assert (workload, reason) == ("w1", "MknodFailed")
+    assert f"mknod {node}: Operation not permitted (EPERM)" in message
+    assert done["held"] == {}
+    assert not node.exists(), "the stand-in went: without simulate it is no channel"
+
+
+@needs_root
+def test_simulate_with_mknod_permitted_makes_a_real_device(simulated: ChannelsSettings) -> None:
+    """Root on a simulated driver: a real character device in the private dev_dir."""
+    applied = Devices(simulated).apply({3: _want()}, major=MAJOR)
+    assert (set(applied.made), applied.standins) == ({"w1"}, frozenset())
+    _assert_device(_node(simulated, 3), _want())
+
+
+def test_simulate_needs_a_dev_dir_outside_dev(tmp_path: Path) -> None:
+    """simulate = true with dev_dir under /dev is one error naming both keys."""
+    config = tmp_path / "imexd.toml"
+    config.write_text('[node]\nname = "n1"\n[channels]\nsimulate = true\n')
+    with pytest.raises(ConfigError, match=r"channels\.simulate = true: expected channels\.dev_dir"):
+        load_settings(config, environ={})
+    config.write_text(
+        f'[node]\nname = "n1"\n[channels]\nsimulate = true\ndev_dir = "{tmp_path}/dev"\n'
+    )
+    assert load_settings(config, environ={}).channels.simulate
+
+
+def test_simulated_channels_read_simulated_in_health_and_workload_status() -> None:
+    """Ready from a simulated driver: ChannelsReady True Simulated with the keeper's
+    message, and `workload status` shows the node ready with the reason Simulated."""
+    message = "channel3 is a stand-in file, not a device: [channels] simulate"
+    state = ChannelState(
+        workload="w1", channel=3, generation=1, ready=True, reason="Simulated", message=message
+    )
+    facts = Facts(
+        node=NODE,
+        domain="d1",
+        bus=BusFacts(connected=True, synced=True),
+        channels=ChannelFacts(synced=True, count=2048, major=MAJOR, workloads=(state,)),
+    )
+    condition = {c.type: c for c in health.conditions(facts, [], 0.0)}["ChannelsReady"]
+    assert (condition.status, condition.reason) == ("True", "Simulated")
+    assert condition.message == f"w1 on channel 3: {message}"
+    info = health.channels_view(facts.channels).workloads[0]
+    rec = _record("w1", 3, nodes=[NODE])
+    base = HealthReport(
+        node=NODE,
+        domain="d1",
+        clique="c.1",
+        slot=0,
+        incarnation=1,
+        at=100.0,
+        ready=True,
+        conditions=[],
+        daemon=DaemonInfo(state="RUNNING"),
+        channels=ChannelsView(count=2048, major=MAJOR, workloads=[info]),
+    )
+    status = judge_workload(rec, reports=[base], members=[], now=100.0, report_interval_s=30.0)
+    assert (status.state, status.nodes[0].ready, status.nodes[0].reason) == (
+        "READY",
+        True,
+        "Simulated",
+    )
+    text = render_workload_status(status)
+    assert f"{NODE}  yes    Simulated" in text
+    assert f"{NODE}: Simulated: {message}" in text

@@ -21,6 +21,13 @@ Three layers, so the rules are testable without root:
 
 Nothing here follows a symlink when removing or fixing: entries are looked at with
 lstat, and a symlink named like one of our files is replaced, its target untouched.
+
+A simulated driver (`[channels] simulate`, a machine without a GPU) changes one thing:
+where mknod is not permitted (EPERM: an unprivileged agent has no CAP_MKNOD), the node
+is a stand-in, a regular file whose text says it is none (`standin_text`), given the
+same owner and mode. Nothing can reach IMEX through it; the channel is reported ready
+with the reason Simulated. Without the setting a regular file is never taken for a
+channel.
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ CHANNEL_CONFLICT: Final = "ChannelConflict"
 MKNOD_FAILED: Final = "MknodFailed"
 CDI_WRITE_FAILED: Final = "CdiWriteFailed"
 ENV_WRITE_FAILED: Final = "EnvWriteFailed"
+SIMULATED: Final = "Simulated"
+"""The reason a ready channel of a simulated driver carries ([channels] simulate)."""
+STANDIN_HEADER: Final = "imexd stand-in for an IMEX channel device: NOT a device node"
+"""The first line of a stand-in file: what anyone who opens it reads first."""
+_STANDIN_LIMIT: Final = 4096
 
 _CHANNEL_NAME: Final = re.compile(r"channel([0-9]+)", re.ASCII)
 _LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", re.ASCII)
@@ -417,6 +429,35 @@ def env_file_name(workload: str) -> str:
     return f"{workload}{ENV_SUFFIX}"
 
 
+def standin_text(major: int, channel: int) -> str:
+    """The content of the stand-in for channel `channel`'s device node (simulate)."""
+    return (
+        f"{STANDIN_HEADER}\n"
+        f"It stands in for the character device {major}:{channel} ({DEVICE_NAME} channel "
+        f"{channel}) of a simulated driver: [channels] simulate = true, and the agent may "
+        "not mknod.\n"
+    )
+
+
+def _is_standin(path: str, text: str) -> bool:
+    """Whether the regular file at `path` (not followed) holds exactly `text`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            return file.read(_STANDIN_LIMIT + 1) == text.encode()
+    except OSError:
+        return False
+
+
+def _make_standin(path: str, text: str) -> None:
+    """Create the stand-in at `path` with no permission bits (the caller sets the owner
+    and then the mode, as for a node); it must not exist."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0)
+    with os.fdopen(fd, "wb") as file:
+        file.write(text.encode())
+
+
 # --- the filesystem side ----------------------------------------------------------------
 
 
@@ -436,6 +477,8 @@ class Applied:
     """Channel -> workload whose device node now exists (the next plan's `held`)."""
     problems: list[str] = field(default_factory=list)
     """Stale entries that could not be removed (a security matter: say so in the logs)."""
+    standins: frozenset[str] = frozenset()
+    """Workloads of `made` whose node is a stand-in file (`[channels] simulate`)."""
 
 
 def _refuse(want: Want, reason: str, message: str, *, channel: int | None = None) -> Refusal:
@@ -529,15 +572,19 @@ class Devices:
         problems: list[str] = []
         held: dict[int, str] = {}
         made: dict[str, Want] = {}
+        standins: set[str] = set()
 
         for channel, want in sorted(wants.items(), key=lambda item: item[1].workload):
             if major is None:
                 message = f"no {DEVICE_NAME} device to make channel{channel}"
                 failures.append(_refuse(want, NO_CHANNEL_DEVICE, message))
                 continue
-            refusal = self._make_node(channel, want, major, ops)
+            node = self._make_node(channel, want, major, ops)
+            refusal = node if isinstance(node, Refusal) else None
             if refusal is None:
                 held[channel] = want.workload
+                if node is True:
+                    standins.add(want.workload)
                 refusal = self._handoff(want, major, ops)
             if refusal is not None:
                 failures.append(refusal)
@@ -569,6 +616,7 @@ class Devices:
             channel0_open=self._channel0_open(),
             held=held,
             problems=problems,
+            standins=frozenset(standins & set(made)),
         )
 
     def clear(self) -> Applied:
@@ -600,19 +648,32 @@ class Devices:
             channel = _spec_channel(_inside(self._cdi_dir, name), workload)
             if channel is None or channel in held:
                 continue
+            path = os.path.join(self._dev_dir, f"channel{channel}")
             try:
-                node = os.lstat(os.path.join(self._dev_dir, f"channel{channel}"))
+                node = os.lstat(path)
             except OSError:
                 continue
-            if stat.S_ISCHR(node.st_mode) and node.st_rdev == os.makedev(major, channel):
+            if self._is_channel(path, node, major, channel):
                 held[channel] = workload
         return held
+
+    def _is_channel(self, path: str, node: os.stat_result, major: int, channel: int) -> bool:
+        """Whether `node` (lstat of `path`) is channel `channel`'s device, or with
+        `simulate` its stand-in."""
+        if stat.S_ISCHR(node.st_mode):
+            return node.st_rdev == os.makedev(major, channel)
+        return (
+            self._settings.simulate
+            and stat.S_ISREG(node.st_mode)
+            and _is_standin(path, standin_text(major, channel))
+        )
 
     # --- device nodes ---
 
     def _make_node(
         self, channel: int, want: Want, major: int, ops: Counter[tuple[str, str]]
-    ) -> Refusal | None:
+    ) -> Refusal | bool:
+        """The want's node in place (True: as a stand-in file), or why not."""
         if channel != want.channel or not 0 <= channel <= MAX_CHANNEL:
             message = f"key {channel} of the wanted devices is not the want's channel"
             return _refuse(want, MKNOD_FAILED, f"{message} {want.channel}", channel=channel)
@@ -624,26 +685,28 @@ class Devices:
             return _refuse(want, MKNOD_FAILED, message)
         path = os.path.join(self._dev_dir, f"channel{channel}")
         try:
-            self._ensure_node(path, os.makedev(major, channel), want, ops)
+            return self._ensure_node(path, major, want, ops)
         except _StepError as exc:
             return _refuse(want, MKNOD_FAILED, str(exc))
-        return None
 
     def _ensure_node(
-        self, path: str, device: int, want: Want, ops: Counter[tuple[str, str]]
-    ) -> None:
-        """A char device `device` at `path` with the want's owner and mode.
+        self, path: str, major: int, want: Want, ops: Counter[tuple[str, str]]
+    ) -> bool:
+        """The want's char device (major, its channel) at `path` with its owner and mode;
+        True when it is a stand-in file instead (`simulate`, and mknod not permitted).
 
         A correct node is fixed in place (its inode kept, so an open file stays valid);
         anything else there is unlinked (a symlink itself, never its target) and made anew.
         """
+        device = os.makedev(major, want.channel)
         with _step(f"stat {path}"):
             current = _lstat(path)
-        if current is not None and stat.S_ISCHR(current.st_mode) and current.st_rdev == device:
+        if current is not None and self._is_channel(path, current, major, want.channel):
+            standin = not stat.S_ISCHR(current.st_mode)
             if (current.st_uid, current.st_gid) == (want.uid, want.gid) and stat.S_IMODE(
                 current.st_mode
             ) == want.mode:
-                return
+                return standin
             try:
                 with _step(f"chown {path} to {want.uid}:{want.gid}"):
                     os.chown(path, want.uid, want.gid, follow_symlinks=False)
@@ -654,7 +717,7 @@ class Devices:
                 self._discard(path, ops)
                 raise
             ops["fix", "ok"] += 1
-            return
+            return standin
         if current is not None:
             try:
                 with _step(f"remove {path} (not the channel's device)"):
@@ -667,12 +730,22 @@ class Devices:
             self._ensure_dev_dir()
         # Made without any permission first, so that no one can open it before the owner
         # is right; chmod after chown also sidesteps the umask.
+        standin = False
         try:
             with _step(f"mknod {path}"):
                 os.mknod(path, stat.S_IFCHR, device)
-        except _StepError:
-            ops["mknod", "error"] += 1
-            raise
+        except _StepError as exc:
+            if not (self._settings.simulate and exc.error.errno == errno.EPERM):
+                ops["mknod", "error"] += 1
+                raise
+            standin = True
+        if standin:
+            try:
+                with _step(f"create the stand-in {path}"):
+                    _make_standin(path, standin_text(major, want.channel))
+            except _StepError:
+                ops["mknod", "error"] += 1
+                raise
         try:
             with _step(f"chown {path} to {want.uid}:{want.gid}"):
                 os.chown(path, want.uid, want.gid, follow_symlinks=False)
@@ -683,6 +756,7 @@ class Devices:
             self._discard(path, ops, quiet=True)
             raise
         ops["mknod", "ok"] += 1
+        return standin
 
     def _ensure_dev_dir(self) -> None:
         with _step(f"create {self._dev_dir}"):

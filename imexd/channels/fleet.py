@@ -51,8 +51,9 @@ class WorkloadNodeRow(msgspec.Struct, frozen=True, kw_only=True):
     ready: bool
     """Its fresh report lists the workload ready, on the record's channel and generation."""
     reason: str
-    """Why not ready ("" when ready): the agent's reason (ChannelConflict, MknodFailed, ...)
-    or NoReport, Stale, ClockSkew, NoChannels, NotListed, OldGeneration."""
+    """Why not ready: the agent's reason (ChannelConflict, MknodFailed, ...) or NoReport,
+    Stale, ClockSkew, NoChannels, NotListed, OldGeneration. When ready: "", or Simulated
+    (the node's driver is simulated, `[channels] simulate`)."""
     message: str
     pending: bool
     """Not ready only because the node has not made it yet (no failure)."""
@@ -84,10 +85,12 @@ class WorkloadStatus(msgspec.Struct, frozen=True, kw_only=True):
 def _workload_row(
     record: WorkloadRecord, node: str, seen: SeenReport | None, now: float, interval: float
 ) -> WorkloadNodeRow:
-    def row(reason: str, message: str, *, report: ReportState = "fresh") -> WorkloadNodeRow:
+    def row(
+        reason: str, message: str, *, report: ReportState = "fresh", ready: bool = False
+    ) -> WorkloadNodeRow:
         return WorkloadNodeRow(
             node=node,
-            ready=not reason,
+            ready=ready or not reason,
             reason=reason,
             message=message,
             pending=reason in WORKLOAD_PENDING_REASONS,
@@ -126,7 +129,7 @@ def _workload_row(
         )
     if not info.ready:
         return row(info.reason or "NotReady", info.message)
-    return row("", "")
+    return row(info.reason, info.message, ready=True)  # "" or Simulated
 
 
 def channel_conflicts(records: Iterable[WorkloadRecord]) -> dict[tuple[str, int], list[str]]:

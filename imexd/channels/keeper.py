@@ -20,7 +20,9 @@ When it removes, and when not:
 - the node leaving (SIGTERM): `clear()` removes everything of ours; a hand-over (SIGUSR2)
   keeps everything, for the next agent;
 - `[channels] manage = false`: the keeper makes and removes nothing and only reads the
-  driver.
+  driver;
+- `[channels] simulate = true` (no GPU): a channel made is ready with the reason
+  Simulated, and its message says whether the node is a stand-in file.
 
 Failed operations (MknodFailed, CdiWriteFailed, EnvWriteFailed) are retried with the
 common backoff; every CHECK_S the driver is read again and the devices are applied anew,
@@ -41,6 +43,7 @@ import structlog
 
 from imexd.bus.events import Connected, ConnectFailed, Disconnected, Event, SubscribeRefused, Synced
 from imexd.channels.devices import (
+    SIMULATED,
     Applied,
     Devices,
     Driver,
@@ -334,7 +337,7 @@ class ChannelKeeper:
         """Keep what an apply did: states, counters; retry failures."""
         self.operations.update(applied.ops)
         self.channel0_open = applied.channel0_open
-        states = _states(applied, refusals)
+        states = _states(applied, refusals, simulate=self.settings.simulate)
         if states != self.states:
             self._log_states(states)
         self.states, self.shown = states, True
@@ -368,6 +371,7 @@ class ChannelKeeper:
                     workload=state.workload,
                     channel=state.channel,
                     generation=state.generation,
+                    simulated=state.message or None,
                 )
             else:
                 self.log.warning(
@@ -457,6 +461,15 @@ class ChannelKeeper:
         )
 
 
+def _simulated(channel: int, *, standin: bool) -> str:
+    if standin:
+        return (
+            f"channel{channel} is a stand-in file, not a device: [channels] simulate, and "
+            "the agent may not mknod"
+        )
+    return f"channel{channel} is a device node of a simulated driver: [channels] simulate"
+
+
 def _listed(records: Iterable[WorkloadRecord], node: str, domain: str) -> list[WorkloadRecord]:
     """The active records of `domain` that list `node`, by name."""
     return sorted(
@@ -465,11 +478,20 @@ def _listed(records: Iterable[WorkloadRecord], node: str, domain: str) -> list[W
     )
 
 
-def _states(applied: Applied, refusals: Iterable[Refusal]) -> tuple[ChannelState, ...]:
-    """Every listed workload's state after an apply, by name: made, or why not."""
+def _states(
+    applied: Applied, refusals: Iterable[Refusal], *, simulate: bool
+) -> tuple[ChannelState, ...]:
+    """Every listed workload's state after an apply, by name: made, or why not. With a
+    simulated driver a made channel is ready with the reason Simulated, which says
+    whether its node is a stand-in file."""
     out = {
         name: ChannelState(
-            workload=name, channel=want.channel, generation=want.generation, ready=True
+            workload=name,
+            channel=want.channel,
+            generation=want.generation,
+            ready=True,
+            reason=SIMULATED if simulate else "",
+            message=_simulated(want.channel, standin=name in applied.standins) if simulate else "",
         )
         for name, want in applied.made.items()
     }

@@ -352,6 +352,9 @@ def _channels(f: Facts) -> _Verdict:
         )
     if not c.workloads:
         return _Verdict("True", "NoWorkloads", f"no workload of {f.domain} lists {f.node}")
+    simulated = [w for w in c.workloads if w.reason == "Simulated"]
+    if simulated:
+        return _Verdict("True", "Simulated", f"{_listed(c)}: {simulated[0].message}")
     return _Verdict("True", "Ready", _listed(c))
 
 
