@@ -292,13 +292,14 @@ def test_every_option_has_help_with_its_default_and_every_command_its_exit_codes
 
 
 def test_domain_status_help_describes_wait_and_json() -> None:
-    """`domain status --help` says --wait waits for UP and returns at once when it is, and
-    --json has help; the defaults are shown."""
+    """`domain status --help` says --wait waits for UP and returns at once when it is, or
+    when the domain cannot be UP, and --json has help; the defaults are shown."""
     proc = _imexd("domain", "status", "--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "wait up to this long for the domain to be UP, returning the moment it is" in text
     assert "(default 2; 0: judge the snapshot only)" in text
+    assert "Without a spec and without --nodes it cannot be UP: the snapshot is judged" in text
     assert "--json print the judgement as JSON" in text
     assert "exit codes: 0 the domain is UP; 1 not UP" in text
 

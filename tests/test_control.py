@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -22,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 import pytest
@@ -37,8 +38,10 @@ from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
 from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.scenario import Demo
 from imexd.errors import BusError
 from imexd.health.fleet import (
+    DomainState,
     render_list,
 )
 from imexd.messages import (
@@ -861,6 +864,61 @@ async def test_status_of_an_unknown_domain_exits_1(broker: Mosquitto, env: dict[
     assert "domain ghost: nothing on the bus" in proc.stderr
 
 
+async def _status(
+    name: str, *, wait: float, nodes: list[str] | None = None
+) -> tuple[int, str, str]:
+    """`domain status NAME` in process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    settings = commands.load_control_settings(None)
+    async with asyncio.timeout(WAIT_S):
+        code = await commands.status(
+            settings, name, as_json=False, wait=wait, out=out, err=err, nodes=nodes
+        )
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_status_of_a_domain_without_a_spec_answers_at_once_and_once(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """Without a spec and without --nodes no report can make the domain UP, so status
+    does not wait out its --wait: it says why once (nothing on the bus; or the table
+    with NoSpec), with no "waiting" line before it."""
+    code, out, err = await _status("ghost", wait=600.0)
+    assert code == 1
+    assert out == ""
+    assert err.splitlines() == [
+        "imexd: domain ghost: nothing on the bus (no spec, member record or health report)"
+    ]
+    state = domain_state("d1", ["n1", "n2"])
+    del state[T.spec("d1")]
+    await put(broker, state)
+    code, out, err = await _status("d1", wait=600.0)
+    assert code == 1
+    assert out.startswith("domain d1: UNKNOWN, 2 of 2 members ready (no spec: "), out
+    assert (out + err).count("NoSpec") == 1, out + err
+    assert err == ""
+
+
+async def test_status_says_where_its_members_came_from(
+    broker: Mosquitto, env: dict[str, str]
+) -> None:
+    """The headline names the source of the member list: --nodes when given (with or
+    without a spec), else the spec, else the member records."""
+    state = domain_state("d1", ["n1", "n2"])
+    del state[T.spec("d1")]
+    await put(broker, state)
+    _, out, _ = await _status("d1", wait=0.0)
+    assert out.startswith(
+        "domain d1: UNKNOWN, 2 of 2 members ready (no spec: members taken from their records)\n"
+    )
+    code, out, _ = await _status("d1", wait=0.0, nodes=["n1", "n2"])
+    assert code == 0
+    assert out.startswith("domain d1: UP, 2 of 2 members ready (no spec: members from --nodes)\n")
+    await put(broker, {T.spec("d1"): encode(SPEC)})
+    _, out, _ = await _status("d1", wait=0.0, nodes=["n1", "n2"])
+    assert out.splitlines()[0].endswith(" nodes listed; members from --nodes)"), out
+
+
 async def test_malformed_reports_are_ignored(broker: Mosquitto, env: dict[str, str]) -> None:
     """Garbage on a health topic neither crashes status nor counts as a member."""
     await put(broker, domain_state("d1", ["n1"]))
@@ -1178,3 +1236,14 @@ async def test_list_warns_when_a_spec_lists_a_live_member_of_another_domain(
     err = capsys.readouterr().err
     assert "warning: the spec of d2 lists n2, a member of d1" in err
     assert "n3" not in err
+
+
+def test_the_state_table_has_every_state_a_domain_is_shown_in() -> None:
+    """docs/control-plane.md's table of domain states has one row for each state that
+    `domain status` judges and for LEAVING, the demo's headline while its agents stop
+    (`imexd.demo.scenario.Demo.verdict`), and none more."""
+    doc = (REPO / "docs" / "control-plane.md").read_text()
+    table = doc.split("| state | when |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    assert '"LEAVING"' in inspect.getsource(Demo.verdict)
+    assert sorted(rows) == sorted([*get_args(DomainState), "LEAVING"])

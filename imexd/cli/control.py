@@ -222,12 +222,14 @@ def _domain_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
         default=2.0,
         metavar="SECONDS",
         help="after the retained snapshot, wait up to this long for the domain to be UP, "
-        "returning the moment it is (default %(default)g; 0: judge the snapshot only)",
+        "returning the moment it is (default %(default)g; 0: judge the snapshot only). "
+        "Without a spec and without --nodes it cannot be UP: the snapshot is judged at once",
     )
     q.add_argument(
         "--nodes",
         default=None,
-        help="comma-separated nodes the domain must have (default: the spec's list)",
+        help="comma-separated nodes the domain must have (default: the spec's list, else "
+        "the nodes with a member record)",
     )
     q.set_defaults(handler=_cmd_domain_status)
 

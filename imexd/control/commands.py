@@ -695,15 +695,19 @@ async def status(
                 tell()
             return result.state == "UP"
 
+        # Without a spec or --nodes no report makes the domain UP (NoSpec, NoMembers):
+        # waiting would only delay the answer, and repeat its reason on stderr.
+        if nodes is None and name not in store.specs:
+            wait = 0.0
         if wait > 0 and result.state != "UP":
             tell()
         try:
-            if not await link.wait_until(up, wait):
+            if wait > 0 and not await link.wait_until(up, wait):
                 result = _judge_store(store, name, interval, nodes)  # as of the deadline
         except asyncio.CancelledError:  # Ctrl-C: the last judgement, then exit 130
-            _print_status(result, as_json=as_json, out=out)
+            _print_status(result, as_json=as_json, out=out, nodes_given=nodes is not None)
             raise
-    _print_status(result, as_json=as_json, out=out)
+    _print_status(result, as_json=as_json, out=out, nodes_given=nodes is not None)
     conflicts = channel_conflicts(store.workloads_of(name))
     for (domain, channel), names in conflicts.items():
         print(f"imexd domain status: {conflict_line(domain, channel, names)}", file=err)
@@ -716,11 +720,11 @@ async def status(
     return EXIT_OK if result.state == "UP" and not conflicts else EXIT_FAILED
 
 
-def _print_status(result: DomainStatus, *, as_json: bool, out: TextIO) -> None:
+def _print_status(result: DomainStatus, *, as_json: bool, out: TextIO, nodes_given: bool) -> None:
     if as_json:
         print(status_json(result), file=out)
     elif result.known:
-        print(render_status(result), end="", file=out)
+        print(render_status(result, nodes_given=nodes_given), end="", file=out)
 
 
 def _judge_store(
@@ -786,7 +790,9 @@ async def watch(
                     key = _fingerprint(result)
                     if key != last:
                         last, state = key, result.state
-                        _draw(result, as_json=as_json, tty=tty, out=out)
+                        _draw(
+                            result, as_json=as_json, tty=tty, out=out, nodes_given=nodes is not None
+                        )
                     await _event_or(link.changed, stop, 1.0)
                     link.raise_if_lost()
         except BusError as exc:
@@ -799,11 +805,14 @@ async def watch(
     return EXIT_OK if state == "UP" else EXIT_FAILED
 
 
-def _draw(result: DomainStatus, *, as_json: bool, tty: bool, out: TextIO) -> None:
+def _draw(
+    result: DomainStatus, *, as_json: bool, tty: bool, out: TextIO, nodes_given: bool
+) -> None:
     if as_json:
         out.write(status_json(result) + "\n")
     elif tty:
-        out.write("\x1b[H\x1b[2J" + render_status(result) + "(watching; Ctrl-C to stop)\n")
+        table = render_status(result, nodes_given=nodes_given)
+        out.write("\x1b[H\x1b[2J" + table + "(watching; Ctrl-C to stop)\n")
     else:
-        out.write(render_status(result) + "\n")
+        out.write(render_status(result, nodes_given=nodes_given) + "\n")
     out.flush()

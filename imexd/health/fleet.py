@@ -781,16 +781,22 @@ def _yes(row: NodeRow) -> str:
     return "yes" if row.ready else "no"
 
 
-def render_status(status: DomainStatus) -> str:
-    """The `domain status` table: a headline, one row per node, then each reason's text."""
+def render_status(status: DomainStatus, *, nodes_given: bool = False) -> str:
+    """The `domain status` table: a headline, one row per node, then each reason's text.
+
+    The headline says where the members came from: `nodes_given` (`--nodes`, as `judge`'s
+    `expect`), else the spec's list, else the member records."""
     spec = status.spec
+    given = "members from --nodes"
     if spec is None:
-        about = "no spec: members taken from their records"
+        about = f"no spec: {given}" if nodes_given else "no spec: members taken from their records"
     else:
         listed = f"{len(spec.nodes)} nodes listed" if spec.nodes is not None else "any node"
         about = (
             f"spec generation {spec.generation}, {spec.state}, max_nodes {spec.max_nodes}, {listed}"
         )
+        if nodes_given:
+            about += f"; {given}"
     lines = [
         f"domain {status.domain}: {status.state}, {status.ready} of {status.members} "
         f"members ready ({about})"
