@@ -116,7 +116,7 @@ few seconds."""
 HEAL_S = 150.0
 """Bound for a restarted server to be current again (its JetStream consumers caught up)
 before the next kill: under a full suite's load one consumer of 2.9.10 once stayed behind
-past 30 s, and in stop 36 the restarted server's `$MQTT_rmsgs` consumer was still not
+past 30 s, and in another run the restarted server's `$MQTT_rmsgs` consumer was still not
 current after 90 s (the test passed alone five times in six right after)."""
 
 

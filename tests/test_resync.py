@@ -137,7 +137,7 @@ async def client_of(url: str, attempts: int = 3) -> Client:
 
 PEER_TIMEOUT_S = 30.0
 """A peer's round trips (PUBACK of a retained write): a NATS 2.9 cluster under the full
-suite's load once took longer than 10 s to store one (CI-like run, stop 35)."""
+suite's load once took longer than 10 s to store one (a CI-like run)."""
 
 
 async def connect_peer(s: BusSettings, url: str) -> Client:
