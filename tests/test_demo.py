@@ -14,12 +14,13 @@ import importlib.util
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -30,6 +31,7 @@ from imexd.demo import DemoError, brokers, scenario, screen
 from imexd.health.fleet import judge
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
 
+IS_ROOT = os.geteuid() == 0
 RUN_TIMEOUT_S = 90.0
 """A 3-node run takes 15-50 s on a busy 2-core machine; a hung one is stopped here."""
 STOP_TIMEOUT_S = 40.0
@@ -219,13 +221,15 @@ def _kill_leftovers(root: Path) -> None:
 class DemoRun:
     """`python -m imexd demo` in the background, its output collected line by line."""
 
-    def __init__(self, root: Path, *args: str, broker: str | None = None) -> None:
+    def __init__(
+        self, root: Path, *args: str, broker: str | None = None, prefix: Sequence[str] = ()
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
         env["TMPDIR"] = str(root)
         if broker is not None:
             env[brokers.BROKER_ENV] = broker
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "imexd", "demo", *args],
+            [*prefix, sys.executable, "-m", "imexd", "demo", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -292,8 +296,8 @@ class Demos:
         self.root = root
         self.runs: list[DemoRun] = []
 
-    def start(self, *args: str, broker: str | None = None) -> DemoRun:
-        run = DemoRun(self.root, *args, broker=broker)
+    def start(self, *args: str, broker: str | None = None, prefix: Sequence[str] = ()) -> DemoRun:
+        run = DemoRun(self.root, *args, broker=broker, prefix=prefix)
         self.runs.append(run)
         return run
 
@@ -325,6 +329,16 @@ def _assert_full_story(out: str) -> None:
     for expected in (
         "SLOT  NODE",
         "domain UP: ",
+        "$ imexd workload create demo-job --domain demo --uid ",
+        "workload demo-job in demo: created on channel 1 (",
+        "workload demo-job in demo: READY, ",
+        "$ imexd workload env demo-job --config node-1/imexd.toml",
+        "    export IMEX_CHANNEL=1",
+        "every agent made channel 1 for demo-job, in its node's folder: the device "
+        "dev/nvidia-caps-imex-channels/channel1",
+        "    NODE    DEVICE ",
+        "workload demo-job in demo: deleted (channel 1 freed)",
+        "channel 1 removed from every node: no device, CDI spec or env file of demo-job",
         "crash 1: SIGKILL the IMEX daemon of node-",
         "noticed after",
         "domain UP again",
@@ -334,20 +348,50 @@ def _assert_full_story(out: str) -> None:
         "agents left the domain and stopped their daemons",
         "Summary",
         "formation ",
+        "workload         demo-job: channel 1 ready on ",
         "cleanup          nothing left running, folder removed",
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"
+    story = [
+        "domain UP: ",
+        "created on channel 1",
+        "removed from every node",
+        "crash 1: ",
+        "crash 2: ",
+        "Summary",
+    ]
+    at = [next(i for i, line in enumerate(out.splitlines()) if s in line) for s in story]
+    assert at == sorted(at), f"the acts are out of order:\n{out}"
+
+
+def _device_rows(out: str) -> list[list[str]]:
+    """The rows of the demo's table of the workload's files on each node."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    NODE    DEVICE "))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("    node-"):
+            break
+        rows.append(line.split("  "))
+    return [[cell.strip() for cell in row if cell.strip()] for row in rows]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 @has_broker
 def test_demo_forms_crashes_recovers_and_leaves_nothing(demos: Demos) -> None:
-    """Three nodes form the domain, survive a daemon and an agent crash, and leave nothing."""
+    """Three nodes form the domain, run a workload on its own channel (each node's device,
+    CDI spec and env file shown, then gone), survive a daemon and an agent crash, and
+    leave nothing."""
     run = demos.start("--nodes", "3")
     code = run.wait()
     assert code == 0, run.output
     _assert_full_story(run.output)
+    owner = f"{os.getuid()}:{os.getgid()}"
+    device = "char device 242:1" if IS_ROOT else "stand-in file"
+    assert _device_rows(run.output) == [
+        [f"node-{i}", device, owner, "0600", "written", "written"] for i in (1, 2, 3)
+    ], run.output
     _assert_nothing_left(demos.root)
 
 
@@ -355,13 +399,25 @@ def test_demo_forms_crashes_recovers_and_leaves_nothing(demos: Demos) -> None:
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 @pytest.mark.skipif(importlib.util.find_spec("amqtt") is None, reason="the demo extra is missing")
 def test_demo_runs_on_the_builtin_amqtt_broker(demos: Demos) -> None:
-    """Without Mosquitto the in-process amqtt broker (MQTT 3.1.1) carries the whole story."""
-    run = demos.start("--nodes", "2", broker="amqtt")
+    """Without Mosquitto the in-process amqtt broker (MQTT 3.1.1) carries the whole story;
+    and agents that may not mknod (as any user but root; here root less CAP_MKNOD where
+    setpriv can drop it) make the workload's channel as stand-in files, said so."""
+    prefix = ["setpriv", "--bounding-set=-mknod"] if IS_ROOT and shutil.which("setpriv") else []
+    run = demos.start("--nodes", "2", broker="amqtt", prefix=prefix)
     code = run.wait()
     assert code == 0, run.output
     assert "amqtt (Python, in this process)" in run.output
     assert "MQTT 3.1.1" in run.output
     _assert_full_story(run.output)
+    if prefix or not IS_ROOT:
+        owner = f"{os.getuid()}:{os.getgid()}"
+        assert _device_rows(run.output) == [
+            [f"node-{i}", "stand-in file", owner, "0600", "written", "written"] for i in (1, 2)
+        ], run.output
+        assert "(a stand-in file where the agent may not mknod: the driver is simulated)" in (
+            run.output
+        )
+        assert "Simulated: channel1 is a stand-in file, not a device" in run.output
     _assert_nothing_left(demos.root)
 
 

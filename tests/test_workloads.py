@@ -159,6 +159,17 @@ def test_a_failure_reason_missing_reports_and_stale_ones_are_told_apart() -> Non
     assert "n1: ChannelConflict: w9 has it" in text
 
 
+def test_nodes_that_say_the_same_are_named_on_one_line() -> None:
+    """Four nodes without a driver give one reasons line naming the four, not four lines."""
+    rec = record("w1", 1, nodes=["n1", "n2", "n3", "n4"], generation=1)
+    none = info("w1", 1, 1, ready=False, reason="NoChannelDevice", message="no driver")
+    other = info("w1", 1, 1, ready=False, reason="MknodFailed", message="EPERM")
+    reports = [channel_report(n, i, infos=[none]) for i, n in enumerate(("n1", "n2", "n4"))]
+    status = judge(rec, *reports, channel_report("n3", 2, infos=[other]))
+    details = render_workload_status(status).split("reasons:\n", 1)[1].splitlines()
+    assert details == ["  n1, n2, n4: NoChannelDevice: no driver", "  n3: MknodFailed: EPERM"]
+
+
 def test_another_active_record_on_the_channel_fails_a_ready_workload() -> None:
     """Ready on every node, but another active workload of the domain holds the channel
     too, on other nodes: FAILED with a ChannelConflict line naming both."""

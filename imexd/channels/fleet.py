@@ -262,7 +262,14 @@ def render_workload_status(status: WorkloadStatus) -> str:
     ]
     if rows:
         lines.extend(table(["NODE", "READY", "REASON", "AGE"], rows))
-    details = [f"  {row.node}: {row.reason}: {row.message}" for row in status.nodes if row.message]
+    # Nodes that say the same are named together: 18 nodes without a driver, one line.
+    said: dict[tuple[str, str], list[str]] = {}
+    for row in status.nodes:
+        if row.message:
+            said.setdefault((row.reason, row.message), []).append(row.node)
+    details = [
+        f"  {', '.join(nodes)}: {reason}: {message}" for (reason, message), nodes in said.items()
+    ]
     details += [
         f"  {line}"
         for line in status.reasons

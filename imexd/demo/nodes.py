@@ -2,9 +2,9 @@
 the sweep that finds (and ends) whatever the demo started.
 
 Each node is `imexd run` exactly as shipped, with a simulated IMEX daemon on its own
-loopback address, the fast timings (timings.py), its own hosts file and a fake driver
-whose channel devices live in the node's folder (`fake_driver`); the scenario only
-starts, signals and reads them.
+loopback address, the fast timings (timings.py), its own hosts file and a simulated
+driver whose channel devices live in the node's folder (`fake_driver`, with
+`[channels] simulate` in the demo); the scenario only starts, signals and reads them.
 """
 
 from __future__ import annotations
@@ -87,12 +87,18 @@ async def end_processes(procs: Sequence[psutil.Process], grace_s: float = KILL_W
 
 
 def fake_driver(
-    folder: Path, *, major: int | None = CHANNEL_MAJOR, count: int = CHANNEL_COUNT
+    folder: Path,
+    *,
+    major: int | None = CHANNEL_MAJOR,
+    count: int = CHANNEL_COUNT,
+    simulate: bool = False,
 ) -> dict[str, object]:
     """Write a fake /proc/devices and NVIDIA driver parameters under `folder`, and return
     the `[channels]` settings that point an agent at them and at channel folders under
     `folder`: a simulated node makes its channel devices there, never in /dev. `major`
-    None: the driver lists no channel device."""
+    None: the driver lists no channel device. `simulate`: `[channels] simulate`, so that
+    an agent without CAP_MKNOD makes stand-in files (docs/channels.md); without it such
+    an agent fails MknodFailed, as on a real node."""
     devices = folder / "proc-devices"
     params = folder / "driver-params"
     imex = "" if major is None else f"{major} nvidia-caps-imex-channels\n"
@@ -104,6 +110,7 @@ def fake_driver(
         "env_dir": str(folder / "workloads"),
         "proc_devices": str(devices),
         "driver_params": str(params),
+        "simulate": simulate,
     }
 
 
@@ -163,6 +170,9 @@ class DemoNode:
             folder, name=name, address=address, health_listen=f"127.0.0.1:{self.health_port}"
         )
         own["imex"]["env"]["IMEXD_SIM_RELOAD_WINDOW_S"] = SIM_RELOAD_WINDOW_S
+        own["channels"]["simulate"] = True  # no root needed: stand-ins where no CAP_MKNOD
+        self.channels: Mapping[str, Any] = own["channels"]
+        """The node's `[channels]` settings: where its agent makes the workloads' files."""
         sections = {k: dict(v) for k, v in settings.items()}
         for section, values in own.items():
             sections[section] = sections.get(section, {}) | values

@@ -1,13 +1,19 @@
-"""The demo's story: form a domain, crash a daemon, crash an agent, leave; and its figures.
+"""The demo's story: form a domain, run a workload on its own channel, crash a daemon,
+crash an agent, leave; and its figures.
 
 1. formation: the agents claim slots, write the IMEX files, start their daemons; the
    table fills in until the domain is UP;
-2. crash 1: SIGKILL one node's IMEX daemon; its agent restarts it with backoff while
+2. a workload: `imexd workload create` gives it an IMEX channel; every node's agent makes
+   the channel's device (a stand-in file where it may not mknod: the nodes' driver is
+   simulated, docs/channels.md), CDI spec and env file, which the demo shows from disk;
+   `imexd workload env` prints the job's lines; `imexd workload delete` and every node's
+   files are checked gone;
+3. crash 1: SIGKILL one node's IMEX daemon; its agent restarts it with backoff while
    the peers see it gone, then the domain is UP again;
-3. crash 2: SIGKILL one node's agent; its daemon keeps running, the broker publishes
+4. crash 2: SIGKILL one node's agent; its daemon keeps running, the broker publishes
    the agent's will and the peers drop the node; the agent is started again, takes its
    old slot back and adopts the running daemon instead of restarting IMEX;
-4. shutdown: SIGTERM every agent (each leaves the domain and stops its daemon), stop the
+5. shutdown: SIGTERM every agent (each leaves the domain and stops its daemon), stop the
    broker, remove the temporary folder, and check that nothing is left behind.
 
 Whether the domain is UP is judged as `imexd domain status --nodes` judges it
@@ -28,6 +34,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -61,8 +68,9 @@ from imexd.demo.nodes import (
 from imexd.demo.screen import Screen, headline, table_lines
 from imexd.demo.timings import FAST
 from imexd.errors import BusError, ConfigError
-from imexd.health.fleet import DomainStatus, SeenReport, judge
+from imexd.health.fleet import DomainStatus, SeenReport, judge, table
 from imexd.messages import HealthReport
+from imexd.process import python_module
 from imexd.settings import Settings, load_settings
 
 MIN_NODES: Final = 2
@@ -77,6 +85,14 @@ FORM_TIMEOUT_PER_NODE_S: Final = 5.0
 """Formation may take 60 s + 5 s per node: Python agents start slowly on a busy machine."""
 NOTICE_TIMEOUT_S: Final = 30.0
 RECOVER_TIMEOUT_S: Final = 60.0
+WORKLOAD: Final = "demo-job"
+"""The workload the demo creates and deletes (act 2)."""
+WORKLOAD_MODE: Final = "0600"
+WORKLOAD_WAIT_S: Final = 30.0
+"""`--wait` of `workload create` and `delete`: the agents act within a second or two."""
+COMMAND_TIMEOUT_S: Final = WORKLOAD_WAIT_S + 30.0
+"""A control-plane command that runs longer than this is killed (a Python start, a
+connection and its own wait)."""
 KEEP_ENV: Final = "IMEXD_DEMO_KEEP"
 """Set (not 0): keep the folder with the agents' and daemons' logs, to look into a run."""
 
@@ -101,6 +117,12 @@ class Results:
     daemon_noticed_s: float = 0.0
     daemon_recovered_s: float = 0.0
     daemon_restarts: int = 0
+    workload_channel: int | None = None
+    workload_nodes: int = 0
+    workload_standins: int = 0
+    """Nodes whose channel node is a stand-in file (the agent may not mknod)."""
+    workload_ready_s: float = 0.0
+    workload_removed_s: float = 0.0
     agent_node: str = ""
     agent_dropped_s: float = 0.0
     agent_rejoined_s: float = 0.0
@@ -369,6 +391,7 @@ class Demo:
         """Form the domain, crash a daemon, crash an agent, shut down; the timings."""
         await self._setup()
         await self._form()
+        await self._workload()
         # Two different nodes: each crash starts from a settled node.
         await self._crash_daemon(self.nodes[(len(self.nodes) - 1) // 2])
         await self._crash_agent(self.nodes[-1])
@@ -450,6 +473,127 @@ class Demo:
             f"after {self.results.formed_s:.1f} s"
         )
         self.redraw(force=True)
+
+    async def _control(self, *args: str) -> tuple[int, list[str]]:
+        """Run `imexd ARGS --config <the first node's settings>` as a user would (its own
+        session: Ctrl-C reaches the demo, which ends it); its exit status and lines."""
+        command = python_module("imexd", *args, "--config", str(self.nodes[0].config_path))
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self._agent_env(),
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                output, _ = await proc.communicate()
+        except TimeoutError:
+            raise DemoError(
+                f"`imexd {' '.join(args)}` did not end within {COMMAND_TIMEOUT_S:g} s"
+            ) from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode is not None  # noqa: S101 - communicate() waited for it
+        return proc.returncode, output.decode(errors="replace").splitlines()
+
+    async def _show(self, *args: str) -> list[str]:
+        """`imexd ARGS` on screen with its output indented; DemoError when it fails."""
+        config = self.nodes[0].config_path.relative_to(self.folder)
+        self.event(f"$ imexd {' '.join(args)} --config {config}")
+        code, lines = await self._control(*args)
+        for line in lines:
+            self.screen.say(f"    {line}")
+        if code != 0:
+            raise DemoError(f"`imexd {' '.join(args)}` exited with status {code}")
+        return lines
+
+    def _workload_files(self, node: DemoNode, channel: int) -> list[Path]:
+        """The channel's device node, CDI spec and env file on `node`, as its agent makes
+        them (docs/channels.md)."""
+        ch = node.channels
+        return [
+            Path(str(ch["dev_dir"])) / f"channel{channel}",
+            Path(str(ch["cdi_dir"])) / f"imexd-{WORKLOAD}.json",
+            Path(str(ch["env_dir"])) / f"{WORKLOAD}.env",
+        ]
+
+    def _node_row(self, node: DemoNode, channel: int) -> list[str]:
+        """What `node` holds for the workload, read from its disk: a row of the table
+        NODE DEVICE OWNER MODE CDI ENV; DemoError when something is missing."""
+        device, spec, env = self._workload_files(node, channel)
+        try:
+            info = os.lstat(device)
+        except OSError as exc:
+            raise DemoError(f"{node.name} has no {device}: {exc.strerror}") from None
+        if stat.S_ISCHR(info.st_mode):
+            kind = f"char device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
+        else:
+            kind = "stand-in file"
+            self.results.workload_standins += 1
+        missing = [p.name for p in (spec, env) if not p.is_file()]
+        if missing:
+            raise DemoError(f"{node.name} lacks {', '.join(missing)} of workload {WORKLOAD}")
+        mode = f"{stat.S_IMODE(info.st_mode):04o}"
+        return [node.name, kind, f"{info.st_uid}:{info.st_gid}", mode, "written", "written"]
+
+    async def _workload(self) -> None:
+        """A workload on its own channel: created, ready on every node, then deleted and
+        checked gone, with the control plane's commands as shipped."""
+        r = self.results
+        started = time.monotonic()
+        owner = ["--uid", str(os.getuid()), "--gid", str(os.getgid())]
+        await self._show(
+            "workload", "create", WORKLOAD, "--domain", DOMAIN, *owner,
+            "--mode", WORKLOAD_MODE, "--wait", f"{WORKLOAD_WAIT_S:g}",
+        )  # fmt: skip
+        r.workload_ready_s = time.monotonic() - started
+        lines = await self._show("workload", "env", WORKLOAD)
+        channel = next(
+            (
+                int(line.split("=", 1)[1])
+                for line in lines
+                if line.startswith("export IMEX_CHANNEL=")
+            ),
+            None,
+        )
+        if channel is None:
+            raise DemoError(f"`imexd workload env {WORKLOAD}` printed no IMEX_CHANNEL")
+        r.workload_channel, r.workload_nodes = channel, len(self.nodes)
+        rows = [self._node_row(node, channel) for node in self.nodes]
+        dev = Path(str(self.nodes[0].channels["dev_dir"])).relative_to(self.nodes[0].folder)
+        standin = (
+            " (a stand-in file where the agent may not mknod: the driver is simulated)"
+            if r.workload_standins
+            else ""
+        )
+        self.event(
+            f"every agent made channel {channel} for {WORKLOAD}, in its node's folder: the "
+            f"device {dev}/channel{channel}{standin}, the CDI spec cdi/imexd-{WORKLOAD}.json "
+            f"for containers and the env file workloads/{WORKLOAD}.env for jobs"
+        )
+        header = ["NODE", "DEVICE", "OWNER", "MODE", "CDI SPEC", "ENV FILE"]
+        for line in table(header, rows):
+            self.screen.say(f"    {line}")
+        deleted = time.monotonic()
+        await self._show("workload", "delete", WORKLOAD, "--wait", f"{WORKLOAD_WAIT_S:g}")
+
+        def removed() -> bool:
+            return not any(
+                p.exists() or p.is_symlink()
+                for n in self.nodes
+                for p in self._workload_files(n, channel)
+            )
+
+        at = await self.wait_for(f"the files of {WORKLOAD} going", removed, WORKLOAD_WAIT_S)
+        r.workload_removed_s = at - deleted
+        self.event(
+            f"channel {channel} removed from every node: no device, CDI spec or env file of "
+            f"{WORKLOAD} is left; the IMEX daemons were not touched"
+        )
 
     async def _crash_daemon(self, node: DemoNode) -> None:
         """SIGKILL a node's IMEX daemon: its agent restarts it, the peers reconnect."""
@@ -574,10 +718,17 @@ class Demo:
 def summary(results: Results, cleanup: Cleanup, *, broker: str, nodes: int) -> list[str]:
     """The closing lines: what was measured, what was cleaned up."""
     r = results
+    standins = (
+        f" (stand-in files on {r.workload_standins}: no CAP_MKNOD)" if r.workload_standins else ""
+    )
     lines = [
         "Summary",
         f"  broker           {broker}",
         f"  formation        {nodes} nodes: domain UP after {r.formed_s:.1f} s",
+        f"  workload         {WORKLOAD}: channel {r.workload_channel} ready on "
+        f"{r.workload_nodes} nodes after {r.workload_ready_s:.1f} s"
+        f"{standins}, removed from every node "
+        f"{r.workload_removed_s:.1f} s after its delete",
         f"  daemon crash     {r.daemon_node}: noticed after {r.daemon_noticed_s:.1f} s, "
         f"domain UP again after {r.daemon_recovered_s:.1f} s "
         f"({r.daemon_restarts} restart by its agent, after a backoff)",
