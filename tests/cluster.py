@@ -627,13 +627,15 @@ class Cluster:
 # What several scenario modules ask of a running cluster.
 
 
-def formed(c: Cluster, nodes: list[Node], timeout: float = 60) -> None:
-    """Wait until `nodes` are ready and each judges the domain UP with all of them."""
+def formed(c: Cluster, nodes: list[Node], timeout: float = 90) -> None:
+    """Wait until `nodes` are ready and each judges the domain UP with all of them, both
+    within `timeout` seconds: a loaded machine may take most of it for either step."""
     names = [n.name for n in nodes]
+    deadline = time.monotonic() + timeout
     c.wait(lambda: c.all_ready(names), timeout=timeout, what=f"{names} ready")
     c.wait(
         lambda: all(n.up_with(len(nodes)) for n in nodes),
-        timeout=30,
+        timeout=max(deadline - time.monotonic(), 10.0),
         what=f"each of {names} judges the domain UP with {len(nodes)} members",
     )
 
