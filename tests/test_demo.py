@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import os
@@ -100,7 +101,7 @@ def test_table_lines_align_and_fit_the_terminal() -> None:
     assert lines[0].split()[:9] == list(screen.HEADER)
     assert lines[1].index("127.1.1.10") == lines[0].index("ADDRESS")
     assert "1 restart" in lines[1]
-    assert "running alone" in lines[2]
+    assert lines[2].split()[3:6] == ["down", "RUNNING", "77"]
     assert "IMEX keeps running without its agent" in lines[2]
     assert all(len(line) <= 40 for line in screen.table_lines(rows, width=40))
 
@@ -125,6 +126,94 @@ def test_at_80_columns_notes_go_below_their_row_whole_words() -> None:
     assert below.startswith("1 restart; NotReady: IMEX state UNAVAILABLE"), lines
     coloured = screen.table_lines(rows, width=80, color=True)
     assert [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in coloured] == lines
+
+
+def _frames() -> list[list[screen.Row]]:
+    """The tables of one demo run, from start to end: the cells change, the nodes do not."""
+    names = [(f"node-{i}", f"127.83.227.{10 + i}") for i in range(1, 5)]
+    members = tuple(name for name, _ in names)
+    ready = {n: _report(n, members=members) for n in members}
+    recovering = msgspec.structs.replace(
+        _report("node-2", ready=False, members=members, not_ready=("node-2",), sees="DEGRADED"),
+        daemon=DaemonInfo(
+            state="BACKOFF", pid=4194303, restarts=2, imex_status="WAITING_FOR_RECOVERY"
+        ),
+    )
+    return [
+        [screen.Row(n, a, "starting", None) for n, a in names],
+        [screen.Row(n, a, "up", ready[n]) for n, a in names],
+        [screen.Row(n, a, "up", recovering if n == "node-2" else ready[n]) for n, a in names[:3]]
+        + [screen.Row(*names[3], "down", None, orphan_pid=4194302)],
+        [screen.Row(n, a, "left", ready[n], stopped=True) for n, a in names],
+    ]
+
+
+def _column_starts(header: str) -> list[int]:
+    return [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+
+
+@pytest.mark.parametrize("width", [80, 100, 200, 0])
+def test_the_tables_columns_stay_in_place_from_frame_to_frame(width: int) -> None:
+    """Seen at 80 columns: the table changed its layout between frames as cells grew and
+    shrank (PIDs, IMEX states, notes). Each column keeps its place and width for the whole
+    run, whatever the cells say; only the terminal's width picks the layout."""
+    tables = [screen.table_lines(rows, width=width) for rows in _frames()]
+    headers = {lines[0] for lines in tables}
+    assert len(headers) == 1, headers
+    header = headers.pop()
+    starts = [at for at in _column_starts(header) if not header.startswith("NOTE", at)]
+    for lines in tables:
+        assert all(len(line) <= (width or 1000) for line in lines), lines
+        rows = [line for line in lines[1:] if not line.startswith(screen.NOTE_INDENT)]
+        assert len(rows) == 4, lines
+        for row in rows:
+            for column in starts[1:]:
+                assert row[column - 1] == " ", (column, row, header)
+                assert row[column] != " ", (column, row, header)
+    if width == 80:
+        assert header.split() == ["SLOT", "NODE", "AGENT", "DAEMON", "PID", "IMEX", "READY", "SEES"]
+    if width in (200, 0):
+        assert header.split() == [*screen.HEADER, "NOTE"]
+
+
+def test_rows_of_agents_that_left_claim_nothing_from_their_last_report() -> None:
+    """Seen at the end of a run: `LEAVING - 4 of 4 agents left` above rows that still
+    said RUNNING and READY from each agent's last /status. A row whose agent is not up
+    shows what the demo knows: the daemon stopped (the agent left and nothing of the node
+    runs), running alone (its pid checked), or nothing."""
+    left, down, stopping = _frames()[3][0], _frames()[2][3], _frames()[1][1]
+    stopping = dataclasses.replace(stopping, agent="leaving")
+    cells = {row.agent: screen.table_lines([row])[1].split() for row in (left, down, stopping)}
+    assert cells["left"][:9] == ["-", "node-1", left.address, "left", "STOPPED", "-", "-", "-", "-"]
+    assert cells["down"][3:9] == ["down", "RUNNING", "4194302", "-", "-", "-"]
+    assert cells["leaving"][3:9] == ["leaving", "-", "-", "-", "-", "-"]
+    assert "left the domain; its daemon stopped" in screen.table_lines([left])[1]
+
+
+def test_without_a_terminal_only_changes_are_printed() -> None:
+    """Seen in a CI log: a full table every second while anything changed. Without a
+    terminal the headline is printed when the domain's state or reason changes, and the
+    table only at the story's milestones (forced), and then only when it changed."""
+    out, now = io.StringIO(), [0.0]
+    shown = screen.Screen(out, tty=False, color=False, clock=lambda: now[0])
+    tables = [screen.table_lines(rows) for rows in _frames()]
+    for index, lines in enumerate([*tables, *tables]):
+        now[0] = float(index)
+        shown.frame(f"[ {index} s] FORMING - starting", lines, verdict=("FORMING", "starting"))
+    assert out.getvalue() == "[ 0 s] FORMING - starting\n"
+    now[0] = 9.0
+    shown.frame("[ 9 s] UP - all", tables[1], verdict=("UP", "all"), force=True)
+    shown.frame("[ 9 s] UP - all", tables[1], verdict=("UP", "all"), force=True)
+    text = out.getvalue()
+    assert text.count("SLOT  NODE") == 1
+    assert text.endswith("[ 9 s] UP - all\n" + "\n".join(tables[1]) + "\n\n")
+    now[0] = 9.5  # a headline within a second of the last one waits
+    shown.frame("[ 9.5 s] DOWN", tables[1], verdict=("DOWN", "x"))
+    assert out.getvalue() == text
+    now[0] = 11.0
+    shown.frame("[11 s] LEAVING", tables[3], verdict=("LEAVING", "all"))
+    shown.frame("[11 s] LEAVING", tables[3], verdict=("LEAVING", "all"), force=True)
+    assert out.getvalue() == text + "[11 s] LEAVING\n" + "\n".join(tables[3]) + "\n\n"
 
 
 def test_events_wrap_between_words_on_a_terminal() -> None:
@@ -360,8 +449,14 @@ def _assert_full_story(out: str) -> None:
         "crash 2: ",
         "Summary",
     ]
-    at = [next(i for i, line in enumerate(out.splitlines()) if s in line) for s in story]
+    lines = out.splitlines()
+    at = [next(i for i, line in enumerate(lines) if s in line) for s in story]
     assert at == sorted(at), f"the acts are out of order:\n{out}"
+    leaving = next(i for i, line in enumerate(lines) if "LEAVING - " in line)
+    header = next(i for i in range(leaving, len(lines)) if lines[i].startswith("SLOT  NODE"))
+    rows = [line.split() for line in lines[header + 1 : lines.index("", header)]]
+    assert rows, out
+    assert all(row[3:9] == ["left", "STOPPED", "-", "-", "-", "-"] for row in rows), out
 
 
 def _device_rows(out: str) -> list[list[str]]:

@@ -165,6 +165,8 @@ class DemoNode:
         self.report: HealthReport | None = None
         """Its agent's last `/status`; None while the agent does not answer."""
         self.orphan_pid: int | None = None
+        self.stopped = False
+        """The agent left cleanly and no process of the node is left (the demo checked)."""
         folder.mkdir(parents=True)
         own = node_folder(
             folder, name=name, address=address, health_listen=f"127.0.0.1:{self.health_port}"
@@ -229,7 +231,7 @@ class DemoNode:
         return code
 
     def row(self) -> Row:
-        return Row(self.name, self.address, self.agent, self.report, self.orphan_pid)
+        return Row(self.name, self.address, self.agent, self.report, self.orphan_pid, self.stopped)
 
 
 def node_settings(

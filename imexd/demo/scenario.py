@@ -239,11 +239,10 @@ class Demo:
         if not self.nodes:
             return
         (state, detail), rows = self.verdict(), [n.row() for n in self.nodes]
-        key = [state, detail, *table_lines(rows)]
         width, color = self.screen.width, self.screen.color
         head = headline(self.elapsed(), DOMAIN, state, detail, color=color, width=width)
         lines = table_lines(rows, color=color, width=width)
-        self.screen.frame(key, [head, *lines], force=force)
+        self.screen.frame(head, lines, verdict=(state, detail), force=force)
 
     # Watching the agents.
 
@@ -702,6 +701,9 @@ class Demo:
         self.results.shutdown_s = time.monotonic() - started
         self.results.clean_exits = sum(1 for code in codes if code == 0)
         daemons = await asyncio.to_thread(demo_processes, self.folder, exclude=self._broker_pid())
+        running = [" ".join(p.info["cmdline"] or []) for p in daemons]
+        for node, code in zip(self.nodes, codes, strict=True):
+            node.stopped = code == 0 and not any(str(node.folder) in line for line in running)
         self.redraw(force=True)
         bad = [f"{n.name}: {c}" for n, c in zip(self.nodes, codes, strict=True) if c != 0]
         if bad:

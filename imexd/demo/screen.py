@@ -1,25 +1,28 @@
 """What the demo shows: the table of nodes, its colours, and the terminal it is drawn on.
 
 Pure rendering of what the scenario knows (each agent's HealthReport, how its processes
-are), laid out by `imexd.health.fleet.table` like every table imexd prints; only the
-colours and the redrawing in place belong to the demo.
+are), in columns two spaces apart like every table imexd prints, but of fixed widths:
+the table is redrawn several times a second and must not jump. On a terminal it is
+redrawn in place; elsewhere only what changed is printed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, TextIO
 
-from imexd.health.fleet import table
 from imexd.messages import HealthReport, failing
 
-SNAPSHOT_EVERY_S: Final = 1.0
-"""Without a terminal a changed table is printed at most this often."""
+HEADLINE_EVERY_S: Final = 1.0
+"""Without a terminal a changed headline is printed at most this often."""
+NOTE_INDENT: Final = " " * 6
+"""Where a note put below its row starts (under NODE)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,12 +34,36 @@ class Row:
     agent: str
     """starting, up, down (killed by the demo), leaving, left, exited."""
     report: HealthReport | None
-    """Its agent's last `/status`; None while the agent does not answer."""
+    """Its agent's last `/status`; only read while the agent is starting or up: an agent
+    that was killed or left reports nothing any more, whatever it said last."""
     orphan_pid: int | None = None
-    """The daemon's pid while its agent is down and the daemon runs on alone."""
+    """The daemon's pid while its agent is down and the daemon runs on alone (checked)."""
+    stopped: bool = False
+    """The agent left cleanly and no process of the node is left: its daemon stopped."""
+
+    @property
+    def live(self) -> HealthReport | None:
+        """The report, if the agent is there to stand by it."""
+        return self.report if self.agent in ("starting", "up") else None
 
 
 HEADER: Final = ("SLOT", "NODE", "ADDRESS", "AGENT", "DAEMON", "PID", "IMEX", "READY", "SEES")
+WIDEST: Final[dict[str, int]] = {
+    "AGENT": len("starting"),  # starting, up, down, leaving, left, exited
+    "DAEMON": len("STARTING"),  # the supervisor's states: STOPPED ... FATAL
+    "PID": len("4194304"),  # the largest pid_max Linux allows
+    "IMEX": len("WAITING_FOR_RECOVERY"),  # the longest word of `nvidia-imex-ctl -q`
+    "READY": len("READY"),
+    "SEES": len("DEGRADED"),  # UP, DEGRADED, DOWN, FORMING, UNKNOWN
+}
+"""The widest word each column can hold, so that no frame moves a column: the run's node
+names and addresses are known from its start, every other cell is one of these words."""
+LAYOUTS: Final = (HEADER, tuple(c for c in HEADER if c != "ADDRESS"))
+LAYOUTS_NARROW: Final = tuple(c for c in HEADER if c not in ("ADDRESS", "PID"))
+"""Narrower terminals drop ADDRESS (the headline names the addresses) and then PID (the
+events name the pids): the first layout that fits the width is kept for the whole run."""
+NOTE_MIN: Final = 24
+"""Columns a note needs beside its row; with fewer, notes go below their rows."""
 GREEN: Final = frozenset({"UP", "READY", "RUNNING", "up", "yes"})
 YELLOW: Final = frozenset(
     {"FORMING", "STARTING", "STOPPING", "INITIALIZING", "STARTING_AUTH_SERVER", "INIT_GPU"}
@@ -45,33 +72,37 @@ YELLOW: Final = frozenset(
 )
 RED: Final = frozenset({"DEGRADED", "DOWN", "BACKOFF", "FATAL", "UNAVAILABLE", "down", "exited"})
 NOTE_MAX: Final = 60
-PAINTED: Final = range(3, len(HEADER))
-"""The columns whose words are coloured: AGENT to SEES (not the names, not the note)."""
+PAINTED: Final = frozenset({"AGENT", "DAEMON", "PID", "IMEX", "READY", "SEES"})
+"""The columns whose words are coloured (not the names, not the note)."""
 
 
-def _cells(row: Row) -> list[str]:
-    r = row.report
+def _cells(row: Row) -> dict[str, str]:
+    r = row.live
+    base = {"NODE": row.node, "ADDRESS": row.address, "AGENT": row.agent}
     if r is None:
-        daemon = "running alone" if row.orphan_pid else "-"
-        pid = str(row.orphan_pid) if row.orphan_pid else "-"
-        return ["-", row.node, row.address, row.agent, daemon, pid, "-", "-", "-"]
-    return [
-        "-" if r.slot is None else str(r.slot),
-        row.node,
-        row.address,
-        row.agent,
-        r.daemon.state or "-",
-        "-" if r.daemon.pid is None else str(r.daemon.pid),
-        r.daemon.imex_status or "-",
-        "yes" if r.ready else "no",
-        (r.domain_view.status if r.domain_view is not None else "") or "-",
-    ]
+        daemon, pid = "-", "-"
+        if row.orphan_pid:
+            daemon, pid = "RUNNING", str(row.orphan_pid)
+        elif row.stopped:
+            daemon = "STOPPED"
+        unknown = dict.fromkeys(("SLOT", "IMEX", "READY", "SEES"), "-")
+        return base | unknown | {"DAEMON": daemon, "PID": pid}
+    return base | {
+        "SLOT": "-" if r.slot is None else str(r.slot),
+        "DAEMON": r.daemon.state or "-",
+        "PID": "-" if r.daemon.pid is None else str(r.daemon.pid),
+        "IMEX": r.daemon.imex_status or "-",
+        "READY": "yes" if r.ready else "no",
+        "SEES": (r.domain_view.status if r.domain_view is not None else "") or "-",
+    }
 
 
 def _note(row: Row) -> str:
-    r = row.report
+    r = row.live
     if r is None:
-        return "IMEX keeps running without its agent" if row.orphan_pid else ""
+        if row.orphan_pid:
+            return "IMEX keeps running without its agent"
+        return "left the domain; its daemon stopped" if row.stopped else ""
     parts = []
     restarts = r.daemon.restarts
     if restarts:
@@ -92,50 +123,76 @@ def paint(text: str, word: str, *, color: bool) -> str:
     return f"\x1b[{code}m{text}\x1b[0m" if code else text
 
 
-def _painted(line: str, starts: Sequence[int]) -> str:
-    """A laid-out row with the words of the PAINTED columns coloured; `starts` are the
-    columns' offsets (the header's words)."""
-    out = line[: starts[PAINTED.start]]
-    for column in PAINTED:
-        cell = line[starts[column] : starts[column + 1]]
-        word = cell.rstrip()
-        out += paint(word, word, color=True) + cell[len(word) :]
-    return out + line[starts[PAINTED.stop] :]
+def _widths(rows: Sequence[Row]) -> dict[str, int]:
+    """Each column's width for the whole run: the widest word it can hold."""
+    fixed = {name: max(len(name), WIDEST.get(name, 0)) for name in HEADER}
+    fixed["SLOT"] = max(len("SLOT"), len(str(max(len(rows) - 1, 0))))
+    fixed["NODE"] = max([len("NODE"), *(len(r.node) for r in rows)])
+    fixed["ADDRESS"] = max([len("ADDRESS"), *(len(r.address) for r in rows)])
+    return fixed
 
 
-NOTE_INDENT: Final = " " * 6
-"""Where a note put below its row starts (under NODE)."""
+def _layout(widths: dict[str, int], width: int) -> tuple[str, ...]:
+    """The columns shown: every one without a width, else the first layout that fits."""
+    for columns in (*LAYOUTS, LAYOUTS_NARROW):
+        if not width or sum(widths[c] for c in columns) + 2 * (len(columns) - 1) <= width:
+            return columns
+    return LAYOUTS_NARROW
+
+
+def _fit(cell: str, width: int) -> str:
+    """A cell cut to its column (a word no column was sized for), so nothing moves."""
+    return cell if len(cell) <= width else cell[: width - 1] + "…"
 
 
 def table_lines(rows: Sequence[Row], *, color: bool = False, width: int = 0) -> list[str]:
-    """The table, one string per line; `width` > 0 fits a terminal: when the notes do
-    not fit beside their rows, each goes below its row, wrapped between words; what
-    still does not fit is cut."""
-    header = [*HEADER, "NOTE"]
-    notes = [_note(r) for r in rows]
-    plain = table(header, [[*_cells(r), note] for r, note in zip(rows, notes, strict=True)])
-    starts: list[int] = []
-    for word in header:
-        starts.append(plain[0].index(word, starts[-1] if starts else 0))
-    below = width > 0 and any(len(line) > width for line in plain) and starts[-1] <= width
-    lines = []
-    for index, line in enumerate(plain):
-        if below:
-            line = line[: starts[-1]].rstrip()  # noqa: PLW2901 - the row less its note
-        if width and len(line) > width:
-            lines.append(line[: width - 1] + "…")
-        elif color and index > 0:
-            lines.append(_painted(line, starts))
-        else:
-            lines.append(line)
-        if below and index > 0 and notes[index - 1]:
+    """The table, one string per line. Its columns keep their places and widths for the
+    whole run: node names and addresses come from the rows, every other column is as wide
+    as the widest word it can hold, and `width` (> 0: a terminal) only picks which
+    columns fit. A note goes beside its row when it fits there, else below it, wrapped
+    between words; a line that still does not fit is cut."""
+    widths = _widths(rows)
+    columns = _layout(widths, width)
+    used = sum(widths[c] for c in columns) + 2 * (len(columns) - 1)
+    room = width - used - 2 if width else NOTE_MAX
+    beside = room >= NOTE_MIN
+
+    def line(cells: dict[str, str], note: str, *, paint_words: bool) -> str:
+        parts = []
+        for name in columns:
+            cell = _fit(cells[name], widths[name])
+            padded = cell.ljust(widths[name])
+            if paint_words and name in PAINTED:
+                padded = paint(cell, cell, color=True) + padded[len(cell) :]
+            parts.append(padded)
+        if note:
+            parts.append(note)
+        return "  ".join(parts).rstrip()
+
+    header = {name: name for name in HEADER}
+    lines = [line(header, "NOTE" if beside else "", paint_words=False)]
+    for row in rows:
+        note = _note(row)
+        here = note if beside and len(note) <= room else ""
+        lines.append(line(_cells(row), here, paint_words=color))
+        if note and not here:
             lines += textwrap.wrap(
-                notes[index - 1],
-                width,
+                note,
+                width or 1000,
                 initial_indent=NOTE_INDENT,
                 subsequent_indent=NOTE_INDENT,
             )
-    return lines
+    if not width:
+        return lines
+    return [_cut(text, width) for text in lines]
+
+
+def _cut(text: str, width: int) -> str:
+    """A line cut to `width` visible columns (colour codes do not count)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    if len(plain) <= width:
+        return text
+    return plain[: width - 1] + "…"
 
 
 def wrap_event(text: str, width: int) -> list[str]:
@@ -160,17 +217,29 @@ def headline(
 
 
 class Screen:
-    """Events scroll, the table stays below them and is redrawn in place on a terminal;
-    elsewhere (a pipe, a CI log) each changed table is appended, at most once a second."""
+    """Events scroll, the table stays below them and is redrawn in place on a terminal.
+    Elsewhere (a pipe, a CI log) nothing is redrawn: the headline is printed when the
+    domain's state or reason changes (at most once a second), and the table at the
+    story's milestones when it changed since it was last printed."""
 
-    def __init__(self, out: TextIO, *, tty: bool, color: bool) -> None:
+    def __init__(
+        self,
+        out: TextIO,
+        *,
+        tty: bool,
+        color: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.out = out
         self.tty = tty
         self.color = color
+        self.clock = clock
+        """Seconds, for the pace of headlines without a terminal (tests pass their own)."""
         self._frame: list[str] = []
         self._drawn = 0
-        self._last_key: list[str] | None = None
-        self._last_print = 0.0
+        self._printed_table: tuple[tuple[str, str], list[str]] | None = None
+        self._printed_verdict: tuple[str, str] | None = None
+        self._printed_at = -HEADLINE_EVERY_S
         self._gone = False
 
     @classmethod
@@ -214,20 +283,32 @@ class Screen:
         else:
             self._emit(text + "\n")
 
-    def frame(self, key: list[str], lines: list[str], *, force: bool = False) -> None:
-        """The live table; `key` is what counts as a change (the lines less the clock)."""
+    def frame(
+        self, head: str, lines: list[str], *, verdict: tuple[str, str], force: bool = False
+    ) -> None:
+        """The headline `head` and the table `lines` below it. `verdict` is the domain's
+        state and reason (the headline less its clock); `force`: a milestone of the story,
+        where the table is printed without a terminal if it changed."""
         if self.tty:
             rows = shutil.get_terminal_size().lines - 1
+            lines = [head, *lines]
             if len(lines) > rows > 2:
                 lines = [*lines[: rows - 1], f"... {len(lines) - rows + 1} more lines"]
             self._frame = lines
             self._write("")
             return
-        now = time.monotonic()
-        changed = key != self._last_key
-        if changed and (force or now - self._last_print >= SNAPSHOT_EVERY_S):
-            self._last_key, self._last_print = key, now
-            self._emit("\n".join(lines) + "\n\n")
+        now = self.clock()
+        if force:
+            plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in lines]
+            if self._printed_table != (verdict, plain):
+                self._printed_table = (verdict, plain)
+                said = verdict == self._printed_verdict  # its headline is on screen already
+                self._printed_verdict, self._printed_at = verdict, now
+                self._emit("\n".join(lines if said else [head, *lines]) + "\n\n")
+            return
+        if verdict != self._printed_verdict and now - self._printed_at >= HEADLINE_EVERY_S:
+            self._printed_verdict, self._printed_at = verdict, now
+            self._emit(head + "\n")
 
     def close(self) -> None:
         """Keep the last table on a terminal; the summary goes below it."""
