@@ -3,9 +3,11 @@
 A newcomer should see what imexd does before owning a GPU rack or root: N agents
 (`imexd run`, exactly as shipped) each supervise a simulated IMEX daemon
 (`imexd-sim-daemon`) on its own loopback address, meet over an MQTT broker, form the
-domain "demo", survive two crashes, and leave. The demo only starts processes, reads
-each agent's `/status` and the members' records on the bus, and sends signals, so what
-it shows is the product's behaviour, not a re-enactment.
+domain "demo", give a workload its own IMEX channel on a simulated driver and take it
+back, survive two crashes, and leave. The demo only starts processes (the agents, and
+the `imexd workload` commands as a user types them), reads each agent's `/status`, the
+members' records on the bus and the nodes' channel files, and sends signals, so what it
+shows is the product's behaviour, not a re-enactment.
 
 One job per module:
 
@@ -17,8 +19,8 @@ One job per module:
 - `nodes`: the simulated nodes (folder, settings, `imexd run` process) and the sweep
   that ends whatever the demo started;
 - `screen`: the table of nodes and the terminal it is drawn on;
-- `scenario`: the four acts (form, kill a daemon, kill an agent, leave), what they
-  measure, and the cleanup.
+- `scenario`: the five acts (form, a workload, kill a daemon, kill an agent, leave), what
+  they measure, and the cleanup.
 
 The domain is judged as `imexd domain status` judges it (`imexd.health.fleet.judge`).
 It may import the leaves, the control plane's link and the fleet judgement; never the
