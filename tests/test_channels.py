@@ -1038,10 +1038,11 @@ print(json.dumps({
 
 
 def _apply_without_mknod(
-    settings: ChannelsSettings, wants: list[Want], major: int = MAJOR
+    settings: ChannelsSettings, wants: list[Want], major: int = MAJOR, *, chown: bool = True
 ) -> dict[str, Any]:
-    """`Devices.apply` in a child process that may not mknod: root without CAP_MKNOD
-    (setpriv), or this unprivileged user as it is; what it did, as JSON."""
+    """`Devices.apply` in a child process that may not mknod (nor, with `chown` False,
+    give a file away): root without CAP_MKNOD (setpriv), or this unprivileged user as it
+    is; what it did, as JSON."""
     if IS_ROOT and shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop CAP_MKNOD")
     job = {
@@ -1052,7 +1053,8 @@ def _apply_without_mknod(
         "wants": [_fields(w) for w in wants],
         "major": major,
     }
-    prefix = ["setpriv", "--bounding-set=-mknod"] if IS_ROOT else []
+    dropped = "-mknod" if chown else "-mknod,-chown"
+    prefix = ["setpriv", f"--bounding-set={dropped}"] if IS_ROOT else []
     done = subprocess.run(
         [*prefix, sys.executable, "-c", _APPLY_IN_CHILD, json.dumps(job)],
         capture_output=True,
@@ -1105,6 +1107,19 @@ def test_simulate_makes_a_marked_stand_in_where_mknod_is_not_permitted(
     gone = _apply_without_mknod(simulated, [])
     assert gone["made"] == []
     assert not node.exists()
+
+
+def test_a_stand_in_that_cannot_be_given_to_its_owner_is_not_left(
+    simulated: ChannelsSettings,
+) -> None:
+    """An agent that may not give a file away (no CAP_CHOWN: any user but root) and a
+    workload of another uid: MknodFailed naming the chown, and no stand-in stays behind
+    with the agent's own owner."""
+    done = _apply_without_mknod(simulated, [_want(channel=3, uid=4242)], chown=False)
+    [(workload, reason, message)] = done["failures"]
+    assert (workload, reason) == ("w1", "MknodFailed")
+    assert f"chown {_node(simulated, 3)} to 4242:{GID}: Operation not permitted" in message
+    assert not _node(simulated, 3).exists()
 
 
 def test_without_simulate_an_agent_that_may_not_mknod_fails(settings: ChannelsSettings) -> None:
