@@ -595,9 +595,9 @@ folder, the broker to the test's): adding an example to the docs means adding it
 to NOT_RUN, on purpose."""
 
 NOT_RUN: tuple[tuple[str, str], ...] = (
-    (r"imexd run\b", "starts agents: the README tour runs in tests/test_demo.py"),
+    (r"imexd run\b", "starts agents: the README tour runs in tests/test_tour.py"),
     (r"imexd (status|check)\b", "asks a running agent's HTTP endpoint"),
-    (r"imexd render --config n1/", "needs the README tour's files"),
+    (r"imexd render --config n1/", "needs the README tour's files (tests/test_tour.py)"),
     (r"imexd domain status (tour\b|<domain>)", "needs the tour's or an operator's domain"),
     (
         r"imexd domain (create|delete|status) (d1|job-1234)\b",
