@@ -388,3 +388,19 @@ def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     gone = imexd(c, "domain", "create", "d3", "--nodes", "n4", "--wait", "60")
     assert gone.returncode == 2, gone.stdout + gone.stderr
     assert "node n4: AgentDown: its agent's link ended without a goodbye" in gone.stderr
+
+
+def test_a_retry_request_from_the_far_future_does_not_block_a_genuine_one(c: Cluster) -> None:
+    """A request of `imexd node retry` written with `at: 1e12` is one request like any
+    other: a genuine retry after it still starts a FATAL daemon at once."""
+    nodes = form_d1(c)
+    n2 = nodes[1]
+    forged = {"v": 1, "node": "n2", "domain": "d1", "at": 1e12, "by": "a forger"}
+    with c.client() as bus:
+        bus.publish("imex/v2/domains/d1/retry/n2", json.dumps(forged).encode(), retain=True)
+        c.wait(lambda: n2.log_events("retry.asked"), timeout=10, what="n2 read the request")
+        bus.publish("imex/v2/domains/d1/retry/n2", b"", retain=True)
+    assert crash_until_fatal(n2) >= 3
+    retried = imexd(c, "node", "retry", "n2", "--wait", "30")
+    assert retried.returncode == 0, retried.stdout + retried.stderr
+    assert "node n2: daemon RUNNING in d1" in retried.stdout, retried.stdout

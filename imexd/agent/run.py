@@ -125,8 +125,11 @@ class Agent:
         link goes: only then does `desired` say what the broker says."""
         self.released_until = 0.0
         """time.monotonic() until which our slot stays given up (FATAL daemon)."""
-        self.retry_seen = wire_now()
-        """The `at` of the last `imexd node retry` acted on; none older than this agent."""
+        self.started_at = wire_now()
+        """Wall-clock start: an `imexd node retry` request written before it is a leftover."""
+        self.retry_last: Retry | None = None
+        """The last request taken in. A request is new when it differs from this one, not
+        when its `at` is larger: a request dated in the future blocks no later one."""
         self.retry_asked: Retry | None = None
         self.wake = asyncio.Event()
         self.step_pace = Pacer(STEP_PACE_S)
@@ -375,9 +378,11 @@ class Agent:
                 self.assigned_domain = None
         elif (
             isinstance(asked := getattr(event, "payload", None), Retry)
-            and asked.at > self.retry_seen
+            and asked.at > self.started_at
+            and asked != self.retry_last
         ):
-            self.retry_seen, self.retry_asked = asked.at, asked  # each request once
+            self.retry_last = self.retry_asked = asked  # each request once
+            self.log.info("retry.asked", by=asked.by, at=asked.at)
             self.dirty.set()
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
