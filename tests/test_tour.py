@@ -150,8 +150,9 @@ def test_the_readme_tour_runs_as_written(tmp_path: Path) -> None:
     try:
         tour.run(start)
         started = tour.pids()
-        for i in (1, 2, 3):
-            wait_for(lambda i=i: tour.ready(i), timeout=60, what=f"node-{i} ready")
+        wait_for(
+            lambda: all(tour.ready(i) for i in (1, 2, 3)), timeout=60, what="the three nodes ready"
+        )
         assert "Domain State" in tour.run(imex_view).stdout
 
         tour.run(crash, strict=False)
