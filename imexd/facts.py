@@ -100,6 +100,9 @@ class BusFacts:
     resync_corrections: int = 0
     """Records the periodic re-read found different from the view (lost updates;
     cumulative, for metrics)."""
+    records_put_back: int = 0
+    """Our records (the health report) someone wrote over, published again by the bus
+    (cumulative, for metrics)."""
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Messages dropped since the agent started, by `messages.DropReason` value
     (cumulative, for metrics)."""

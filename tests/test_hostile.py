@@ -286,3 +286,33 @@ def test_a_claim_that_never_settles_frees_its_slot_after_the_stale_bound(c: Clus
     c.wait(lambda: all(n.up_with(3) for n in [*nodes, n3]), timeout=30)
     assert untouched(nodes, before) == []
     assert n3.daemon_starts() == 1
+
+
+def test_a_forged_health_report_is_put_back_by_its_owner(c: Cluster) -> None:
+    """A report on n2's health topic that n2 did not write (ready false) is replaced by
+    n2's own at once, not at its next periodic report (here a minute away), and counted."""
+    nodes, _ = three(c, overrides={"health": {"report_interval_s": 60.0}})
+    n2 = nodes[1]
+    topic = "imex/v2/domains/d1/health/n2"
+    with c.client() as client:
+        own = json.loads(client.retained(topic)[topic])
+    forged = {**own, "ready": False, "at": own["at"] + 1}
+    inject_at = time.monotonic()
+    with c.client() as client:
+        client.publish(topic, json.dumps(forged).encode(), retain=True)
+
+    def served() -> dict[str, Any]:
+        with c.client() as client:
+            copy = client.retained(topic).get(topic)
+        return json.loads(copy) if copy else {}
+
+    c.wait(
+        lambda: served().get("ready") is True and served().get("node") == "n2",
+        timeout=20,
+        what="n2's own report back on its topic",
+    )
+    assert time.monotonic() - inject_at < 60, "put back by the periodic report, not at once"
+    assert n2.log_events("bus_record_put_back"), "the put-back is logged"
+    code, body = n2.get("/metrics")
+    assert code == 200
+    assert "imexd_bus_records_put_back_total 1.0" in body

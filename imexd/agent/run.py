@@ -423,6 +423,7 @@ class Agent:
     def _first_will(self) -> WillSpec | None:
         """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
         at start does not reconnect: the configured domain (assigned: the saved one, a guess)
+            records_put_back=sum(bus.put_back.values()),
         and clique ("auto": the saved one). None: the join sets it and reconnects once."""
         saved = self.saved
         domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
@@ -504,12 +505,15 @@ class Agent:
         # needs the broker's one order, the spec and the retry request do not.
         spec, members = self._shard_filters(domain, clique)
         await bus.subscribe(members)
-        await bus.subscribe(spec, self.topics.retry(domain, self.node), ordered=False)
+        # Our own health report too: a copy we did not write is put back by the bus.
+        own = (self.topics.retry(domain, self.node), self.topics.health(domain, self.node))
+        await bus.subscribe(spec, *own, ordered=False)
         bus.set_will(shard.will(self.topics, domain, clique))
 
     def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:
         """The bus filters a shard's view is made of: the domain's spec, its members."""
         return self.topics.spec(domain), self.topics.members_filter(domain, clique)
+            await bus.unsubscribe(self.topics.health(domain, self.node))
 
     async def _step(self, now: float) -> None:
         """One membership step: the shard view derives, the agent publishes and applies."""

@@ -153,6 +153,12 @@ class LinkEngine:
         topic outside the contract): what a benchmark counts at the receiver."""
         self.writes: Counter[str] = Counter()
         """Records set or cleared through `retain`, by topic kind."""
+        self.put_back: Counter[str] = Counter()
+        """Our records that someone wrote over and that we published again, by topic kind
+        (imexd_bus_records_put_back_total)."""
+        self._overwritten: set[str] = set()
+        """Topics of ours that a live copy not ours reached: put back at the next turn."""
+        self._overwrite = asyncio.Event()
         self._check = RetainedCheck()
         self._refusal_drop = False
         """The current link was dropped for refused subscriptions or a failed retained
@@ -331,7 +337,7 @@ class LinkEngine:
             next_ping = time.monotonic() + self._ping_interval_s
             burst = self._repairs.burst
             while not leave.is_set():
-                waits = {leave, self._subs.changed}
+                waits = {leave, self._subs.changed, self._overwrite}
                 if self._repairing:
                     waits.add(burst)
                 if not checked and not check_at:
@@ -342,6 +348,8 @@ class LinkEngine:
                 await first_set(waits, max(0.0, due - time.monotonic()))
                 if leave.is_set():
                     break
+                if self._overwrite.is_set():
+                    await self._put_back(client)
                 if self._subs.changed.is_set():
                     await self._settle(client, leave)
                 elif not checked and self._check.own_echo.is_set() and time.monotonic() >= check_at:
@@ -582,6 +590,24 @@ class LinkEngine:
     async def _round_trip(self, client: Client) -> float:
         return await self._pings.round_trip(client, self._log)
 
+    async def _put_back(self, client: Client) -> None:
+        """Publish again our records that someone wrote over (`_dispatch`): the owner puts
+        its own back within a round trip (the first time per topic logged as a warning)."""
+        self._overwrite.clear()
+        topics, self._overwritten = sorted(self._overwritten), set()
+        async with self._lock:
+            for topic in topics:
+                record = self._records.get(topic)
+                if record is None or not record.payload or not record.replay:
+                    continue
+                await self._put_retained(client, topic, record)
+                ref = self.topics.parse(topic)
+                kind = "other" if ref is None else ref.kind
+                level = self._log.warning if not self.put_back[kind] else self._log.info
+                self.put_back[kind] += 1
+                level("bus_record_put_back", topic=topic[:300], times=self.put_back[kind])
+        self._counted()
+
     async def _resync(self, client: Client) -> None:
         """After a new subscription: prove its snapshot arrived, or replace the link."""
         covered = frozenset(self._subs.granted)
@@ -698,6 +724,13 @@ class LinkEngine:
         ref = self.topics.parse(topic)
         self.deliveries[("other", "") if ref is None else (ref.kind, ref.domain)] += 1
         self._echoes.seen(topic, payload, live=not retained)
+        if (
+            not retained
+            and self._records.overwritten(topic, payload)
+            and not self._echoes.waiting(topic)
+        ):
+            self._overwritten.add(topic)
+            self._overwrite.set()
         will = self._will
         if will is not None and topic == will.topic and payload:
             if self._check.saw(topic, retained=retained) and self._check.narrow:

@@ -64,6 +64,19 @@ class Records:
         if not record.payload and self._by_topic.get(topic) is record:
             del self._by_topic[topic]
 
+    def overwritten(self, topic: str, payload: bytes) -> bool:
+        """Whether `payload`, arriving on `topic`, is another copy than ours of a record we
+        replay and published on this link: someone wrote over it (a member record is the
+        caller's to judge: `replay=False`)."""
+        record = self._by_topic.get(topic)
+        return (
+            record is not None
+            and record.replay
+            and bool(record.payload)
+            and topic in self._on_link
+            and payload != record.payload
+        )
+
     def payload(self, topic: str) -> bytes:
         """Our declared record on `topic`; b"" when none."""
         record = self._by_topic.get(topic)

@@ -204,6 +204,12 @@ class Metrics:
             bus.resync_corrections,
         )
         yield counter(
+            "imexd_bus_records_put_back",
+            "Records of this node other than its member record (its health report) that "
+            "someone wrote over; each was published again by this agent at once.",
+            bus.records_put_back,
+        )
+        yield counter(
             "imexd_record_overwritten",
             "Records someone else wrote on this node's member topic (a forged or cloned "
             "record, a second agent with this node name); each was put back by this agent.",
