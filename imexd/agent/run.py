@@ -401,6 +401,7 @@ class Agent:
             reconnects=bus.reconnects,
             stale_retained=bus.stale_retained,
             resync_corrections=bus.resync_corrections,
+            records_put_back=sum(bus.put_back.values()),
             dropped=MappingProxyType(dict(bus.dropped)),
             no_retained_wildcard=bus.no_retained_wildcard,
             retained_not_served=bus.retained_not_served,
@@ -423,7 +424,6 @@ class Agent:
     def _first_will(self) -> WillSpec | None:
         """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
         at start does not reconnect: the configured domain (assigned: the saved one, a guess)
-            records_put_back=sum(bus.put_back.values()),
         and clique ("auto": the saved one). None: the join sets it and reconnects once."""
         saved = self.saved
         domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
@@ -487,6 +487,7 @@ class Agent:
             await bus.unsubscribe(self.topics.members_filter(domain, clique))
             await bus.unsubscribe(self.topics.spec(domain))
             await bus.unsubscribe(self.topics.retry(domain, self.node))
+            await bus.unsubscribe(self.topics.health(domain, self.node))
         # Only a snapshot completed after this point, of both filters, covers the shard.
         filters = () if target is None else self._shard_filters(*target)
         if shard.join(target, time.monotonic(), needs=frozenset(filters)):
@@ -513,7 +514,6 @@ class Agent:
     def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:
         """The bus filters a shard's view is made of: the domain's spec, its members."""
         return self.topics.spec(domain), self.topics.members_filter(domain, clique)
-            await bus.unsubscribe(self.topics.health(domain, self.node))
 
     async def _step(self, now: float) -> None:
         """One membership step: the shard view derives, the agent publishes and applies."""
