@@ -1,5 +1,6 @@
 """What the settings name on this host: files that must be readable, programs that must run,
-the folder the daemon's config is written to, and the node's address.
+the control plane's keys, the folder the daemon's config is written to, and the node's
+address.
 
 Apart from imexd.settings, which validates values without touching the host, because
 settings are also built for other machines (the tests, the demo's and the benchmark's
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from imexd.errors import ConfigError
 from imexd.settings import Settings, node_address_problem
+from imexd.signing import key_problems
 
 BUS_FILES = ("ca_file", "cert_file", "key_file", "password_file")
 """[bus] keys that name files the agent and the control plane read (empty: unused)."""
@@ -136,9 +138,11 @@ def warnings(settings: Settings) -> list[str]:
 
 
 def check(settings: Settings, *, programs: bool, agent: bool = False) -> None:
-    """Raise ConfigError naming every missing file (and, with `programs`, program and
-    run folder; `agent`: as `run_dir_problems`)."""
+    """Raise ConfigError naming every missing file and every `[control]` key that cannot
+    be loaded (and, with `programs`, program and run folder; `agent`: as
+    `run_dir_problems`)."""
     problems = bus_file_problems(settings)
+    problems += key_problems(settings.control.private_key, settings.control.public_key)
     if programs:
         problems += program_problems(settings) + run_dir_problems(settings, agent=agent)
     if problems:

@@ -552,6 +552,29 @@ class ChannelsSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ControlSettings:
+    """[control]: the key pair that signs the control plane's records (docs/security.md)."""
+
+    private_key: str = _setting(
+        "",
+        "The control plane's Ed25519 private key (PKCS8 PEM, made by `imexd keys create`): "
+        "the commands that write (domain create and delete, workload create and delete, "
+        "node assign, unassign and retry, gc) sign every spec, workload, assignment and "
+        "retry request with it. Only on the control plane's hosts (the Slurm controller), "
+        "mode 0600. Empty: they write unsigned records.",
+        _opt_path,
+    )
+    public_key: str = _setting(
+        "",
+        "The control plane's Ed25519 public key (SubjectPublicKeyInfo PEM, control.pub of "
+        "`imexd keys create`): the agent acts only on specs, workloads, assignments and "
+        "retry requests signed with its private key and drops the rest (counted, and "
+        "BusConnected says so). Empty: they are accepted unsigned.",
+        _opt_path,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LogSettings:
     """[log]: the agent's own logs."""
 
@@ -576,6 +599,7 @@ class Settings:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     channels: ChannelsSettings = field(default_factory=ChannelsSettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @property
@@ -601,6 +625,7 @@ SECTIONS: dict[str, type[Any]] = {
     "daemon": DaemonSettings,
     "health": HealthSettings,
     "channels": ChannelsSettings,
+    "control": ControlSettings,
     "log": LogSettings,
 }
 

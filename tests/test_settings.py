@@ -112,7 +112,7 @@ def test_a_misspelt_section_gets_a_did_you_mean() -> None:
     problems = problems_of({"bsu": {"url": "mqtt://b"}, "zzz": {}})
     assert problems[0] == (
         "[bsu]: unknown section in <settings>; expected one of node, domain, bus, imex, "
-        "daemon, health, channels, log; did you mean [bus]?"
+        "daemon, health, channels, control, log; did you mean [bus]?"
     )
     assert problems[1].startswith("[zzz]: unknown section")
     assert "did you mean" not in problems[1]

@@ -161,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_argument("--check", metavar="DIR", help="exit 1 if DIR's schemas differ")
     p.set_defaults(handler=_cmd_schemas)
 
+    p = sub.add_parser(
+        "keys",
+        help="the control plane's signing keys: create",
+        description="The control plane's signing keys. exit codes: see each action's --help.",
+    )
+    ksub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    q = command(
+        ksub,
+        "create",
+        "make an Ed25519 key pair: DIR/control.key (private, mode 0600) for [control] "
+        "private_key, DIR/control.pub for the agents' [control] public_key",
+        "0 made (both paths and the key's fingerprint printed); 2 DIR is not a folder that "
+        "can be created or written, or control.key or control.pub exists there (nothing "
+        "written, nothing overwritten)",
+    )
+    q.add_argument("dir", metavar="DIR", help="the folder of the two files (created if missing)")
+    q.set_defaults(handler=_cmd_keys_create)
+
     p = command(
         sub,
         "demo",
@@ -408,6 +426,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     base = query.base_url(args.url, args.config)
     return query.status(base, as_json=bool(args.json), timeout=float(args.timeout))
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    """`imexd keys create DIR`: a new key pair, never over an existing file."""
+    from imexd import signing  # noqa: PLC0415 - lazy: only this command loads cryptography
+
+    try:
+        private, public, fingerprint = signing.create_keys(args.dir)
+    except signing.KeysError as exc:
+        print(f"imexd keys create: {exc}", file=sys.stderr)
+        return 2
+    print(f"private key: {private} (mode 0600: [control] private_key of the control plane)")
+    print(f"public key:  {public} ([control] public_key of every agent)")
+    print(f"fingerprint: {fingerprint} (what `imexd status` shows on a node that verifies)")
+    return 0
 
 
 def _cmd_schemas(args: argparse.Namespace) -> int:
