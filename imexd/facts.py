@@ -106,6 +106,12 @@ class BusFacts:
     dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Messages dropped since the agent started, by `messages.DropReason` value
     (cumulative, for metrics)."""
+    control_key: str = ""
+    """The fingerprint of `[control] public_key`, which the control plane's records are
+    verified with; "" when they are accepted unsigned."""
+    unverified: tuple[tuple[str, str], ...] = ()
+    """(topic, DropReason value) where the broker holds a control-plane record that does
+    not verify, or lacks one that was cleared without a signed deletion; by topic."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -285,6 +285,9 @@ class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
     driver: str = ""
     channels: ChannelsView | None = None
     """The node's IMEX channels; None from agents that predate workloads."""
+    control_key: str = ""
+    """The fingerprint of the key the agent verifies the control plane's records with
+    (`[control] public_key`, `imexd.signing.fingerprint`); "": it accepts them unsigned."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address) if self.address else None
@@ -482,6 +485,15 @@ class DropReason(StrEnum):
     """A well-formed payload whose address is refused (`address_problem`)."""
     TOPIC_MISMATCH = "topic_mismatch"
     UNKNOWN_TOPIC = "unknown_topic"
+    UNSIGNED = "unsigned"
+    """With `[control] public_key`: a control-plane record (spec, workload, assignment,
+    retry request) without the control key's signature (`imexd.signing`)."""
+    SIGNATURE = "signature"
+    """With `[control] public_key`: a control-plane record whose signature does not verify
+    (another key, another topic, changed bytes)."""
+    UNSIGNED_CLEAR = "unsigned_clear"
+    """With `[control] public_key`: a clear of a spec, workload or assignment that the
+    control plane had not retired by a signed record first (`imexd.bus.signatures`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,6 +563,18 @@ def to_builtins(payload: Payload) -> Any:
     return msgspec.to_builtins(payload)
 
 
+SIGNED_TYPES: Final = (DomainSpec, WorkloadRecord, Assignment, Retry)
+"""The payloads the control plane signs with `[control] private_key` (`imexd.signing`)."""
+SIG_SCHEMA: Final = {
+    "description": "The control plane's Ed25519 signature (base64url, no padding) over the "
+    "topic, a newline and the record without this member; always the last member, written "
+    'exactly as `,"sig":"..."}` (docs/security.md). Absent when the control plane '
+    "has no key.",
+    "pattern": "^[A-Za-z0-9_-]{86}$",
+    "type": "string",
+}
+
+
 def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
@@ -560,6 +584,8 @@ def json_schemas() -> dict[str, Any]:
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
         body["required"] = sorted({"v", *body.get("required", [])})
+        if cls in SIGNED_TYPES:
+            body["properties"]["sig"] = SIG_SCHEMA
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schemas[cls.__name__] = schema
     return schemas

@@ -186,6 +186,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.names",
             "imexd.retry",
             "imexd.settings",
+            "imexd.signing",
             "imexd.topics",
         }
     ),
@@ -258,6 +259,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.render",
             "imexd.retry",
             "imexd.settings",
+            "imexd.signing",
             "imexd.nodestate",
             "imexd.topics",
         }
@@ -281,6 +283,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd.preflight",
             "imexd.retry",
             "imexd.settings",
+            "imexd.signing",
             "imexd.topics",
         }
     ),

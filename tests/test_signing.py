@@ -17,8 +17,22 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
 
+from imexd.bus.signatures import Signatures
 from imexd.errors import ConfigError
-from imexd.messages import Assignment, DomainSpec, Retry, WorkloadRecord, encode
+from imexd.messages import (
+    Assignment,
+    Deleted,
+    DomainSpec,
+    Dropped,
+    DropReason,
+    MemberRecord,
+    MemberState,
+    Received,
+    Retry,
+    WorkloadRecord,
+    decode_message,
+    encode,
+)
 from imexd.settings import settings_from_mapping
 from imexd.signing import (
     SIG_CHARS,
@@ -33,6 +47,7 @@ from imexd.signing import (
     load_verifier,
     signed_bytes,
 )
+from imexd.topics import Topics
 from tests.support import IMEXD
 
 SPEC_TOPIC = "imex/v2/domains/d1/spec"
@@ -351,3 +366,107 @@ def test_verifier_is_the_one_of_its_key(keys: tuple[Path, Path]) -> None:
     v = load_verifier(str(public))
     assert isinstance(v, Verifier)
     assert v.fingerprint == load_verifier(str(public)).fingerprint
+
+
+# The agent's check at the bus boundary (imexd.bus.signatures).
+
+T = Topics("imex/v2")
+
+
+def _message(topic: str, data: bytes) -> Received | Deleted:
+    result = decode_message(T, topic, data, retained=False)
+    assert not isinstance(result, Dropped), result
+    return result
+
+
+def test_the_boundary_delivers_only_what_the_control_key_signed() -> None:
+    """A signed record passes as it came; an unsigned one and one signed with another key
+    are dropped by reason and stand (BusConnected), until a signed record replaces them."""
+    s = signer()
+    check = Signatures(s.verifier())
+    topic = T.spec("d1")
+    sealed = s.seal(topic, SPEC)
+    passed = check.check(_message(topic, sealed))
+    assert isinstance(passed, Received)
+    assert passed.data == sealed
+    dropped = check.check(_message(topic, SPEC))
+    assert isinstance(dropped, Dropped)
+    assert dropped.reason is DropReason.UNSIGNED
+    assert check.standing == {topic: "unsigned"}
+    foreign = check.check(_message(topic, signer().seal(topic, SPEC)))
+    assert isinstance(foreign, Dropped)
+    assert foreign.reason is DropReason.SIGNATURE
+    assert check.standing == {topic: "signature"}
+    assert isinstance(check.check(_message(topic, sealed)), Received)
+    assert check.standing == {}
+
+
+def test_the_boundary_leaves_other_kinds_alone() -> None:
+    """Member records, health reports and presence are the nodes' own: never checked."""
+    check = Signatures(signer().verifier())
+    record = MemberRecord(
+        node="n1",
+        domain="d1",
+        clique="c1",
+        address="127.0.0.9",
+        slot=0,
+        incarnation=1,
+        state=MemberState.MEMBER,
+        max_nodes=8,
+        mode="names",
+    )
+    topic = T.member("d1", "c1", "n1")
+    assert isinstance(check.check(_message(topic, encode(record))), Received)
+    assert isinstance(check.check(_message(topic, b"")), Deleted)
+    assert check.standing == {}
+
+
+@pytest.mark.parametrize(
+    ("topic", "live", "retired"),
+    [
+        (T.spec("d1"), DomainSpec(domain="d1"), DomainSpec(domain="d1", state="deleting")),
+        (T.assignment("n1"), Assignment(domain="d1"), Assignment(domain=None)),
+        (
+            T.workload("d1", "w1"),
+            WorkloadRecord(workload="w1", domain="d1", channel=3),
+            WorkloadRecord(workload="w1", domain="d1", channel=3, nodes=[], state="claiming"),
+        ),
+    ],
+)
+def test_a_clear_removes_only_what_a_signed_record_retired(
+    topic: str,
+    live: DomainSpec | Assignment | WorkloadRecord,
+    retired: DomainSpec | Assignment | WorkloadRecord,
+) -> None:
+    """A clear of a live record is dropped (`unsigned_clear`) and stands, also across a
+    new link; after the signed record that retires it (a spec deleting, an assignment
+    to no domain, a workload claiming on no node), the clear is delivered."""
+    s = signer()
+    check = Signatures(s.verifier())
+    assert isinstance(check.check(_message(topic, s.seal(topic, encode(live)))), Received)
+    dropped = check.check(_message(topic, b""))
+    assert isinstance(dropped, Dropped)
+    assert dropped.reason is DropReason.UNSIGNED_CLEAR
+    check.link_up()
+    assert check.standing == {topic: "unsigned_clear"}
+    assert isinstance(check.check(_message(topic, s.seal(topic, encode(retired)))), Received)
+    assert check.standing == {}
+    assert isinstance(check.check(_message(topic, b"")), Deleted)
+
+
+def test_a_retry_clear_and_a_clear_of_nothing_pass() -> None:
+    """A clear of a retry request (the agent acts on requests, never on their absence) and
+    a clear of a topic that held no verified record reach the caller; a new link forgets
+    records that do not verify (its snapshot says again) but not a kept clear."""
+    s = signer()
+    check = Signatures(s.verifier())
+    retry = T.retry("d1", "n1")
+    request = encode(Retry(node="n1", domain="d1", at=2.0))
+    assert isinstance(check.check(_message(retry, s.seal(retry, request))), Received)
+    assert isinstance(check.check(_message(retry, b"")), Deleted)
+    assert isinstance(check.check(_message(T.spec("d9"), b"")), Deleted)
+    assert isinstance(check.check(_message(T.spec("d2"), encode(DomainSpec(domain="d2")))), Dropped)
+    check.link_up()
+    assert check.standing == {}
+    check.forget(lambda topic: False)
+    assert check.standing == {}

@@ -72,6 +72,7 @@ from imexd.names import client_id
 from imexd.nodestate import NodeState
 from imexd.retry import backoff_delay
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings, node_address_problem
+from imexd.signing import SIGNED_KINDS, load_verifier
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
@@ -248,7 +249,14 @@ class Agent:
             self.log.info("agent.unprivileged", uid=os.geteuid())
         if (why := node_address_problem(s.node)) is not None:
             self.log.warning("agent.address_not_local", address=s.node.address, error=why)
-        bus = Bus(s.bus, node=self.node, client_id=self._client_id, will=self._first_will())
+        verifier = load_verifier(s.control.public_key) if s.control.public_key else None
+        bus = Bus(
+            s.bus,
+            node=self.node,
+            client_id=self._client_id,
+            will=self._first_will(),
+            verifier=verifier,
+        )
         bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
         supervisor = Supervisor.from_settings(s, on_change=self._on_daemon_change)
         self.bus, self.supervisor = bus, supervisor
@@ -357,6 +365,8 @@ class Agent:
     def _on_event(self, event: Event, bus: Bus) -> None:
         # What a new link's rebuild decided counts as part of its snapshot, before Synced.
         for found in self.rebuild.on_event(event):
+            if self._signed_absence(found):
+                continue
             self._on_event(found, bus)
         shard = self.shard
         identity = shard.apply(event, time.monotonic())
@@ -390,6 +400,18 @@ class Agent:
         self.wake.set()
         self.changed.set()
 
+    def _signed_absence(self, found: Event) -> bool:
+        """Whether `found` is a deletion the rebuild inferred from a record missing after a
+        reconnect, of a kind the control plane signs while the agent verifies signatures:
+        a missing record is no signed deletion (anyone may clear a topic), so the agent
+        keeps what it holds; the control plane's deletions come as signed records."""
+        if not self.settings.control.public_key or not isinstance(found, Deleted):
+            return False
+        if found.ref.kind not in SIGNED_KINDS:
+            return False
+        self.log.info("agent.kept_unsigned_absence", topic=found.topic)
+        return True
+
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
         """The bus facts as of now (drop counters move without any event)."""
         self.bus_facts = BusFacts(  # every field: faster than dataclasses.replace
@@ -406,6 +428,8 @@ class Agent:
             no_retained_wildcard=bus.no_retained_wildcard,
             retained_not_served=bus.retained_not_served,
             subscribe_refused=bus.subscribe_refused,
+            control_key=bus.control_key,
+            unverified=bus.unverified,
         )
         return self.bus_facts
 

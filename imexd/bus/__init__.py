@@ -11,12 +11,15 @@ a control-plane command that needs only `mqtt` does not load the link and its lo
   broker's retained snapshots can be trusted at all;
 - `rotation`, `records`, `pings`, `drops`: which broker next and how long to wait, our
   retained records, the sync ping's round trip, and what arrives malformed;
+- `signatures`: with `[control] public_key`, the control plane's records delivered only
+  when signed by its key (`imexd.signing`);
 - `repairs`: what a broker that reorders or loses messages needs (NATS 2.9), engaged per
   link by the broker profile (`[bus] broker`);
 - `engine`: the state of the current link and the task that keeps one (connect, replay,
   prove the snapshot, serve, reconnect);
 - `link`: the `Bus` itself, what callers use: the desired state and what they may ask.
 
-It imports the layers below it (messages, topics, settings, names, retry, logs, errors)
+It imports the layers below it (messages, topics, settings, signing, names, retry, logs,
+errors)
 and nothing above: no agent, shard, health or control module.
 """

@@ -46,12 +46,14 @@ from imexd.bus.repairs import (
     subscription_qos,
 )
 from imexd.bus.rotation import Rotation
+from imexd.bus.signatures import Signatures
 from imexd.bus.subscriptions import Subscriptions
 from imexd.bus.waits import first_set
 from imexd.errors import BusError
 from imexd.logs import get_logger
 from imexd.messages import Dropped, Ping, Received, decode_message
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
+from imexd.signing import Verifier
 from imexd.topics import Topics
 
 _STABLE_S: Final = 10.0
@@ -82,6 +84,7 @@ class LinkEngine:
         close_timeout_s: float,
         resync_quiet_s: float,
         rand: Callable[[], float],
+        verifier: Verifier | None,
     ) -> None:
         """The arguments as `Bus` checked them (`Bus.__init__` says what each means)."""
         self.settings = settings
@@ -132,6 +135,8 @@ class LinkEngine:
             echo_timeout_s, self._refused, self._subs.can_echo, on_lost=self._echo_lost
         )
         self._drops = Drops()
+        self._signatures = Signatures(verifier) if verifier is not None else None
+        """The control plane's signatures, checked on every record (`[control] public_key`)."""
 
         self._connected = False
         self._broker: str | None = None
@@ -650,6 +655,8 @@ class LinkEngine:
         self._subs.link_up()
         self._refusal_drop = False
         self._records.link_up()
+        if self._signatures is not None:
+            self._signatures.link_up()
         self._connected = True
         self._broker = str(broker)
         self._protocol = "5" if v5 else "3.1.1"
@@ -745,6 +752,8 @@ class LinkEngine:
     def _deliver(self, topic: str, payload: bytes, *, retained: bool) -> bool:
         """Decode one message and hand it to the caller; False when it was dropped."""
         result = decode_message(self.topics, topic, payload, retained=retained)
+        if self._signatures is not None and not isinstance(result, Dropped):
+            result = self._signatures.check(result)
         if isinstance(result, Dropped):
             self._drop(topic, result)
             return False

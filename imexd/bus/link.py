@@ -39,6 +39,7 @@ from imexd.logs import get_logger
 from imexd.messages import Payload, encode
 from imexd.names import is_dns1123_subdomain
 from imexd.settings import BusSettings
+from imexd.signing import Verifier
 
 
 def _check_topic_name(topic: str) -> None:
@@ -92,6 +93,7 @@ class Bus(LinkEngine):
         close_timeout_s: float = 5.0,
         resync_quiet_s: float = RESYNC_QUIET_S,
         rand: Callable[[], float] = random.random,
+        verifier: Verifier | None = None,
     ) -> None:
         """Validate everything up front; connect nothing yet.
 
@@ -107,6 +109,9 @@ class Bus(LinkEngine):
         resync_quiet_s: a periodic re-read (`[bus] resync_interval_s`) corrects no topic
             whose record changed within this many seconds (`RESYNC_QUIET_S`).
         rand: source of jitter in [0, 1).
+        verifier: the control plane's public key (`[control] public_key`): specs,
+            workloads, assignments and retry requests it did not sign are dropped
+            (`imexd.bus.signatures`); None: accepted unsigned.
         """
         if not is_dns1123_subdomain(node):
             raise ValueError(f"node {node!r} is not a DNS-1123 subdomain")
@@ -133,6 +138,7 @@ class Bus(LinkEngine):
             close_timeout_s=close_timeout_s,
             resync_quiet_s=resync_quiet_s,
             rand=rand,
+            verifier=verifier,
         )
 
     # Public state.
@@ -186,6 +192,18 @@ class Bus(LinkEngine):
     def resyncs(self) -> int:
         """Re-reads completed (repaired links only)."""
         return self._repairs.resyncs
+
+    @property
+    def control_key(self) -> str:
+        """The fingerprint of the key the control plane's records are verified with; ""
+        when they are accepted unsigned (no `[control] public_key`)."""
+        return "" if self._signatures is None else self._signatures.fingerprint
+
+    @property
+    def unverified(self) -> tuple[tuple[str, str], ...]:
+        """(topic, DropReason value) where the broker holds a control-plane record that does
+        not verify, or lacks one it cleared unsigned (`imexd.bus.signatures`), by topic."""
+        return () if self._signatures is None else tuple(sorted(self._signatures.standing.items()))
 
     @property
     def resync_corrections(self) -> int:
@@ -289,6 +307,8 @@ class Bus(LinkEngine):
                 return
             self._echoes.forget(self._subs.covers)
             self._repairs.forget(self._subs.covers)
+            if self._signatures is not None:
+                self._signatures.forget(self._subs.covers)
             live = self._live()
             if live is None:
                 self._subs.dropped.add(topic_filter)

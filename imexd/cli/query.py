@@ -168,6 +168,7 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
         lines.append(("driver", rep.driver))
     if rep.channels is not None:
         lines.append(("channels", _channels_line(rep.channels)))
+    lines.append(("control", _control_line(rep.control_key)))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}", file=out)
@@ -181,6 +182,13 @@ def print_report(rep: HealthReport, out: TextIO) -> None:
             file=out,
         )
     print("(* = required for ready)", file=out)
+
+
+def _control_line(key: str) -> str:
+    """Whether the agent verifies the control plane's records, and with which key."""
+    if key:
+        return f"records verified with key {key}"
+    return "records accepted unsigned (no control.public_key)"
 
 
 def _channels_line(view: ChannelsView) -> str:

@@ -23,7 +23,7 @@ from typing import Final, Literal, NamedTuple
 import msgspec
 
 from imexd import messages, topics
-from imexd.facts import ChannelFacts, DaemonFacts, Facts
+from imexd.facts import BusFacts, ChannelFacts, DaemonFacts, Facts
 from imexd.health import fleet
 from imexd.messages import (
     BUS_CONNECTED,
@@ -127,7 +127,34 @@ def _bus(f: Facts) -> _Verdict:
         return _Verdict("False", "BrokerNoRetainedWildcard", bus.no_retained_wildcard)
     if not bus.synced:
         return _Verdict("False", "Syncing", f"connected{at}, waiting for the retained state")
+    if bus.unverified:
+        # Connected all the same: a record no node can forge must not make every node
+        # unready by being forged; the reason says it, and the agent keeps what it held.
+        return _Verdict("True", "UnverifiedRecords", f"connected{at}; {_unverified(bus)}")
     return _Verdict("True", "Connected", f"connected{at}")
+
+
+UNVERIFIED_SHOWN: Final = 3
+"""How many topics UnverifiedRecords names."""
+UNVERIFIED_WHY: Final = {
+    "unsigned": "unsigned",
+    "signature": "signed with another key",
+    "unsigned_clear": "cleared without a signed deletion",
+}
+
+
+def _unverified(bus: BusFacts) -> str:
+    """The control-plane records that do not verify with the control key, in a sentence."""
+    shown = ", ".join(
+        f"{topic} ({UNVERIFIED_WHY.get(why, why)})"
+        for topic, why in bus.unverified[:UNVERIFIED_SHOWN]
+    )
+    more = len(bus.unverified) - UNVERIFIED_SHOWN
+    tail = f" and {more} more" if more > 0 else ""
+    return (
+        f"ignoring {len(bus.unverified)} control-plane record(s) that control.public_key "
+        f"does not verify: {shown}{tail}; the agent keeps what the control plane signed"
+    )
 
 
 def _slot(f: Facts) -> _Verdict:
@@ -434,6 +461,7 @@ def report(facts: Facts, conds: Sequence[Condition], now: float) -> HealthReport
             address=facts.address,
             driver=facts.driver,
             channels=channels_view(facts.channels),
+            control_key=facts.bus.control_key,
         )
     )
 
