@@ -20,7 +20,7 @@ import msgspec
 
 from imexd import preflight
 from imexd.channels.fleet import channel_conflicts, conflict_line
-from imexd.control.link import Link
+from imexd.control.link import Link, open_link
 from imexd.control.store import Store, summarize
 from imexd.errors import BusError
 from imexd.health.fleet import (
@@ -37,6 +37,7 @@ from imexd.messages import (
     MemberRecord,
     MemberState,
     Retry,
+    WorkloadRecord,
     encode,
     reason_line,
 )
@@ -95,6 +96,23 @@ def next_spec(
         state="active",
         generation=previous.generation + 1 if previous is not None else 1,
     )
+
+
+def retired_workload(record: WorkloadRecord) -> WorkloadRecord:
+    """The signed record a delete writes before it clears a workload, with `[control]
+    private_key`: one generation up, `claiming` on no node. Agents make no channel for
+    it, and agents that verify signatures take a clear only after such a record, so a
+    clear alone (which no key can sign) removes no channel."""
+    return msgspec.structs.replace(
+        record, state="claiming", nodes=[], generation=record.generation + 1
+    )
+
+
+def unassigned(link: Link) -> bytes:
+    """What `node unassign` (and a domain's delete) writes on a node's assignment topic:
+    a signed assignment to no domain with `[control] private_key`, so that agents that
+    verify signatures act on it; else a clear, as always."""
+    return encode(Assignment(domain=None)) if link.signer is not None else b""
 
 
 def say_refused(refused: Sequence[str], err: TextIO) -> int:
@@ -184,7 +202,7 @@ async def create(
     agent within `seen_within_s` seconds (see `assign`), unless `force`: a Slurm prolog
     then fails at once, naming the node, instead of waiting for a domain that cannot
     form."""
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
         if nodes and not (steal and force):
@@ -255,8 +273,13 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
       are kept (the node may still run a daemon); running delete again finishes the job;
     - members without an assignment to the domain were seen (static nodes: `[domain] name`
       in their settings), which would otherwise form the domain again (exit 0).
+
+    With `[control] private_key` an assignment is not cleared but replaced by a signed
+    assignment to no domain (`unassigned`), and each workload record is retired by a
+    signed record before its clear (`retired_workload`): agents that verify signatures
+    act on no clear alone.
     """
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(
             t.spec(name),
@@ -320,7 +343,7 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
             if d == name and r.state is MemberState.LOST and n not in left
         }
         for node in store.assigned_to(name):
-            written[t.assignment(node)] = b""
+            written[t.assignment(node)] = unassigned(link)
         keep_spec = bool(left or static)
         if not keep_spec:
             written[t.spec(name)] = b""
@@ -330,6 +353,9 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
         workloads = store.workloads_of(name)
         for workload in workloads:
             written[t.workload(name, workload.workload)] = b""
+            if link.signer is not None:
+                topic = t.workload(name, workload.workload)
+                await link.put(topic, encode(retired_workload(workload)))
         for topic, payload in written.items():
             await link.put(topic, payload)
         refused = await link.verify(written)
@@ -385,7 +411,7 @@ async def list_domains(settings: Settings, *, out: TextIO, err: TextIO) -> int:
     """Print every domain with a spec, records, reports or assignments; warn on stderr
     about each node a spec lists that is a live member of another domain (it stays out
     of the spec's domain: one IMEX daemon per node)."""
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(
             t.specs_filter(),
@@ -433,13 +459,14 @@ async def assign(
     force: bool = False,
     seen_within_s: float = SEEN_WITHIN_S,
 ) -> int:
-    """Write (or with None: clear) a node's retained assignment.
+    """Write (or with None: clear; with `[control] private_key`, a signed assignment to no
+    domain: `unassigned`) a node's retained assignment.
 
     Assigning refuses (EXIT_USAGE, writing nothing) a node in another live domain unless
     `steal` (see `create`), and a node that no agent reported within `seen_within_s`
     seconds (presence record or health report; a member record counts as seen) unless
     `force`: a typo would otherwise create a phantom domain that never forms."""
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         topic = t.assignment(node)
         filters = [topic, *([t.spec(domain)] if domain else [])]
@@ -457,7 +484,7 @@ async def assign(
             return EXIT_USAGE
         before = store.assignments.get(node)
         spec = store.specs.get(domain) if domain else None
-        payload = encode(Assignment(domain=domain)) if domain else b""
+        payload = encode(Assignment(domain=domain)) if domain else unassigned(link)
         await link.put(topic, payload)
         refused = await link.verify({topic: payload})
     if refused:
@@ -495,7 +522,7 @@ async def forget(
     as the node: refused (EXIT_USAGE, nothing written) while an agent reported the node
     within `seen_within_s`, even with `force` (clearing a running agent's record drops it
     from its peers' files); otherwise only with `force`."""
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(
             t.all_members_filter("+"),
@@ -570,7 +597,7 @@ async def retry(settings: Settings, node: str, *, wait_s: float, out: TextIO, er
     last report says RUNNING needs nothing (EXIT_OK, nothing written). The request is
     cleared when the command ends; EXIT_FAILED when the daemon is not running by then.
     """
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(t.presence(node), t.all_members_filter("+"))
         presence = store.presences.get(node)
@@ -659,7 +686,7 @@ async def status(
     workloads of the domain on one channel (a ChannelConflict) are named on stderr and
     make the exit 1, UP or not."""
     interval = settings.health.report_interval_s
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(
             t.spec(name),
@@ -777,7 +804,7 @@ async def watch(
     connected_once = False
     while not stop.is_set():
         try:
-            async with Link(settings.bus) as link:
+            async with open_link(settings) as link:
                 t = link.topics
                 store = await link.read(
                     t.spec(name), t.all_members_filter(name), t.health_filter(name)

@@ -33,7 +33,7 @@ from typing import Literal, TextIO
 from imexd.channels.fleet import judge_workload
 from imexd.control import commands, workloads
 from imexd.control.commands import EXIT_FAILED, EXIT_OK
-from imexd.control.link import Link
+from imexd.control.link import Link, open_link
 from imexd.control.store import Store
 from imexd.health.fleet import seconds_text, table
 from imexd.messages import WorkloadRecord
@@ -157,7 +157,7 @@ async def gc(
     command's delete with `wait_s`. EXIT_FAILED when one of those failed."""
     if live_jobs is None and older_than_s is None:
         raise ValueError("gc needs a selector: it must never select everything")
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         store = await _read(link, presences=live_jobs is None)
     found = select(
         store,

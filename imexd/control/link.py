@@ -10,6 +10,10 @@ QoS it reads at (the QoS 1 echo on `.../sync/{client_id}/q1`). It connects and d
 through the agents' own code (`imexd.bus.mqtt`, `imexd.messages.decode_message`). Why,
 the sync topics, and refused subscriptions and broker repairs:
 docs/control-plane.md#why-a-direct-mqtt-client.
+
+With `[control] private_key` every spec, workload, assignment and retry request the link
+puts is signed there (`Link.seal`, `imexd.signing`); with `[control] public_key` it reads
+only the records of those kinds that verify (the rest are counted in `Store.dropped`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Final, Self
 from imexd.bus.mqtt import Client, connect, topic_matches
 from imexd.bus.repairs import StaleCopies, engaged, refusal_waits
 from imexd.control.store import Store
-from imexd.errors import BusError
-from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
+from imexd.errors import BusError, ConfigError
+from imexd.messages import Dropped, DropReason, Received, WorkloadRecord, decode_message
 from imexd.names import client_id
-from imexd.settings import BrokerURL, BusSettings, parse_broker_url
+from imexd.settings import BrokerURL, BusSettings, Settings, parse_broker_url
+from imexd.signing import SIGNED_KINDS, Signer, Verifier, load_signer, load_verifier
 from imexd.topics import Topics
 
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -85,6 +90,19 @@ def default_client_id() -> str:
     return client_id("imexd-control", str(os.getpid()), secrets.token_hex(3))
 
 
+def open_link(settings: Settings, *, race: bool = False) -> Link:
+    """The control plane's `Link` for `settings`: its `[bus]`, and the `[control]` keys
+    that sign what it writes and verify what it reads (ConfigError naming a key that
+    cannot be loaded)."""
+    control = settings.control
+    return Link(
+        settings.bus,
+        race=race,
+        signer=load_signer(control.private_key) if control.private_key else None,
+        verifier=load_verifier(control.public_key) if control.public_key else None,
+    )
+
+
 class Link:
     """One short-lived MQTT connection of the control plane (an async context manager).
 
@@ -107,9 +125,15 @@ class Link:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         timeout_s: float = OPERATION_TIMEOUT_S,
         race: bool = False,
+        signer: Signer | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         self.settings = settings
         self.race = race
+        self.signer = signer
+        """Signs the records `put` writes (`seal`); None: written unsigned."""
+        self.verifier = verifier
+        """Verifies the control-plane records read; None: accepted unsigned."""
         """Workload filters at QoS 1: the channel race of `workload create` judges by
         every message of them (`qos`)."""
         self.topics = Topics(settings.topic_prefix)
@@ -240,6 +264,13 @@ class Link:
             return  # read again (`read`, a new broker's snapshot): nothing changed
         self._last[topic] = payload
         result = decode_message(self.topics, topic, payload, retained=retained)
+        if (
+            self.verifier is not None
+            and isinstance(result, Received)
+            and result.ref.kind in SIGNED_KINDS
+            and (problem := self.verifier.problem(topic, payload)) is not None
+        ):
+            result = Dropped(DropReason(problem[0]), problem[1])
         if isinstance(result, Dropped):
             self.store.dropped[result.reason.value] += 1
             return
@@ -398,17 +429,38 @@ class Link:
             for seq in echoes:
                 self._echoes.pop(seq, None)
 
+    def seal(self, topic: str, payload: bytes) -> bytes:
+        """What `put` publishes for `payload` on `topic`: a spec, workload, assignment or
+        retry request signed with `[control] private_key`; a clear, another kind of
+        record, or any record without a key, as it is. Signatures are deterministic
+        (Ed25519), so sealing again gives the same bytes (`verify`, `put_echoed`)."""
+        ref = self.topics.parse(topic)
+        if not payload or ref is None or ref.kind not in SIGNED_KINDS:
+            return payload
+        if self.signer is None:
+            if self.verifier is not None:
+                raise ConfigError(
+                    [
+                        "control.private_key: expected a key where control.public_key is set: "
+                        "what this command writes would not verify"
+                    ]
+                )
+            return payload
+        return self.signer.seal(topic, payload)
+
     async def put(self, topic: str, payload: bytes) -> None:
         """Publish a retained message (QoS 1); an empty payload deletes the retained one.
+        A record the control plane signs goes out sealed (`seal`).
 
         The topic is subscribed first when no filter covers it, so `verify` can see it.
         """
+        data = self.seal(topic, payload)
         if not any(topic_matches(f, topic) for f in self._filters):
             await self._subscribe([topic])
         client = self._live()
         self._wrote = True
         try:
-            await client.publish(topic, payload, retain=True)
+            await client.publish(topic, data, retain=True)
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from None
 
@@ -425,11 +477,12 @@ class Link:
             raise ValueError(f"{topic} is not subscribed: no echo would come")
         start = len(self.workload_log)
         found: list[int] = []
+        sealed = self.seal(topic, payload)
 
         def echoed() -> bool:
             for index in range(start, len(self.workload_log)):
                 logged = self.workload_log[index]
-                if logged.topic == topic and logged.payload == payload:
+                if logged.topic == topic and logged.payload == sealed:
                     found.append(index)
                     return True
             return False
@@ -443,13 +496,14 @@ class Link:
         return found[0]
 
     async def verify(self, written: Mapping[str, bytes]) -> list[str]:
-        """The topics of `written` whose last message is not what we put there.
+        """The topics of `written` whose last message is not what we put there (as `put`
+        sealed it).
 
         A publish that an ACL refused still gets its PUBACK (MQTT 3.1.1, and the MQTT client
         drops MQTT 5 reason codes), so only reading it back tells.
         """
         await self.sync()
-        return sorted(t for t, p in written.items() if self._last.get(t) != p)
+        return sorted(t for t, p in written.items() if self._last.get(t) != self.seal(t, p))
 
     async def wait_until(self, done: Callable[[], bool], within_s: float) -> bool:
         """Wait at most `within_s` seconds until `done()` holds over the store; whether it did.

@@ -50,8 +50,14 @@ from imexd.channels.fleet import (
     workload_list_json,
     workload_status_json,
 )
-from imexd.control.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, say_refused
-from imexd.control.link import Link, Logged
+from imexd.control.commands import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    retired_workload,
+    say_refused,
+)
+from imexd.control.link import Link, Logged, open_link
 from imexd.control.store import Store
 from imexd.health.fleet import SeenReport
 from imexd.messages import CHANNELS_READY, ChannelsView, HealthReport, WorkloadRecord, encode
@@ -187,7 +193,7 @@ async def create(
     """
     interval = settings.health.report_interval_s
     command = "imexd workload create"
-    async with Link(settings.bus, race=True) as link:
+    async with open_link(settings, race=True) as link:
         t = link.topics
         topic = t.workload(domain, name)
         store = await link.read(
@@ -391,9 +397,11 @@ async def delete(
     err: TextIO,
 ) -> int:
     """Clear the workload's record, then wait up to `wait_s` seconds until no node of the
-    domain reports the workload any more (its agents removed the channel)."""
+    domain reports the workload any more (its agents removed the channel). With `[control]
+    private_key` the record is retired by a signed record first (`retired_workload`): what
+    agents that verify signatures act on."""
     interval = settings.health.report_interval_s
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         found = await _locate(link, name, domain, "workload delete", err)
         if isinstance(found, int):
             return found
@@ -401,6 +409,8 @@ async def delete(
         store = await link.read(t.health_filter(found))
         record = store.workloads[(found, name)]
         topic = t.workload(found, name)
+        if link.signer is not None:
+            await link.put(topic, encode(retired_workload(record)))
         await link.put(topic, b"")
         refused = await link.verify({topic: b""})
         if refused:
@@ -460,7 +470,7 @@ async def list_workloads(
     when two active workloads of a domain claim one channel (each named on stderr)."""
     interval = settings.health.report_interval_s
     scope = domain or "+"
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         t = link.topics
         store = await link.read(
             t.workloads_filter(scope), t.all_members_filter(scope), t.health_filter(scope)
@@ -491,7 +501,7 @@ async def status(
     """Print the workload's channel on each listed node once every node is ready, or at
     the end of `wait_s` seconds; exit 0 only when every listed node is ready."""
     interval = settings.health.report_interval_s
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         found = await _locate(link, name, domain, "workload status", err)
         if isinstance(found, int):
             return found
@@ -528,7 +538,7 @@ async def env(
     lists (for a Slurm TaskProlog); exit 1 with the reason, and no line, otherwise: a
     job handed a device path that no node has would fail later, and further from why."""
     interval = settings.health.report_interval_s
-    async with Link(settings.bus) as link:
+    async with open_link(settings) as link:
         found = await _locate(link, name, domain, "workload env", err)
         if isinstance(found, int):
             return found
