@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -30,7 +31,7 @@ NAMES = ["n1", "n2", "n3"]
 SPEC = "imex/v2/domains/d1/spec"
 WATCH_S = 4.0
 """How long a wrong reaction gets to show (reconcile, reload window, probes)."""
-CHANNELS = {"channels": {"simulate": True}}
+CHANNELS: dict[str, dict[str, Any]] = {"channels": {"simulate": True}}
 """A stand-in channel file where the agent may not mknod (the test may run unprivileged)."""
 
 
@@ -46,7 +47,7 @@ def keyed(c: Cluster, tmp_path: Path) -> tuple[list[Node], dict[str, str], str]:
     """n1..n3 idle in assigned mode with the public key; the control plane's environment
     with both keys; the key's fingerprint."""
     private, public, fingerprint = create_keys(tmp_path / "keys")
-    overrides = {"control": {"public_key": str(public)}, **CHANNELS}
+    overrides: dict[str, dict[str, Any]] = {"control": {"public_key": str(public)}, **CHANNELS}
     nodes = [c.add(name, domain=None, overrides=overrides) for name in NAMES]
     c.wait(c.all_ready, timeout=60, what="idle nodes ready")
     env = c.control_env() | {
