@@ -589,6 +589,7 @@ RUN: dict[str, str] = {
     "imexd discover": "without NVML: the documented message (a GPU host skips it)",
     "imexd domain list": "against a broker started by the test",
     "imexd domain status job-42": "against a broker started by the test: nothing there, exit 1",
+    "imexd keys create /etc/imexd/keys": "makes a key pair in a temporary folder",
 }
 """The examples that are executed, as written (paths under /etc mapped to a temporary
 folder, the broker to the test's): adding an example to the docs means adding it here or
@@ -794,6 +795,23 @@ def test_discover_without_nvml_prints_what_the_docs_show(shell: _Shell) -> None:
     run = shell.run("imexd discover")
     assert run.returncode == 1
     assert run.stderr.splitlines()[0] == example.after[0]
+
+
+def test_keys_create_as_documented(shell: _Shell) -> None:
+    """`imexd keys create /etc/imexd/keys` makes control.key (0600) and control.pub and
+    prints the lines security.md shows; a second run overwrites nothing (exit 2)."""
+    made = shell.run("imexd keys create /etc/imexd/keys")
+    assert made.returncode == 0, made.stderr
+    keys = shell.etc / "keys"
+    assert (keys / "control.key").stat().st_mode & 0o777 == 0o600
+    assert (keys / "control.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    text = (DOCS / "security.md").read_text()
+    for line in made.stdout.splitlines():
+        label = line.split(":", 1)[0]
+        shown = line.replace(str(shell.etc), "/etc/imexd").split(" (", 1)[-1]
+        assert f"# {label}:" in text, line
+        assert shown in text, line
+    assert shell.run("imexd keys create /etc/imexd/keys").returncode == 2
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

@@ -4,6 +4,7 @@ settings, and the agent's check at the bus boundary (pure: no broker)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import stat
@@ -18,7 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from imexd.bus.signatures import Signatures
+from imexd.cli.query import print_report
 from imexd.errors import ConfigError
+from imexd.facts import BusFacts, Facts
+from imexd.health.conditions import conditions, report
 from imexd.messages import (
     Assignment,
     Deleted,
@@ -470,3 +474,47 @@ def test_a_retry_clear_and_a_clear_of_nothing_pass() -> None:
     assert check.standing == {}
     check.forget(lambda topic: False)
     assert check.standing == {}
+
+
+# What the node says: BusConnected, the HealthReport, `imexd status`.
+
+
+def test_unverified_records_keep_the_node_ready_and_are_named() -> None:
+    """Records that do not verify make BusConnected say UnverifiedRecords (still True: a
+    forger must not make nodes unready), naming three topics and why, and counting more."""
+    standing = (
+        ("imex/v2/domains/d1/spec", "signature"),
+        ("imex/v2/domains/d1/workloads/w1", "unsigned_clear"),
+        ("imex/v2/domains/d1/workloads/w2", "unsigned"),
+        ("imex/v2/nodes/n1/assignment", "unsigned"),
+    )
+    bus = BusFacts(connected=True, synced=True, broker="mqtt://b:1883", unverified=standing)
+    [cond] = [c for c in conditions(Facts(node="n1", bus=bus), (), 1.0) if c.type == "BusConnected"]
+    assert (cond.status, cond.reason) == ("True", "UnverifiedRecords")
+    assert cond.message.startswith("connected to mqtt://b:1883; ignoring 4 control-plane record")
+    assert "imex/v2/domains/d1/spec (signed with another key)" in cond.message
+    assert "imex/v2/domains/d1/workloads/w1 (cleared without a signed deletion)" in cond.message
+    assert "and 1 more" in cond.message
+    calm = BusFacts(connected=True, synced=True, broker="mqtt://b:1883")
+    [cond] = [
+        c for c in conditions(Facts(node="n1", bus=calm), (), 1.0) if c.type == "BusConnected"
+    ]
+    assert cond.reason == "Connected"
+
+
+def test_status_says_whether_records_are_verified() -> None:
+    """The HealthReport carries the key's fingerprint ("" without one), and `imexd status`
+    says "records verified with key ..." or "records accepted unsigned"."""
+    for key, line in (
+        (
+            "ed25519:0123456789abcdef",
+            "control   records verified with key ed25519:0123456789abcdef",
+        ),
+        ("", "control   records accepted unsigned (no control.public_key)"),
+    ):
+        facts = Facts(node="n1", bus=BusFacts(connected=True, synced=True, control_key=key))
+        rep = report(facts, conditions(facts, (), 1.0), 1.0)
+        assert rep.control_key == key
+        out = io.StringIO()
+        print_report(rep, out)
+        assert line in out.getvalue().splitlines()
