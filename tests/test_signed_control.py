@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import pytest
 
 from imexd.cli.main import main
 from imexd.demo.brokers import Mosquitto
-from imexd.messages import DomainSpec, encode
+from imexd.messages import DomainSpec, Presence, encode
 from imexd.signing import Verifier, create_keys, load_verifier
 from imexd.topics import Topics
+from tests.reports import CRASH, report
 from tests.support import raw_client, until
 from tests.test_control import put, retained, valid
 
@@ -217,3 +219,22 @@ async def test_a_public_key_without_the_private_key_writes_nothing(
         capsys.readouterr().err
     )
     assert await retained(broker) == {}
+
+
+async def test_a_retry_request_is_signed_and_cleared_after(
+    broker: Mosquitto, env: dict[str, str], keys: tuple[Path, Path]
+) -> None:
+    """`node retry` with a key writes a signed request under the node's domain, and clears
+    it when it ends (agents act on requests, never on their absence)."""
+    now = time.time()
+    presence = Presence(node="n1", incarnation=1, at=now, domain="d1", address="127.0.0.10")
+    crashed = report("n1", 0, {0: "n1"}, at=now, daemon=CRASH)
+    await put(broker, {T.presence("n1"): encode(presence), T.health("d1", "n1"): encode(crashed)})
+    topic = T.retry("d1", "n1")
+    async with recording(broker, topic) as seen:
+        assert await cli("node", "retry", "n1", "--wait", "0.5") == 1
+        await until(lambda: len(seen) >= 2, within=WAIT_S)
+    (_, request), (_, clear) = seen
+    assert load_verifier(str(keys[1])).problem(topic, request) is None
+    assert json.loads(request)["node"] == "n1"
+    assert clear == b""
