@@ -27,6 +27,10 @@ write the broker did not keep, members left at a delete's timeout, a domain not 
 2 usage errors (a name that is not DNS-1123), 3 no free channel (`workload create`),
 130 interrupted.
 
+With `[control] private_key` every spec, workload, assignment and retry request is signed
+where the link puts it (`link.Link.seal`, `imexd.signing`), and deletions reach agents as
+signed records before any clear (`commands.unassigned`, `commands.retired_workload`).
+
 The modules, one job each: `link` (one short-lived connection over `imexd.bus.mqtt`),
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the
 CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftovers) and
