@@ -19,9 +19,9 @@ also name a window that no rule finds (a setting used as a window on its own, su
 `slots.stale_claims`); it must then name a definition, an assignment, a parameter or a
 keyword argument that exists.
 
-Issue 41's targets for the table (`MAX_ROWS`, `BROKER_NAMES`) are not met yet: the two
-tests that hold them are strict xfails, which start to pass (and so fail until their
-marker goes) once the guards that versioned records make unnecessary are removed.
+Issue 41's targets for the table (`MAX_ROWS`, `BROKER_NAMES`): no broker is named outside
+the bus; the row count is a strict xfail until the guards that versioned records make
+unnecessary are removed (it then passes, and so fails until its marker goes).
 """
 
 from __future__ import annotations
@@ -413,11 +413,6 @@ def test_the_table_has_at_most_max_rows() -> None:
     assert len(rows) <= MAX_ROWS, f"{len(rows)} rows, the target is at most {MAX_ROWS}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=f"issue 41: {len(broker_mentions())} broker names outside imexd/bus/ today "
-    f"({', '.join(broker_mentions())}), the target is none",
-)
 def test_no_broker_is_named_outside_the_bus() -> None:
     """Issue 41's target: what one broker needs is said and done in imexd/bus/ only."""
     mentions = broker_mentions()

@@ -15,7 +15,8 @@ from imexd.messages import Deleted, MemberRecord, Presence, Received, encode
 from imexd.topics import TopicRef
 
 SESSION_TAKEN_OVER: Final = 0x8E
-"""MQTT 5 DISCONNECT reason: another client connected with our client id."""
+"""MQTT 5 DISCONNECT reason: another client connected with our client id. Brokers that
+send no reason code (MQTT 3.1.1, Mosquitto before 2.0.12) close the old link silently."""
 
 Protocol = Literal["5", "3.1.1"]
 
@@ -96,9 +97,10 @@ class Refused:
     ref: TopicRef | None = None
     """What the topic addresses (None: not an imexd topic)."""
     repaired: bool = False
-    """The link may lose an echo (a repaired link: `Connected.repaired`); elsewhere a
-    missing echo is a refusal or an overloaded agent, and publishing again would only add
-    load."""
+    """The link may lose an echo (a repaired link: `Connected.repaired`; a three-server
+    NATS 2.9 cluster was seen to keep a claim and never deliver its echo to the claimant);
+    elsewhere (Mosquitto over MQTT 5) a missing echo is a refusal or an overloaded agent,
+    and publishing again would only add load."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,7 @@ OVERWRITE_PACE_S: Final = 5.0
 so that two agents with one name do not re-publish over each other at link speed."""
 RECLAIMS_ON_LOST_ECHO: Final = 3
 """Times a claim whose echo did not come back in time (`Refused`) is published again on
-one link that may lose echoes (`Refused.repaired`): a clustered broker (NATS 2.9) may
+one link that may lose echoes (`Refused.repaired`): a broker that loses echoes may
 keep the claim and never deliver its echo to the claimant, which would wait for it until
 the link ends; a broker that refuses the publication for good (an ACL) is not asked
 forever."""
@@ -275,7 +275,7 @@ class ShardView:
         self.ordered = True
         """The link keeps the broker's order (not a repaired link, `Connected.repaired`,
         and no echo lost on it), which incumbency assumes: on a link that may lose
-        updates (a clustered NATS; `Refused.repaired`) two members may settle one slot
+        updates (a repaired link: `Refused.repaired`) two members may settle one slot
         without a break on either side, and the stamps decide."""
         self.republish = False
         """A new link, or a lost echo: a claim in flight must be published again and wait
@@ -552,8 +552,8 @@ class ShardView:
         """Our claim's echo did not come back in time on a link that may lose it: publish
         the claim again and settle on that publication's echo only (the lost one's, should
         it come late, no longer counts: like a claim carried over to a new link). On a
-        link that loses nothing (Mosquitto over MQTT 5) a late echo means an overloaded
-        agent, which a second claim would only load more (1024 agents on 2 cores).
+        link that loses nothing (one that keeps the broker's order) a late echo means an
+        overloaded agent, which a second claim would only load more (1024 agents on 2 cores).
 
         Another record of ours that the broker kept but whose echo was lost is no longer
         in flight: it stands, and what comes on our topic from now on is judged by it."""
@@ -809,7 +809,7 @@ class ShardView:
     def _on_suspect_link_loss(self) -> Identity | None:
         """The broker dropped our link while a record of our name stood that we did not write.
 
-        Brokers that send no reason code (MQTT 3.1.1, Mosquitto before 2.0.12) close the
+        Brokers that send no reason code (MQTT 3.1.1, and some MQTT 5 brokers) close the
         old link silently when another client takes the session: two agents with one
         name then push each other off at every reconnect. A dead past run of ours does
         not do that, so a second loss within the watch is taken as a live duplicate.
