@@ -175,6 +175,10 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     first, one more for each record that says something new; a record published again
     unchanged keeps its seq. 0: no place (a Last Will, which the broker writes when it
     fires, and agents that predate the field). `order` reads it."""
+    link: Count = 0
+    """The writer's link to the broker (counted from 1 in its run) that this record was
+    published on, or, in a Last Will, the link whose end it says. 0: an agent that
+    predates the field. `version` reads it."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)
@@ -198,6 +202,25 @@ def order(record: MemberRecord) -> tuple[int, int] | None:
     if record.seq == 0 or record.state is MemberState.LOST:
         return None
     return (record.incarnation, record.seq)
+
+
+LINK_END: Final = 1 << 62
+"""The `seq` a Last Will stands at in `version`: after every record of the link it ends."""
+
+Version = tuple[int, int, int]
+"""(incarnation, link, seq) of a member record or Last Will: later is greater."""
+
+
+def version(record: MemberRecord) -> Version | None:
+    """Where `record` stands among everything its writer published: (incarnation, link,
+    seq), later is greater. A Last Will (state lost) ends its link: it comes after every
+    record published on that link and before any of a later link or run. None for a record
+    without a place (seq 0: an agent that predates it), which is ordered by its arrival."""
+    if record.state is MemberState.LOST:
+        return (record.incarnation, record.link, LINK_END)
+    if record.seq == 0:
+        return None
+    return (record.incarnation, record.link, record.seq)
 
 
 class Condition(msgspec.Struct, frozen=True, kw_only=True):

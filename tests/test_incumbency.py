@@ -249,10 +249,12 @@ def test_a_plan_against_the_rule_keeps_what_runs() -> None:
 
 
 def test_standing_aside_keeps_what_runs() -> None:
-    """A record of our name from another live agent: the plan holds what runs (it used
-    to ask for run=False, which stopped the daemon)."""
+    """The broker handed our session to another live agent of our name: the plan holds
+    what runs (it used to ask for run=False, which stopped the daemon)."""
     v = view()
-    v.apply(received(rec(ME, 0, inc=9), retained=False), 0.0)
+    v.apply(Disconnected(broker="b", reason="taken", reason_code=0x8E), 0.0)
+    v.apply(Connected(broker="b", protocol="5", will_delay=True), 0.1)
+    v.apply(Synced(at=0.1), 0.1)
     plan = derive(v, 0.5, running=True)
     assert (plan.hold, plan.desired, plan.decision) == (True, None, None)
 

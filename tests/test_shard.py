@@ -23,12 +23,10 @@ from imexd.logs import get_logger
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.membership.shard import (
-    DOUBT_S,
     FIRST_START_WINDOWS,
     OVERWRITE_PACE_S,
     OVERWRITE_WINDOW_S,
     RECLAIMS_ON_LOST_ECHO,
-    REPEAT_HOLD_S,
     Identity,
     Plan,
     ShardView,
@@ -263,35 +261,38 @@ def test_a_confirmed_record_supersedes_an_unconfirmed_one_on_its_slot() -> None:
     assert set(v.records) == {"n3"}
 
 
-def test_deletions_just_before_a_link_loss_are_doubted() -> None:
-    """A broker shutting down publishes every will, then drops the link: undo them."""
+def test_deletions_that_no_round_trip_proved_come_back_when_the_link_ends() -> None:
+    """A broker shutting down publishes every will, then drops the link: the deletions
+    that no round trip came back after return, unconfirmed; a proven one stays gone."""
     v = view()
     v.apply(received(rec("n2", 1)), 0.0)
     v.apply(received(rec("n3", 2)), 0.0)
     v.apply(deleted("n2"), 0.0)
+    v.proven(v.proof_mark())
     v.apply(deleted("n3"), 5.0)
-    v.apply(Disconnected(broker="b", reason="lost"), 5.0 + DOUBT_S / 2)
+    v.apply(Disconnected(broker="b", reason="lost"), 50.0)
     assert set(v.records) == {"n3"}
     assert v.unconfirmed == {"n3"}
     assert not v.synced
+    assert not v.unproven
 
 
-def test_one_live_record_of_our_name_is_watched_and_a_second_is_a_live_agent() -> None:
-    """A record of our name published live before we published is watched, not taken
-    for a second agent; published again while we watch, it is one: stand aside, hold,
-    publish nothing; back once it is gone."""
+def test_a_record_of_our_name_that_we_did_not_write_is_replaced_at_once() -> None:
+    """A record of our name before we published, live or retained, published again or
+    not, is no evidence of a second agent: we claim over it at once, newer than it."""
     v = view()
     other = rec(ME, 0, inc=9, address="10.9.9.9")
     assert v.apply(received(other, retained=False), 0.0) is None
-    assert derive(v, 0.0).decision is None  # watching
-    assert v.suspect_until == GRACE_S
     again = msgspec.structs.replace(other, settled=WALL)
-    assert v.apply(received(again, retained=False), 0.5) is Identity.ASIDE
-    plan = derive(v, 0.6)
-    assert plan.decision is None
-    assert (plan.hold, plan.desired) == (True, None)  # what runs keeps running
-    assert v.facts(Desired()).reason == "DuplicateNode"
-    assert v.apply(deleted(ME), 1.0) is Identity.BACK
+    assert v.apply(received(again, retained=False), 0.1) is None
+    plan = derive(v, 0.1)
+    assert plan.outbid
+    assert plan.publish
+    assert plan.decision is not None
+    assert v.incarnation == 10
+    record = v.record(plan.decision.claim, driver="")
+    assert record is not None
+    assert record.incarnation == 10
     assert v.duplicate == ""
 
 
@@ -310,24 +311,36 @@ def test_a_taken_session_is_a_duplicate_unless_we_hold_a_settled_slot() -> None:
     assert v.duplicate == ""
 
 
-def test_two_link_losses_during_the_watch_are_a_duplicate() -> None:
-    """A retained record of our name is watched; two link losses meanwhile: a duplicate."""
+def test_links_taken_in_a_row_after_another_writer_are_a_duplicate() -> None:
+    """Without a reason code, links ended while only a retained record of our name stood
+    prove nothing; TAKEN_LINKS links in a row, each after another writer published a
+    record of our name live on it, are a second agent: stand aside, back once it is gone."""
     v = view()
-    v.apply(received(rec(ME, 0, inc=9, address="10.9.9.9")), 0.0)
-    assert derive(v, 0.0).decision is None  # watching
-    assert v.suspect_until == GRACE_S
-    assert v.wake_at == GRACE_S
+    other = rec(ME, 0, inc=9, address="10.9.9.9")
+    v.apply(received(other), 0.0)
     lost = Disconnected(broker="b", reason="lost")
     assert v.apply(lost, 1.0) is None
-    assert v.apply(lost, 2.0) is Identity.ASIDE
+    assert v.apply(lost, 2.0) is None
+    for at in (3.0, 4.0):
+        v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), at)
+        v.apply(received(msgspec.structs.replace(other, seq=int(at)), retained=False), at)
+        taken = v.apply(lost, at + 0.5)
+    assert taken is Identity.ASIDE
+    v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 5.0)
+    v.apply(Synced(at=5.0), 5.0)
+    plan = derive(v, 5.0)
+    assert (plan.hold, plan.desired) == (True, None)  # what runs keeps running
+    assert v.facts(Desired()).reason == "DuplicateNode"
+    assert v.apply(deleted(ME), 6.0) is Identity.BACK
+    assert v.duplicate == ""
 
 
-def test_a_stale_record_of_our_name_is_outbid_after_the_watch() -> None:
-    """No agent re-published it within the watch: a past run of ours; raise incarnation."""
+def test_a_stale_record_of_our_name_is_outbid_at_once() -> None:
+    """A record of our name with a higher incarnation (a run of ours we never saved):
+    raise ours over it at once, no watch."""
     v = view()
     v.apply(received(rec(ME, 0, inc=9)), 0.0)
-    derive(v, 0.0)
-    plan = derive(v, GRACE_S)
+    plan = derive(v, 0.0)
     assert plan.outbid
     assert v.incarnation == 10
     assert plan.decision is not None
@@ -713,6 +726,7 @@ def test_a_second_tombstone_keeps_the_first_deadline() -> None:
     v.apply(received(tombstone("n2", 5.0)), 12.0)
     v.apply(Synced(at=12.0), 12.0)
     assert "n2" not in v.unconfirmed
+    assert members(derive(v, 14.9)) == {0: ME, 1: "n2"}
     assert members(derive(v, 15.0)) == {0: ME}
 
 
@@ -743,28 +757,29 @@ def test_a_tombstone_without_hold_drops_the_peer_at_once() -> None:
     assert members(derive(v, 10.0)) == {0: ME}
 
 
-def test_a_tombstone_is_honoured_once_per_incarnation() -> None:
-    """hold_s 0 drops the peer at once, once: the same incarnation's tombstone again after
-    its record came back (a will published anew every second) is held REPEAT_HOLD_S, so
-    the record the live peer publishes each time keeps it a member (no file change, no
-    SIGUSR1); a second death of that incarnation still drops it after the hold, and a new
-    incarnation's tombstone is honoured as it says."""
-    v, n2 = with_peer()
-    v.apply(received(tombstone("n2", 0.0), retained=False), 10.0)
+def test_a_will_not_newer_than_the_record_changes_nothing() -> None:
+    """A will ends its link: it drops the peer's record of that link, but the same will
+    again, or a will of an earlier link after the peer's record of a later one (a broker
+    that publishes it anew, or re-delivers it), changes nothing; the will of its new link
+    drops it again. No time window takes part."""
+    v = view()
+    n2 = msgspec.structs.replace(rec("n2", 1), seq=1, link=1)
+    v.apply(received(n2), 0.0)
+    settle(v)
+    will1 = msgspec.structs.replace(tombstone("n2", 0.0), link=1)
+    v.apply(received(will1, retained=False), 10.0)
     assert members(derive(v, 10.0)) == {0: ME}
-    v.apply(received(n2, retained=False), 11.0)
+    back = msgspec.structs.replace(n2, seq=2, link=2)
+    v.apply(received(back, retained=False), 11.0)
     assert members(derive(v, 11.0)) == {0: ME, 1: "n2"}
     for second in range(12, 40):
-        v.apply(received(tombstone("n2", 0.0), retained=False), float(second))
+        v.apply(received(will1, retained=bool(second % 2)), float(second))
+        v.apply(received(n2, retained=True), float(second))  # an older copy
         assert members(derive(v, second + 0.5)) == {0: ME, 1: "n2"}, second
-        v.apply(received(n2, retained=False), second + 0.5)
-    v.apply(received(tombstone("n2", 0.0), retained=False), 50.0)
-    assert members(derive(v, 50.0 + REPEAT_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
-    assert members(derive(v, 50.0 + REPEAT_HOLD_S)) == {0: ME}
-    again = msgspec.structs.replace(n2, incarnation=2)
-    v.apply(received(again, retained=False), 100.0)
-    v.apply(received(tombstone("n2", 0.0, inc=2), retained=False), 101.0)
-    assert members(derive(v, 101.0)) == {0: ME}
+        assert v.records["n2"] == back
+    will2 = msgspec.structs.replace(will1, link=2)
+    v.apply(received(will2, retained=False), 50.0)
+    assert members(derive(v, 50.0)) == {0: ME}
 
 
 def test_the_hold_is_clamped() -> None:
@@ -908,43 +923,56 @@ def test_what_came_before_our_last_publication_is_no_overwrite() -> None:
     assert v.reassert_at is None
 
 
-def test_overwrites_that_recur_are_a_duplicate_that_keeps_its_slot() -> None:
-    """Written over again within the window after we put ours back: another live agent
-    with our name. A settled node keeps its slot and daemon, says DuplicateNode, and puts
-    its record back at most once per OVERWRITE_PACE_S."""
+def test_overwrites_are_put_back_at_once_and_paced_only_for_a_live_duplicate() -> None:
+    """Written over again and again: our record goes back at once each time, and no
+    number of overwrites makes a duplicate. Once the broker showed another live session
+    with our name, a settled node keeps its slot and daemon, says DuplicateNode, and
+    puts its record back at most once per OVERWRITE_PACE_S."""
     v = view()
     settle(v)
     ours = v.last_sent
     assert ours is not None
     forged = msgspec.structs.replace(ours, address="10.6.6.6")
-    v.apply(received(forged, retained=False), 3.0)
-    publish(v, derive(v, 3.0), 3.0)
-    v.apply(received(forged, retained=False), 3.5)
-    plan = derive(v, 3.5)
+    for at in (3.0, 3.5, 4.0):
+        v.apply(received(forged, retained=False), at)
+        plan = derive(v, at)
+        assert plan.publish, at
+        publish(v, plan, at)
+        v.apply(received(v.last_sent or ours, retained=False), at)  # its echo
+    assert plan.desired is not None
+    assert v.duplicate == ""
+    assert v.facts(plan.desired, 4.0).reason == "RecordOverwritten"
+    taken = Disconnected(broker="b", reason="taken", reason_code=SESSION_TAKEN_OVER)
+    assert v.apply(taken, 5.0) is None
+    reconnect(v, 5.0)
+    publish(v, derive(v, 5.0), 5.0)
+    v.apply(received(v.last_sent or ours, retained=False), 5.0)
+    v.last_reassert = 5.0
+    v.apply(received(forged, retained=False), 5.5)
+    plan = derive(v, 5.5)
     assert not plan.publish  # paced
-    assert plan.wake_at == 3.0 + OVERWRITE_PACE_S
+    assert plan.wake_at == 5.0 + OVERWRITE_PACE_S
     assert plan.desired is not None
     assert plan.desired.run
-    assert v.duplicate == ""
-    facts = v.facts(plan.desired, 3.5)
+    facts = v.facts(plan.desired, 5.5)
     assert (facts.state, facts.reason) == ("member", "DuplicateNode")
-    paced = derive(v, 3.0 + OVERWRITE_PACE_S)
-    assert paced.publish
-    publish(v, paced, 3.0 + OVERWRITE_PACE_S)
-    later = 3.5 + OVERWRITE_WINDOW_S  # once, long after: no longer a recurrence
-    v.apply(received(forged, retained=False), later)
-    assert v.facts(plan.desired, later).reason == "RecordOverwritten"
+    assert derive(v, 5.0 + OVERWRITE_PACE_S).publish
 
 
-def test_a_claim_written_over_again_stands_aside() -> None:
-    """Without a settled slot, a recurring overwrite is a second agent: stand aside."""
+def test_a_claim_written_over_again_is_put_back() -> None:
+    """Without a settled slot too, a record written over ours again and again is put
+    back each time: only a live session shows a second agent."""
     v = view()
     mine = claim(v, 0.0)
     v.apply(received(mine, retained=False), 0.1)
     forged = msgspec.structs.replace(mine, address="10.6.6.6")
     assert v.apply(received(forged, retained=False), 0.2) is None
     publish(v, derive(v, 0.3), 0.3)
-    assert v.apply(received(forged, retained=False), 0.4) is Identity.ASIDE
+    assert v.last_sent is not None
+    v.apply(received(v.last_sent, retained=False), 0.35)  # its echo
+    assert v.apply(received(forged, retained=False), 0.4) is None
+    assert v.duplicate == ""
+    assert v.reassert_at is not None  # ours goes back at the next step
 
 
 def test_our_past_run_is_resumed_over_a_record_of_our_name_written_after_it() -> None:
@@ -965,14 +993,13 @@ def test_our_past_run_is_resumed_over_a_record_of_our_name_written_after_it() ->
 
 
 def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
-    """After the watch, a record of our name at another address is outbid and a fresh
-    claim is made for our previous slot; its slot is not taken over."""
+    """A record of our name at another address is outbid and a fresh claim is made for
+    our previous slot at once; its slot is not taken over."""
     v = view()
     v.apply(received(rec(ME, 3, inc=9, address="10.6.6.6")), 0.0)
-    derive(v, 0.0)
     plan = v.derive(
-        GRACE_S,
-        wall_now=WALL + GRACE_S,
+        0.0,
+        wall_now=WALL,
         saved=NodeState(domain=DOMAIN, clique=CLIQUE, slot=1, incarnation=3),
         running=False,
         release=lambda: False,
@@ -980,9 +1007,6 @@ def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
     assert plan.outbid
     assert plan.decision is not None
     assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
-
-
-# A reconnect claims again.
 
 
 def reconnect(v: ShardView, now: float, *snapshot: Received) -> None:

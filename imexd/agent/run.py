@@ -137,6 +137,8 @@ class Agent:
 
         # Reconcile state.
         self.desired = Desired()
+        self.desired_at = 0.0
+        """time.monotonic() when `desired` last changed (`_reconcile_loop`)."""
         self.dirty = asyncio.Event()
         self.reconciler: Reconciler | None = None
 
@@ -311,7 +313,7 @@ class Agent:
         """Our presence's last word: this agent stopped, so that the control plane refuses
         the node at once (AgentDown) instead of counting it seen for `--seen-within`.
         Not while our topics may be another agent's (a duplicate of our name)."""
-        if self.shard.duplicate or self.shard.suspect_until is not None:
+        if self.shard.duplicate:
             return
         now = time.time()
         await bus.retain(
@@ -597,6 +599,9 @@ class Agent:
         if plan.publish:
             await self._publish_claim(decision.claim)
         shard.commit(plan)
+        if plan.outbid:
+            # Our will must end this incarnation's link, after what we publish with it.
+            self._parts()[0].set_will(self._will())
         if decision.settled and decision.claim.slot is not None and shard.current is not None:
             domain, clique = shard.current
             self._save_state(
@@ -668,6 +673,7 @@ class Agent:
     def _set_desired(self, desired: Desired) -> None:
         if desired != self.desired:
             self.desired = desired
+            self.desired_at = time.monotonic()
             self.dirty.set()
 
     # -- reconcile ------------------------------------------------------------------
@@ -690,10 +696,23 @@ class Agent:
             # The supervisor's SIGUSR1 pacing makes sure the last change reaches the daemon.
             if (wait := quiet_at - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
-            if self._removes_members() and not await self._link_proven():
-                # A broker shutting down publishes every will, then drops the link: let
-                # its end reach the view, and apply what the resynced one says (below).
-                await asyncio.sleep(s.domain.settle_s)
+            if (
+                self._removes_members()
+                and (wait := self.desired_at + s.domain.settle_s - time.monotonic()) > 0
+            ):
+                # A member moved or gone: only once that stood for settle_s, so that a
+                # change its owner undid (a record written over and put back) reaches no
+                # daemon. Newcomers do not wait.
+                await asyncio.sleep(wait)
+                continue
+            if self._removes_members() or self.shard.unproven:
+                mark = self.shard.proof_mark()
+                if await self._link_proven():
+                    self.shard.proven(mark)
+                elif self._removes_members():
+                    # A broker shutting down publishes every will, then drops the link:
+                    # let its end reach the view, and apply what the resynced one says.
+                    await asyncio.sleep(s.domain.settle_s)
             if self.shard.current is not None and not self.view_ready.is_set():
                 # The link dropped meanwhile: what membership saw just before may be a
                 # broker's shutdown (it publishes every will first). Apply what it says
@@ -870,8 +889,8 @@ class Agent:
         Under the lock the leaves take, so that no report follows a clear.
         """
         bus, _ = self._parts()
-        if self.shard.duplicate or self.shard.suspect_until is not None:
-            return  # those topics may belong to another agent of our name
+        if self.shard.duplicate:
+            return  # those topics belong to another agent of our name
         # Presence only says "an agent runs as this node, in this domain": re-sent when
         # that changes or once per report interval, not with every report of a formation.
         said = (self.shard.incarnation, report.domain)

@@ -144,6 +144,9 @@ class LinkEngine:
         self.reconnects = 0
         """Connections established after a lost link or a failed connect (after the first
         one); the deliberate reconnects of `set_will` and `set_client_id` do not count."""
+        self.links = 0
+        """Connect attempts so far: the number of the current link (`Connected.link`), which
+        its Last Will carries (`WillSpec.payload`)."""
         self.last_error: str | None = None
         """Why the last connection attempt or link failed (never holds secrets)."""
         self.synced_at: float | None = None
@@ -246,6 +249,7 @@ class LinkEngine:
         if self._closing:
             return
         will = self._will
+        self.links += 1
         client, v5 = await self._connect(broker, will)
         self._link_up(broker, v5=v5, will=will)
         reason = "closed"
@@ -288,8 +292,8 @@ class LinkEngine:
             mqtt_will = Will(
                 will.topic,
                 delay_s,
-                payload=will.payload(delay_s, broker_waits=s.broker_will_delay),
-                payload_311=will.payload(delay_s, broker_waits=False),
+                payload=will.payload(delay_s, broker_waits=s.broker_will_delay, link=self.links),
+                payload_311=will.payload(delay_s, broker_waits=False, link=self.links),
             )
 
         def fallback(error: str, message: str) -> None:
@@ -669,7 +673,15 @@ class LinkEngine:
             will=will.topic if will else None,
             reconnects=self.reconnects,
         )
-        self._emit(Connected(self._broker, self._protocol, will_delay=v5, repaired=self._repairing))
+        self._emit(
+            Connected(
+                self._broker,
+                self._protocol,
+                will_delay=v5,
+                repaired=self._repairing,
+                link=self.links,
+            )
+        )
 
     def _link_down(self, broker: BrokerURL, reason: str, reason_code: int | None) -> None:
         self._gone.set()

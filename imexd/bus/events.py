@@ -33,6 +33,10 @@ class Connected:
     repaired: bool = False
     """Whether this link gets the broker repairs (`imexd.bus.repairs`, `[bus] broker`):
     its broker may reorder or lose messages, so no record on it proves incumbency."""
+    link: int = 0
+    """This link's number, counted from 1 by the bus (every connect attempt takes one): the
+    Last Will of this link says it (`MemberRecord.link`), so records published on it are
+    ordered before that will and after the will of any earlier link."""
 
 
 DELIBERATE_REASONS: Final = frozenset({"closed", "will changed", "client id changed"})
@@ -178,11 +182,12 @@ class WillSpec:
     delay_s: float | None = None
     tombstone: MemberRecord | Presence | None = None
 
-    def payload(self, delay_s: float, *, broker_waits: bool) -> bytes:
-        """The will's payload on a link whose broker waits the Will Delay, or not."""
+    def payload(self, delay_s: float, *, broker_waits: bool, link: int = 0) -> bytes:
+        """The will's payload on link number `link` (`Connected.link`), whose broker waits
+        the Will Delay, or not."""
         if self.tombstone is None:
             return b""
         if isinstance(self.tombstone, Presence):
             return encode(self.tombstone)
         hold_s = 0.0 if broker_waits else float(delay_s)
-        return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s))
+        return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s, link=link))

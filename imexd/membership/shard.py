@@ -48,37 +48,33 @@ from imexd.messages import (
     Mode,
     Presence,
     Received,
+    Version,
     encode,
+    version,
 )
 from imexd.nodestate import NodeState
 from imexd.settings import Settings
 from imexd.topics import Topics
 
-DOUBT_S: Final = 1.0
-"""Member deletions this recent when the link drops are taken back (a broker that shuts
-down publishes every will at once, then closes the connections)."""
 CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
-SUSPECT_LOSSES: Final = 2
-"""Link losses during the watch of a record of our name that make it a live duplicate."""
+TAKEN_LINKS: Final = 2
+"""Links in a row that the broker ended without a reason code, each after a live record of
+our name that we did not write came on it: another live agent takes our session (on
+links whose broker says so, one reason code is evidence enough)."""
 OVERWRITE_WINDOW_S: Final = 60.0
-"""A record written over ours again within this many seconds of the last one recurs:
-another live agent runs with our name (DuplicateNode). RecordOverwritten shows on
-/status for as long after the last one."""
+"""RecordOverwritten shows on /status for this many seconds after a record written over
+ours."""
 OVERWRITE_PACE_S: Final = 5.0
-"""While overwrites recur, our record is put back at most once per this many seconds,
-so that two agents with one name do not re-publish over each other at link speed."""
+"""While another live agent runs with our name (DuplicateNode, our slot kept), our record
+is put back at most once per this many seconds, so that the two do not re-publish over
+each other at link speed."""
 RECLAIMS_ON_LOST_ECHO: Final = 3
 """Times a claim whose echo did not come back in time (`Refused`) is published again on
 one link that may lose echoes (`Refused.repaired`): a broker that loses echoes may
 keep the claim and never deliver its echo to the claimant, which would wait for it until
 the link ends; a broker that refuses the publication for good (an ACL) is not asked
 forever."""
-REPEAT_HOLD_S: Final = 30.0
-"""Hold of a peer's tombstone of an incarnation whose tombstone was honoured already and
-whose record came back since: its live agent publishes its record again within a round
-trip (so a will re-published every second changes nothing), and a second death of that
-incarnation still leaves the peers' files after this long."""
 FIRST_START_WINDOWS: Final = 5
 """The first daemon start in a shard waits at most this many `[domain] settle_s` (1 s by
 default) for claims in flight and listed nodes that are not members yet. A claim settles
@@ -207,13 +203,21 @@ class ShardView:
         a subset of `records` (whatever drops a record drops it here too)."""
         self.confirm_by: float | None = None
         """`now` after which the unconfirmed records are dropped."""
-        self.deleted: dict[str, tuple[MemberRecord, float]] = {}
-        """Peers' records deleted lately, with `now` of the deletion."""
+        self.versions: dict[str, Version] = {}
+        """Peer or us -> the newest version (`messages.version`) of a record or Last Will
+        taken in for it: anything not newer is not applied (`_on_received`)."""
+        self.unproven: dict[str, tuple[MemberRecord, int]] = {}
+        """Peers' records dropped on this link (a clear, a will) that no round trip through
+        the broker has come back after yet, with the deletion's mark (`proof_mark`). A
+        link that ends first may have ended with a broker that shut down (it publishes
+        every will, then closes the links): they come back, unconfirmed (`Disconnected`)."""
+        self.deletions = 0
+        """Deletions taken in so far: the mark of the last one."""
         self.lost: dict[str, float] = {}
         """Peers whose tombstone (state lost) came: `now` at which their previous record,
         kept in `records` meanwhile, is dropped."""
-        self.lost_once: dict[str, int] = {}
-        """Peer -> the incarnation whose tombstone was honoured (`_on_lost`)."""
+        self.link = 0
+        """The number of our current link (`Connected.link`), which our records carry."""
         self.mismatch: tuple[str, ...] = ()
         self.mismatch_detail = ""
         self.published = False
@@ -245,11 +249,13 @@ class ShardView:
         claims which never settle stop counting after claim_stale_s."""
         self.duplicate = ""
         """Set (the why) when another live agent runs as this node: we publish nothing."""
-        self.suspect_losses = 0
-        """Link losses while `suspect_until` is set (see _on_suspect_link_loss)."""
-        self.suspect_until: float | None = None
-        """`now` until which a record of our name that we did not write is watched for
-        signs of a live agent before we claim over it."""
+        self.foreign_live = False
+        """A live record of our name that we did not write came on this link."""
+        self.taken = 0
+        """Links in a row ended without a reason code after `foreign_live` (TAKEN_LINKS)."""
+        self.outbid = False
+        """Our incarnation was raised over a record of our name that we did not write: the
+        next plan says so (save it, and a will that says it)."""
         self.in_flight: list[bytes] = []
         """Our records published on this link (since it synced) whose live echo has not
         come back yet, oldest first (b"": a clear)."""
@@ -337,14 +343,13 @@ class ShardView:
         self.replay_rival = None
         self.reassert_at = None
         self.claims_seen.clear()
-        self.suspect_until = None
         self.duplicate = ""
         self.records.clear()
         self.unconfirmed.clear()
         self.confirm_by = None
-        self.deleted.clear()
+        self.versions.clear()
+        self.unproven.clear()
         self.lost.clear()
-        self.lost_once.clear()
         self.spec = None
         self.synced = False
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
@@ -401,6 +406,8 @@ class ShardView:
             self.unconfirmed = set(self.records)
             self.confirm_by = None
             self.synced = False
+            self.link = event.link
+            self.foreign_live = False
             # The old link's echoes are gone, and the new one's snapshot comes in no
             # particular order: a claim in flight is published again once the snapshot is
             # in, and settles on that echo only (rivals in the snapshot count as earlier).
@@ -418,11 +425,11 @@ class ShardView:
             self.ordered = not event.repaired
         elif isinstance(event, Disconnected):
             self.synced = False
-            self._doubt_recent_deletions(now)
+            self._restore_unproven()
             if event.taken_over:
                 return self._on_taken_over()
-            if not event.deliberate and self.suspect_until is not None:
-                return self._on_suspect_link_loss()
+            if not event.deliberate and event.reason_code is None:
+                return self._on_link_ended()
         elif isinstance(event, Refused | EchoLost):
             self.ordered = self.ordered and not event.repaired
             self._on_refused(event, now)
@@ -449,6 +456,11 @@ class ShardView:
     def _on_received(self, event: Received, now: float) -> Identity | None:
         ref, payload = event.ref, event.payload
         if ref.kind == "member" and isinstance(payload, MemberRecord):
+            ours = ref.node == self.node  # judged whatever its version: ours goes back over it
+            if (ref.domain, ref.clique) == self.current and not self._newer(payload) and not ours:
+                if version(payload) == self.versions.get(ref.node):
+                    self.unconfirmed.discard(ref.node)  # what we hold, given again
+                return None
             if (ref.domain, ref.clique) == self.current and payload.state is MemberState.LOST:
                 return self._on_lost(event, payload, now)
             if (ref.domain, ref.clique) == self.current:
@@ -471,6 +483,20 @@ class ShardView:
             self.spec = payload
         return None
 
+    def _newer(self, record: MemberRecord) -> bool:
+        """Whether `record` (of the current shard) is newer than what we took in for its
+        node, and if so keep its version: a record or will not newer is a copy, a replay
+        or an earlier link's will, and changes nothing. A record without a place (an agent
+        that predates it) is taken in its order of arrival, as is what follows it."""
+        new, held = version(record), self.versions.get(record.node)
+        if new is None:
+            self.versions.pop(record.node, None)
+            return True
+        if held is not None and new <= held:
+            return False
+        self.versions[record.node] = new
+        return True
+
     def _on_own(self, record: MemberRecord | None, *, live: bool, now: float) -> Identity | None:
         """A record on our own member topic (None: cleared): ours, or written over ours.
 
@@ -478,30 +504,54 @@ class ShardView:
         comes while nothing of ours is in flight was accepted after our last publication:
         if it is not what we published, someone wrote over it, and ours goes back at the
         next step (one round trip). Before that (a new link, or a start) the next step
-        judges the snapshot instead: resume, claim again, or watch (`derive`).
+        judges the snapshot instead: resume, or claim again (`derive`).
         """
         data = b"" if record is None else encode(record)
+        mine = b"" if self.last_sent is None else encode(self.last_sent)
+        if live and record is not None and data not in self.in_flight and data != mine:
+            self.foreign_live = True  # another writer is live now (TAKEN_LINKS)
         if live:
             self._on_own_echo(data, now)
-        if record is not None and record.state is not MemberState.LOST:
-            if not self._foreign(record):
-                self.past = record
-            elif live and not self.published and self.suspect_until is not None:
-                # A record of our name published again while we watch one: a live agent.
-                return self._found_duplicate(
-                    f"incarnation {record.incarnation} from {record.address} published a "
-                    "record of this node's name again while this agent watched it"
-                )
+        if (
+            record is not None
+            and record.state is not MemberState.LOST
+            and not self._foreign(record)
+        ):
+            self.past = record
+        if record is not None:
+            self._outbid(record)
         if self.republish or self.in_flight or self.duplicate:
             return None
-        mine = b"" if self.last_sent is None else encode(self.last_sent)
         if not self.published or data == mine:
             return None
         return self._overwritten(record, now)
 
+    def _outbid(self, record: MemberRecord) -> None:
+        """A record or will of our name that we did not write stands where ours would not
+        come after it (`messages.version`): raise our incarnation over it, so that what we
+        publish next is newer everywhere (`Plan.outbid`: saved, and a will that says it)."""
+        lost = record.state is MemberState.LOST
+        if record.incarnation < self.incarnation or (not lost and not self._foreign(record)):
+            return
+        if record.incarnation == self.incarnation:
+            self.seq = max(self.seq, record.seq)
+            if record.link < self.link or (record.link == self.link and not lost):
+                return  # what we publish next on this link comes after it
+        if encode(record) == (b"" if self.last_sent is None else encode(self.last_sent)):
+            return
+        self.incarnation = record.incarnation + 1
+        self.claim = replace(self.claim, incarnation=self.incarnation)
+        self.outbid = True
+        self.log.info(
+            "membership.incarnation_raised",
+            incarnation=self.incarnation,
+            over=record.incarnation,
+            why="a record of this node name that this agent did not write",
+        )
+
     def _overwritten(self, record: MemberRecord | None, now: float) -> Identity | None:
-        """Someone wrote over our record: put ours back, count it, and say so; when it
-        recurs within OVERWRITE_WINDOW_S, another live agent runs with our name."""
+        """Someone wrote over our record: put ours back at once (paced only while another
+        live agent runs with our name), count it, and say so."""
         what = (
             "cleared it"
             if record is None
@@ -515,7 +565,6 @@ class ShardView:
         self.overwrites.append(now)
         self.overwritten_total += 1
         self.overwritten = what
-        recurs = len(self.overwrites) > 1
         self.log.warning(
             "membership.record_overwritten",
             what=what,
@@ -525,19 +574,8 @@ class ShardView:
             "putting this node's record back",
         )
         due = now
-        if not recurs:
-            self.contested = ""
-        else:
+        if self.contested:
             due = max(now, self.last_reassert + OVERWRITE_PACE_S)
-            if self.claim.phase is not mb.Phase.MEMBER:
-                return self._found_duplicate(
-                    f"this node's record was written over {len(self.overwrites)} times "
-                    f"within {OVERWRITE_WINDOW_S:g} s after this agent published it"
-                )
-            self._contest(
-                f"this node's member record was written over {len(self.overwrites)} times "
-                f"within {OVERWRITE_WINDOW_S:g} s (last: someone {what})"
-            )
         self.reassert_at = due if self.reassert_at is None else min(self.reassert_at, due)
         return None
 
@@ -582,15 +620,19 @@ class ShardView:
         self.in_flight.clear()
         self.republish = True
 
-    def _on_deleted(self, event: Deleted, now: float) -> Identity | None:
+    def _on_deleted(self, event: Deleted, now: float, *, will: bool = False) -> Identity | None:
+        """A record cleared (an empty topic: no version, so what comes next is taken in
+        order), or dropped by a will (`will`: its version stays)."""
         ref = event.ref
         if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
+            if not will:
+                self.versions.pop(ref.node, None)
             record = self.records.pop(ref.node, None)
             self.lost.pop(ref.node, None)
             self.unconfirmed.discard(ref.node)
             self.claims_seen.pop(ref.node, None)
             if record is not None and ref.node != self.node:
-                self._remember_deletion(record, now)
+                self._unproven(record)
             if ref.node == self.node:
                 if self.duplicate:
                     return self._duplicate_gone()
@@ -600,28 +642,29 @@ class ShardView:
         return None
 
     def _on_lost(self, event: Received, tombstone: MemberRecord, now: float) -> Identity | None:
-        """A node's Last Will (state lost): keep its previous record for its hold_s.
+        """A node's Last Will (state lost), newer than its records here (`_newer`): keep
+        its previous record for its hold_s.
 
         Ours (a past link's will, or a duplicate's): as if our record were cleared, so a
-        running agent publishes it again. A peer's without a record of it here (a
-        leftover of a long-gone node, or a tombstone in a new link's snapshot) stays out
-        of membership. A hold of 0 (the broker waited its Will Delay) drops it at once,
-        once per incarnation: that incarnation's tombstone again, after its record came
-        back, is held at least REPEAT_HOLD_S (a will re-published every second would
-        otherwise drop and re-add the peer, and send SIGUSR1, every pacing window).
+        running agent publishes it again (over it: `_outbid`). A peer's without a record
+        of it here (a leftover of a long-gone node, or a tombstone in a new link's
+        snapshot) stays out of membership. A hold of 0 (the broker waited its Will Delay)
+        drops it at once. The same will again, or the will of a link that its node's
+        newer record came from a later link than, is not newer: it changes nothing.
         """
         node = tombstone.node
         if node == self.node:
-            return self._on_deleted(Deleted(event.topic, event.ref, retained=True), now)
+            self._outbid(tombstone)
+            return self._on_deleted(Deleted(event.topic, event.ref, retained=True), now, will=True)
         if node not in self.records:
             return None
         hold = min(max(tombstone.hold_s, 0.0), MAX_HOLD_S)
-        if self.lost_once.get(node) == tombstone.incarnation:
-            hold = max(hold, REPEAT_HOLD_S)
-        self.lost_once[node] = tombstone.incarnation
         self.unconfirmed.discard(node)
         if hold <= 0.0:
-            return self._on_deleted(Deleted(event.topic, event.ref, retained=event.retained), now)
+            retained = event.retained
+            return self._on_deleted(
+                Deleted(event.topic, event.ref, retained=retained), now, will=True
+            )
         if node not in self.lost:
             self.lost[node] = now + hold
             self.log.info("membership.peer_lost", peer=node, hold_s=round(hold, 3))
@@ -636,7 +679,7 @@ class ShardView:
             self.unconfirmed.discard(node)
             self.claims_seen.pop(node, None)
             if record is not None:
-                self._remember_deletion(record, now)
+                self._unproven(record)
         if gone:
             self.log.info("membership.records_gone", nodes=gone, why="lost: hold_s passed")
 
@@ -749,33 +792,41 @@ class ShardView:
             me=self.node,
         )
 
-    def _remember_deletion(self, record: MemberRecord, now: float) -> None:
-        self.deleted = {
-            node: (r, at) for node, (r, at) in self.deleted.items() if now - at <= DOUBT_S
-        }
-        self.deleted[record.node] = (record, now)
+    def _unproven(self, record: MemberRecord) -> None:
+        """A peer's record was dropped on this link: unproven until a round trip after it."""
+        self.deletions += 1
+        self.unproven[record.node] = (record, self.deletions)
 
-    def _doubt_recent_deletions(self, now: float) -> None:
-        """The link dropped: take back the deletions that arrived just before.
+    def proof_mark(self) -> int:
+        """The mark of the last deletion taken in: pass it to `proven` once a round trip
+        through the broker, begun after this call on the same link, came back."""
+        return self.deletions
 
-        A broker that shuts down publishes every client's will at once, ignoring the
-        Will Delay, and then drops the link: those empty records say nothing about the
-        peers, which come back with the broker. The records return unconfirmed.
+    def proven(self, mark: int) -> None:
+        """A round trip through the broker came back after the deletions up to `mark`: the
+        broker delivered them while it still served us, so they were no shutdown's."""
+        self.unproven = {n: (r, m) for n, (r, m) in self.unproven.items() if m > mark}
+
+    def _restore_unproven(self) -> None:
+        """The link ended before a round trip came back after these deletions.
+
+        A broker that shuts down publishes every client's will, ignoring the Will Delay,
+        and then closes the links: those wills say nothing about the peers, which come
+        back with the broker. The records return unconfirmed, as after any reconnect:
+        their nodes publish newer ones, or the grace for a new link drops them. A
+        deletion that a round trip proved never comes back this way.
         """
-        doubted = sorted(
-            node
-            for node, (_, at) in self.deleted.items()
-            if now - at <= DOUBT_S and node not in self.records
-        )
-        for node in doubted:
-            self.records[node] = self.deleted[node][0]
+        restored = sorted(n for n in self.unproven if n not in self.records)
+        for node in restored:
+            self.records[node] = self.unproven[node][0]
             self.unconfirmed.add(node)
-        self.deleted.clear()
-        if doubted:
+        self.unproven.clear()
+        if restored:
             self.log.info(
-                "membership.deletions_doubted",
-                nodes=doubted,
-                why="they came just before the link dropped (a broker shutting down)",
+                "membership.deletions_unproven",
+                nodes=restored,
+                why="the link ended before a round trip through the broker came back "
+                "after them (a broker shutting down publishes every will first)",
             )
 
     def _track_claim(self, record: MemberRecord, now: float) -> None:
@@ -797,8 +848,11 @@ class ShardView:
         the other one stands aside when we take the session back."""
         if self.duplicate:
             return None
+        why = "the broker handed this node's session to another client"
         if self.current is not None and self.claim.phase is not mb.Phase.MEMBER:
-            return self._found_duplicate("the broker handed this node's session to another client")
+            return self._found_duplicate(why)
+        if self.claim.phase is mb.Phase.MEMBER:
+            self._contest(why)
         self.log.warning(
             "bus.session_taken_over",
             why="another client connected with this node's client id; "
@@ -806,22 +860,28 @@ class ShardView:
         )
         return None
 
-    def _on_suspect_link_loss(self) -> Identity | None:
-        """The broker dropped our link while a record of our name stood that we did not write.
+    def _on_link_ended(self) -> Identity | None:
+        """The broker ended our link without a reason code.
 
         Brokers that send no reason code (MQTT 3.1.1, and some MQTT 5 brokers) close the
         old link silently when another client takes the session: two agents with one
-        name then push each other off at every reconnect. A dead past run of ours does
-        not do that, so a second loss within the watch is taken as a live duplicate.
+        name then push each other off at every reconnect, and each link of ours sees the
+        other's record published live before it ends. TAKEN_LINKS such links in a row are
+        taken as a live duplicate; a retained record alone never is.
         """
-        self.suspect_losses += 1
-        if self.suspect_losses >= SUSPECT_LOSSES:
-            return self._found_duplicate(
-                f"the broker closed this node's link {self.suspect_losses} times while a "
-                "record of this name that this agent did not write stood: another agent "
-                "with this name keeps taking the session back"
-            )
-        return None
+        self.taken = self.taken + 1 if self.foreign_live else 0
+        self.foreign_live = False
+        if self.taken < TAKEN_LINKS:
+            return None
+        why = (
+            f"the broker ended this node's link {self.taken} times in a row after another "
+            "writer published a record of this node's name on it: another agent with this "
+            "name keeps taking the session"
+        )
+        if self.claim.phase is mb.Phase.MEMBER:
+            self._contest(why)
+            return None
+        return self._found_duplicate(why)
 
     def _found_duplicate(self, why: str) -> Identity | None:
         """Another live agent runs as this node: stand aside without touching its state.
@@ -833,7 +893,6 @@ class ShardView:
         if self.duplicate or self.claim.phase is mb.Phase.MEMBER:
             return None
         self.duplicate = why
-        self.suspect_until = None
         self.reassert_at = None
         self.published = False  # the topic is the other agent's: never clear it
         self.log.error("membership.duplicate_node", node=self.node, why=why)
@@ -890,10 +949,10 @@ class ShardView:
         own = self.records.get(self.node)
         if own is not None and self._foreign(own) and self.past is not None and not self.published:
             # A record of our name came after our past run's: resume from ours and put it
-            # back; if the other one is written again after that, it is a live agent.
+            # back (the owner's record wins; only a live session shows another agent).
             own = self.past
-        if self.duplicate or self._suspect(own, now):
-            # Another agent may run as this node: publish nothing, and keep what runs.
+        if self.duplicate:
+            # Another agent runs as this node: publish nothing, and keep what runs.
             self.decision = None
             return Plan(hold=True)
         rival, why = self.replay_rival, "it settled our slot while our record was gone"
@@ -907,13 +966,11 @@ class ShardView:
             # Our claim is back and would settle: it does once the broker passed the
             # retained check of this link (BrokerChecked). Keep what runs meanwhile.
             return Plan()
-        outbid = False
         if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
-            # A record of our name that no live agent re-published within the watch: a
-            # run of ours whose incarnation we never saved. Outbid it.
-            self.incarnation = max(self.incarnation, own.incarnation + 1)
-            self.claim = replace(self.claim, incarnation=self.incarnation)
-            outbid = True
+            # A record of our name that we did not write (a run of ours whose incarnation
+            # we never saved, or anyone's): ours replaces it at once, newer than it.
+            self._outbid(own)
+        outbid, self.outbid = self.outbid, False
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
         stale = self._stale(now)
         records = {**self.records}
@@ -1154,6 +1211,7 @@ class ShardView:
             channel_count=channel_count,
             released=claim.record_released,
             seq=self.seq,
+            link=self.link,
         )
         # Its place among this run's records: the last one's, when it says nothing new
         # (published again), else the next (a reader takes the later of two copies).
@@ -1197,36 +1255,6 @@ class ShardView:
         """Our records of the deleted domain are cleared: we are out of it."""
         self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
         self.decision = None
-
-    def _suspect(self, own: MemberRecord | None, now: float) -> bool:
-        """Whether to keep watching a record of our name that we did not write.
-
-        Before our first publish, such a record is either a past run of ours (its agent
-        is gone: nothing re-publishes it) or another live agent with our name (it
-        re-publishes on its next reconnect, or takes the broker session back). Watch for
-        as long as a peer needs to reconnect after a broker restart.
-        """
-        if self.published or self.claim.phase is not mb.Phase.NONE:
-            return False
-        if own is None or not self._foreign(own):
-            self.suspect_until = None
-            return False
-        if self.suspect_until is None:
-            self.suspect_until = now + self.confirm_grace_s
-            self.suspect_losses = 0
-            self.log.info(
-                "membership.own_name_seen",
-                incarnation=own.incarnation,
-                address=own.address,
-                watch_s=round(self.confirm_grace_s, 1),
-                why="a record of this node name that this agent did not write",
-            )
-        if now < self.suspect_until:
-            self.wake_at = self.suspect_until
-            return True
-        self.suspect_until = None
-        self.log.info("membership.own_name_stale", incarnation=own.incarnation)
-        return False
 
     def _drop_unconfirmed(self, now: float) -> None:
         """Forget the records a new link did not confirm in time, or whose slot moved on.
@@ -1288,12 +1316,6 @@ class ShardView:
         if recent:
             detail = f"someone {self.overwritten} on this node's member topic; put back"
             return replace(base, state="member", reason="RecordOverwritten", detail=detail)
-        if self.suspect_until is not None:
-            return replace(
-                base,
-                detail="a record of this node name that this agent did not write is on the "
-                "bus; checking whether another agent runs as this node",
-            )
         if self.claim.phase is mb.Phase.RELEASED:
             detail = decision.message if decision else "the daemon stayed FATAL"
             return replace(base, state="standby", reason="Released", detail=detail)
