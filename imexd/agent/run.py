@@ -93,6 +93,13 @@ it together at its end. The claim's barrier is taken as its echo arrives
 (`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
 
 
+def _own_report(event: Event) -> bool:
+    """Whether `event` is about our own health topic, which the agent follows only so that
+    the bus puts back a copy someone else wrote (`Bus`): it wakes no task."""
+    ref = getattr(event, "ref", None)
+    return ref is not None and ref.kind == "health"
+
+
 class Agent:
     """The agent's state and tasks; see the module docstring."""
 
@@ -360,6 +367,8 @@ class Agent:
         while True:
             with self.heartbeats.resting("events"):
                 event = await anext(events, None)
+                while event is not None and _own_report(event):
+                    event = await anext(events, None)  # the bus defends it: nothing to do
                 while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
             self._on_event(event, bus)
