@@ -60,11 +60,6 @@ class Echoes:
             del self._late[topic]
             self.refused.discard(topic)
 
-    def waiting(self, topic: str) -> bool:
-        """Whether a publication on `topic` still waits for its echo: until it comes, an
-        earlier copy of ours may still arrive there."""
-        return topic in self._pending
-
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Stop tracking topics no longer covered by our subscriptions."""
         for topic in [t for t in self._pending if not keep(t)]:

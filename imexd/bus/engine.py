@@ -54,7 +54,7 @@ from imexd.logs import get_logger
 from imexd.messages import Dropped, Ping, Received, decode_message
 from imexd.settings import BrokerURL, BusSettings, parse_broker_url
 from imexd.signing import Verifier
-from imexd.topics import Topics
+from imexd.topics import TopicRef, Topics
 
 _STABLE_S: Final = 10.0
 """A link that lasted this long resets the reconnect backoff."""
@@ -66,6 +66,15 @@ CHECK_REFUSED: Final = "refused"
 CHECK_FAILED: Final = "failed"
 """Our copy did not come: the verdict stands (on a repaired link the check is asked again,
 then the link moves: `LinkEngine._check_failed`)."""
+
+
+def _unjudged(ref: TopicRef | None) -> bool:
+    """Whether our record on a topic of this kind is never judged refused for want of its
+    echo: a health report, which we follow only to put back a copy someone else wrote. It
+    is re-sent every report interval, and on a link that may lose echoes (QoS 0 there) a
+    lost one would read as an ACL refusal; the member record's echo already proves that
+    the broker takes our writes."""
+    return ref is not None and ref.kind == "health"
 
 
 class LinkEngine:
@@ -590,7 +599,7 @@ class LinkEngine:
 
     async def _put_retained(self, client: Client, topic: str, entry: Record) -> None:
         self._records.publishing(topic)
-        if self._subs.covers(topic):
+        if self._subs.covers(topic) and not _unjudged(self.topics.parse(topic)):
             self._echoes.expect(topic, entry.payload)
         expiry_s = entry.expiry_s if entry.payload else None
         await client.publish(topic, entry.payload, qos=QOS, retain=True, expiry_s=expiry_s)
@@ -743,11 +752,7 @@ class LinkEngine:
         ref = self.topics.parse(topic)
         self.deliveries[("other", "") if ref is None else (ref.kind, ref.domain)] += 1
         self._echoes.seen(topic, payload, live=not retained)
-        if (
-            not retained
-            and self._records.overwritten(topic, payload)
-            and not self._echoes.waiting(topic)
-        ):
+        if not retained and self._records.overwritten(topic, payload):
             self._overwritten.add(topic)
             self._overwrite.set()
         will = self._will

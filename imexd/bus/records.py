@@ -29,9 +29,14 @@ class Records:
     def __init__(self) -> None:
         self._by_topic: dict[str, Record] = {}
         self._on_link: set[str] = set()
+        self._previous: dict[str, bytes] = {}
+        """The payload each record replaced: its echo may still arrive after the new one
+        went out, and is ours, not someone else's."""
 
     def declare(self, topic: str, record: Record) -> None:
         """Set (or, with an empty payload, clear once) our record on `topic`."""
+        if (old := self._by_topic.get(topic)) is not None:
+            self._previous[topic] = old.payload
         self._by_topic[topic] = record
 
     def get(self, topic: str) -> Record | None:
@@ -63,6 +68,7 @@ class Records:
         meanwhile (a clear that failed to go out is replayed on the next link)."""
         if not record.payload and self._by_topic.get(topic) is record:
             del self._by_topic[topic]
+            self._previous.pop(topic, None)
 
     def overwritten(self, topic: str, payload: bytes) -> bool:
         """Whether `payload`, arriving on `topic`, is another copy than ours of a record we
@@ -74,7 +80,7 @@ class Records:
             and record.replay
             and bool(record.payload)
             and topic in self._on_link
-            and payload != record.payload
+            and payload not in (record.payload, self._previous.get(topic))
         )
 
     def payload(self, topic: str) -> bytes:
