@@ -374,21 +374,34 @@ def reason_line(conds: Sequence[Condition]) -> str:
 
 
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """The control plane's retained spec on `{p}/domains/{domain}/spec`."""
+    """The control plane's retained spec on `{p}/domains/{domain}/spec`.
+
+    `deleted` is the domain's tombstone: the version that says it is gone (imexd.order).
+    """
 
     v: Literal[1] = 1
     domain: DomainName
     nodes: list[NodeName] | None = None
     max_nodes: MaxNodes = 18
-    state: Literal["active", "deleting"] = "active"
+    state: Literal["active", "deleting", "deleted"] = "active"
     generation: Count = 0
+    """The version: one more than the topic's previous record (its tombstone included),
+    or the Unix time in whole seconds where the broker held none (imexd.order)."""
+    at: float = 0.0
+    """Wall-clock seconds when the control plane wrote this version (0: unknown): how old
+    a tombstone is (`[control] tombstone_expiry_s`, `imexd gc --tombstones`)."""
 
 
 class Assignment(msgspec.Struct, frozen=True, kw_only=True):
-    """The control plane's retained assignment on `{p}/nodes/{node}/assignment`."""
+    """The control plane's retained assignment on `{p}/nodes/{node}/assignment`; one to
+    no domain (null) is its tombstone."""
 
     v: Literal[1] = 1
     domain: DomainName | None
+    generation: Count = 0
+    """The version, as DomainSpec.generation (0: a writer that predates it)."""
+    at: float = 0.0
+    """Wall-clock seconds when the control plane wrote this version (0: unknown)."""
 
 
 class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -409,12 +422,16 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     uid: Annotated[int, msgspec.Meta(ge=0, le=4294967294)] = 0
     gid: Annotated[int, msgspec.Meta(ge=0, le=4294967294)] = 0
     mode: Annotated[int, msgspec.Meta(ge=0, le=0o777, description="permission bits")] = 0o660
-    state: Literal["claiming", "active"] = "active"
+    state: Literal["claiming", "active", "deleted"] = "active"
+    """`deleted`: the workload's tombstone (imexd.order)."""
     generation: Count = 0
+    """The version, as DomainSpec.generation."""
     owner: Annotated[str, msgspec.Meta(max_length=128)] = ""
     """Who wrote the record (the control-plane client's id): tells two writers apart."""
     created: float = 0.0
     """Wall-clock seconds when the workload was first created."""
+    at: float = 0.0
+    """Wall-clock seconds when the control plane wrote this version (0: unknown)."""
 
     def lists(self, node: str) -> bool:
         """Whether the workload runs on `node` (a record without a node list: every node)."""
@@ -474,26 +491,17 @@ class Retry(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock seconds when it was written: tells one request from the next."""
     by: Annotated[str, msgspec.Meta(max_length=128)] = ""
     """Who asked (the control-plane client's id), for the agent's log."""
-
-
-class BrokerEpoch(msgspec.Struct, frozen=True, kw_only=True):
-    """The agents' retained mark on `{p}/broker/epoch`, written by the first agent that
-    finds none: another epoch, or none, after a reconnect means that the broker lost its
-    retained state (imexd.agent.rebuild)."""
-
-    v: Literal[1] = 1
-    epoch: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    """A random id, new with every broker that lost its state."""
-    node: NodeName
-    """The agent that wrote it."""
-    at: float
-    """Wall-clock seconds when it was written."""
+    generation: Count = 0
+    """The version, as DomainSpec.generation: the agent acts on a request only when it is
+    newer than the last it saw (0: a writer that predates it)."""
+    state: Literal["asked", "done"] = "asked"
+    """`done`: the request's tombstone, written when `imexd node retry` ends."""
 
 
 Payload = (MemberRecord | HealthReport | DomainSpec | Assignment | Ping | Presence
-           | WorkloadRecord | Retry | BrokerEpoch)  # fmt: skip
+           | WorkloadRecord | Retry)  # fmt: skip
 P = TypeVar("P", MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence,
-            WorkloadRecord, Retry, BrokerEpoch)  # fmt: skip
+            WorkloadRecord, Retry)  # fmt: skip
 
 
 class DropReason(StrEnum):
@@ -517,6 +525,9 @@ class DropReason(StrEnum):
     UNSIGNED_CLEAR = "unsigned_clear"
     """With `[control] public_key`: a clear of a spec, workload or assignment that the
     control plane had not retired by a signed record first (`imexd.bus.signatures`)."""
+    STALE = "stale"
+    """A spec, workload, assignment or retry request older than the version the agent
+    holds (`imexd.order`): not applied, and answered with the held version."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,7 +613,7 @@ def json_schemas() -> dict[str, Any]:
     """JSON Schemas of every payload, keyed by type name (shipped under docs/schemas/)."""
     schemas: dict[str, Any] = {}
     for cls in (MemberRecord, HealthReport, DomainSpec, Assignment, Presence, WorkloadRecord,
-                Retry, BrokerEpoch):  # fmt: skip
+                Retry):  # fmt: skip
         schema = msgspec.json.schema(cls)
         body = schema["$defs"][cls.__name__]
         # `v` has a default for the producers' convenience, but the wire requires it.
@@ -668,8 +679,9 @@ class Received:
     retained: bool
     """True when it comes from the broker's retained store (a snapshot), not live."""
     data: bytes = field(default=b"", compare=False, repr=False)
-    """The payload's bytes as they came: what an agent restores to a broker that lost
-    them (imexd.agent.rebuild), unknown fields of a newer writer included."""
+    """The payload's bytes as they came: what an agent gives back to a broker that serves
+    an older version or none (imexd.agent.rebuild), unknown fields of a newer writer
+    and the signature included."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -715,8 +727,6 @@ def decode_message(
             result = decode(payload, Presence)
         case "retry":
             result = decode(payload, Retry)
-        case "epoch":
-            result = decode(payload, BrokerEpoch)
         case _:
             assert_never(ref.kind)
     if isinstance(result, Dropped):

@@ -572,6 +572,23 @@ class ControlSettings:
         "BusConnected says so). Empty: they are accepted unsigned.",
         _opt_path,
     )
+    tombstone_expiry_s: float = _setting(
+        604800.0,
+        "Seconds a deletion (a spec or workload `deleted`, an assignment to no domain, a "
+        "retry request `done`) is kept: the control plane writes it with this MQTT 5 "
+        "message expiry, and agents give it back to a broker that lost it and keep "
+        "following a deleted domain only this long after it was written (default 7 days). "
+        "`imexd gc --tombstones S` clears older ones sooner.",
+        _positive,
+    )
+    anti_entropy_s: float = _setting(
+        60.0,
+        "Agents: seconds between two comparisons of what the broker serves for the "
+        "control-plane records the agent follows with the newest it holds (the same pass "
+        "runs after every connect's snapshot); a record the broker lacks, or serves older, "
+        "is published again as it came.",
+        _positive,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -115,9 +115,9 @@ class Topics:
     def presence(self, node: str) -> str:
         return f"{self._node(node)}/presence"
 
-    def epoch(self) -> str:
-        """The broker's epoch record (`BrokerEpoch`), one per broker."""
-        return f"{self.prefix}/broker/epoch"
+    def domain_filter(self, domain: str) -> str:
+        """Everything under one domain: what an agent follows of a domain it left deleted."""
+        return f"{self._domain(domain)}/#"
 
     def _domain(self, domain: str) -> str:
         return f"{self.prefix}/domains/{_level(domain)}"
@@ -182,8 +182,6 @@ def _parse(prefix: str, topic: str) -> TopicRef | None:
             return TopicRef("ping", node=node)
         case ["nodes", node, "presence"]:
             return TopicRef("presence", node=node)
-        case ["broker", "epoch"]:
-            return TopicRef("epoch")
     return None
 
 
@@ -195,9 +193,7 @@ def _clique(clique: str) -> str:
 class TopicRef:
     """The parts of a parsed topic."""
 
-    kind: Literal[
-        "member", "health", "spec", "workload", "assignment", "ping", "presence", "retry", "epoch"
-    ]
+    kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence", "retry"]
     domain: str = ""
     clique: str = ""
     node: str = ""

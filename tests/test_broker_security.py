@@ -377,21 +377,19 @@ async def test_only_the_control_plane_asks_a_node_to_retry_and_the_node_reads_it
 
 
 async def test_a_node_gives_an_empty_broker_back_what_it_follows(broker: ShippedBroker) -> None:
-    """The rebuild grants (imexd.agent.rebuild): a node writes a spec, a workload record, its own
-    assignment and the broker epoch, and everyone reads the epoch; nothing else of the
-    control plane's, and no peer's topic, opens up with them."""
+    """The rebuild grants (imexd.agent.rebuild): a node writes a spec, a workload record and
+    its own assignment; nothing else of the control plane's, and no peer's topic, opens up
+    with them."""
     workload = T.workload(DOMAIN, "job-a")
     async with client(broker, "n1") as n1:
         await publish(n1, T.spec(DOMAIN), b"restored-spec")
         await publish(n1, workload, b"restored-workload")
         await publish(n1, T.assignment("n1"), b"restored-assignment")
-        await publish(n1, T.epoch(), b"epoch-by-n1")
         await publish(n1, T.health(DOMAIN, "n2"), b"forged-by-n1")
         await publish(n1, T.presence("n2"), b"forged-by-n1")
     assert await retained(broker, T.spec(DOMAIN)) == b"restored-spec"
     assert await retained(broker, workload) == b"restored-workload"
     assert await retained(broker, T.assignment("n1"), name="n1") == b"restored-assignment"
-    assert await retained(broker, T.epoch(), name="n2") == b"epoch-by-n1"
     assert await retained(broker, T.health(DOMAIN, "n2")) is None
     assert await retained(broker, T.presence("n2")) is None
 

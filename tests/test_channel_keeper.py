@@ -267,17 +267,19 @@ async def test_a_refused_subscription_removes_nothing_until_synced_again(tmp_pat
 
 
 @needs_root
-async def test_a_reconnect_forgets_workloads_missing_from_the_new_snapshot(
+async def test_a_reconnect_keeps_workloads_missing_from_the_new_snapshot(
     tmp_path: Path,
 ) -> None:
-    """Deleted while the link was down: gone from the resynced snapshot, so removed."""
+    """A record missing from a resynced snapshot is no deletion (the agent's anti-entropy
+    pass gives it back): the channel stays; its tombstone removes it."""
     keeper = await joined(tmp_path, record("job-a", 3), record("job-b", 4))
     keeper.on_event(Disconnected("mqtt://x", "lost", None))
     keeper.on_event(Connected("mqtt://x", "5", True))
     keeper.on_event(received(record("job-b", 4)))
-    await keeper.step()
-    assert dev(keeper, 3).exists(), "nothing goes before the new snapshot is complete"
     keeper.on_event(synced())
+    await keeper.step()
+    assert dev(keeper, 3).exists()
+    keeper.on_event(received(record("job-a", 3, state="deleted", generation=2)))
     await keeper.step()
     assert not dev(keeper, 3).exists()
     assert dev(keeper, 4).exists()

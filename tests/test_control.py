@@ -91,6 +91,26 @@ async def retained(broker: Mosquitto, topic_filter: str = "imex/v2/#") -> dict[s
     raise AssertionError("unreachable: the message iterator ended")
 
 
+def tombstone(topic: str, payload: bytes) -> bool:
+    """Whether `payload` is a control-plane tombstone (imexd.order): a spec or workload
+    `deleted`, an assignment to no domain, a retry request `done`."""
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return False
+    if not isinstance(doc, dict):
+        return False
+    if topic.endswith("/assignment"):
+        return "domain" in doc and doc["domain"] is None
+    return doc.get("state") in ("deleted", "done")
+
+
+async def standing(broker: Mosquitto, topic_filter: str = "imex/v2/#") -> dict[str, bytes]:
+    """`retained` without the tombstones: what the bus says exists."""
+    got = await retained(broker, topic_filter)
+    return {t: p for t, p in got.items() if not tombstone(t, p)}
+
+
 def validator(kind: str) -> Draft202012Validator:
     schema = json.loads((SCHEMAS / f"{kind}.json").read_text())
     Draft202012Validator.check_schema(schema)
@@ -165,18 +185,24 @@ async def test_create_publishes_exactly_the_spec_and_the_assignments(
     for topic in presences:
         got.pop(topic)
     assert sorted(got) == sorted([T.spec("d1"), *(T.assignment(n) for n in ("n1", "n2", "n3"))])
-    assert valid("DomainSpec", got[T.spec("d1")]) == {
+    spec = valid("DomainSpec", got[T.spec("d1")])
+    first = spec.pop("generation")
+    assert abs(first - time.time()) < 60, "a new record's generation is the clock's second"
+    assert spec.pop("at") > 0
+    assert spec == {
         "v": 1,
         "domain": "d1",
         "nodes": ["n1", "n2", "n3"],
         "max_nodes": 8,
         "state": "active",
-        "generation": 1,
     }
     for node in ("n1", "n2", "n3"):
-        assert valid("Assignment", got[T.assignment(node)]) == {"v": 1, "domain": "d1"}
+        written = valid("Assignment", got[T.assignment(node)])
+        assert written["domain"] == "d1"
+        assert abs(written["generation"] - time.time()) < 60
     assert (
-        "domain d1: created (generation 1, max_nodes 8, nodes n1,n2,n3)" in capsys.readouterr().out
+        f"domain d1: created (generation {first}, max_nodes 8, nodes n1,n2,n3)"
+        in capsys.readouterr().out
     )
 
 
@@ -185,12 +211,13 @@ async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
 ) -> None:
     """A second create is an update: generation + 1, the spec's max_nodes kept."""
     assert await control_async("domain", "create", "d1", "--max-nodes", "4") == 0
+    first = valid("DomainSpec", (await retained(broker))[T.spec("d1")])["generation"]
     await seen(broker, "n2")
     assert await control_async("domain", "create", "d1", "--nodes", "n2") == 0
     got = await retained(broker)
     spec = valid("DomainSpec", got[T.spec("d1")])
-    assert (spec["generation"], spec["max_nodes"], spec["nodes"]) == (2, 4, ["n2"])
-    assert "domain d1: updated (generation 2" in capsys.readouterr().out
+    assert (spec["generation"], spec["max_nodes"], spec["nodes"]) == (first + 1, 4, ["n2"])
+    assert f"domain d1: updated (generation {first + 1}" in capsys.readouterr().out
 
 
 async def test_create_says_when_a_node_moves_from_another_domain(
@@ -232,16 +259,20 @@ def test_bad_names_exit_2_with_a_clear_error(
     assert err.startswith("imexd ")
 
 
-async def test_assign_and_unassign_write_and_clear_the_retained_assignment(
+async def test_assign_and_unassign_write_the_assignment_and_its_tombstone(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`node assign` retains {"v":1,"domain":D}; `node unassign` leaves nothing retained."""
+    """`node assign` retains {"v":1,"domain":D,...}; `node unassign` its tombstone, an
+    assignment to no domain one generation up."""
     await put(broker, {T.presence("gpu-01.example.com"): presence("gpu-01.example.com")})
     assert await control_async("node", "assign", "gpu-01.example.com", "d2") == 0
     got = await retained(broker, T.assignments_filter())
-    assert valid("Assignment", got[T.assignment("gpu-01.example.com")]) == {"v": 1, "domain": "d2"}
+    written = valid("Assignment", got[T.assignment("gpu-01.example.com")])
+    assert written["domain"] == "d2"
     assert await control_async("node", "unassign", "gpu-01.example.com") == 0
-    assert await retained(broker, T.assignments_filter()) == {}
+    gone = await retained(broker, T.assignments_filter())
+    tombstone = valid("Assignment", gone[T.assignment("gpu-01.example.com")])
+    assert (tombstone["domain"], tombstone["generation"]) == (None, written["generation"] + 1)
     out = capsys.readouterr().out
     assert "node gpu-01.example.com: assigned to d2" in out
     assert "node gpu-01.example.com: unassigned (was d2)" in out
@@ -320,7 +351,7 @@ async def test_create_with_steal_moves_the_node(
     assert await control_async("domain", "create", "d1", "--nodes", "n1", "--steal") == 0
     assert "node n1: assigned to d1 (moved from d0)" in capsys.readouterr().out
     got = await retained(broker)
-    assert valid("Assignment", got[T.assignment("n1")]) == {"v": 1, "domain": "d1"}
+    assert valid("Assignment", got[T.assignment("n1")])["domain"] == "d1"
 
 
 async def test_a_deleting_or_missing_spec_holds_no_node(
@@ -591,10 +622,11 @@ def domain_state(domain: str, nodes: list[str], assigned: bool = True) -> dict[s
     return out
 
 
-async def test_delete_waits_for_the_members_then_clears_everything(
+async def test_delete_waits_for_the_members_then_writes_the_tombstones(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Members leave on `deleting`; then assignments, spec and leftovers are cleared."""
+    """Members leave on `deleting`; then the spec and the assignments become tombstones,
+    one generation up, and the leftover report is cleared."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
     ghost = {T.health("d1", "n9"): encode(report("n9", 5, {5: "n9"}, at=time.time()))}
     other = {T.assignment("m1"): encode(Assignment(domain="d2"))}
@@ -602,11 +634,18 @@ async def test_delete_waits_for_the_members_then_clears_everything(
     async with fake_agents(broker, ["n1", "n2", "n3"]) as left:
         assert await control_async("domain", "delete", "d1", "--wait", "20") == 0
         assert sorted(left) == ["n1", "n2", "n3"]
-    assert await retained(broker) == other
+    got = await retained(broker)
+    spec = valid("DomainSpec", got.pop(T.spec("d1")))
+    assert (spec["state"], spec["generation"]) == ("deleted", 3)
+    for node in ("n1", "n2", "n3"):
+        gone = valid("Assignment", got.pop(T.assignment(node)))
+        assert (gone["domain"], gone["generation"]) == (None, 1)
+    assert got == other
     out = capsys.readouterr().out
     assert "domain d1: deleting (generation 2); waiting up to 20 s for 3 member(s)" in out
     assert (
-        "domain d1: deleted (cleared the spec, 3 assignment(s), 1 leftover health report(s))" in out
+        "domain d1: deleted (spec generation 3, 3 assignment(s), 1 leftover health report(s))"
+        in out
     )
 
 
@@ -618,7 +657,7 @@ async def test_delete_times_out_when_members_stay_and_keeps_a_deleting_spec(
     assert await control_async("domain", "delete", "d1", "--timeout", "0.5") == 1
     got = await retained(broker)
     assert valid("DomainSpec", got[T.spec("d1")])["state"] == "deleting"
-    assert T.assignment("n1") not in got
+    assert valid("Assignment", got[T.assignment("n1")])["domain"] is None
     assert T.member("d1", "c1", "n1") in got
     assert T.health("d1", "n1") in got
     err = capsys.readouterr().err
@@ -639,7 +678,8 @@ async def test_delete_clears_a_crashed_members_tombstone_without_waiting_for_it(
     async with fake_agents(broker, ["n1"]) as left:
         assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
         assert left == ["n1"]
-    assert await retained(broker) == {}
+    got = await retained(broker)
+    assert sorted(got) == [T.spec("d1"), T.assignment("n1"), T.assignment("n2")], "tombstones"
     out = capsys.readouterr().out
     assert "waiting up to 20 s for 1 member(s) to leave: n1; clearing the lost record of n2" in out
     await seen(broker, "n2")

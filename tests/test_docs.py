@@ -261,7 +261,6 @@ def _built_topics() -> dict[str, str]:
         "assignment": topics.assignment("{node}"),
         "ping": topics.ping("{node}"),
         "presence": topics.presence("{node}"),
-        "epoch": topics.epoch(),
     }
     assert set(built) == _topic_kinds(), "a topic kind this test does not build"
     return {kind: _unescape(topic) for kind, topic in built.items()}

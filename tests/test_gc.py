@@ -19,11 +19,19 @@ from imexd.cli.main import main
 from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.names import job_of, parse_job_ids
-from tests.test_control import T, domain_state, fake_agents, put, retained
+from tests.test_control import T, domain_state, fake_agents, put, retained, standing
 from tests.test_workloads import channel_report, info
 
 WAIT = "2"
 """--wait of every delete here: nothing in these tests needs an agent to leave."""
+
+
+@pytest.fixture(autouse=True)
+def generations_from_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record on an empty topic starts at generation 0 here, not at the clock's second
+    (tests/test_order.py and tests/test_control.py hold that), so that a new workload's
+    claim is 0 and its active record 1, which the reports here name."""
+    monkeypatch.setattr("imexd.order.first_generation", lambda now=None: 0)
 
 
 @pytest.fixture
@@ -128,7 +136,7 @@ async def test_apply_deletes_a_dead_jobs_domain_and_workload_through_the_deletes
     await put(broker, leftovers())
     before = await retained(broker)
     assert await gc("--live-jobs", "103,104", "--apply", "--wait", WAIT) == 0
-    after = await retained(broker)
+    after = await standing(broker)
     gone = {T.spec("job-101"), T.workload("job-101", "job-101"), T.workload("shared", "job-102")}
     assert after == {k: v for k, v in before.items() if k not in gone}
     out = capsys.readouterr().out
@@ -143,7 +151,7 @@ async def test_a_job_above_every_live_id_may_be_newer_than_the_list(
     squeue ran, so its records are not selected."""
     await put(broker, {T.spec("job-105"): spec("job-105"), T.spec("job-99"): spec("job-99")})
     assert await gc("--live-jobs", "104", "--apply", "--wait", WAIT) == 0
-    got = await retained(broker)
+    got = await standing(broker)
     assert T.spec("job-105") in got
     assert T.spec("job-99") not in got
     assert "job-105" not in capsys.readouterr().out
@@ -201,7 +209,7 @@ async def test_older_than_spares_a_workload_whose_channel_is_ready_on_a_node(
     state[T.health("shared", "n1")] = encode(ready)
     await put(broker, dict(state))
     assert await gc("--older-than", "3600", "--apply", "--wait", WAIT) == 0
-    got = await retained(broker)
+    got = await standing(broker)
     assert T.workload("shared", "w-gone") not in got
     assert T.workload("shared", "w-used") in got
     assert T.workload("shared", "w-new") in got
@@ -239,7 +247,7 @@ async def test_a_dead_jobs_domain_whose_daemons_still_run_is_not_in_use(
     async with fake_agents(broker, ["n1", "n2"], domain="job-301") as left:
         assert await gc("--live-jobs", "302", "--apply", "--wait", "20") == 0
         assert sorted(left) == ["n1", "n2"]
-    assert await retained(broker) == {}
+    assert await standing(broker) == {}
     out = capsys.readouterr().out
     assert "domain job-301: deleted" in out
     assert "gc: 1 deleted, 0 kept (in use)" in out
@@ -255,7 +263,7 @@ async def test_a_delete_that_fails_exits_1_and_the_others_still_run(
     state[T.workload("shared", "job-202")] = workload("job-202", "shared", 1)
     await put(broker, state)
     assert await gc("--live-jobs", "", "--apply", "--wait", "0.5") == 1
-    got = await retained(broker)
+    got = await standing(broker)
     assert T.workload("shared", "job-202") not in got
     assert T.member("job-201", "c1", "n1") in got
     assert "still hold records" in capsys.readouterr().err
@@ -308,3 +316,29 @@ def test_an_unreachable_broker_exits_1(
     monkeypatch.setenv("IMEXD_BUS_URL", url)
     assert main(["gc", "--live-jobs", "1"]) == 1
     assert f"cannot connect to {url}" in capsys.readouterr().err
+
+
+async def test_tombstones_older_than_the_given_age_are_cleared(
+    broker: Mosquitto, env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--tombstones S lists the tombstones written more than S seconds ago; --apply clears
+    them, and leaves younger tombstones and live records alone."""
+    now = time.time()
+    old = DomainSpec(domain="d-old", state="deleted", generation=3, at=now - 7200)
+    young = DomainSpec(domain="d-new", state="deleted", generation=3, at=now)
+    await put(
+        broker,
+        {
+            T.spec("d-old"): encode(old),
+            T.spec("d-new"): encode(young),
+            T.spec("live"): spec("live"),
+        },
+    )
+    assert await gc("--tombstones", "3600") == 0
+    assert f"tombstone {T.spec('d-old')}" in capsys.readouterr().out
+    assert T.spec("d-old") in await retained(broker)
+    assert await gc("--tombstones", "3600", "--apply") == 0
+    got = await retained(broker)
+    assert T.spec("d-old") not in got
+    assert T.spec("d-new") in got
+    assert T.spec("live") in got

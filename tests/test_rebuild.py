@@ -1,27 +1,26 @@
-"""The rebuild's decision (imexd.agent.rebuild): pure, driven by bus events, no broker."""
+"""The anti-entropy pass (imexd.agent.rebuild): driven by bus events, no broker."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+from pathlib import Path
 from typing import Literal
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from imexd.agent.rebuild import TASK, Held, Outcome, Rebuild, Rebuilder, Verdict, decide, verdict
-from imexd.bus.events import Connected, Disconnected, Synced
+from imexd.agent.rebuild import TASK, Rebuilder
+from imexd.agent.statefile import RecordFile
+from imexd.bus.events import Connected, Event, Synced
 from imexd.health.conditions import Heartbeats
 from imexd.health.guard import Guard
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.messages import (
     Assignment,
-    BrokerEpoch,
     Deleted,
     DomainSpec,
+    Dropped,
     Received,
+    Retry,
     WorkloadRecord,
     decode_message,
     encode,
@@ -30,6 +29,12 @@ from imexd.topics import Topics
 
 T = Topics("imex/v2")
 NODE = "n1"
+NOW = 1_800_000_000.0
+
+EXPIRY_S = 604800.0
+PERIOD_S = 60.0
+
+SpecState = Literal["active", "deleting", "deleted"]
 
 
 def received(topic: str, data: bytes, *, retained: bool = True) -> Received:
@@ -39,346 +44,210 @@ def received(topic: str, data: bytes, *, retained: bool = True) -> Received:
 
 
 def spec(
-    generation: int, *, domain: str = "d1", state: Literal["active", "deleting"] = "active"
+    generation: int, *, nodes: list[str] | None = None, state: SpecState = "active"
 ) -> Received:
-    record = DomainSpec(domain=domain, nodes=["n1"], generation=generation, state=state)
-    return received(T.spec(domain), encode(record))
+    record = DomainSpec(
+        domain="d1", nodes=nodes or ["n1"], generation=generation, state=state, at=NOW
+    )
+    return received(T.spec("d1"), encode(record))
 
 
 def workload(
-    generation: int, *, name: str = "job-a", state: Literal["claiming", "active"] = "active"
+    generation: int, *, state: Literal["claiming", "active", "deleted"] = "active"
 ) -> Received:
     record = WorkloadRecord(
-        workload=name, domain="d1", channel=1, generation=generation, state=state
+        workload="job-a", domain="d1", channel=1, generation=generation, state=state, at=NOW
     )
-    return received(T.workload("d1", name), encode(record))
+    return received(T.workload("d1", "job-a"), encode(record))
 
 
-def epoch(value: str, *, retained: bool = True) -> Received:
-    return received(
-        T.epoch(), encode(BrokerEpoch(epoch=value, node="n9", at=1.0)), retained=retained
-    )
+def assignment(generation: int, domain: str | None = "d1") -> Received:
+    record = Assignment(domain=domain, generation=generation, at=NOW)
+    return received(T.assignment(NODE), encode(record))
 
 
-def deleted(topic: str, *, retained: bool = False) -> Deleted:
-    event = decode_message(T, topic, b"", retained=retained)
+def cleared(topic: str) -> Deleted:
+    event = decode_message(T, topic, b"", retained=False)
     assert isinstance(event, Deleted)
     return event
 
 
-def held(event: Received) -> Held:
-    return Held(event.topic, event.ref, event.payload, event.data)
+def rebuilder(store: RecordFile | None = None) -> Rebuilder:
+    log = get_logger("test")
+    r = Rebuilder(
+        NODE,
+        T,
+        metrics=Metrics(),
+        log=log,
+        store=store,
+        clock=lambda: NOW,
+        expiry_s=EXPIRY_S,
+        period_s=PERIOD_S,
+    )
+    r.follow("d1")
+    return r
 
 
-def rebuild() -> Rebuild:
-    ids = (f"e{i}" for i in itertools.count(100))
-    return Rebuild(node=NODE, new_epoch=lambda: next(ids))
+def linked(r: Rebuilder, *events: Event) -> list[Event]:
+    """A new link whose snapshot holds `events`: what the readers get, Synced included."""
+    out = r.on_event(Connected("b", "5", will_delay=True))
+    for event in events:
+        out += r.on_event(event)
+    return out + r.on_event(Synced(1.0))
 
 
-def link(r: Rebuild, *snapshot: Received | Deleted, v5: bool = True) -> Outcome:
-    """A new link (MQTT 5, or 3.1.1) with `snapshot`; the outcome of its first Synced."""
-    r.apply(Disconnected("b", "gone"), 0.0)
-    r.apply(Connected("b", "5" if v5 else "3.1.1", will_delay=v5), 0.0)
-    for event in snapshot:
-        r.apply(event, 0.0)
-    outcome = r.apply(Synced(1.0), 0.0)
-    assert outcome is not None
-    return outcome
+def data(events: list[Event]) -> list[bytes]:
+    return [e.data for e in events if isinstance(e, Received)]
 
 
-def settle(r: Rebuild) -> None:
-    """Publish what is due and let every echo come back, as a healthy broker does."""
-    for h in r.take():
-        r.apply(Received(h.topic, h.ref, h.payload, retained=False, data=h.data), 0.0)
-    new = r.take_epoch()
-    if new is not None:
-        r.apply(epoch(new.epoch, retained=False), 0.0)
+def test_a_replayed_older_spec_is_not_applied_and_is_answered_with_the_newer() -> None:
+    """Generation 1 after generation 2: the readers never see it, it is counted stale, and
+    generation 2 is due, verbatim."""
+    r = rebuilder()
+    two, one = spec(2, nodes=["n1", "n2", "n3"]), spec(1, nodes=["n1", "n2"])
+    assert data(linked(r, two)) == [two.data]
+    assert r.on_event(one) == []
+    assert [(t, d.reason.value) for t, d in r.drops] == [(one.topic, "stale")]
+    assert {t: v.data for t, v in r.due.items()} == {two.topic: two.data}
+    assert r.on_event(two) == [], "its echo: the same bytes, nothing to do"
+    assert r.due == {}
 
 
-# The verdict.
+def test_a_clear_removes_nothing_and_the_held_version_goes_back() -> None:
+    """An empty payload on a held topic never reaches the readers: the held record is due."""
+    r = rebuilder()
+    w = workload(3)
+    linked(r, w)
+    assert r.on_event(cleared(w.topic)) == []
+    assert r.due[w.topic].data == w.data
+    assert r.on_event(cleared(T.workload("d1", "other"))) != [], "nothing held: passed on"
 
 
-def test_the_verdict_compares_the_epoch_of_the_previous_link_with_the_snapshots() -> None:
-    """Same epoch: kept; gone or replaced: lost; none seen before, or a partial snapshot:
-    unknown."""
-    assert verdict("e1", "e1") is Verdict.KEPT
-    assert verdict("e1", None) is Verdict.LOST
-    assert verdict("e1", "e2") is Verdict.LOST
-    assert verdict(None, "e1") is Verdict.UNKNOWN
-    assert verdict(None, None) is Verdict.UNKNOWN
-    assert verdict("e1", None, complete=False) is Verdict.UNKNOWN
+def test_a_held_tombstone_answers_an_older_active_copy() -> None:
+    """The workload was deleted (generation 4): its active generation 3 coming back is
+    stale, and the tombstone is what goes back."""
+    r = rebuilder()
+    gone = workload(4, state="deleted")
+    linked(r, workload(3), gone)
+    assert r.on_event(workload(3)) == []
+    assert r.due[gone.topic].data == gone.data
+    assert r.due[gone.topic].tombstone
 
 
-def test_a_lost_broker_gets_back_what_is_missing_or_older_only() -> None:
-    """Missing and older generations are restored; the same or a newer one is left alone."""
-    mine = {e.topic: held(e) for e in (spec(3), workload(2), workload(5, name="job-b"))}
-    theirs = {
-        T.workload("d1", "job-a"): held(workload(1)),
-        T.workload("d1", "job-b"): held(workload(6, name="job-b")),
-    }
-    outcome = decide(mine, theirs, previous="e1", found=None)
-    assert outcome.verdict is Verdict.LOST
-    assert [h.topic for h in outcome.restore] == [T.spec("d1"), T.workload("d1", "job-a")]
-    assert outcome.gone == ()
-    assert outcome.write_epoch
+def test_the_pass_after_a_reconnect_gives_back_what_the_broker_lacks_or_serves_older() -> None:
+    """An empty broker gets everything held back; a stale one the newer versions; the
+    readers, who had them, get nothing new."""
+    r = rebuilder()
+    s, w, a = spec(5), workload(2), assignment(7)
+    linked(r, s, w, a)
+    assert data(linked(r)) == []
+    assert sorted(r.due) == sorted([s.topic, w.topic, a.topic])
+    r.due.clear()
+    assert data(linked(r, spec(4), w, a)) == []
+    assert list(r.due) == [s.topic]
 
 
-def test_a_kept_broker_says_what_was_deleted_while_away_and_restores_nothing() -> None:
-    """The same epoch: a followed record missing from the snapshot was deleted meanwhile."""
-    mine = {e.topic: held(e) for e in (spec(3), workload(2))}
-    outcome = decide(mine, {T.spec("d1"): held(spec(3))}, previous="e1", found="e1")
-    assert outcome.verdict is Verdict.KEPT
-    assert outcome.restore == ()
-    assert [h.topic for h in outcome.gone] == [T.workload("d1", "job-a")]
-    assert not outcome.write_epoch
+def test_a_restarted_agent_hands_its_readers_what_the_broker_lost(tmp_path: Path) -> None:
+    """The held versions survive a restart (the state dir): a broker that lost them, or
+    serves them older, gets them back and the readers get them as if it had served them."""
+    first = rebuilder(RecordFile(tmp_path))
+    s, w = spec(5), workload(2)
+    linked(first, s, w)
+    first.save()
+    again = rebuilder(RecordFile(tmp_path))
+    got = linked(again, spec(3))
+    assert data(got) == [s.data, w.data]
+    assert isinstance(got[-1], Synced)
+    assert sorted(again.due) == sorted([s.topic, w.topic])
 
 
-gens = st.integers(min_value=0, max_value=5)
-tables = st.dictionaries(st.sampled_from(["a", "b", "c"]), gens, max_size=3)
+def test_a_deleted_domain_stays_followed_and_its_assignment_is_not_given_back() -> None:
+    """After the domain's tombstone the agent leaves it but keeps following it; its own
+    assignment to that domain, missing from an empty broker, is not written back."""
+    r = rebuilder()
+    gone = spec(9, state="deleted")
+    linked(r, assignment(1), gone)
+    r.follow(None)
+    assert r.remembered(NOW) == frozenset({"d1"})
+    assert gone.topic in r.order.held
+    linked(r)
+    assert list(r.due) == [gone.topic]
+    assert r.on_event(spec(8)) == [], "an older active spec after the tombstone"
 
 
-@given(
-    mine=tables,
-    theirs=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.none() | gens, max_size=3),
-    previous=st.none() | st.sampled_from(["e1", "e2"]),
-    found=st.none() | st.sampled_from(["e1", "e2"]),
-    complete=st.booleans(),
-)
-def test_decide_never_replaces_a_newer_record_nor_restores_on_a_kept_broker(
-    mine: dict[str, int],
-    theirs: dict[str, int | None],
-    previous: str | None,
-    found: str | None,
-    complete: bool,
-) -> None:
-    """Whatever the generations: a restore is only ever of a record we hold, onto a topic
-    that is empty or older, and only when the broker lost its state; a deletion is only
-    inferred when it kept it."""
-
-    def h(name: str, gen: int) -> Held:
-        return held(workload(gen, name=f"job-{name}"))
-
-    held_records = {h(n, g).topic: h(n, g) for n, g in mine.items()}
-    snapshot = {h(n, 0).topic: None if g is None else h(n, g) for n, g in theirs.items()}
-    outcome = decide(held_records, snapshot, previous=previous, found=found, complete=complete)
-    said = verdict(previous, found, complete=complete)
-    for record in outcome.restore:
-        assert said is Verdict.LOST
-        assert held_records[record.topic] is record
-        there = snapshot.get(record.topic)
-        assert there is None or there.older_than(record)
-    for record in outcome.gone:
-        assert said is Verdict.KEPT
-        assert snapshot.get(record.topic) is None
-    assert outcome.write_epoch == (complete and found is None)
+def test_an_expired_tombstone_is_forgotten() -> None:
+    """A tombstone older than the expiry is neither followed nor given back."""
+    r = rebuilder()
+    linked(r, spec(9, state="deleted"))
+    r.expiry_s = 10.0
+    r.clock = lambda: NOW + 11.0
+    r.follow(None)
+    assert r.order.held == {}
 
 
-# The state machine, link by link.
-
-
-def test_an_empty_broker_gets_the_exact_bytes_back_and_then_an_epoch() -> None:
-    """First link: the epoch is adopted, nothing restored. After a restart without
-    persistence: the spec and the workload come back as they came, then a new epoch."""
-    r = rebuild()
-    a, w = spec(3), workload(2)
-    first = link(r, epoch("e1"), a, w)
-    assert first.verdict is Verdict.UNKNOWN
-    assert r.epoch == "e1"
-    again = link(r)
-    assert again.verdict is Verdict.LOST
-    due, new = r.take(), r.take_epoch()
-    assert [(h.topic, h.data) for h in due] == [(a.topic, a.data), (w.topic, w.data)]
-    assert new is not None
-    assert (new.epoch, new.node) == ("e100", NODE)
-
-
-def test_an_epoch_written_by_another_agent_first_stands() -> None:
-    """A fleet reconnects at once: an agent whose epoch is still due when another agent's
-    comes writes none, and takes that one as the broker's."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3))
-    link(r)
-    assert r.epoch_due is not None
-    r.apply(epoch("e2", retained=False), 0.0)
-    assert r.take_epoch() is None
-    settle(r)
-    assert r.epoch == "e2"
-
-
-def test_unknown_fields_of_a_newer_writer_come_back_too() -> None:
-    """The restore is of the bytes that came, not of what this version decodes."""
-    r = rebuild()
-    data = b'{"v":1,"domain":"d1","generation":4,"future":{"x":1}}'
-    link(r, epoch("e1"), received(T.spec("d1"), data))
-    link(r)
-    due = r.take()
-    assert [h.data for h in due] == [data]
-
-
-def test_a_record_deleted_while_the_link_was_up_never_comes_back() -> None:
-    """A live deletion forgets the record: an empty broker later does not get it back."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3), workload(2))
-    r.apply(deleted(T.workload("d1", "job-a")), 0.0)
-    link(r)
-    due = r.take()
-    assert [h.topic for h in due] == [T.spec("d1")]
-
-
-def test_a_record_deleted_while_away_from_a_kept_broker_is_taken_in() -> None:
-    """Back on the same epoch without the spec: the outcome says it is gone, nothing is
-    restored, and a later empty broker does not get it back either."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3), workload(2))
-    outcome = link(r, epoch("e1"), workload(2))
-    assert [h.topic for h in outcome.gone] == [T.spec("d1")]
-    assert (r.take(), r.take_epoch()) == ([], None)
-    link(r)
-    due = r.take()
-    assert [h.topic for h in due] == [T.workload("d1", "job-a")]
-
-
-def test_a_deleting_spec_comes_back_as_it_is_and_a_claim_not_at_all() -> None:
-    """`deleting` keeps nodes out, so it is restored; a workload claim in flight is not."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3, state="deleting"), workload(2, state="claiming"))
-    link(r)
-    due = r.take()
-    assert [(h.topic, h.payload.state) for h in due] == [(T.spec("d1"), "deleting")]  # type: ignore[union-attr]
-
-
-def test_the_newest_generation_wins_when_several_agents_restore() -> None:
-    """A record that comes back older than the one we restored is restored again; a newer
-    one is taken as is."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(5))
-    link(r)
-    r.take()
-    r.apply(spec(4), 0.0)
-    assert [h.payload.generation for h in r.due] == [5]  # type: ignore[union-attr]
-    r.take()
-    r.apply(spec(6), 0.0)
-    assert r.due == []
-    assert r.held[T.spec("d1")].generation == 6
-
-
-def test_the_new_epoch_is_ours_only_once_the_restores_came_back() -> None:
-    """A link lost between the restores and their echoes finds the broker lost again (not
-    kept), so the records it restores are never read as deleted."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3))
-    link(r, epoch("e2"))  # another agent rebuilt first and wrote e2
-    r.take()  # published, echo not back yet
-    outcome = link(r, epoch("e2"))
-    assert outcome.verdict is Verdict.LOST
-    assert [h.topic for h in outcome.restore] == [T.spec("d1")]
-    settle(r)
-    assert r.epoch == "e2"
-    assert link(r, epoch("e2"), spec(3)).verdict is Verdict.KEPT
-
-
-def test_an_mqtt_311_link_restores_nothing_and_writes_no_epoch() -> None:
-    """Its snapshot may be partial (NATS): a record missing there is no evidence."""
-    r = rebuild()
-    link(r, epoch("e1"), spec(3), v5=False)
-    outcome = link(r, v5=False)
-    assert outcome.verdict is Verdict.UNKNOWN
-    assert (r.take(), r.take_epoch()) == ([], None)
-
-
-def test_a_domain_left_is_forgotten_and_an_assignment_of_another_node_never_held() -> None:
-    """Only what the agent still follows comes back: not the spec of a domain it left."""
-    r = rebuild()
-    own = received(T.assignment(NODE), encode(Assignment(domain="d1")))
-    other = received(T.assignment("n2"), encode(Assignment(domain="d1")))
-    link(r, epoch("e1"), spec(3), spec(1, domain="d2"), own, other)
-    r.follow("d2")
-    link(r)
-    due = r.take()
-    assert sorted(h.topic for h in due) == sorted([T.spec("d2"), T.assignment(NODE)])
-
-
-# Random interleavings.
-
-TOPICS = [T.spec("d1"), T.workload("d1", "job-a")]
-step = st.one_of(
-    st.tuples(
-        st.just("link"), st.sampled_from(["5", "3.1.1"]), st.sampled_from([None, "e1", "e2"])
-    ),
-    st.tuples(st.just("receive"), st.sampled_from(TOPICS), gens),
-    st.tuples(st.just("delete"), st.sampled_from(TOPICS), st.booleans()),
-    st.tuples(st.just("settle"), st.none(), st.none()),
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(step, max_size=30))
-def test_nothing_deleted_comes_back_and_nothing_is_invented(
-    steps: list[tuple[str, object, object]],
-) -> None:
-    """Whatever the links, records and deletions: a restore is always bytes that came on
-    its topic, never of a topic whose last news was a deletion."""
-    r = rebuild()
-    r.apply(Connected("b", "5", will_delay=True), 0.0)
-    last: dict[str, bytes] = {}
-    seen: set[bytes] = set()
-    for kind, a, b in steps:
-        if kind == "link":
-            snapshot = [] if b is None else [epoch(str(b))]
-            link(r, *snapshot, v5=a == "5")
-        elif kind == "receive":
-            topic, gen = str(a), int(b)  # type: ignore[call-overload]
-            event = spec(gen) if topic == TOPICS[0] else workload(gen)
-            r.apply(event, 0.0)
-            last[topic] = event.data
-            seen.add(event.data)
-        elif kind == "delete":
-            r.apply(deleted(str(a), retained=bool(b)), 0.0)
-            last[str(a)] = b""
-        due = r.take()
-        for h in due:
-            assert h.data in seen
-            assert last.get(h.topic) != b"", f"{h.topic} was deleted, then restored"
-        if kind == "settle":
-            settle(r)
-
-
-# The agent's task, against a fake bus.
+def test_claims_and_retry_requests_are_never_given_back() -> None:
+    """A `claiming` workload belongs to a command in flight, a retry request to the
+    control plane alone: neither is published again, though both are ordered."""
+    r = rebuilder()
+    asked = Retry(node=NODE, domain="d1", at=NOW, generation=3)
+    retry = received(T.retry("d1", NODE), encode(asked))
+    linked(r, workload(1, state="claiming"), retry)
+    linked(r)
+    assert r.due == {}
+    older = Retry(node=NODE, domain="d1", at=NOW + 5, generation=2)
+    assert r.on_event(received(T.retry("d1", NODE), encode(older))) == []
 
 
 class FakeBus:
-    """Records what the rebuilder publishes, as a broker would take it."""
+    """Records what the rebuilder publishes."""
 
     def __init__(self) -> None:
-        self.put: list[tuple[str, bytes]] = []
+        self.put: list[tuple[str, bytes, float | None]] = []
+        self.subscribed: list[str] = []
+        self.dropped: list[str] = []
         self.done = asyncio.Event()
 
-    async def put_retained(self, topic: str, data: bytes) -> None:
-        self.put.append((topic, data))
-        if topic == T.epoch():
-            self.done.set()
+    async def put_retained(
+        self, topic: str, data: bytes, *, message_expiry_s: float | None = None
+    ) -> None:
+        self.put.append((topic, data, message_expiry_s))
+
+    async def subscribe(self, *topic_filters: str, ordered: bool = True) -> None:
+        self.subscribed.extend(topic_filters)
+        self.done.set()  # after the publishes of the same round
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        self.subscribed.remove(topic_filter)
+
+    def drop(self, topic: str, dropped: Dropped) -> None:
+        self.dropped.append(dropped.reason.value)
 
 
-async def test_the_task_publishes_the_restores_then_the_epoch_and_counts_them() -> None:
-    """Spec and workload as they came, then a new epoch; one rebuild and two records in
-    the metrics; the link's deletions and restores handed to the agent before Synced."""
+async def test_the_task_publishes_verbatim_a_tombstone_with_its_expiry() -> None:
+    """What is due goes out as it came; a tombstone with the rest of its expiry; the
+    deleted domain is subscribed; the stale copy is counted by the bus."""
     metrics = Metrics()
-    rebuilder = Rebuilder(NODE, T, metrics=metrics, log=get_logger("test"), rand=lambda: 0.0)
-    a, w = spec(3), workload(2)
-    for event in (Connected("b", "5", will_delay=True), epoch("e1"), a, w):
-        assert rebuilder.on_event(event) == []
-    assert rebuilder.on_event(Synced(1.0)) == []
-    rebuilder.on_event(Disconnected("b", "gone"))
-    rebuilder.on_event(Connected("b", "5", will_delay=True))
-    taken_in = rebuilder.on_event(Synced(2.0))
-    assert [(e.topic, e.data) for e in taken_in if isinstance(e, Received)] == [
-        (a.topic, a.data),
-        (w.topic, w.data),
-    ]
+    r = Rebuilder(
+        NODE,
+        T,
+        metrics=metrics,
+        log=get_logger("test"),
+        clock=lambda: NOW + 100,
+        expiry_s=EXPIRY_S,
+        period_s=PERIOD_S,
+    )
+    r.follow("d1")
+    gone = spec(9, state="deleted")
+    linked(r, gone)
+    r.follow(None)
+    linked(r)
+    r.on_event(spec(8))
     bus = FakeBus()
+    r.count_drops(bus)
+    assert bus.dropped == ["stale"]
     guard = Guard(Heartbeats(), Metrics(), get_logger("test"))
     guard.heartbeats.register(TASK, 1.0)
-    task = asyncio.create_task(rebuilder.run(bus, guard))
+    task = asyncio.create_task(r.run(bus, guard))
     try:
         async with asyncio.timeout(5):
             await bus.done.wait()
@@ -386,9 +255,7 @@ async def test_the_task_publishes_the_restores_then_the_epoch_and_counts_them() 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert bus.put[:2] == [(a.topic, a.data), (w.topic, w.data)]
-    assert [t for t, _ in bus.put[2:]] == [T.epoch()]
+    assert bus.put == [(gone.topic, gone.data, r.expiry_s - 100)]
+    assert bus.subscribed == [T.domain_filter("d1")]
     text = metrics.render().decode()
-    assert "imexd_broker_rebuilds_total 1.0" in text
     assert 'imexd_broker_records_restored_total{kind="spec"} 1.0' in text
-    assert 'imexd_broker_records_restored_total{kind="workload"} 1.0' in text

@@ -114,8 +114,8 @@ async def test_create_writes_a_signed_spec_and_signed_assignments(
 async def test_unassign_writes_a_signed_assignment_to_no_domain(
     broker: Mosquitto, env: dict[str, str], keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a key `node unassign` replaces the assignment by a signed one to no domain
-    (agents that verify act on no clear); without a key it clears it, as always."""
+    """`node unassign` writes the assignment's tombstone, one to no domain: signed with a
+    key, unsigned without."""
     assert await cli("node", "assign", "n1", "d1", "--force") == 0
     assert await cli("node", "unassign", "n1") == 0
     got = await retained(broker, T.assignment("n1"))
@@ -124,60 +124,63 @@ async def test_unassign_writes_a_signed_assignment_to_no_domain(
     monkeypatch.delenv("IMEXD_CONTROL_PRIVATE_KEY")
     assert await cli("node", "assign", "n2", "d1", "--force") == 0
     assert await cli("node", "unassign", "n2") == 0
-    assert T.assignment("n2") not in await retained(broker)
+    unsigned = (await retained(broker))[T.assignment("n2")]
+    assert json.loads(unsigned)["domain"] is None
+    assert b'"sig"' not in unsigned
 
 
-async def test_a_workload_is_created_signed_and_deleted_through_a_signed_retirement(
+async def test_a_workload_is_created_signed_and_deleted_through_a_signed_tombstone(
     broker: Mosquitto, env: dict[str, str], keys: tuple[Path, Path]
 ) -> None:
     """`workload create` (its channel claim and the active record) writes signed records;
-    `workload delete` writes a signed record claiming on no node, one generation up, and
-    only then the clear."""
+    `workload delete` writes a signed tombstone (`deleted` on no node, one generation up)
+    and no clear."""
     v = load_verifier(str(keys[1]))
     topic = T.workload("d1", "w1")
     async with recording(broker, T.workloads_filter("d1")) as seen:
         assert await cli("workload", "create", "w1", "--domain", "d1", "--wait", "0") == 0
         record = valid("WorkloadRecord", (await retained(broker, topic))[topic])
         assert record["state"] == "active"
-        assert record["generation"] == 1
         assert await cli("workload", "delete", "w1", "--domain", "d1", "--wait", "0") == 0
-        await until(lambda: len(seen) >= 4, within=WAIT_S)
-    assert [t for t, _ in seen] == [topic] * 4
-    claim, active, retired, clear = (data for _, data in seen)
+        await until(lambda: len(seen) >= 3, within=WAIT_S)
+    assert [t for t, _ in seen] == [topic] * 3
+    claim, active, retired = (data for _, data in seen)
     for data in (claim, active, retired):
         assert v.problem(topic, data) is None
     assert json.loads(claim)["state"] == "claiming"
+    assert json.loads(claim)["generation"] + 1 == record["generation"]
     gone = json.loads(retired)
-    assert (gone["state"], gone["nodes"], gone["generation"]) == ("claiming", [], 2)
+    assert (gone["state"], gone["nodes"]) == ("deleted", [])
+    assert gone["generation"] == record["generation"] + 1
     assert gone["channel"] == record["channel"]
-    assert clear == b""
-    assert topic not in await retained(broker)
+    assert (await retained(broker))[topic] == retired
 
 
-async def test_delete_retires_workloads_and_assignments_with_signed_records(
+async def test_delete_writes_signed_tombstones(
     broker: Mosquitto, env: dict[str, str], keys: tuple[Path, Path]
 ) -> None:
-    """`domain delete` with a key: the spec goes `deleting` signed, each assignment is
-    replaced by a signed one to no domain, each workload is retired by a signed record
-    before its clear; the spec is cleared last, as always."""
+    """`domain delete` with a key: the spec goes `deleting` then `deleted`, each workload
+    `deleted` and each assignment to no domain, all signed; nothing is cleared."""
     v = load_verifier(str(keys[1]))
     assert await cli("domain", "create", "d1", "--nodes", "n1", "--force") == 0
     assert await cli("workload", "create", "w1", "--domain", "d1", "--wait", "0") == 0
     async with recording(broker, "imex/v2/#") as seen:
         assert await cli("domain", "delete", "d1", "--wait", "2") == 0
-        await until(lambda: any(t == T.spec("d1") and not p for t, p in seen), within=WAIT_S)
+        await until(
+            lambda: any(t == T.assignment("n1") and b"null" in p for t, p in seen), within=WAIT_S
+        )
     ours = [(t, p) for t, p in seen if "/_control/" not in t]
     spec = [p for t, p in ours if t == T.spec("d1")]
-    assert json.loads(spec[0])["state"] == "deleting"
-    assert v.problem(T.spec("d1"), spec[0]) is None
-    assert spec[-1] == b""
+    assert [json.loads(p)["state"] for p in spec] == ["deleting", "deleted"]
     work = [p for t, p in ours if t == T.workload("d1", "w1")]
-    assert len(work) == 2
-    assert json.loads(work[0])["nodes"] == []
-    assert v.problem(T.workload("d1", "w1"), work[0]) is None
-    assert work[1] == b""
+    assert [(json.loads(p)["state"], json.loads(p)["nodes"]) for p in work] == [("deleted", [])]
+    assert all(p for t, p in ours if "/members/" not in t and "/health/" not in t), "no clear"
     left = await retained(broker)
-    assert verified(v, left) == {T.assignment("n1"): "ok"}
+    assert verified(v, left) == {
+        T.assignment("n1"): "ok",
+        T.spec("d1"): "ok",
+        T.workload("d1", "w1"): "ok",
+    }
     assert json.loads(left[T.assignment("n1")])["domain"] is None
 
 
@@ -221,11 +224,11 @@ async def test_a_public_key_without_the_private_key_writes_nothing(
     assert await retained(broker) == {}
 
 
-async def test_a_retry_request_is_signed_and_cleared_after(
+async def test_a_retry_request_is_signed_and_its_tombstone_follows(
     broker: Mosquitto, env: dict[str, str], keys: tuple[Path, Path]
 ) -> None:
-    """`node retry` with a key writes a signed request under the node's domain, and clears
-    it when it ends (agents act on requests, never on their absence)."""
+    """`node retry` with a key writes a signed request under the node's domain, and when
+    it ends its signed tombstone (`done`, one generation up)."""
     now = time.time()
     presence = Presence(node="n1", incarnation=1, at=now, domain="d1", address="127.0.0.10")
     crashed = report("n1", 0, {0: "n1"}, at=now, daemon=CRASH)
@@ -234,7 +237,10 @@ async def test_a_retry_request_is_signed_and_cleared_after(
     async with recording(broker, topic) as seen:
         assert await cli("node", "retry", "n1", "--wait", "0.5") == 1
         await until(lambda: len(seen) >= 2, within=WAIT_S)
-    (_, request), (_, clear) = seen
-    assert load_verifier(str(keys[1])).problem(topic, request) is None
+    (_, request), (_, done) = seen
+    v = load_verifier(str(keys[1]))
+    assert v.problem(topic, request) is None
+    assert v.problem(topic, done) is None
     assert json.loads(request)["node"] == "n1"
-    assert clear == b""
+    assert json.loads(done)["state"] == "done"
+    assert json.loads(done)["generation"] == json.loads(request)["generation"] + 1

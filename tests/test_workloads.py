@@ -256,6 +256,14 @@ def test_the_smallest_fresh_count_bounds_the_channels() -> None:
 # Against a real broker.
 
 
+@pytest.fixture(autouse=True)
+def generations_from_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record on an empty topic starts at generation 0 here, not at the clock's second
+    (tests/test_order.py and tests/test_control.py hold that), so that a new workload's
+    claim is 0 and its active record 1, which the reports here name."""
+    monkeypatch.setattr("imexd.order.first_generation", lambda now=None: 0)
+
+
 @pytest.fixture
 def env(broker: Mosquitto, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """A control plane that reaches `broker` with no settings file."""
@@ -285,12 +293,14 @@ async def cli(*args: str) -> int:
 
 
 async def records(broker: Mosquitto, domain: str = "+") -> dict[str, dict[str, Any]]:
-    """The retained workload records, by workload name, checked against the schema."""
+    """The retained workload records, by workload name, checked against the schema; their
+    tombstones left out."""
     got = await retained(broker, T.workloads_filter(domain))
     out = {}
     for payload in got.values():
         doc = valid("WorkloadRecord", payload)
-        out[doc["workload"]] = doc
+        if doc["state"] != "deleted":
+            out[doc["workload"]] = doc
     return out
 
 
@@ -625,10 +635,10 @@ async def fake_agent(
                 name = message.topic.value.rsplit("/", 1)[1]
                 raw = message.payload if isinstance(message.payload, bytes) else b""
                 got = msgspec.json.decode(raw, type=WorkloadRecord) if raw else None
-                if got is None:
-                    held.pop(name, None)
-                elif got.state == "active" and got.lists(node):
+                if got is not None and got.state == "active" and got.lists(node):
                     held[name] = got
+                else:
+                    held.pop(name, None)
                 infos = [info(w.workload, w.channel, w.generation) for w in held.values()]
                 if answer:
                     await c.publish(
@@ -694,7 +704,7 @@ async def test_create_exits_1_when_a_node_lacks_the_channel_at_the_deadline(
 async def test_delete_waits_until_no_node_lists_the_workload(
     broker: Mosquitto, settings: Settings, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """delete clears the record and returns once the agents stopped listing it; a node that
+    """delete writes the tombstone and returns once the agents stopped listing it; a node that
     keeps listing it makes it exit 1; an unknown workload exits 1."""
     async with fake_agent(broker, "n1"):
         assert (await create(settings, "w1", wait_s=0.0, nodes=["n1"]))[0] == 0

@@ -2,13 +2,15 @@
 
 The modules, lowest first:
 - `pacer`: leading-edge coalescing for the loops that recompute on every change;
-- `statefile`: the state file across restarts (`StateStore`), read once, saved on change;
+- `statefile`: the state files across restarts (`StateStore`, and `RecordFile` for the
+  control-plane records held), read once, saved on change;
 - `reconcile`: `Desired` made real in the IMEX files and the daemon (`Reconciler`), the
   only writer of the files and the only caller of the supervisor's start, reload and
   restart;
 - `probes`: the `probe` task, when to ask the daemon's `ctl` and what it last said;
-- `rebuild`: gives a broker that lost its retained state back the records this node
-  follows (`Rebuild`, pure; `Rebuilder`, the task);
+- `rebuild`: the newest control-plane records this node follows (`imexd.order`), passed
+  on only when newer, and the anti-entropy pass that gives the broker back what it serves
+  older or not at all (`Rebuilder`, and its task);
 - `run`: `run(settings, stop=..., handover=...)` and `Agent`, which wires the others
   together and owns their tasks.
 

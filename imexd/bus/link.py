@@ -36,7 +36,7 @@ from imexd.bus.repairs import RESYNC_QUIET_S
 from imexd.bus.waits import unless
 from imexd.errors import BusError
 from imexd.logs import get_logger
-from imexd.messages import Payload, encode
+from imexd.messages import Dropped, Payload, encode
 from imexd.names import is_dns1123_subdomain
 from imexd.settings import BusSettings
 from imexd.signing import Verifier
@@ -378,19 +378,26 @@ class Bus(LinkEngine):
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from exc
 
-    async def put_retained(self, topic: str, data: bytes) -> None:
+    async def put_retained(
+        self, topic: str, data: bytes, *, message_expiry_s: float | None = None
+    ) -> None:
         """Publish `data` retained (QoS 1) once, and never again on a reconnect: a record
-        written by someone else that the agent gives back to a broker that lost it
-        (imexd.agent.rebuild). Replaying it would undo a later deletion. BusError when it cannot
-        be sent."""
+        written by someone else that the agent gives back to a broker that serves an
+        older version or none (imexd.agent.rebuild), with the MQTT 5 message expiry
+        `message_expiry_s` (a tombstone's rest). BusError when it cannot be sent."""
         _check_topic_name(topic)
         client = self._client
         if client is None:
             raise BusError(f"cannot publish to {topic}: not connected to a broker")
         try:
-            await client.publish(topic, data, qos=QOS, retain=True)
+            await client.publish(topic, data, qos=QOS, retain=True, expiry_s=message_expiry_s)
         except BusError as exc:
             raise BusError(f"cannot publish to {topic}: {exc}") from exc
+
+    def drop(self, topic: str, dropped: Dropped) -> None:
+        """Count and log a message the caller drops after decoding (a record older than
+        the one it holds: `imexd.order`), like one the bus dropped itself."""
+        self._drop(topic, dropped)
 
     async def barrier(self) -> bool:
         """One round trip through the broker on the current link; True when it came back.

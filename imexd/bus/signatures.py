@@ -44,11 +44,11 @@ CLEAR_KEPT: Final = (
 
 
 def retires(payload: Payload) -> bool:
-    """Whether a verified record takes back what its topic gave: a spec being deleted, an
-    assignment to no domain, a workload record that is not active (agents make no
-    channel for it)."""
+    """Whether a verified record takes back what its topic gave: a spec being deleted or
+    deleted, an assignment to no domain, a workload record that is not active (agents
+    make no channel for it)."""
     if isinstance(payload, DomainSpec):
-        return payload.state == "deleting"
+        return payload.state != "active"
     if isinstance(payload, Assignment):
         return payload.domain is None
     if isinstance(payload, WorkloadRecord):

@@ -12,8 +12,11 @@ When it removes, and when not:
   filter after the last subscription change, or after a reconnect); a node with no
   domain has a synced view at once (no workloads): stale channel nodes left from before
   the agent started go then (CVE-2024-42511);
-- a workload deleted, the node dropped from its `nodes`, or the domain left: its device
-  node, CDI spec and env file go at the next apply;
+- a workload deleted (its tombstone, state `deleted`), the node dropped from its `nodes`,
+  the domain's spec `deleting` or `deleted`, or the domain left: its device node, CDI spec
+  and env file go at the next apply. A record missing from a snapshot is not a deletion:
+  the agent's anti-entropy pass (imexd.agent.rebuild) hands the keeper the newest version
+  it holds and gives it back to the broker;
 - a channel that two active records of the domain claim: the one that held it first
   keeps it (`imexd.channels.devices.channel_holders`: the order the records came in, and
   at start the devices on disk), the other gets no device on any node;
@@ -119,9 +122,6 @@ class ChannelKeeper:
         """`records` is the broker's whole set (or there is no domain): removals allowed."""
         self.sync_after = 0.0
         """time.monotonic() of the last subscription change: only a later Synced counts."""
-        self.fresh: set[str] | None = None
-        """Names delivered since the last reconnect; None when no reconnect is pending.
-        A record missing from a new link's snapshot was deleted meanwhile."""
         self.shown = False
         """`states` follow a synced view of the current domain (else health says Pending)."""
 
@@ -183,7 +183,6 @@ class ChannelKeeper:
         if old is not None:
             self.held = {}  # another domain's channels: its devices go at the next apply
         self.deleting = False
-        self.fresh = None
         self.states, self.shown = (), False
         self.retry_at, self.attempt = None, 0
         if domain is None:
@@ -211,7 +210,7 @@ class ChannelKeeper:
                 return
             if ref.kind == "spec":
                 payload = event.payload if isinstance(event, Received) else None
-                deleting = isinstance(payload, DomainSpec) and payload.state == "deleting"
+                deleting = isinstance(payload, DomainSpec) and payload.state != "active"
                 if deleting != self.deleting:
                     self.deleting = deleting
                     self.log.info("channels.domain_deleting", domain=ref.domain, now=deleting)
@@ -223,24 +222,12 @@ class ChannelKeeper:
                 self.records.pop(ref.workload, None)
             elif isinstance(event.payload, WorkloadRecord):
                 self.records[ref.workload] = event.payload
-                if self.fresh is not None:
-                    self.fresh.add(ref.workload)
             self.wake.set()
         elif self.domain is None:
             return  # no domain: the view is empty and stays synced whatever the link does
-        elif isinstance(event, Connected):
-            self.synced = False
-            self.fresh = set()
-        elif isinstance(event, Disconnected | ConnectFailed | SubscribeRefused):
+        elif isinstance(event, Connected | Disconnected | ConnectFailed | SubscribeRefused):
             self.synced = False
         elif isinstance(event, Synced) and event.at >= self.sync_after and self._covers(event):
-            if self.fresh is not None:
-                gone = sorted(set(self.records) - self.fresh)
-                for name in gone:
-                    del self.records[name]
-                if gone:
-                    self.log.info("channels.gone_while_away", workloads=gone)
-                self.fresh = None
             self.synced = True
             self.wake.set()
 

@@ -743,6 +743,14 @@ def _gc_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
         help="selects workloads created more than this long ago (default: age not used)",
     )
     p.add_argument(
+        "--tombstones",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="selects tombstones (deleted specs and workloads, assignments to no domain) "
+        "written more than this long ago, to clear them (default: none)",
+    )
+    p.add_argument(
         "--apply",
         action="store_true",
         help="delete the candidates not in use (default: only list them)",
@@ -771,8 +779,9 @@ def _live_jobs_text(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    """`imexd gc [--live-jobs IDS | --live-jobs-file FILE|-] [--older-than S] [--apply]
-    [--wait S]`: at least one selector, so that gc never selects everything."""
+    """`imexd gc [--live-jobs IDS | --live-jobs-file FILE|-] [--older-than S]
+    [--tombstones S] [--apply] [--wait S]`: at least one selector, so that gc never
+    selects everything."""
     text, problems = _live_jobs_text(args)
     live_jobs = None
     if text is not None:
@@ -782,13 +791,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                 f"--live-jobs: not a job id: {', '.join(repr(w) for w in bad)} (expected "
                 "plain numeric ids, as `squeue -h -o %A` prints them)"
             )
-    if text is None and args.older_than is None and not problems:
+    if text is None and args.older_than is None and args.tombstones is None and not problems:
         problems.append(
-            "give --live-jobs, --live-jobs-file or --older-than: gc without a selector would "
-            "select everything"
+            "give --live-jobs, --live-jobs-file, --older-than or --tombstones: gc without a "
+            "selector would select everything"
         )
-    if args.older_than is not None and not 0 <= args.older_than < float("inf"):
-        problems.append(f"--older-than {args.older_than:g}: expected seconds >= 0")
+    for name, value in (("--older-than", args.older_than), ("--tombstones", args.tombstones)):
+        if value is not None and not 0 <= value < float("inf"):
+            problems.append(f"{name} {value:g}: expected seconds >= 0")
     if not 0 <= args.wait < float("inf"):
         problems.append(f"--wait {args.wait:g}: expected seconds >= 0")
 
@@ -799,6 +809,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             settings,
             live_jobs=live_jobs,
             older_than_s=args.older_than,
+            tombstones_s=args.tombstones,
             apply=args.apply,
             wait_s=args.wait,
             out=sys.stdout,

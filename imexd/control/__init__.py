@@ -5,12 +5,13 @@ Agents do all the work; the control plane only writes the retained inputs they f
 and reads the two retained outputs they publish (`MemberRecord`s and `HealthReport`s):
 
 - `domain create NAME [--nodes a,b] [--max-nodes N] [--channel [N]]`: the spec (state
-  `active`, generation one above the previous spec's), then an assignment for each listed
-  node; with `--channel`, workload NAME of the domain on that channel (one domain per job);
+  `active`, generation one above what the broker serves, `imexd.order`), then an
+  assignment for each listed node; with `--channel`, workload NAME of the domain on that
+  channel (one domain per job);
 - `domain delete NAME [--timeout S]`: the spec in state `deleting`, a wait until no member
-  record of NAME is left, then the assignments pointing at NAME, the spec, leftover
-  health reports and the domain's workloads are cleared (see `commands.delete` for what
-  happens at the timeout);
+  record of NAME is left, then the tombstones of the spec, the domain's workloads and the
+  assignments pointing at NAME, and leftover health reports cleared (see
+  `commands.delete` for what happens at the timeout);
 - `domain list`, `domain status NAME [--json] [--watch] [--wait S]`: tables judged by the
   pure `imexd.health.fleet.judge` (UP / DEGRADED / DOWN / FORMING / UNKNOWN, see there);
 - `node assign NODE DOMAIN`, `node unassign NODE`, `node forget NODE` (a dead node's
@@ -18,9 +19,10 @@ and reads the two retained outputs they publish (`MemberRecord`s and `HealthRepo
 - `workload create|delete|list|status|env`: a workload's retained `WorkloadRecord`, the
   IMEX channel the agents of its nodes make for it, allocated race-free among concurrent
   clients (see `workloads`), judged by the pure `imexd.channels.fleet.judge_workload`.
-- `gc [--live-jobs IDS | --live-jobs-file FILE] [--older-than S] [--apply]`: the domains
-  and workloads dead Slurm jobs left (`job-<id>`), listed, and deleted with `--apply`
-  through the two deletes above (see `gc` for the selectors and the in-use rule).
+- `gc [--live-jobs IDS | --live-jobs-file FILE] [--older-than S] [--tombstones S]
+  [--apply]`: the domains and workloads dead Slurm jobs left (`job-<id>`), listed, and
+  deleted with `--apply` through the two deletes above, and tombstones older than S
+  seconds, cleared (see `gc` for the selectors and the in-use rule).
 
 Exit codes: 0 success (for `status`: the domain is UP), 1 failure (broker unreachable, a
 write the broker did not keep, members left at a delete's timeout, a domain not UP),
@@ -28,8 +30,10 @@ write the broker did not keep, members left at a delete's timeout, a domain not 
 130 interrupted.
 
 With `[control] private_key` every spec, workload, assignment and retry request is signed
-where the link puts it (`link.Link.seal`, `imexd.signing`), and deletions reach agents as
-signed records before any clear (`commands.unassigned`, `commands.retired_workload`).
+where the link puts it (`link.Link.seal`, `imexd.signing`). Every one of them carries a
+generation one above what the broker served on its topic, and a deletion is a tombstone,
+a record too (`commands.deleted_workload`, `commands.assignment`; imexd.order): the
+control plane clears none of them, but `gc --tombstones` clears old tombstones.
 
 The modules, one job each: `link` (one short-lived connection over `imexd.bus.mqtt`),
 `store` (what the link saw, by what it addresses), `commands` (the typed coroutines the

@@ -42,7 +42,9 @@ from imexd.messages import (
     reason_line,
 )
 from imexd.messages import now as wire_now
+from imexd.order import next_generation
 from imexd.settings import Settings, load_settings
+from imexd.topics import Topics
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -80,39 +82,47 @@ def next_spec(
     nodes: list[str] | None,
     max_nodes: int | None,
     default_max_nodes: int,
+    after: int | None = None,
 ) -> DomainSpec:
     """The spec `domain create` writes: exactly the given node list, state active.
 
-    The generation grows by one over the previous spec's (1 for a new domain). Without
-    `--max-nodes` the previous spec's value is kept (changing it would make every member
-    report NodeMapMismatch), else the `[domain] max_nodes` setting is used.
+    The generation is one above `after`, the generation the broker serves on the spec's
+    topic (a tombstone's included), or the Unix second where it serves nothing
+    (`imexd.order.next_generation`). Without `--max-nodes` the previous spec's value is
+    kept (changing it would make every member report NodeMapMismatch), else the
+    `[domain] max_nodes` setting is used.
     """
     if max_nodes is None:
         max_nodes = previous.max_nodes if previous is not None else default_max_nodes
+    if after is None and previous is not None:
+        after = previous.generation
     return DomainSpec(
         domain=name,
         nodes=nodes,
         max_nodes=max_nodes,
         state="active",
-        generation=previous.generation + 1 if previous is not None else 1,
+        generation=next_generation(after),
+        at=wire_now(),
     )
 
 
-def retired_workload(record: WorkloadRecord) -> WorkloadRecord:
-    """The signed record a delete writes before it clears a workload, with `[control]
-    private_key`: one generation up, `claiming` on no node. Agents make no channel for
-    it, and agents that verify signatures take a clear only after such a record, so a
-    clear alone (which no key can sign) removes no channel."""
+def deleted_workload(record: WorkloadRecord, *, after: int | None = None) -> WorkloadRecord:
+    """A workload's tombstone: `deleted` on no node, one generation up (imexd.order).
+    Agents remove its channel; a clear is never written, so no clear has to be trusted."""
     return msgspec.structs.replace(
-        record, state="claiming", nodes=[], generation=record.generation + 1
+        record,
+        state="deleted",
+        nodes=[],
+        generation=next_generation(record.generation if after is None else after),
+        at=wire_now(),
     )
 
 
-def unassigned(link: Link) -> bytes:
-    """What `node unassign` (and a domain's delete) writes on a node's assignment topic:
-    a signed assignment to no domain with `[control] private_key`, so that agents that
-    verify signatures act on it; else a clear, as always."""
-    return encode(Assignment(domain=None)) if link.signer is not None else b""
+def assignment(store: Store, topics: Topics, node: str, domain: str | None) -> bytes:
+    """A node's assignment to `domain` (None: its tombstone, an assignment to no domain),
+    one generation above what the broker serves on its topic."""
+    after = store.generation(topics.assignment(node))
+    return encode(Assignment(domain=domain, generation=next_generation(after), at=wire_now()))
 
 
 def say_refused(refused: Sequence[str], err: TextIO) -> int:
@@ -224,6 +234,7 @@ async def create(
             nodes=nodes,
             max_nodes=max_nodes,
             default_max_nodes=settings.domain.max_nodes,
+            after=store.generation(t.spec(name)),
         )
         if previous is not None and previous.max_nodes != spec.max_nodes:
             print(
@@ -233,7 +244,7 @@ async def create(
             )
         written = {t.spec(name): encode(spec)}
         for node in nodes or ():
-            written[t.assignment(node)] = encode(Assignment(domain=name))
+            written[t.assignment(node)] = assignment(store, t, node, name)
         for topic, payload in written.items():
             await link.put(topic, payload)
         refused = await link.verify(written)
@@ -255,29 +266,25 @@ async def create(
 
 
 async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, err: TextIO) -> int:
-    """Set the spec to `deleting`, wait for the members to leave, then clear what is left
-    (the domain's workload records too: their channels go with the domain).
+    """Set the spec to `deleting`, wait for the members to leave, then write the domain's
+    tombstones: the spec `deleted`, each workload `deleted` (their channels go with the
+    domain) and an assignment to no domain for each node assigned to it.
 
     Agents that see `deleting` clear their member record and health report, stop their
     daemon and remove their files. Once no member record of the domain is left, the
-    assignments that point at it are cleared first (an assigned agent then goes idle and
-    does not rejoin), then the spec, then health reports left by vanished nodes. A lost
+    tombstones follow (the spec's first, so that an assigned agent holds it before its
+    assignment goes), then the health reports left by vanished nodes are cleared. A lost
     record (a crashed member's will) is not waited for: nobody is left to clear it, so
     the delete clears it with the rest (a node that comes back meanwhile sees `deleting`
-    and leaves). Two cases
-    keep the spec in state `deleting` (a tombstone), so that nodes still pointing at the
-    domain stay out of it:
+    and leaves). Nothing of the control plane's is cleared: a deletion is a version
+    (imexd.order), so that no agent that held the domain brings it back. Two cases keep
+    the spec in state `deleting`, so that nodes still pointing at the domain stay out:
 
     - members still hold records at the timeout (exit 1): their assignments and the
       health reports of nodes without records are cleared all the same, but their records
       are kept (the node may still run a daemon); running delete again finishes the job;
     - members without an assignment to the domain were seen (static nodes: `[domain] name`
       in their settings), which would otherwise form the domain again (exit 0).
-
-    With `[control] private_key` an assignment is not cleared but replaced by a signed
-    assignment to no domain (`unassigned`), and each workload record is retired by a
-    signed record before its clear (`retired_workload`): agents that verify signatures
-    act on no clear alone.
     """
     async with open_link(settings) as link:
         t = link.topics
@@ -314,7 +321,8 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
                 if records
                 else settings.domain.max_nodes,
                 state="deleting",
-                generation=spec.generation + 1 if spec is not None else 1,
+                generation=next_generation(store.generation(t.spec(name))),
+                at=wire_now(),
             )
             await link.put(t.spec(name), encode(spec))
             refused = await link.verify({t.spec(name): encode(spec)})
@@ -337,25 +345,29 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
         await link.wait_until(
             lambda: not any(s.report.node in members for s in store.reports_of(name)), grace
         )
-        written: dict[str, bytes] = {
-            t.member(d, c, n): b""
-            for (d, c, n), r in store.members.items()
-            if d == name and r.state is MemberState.LOST and n not in left
-        }
-        for node in store.assigned_to(name):
-            written[t.assignment(node)] = unassigned(link)
+        written: dict[str, bytes] = {}
         keep_spec = bool(left or static)
         if not keep_spec:
-            written[t.spec(name)] = b""
+            gone = msgspec.structs.replace(
+                spec, state="deleted", generation=spec.generation + 1, at=wire_now()
+            )
+            written[t.spec(name)] = encode(gone)
+        workloads = store.workloads_of(name)
+        for workload in workloads:
+            topic = t.workload(name, workload.workload)
+            written[topic] = encode(deleted_workload(workload, after=store.generation(topic)))
+        for node in store.assigned_to(name):
+            written[t.assignment(node)] = assignment(store, t, node, None)
+        written.update(
+            {
+                t.member(d, c, n): b""
+                for (d, c, n), r in store.members.items()
+                if d == name and r.state is MemberState.LOST and n not in left
+            }
+        )
         reports = [s.report for s in store.reports_of(name) if s.report.node not in left]
         for report in reports:
             written[t.health(name, report.node)] = b""
-        workloads = store.workloads_of(name)
-        for workload in workloads:
-            written[t.workload(name, workload.workload)] = b""
-            if link.signer is not None:
-                topic = t.workload(name, workload.workload)
-                await link.put(topic, encode(retired_workload(workload)))
         for topic, payload in written.items():
             await link.put(topic, payload)
         refused = await link.verify(written)
@@ -379,11 +391,11 @@ async def delete(settings: Settings, name: str, *, wait_s: float, out: TextIO, e
             f"domain {name}: all members left; cleared {cleared}. The spec stays in state "
             f"deleting: {', '.join(static)} name this domain in their settings ([domain] name) "
             f"and would form it again without it. Change their settings, then run "
-            f"`imexd domain delete {name}` again to clear the spec.",
+            f"`imexd domain delete {name}` again to delete the spec.",
             file=out,
         )
         return EXIT_OK
-    print(f"domain {name}: deleted (cleared the spec, {cleared})", file=out)
+    print(f"domain {name}: deleted (spec generation {spec.generation + 1}, {cleared})", file=out)
     return EXIT_OK
 
 
@@ -459,8 +471,8 @@ async def assign(
     force: bool = False,
     seen_within_s: float = SEEN_WITHIN_S,
 ) -> int:
-    """Write (or with None: clear; with `[control] private_key`, a signed assignment to no
-    domain: `unassigned`) a node's retained assignment.
+    """Write a node's retained assignment (None: its tombstone, an assignment to no
+    domain), one generation above what the broker serves (`assignment`).
 
     Assigning refuses (EXIT_USAGE, writing nothing) a node in another live domain unless
     `steal` (see `create`), and a node that no agent reported within `seen_within_s`
@@ -484,7 +496,7 @@ async def assign(
             return EXIT_USAGE
         before = store.assignments.get(node)
         spec = store.specs.get(domain) if domain else None
-        payload = encode(Assignment(domain=domain)) if domain else unassigned(link)
+        payload = assignment(store, t, node, domain)
         await link.put(topic, payload)
         refused = await link.verify({topic: payload})
     if refused:
@@ -594,8 +606,9 @@ async def retry(settings: Settings, node: str, *, wait_s: float, out: TextIO, er
     The request goes to the domain the node's presence names; the agent acts on it once
     and never restarts a running daemon. Refused (EXIT_USAGE, nothing written): a node
     whose agent is down, that no agent reported, or that is in no domain. A daemon whose
-    last report says RUNNING needs nothing (EXIT_OK, nothing written). The request is
-    cleared when the command ends; EXIT_FAILED when the daemon is not running by then.
+    last report says RUNNING needs nothing (EXIT_OK, nothing written). When the command
+    ends the request's tombstone (`done`, one generation up) replaces it; EXIT_FAILED when
+    the daemon is not running by then.
     """
     async with open_link(settings) as link:
         t = link.topics
@@ -613,7 +626,8 @@ async def retry(settings: Settings, node: str, *, wait_s: float, out: TextIO, er
             )
             print(f"imexd node retry: node {node}: {why}; nothing written", file=err)
             return EXIT_USAGE
-        await link.read(t.health(domain, node))
+        topic = t.retry(domain, node)
+        await link.read(t.health(domain, node), topic)
 
         def daemon() -> str:
             seen = store.reports.get((domain, node))
@@ -622,15 +636,25 @@ async def retry(settings: Settings, node: str, *, wait_s: float, out: TextIO, er
         if daemon() == "RUNNING":
             print(f"node {node}: its daemon in {domain} is RUNNING: nothing to retry", file=out)
             return EXIT_OK
-        topic = t.retry(domain, node)
-        written = {topic: encode(Retry(node=node, domain=domain, at=wire_now(), by=link.client_id))}
+        asked = Retry(
+            node=node,
+            domain=domain,
+            at=wire_now(),
+            by=link.client_id,
+            generation=next_generation(store.generation(topic)),
+        )
+        written = {topic: encode(asked)}
         await link.put(topic, written[topic])
         refused = await link.verify(written)
         if refused:
             return say_refused(refused, err)
         print(f"node {node}: asked its agent to start the daemon in {domain} now", file=out)
         running = await link.wait_until(lambda: daemon() == "RUNNING", wait_s)
-        await link.put(topic, b"")  # acted on, or too late: no request outlives the command
+        # Acted on, or too late: no request outlives the command.
+        done = msgspec.structs.replace(
+            asked, state="done", generation=asked.generation + 1, at=wire_now()
+        )
+        await link.put(topic, encode(done))
         seen = store.reports.get((domain, node))
     if running:
         print(f"node {node}: daemon RUNNING in {domain}", file=out)

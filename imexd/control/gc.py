@@ -9,7 +9,13 @@ candidates with the selectors given (each given one must select a record):
   taken, so only an empty list, no job running, leaves no such bound);
 - `older_than_s`: a workload created (`WorkloadRecord.created`) more than that long ago.
   A DomainSpec carries no creation time, so age neither selects nor spares a domain: with
-  `older_than_s` alone no domain is selected.
+  `older_than_s` alone no domain is selected;
+- `tombstones_s`: a tombstone (a spec or workload `deleted`, an assignment to no domain,
+  imexd.order) written more than that long ago (its `at`), which `--apply` clears. The
+  broker drops them by itself after `[control] tombstone_expiry_s` (MQTT 5 message
+  expiry), and agents stop giving them back then; this clears them sooner, or on a broker
+  without message expiry. An agent that still holds one gives it back (its expiry not
+  reached): clear with an age above the agents' `tombstone_expiry_s`.
 
 In use, and so kept (with the reason), is a workload selected by age alone (no job list)
 whose channel a node reports ready (`judge_workload`'s rows): a job may hold it, and age
@@ -120,6 +126,34 @@ def render(found: Sequence[Candidate]) -> str:
     return "\n".join(table(["KIND", "DOMAIN", "WORKLOAD", "WHY", "ACTION"], rows)) + "\n"
 
 
+def old_tombstones(store: Store, older_than_s: float, *, now: float) -> list[str]:
+    """The topics of the tombstones in `store` written more than `older_than_s` ago."""
+    return sorted(
+        topic for topic, t in store.tombstones.items() if t.at > 0 and now - t.at > older_than_s
+    )
+
+
+async def _tombstones(
+    link: Link, store: Store, older_than_s: float, *, apply: bool, out: TextIO, err: TextIO
+) -> int:
+    """List (and with `apply`, clear) the tombstones older than `older_than_s`."""
+    found = old_tombstones(store, older_than_s, now=time.time())
+    for topic in found:
+        print(f"tombstone {topic}", file=out)
+    if not found or not apply:
+        verb = "would clear" if found else "no tombstone to clear"
+        print(f"{verb} {len(found)} tombstone(s)" if found else verb, file=out)
+        return EXIT_OK
+    written = dict.fromkeys(found, b"")
+    for topic in found:
+        await link.put(topic, b"")
+    refused = await link.verify(written)
+    if refused:
+        return commands.say_refused(refused, err)
+    print(f"gc: cleared {len(found)} tombstone(s)", file=out)
+    return EXIT_OK
+
+
 def _label(c: Candidate) -> str:
     return f"workload {c.workload} in {c.domain}" if c.workload else f"domain {c.domain}"
 
@@ -152,13 +186,19 @@ async def gc(
     wait_s: float,
     out: TextIO,
     err: TextIO,
+    tombstones_s: float | None = None,
 ) -> int:
     """Print the candidates; with `apply`, delete those not kept, each through its own
-    command's delete with `wait_s`. EXIT_FAILED when one of those failed."""
-    if live_jobs is None and older_than_s is None:
+    command's delete with `wait_s`, and clear the old tombstones. EXIT_FAILED when one of
+    those failed."""
+    if live_jobs is None and older_than_s is None and tombstones_s is None:
         raise ValueError("gc needs a selector: it must never select everything")
     async with open_link(settings) as link:
         store = await _read(link, presences=live_jobs is None)
+        if tombstones_s is not None:
+            code = await _tombstones(link, store, tombstones_s, apply=apply, out=out, err=err)
+            if code != EXIT_OK or (live_jobs is None and older_than_s is None):
+                return code
     found = select(
         store,
         live_jobs=live_jobs,

@@ -276,8 +276,11 @@ class Link:
             return
         if result.ref.kind == "workload":
             record = result.payload if isinstance(result, Received) else None
+            live = isinstance(record, WorkloadRecord) and record.state != "deleted"
             self.workload_log.append(
-                Logged(topic, payload, record if isinstance(record, WorkloadRecord) else None)
+                Logged(
+                    topic, payload, record if live and isinstance(record, WorkloadRecord) else None
+                )
             )
         expires_at = time.time() + expiry_s if expiry_s is not None else None
         self.store.apply(result, expires_at=expires_at)

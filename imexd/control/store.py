@@ -18,15 +18,34 @@ from imexd.messages import (
     HealthReport,
     MemberRecord,
     MemberState,
+    Payload,
     Presence,
     Received,
     WorkloadRecord,
 )
+from imexd.order import ORDERED, tombstone
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A deletion the broker serves (imexd.order): its record, and when the broker will
+    drop it (None: unknown)."""
+
+    topic: str
+    record: Payload
+    expires_at: float | None
+    at: float = 0.0
+    """When the control plane wrote it (0: unknown)."""
 
 
 @dataclass(slots=True)
 class Store:
-    """The latest retained state of the subscribed topics, by what it addresses."""
+    """The latest retained state of the subscribed topics, by what it addresses.
+
+    A tombstone (a spec or workload `deleted`) is no spec or workload here: `tombstones`
+    holds it, and `generations` the generation the broker serves on every topic of the
+    control plane's records, tombstones included, which the next write raises.
+    """
 
     specs: dict[str, DomainSpec] = field(default_factory=dict)
     members: dict[tuple[str, str, str], MemberRecord] = field(default_factory=dict)
@@ -41,11 +60,29 @@ class Store:
     """(domain, workload) -> record."""
     dropped: Counter[str] = field(default_factory=Counter)
     """Malformed messages ignored, by `messages.DropReason` value."""
+    generations: dict[str, int] = field(default_factory=dict)
+    """Topic -> the generation of the control-plane record the broker serves there."""
+    tombstones: dict[str, Tombstone] = field(default_factory=dict)
+    """Topic -> the tombstone the broker serves there."""
+
+    def generation(self, topic: str) -> int | None:
+        """The generation the broker serves on `topic` (None: nothing)."""
+        return self.generations.get(topic)
 
     def apply(self, event: Received | Deleted, *, expires_at: float | None = None) -> None:
         """Take one decoded message (an empty payload deletes)."""
         ref = event.ref
         payload = event.payload if isinstance(event, Received) else None
+        self.generations.pop(event.topic, None)
+        self.tombstones.pop(event.topic, None)
+        if isinstance(payload, ORDERED):
+            self.generations[event.topic] = payload.generation
+            if tombstone(payload):
+                self.tombstones[event.topic] = Tombstone(
+                    event.topic, payload, expires_at, payload.at
+                )
+                if not isinstance(payload, Assignment):
+                    payload = None  # a spec or workload deleted is none
         match ref.kind:
             case "spec":
                 if isinstance(payload, DomainSpec):
@@ -159,11 +196,15 @@ class Store:
         return {n: why for n in sorted(names) if (why := self.agent_down(n, now=now))}
 
     def domains(self) -> list[str]:
-        """Every domain with a spec, a member record, a health report or an assignment."""
+        """Every domain with a spec, a member record, a health report or an assignment (to a
+        domain whose spec is not a tombstone)."""
         names = set(self.specs)
         names.update(d for d, _, _ in self.members)
         names.update(d for d, _ in self.reports)
-        names.update(d for d in self.assignments.values() if d is not None)
+        deleted = {
+            t.record.domain for t in self.tombstones.values() if isinstance(t.record, DomainSpec)
+        }
+        names.update(d for d in self.assignments.values() if d is not None and d not in deleted)
         return sorted(names)
 
 

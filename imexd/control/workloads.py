@@ -20,10 +20,10 @@ records arriving after the echo lose to ours. This relies on one broker deliveri
 subscriber the same order of publishes (Mosquitto does: it forwards each publish to all
 subscribers as it processes it). A bridged or clustered broker that could reorder
 publishes from two clients breaks the rule: point every control plane at one broker. A
-loser clears its claim and picks again, a bounded number of times; the winner publishes its
-record `active`, and `Link.verify` shows that no second client has since written the same
-workload name. A stale claim left by a client that died keeps its channel taken until
-`workload delete` clears it.
+loser writes its claim's tombstone and picks again, a bounded number of times; the winner
+publishes its record `active`, and `Link.verify` shows that no second client has since
+written the same workload name. A stale claim left by a client that died keeps its
+channel taken until `workload delete` writes its tombstone.
 
 Exit codes: 0 success, 1 failure (not ready by the deadline, no such workload, a bus
 error), 2 usage errors (see the CLI), 3 no free channel.
@@ -54,13 +54,15 @@ from imexd.control.commands import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    retired_workload,
+    deleted_workload,
     say_refused,
 )
 from imexd.control.link import Link, Logged, open_link
 from imexd.control.store import Store
 from imexd.health.fleet import SeenReport
 from imexd.messages import CHANNELS_READY, ChannelsView, HealthReport, WorkloadRecord, encode
+from imexd.messages import now as wire_now
+from imexd.order import next_generation
 from imexd.settings import Settings
 
 EXIT_NO_CHANNEL: Final = 3
@@ -206,6 +208,9 @@ async def create(
         if spec is not None and spec.state == "deleting":
             print(f"{command}: domain {domain} is being deleted", file=err)
             return EXIT_USAGE
+        if t.spec(domain) in store.tombstones:
+            print(f"{command}: domain {domain} is deleted", file=err)
+            return EXIT_USAGE
         if nodes is None and spec is not None:
             nodes = spec.nodes
         # Without a list the workload is every member's: each must have a live agent too.
@@ -260,9 +265,10 @@ async def create(
             gid=DEFAULT_GID if gid is None else gid,
             mode=DEFAULT_MODE if mode is None else mode,
             state="active",
-            generation=(previous.generation if previous is not None else 0) + 1,
+            generation=next_generation(store.generation(topic)),
             owner=link.client_id,
             created=previous.created if previous is not None else round(time.time(), 3),
+            at=wire_now(),
         )
         if kept is None:
             claimed = await _claim(link, base, explicit=channel is not None, count=count, err=err)
@@ -316,6 +322,7 @@ async def _claim(
     command = "imexd workload create"
     domain, name = base.domain, base.workload
     topic = link.topics.workload(domain, name)
+    generation = base.generation  # the claim's; the record it becomes is one up
     for _ in range(CLAIM_ATTEMPTS):
         used = used_channels(link.store.workloads_of(domain), name)
         if explicit:
@@ -339,12 +346,18 @@ async def _claim(
                 )
                 return EXIT_NO_CHANNEL
             chosen = free
-        claim = msgspec.structs.replace(base, channel=chosen, state="claiming")
+        claim = msgspec.structs.replace(
+            base, channel=chosen, state="claiming", generation=generation
+        )
         echo = await link.put_echoed(topic, encode(claim))
         rival = first_rival(link.workload_log[:echo], domain=domain, workload=name, channel=chosen)
         if rival is None:
-            return msgspec.structs.replace(claim, state="active")
-        await link.put(topic, b"")
+            return msgspec.structs.replace(
+                claim, state="active", generation=generation + 1, at=wire_now()
+            )
+        given_up = deleted_workload(claim, after=generation)
+        generation = given_up.generation + 1
+        await link.put(topic, encode(given_up))
         if explicit:
             print(
                 f"{command}: channel {chosen} of {domain} was claimed by workload "
@@ -396,10 +409,9 @@ async def delete(
     out: TextIO,
     err: TextIO,
 ) -> int:
-    """Clear the workload's record, then wait up to `wait_s` seconds until no node of the
-    domain reports the workload any more (its agents removed the channel). With `[control]
-    private_key` the record is retired by a signed record first (`retired_workload`): what
-    agents that verify signatures act on."""
+    """Write the workload's tombstone (`deleted_workload`, one generation up), then wait up
+    to `wait_s` seconds until no node of the domain reports the workload any more (its
+    agents removed the channel)."""
     interval = settings.health.report_interval_s
     async with open_link(settings) as link:
         found = await _locate(link, name, domain, "workload delete", err)
@@ -409,10 +421,9 @@ async def delete(
         store = await link.read(t.health_filter(found))
         record = store.workloads[(found, name)]
         topic = t.workload(found, name)
-        if link.signer is not None:
-            await link.put(topic, encode(retired_workload(record)))
-        await link.put(topic, b"")
-        refused = await link.verify({topic: b""})
+        gone = encode(deleted_workload(record, after=store.generation(topic)))
+        await link.put(topic, gone)
+        refused = await link.verify({topic: gone})
         if refused:
             return say_refused(refused, err)
 

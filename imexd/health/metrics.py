@@ -30,7 +30,7 @@ PROBE_KINDS: Final = ("local", "domain")
 CHANNEL_OPS: Final = ("mknod", "fix", "remove", "cdi", "env")
 """The `op` label values of imexd_channel_operations_total, shown from zero."""
 CHANNEL_RESULTS: Final = ("ok", "error")
-RESTORED_KINDS: Final = ("spec", "workload", "assignment")
+RESTORED_KINDS: Final = ("spec", "workload", "assignment", "retry")
 """The `kind` label values of imexd_broker_records_restored_total, shown from zero."""
 RECONCILE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -72,14 +72,14 @@ class Metrics:
         )
         self._rebuilds = Counters(
             "imexd_broker_rebuilds",
-            "Links on which the agent found that the broker had lost its retained state (the "
-            "epoch record its previous link saw was gone or replaced) and gave back what it "
-            "follows (imexd.agent.rebuild).",
+            "Rounds in which the agent gave the broker back control-plane records it follows "
+            "that the broker served in an older version or not at all (imexd.agent.rebuild).",
         )
         self._restored = Counters(
             "imexd_broker_records_restored",
-            "Control-plane records (spec, workload, assignment) the agent published again "
-            "to a broker that had lost them, by kind.",
+            "Control-plane records (spec, workload, assignment, retry request, tombstones "
+            "included) the agent published again, verbatim, to a broker that served them "
+            "older or not at all, by kind.",
             ["kind"],
         )
         self._unconfirmed = Counters(
