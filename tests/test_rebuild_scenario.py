@@ -1,18 +1,26 @@
-"""An empty broker rebuilt by the fleet, and nothing deleted brought back (imexd.agent.rebuild).
+"""The order of the control plane's records with real agents (imexd.agent.rebuild,
+imexd.order): a replayed older spec, a node frozen through a domain's delete and a broker
+restart, and a standby broker restored from an older snapshot change nothing and bring
+nothing deleted back.
 
-Real agent processes (tests/cluster.py), a real Mosquitto without persistence restarted on
-the same address, the control plane through the real CLI. Two domains with a workload
-each, plus a domain and a workload deleted before the broker dies. The issue's 18 agents
-are the benchmark's (`bench/formation.py --phase rebuild`): eighteen agent processes and
-their probes do not fit the two cores that the test suite shares. Every wait is bounded.
+Real agent processes (tests/cluster.py), a real Mosquitto restarted on the same address
+(without persistence, or from a copy of an earlier persistence file), the control plane
+through the real CLI. Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from imexd.demo.brokers import Mosquitto
 from imexd.topics import Topics
 from tests.cluster import Cluster, Node, pids, untouched
 from tests.support import IMEXD, during
@@ -21,9 +29,13 @@ pytestmark = pytest.mark.slow
 
 T = Topics("imex/v2")
 WAIT_S = 60.0
+WATCH_S = 4.0
+"""How long a wrong reaction gets to show (reconcile, reload window, probes)."""
+CHANNELS: dict[str, dict[str, Any]] = {"channels": {"simulate": True}}
+"""A stand-in channel file where the agent may not mknod (the test may run unprivileged)."""
 
 
-def imexd(c: Cluster, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+def imexd(c: Cluster, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
     return subprocess.run(
         [IMEXD, *args],
@@ -40,97 +52,183 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout
 
 
-def metric(node: Node, name: str) -> float:
-    """The sum of a counter's samples on the node's /metrics (0 when absent)."""
-    _, text = node.get("/metrics")
-    total = 0.0
-    for line in str(text).splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def served(c: Cluster, topic: str) -> dict[str, Any] | None:
+    """The record the broker serves on `topic`, decoded (None: nothing)."""
+    with c.client() as client:
+        data = client.retained(topic).get(topic)
+    return None if not data else dict(json.loads(data))
 
 
-def test_an_empty_broker_gets_every_spec_and_workload_back(c: Cluster) -> None:
-    """The broker restarts empty on its address: the agents give back the specs, workloads
-    and assignments they follow, byte for byte, `domain status --wait` and `workload status
-    --wait` succeed with nobody running `create`, no daemon restarts, and the domain and
-    workload deleted before the loss stay deleted."""
-    names = [f"n{i}" for i in range(1, 6)]
-    nodes = [c.add(name, domain=None) for name in names]
-    c.wait(c.all_ready, timeout=WAIT_S)
+def generation(c: Cluster, topic: str) -> int:
+    record = served(c, topic)
+    assert record is not None, f"nothing on {topic}"
+    return int(record["generation"])
+
+
+def channel(node: Node, number: int) -> Path:
+    return node.dev_dir / f"channel{number}"
+
+
+def test_a_replayed_older_spec_changes_nothing_and_the_newer_goes_back(c: Cluster) -> None:
+    """Generation 1 of a spec (n1, n2) published again after generation 2 (n1, n2, n3): no
+    daemon is stopped or restarted, n3 keeps its channel, the stale copy is counted, and
+    the broker serves generation 2 again."""
+    nodes = [c.add(name, domain=None, overrides=CHANNELS) for name in ("n1", "n2", "n3")]
+    c.wait(c.all_ready, timeout=WAIT_S, what="idle nodes ready")
     ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2"))
-    ok(imexd(c, "domain", "create", "d2", "--nodes", "n3,n4"))
-    ok(imexd(c, "domain", "create", "d3", "--nodes", "n5"))
-    for domain in ("d1", "d2", "d3"):
-        ok(imexd(c, "domain", "status", domain, "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", "30"))
-    ok(imexd(c, "workload", "create", "job-b", "--domain", "d2", "--wait", "30"))
-    ok(imexd(c, "workload", "create", "gone", "--domain", "d1", "--wait", "30"))
-    ok(imexd(c, "workload", "delete", "gone", "--wait", "30"))
-    ok(imexd(c, "domain", "delete", "d3", "--timeout", "30"))
-    kept = [T.spec("d1"), T.spec("d2"), T.workload("d1", "job-a"), T.workload("d2", "job-b")]
-    kept += [T.assignment(n) for n in names[:4]]
-    deleted = [T.spec("d3"), T.workload("d1", "gone"), T.assignment("n5")]
     with c.client() as client:
-        before = {topic: client.retained(topic).get(topic) for topic in kept + deleted}
-    assert all(before[topic] for topic in kept), before
-    assert not any(before[topic] for topic in deleted), before
-    running = nodes[:4]
-    pids_before = pids(running)
+        first = client.retained(T.spec("d1"))[T.spec("d1")]
+    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
+    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
+    newest = generation(c, T.spec("d1"))
+    before = pids(nodes)
+    assert channel(nodes[2], 1).exists()
 
-    c.broker.stop()
-    c.broker.start()
-
-    for domain in ("d1", "d2"):
-        ok(imexd(c, "domain", "status", domain, "--wait", str(WAIT_S)))
-    for workload in ("job-a", "job-b"):
-        ok(imexd(c, "workload", "status", workload, "--wait", str(WAIT_S)))
     with c.client() as client:
-        c.wait(lambda: client.retained(T.epoch()) != {}, timeout=WAIT_S)
-        after = {topic: client.retained(topic).get(topic) for topic in kept + deleted}
-    assert {t: after[t] for t in kept} == {t: before[t] for t in kept}, "byte for byte"
+        client.publish(T.spec("d1"), first, retain=True)
+    c.wait(
+        lambda: generation(c, T.spec("d1")) == newest,
+        timeout=WAIT_S,
+        what="the broker serves the newer spec again",
+    )
+
+    def changed() -> str | None:
+        if not channel(nodes[2], 1).exists():
+            return "n3's channel was removed"
+        return "; ".join(untouched(nodes, before)) or None
+
+    assert during(WATCH_S, changed) == []
+    assert nodes[2].dropped().get("stale", 0) >= 1
+    assert "3 of 3 members ready" in ok(imexd(c, "domain", "status", "d1", "--wait", "5"))
+
+
+def test_a_domain_deleted_while_a_node_was_frozen_stays_deleted(c: Cluster) -> None:
+    """n3's agent is stopped (SIGSTOP) while d1 is deleted, then the broker restarts
+    without persistence: the agents that saw the delete give the tombstones back, and n3,
+    continued, leaves: no spec, workload or assignment of d1 comes back, `domain list`
+    does not show it."""
+    frozen_settings: dict[str, dict[str, Any]] = {"bus": {"keepalive_s": 2.0}, **CHANNELS}
+    nodes = [c.add(name, domain=None, overrides=CHANNELS) for name in ("n1", "n2")]
+    n3 = c.add("n3", domain=None, overrides=frozen_settings)
+    nodes.append(n3)
+    c.wait(c.all_ready, timeout=WAIT_S, what="idle nodes ready")
+    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
+    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
+    assert n3.daemon_pid() is not None
+    n3.signal(signal.SIGSTOP)
+    try:
+        c.wait(
+            lambda: (served(c, T.member("d1", "c1", "n3")) or {}).get("state") == "lost",
+            timeout=WAIT_S,
+            what="the broker ended n3's link: its will is on the bus",
+        )
+        ok(imexd(c, "domain", "delete", "d1", "--timeout", "40"))
+        assert (served(c, T.spec("d1")) or {}).get("state") == "deleted"
+        c.broker.stop()
+        c.broker.start()
+        c.wait(
+            lambda: (served(c, T.spec("d1")) or {}).get("state") == "deleted",
+            timeout=WAIT_S,
+            what="n1 and n2 give the spec's tombstone back",
+        )
+    finally:
+        n3.signal(signal.SIGCONT)
+    c.wait(lambda: n3.daemon_pid() is None, timeout=WAIT_S, what="n3 leaves the deleted d1")
 
     def resurrected() -> str | None:
+        spec = served(c, T.spec("d1"))
+        workload = served(c, T.workload("d1", "job-a"))
+        assigned = [served(c, T.assignment(n.name)) for n in nodes]
+        back = []
+        if spec is not None and spec.get("state") != "deleted":
+            back.append(f"spec {spec}")
+        if workload is not None and workload.get("state") == "active":
+            back.append(f"workload {workload}")
+        back += [f"assignment {a}" for a in assigned if a is not None and a.get("domain")]
+        return "; ".join(back) or None
+
+    assert during(WATCH_S, resurrected) == []
+    listed = ok(imexd(c, "domain", "list"))
+    assert "d1" not in listed.split(), listed
+    assert not channel(n3, 1).exists()
+
+
+@pytest.fixture
+def persistent(tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster whose Mosquitto keeps its retained state on disk (mosquitto.db)."""
+    broker = Mosquitto(tmp_path / "broker", persistence=True)
+    broker.start()
+    cluster = Cluster(tmp_path, broker=broker)
+    try:
+        yield cluster
+    finally:
+        cluster.close()  # stops the broker too
+    assert cluster.forced == []
+    for node in cluster.nodes.values():
+        assert node.log_problems() == [], node.name
+
+
+STANDBY_NODES = 6
+"""Agents of the standby test: two domains and a third that is deleted. The issue asks
+for 18; on the two shared cores the suite runs on, eighteen agents with their simulated
+daemons did not form the second domain within its wait."""
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_restored_from_an_older_snapshot_is_healed(persistent: Cluster) -> None:
+    """Agents in two domains with a workload each. A copy of the broker's disk is taken;
+    then a spec is updated, a workload and a third domain deleted. A standby started from
+    the copy on the same address serves the older versions: the agents give back the
+    newest, no daemon is touched, and no deleted control-plane record comes back."""
+    c = persistent
+    names = [f"n{i:02d}" for i in range(1, STANDBY_NODES + 1)]
+    nodes = [c.add(name, domain=None, overrides=CHANNELS) for name in names]
+    c.wait(c.all_ready, timeout=2 * WAIT_S, what="idle nodes ready")
+    half = len(names) // 2
+    a, b = names[: half - 1], names[half - 1 : -1]
+    ok(imexd(c, "domain", "create", "da", "--nodes", ",".join(a), "--wait", str(2 * WAIT_S)))
+    ok(imexd(c, "domain", "create", "db", "--nodes", ",".join(b), "--wait", str(2 * WAIT_S)))
+    ok(imexd(c, "domain", "create", "dc", "--nodes", names[-1], "--wait", str(WAIT_S)))
+    ok(imexd(c, "workload", "create", "job-a", "--domain", "da", "--wait", str(WAIT_S)))
+    ok(imexd(c, "workload", "create", "job-b", "--domain", "db", "--wait", str(WAIT_S)))
+    ok(imexd(c, "workload", "create", "gone", "--domain", "db", "--wait", str(WAIT_S)))
+    broker = c.broker
+    assert isinstance(broker, Mosquitto)
+    broker.stop()  # Mosquitto writes its state at exit
+    snapshot = broker.workdir / "older.db"
+    shutil.copy(broker.workdir / "mosquitto.db", snapshot)
+    broker.start()
+    ok(imexd(c, "domain", "status", "da", "--wait", str(WAIT_S)))
+    # Newer than the snapshot: an update, a deleted workload, a deleted domain.
+    ok(imexd(c, "domain", "create", "da", "--nodes", ",".join(a)))
+    ok(imexd(c, "workload", "delete", "gone", "--wait", str(WAIT_S)))
+    ok(imexd(c, "domain", "delete", "dc", "--timeout", str(WAIT_S)))
+    topics = [
+        T.spec("da"),
+        T.spec("db"),
+        T.spec("dc"),
+        T.workload("da", "job-a"),
+        T.workload("db", "job-b"),
+        T.workload("db", "gone"),
+        *(T.assignment(n) for n in names),
+    ]
+    with c.client() as client:
+        newest = {t: client.retained(t).get(t) for t in topics}
+    running = nodes[:-1]
+    before = pids(running)
+
+    broker.stop()
+    shutil.copy(snapshot, broker.workdir / "mosquitto.db")
+    broker.start()
+    assert generation(c, T.spec("da")) < json.loads(newest[T.spec("da")] or b"{}")["generation"]
+
+    def healed() -> bool:
         with c.client() as client:
-            back = [t for t in deleted if client.retained(t)]
-            back += sorted(client.retained("imex/v2/domains/d3/#"))
-        return f"deleted records came back: {back}" if back else None
+            return all(client.retained(t).get(t) == newest[t] for t in topics)
 
-    assert during(3.0, resurrected) == []
-    assert untouched(running, pids_before) == []
-    assert nodes[4].daemon_pid() is None
-    assert sum(metric(n, "imexd_broker_rebuilds_total") for n in running) >= 1
-
-
-def test_an_agent_away_during_a_delete_brings_nothing_back(c: Cluster) -> None:
-    """n2's link is cut while `domain delete` runs on a healthy broker: when it comes back
-    the broker's epoch is the one it saw, so it takes the deletion in (leaves, its daemon
-    stops) and restores neither the spec, the workload, its assignment nor its record."""
-    n1 = c.add("n1", domain=None)
-    n2 = c.add("n2", domain=None, via_proxy=True)
-    c.wait(c.all_ready, timeout=WAIT_S)
-    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2"))
-    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", "30"))
-    ok(imexd(c, "domain", "status", "d1", "--wait", str(WAIT_S)))
-    assert n2.proxy is not None
-    n2.proxy.drop()
-    c.wait(lambda: n2.condition("BusConnected").get("status") == "False", timeout=20)
-    # n2's will marks it lost; the delete does not wait for a lost record and clears it.
-    ok(imexd(c, "domain", "delete", "d1", "--timeout", "40"))
-    assert n1.daemon_pid() is None
-    n2.proxy.heal()
-    c.wait(lambda: n2.condition("BusConnected").get("status") == "True", timeout=30)
-    c.wait(lambda: n2.daemon_pid() is None, timeout=30)
-    assert n2.log_events("rebuild.deleted_while_away") != []
-    assert n2.log_events("rebuild.restored") == []
-
-    def resurrected() -> str | None:
-        with c.client() as client:
-            back = sorted(client.retained("imex/v2/domains/d1/#"))
-            back += sorted(client.retained(T.assignment("n2")))
-        return f"deleted records came back: {back}" if back else None
-
-    assert during(3.0, resurrected) == []
-    status = imexd(c, "domain", "status", "d1", "--wait", "0")
-    assert status.returncode == 1
-    assert "nothing on the bus" in status.stderr
+    c.wait(healed, timeout=WAIT_S, what="the broker serves the newest version of every record")
+    assert untouched(running, before) == []
+    assert nodes[-1].daemon_pid() is None
+    for domain in ("da", "db"):
+        ok(imexd(c, "domain", "status", domain, "--wait", str(WAIT_S)))
+    assert during(WATCH_S, lambda: "; ".join(untouched(running, before)) or None) == []
