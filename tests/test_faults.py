@@ -122,6 +122,13 @@ def test_a_delayed_link_while_four_agents_form_never_doubles_a_slot(c: Cluster) 
 # Two agents with one node name.
 
 
+def identity(record: bytes) -> tuple[object, ...]:
+    """Who a member record says holds which slot; its version (link, seq) moves with
+    every reconnect of its writer, by design."""
+    fields = json.loads(record)
+    return tuple(fields.get(k) for k in ("node", "address", "slot", "state", "settled"))
+
+
 def test_a_duplicate_node_name_runs_nothing_and_leaves_the_first_alone(c: Cluster) -> None:
     """A second `n1` (own state dir and address) reports DuplicateNode and runs nothing.
 
@@ -167,7 +174,7 @@ def test_a_duplicate_node_name_runs_nothing_and_leaves_the_first_alone(c: Cluste
     time.sleep(FAST["bus"]["will_delay_s"] + 1.0)  # a will of the second would fire by now
     with c.client() as client:
         after = client.retained(MEMBERS + "n1").get(MEMBERS + "n1")
-    if after != record:
+    if after is None or identity(after) != identity(record):
         problems.append(f"the first n1's record changed: {record!r} -> {after!r}")
     problems += [p for p in [disturbed()] if p]
     c.wait(n1.ready, timeout=10)

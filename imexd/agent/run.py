@@ -21,9 +21,8 @@ of each task. Named long-lived tasks, each with a heartbeat that /healthz watche
   `health.REPORT_PACE_S`, the first at once; the daemon's, its probes' and the channels'
   news at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
-- `rebuild`: holds the newest spec, workloads, assignment and retry request this node
-  follows, passes on only newer ones, and gives the broker back what it serves older or
-  not at all (imexd.agent.rebuild);
+- `rebuild`: gives a broker that lost its retained state back the spec, workloads and
+  assignment this node follows (imexd.agent.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -46,7 +45,7 @@ from imexd.agent.pacer import Pacer
 from imexd.agent.probes import DaemonProbes
 from imexd.agent.rebuild import Rebuilder
 from imexd.agent.reconcile import Reconciler
-from imexd.agent.statefile import RecordFile, StateStore
+from imexd.agent.statefile import StateStore
 from imexd.bus.events import Event, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
@@ -73,7 +72,7 @@ from imexd.names import client_id
 from imexd.nodestate import NodeState
 from imexd.retry import backoff_delay
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings, node_address_problem
-from imexd.signing import load_verifier
+from imexd.signing import SIGNED_KINDS, load_verifier
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
@@ -179,15 +178,7 @@ class Agent:
         """Held while a report is published or our records cleared: no report after a clear."""
         self.bus_facts = BusFacts()
         self.channels = ChannelKeeper.from_settings(settings, on_change=self._news)
-        self.rebuild = Rebuilder(
-            self.node,
-            self.topics,
-            metrics=self.metrics,
-            log=self.log,
-            store=RecordFile(settings.node.state_dir),
-            expiry_s=settings.control.tombstone_expiry_s,
-            period_s=settings.control.anti_entropy_s,
-        )
+        self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -211,6 +202,7 @@ class Agent:
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
             # None of them is judged by its order among others (`Bus.subscribe`).
+            await bus.subscribe(self.topics.epoch(), ordered=False)  # imexd.agent.rebuild
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node), ordered=False)
             if self._target() is not None:
@@ -382,14 +374,11 @@ class Agent:
             self._on_event(event, bus)
 
     def _on_event(self, event: Event, bus: Bus) -> None:
-        # The control plane's records reach the readers only when newer than the held ones
-        # (imexd.order); a held one takes the place of an older copy or a clear.
+        # What a new link's rebuild decided counts as part of its snapshot, before Synced.
         for found in self.rebuild.on_event(event):
-            self._take(found, bus)
-        self.rebuild.count_drops(bus)
-
-    def _take(self, event: Event, bus: Bus) -> None:
-        """One bus event into the shard, the assignment, the retry requests and channels."""
+            if self._signed_absence(found):
+                continue
+            self._on_event(found, bus)
         shard = self.shard
         identity = shard.apply(event, time.monotonic())
         if identity is Identity.ASIDE:
@@ -397,6 +386,11 @@ class Agent:
             # from taking the broker session from each other.
             bus.set_will(None)
             bus.set_client_id(client_id("imexd", self.node, "duplicate", str(shard.incarnation)))
+            # Its report and presence are the other agent's to write: neither replayed
+            # nor put back by us.
+            bus.disown(self.topics.presence(self.node))
+            if shard.current is not None:
+                bus.disown(self.topics.health(shard.current[0], self.node))
         elif identity is Identity.BACK:
             bus.set_client_id(self._client_id)
             bus.set_will(self._will())
@@ -410,7 +404,6 @@ class Agent:
                 self.assigned_domain = None
         elif (
             isinstance(asked := getattr(event, "payload", None), Retry)
-            and asked.state == "asked"
             and asked.at > self.started_at
             and asked != self.retry_last
         ):
@@ -422,6 +415,18 @@ class Agent:
         self._refresh_bus_facts(bus)
         self.wake.set()
         self.changed.set()
+
+    def _signed_absence(self, found: Event) -> bool:
+        """Whether `found` is a deletion the rebuild inferred from a record missing after a
+        reconnect, of a kind the control plane signs while the agent verifies signatures:
+        a missing record is no signed deletion (anyone may clear a topic), so the agent
+        keeps what it holds; the control plane's deletions come as signed records."""
+        if not self.settings.control.public_key or not isinstance(found, Deleted):
+            return False
+        if found.ref.kind not in SIGNED_KINDS:
+            return False
+        self.log.info("agent.kept_unsigned_absence", topic=found.topic)
+        return True
 
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
         """The bus facts as of now (drop counters move without any event)."""

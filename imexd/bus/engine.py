@@ -175,6 +175,10 @@ class LinkEngine:
         (imexd_bus_records_put_back_total)."""
         self._overwritten: set[str] = set()
         """Topics of ours that a live copy not ours reached: put back at the next turn."""
+        self._answered: dict[str, bytes] = {}
+        """The copy not ours that each put-back answered: the same copy again is not
+        answered again, so two writers of one topic settle instead of answering each
+        other for ever (a second agent of our name: DuplicateNode)."""
         self._overwrite = asyncio.Event()
         self._check = RetainedCheck()
         self._refusal_drop = False
@@ -608,6 +612,13 @@ class LinkEngine:
     async def _round_trip(self, client: Client) -> float:
         return await self._pings.round_trip(client, self._log)
 
+    def disown(self, topic: str) -> None:
+        """Stop holding our record on `topic` without clearing it on the broker: it is
+        another agent's now (we stand aside as a duplicate of its node)."""
+        self._records.forget(topic)
+        self._overwritten.discard(topic)
+        self._answered.pop(topic, None)
+
     async def _put_back(self, client: Client) -> None:
         """Publish again our records that someone wrote over (`_dispatch`): the owner puts
         its own back within a round trip (the first time per topic logged as a warning)."""
@@ -752,7 +763,12 @@ class LinkEngine:
         ref = self.topics.parse(topic)
         self.deliveries[("other", "") if ref is None else (ref.kind, ref.domain)] += 1
         self._echoes.seen(topic, payload, live=not retained)
-        if not retained and self._records.overwritten(topic, payload):
+        if (
+            not retained
+            and self._records.overwritten(topic, payload)
+            and self._answered.get(topic) != payload
+        ):
+            self._answered[topic] = payload
             self._overwritten.add(topic)
             self._overwrite.set()
         will = self._will

@@ -39,6 +39,12 @@ class Records:
             self._previous[topic] = old.payload
         self._by_topic[topic] = record
 
+    def forget(self, topic: str) -> None:
+        """Hold no record on `topic` any more, publishing nothing."""
+        self._by_topic.pop(topic, None)
+        self._previous.pop(topic, None)
+        self._on_link.discard(topic)
+
     def get(self, topic: str) -> Record | None:
         return self._by_topic.get(topic)
 

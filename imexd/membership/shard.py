@@ -62,6 +62,12 @@ TAKEN_LINKS: Final = 2
 """Links in a row that the broker ended without a reason code, each after a live record of
 our name that we did not write came on it: another live agent takes our session (on
 links whose broker says so, one reason code is evidence enough)."""
+TAKEOVER_WATCH_DELAYS: Final = 6
+"""First reconnect delays (`[bus] reconnect_initial_s`) that a new agent waits, before it
+writes over a record of its name that it did not write, for another live agent of that
+name to take the session back: such an agent lost its session to us and reconnects after
+its first backoff. Two links of ours ended within the wait show it (TAKEN_LINKS); a
+record alone is replaced once the wait is over."""
 OVERWRITE_WINDOW_S: Final = 60.0
 """RecordOverwritten shows on /status for this many seconds after a record written over
 ours."""
@@ -170,6 +176,7 @@ class ShardView:
         settle_s: float,
         claim_stale_s: float,
         confirm_grace_s: float,
+        takeover_watch_s: float = 0.0,
         log: structlog.typing.FilteringBoundLogger,
     ) -> None:
         self.node = node
@@ -179,6 +186,11 @@ class ShardView:
         self.settle_s = settle_s
         self.claim_stale_s = claim_stale_s
         self.confirm_grace_s = confirm_grace_s
+        self.takeover_watch_s = takeover_watch_s
+        """How long a new agent watches a record of its name that it did not write before
+        it replaces it (TAKEOVER_WATCH_DELAYS)."""
+        self.watch_until: float | None = None
+        """While set: we watch such a record, publishing nothing (`_watch`)."""
         """How long a record missing from a new link's snapshot is kept: after a broker
         restart every live peer reconnects within its capped reconnect backoff and
         re-publishes its record; a record still missing after that is gone."""
@@ -314,6 +326,8 @@ class ShardView:
             settle_s=settings.domain.settle_s,
             claim_stale_s=settings.domain.claim_stale_s,
             confirm_grace_s=settings.bus.reconnect_max_s + CONFIRM_MARGIN_S,
+            takeover_watch_s=TAKEOVER_WATCH_DELAYS * settings.bus.reconnect_initial_s
+            + CONFIRM_MARGIN_S,
             log=log,
         )
 
@@ -344,6 +358,7 @@ class ShardView:
         self.reassert_at = None
         self.claims_seen.clear()
         self.duplicate = ""
+        self.watch_until = None
         self.records.clear()
         self.unconfirmed.clear()
         self.confirm_by = None
@@ -480,13 +495,7 @@ class ShardView:
             and self.current is not None
             and ref.domain == self.current[0]
         ):
-            # The agent passes only specs newer than the last (imexd.agent.rebuild). A
-            # tombstone (`deleted`) keeps nodes out and makes members leave as `deleting`.
-            self.spec = (
-                msgspec.structs.replace(payload, state="deleting")
-                if payload.state == "deleted"
-                else payload
-            )
+            self.spec = payload
         return None
 
     def _newer(self, record: MemberRecord) -> bool:
@@ -866,6 +875,26 @@ class ShardView:
         )
         return None
 
+    def _watch(self, own: MemberRecord, now: float) -> bool:
+        """Whether to keep watching `own`, a record of our name that we did not write,
+        before we replace it: another live agent of our name takes our session back
+        within its first reconnect delays (`_on_link_ended`), a record alone does not."""
+        if self.published:
+            return False
+        if self.watch_until is None:
+            self.watch_until = now + self.takeover_watch_s
+            self.log.info(
+                "membership.own_name_seen",
+                incarnation=own.incarnation,
+                address=own.address,
+                watch_s=round(self.takeover_watch_s, 1),
+                why="a record of this node name that this agent did not write",
+            )
+        if now < self.watch_until:
+            self.wake_at = self.watch_until
+            return True
+        return False
+
     def _on_link_ended(self) -> Identity | None:
         """The broker ended our link without a reason code.
 
@@ -875,7 +904,8 @@ class ShardView:
         other's record published live before it ends. TAKEN_LINKS such links in a row are
         taken as a live duplicate; a retained record alone never is.
         """
-        self.taken = self.taken + 1 if self.foreign_live else 0
+        watching = self.watch_until is not None and not self.published
+        self.taken = self.taken + 1 if self.foreign_live or watching else 0
         self.foreign_live = False
         if self.taken < TAKEN_LINKS:
             return None
@@ -974,7 +1004,11 @@ class ShardView:
             return Plan()
         if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
             # A record of our name that we did not write (a run of ours whose incarnation
-            # we never saved, or anyone's): ours replaces it at once, newer than it.
+            # we never saved, or anyone's): ours replaces it, newer than it, once no live
+            # agent of our name took our session back within its reconnect delay.
+            if self._watch(own, now):
+                self.decision = None
+                return Plan(hold=True)
             self._outbid(own)
         outbid, self.outbid = self.outbid, False
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
@@ -1322,6 +1356,12 @@ class ShardView:
         if recent:
             detail = f"someone {self.overwritten} on this node's member topic; put back"
             return replace(base, state="member", reason="RecordOverwritten", detail=detail)
+        if self.watch_until is not None and not self.published:
+            return replace(
+                base,
+                detail="a record of this node name that this agent did not write is on the "
+                "bus; checking that no other agent runs as this node before replacing it",
+            )
         if self.claim.phase is mb.Phase.RELEASED:
             detail = decision.message if decision else "the daemon stayed FATAL"
             return replace(base, state="standby", reason="Released", detail=detail)
