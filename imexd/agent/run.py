@@ -21,8 +21,9 @@ of each task. Named long-lived tasks, each with a heartbeat that /healthz watche
   `health.REPORT_PACE_S`, the first at once; the daemon's, its probes' and the channels'
   news at once), publishes the HealthReport, tells systemd;
 - `channels`: the channel devices of the domain's workloads (imexd.channels.keeper);
-- `rebuild`: gives a broker that lost its retained state back the spec, workloads and
-  assignment this node follows (imexd.agent.rebuild);
+- `rebuild`: holds the newest spec, workloads, assignment and retry request this node
+  follows, passes on only newer ones, and gives the broker back what it serves older or
+  not at all (imexd.agent.rebuild);
 - `discover`: NVML fabric discovery when `[node] clique = "auto"`;
 - `watchdog`: WATCHDOG=1 to systemd while no task is wedged.
 
@@ -45,7 +46,7 @@ from imexd.agent.pacer import Pacer
 from imexd.agent.probes import DaemonProbes
 from imexd.agent.rebuild import Rebuilder
 from imexd.agent.reconcile import Reconciler
-from imexd.agent.statefile import StateStore
+from imexd.agent.statefile import RecordFile, StateStore
 from imexd.bus.events import Event, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
@@ -72,7 +73,7 @@ from imexd.names import client_id
 from imexd.nodestate import NodeState
 from imexd.retry import backoff_delay
 from imexd.settings import SHUTDOWN_MARGIN_S, Settings, node_address_problem
-from imexd.signing import SIGNED_KINDS, load_verifier
+from imexd.signing import load_verifier
 from imexd.topics import Topics
 
 EXIT_HANDOVER: Final = 75
@@ -178,7 +179,15 @@ class Agent:
         """Held while a report is published or our records cleared: no report after a clear."""
         self.bus_facts = BusFacts()
         self.channels = ChannelKeeper.from_settings(settings, on_change=self._news)
-        self.rebuild = Rebuilder(self.node, self.topics, metrics=self.metrics, log=self.log)
+        self.rebuild = Rebuilder(
+            self.node,
+            self.topics,
+            metrics=self.metrics,
+            log=self.log,
+            store=RecordFile(settings.node.state_dir),
+            expiry_s=settings.control.tombstone_expiry_s,
+            period_s=settings.control.anti_entropy_s,
+        )
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -202,7 +211,6 @@ class Agent:
             # What is known at start is subscribed before the first connect, so that it
             # rides on that connect's one SUBSCRIBE and one snapshot round trip.
             # None of them is judged by its order among others (`Bus.subscribe`).
-            await bus.subscribe(self.topics.epoch(), ordered=False)  # imexd.agent.rebuild
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node), ordered=False)
             if self._target() is not None:
@@ -374,11 +382,14 @@ class Agent:
             self._on_event(event, bus)
 
     def _on_event(self, event: Event, bus: Bus) -> None:
-        # What a new link's rebuild decided counts as part of its snapshot, before Synced.
+        # The control plane's records reach the readers only when newer than the held ones
+        # (imexd.order); a held one takes the place of an older copy or a clear.
         for found in self.rebuild.on_event(event):
-            if self._signed_absence(found):
-                continue
-            self._on_event(found, bus)
+            self._take(found, bus)
+        self.rebuild.count_drops(bus)
+
+    def _take(self, event: Event, bus: Bus) -> None:
+        """One bus event into the shard, the assignment, the retry requests and channels."""
         shard = self.shard
         identity = shard.apply(event, time.monotonic())
         if identity is Identity.ASIDE:
@@ -404,6 +415,7 @@ class Agent:
                 self.assigned_domain = None
         elif (
             isinstance(asked := getattr(event, "payload", None), Retry)
+            and asked.state == "asked"
             and asked.at > self.started_at
             and asked != self.retry_last
         ):
@@ -415,18 +427,6 @@ class Agent:
         self._refresh_bus_facts(bus)
         self.wake.set()
         self.changed.set()
-
-    def _signed_absence(self, found: Event) -> bool:
-        """Whether `found` is a deletion the rebuild inferred from a record missing after a
-        reconnect, of a kind the control plane signs while the agent verifies signatures:
-        a missing record is no signed deletion (anyone may clear a topic), so the agent
-        keeps what it holds; the control plane's deletions come as signed records."""
-        if not self.settings.control.public_key or not isinstance(found, Deleted):
-            return False
-        if found.ref.kind not in SIGNED_KINDS:
-            return False
-        self.log.info("agent.kept_unsigned_absence", topic=found.topic)
-        return True
 
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
         """The bus facts as of now (drop counters move without any event)."""

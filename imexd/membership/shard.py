@@ -495,7 +495,13 @@ class ShardView:
             and self.current is not None
             and ref.domain == self.current[0]
         ):
-            self.spec = payload
+            # The agent passes only specs newer than the last (imexd.agent.rebuild). A
+            # tombstone (`deleted`) keeps nodes out and makes members leave as `deleting`.
+            self.spec = (
+                msgspec.structs.replace(payload, state="deleting")
+                if payload.state == "deleted"
+                else payload
+            )
         return None
 
     def _newer(self, record: MemberRecord) -> bool:
