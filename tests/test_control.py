@@ -594,9 +594,9 @@ async def fake_agents(
             async for message in c.messages:
                 raw = message.payload
                 if isinstance(raw, bytes) and raw and json.loads(raw)["state"] == "deleting":
+                    left.append(node)  # before the clears: the command may end at their echo
                     await c.publish(T.member(domain, "c1", node), None, qos=1, retain=True)
                     await c.publish(T.health(domain, node), None, qos=1, retain=True)
-                    left.append(node)
                     return
 
     tasks = [asyncio.create_task(agent(n), name=f"fake-{n}") for n in nodes]
