@@ -8,6 +8,7 @@ character devices needs root: the module skips otherwise. Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from imexd.agent.run import EXIT_HANDOVER
@@ -40,8 +42,23 @@ def publish(c: Cluster, name: str, channel: int, **fields: Any) -> None:
 
 
 def delete(c: Cluster, name: str) -> None:
+    """Retain the tombstone of d1's workload `name`, one generation above its record, as
+    `imexd workload delete` ends (a clear is no deletion: agents give the record back)."""
+    topic = f"imex/v2/domains/d1/workloads/{name}"
     with c.client() as client:
-        client.publish(f"imex/v2/domains/d1/workloads/{name}", b"", retain=True)
+        current = msgspec.json.decode(client.retained(topic)[topic], type=WorkloadRecord)
+        tombstone = msgspec.structs.replace(
+            current, state="deleted", nodes=None, generation=current.generation + 1
+        )
+        client.publish(topic, encode(tombstone), retain=True)
+
+
+def generation(c: Cluster, name: str, domain: str = "d1") -> int:
+    """The generation of the workload record the control plane wrote (it starts at the
+    clock's second)."""
+    topic = f"imex/v2/domains/{domain}/workloads/{name}"
+    with c.client() as client:
+        return msgspec.json.decode(client.retained(topic)[topic], type=WorkloadRecord).generation
 
 
 def device(node: Node, channel: int) -> Path:
@@ -250,14 +267,17 @@ def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
     assert "domain job-7: UP, 2 of 2 members ready" in made.stdout
     assert "workload job-7 in job-7: READY, 2 of 2 nodes ready" in made.stdout
     for node in nodes:  # made before the command returned
-        assert ready_with(node, "job-7", 1), node.name
+        assert ready_with(node, "job-7", generation(c, "job-7", "job-7")), node.name
         info = os.lstat(device(node, 0))
         assert (os.minor(info.st_rdev), info.st_uid) == (0, 1000), node.name
     ended = imexd(c, "domain", "delete", "job-7", "--wait", "30")
     assert ended.returncode == 0, ended.stdout + ended.stderr
     c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
     with c.client() as client:
-        assert client.retained("imex/v2/domains/job-7/#") == {}
+        left = client.retained("imex/v2/domains/job-7/#")
+    # What stays are tombstones: the spec's and the workload's, `deleted`.
+    assert sorted(left) == ["imex/v2/domains/job-7/spec", "imex/v2/domains/job-7/workloads/job-7"]
+    assert all(json.loads(left[t])["state"] == "deleted" for t in left), left
 
 
 # Issue 21: a channel is one workload's across the domain; every read is complete; the
@@ -298,7 +318,7 @@ def test_a_channel_held_on_one_node_is_given_to_no_other_workload_anywhere(c: Cl
         assert_no_device(node, 5)
         assert "job1 keeps it" in listed(node)["job2"]["message"]
     assert_device(n1, 5, 1001, 1001, 0o660)
-    assert ready_with(n1, "job1", 1)
+    assert ready_with(n1, "job1", generation(c, "job1"))
     status = imexd(c, "workload", "status", "job1")
     assert status.returncode == 1, status.stdout + status.stderr
     assert "ChannelConflict: channel 5 of d1 is claimed by workloads job1, job2" in status.stdout
