@@ -23,7 +23,7 @@ import pytest
 from imexd.demo.brokers import Mosquitto
 from imexd.topics import Topics
 from tests.cluster import Cluster, Node, pids, untouched
-from tests.support import IMEXD, during
+from tests.support import IMEXD, during, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +232,9 @@ def test_a_standby_restored_from_an_older_snapshot_is_healed(persistent: Cluster
     for domain in ("da", "db"):
         ok(imexd(c, "domain", "status", domain, "--wait", str(WAIT_S)))
     assert during(WATCH_S, lambda: "; ".join(untouched(running, before)) or None) == []
+    wait_for(
+        lambda: "dc" not in imexd(c, "domain", "list").stdout.split(),
+        timeout=WAIT_S,
+        what="domain list without the deleted dc (its member's stale record cleared)",
+        seen=lambda: imexd(c, "domain", "list").stdout,
+    )

@@ -67,7 +67,7 @@ from imexd.logs import get_logger
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.membership.shard import Identity, Plan, ShardView
-from imexd.messages import Assignment, Deleted, HealthReport, Received, Retry
+from imexd.messages import Assignment, Deleted, HealthReport, MemberRecord, Received, Retry
 from imexd.messages import now as wire_now
 from imexd.names import client_id
 from imexd.nodestate import NodeState
@@ -140,6 +140,8 @@ class Agent:
         """The last request taken in. A request is new when it differs from this one, not
         when its `at` is larger: a request dated in the future blocks no later one."""
         self.retry_asked: Retry | None = None
+        self.stale_own: set[str] = set()
+        """Topics of records of this node that a broker serves outside its shard."""
         self.wake = asyncio.Event()
         self.step_pace = Pacer(STEP_PACE_S)
 
@@ -422,6 +424,12 @@ class Agent:
             self.retry_last = self.retry_asked = asked  # each request once
             self.log.info("retry.asked", by=asked.by, at=asked.at)
             self.dirty.set()
+        if (
+            isinstance(event, Received)
+            and isinstance(event.payload, MemberRecord)
+            and shard.stale_own(event.ref, event.payload)
+        ):
+            self.stale_own.add(event.topic)  # cleared by the membership loop
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
@@ -551,12 +559,23 @@ class Agent:
         await bus.subscribe(spec, *own, ordered=False)
         bus.set_will(shard.will(self.topics, domain, clique))
 
+    async def _clear_stale_own(self) -> None:
+        """Clear the records of this node that a broker serves outside its shard (a standby
+        restored from an older disk): we deleted them when we left, so they are not ours
+        to keep (`ShardView.stale_own`)."""
+        bus, _ = self._parts()
+        while self.stale_own:
+            topic = self.stale_own.pop()
+            self.log.info("membership.stale_record_cleared", topic=topic)
+            await bus.retain(topic, None)
+
     def _shard_filters(self, domain: str, clique: str) -> tuple[str, str]:
         """The bus filters a shard's view is made of: the domain's spec, its members."""
         return self.topics.spec(domain), self.topics.members_filter(domain, clique)
 
     async def _step(self, now: float) -> None:
         """One membership step: the shard view derives, the agent publishes and applies."""
+        await self._clear_stale_own()
         shard = self.shard
         desired = self.desired
         plan = shard.derive(

@@ -54,7 +54,7 @@ from imexd.messages import (
 )
 from imexd.nodestate import NodeState
 from imexd.settings import Settings
-from imexd.topics import Topics
+from imexd.topics import TopicRef, Topics
 
 CONFIRM_MARGIN_S: Final = 2.0
 """Added to [bus] reconnect_max_s: a peer's connect and replay after its last backoff."""
@@ -945,6 +945,18 @@ class ShardView:
         self.log.info("membership.duplicate_gone", node=self.node)
         self.duplicate = ""
         return Identity.BACK
+
+    def stale_own(self, ref: TopicRef, record: MemberRecord) -> bool:
+        """Whether `record`, on `ref`, is a record of this node that its author (a past run
+        of ours, or this one) deleted when it left that shard: ours (its will's tombstone
+        too), but not where we are now. A broker restored from an older disk serves such
+        records; we clear them."""
+        return (
+            ref.node == self.node
+            and (ref.domain, ref.clique) != self.current
+            and record.incarnation <= self.incarnation
+            and record.address == self.address
+        )
 
     def _foreign(self, own: MemberRecord) -> bool:
         """Whether a record of our name may come from another agent, not our past run."""
