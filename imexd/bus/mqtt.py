@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import socket
 import ssl
@@ -539,7 +540,25 @@ def _client(
         keepalive=max(1, round(settings.keepalive_s)),
         timeout=timeout_s,
         tls_params=tls,
+        logger=MQTT_LOG,
     )
+
+
+class _LateReply(logging.Filter):
+    """aiomqtt logs a SUBACK or UNSUBACK that came after its request timed out (or was
+    cancelled with its link) as an error with a traceback. Nothing is lost: the link
+    subscribes again or is replaced. It becomes one warning without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Unexpected message ID"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+MQTT_LOG: Final = logging.getLogger("mqtt")
+"""aiomqtt's logger (its default name), with late replies demoted (`_LateReply`)."""
+MQTT_LOG.addFilter(_LateReply())
 
 
 Fallback = Callable[[str, str], None]
