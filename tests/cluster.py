@@ -592,6 +592,15 @@ class Cluster:
             | ({} if protocol is None else {"IMEXD_BUS_PROTOCOL": protocol})
         )
 
+    def check_closed(self) -> None:
+        """After `close`: nothing left behind (agents or daemons still running, anything
+        close had to kill) and no traceback in any agent's log."""
+        assert self.forced == [], "close() had to kill what the agents left"
+        for node in self.nodes.values():
+            assert not node.alive(), node.name
+            assert node.daemon_pids_on_host() == [], node.name
+            assert node.log_problems() == [], node.name
+
     def close(self) -> None:
         """SIGTERM every agent (they leave), then kill whatever they left behind.
 

@@ -31,8 +31,4 @@ def c(tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.close()
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert not node.alive(), node.name
-        assert node.daemon_pids_on_host() == [], node.name
-        assert node.log_problems() == [], node.name
+    cluster.check_closed()

@@ -28,15 +28,6 @@ MEMBERS = "imex/v2/domains/d1/members/c1/"
 DEBIAN_NATS = "/usr/sbin/nats-server"
 
 
-def check_closed(cluster: Cluster) -> None:
-    """Nothing left behind, no traceback in an agent's log."""
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert not node.alive(), node.name
-        assert node.daemon_pids_on_host() == [], node.name
-        assert node.log_problems() == [], node.name
-
-
 @pytest.fixture(params=["mosquitto", "mosquitto-persistent", "nats-2.9.10"])
 def restartable(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     """Agents on a broker that the test restarts on the same port."""
@@ -54,7 +45,7 @@ def restartable(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Clus
         yield cluster
     finally:
         cluster.close()
-    check_closed(cluster)
+    cluster.check_closed()
 
 
 def test_a_dead_node_never_returns_after_a_broker_restart(restartable: Cluster) -> None:

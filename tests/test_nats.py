@@ -52,15 +52,6 @@ TOPICS = Topics("imex/v2")
 MEMBERS = TOPICS.members_filter("d1", CLIQUE)
 
 
-def check_closed(cluster: Cluster) -> None:
-    """What the `c` fixture checks after a test: nothing left behind, no traceback."""
-    assert cluster.forced == [], "close() had to kill what the agents left"
-    for node in cluster.nodes.values():
-        assert not node.alive(), node.name
-        assert node.daemon_pids_on_host() == [], node.name
-        assert node.log_problems() == [], node.name
-
-
 @pytest.fixture(params=nats_builds.PARAMS)
 def one(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     """Agents on one nats-server (JetStream in tmp_path, so it survives a restart), once
@@ -72,7 +63,7 @@ def one(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.close()
-    check_closed(cluster)
+    cluster.check_closed()
 
 
 @pytest.fixture(params=nats_builds.CLUSTER_PARAMS)
@@ -87,7 +78,7 @@ def three(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.close()
-    check_closed(cluster)
+    cluster.check_closed()
 
 
 def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

@@ -163,9 +163,7 @@ def persistent(tmp_path: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.close()  # stops the broker too
-    assert cluster.forced == []
-    for node in cluster.nodes.values():
-        assert node.log_problems() == [], node.name
+    cluster.check_closed()
 
 
 STANDBY_NODES = 18
