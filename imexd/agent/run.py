@@ -94,9 +94,10 @@ it together at its end. The claim's barrier is taken as its echo arrives
 (`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
 
 
-def _own_report(event: Event) -> bool:
-    """Whether `event` is about our own health topic, which the agent follows only so that
-    the bus puts back a copy someone else wrote (`Bus`): it wakes no task."""
+def _report(event: Event) -> bool:
+    """Whether `event` is about a health report, which the agent follows only so that the
+    bus puts back a copy of its own someone else wrote (`Bus`), and to clear its own
+    report in a domain it left (`Agent._stale_report`): it wakes no task."""
     ref = getattr(event, "ref", None)
     return ref is not None and ref.kind == "health"
 
@@ -377,11 +378,27 @@ class Agent:
         while True:
             with self.heartbeats.resting("events"):
                 event = await anext(events, None)
-                while event is not None and _own_report(event):
-                    event = await anext(events, None)  # the bus defends it: nothing to do
+                while event is not None and _report(event):
+                    self._stale_report(event)
+                    event = await anext(events, None)
                 while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
             self._on_event(event, bus)
+
+    def _stale_report(self, event: Event) -> None:
+        """A report of this node in a domain other than its current one (a standby restored
+        from an older disk serves it): ours, deleted when we left; cleared by the
+        membership loop, like a stale member record."""
+        ref = getattr(event, "ref", None)
+        current = self.shard.current
+        if (
+            isinstance(event, Received)
+            and ref is not None
+            and ref.node == self.node
+            and (current is None or ref.domain != current[0])
+        ):
+            self.stale_own.add(event.topic)
+            self.wake.set()
 
     def _on_event(self, event: Event, bus: Bus) -> None:
         # The control plane's records reach the readers only when newer than the held ones
