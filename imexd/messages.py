@@ -522,9 +522,6 @@ class DropReason(StrEnum):
     SIGNATURE = "signature"
     """With `[control] public_key`: a control-plane record whose signature does not verify
     (another key, another topic, changed bytes)."""
-    UNSIGNED_CLEAR = "unsigned_clear"
-    """With `[control] public_key`: a clear of a spec, workload or assignment that the
-    control plane had not retired by a signed record first (`imexd.bus.signatures`)."""
     STALE = "stale"
     """A spec, workload, assignment or retry request older than the version the agent
     holds (`imexd.order`): not applied, and answered with the held version."""

@@ -426,42 +426,32 @@ def test_the_boundary_leaves_other_kinds_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    ("topic", "live", "retired"),
+    ("topic", "live"),
     [
-        (T.spec("d1"), DomainSpec(domain="d1"), DomainSpec(domain="d1", state="deleting")),
-        (T.assignment("n1"), Assignment(domain="d1"), Assignment(domain=None)),
-        (
-            T.workload("d1", "w1"),
-            WorkloadRecord(workload="w1", domain="d1", channel=3),
-            WorkloadRecord(workload="w1", domain="d1", channel=3, nodes=[], state="claiming"),
-        ),
+        (T.spec("d1"), DomainSpec(domain="d1")),
+        (T.assignment("n1"), Assignment(domain="d1")),
+        (T.workload("d1", "w1"), WorkloadRecord(workload="w1", domain="d1", channel=3)),
     ],
 )
-def test_a_clear_removes_only_what_a_signed_record_retired(
-    topic: str,
-    live: DomainSpec | Assignment | WorkloadRecord,
-    retired: DomainSpec | Assignment | WorkloadRecord,
+def test_a_clear_of_a_signed_record_passes_to_the_order(
+    topic: str, live: DomainSpec | Assignment | WorkloadRecord
 ) -> None:
-    """A clear of a live record is dropped (`unsigned_clear`) and stands, also across a
-    new link; after the signed record that retires it (a spec deleting, an assignment
-    to no domain, a workload claiming on no node), the clear is delivered."""
+    """A clear cannot be signed and is not judged here: it reaches the agent's order,
+    which answers it with the record it holds (no clear removes one), and it ends what
+    stood unverified on its topic."""
     s = signer()
     check = Signatures(s.verifier())
+    assert isinstance(check.check(_message(topic, encode(live))), Dropped)
+    assert check.standing == {topic: "unsigned"}
     assert isinstance(check.check(_message(topic, s.seal(topic, encode(live)))), Received)
-    dropped = check.check(_message(topic, b""))
-    assert isinstance(dropped, Dropped)
-    assert dropped.reason is DropReason.UNSIGNED_CLEAR
-    check.link_up()
-    assert check.standing == {topic: "unsigned_clear"}
-    assert isinstance(check.check(_message(topic, s.seal(topic, encode(retired)))), Received)
-    assert check.standing == {}
     assert isinstance(check.check(_message(topic, b"")), Deleted)
+    assert check.standing == {}
 
 
 def test_a_retry_clear_and_a_clear_of_nothing_pass() -> None:
-    """A clear of a retry request (the agent acts on requests, never on their absence) and
-    a clear of a topic that held no verified record reach the caller; a new link forgets
-    records that do not verify (its snapshot says again) but not a kept clear."""
+    """A clear of a retry request and a clear of a topic that held no verified record
+    reach the caller; a new link forgets records that do not verify (its snapshot says
+    again)."""
     s = signer()
     check = Signatures(s.verifier())
     retry = T.retry("d1", "n1")
@@ -484,7 +474,7 @@ def test_unverified_records_keep_the_node_ready_and_are_named() -> None:
     forger must not make nodes unready), naming three topics and why, and counting more."""
     standing = (
         ("imex/v2/domains/d1/spec", "signature"),
-        ("imex/v2/domains/d1/workloads/w1", "unsigned_clear"),
+        ("imex/v2/domains/d1/workloads/w1", "signature"),
         ("imex/v2/domains/d1/workloads/w2", "unsigned"),
         ("imex/v2/nodes/n1/assignment", "unsigned"),
     )
@@ -493,7 +483,7 @@ def test_unverified_records_keep_the_node_ready_and_are_named() -> None:
     assert (cond.status, cond.reason) == ("True", "UnverifiedRecords")
     assert cond.message.startswith("connected to mqtt://b:1883; ignoring 4 control-plane record")
     assert "imex/v2/domains/d1/spec (signed with another key)" in cond.message
-    assert "imex/v2/domains/d1/workloads/w1 (cleared without a signed deletion)" in cond.message
+    assert "imex/v2/domains/d1/workloads/w1 (signed with another key)" in cond.message
     assert "and 1 more" in cond.message
     calm = BusFacts(connected=True, synced=True, broker="mqtt://b:1883")
     [cond] = [

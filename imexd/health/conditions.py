@@ -139,7 +139,6 @@ UNVERIFIED_SHOWN: Final = 3
 UNVERIFIED_WHY: Final = {
     "unsigned": "unsigned",
     "signature": "signed with another key",
-    "unsigned_clear": "cleared without a signed deletion",
 }
 
 
