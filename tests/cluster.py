@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
@@ -634,6 +634,20 @@ class Cluster:
 
 
 # What several scenario modules ask of a running cluster.
+
+
+def checked(root: Path, broker: BusBroker | None = None) -> Iterator[Cluster]:
+    """The body of every cluster fixture: a cluster on `broker` (started here; a Mosquitto
+    of its own when None), closed after the test and checked for what it left behind
+    (`Cluster.check_closed`). A fixture says `yield from checked(tmp_path, broker)`."""
+    if broker is not None:
+        broker.start()
+    cluster = Cluster(root, broker=broker)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+    cluster.check_closed()
 
 
 def formed(c: Cluster, nodes: list[Node], timeout: float = 90) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import Mosquitto
-from tests.cluster import Cluster
+from tests.cluster import Cluster, checked
 
 
 @pytest.fixture
@@ -26,9 +26,4 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
 def c(tmp_path: Path) -> Iterator[Cluster]:
     """A cluster of agent processes, closed after the test, then checked for leftovers
     (agents or daemons still running) and for tracebacks in every agent's log."""
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    cluster.check_closed()
+    yield from checked(tmp_path)

@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import Mosquitto
-from tests.cluster import BusBroker, Cluster, Node, formed, members, pids, quiet, slot_of, untouched
+from tests.cluster import (
+    BusBroker,
+    Cluster,
+    Node,
+    checked,
+    formed,
+    members,
+    pids,
+    quiet,
+    slot_of,
+    untouched,
+)
 from tests.nats_servers import Nats
 from tests.support import IMEXD, during, loopback_address
 
@@ -39,13 +50,7 @@ def restartable(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Clus
     else:
         persistent = request.param == "mosquitto-persistent"
         broker = Mosquitto(tmp_path / "broker", persistence=persistent)
-    broker.start()
-    cluster = Cluster(tmp_path, broker=broker)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    cluster.check_closed()
+    yield from checked(tmp_path, broker)
 
 
 def test_a_dead_node_never_returns_after_a_broker_restart(restartable: Cluster) -> None:

@@ -38,7 +38,7 @@ from imexd.errors import BusError
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests import nats_builds
-from tests.cluster import Cluster, Node, members, pids, slot_of, untouched
+from tests.cluster import Cluster, Node, checked, members, pids, slot_of, untouched
 from tests.nats_servers import Nats, NatsCluster, publish_retained, retained_copy
 from tests.support import IMEXD
 
@@ -56,14 +56,7 @@ MEMBERS = TOPICS.members_filter("d1", CLIQUE)
 def one(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     """Agents on one nats-server (JetStream in tmp_path, so it survives a restart), once
     per build of tests/nats_builds.py (Debian's 2.9.10, the upstream 2.14.0)."""
-    server = Nats(tmp_path / "nats", binary=request.param)
-    server.start()
-    cluster = Cluster(tmp_path, broker=server)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    cluster.check_closed()
+    yield from checked(tmp_path, Nats(tmp_path / "nats", binary=request.param))
 
 
 @pytest.fixture(params=nats_builds.CLUSTER_PARAMS)
@@ -72,13 +65,7 @@ def three(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     `$IMEXD_TEST_NATS_CLUSTER_CURRENT` set: tests/nats_builds.py); each agent has all
     three URLs."""
     servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1, binary=request.param)
-    servers.start()
-    cluster = Cluster(tmp_path, broker=servers)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    cluster.check_closed()
+    yield from checked(tmp_path, servers)
 
 
 def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ import pytest
 
 from imexd.demo.brokers import Mosquitto
 from imexd.topics import Topics
-from tests.cluster import Cluster, Node, pids, untouched
+from tests.cluster import Cluster, Node, checked, pids, untouched
 from tests.support import IMEXD, during, wait_for
 
 pytestmark = pytest.mark.slow
@@ -156,14 +156,7 @@ def test_a_domain_deleted_while_a_node_was_frozen_stays_deleted(c: Cluster) -> N
 @pytest.fixture
 def persistent(tmp_path: Path) -> Iterator[Cluster]:
     """A cluster whose Mosquitto keeps its retained state on disk (mosquitto.db)."""
-    broker = Mosquitto(tmp_path / "broker", persistence=True)
-    broker.start()
-    cluster = Cluster(tmp_path, broker=broker)
-    try:
-        yield cluster
-    finally:
-        cluster.close()  # stops the broker too
-    cluster.check_closed()
+    yield from checked(tmp_path, Mosquitto(tmp_path / "broker", persistence=True))
 
 
 STANDBY_NODES = 18
