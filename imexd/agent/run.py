@@ -97,7 +97,7 @@ it together at its end. The claim's barrier is taken as its echo arrives
 def _report(event: Event) -> bool:
     """Whether `event` is about a health report, which the agent follows only so that the
     bus puts back a copy of its own someone else wrote (`Bus`), and to clear its own
-    report in a domain it left (`Agent._stale_report`): it wakes no task."""
+    report in a domain it left (`Agent._note_stale_own`): it wakes no task."""
     ref = getattr(event, "ref", None)
     return ref is not None and ref.kind == "health"
 
@@ -379,26 +379,25 @@ class Agent:
             with self.heartbeats.resting("events"):
                 event = await anext(events, None)
                 while event is not None and _report(event):
-                    self._stale_report(event)
+                    if self._note_stale_own(event):
+                        self.wake.set()
                     event = await anext(events, None)
                 while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
             self._on_event(event, bus)
 
-    def _stale_report(self, event: Event) -> None:
-        """A report of this node in a domain other than its current one (a standby restored
-        from an older disk serves it): ours, deleted when we left; cleared by the
-        membership loop, like a stale member record."""
-        ref = getattr(event, "ref", None)
-        current = self.shard.current
+    def _note_stale_own(self, event: Event) -> bool:
+        """Whether `event` is a record of this node that a broker serves outside its shard
+        (`ShardView.stale_own`: a standby restored from an older disk): the membership
+        loop clears it."""
         if (
             isinstance(event, Received)
-            and ref is not None
-            and ref.node == self.node
-            and (current is None or ref.domain != current[0])
+            and isinstance(event.payload, MemberRecord | HealthReport)
+            and self.shard.stale_own(event.ref, event.payload)
         ):
             self.stale_own.add(event.topic)
-            self.wake.set()
+            return True
+        return False
 
     def _on_event(self, event: Event, bus: Bus) -> None:
         # The control plane's records reach the readers only when newer than the held ones
@@ -441,12 +440,7 @@ class Agent:
             self.retry_last = self.retry_asked = asked  # each request once
             self.log.info("retry.asked", by=asked.by, at=asked.at)
             self.dirty.set()
-        if (
-            isinstance(event, Received)
-            and isinstance(event.payload, MemberRecord)
-            and shard.stale_own(event.ref, event.payload)
-        ):
-            self.stale_own.add(event.topic)  # cleared by the membership loop
+        self._note_stale_own(event)
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
@@ -464,7 +458,7 @@ class Agent:
             reconnects=bus.reconnects,
             stale_retained=bus.stale_retained,
             resync_corrections=bus.resync_corrections,
-            records_put_back=sum(bus.put_back.values()),
+            records_put_back=bus.put_back,
             dropped=MappingProxyType(dict(bus.dropped)),
             no_retained_wildcard=bus.no_retained_wildcard,
             retained_not_served=bus.retained_not_served,

@@ -43,6 +43,7 @@ from imexd.messages import (
     MAX_HOLD_S,
     Deleted,
     DomainSpec,
+    HealthReport,
     MemberRecord,
     MemberState,
     Mode,
@@ -946,14 +947,20 @@ class ShardView:
         self.duplicate = ""
         return Identity.BACK
 
-    def stale_own(self, ref: TopicRef, record: MemberRecord) -> bool:
+    def stale_own(self, ref: TopicRef, record: MemberRecord | HealthReport) -> bool:
         """Whether `record`, on `ref`, is a record of this node that its author (a past run
-        of ours, or this one) deleted when it left that shard: ours (its will's tombstone
-        too), but not where we are now. A broker restored from an older disk serves such
-        records; we clear them."""
+        of ours, or this one) deleted when it left that shard: ours (a member record, its
+        will's tombstone, a health report), but not where we are now (the shard for a
+        member record, the domain for a report). A broker restored from an older disk
+        serves such records; we clear them."""
+        current = self.current or (None, None)
+        if isinstance(record, MemberRecord):
+            elsewhere = (ref.domain, ref.clique) != current
+        else:
+            elsewhere = ref.domain != current[0]
         return (
             ref.node == self.node
-            and (ref.domain, ref.clique) != self.current
+            and elsewhere
             and record.incarnation <= self.incarnation
             and record.address == self.address
         )
