@@ -170,8 +170,8 @@ class LinkEngine:
         topic outside the contract): what a benchmark counts at the receiver."""
         self.writes: Counter[str] = Counter()
         """Records set or cleared through `retain`, by topic kind."""
-        self.put_back: Counter[str] = Counter()
-        """Our records that someone wrote over and that we published again, by topic kind
+        self.put_back = 0
+        """Our records that someone wrote over and that we published again
         (imexd_bus_records_put_back_total)."""
         self._overwritten: set[str] = set()
         """Topics of ours that a live copy not ours reached: put back at the next turn."""
@@ -621,7 +621,7 @@ class LinkEngine:
 
     async def _put_back(self, client: Client) -> None:
         """Publish again our records that someone wrote over (`_dispatch`): the owner puts
-        its own back within a round trip (the first time per topic logged as a warning)."""
+        its own back within a round trip (the first time logged as a warning)."""
         self._overwrite.clear()
         topics, self._overwritten = sorted(self._overwritten), set()
         async with self._lock:
@@ -630,11 +630,9 @@ class LinkEngine:
                 if record is None or not record.payload or not record.replay:
                     continue
                 await self._put_retained(client, topic, record)
-                ref = self.topics.parse(topic)
-                kind = "other" if ref is None else ref.kind
-                level = self._log.warning if not self.put_back[kind] else self._log.info
-                self.put_back[kind] += 1
-                level("bus_record_put_back", topic=topic[:300], times=self.put_back[kind])
+                level = self._log.info if self.put_back else self._log.warning
+                self.put_back += 1
+                level("bus_record_put_back", topic=topic[:300], times=self.put_back)
         self._counted()
 
     async def _resync(self, client: Client) -> None:

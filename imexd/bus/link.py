@@ -202,7 +202,7 @@ class Bus(LinkEngine):
     @property
     def unverified(self) -> tuple[tuple[str, str], ...]:
         """(topic, DropReason value) where the broker holds a control-plane record that does
-        not verify, or lacks one it cleared unsigned (`imexd.bus.signatures`), by topic."""
+        not verify (`imexd.bus.signatures`), by topic."""
         return () if self._signatures is None else tuple(sorted(self._signatures.standing.items()))
 
     @property
