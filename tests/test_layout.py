@@ -276,6 +276,7 @@ PACKAGE_MAY_IMPORT: dict[str, frozenset[str]] = {
             "imexd",
             "imexd.bus.mqtt",
             "imexd.bus.repairs",
+            "imexd.bus.signatures",
             "imexd.channels.fleet",
             "imexd.errors",
             "imexd.health.fleet",

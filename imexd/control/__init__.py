@@ -41,7 +41,7 @@ CLI runs for domains and nodes), `workloads` (those for workloads), `gc` (leftov
 `schemas` (the JSON Schemas shipped in docs/schemas/). Argument parsing, the event loop
 and signals are `imexd.cli.main`'s.
 
-It may import the leaves, the bus's MQTT layer and broker repairs, and the pure fleet
-judgements (`imexd.health.fleet`, `imexd.channels.fleet`); never the agent, the shard or
-the daemon: it runs on no node (tests/test_layout.py holds the arrows).
+It may import the leaves, the bus's MQTT layer, broker repairs and signature check, and
+the pure fleet judgements (`imexd.health.fleet`, `imexd.channels.fleet`); never the agent,
+the shard or the daemon: it runs on no node (tests/test_layout.py holds the arrows).
 """

@@ -32,9 +32,10 @@ from typing import Final, Self
 
 from imexd.bus.mqtt import Client, connect, topic_matches
 from imexd.bus.repairs import StaleCopies, engaged, refusal_waits
+from imexd.bus.signatures import Signatures
 from imexd.control.store import Store
 from imexd.errors import BusError, ConfigError
-from imexd.messages import Dropped, DropReason, Received, WorkloadRecord, decode_message
+from imexd.messages import Dropped, Received, WorkloadRecord, decode_message
 from imexd.names import client_id
 from imexd.settings import BrokerURL, BusSettings, Settings, parse_broker_url
 from imexd.signing import SIGNED_KINDS, Signer, Verifier, load_signer, load_verifier
@@ -130,12 +131,14 @@ class Link:
     ) -> None:
         self.settings = settings
         self.race = race
+        """Workload filters at QoS 1: the channel race of `workload create` judges by
+        every message of them (`qos`)."""
         self.signer = signer
         """Signs the records `put` writes (`seal`); None: written unsigned."""
         self.verifier = verifier
         """Verifies the control-plane records read; None: accepted unsigned."""
-        """Workload filters at QoS 1: the channel race of `workload create` judges by
-        every message of them (`qos`)."""
+        self._signatures = Signatures(verifier) if verifier is not None else None
+        """The agents' check of those records (`imexd.bus.signatures`)."""
         self.topics = Topics(settings.topic_prefix)
         self.client_id = client_id or default_client_id()
         self.brokers: tuple[BrokerURL, ...] = tuple(parse_broker_url(u) for u in settings.url)
@@ -264,13 +267,8 @@ class Link:
             return  # read again (`read`, a new broker's snapshot): nothing changed
         self._last[topic] = payload
         result = decode_message(self.topics, topic, payload, retained=retained)
-        if (
-            self.verifier is not None
-            and isinstance(result, Received)
-            and result.ref.kind in SIGNED_KINDS
-            and (problem := self.verifier.problem(topic, payload)) is not None
-        ):
-            result = Dropped(DropReason(problem[0]), problem[1])
+        if self._signatures is not None and not isinstance(result, Dropped):
+            result = self._signatures.check(result)  # the agents' own check
         if isinstance(result, Dropped):
             self.store.dropped[result.reason.value] += 1
             return
