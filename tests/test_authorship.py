@@ -54,7 +54,7 @@ def overwritten_total(node: Node) -> float:
 
 def test_a_record_written_over_a_live_nodes_topic_is_put_back_at_once(c: Cluster) -> None:
     """(2) n3's record with another address, published once on n3's topic: n3 puts its
-    own back within a round trip, counts and reports it, and every peer maps n3's slot
+    own back within a round trip, counts and logs it, and every peer maps n3's slot
     to n3 again; no daemon is restarted."""
     nodes = [c.add(f"n{i}") for i in (1, 2, 3)]
     formed(c, nodes)
@@ -73,11 +73,13 @@ def test_a_record_written_over_a_live_nodes_topic_is_put_back_at_once(c: Cluster
     took = time.monotonic() - injected
     c.wait(lambda: all(n.hosts_slots().get(slot_of(n3)) == n3.address for n in nodes))
     assert overwritten_total(n3) == 1
-    settled = n3.condition("SlotSettled")
-    assert (settled.get("status"), settled.get("reason")) == ("True", "RecordOverwritten"), settled
-    assert forged["address"] in settled.get("message", "")
+    [event] = n3.log_events("membership.record_overwritten")
+    assert forged["address"] in event["what"], event
+    # Ours stands again: the condition says so; the count and the log keep the history.
+    c.wait(
+        lambda: n3.condition("SlotSettled").get("reason") == "Settled", what="SlotSettled: Settled"
+    )
     assert n3.ready()
-    assert n3.log_events("membership.record_overwritten"), "no log event"
     assert untouched(nodes, before) == [], f"put back after {took:.1f} s"
 
 

@@ -25,7 +25,6 @@ from imexd.membership.desired import Desired
 from imexd.membership.shard import (
     FIRST_START_WINDOWS,
     OVERWRITE_PACE_S,
-    OVERWRITE_WINDOW_S,
     RECLAIMS_ON_LOST_ECHO,
     Identity,
     Plan,
@@ -865,7 +864,9 @@ def test_a_claim_settles_only_once_the_broker_passed_the_retained_check() -> Non
 
 def test_a_record_written_over_ours_is_put_back_at_the_next_step() -> None:
     """A live record on our topic that we did not publish, while nothing of ours is in
-    flight: the next step publishes ours again; counted and shown as RecordOverwritten."""
+    flight: the next step publishes ours again; counted, and shown as RecordOverwritten
+    until the echo of ours says it stands again (no clock: the count and the log keep
+    the history)."""
     v = view()
     settle(v)
     ours = v.last_sent
@@ -879,12 +880,13 @@ def test_a_record_written_over_ours_is_put_back_at_the_next_step() -> None:
     assert v.record(plan.decision.claim, driver="") == ours
     assert plan.desired is not None
     assert plan.desired.run  # the daemon is untouched
-    publish(v, plan, 3.0)
-    assert not derive(v, 3.1).publish
-    facts = v.facts(plan.desired, 3.1)
+    facts = v.facts(plan.desired)
     assert (facts.state, facts.reason, facts.overwritten) == ("member", "RecordOverwritten", 1)
     assert "10.6.6.6" in facts.detail
-    assert v.facts(plan.desired, 3.0 + OVERWRITE_WINDOW_S).reason == ""
+    publish(v, plan, 3.0)  # and its echo: ours stands again
+    assert not derive(v, 3.1).publish
+    facts = v.facts(plan.desired)
+    assert (facts.state, facts.reason, facts.overwritten) == ("member", "", 1)
 
 
 def test_our_records_carry_their_place_in_this_run() -> None:
@@ -941,7 +943,7 @@ def test_overwrites_are_put_back_at_once_and_paced_only_for_a_live_duplicate() -
         v.apply(received(v.last_sent or ours, retained=False), at)  # its echo
     assert plan.desired is not None
     assert v.duplicate == ""
-    assert v.facts(plan.desired, 4.0).reason == "RecordOverwritten"
+    assert v.facts(plan.desired).reason == ""  # each put back, each echoed
     taken = Disconnected(broker="b", reason="taken", reason_code=SESSION_TAKEN_OVER)
     assert v.apply(taken, 5.0) is None
     reconnect(v, 5.0)
@@ -954,7 +956,7 @@ def test_overwrites_are_put_back_at_once_and_paced_only_for_a_live_duplicate() -
     assert plan.wake_at == 5.0 + OVERWRITE_PACE_S
     assert plan.desired is not None
     assert plan.desired.run
-    facts = v.facts(plan.desired, 5.5)
+    facts = v.facts(plan.desired)
     assert (facts.state, facts.reason) == ("member", "DuplicateNode")
     assert derive(v, 5.0 + OVERWRITE_PACE_S).publish
 
@@ -1120,12 +1122,3 @@ def test_a_peers_claim_turning_stale_is_a_step_due_without_any_event() -> None:
     v.apply(received(rec("n2", 1, MemberState.CLAIMING)), now=5.0)
     assert v.due_at(5.0) == 35.0  # claim_stale_s = 30 after it was first seen
     assert v.due_at(36.0) is None  # stale already: nothing more is due for it
-
-
-def test_the_facts_change_when_an_overwrite_leaves_its_window() -> None:
-    """`facts_due`: the end of the RecordOverwritten window, the one time-based fact."""
-    v = view()
-    assert v.facts_due(0.0) is None
-    v.overwrites.append(10.0)
-    assert v.facts_due(11.0) == 10.0 + OVERWRITE_WINDOW_S
-    assert v.facts_due(10.0 + OVERWRITE_WINDOW_S) is None

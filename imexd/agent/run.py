@@ -880,7 +880,7 @@ class Agent:
             incarnation=shard.incarnation,
             driver=self.driver,
             bus=self._refresh_bus_facts(self._parts()[0]),
-            membership=shard.facts(self.desired, time.monotonic()),
+            membership=shard.facts(self.desired),
             daemon=DaemonFacts(
                 state=state,
                 pid=pid,
@@ -914,8 +914,6 @@ class Agent:
             self.heartbeats.beat("report")
             now = time.monotonic()
             due = schedule.next_at()
-            if (facts_due := self.shard.facts_due(now)) is not None:
-                due = min(due, facts_due)
             with self.heartbeats.resting("report"):  # changes in a burst: one turn
                 await self.report_pace.wait(self.changed, max(0.0, due - now), self.urgent)
             health = self.health

@@ -69,9 +69,6 @@ writes over a record of its name that it did not write, for another live agent o
 name to take the session back: such an agent lost its session to us and reconnects after
 its first backoff. Two links of ours ended within the wait show it (TAKEN_LINKS); a
 record alone is replaced once the wait is over."""
-OVERWRITE_WINDOW_S: Final = 60.0
-"""RecordOverwritten shows on /status for this many seconds after a record written over
-ours."""
 OVERWRITE_PACE_S: Final = 5.0
 """While another live agent runs with our name (DuplicateNode, our slot kept), our record
 is put back at most once per this many seconds, so that the two do not re-publish over
@@ -244,8 +241,9 @@ class ShardView:
         hold it: its echo is checked for a rival on our slot (`_on_own_echo`)."""
         self.replay_rival: MemberRecord | None = None
         """The rival on our slot at the echo of that re-publication: claim again."""
-        self.overwrites: list[float] = []
-        """`now` of each record written over ours within OVERWRITE_WINDOW_S."""
+        self.overwrite_open = False
+        """A record written over ours stands on the broker: ours is not back yet (its
+        echo has not come). RecordOverwritten, or DuplicateNode while `contested`."""
         self.overwritten_total = 0
         """Records written over ours since the agent started (a metric)."""
         self.overwritten = ""
@@ -372,6 +370,7 @@ class ShardView:
         self.decision = None
         self.wake_at = None
         self.in_flight.clear()
+        self.overwrite_open = False
         self.last_sent = None
         self.echo = None
         self.incumbents.clear()
@@ -403,13 +402,6 @@ class ShardView:
         ]
         return min(due) if due else None
 
-    def facts_due(self, now: float) -> float | None:
-        """When `facts` changes without any event: the end of OVERWRITE_WINDOW_S after a
-        record written over ours (None: it does not)."""
-        if not self.overwrites or now - self.overwrites[-1] >= OVERWRITE_WINDOW_S:
-            return None
-        return self.overwrites[-1] + OVERWRITE_WINDOW_S
-
     # -- bus events -----------------------------------------------------------------
 
     def apply(self, event: Event, now: float) -> Identity | None:
@@ -428,6 +420,7 @@ class ShardView:
             # particular order: a claim in flight is published again once the snapshot is
             # in, and settles on that echo only (rivals in the snapshot count as earlier).
             self.in_flight.clear()
+            self.overwrite_open = False  # the new link's snapshot is judged afresh
             self.echo = None
             self.republish = True
             self.reclaims = 0
@@ -583,15 +576,13 @@ class ShardView:
         if record is not None and record.incarnation == self.incarnation:
             # A copy of this run placed later than ours: ours, put back, goes after it.
             self.seq = max(self.seq, record.seq)
-        self.overwrites = [t for t in self.overwrites if now - t < OVERWRITE_WINDOW_S]
-        self.overwrites.append(now)
+        self.overwrite_open = True
         self.overwritten_total += 1
         self.overwritten = what
         self.log.warning(
             "membership.record_overwritten",
             what=what,
-            times=len(self.overwrites),
-            within_s=OVERWRITE_WINDOW_S,
+            times=self.overwritten_total,
             why="a record on this node's member topic that this agent did not write; "
             "putting this node's record back",
         )
@@ -770,6 +761,8 @@ class ShardView:
         if data not in self.in_flight:
             return  # of a previous link, or a replay before this link synced
         del self.in_flight[: self.in_flight.index(data) + 1]
+        if not self.in_flight:
+            self.overwrite_open = False  # ours stands again
         record = self.last_sent
         if self.in_flight or record is None or record.slot is None:
             return
@@ -1353,9 +1346,8 @@ class ShardView:
 
     # -- facts ----------------------------------------------------------------------
 
-    def facts(self, desired: Desired, now: float | None = None) -> MembershipFacts:
-        """The membership facts of health, with `desired` as the agent applies it; `now`
-        (the monotonic clock) says whether a record written over ours is recent."""
+    def facts(self, desired: Desired) -> MembershipFacts:
+        """The membership facts of health, with `desired` as the agent applies it."""
         decision = self.decision
         contests = decision.contests() if decision is not None else {}
         base = MembershipFacts(
@@ -1370,12 +1362,7 @@ class ShardView:
         )
         if self.duplicate:
             return replace(base, state="out", reason="DuplicateNode", detail=self.duplicate)
-        recent = (
-            now is not None
-            and bool(self.overwrites)
-            and now - self.overwrites[-1] < OVERWRITE_WINDOW_S
-            and self.claim.phase is mb.Phase.MEMBER
-        )
+        recent = self.overwrite_open and self.claim.phase is mb.Phase.MEMBER
         if recent and self.contested:
             return replace(base, state="member", reason="DuplicateNode", detail=self.contested)
         if recent:
