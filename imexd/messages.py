@@ -174,7 +174,7 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The record's place among those this agent run (`incarnation`) published: 1 for its
     first, one more for each record that says something new; a record published again
     unchanged keeps its seq. 0: no place (a Last Will, which the broker writes when it
-    fires, and agents that predate the field). `order` reads it."""
+    fires, and agents that predate the field). `version` reads it."""
     link: Count = 0
     """The writer's link to the broker (counted from 1 in its run) that this record was
     published on, or, in a Last Will, the link whose end it says. 0: an agent that
@@ -192,16 +192,6 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"a {self.state.value} record cannot be released")
         if self.hold_s and self.state is not MemberState.LOST:
             raise ValueError(f"a {self.state.value} record cannot have hold_s {self.hold_s}")
-
-
-def order(record: MemberRecord) -> tuple[int, int] | None:
-    """Where `record` stands among the records its writer published: (incarnation, seq),
-    later is greater; None when it has no place (seq 0: a Last Will, or an agent that
-    predates seq). A clustered broker may serve an older copy of a record than the one
-    it delivered live; this is how a reader tells which is later (imexd.bus.repairs)."""
-    if record.seq == 0 or record.state is MemberState.LOST:
-        return None
-    return (record.incarnation, record.seq)
 
 
 LINK_END: Final = 1 << 62

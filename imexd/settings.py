@@ -373,7 +373,7 @@ class BusSettings:
         "between re-reads of the subscriptions: the broker's fresh retained snapshot is "
         "compared with what the agent holds and only differences come out, so an update a "
         "clustered broker lost (NATS 2.9) is corrected within this time; one also follows "
-        "each burst of changes by 6 s. Each costs one SUBSCRIBE per filter, a copy of every "
+        "each burst of changes by 1 s. Each costs one SUBSCRIBE per filter, a copy of every "
         "record of the shard and domain (~20 for a rack of 18) and a round trip. 0: never.",
         _nonneg,
     )

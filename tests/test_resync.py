@@ -189,7 +189,7 @@ async def test_a_reread_corrects_a_view_that_lost_updates_and_emits_nothing_else
     for t, payload in current.items():
         await peer.publish(t, payload, retain=True)
     s = settings(broker.url, resync_interval_s=0.4)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         await view.until(current, within=5)
@@ -219,7 +219,7 @@ async def test_an_empty_reread_deletes_nothing(broker: Mosquitto) -> None:
     not send retained messages again for a SUBSCRIBE of an existing filter) deletes none
     of them: it says nothing about the records, where deletions would flap the shard."""
     s = settings(broker.url, resync_interval_s=0.3)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         async with asyncio.timeout(5):
@@ -241,7 +241,7 @@ async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
     again."""
     s = settings(broker.url, resync_interval_s=0.4)
     mine = record("n1", 0, MemberState.MEMBER)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         await bus.retain(topic("n1"), mine)
@@ -319,9 +319,7 @@ async def test_a_subscriber_on_another_nats_server_ends_on_the_last_update(
             await peer.publish(topic(node), encode(record(node, 0)), retain=True)
             others = [await client_of(second.url) for _ in range(20)]
             s = settings(second.url, protocol="3.1.1", resync_interval_s=1.0)
-            async with Bus(
-                s, node="n1", client_id=f"imexd-n1-{round_}", timeout_s=10.0, resync_quiet_s=1.0
-            ) as bus:
+            async with Bus(s, node="n1", client_id=f"imexd-n1-{round_}", timeout_s=10.0) as bus:
                 view = View(bus)
                 async with asyncio.timeout(30):
                     await view.synced.wait()  # the link is up: the SUBSCRIBE goes out now
@@ -349,18 +347,18 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
     """Seen on a three-server NATS cluster at 64 nodes: a peer's member record lost during
     a formation stayed lost until the periodic re-read, up to `resync_interval_s` (30 s)
     later. On a repaired link, whatever its protocol, a re-read also follows each burst
-    of changes, `resync_quiet_s` + RESYNC_SETTLE_S after its last live message, and
+    of changes, RESYNC_SETTLE_S after its last live message, and
     corrects it; without a change since the last re-read there is none."""
     peer = await client_of(broker.url)
     current = {topic("n2"): encode(record("n2", 4, MemberState.MEMBER))}
     await peer.publish(topic("n2"), current[topic("n2")], retain=True)
     s = settings(broker.url, resync_interval_s=600.0, protocol=protocol)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.2) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         await view.until(current, within=5)
         assert bus.repaired
-        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        await asyncio.sleep(RESYNC_SETTLE_S + 1.0)
         assert bus.resyncs == 0, "a re-read without any change"
         # The lost update: n2's older claim stands in the view (delivered live, as a
         # later update that never arrived leaves it); a burst of changes ends here.
@@ -368,26 +366,24 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
         await until_at_least(lambda: bus.resync_corrections, 1, within=5)
         assert view.records[topic("n2")] == current[topic("n2")]
         resyncs = bus.resyncs
-        await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
+        await asyncio.sleep(RESYNC_SETTLE_S + 1.0)
         assert bus.resyncs == resyncs, "a re-read without a change since the last one"
         view.stop()
     await peer.close(2.0)
 
 
-async def test_a_burst_of_ordered_records_is_read_again_without_the_quiet_time(
+async def test_every_burst_is_read_again_without_a_quiet_time(
     broker: Mosquitto,
 ) -> None:
     """Seen on nats-server 2.9.10 at 18 agents: a peer's member update lost during a
-    formation waited 6 s (the quiet time, 5 s, then 1 s) for the re-read that put it
-    right. A record that carries its writer's order needs no quiet time (a re-read never
-    applies an older copy of it), so a burst of such records alone is read again
-    RESYNC_SETTLE_S after its last live message; a burst with a record without an order
-    still waits for the quiet time."""
+    formation waited 6 s (a quiet time, 5 s, then 1 s) for the re-read that put it right.
+    Every record carries its writer's order (a re-read never applies an older copy), so
+    any burst is read again RESYNC_SETTLE_S after its last live message."""
     peer = await client_of(broker.url)
     later = encode(record("n2", 4, MemberState.MEMBER, seq=2))
     await peer.publish(topic("n2"), later, retain=True)
     s = settings(broker.url, resync_interval_s=600.0)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=30.0) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         await view.until({topic("n2"): later}, within=5)
@@ -395,11 +391,10 @@ async def test_a_burst_of_ordered_records_is_read_again_without_the_quiet_time(
         bus._dispatch(topic("n2"), encode(record("n2", 4, seq=1)), retained=False)
         await until_at_least(lambda: bus.resync_corrections, 1, within=RESYNC_SETTLE_S + 4)
         assert view.records[topic("n2")] == later
-        # A burst with a record without an order (seq 0): no re-read within the quiet time.
+        # A burst with a record without an order (seq 0: an agent that predates it) too.
         resyncs = bus.resyncs
         bus._dispatch(topic("n3"), encode(record("n3", 5)), retained=False)
-        await asyncio.sleep(RESYNC_SETTLE_S + 1.5)
-        assert bus.resyncs == resyncs
+        await until_at_least(lambda: bus.resyncs, resyncs + 1, within=RESYNC_SETTLE_S + 4)
         view.stop()
     await peer.close(2.0)
 
@@ -414,7 +409,7 @@ async def test_no_repair_runs_on_a_link_whose_broker_keeps_order(
     Mosquitto it is never older: it was queued before the SUBSCRIBE), and neither a burst
     of changes nor the periodic interval brings a re-read."""
     s = settings(broker.url, resync_interval_s=0.3, protocol=protocol, broker=profile)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.0) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         async with asyncio.timeout(5):
@@ -423,21 +418,18 @@ async def test_no_repair_runs_on_a_link_whose_broker_keeps_order(
         live, copy = encode(record("n3", 1)), encode(record("n3", 2))
         bus._dispatch(topic("n3"), live, retained=False)
         bus._dispatch(topic("n3"), copy, retained=True)
-        await asyncio.sleep(0.3 + RESYNC_SETTLE_S + 1.0)
+        await asyncio.sleep(RESYNC_SETTLE_S + 1.0)
         assert view.records == {topic("n3"): copy}
         assert (bus.stale_retained, bus.resyncs, bus.resync_corrections) == (0, 0, 0)
         view.stop()
 
 
-async def test_a_burst_that_never_ends_still_gets_its_reread(
-    broker: Mosquitto, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_burst_that_never_ends_still_gets_its_reread(broker: Mosquitto) -> None:
     """Seen at 256 nodes on an overloaded NATS cluster: links kept dropping and coming
-    back, so live messages never paused and the re-read after the burst never came. It
-    comes RESYNC_SETTLE_MAX_S after the burst's first live message at the latest."""
-    monkeypatch.setattr(imexd.bus.repairs, "RESYNC_SETTLE_MAX_S", 1.0)
-    s = settings(broker.url, resync_interval_s=600.0, protocol="3.1.1")
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.5) as bus:
+    back, so live messages never paused and the re-read after the burst never came. The
+    periodic re-read (`resync_interval_s`, jittered by +-25 %) is not put off by a burst."""
+    s = settings(broker.url, resync_interval_s=1.0, protocol="3.1.1")
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         async with asyncio.timeout(5):
@@ -518,7 +510,7 @@ async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosqu
     lost = ServerThatLost(topic("n1"))
     async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
         peer = await client_of(broker.url)
-        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.1) as w:
+        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as w:
             await w.subscribe(FILTER)
             await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
             began = time.monotonic()
@@ -538,7 +530,7 @@ async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: M
     peer = await client_of(broker.url)
     current = encode(record("n2", 4, MemberState.MEMBER))
     s = settings(broker.url, resync_interval_s=600.0)
-    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0, resync_quiet_s=0.2) as bus:
+    async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as bus:
         view = View(bus)
         await bus.subscribe(FILTER)
         async with asyncio.timeout(5):
@@ -584,8 +576,8 @@ def test_a_formed_domain_whose_agents_refresh_their_records_touches_no_daemon(
     tmp_path: Path,
 ) -> None:
     """On repaired links every agent publishes its member record again at its periodic
-    re-reads (here every 0.75 to 1.25 s, a record unchanged for RESYNC_QUIET_S), and its
-    peers get the same record again: no daemon gets a signal or a restart while they do."""
+    re-reads (here every 0.75 to 1.25 s), and its peers get the same record again: no
+    daemon gets a signal or a restart while they do."""
     c = Cluster(tmp_path)
     try:
         fast = {"bus": {"broker": "nats", "resync_interval_s": 1.0}}
@@ -599,8 +591,7 @@ def test_a_formed_domain_whose_agents_refresh_their_records_touches_no_daemon(
             def refreshed() -> Counter[str]:
                 return Counter(t.rsplit("/", 1)[-1] for t, payload in client.seen() if payload)
 
-            # The retained copy, then at least two refreshes each (a record that changed
-            # within the re-read's quiet time, RESYNC_QUIET_S, is not published again).
+            # The retained copy, then at least two refreshes each.
             c.wait(lambda: all(refreshed()[n.name] >= 3 for n in nodes), timeout=30)
         assert untouched(nodes, before) == []
         assert {n.name: n.signals() for n in nodes} == signals

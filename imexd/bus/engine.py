@@ -91,7 +91,6 @@ class LinkEngine:
         ping_timeout_s: float | None,
         echo_timeout_s: float,
         close_timeout_s: float,
-        resync_quiet_s: float,
         rand: Callable[[], float],
         verifier: Verifier | None,
     ) -> None:
@@ -186,7 +185,6 @@ class LinkEngine:
         check: not a stable link."""
         self._repairs = Repairs(
             resync_s=settings.resync_interval_s,
-            resync_quiet_s=resync_quiet_s,
             ping_topic=self._ping_topic,
             rand=rand,
             topics=self.topics,
@@ -545,7 +543,7 @@ class LinkEngine:
         messages meanwhile are delivered as usual and win over the snapshot. False when a
         SUBSCRIBE was refused (nothing judged: the link's task retries it)."""
         async with self._lock:
-            started = self._repairs.begin(filters)
+            self._repairs.begin(filters)
             try:
                 await self._subscribe(client, filters)
                 if any(f in self._subs.refused for f in filters):
@@ -556,7 +554,7 @@ class LinkEngine:
             log = self._log.bind(broker=self._broker)
             ours, published = self._records.ours(), self._records.published_here()
             verdict = self._repairs.differences(
-                filters, snapshot, ours=ours, published=published, started=started, log=log
+                filters, snapshot, ours=ours, published=published, log=log
             )
             for topic in [*verdict.republish, *verdict.refresh]:
                 record = self._records.get(topic)

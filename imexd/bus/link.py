@@ -32,7 +32,6 @@ from imexd.bus.engine import LinkEngine
 from imexd.bus.events import RETAINED_NOT_SERVED, Event, WillSpec
 from imexd.bus.mqtt import QOS
 from imexd.bus.records import Record
-from imexd.bus.repairs import RESYNC_QUIET_S
 from imexd.bus.waits import unless
 from imexd.errors import BusError
 from imexd.logs import get_logger
@@ -91,7 +90,6 @@ class Bus(LinkEngine):
         ping_timeout_s: float | None = None,
         echo_timeout_s: float = 5.0,
         close_timeout_s: float = 5.0,
-        resync_quiet_s: float = RESYNC_QUIET_S,
         rand: Callable[[], float] = random.random,
         verifier: Verifier | None = None,
     ) -> None:
@@ -106,8 +104,6 @@ class Bus(LinkEngine):
         echo_timeout_s: how long a retained publication may take to come back before it
             counts as refused.
         close_timeout_s: bound on the clean DISCONNECT at close.
-        resync_quiet_s: a periodic re-read (`[bus] resync_interval_s`) corrects no topic
-            whose record changed within this many seconds (`RESYNC_QUIET_S`).
         rand: source of jitter in [0, 1).
         verifier: the control plane's public key (`[control] public_key`): specs,
             workloads, assignments and retry requests it did not sign are dropped
@@ -123,8 +119,6 @@ class Bus(LinkEngine):
         ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
-        if not resync_quiet_s >= 0:
-            raise ValueError(f"resync_quiet_s must be >= 0, not {resync_quiet_s!r}")
         if will is not None:
             _check_topic_name(will.topic)
         super().__init__(
@@ -136,7 +130,6 @@ class Bus(LinkEngine):
             ping_timeout_s=ping_timeout_s,
             echo_timeout_s=echo_timeout_s,
             close_timeout_s=close_timeout_s,
-            resync_quiet_s=resync_quiet_s,
             rand=rand,
             verifier=verifier,
         )

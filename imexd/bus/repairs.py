@@ -9,7 +9,9 @@ JetStream consumer per subscription, and it
   `stale_retained`);
 - loses live updates published while that consumer is being set up, and echoes of our
   own publications, so a view can stay wrong until someone reads the broker again
-  (`Repairs` schedules re-reads and `Repairs.differences` says what they correct; the shard
+  (`Repairs` schedules re-reads and `Repairs.differences` says what they correct, by each
+  record's writer's order: a snapshot that lags behind what came live holds older
+  versions, which change nothing; the shard
   publishes a claim again when the link says an echo may be lost: `repaired`); and a
   server may miss a record in its retained map as well as its live update, so that its
   subscribers' re-reads cannot correct them: the periodic re-read publishes our own
@@ -42,7 +44,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from imexd.bus.mqtt import QOS, topic_matches
-from imexd.messages import MemberRecord, Received, decode_message, order
+from imexd.messages import (
+    Assignment,
+    DomainSpec,
+    HealthReport,
+    MemberRecord,
+    Payload,
+    Received,
+    Retry,
+    WorkloadRecord,
+    decode_message,
+    version,
+)
+from imexd.order import tombstone
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerProfile
 from imexd.topics import Topics
@@ -87,20 +101,28 @@ def subscription_qos(repaired: bool, ordered: bool) -> int:
     return QOS if ordered or not repaired else 0
 
 
-RESYNC_QUIET_S: Final = 5.0
-"""A re-read leaves alone a topic whose record changed this recently and carries no
-writer's order (`imexd.messages.order`; a member record that has one is judged by it): a
-clustered broker's snapshot may lag behind what was just delivered live (NATS 2.9 feeds
-each server's retained map asynchronously), and a "correction" would then flap it."""
 RESYNC_SETTLE_S: Final = 1.0
 """A re-read also follows every burst of changes, this many seconds after its last live
-message (after `resync_quiet_s` more when the burst held a record without a writer's
-order, which the quiet time protects), so that an update lost in a formation is
-corrected seconds after it, not a whole `[bus] resync_interval_s` later (a NATS cluster
-loses such updates: docs/brokers.md)."""
-RESYNC_SETTLE_MAX_S: Final = 15.0
-"""A burst that never ends (links that keep dropping on an overloaded cluster) defers its
-re-read at most this long after its first live message."""
+message, so that an update lost in a formation is corrected seconds after it, not a
+whole `[bus] resync_interval_s` later (a NATS cluster loses such updates:
+docs/brokers.md). A burst that never ends is corrected by the periodic re-read, which no
+burst puts off."""
+
+
+def place(payload: Payload) -> tuple[float, ...] | None:
+    """Where a record stands among those its writer published (greater is later), or None
+    when it carries no order: a member record's or will's `version` (incarnation, link,
+    seq), a health report's
+    (incarnation, at), a control-plane record's (generation, tombstone). A re-read judges
+    a snapshot's copy by it, so a clustered broker's snapshot that lags behind what came
+    live (NATS feeds each server's retained map asynchronously) changes nothing."""
+    if isinstance(payload, MemberRecord):
+        return version(payload)
+    if isinstance(payload, HealthReport):
+        return (payload.incarnation, payload.at)
+    if isinstance(payload, DomainSpec | WorkloadRecord | Assignment | Retry):
+        return (payload.generation, int(tombstone(payload))) if payload.generation else None
+    return None
 
 
 def engaged(profile: BrokerProfile, protocol: Literal["5", "3.1.1"]) -> bool:
@@ -168,34 +190,31 @@ class Repairs:
         self,
         *,
         resync_s: float,
-        resync_quiet_s: float,
         ping_topic: str,
         rand: Callable[[], float],
         topics: Topics,
     ) -> None:
         self._topics = topics
         self._resync_s = resync_s
-        self._quiet_s = resync_quiet_s
         self._ping_topic = ping_topic
         self._rand = rand
         self._copies = StaleCopies()
-        self._known: dict[str, tuple[bytes, float]] = {}
-        """Per topic, the payload we delivered last on this link (b"": deleted) and
-        time.monotonic() then."""
-        self._gone: dict[str, tuple[int, int]] = {}
-        """Per topic whose record was cleared, the `order` of the record it cleared (the
-        last one delivered before the clear), kept across links: no copy that old or older
-        comes back."""
+        self._known: dict[str, bytes] = {}
+        """Per topic, the payload we delivered last on this link (b"": deleted)."""
+        self._doubted: dict[str, bytes] = {}
+        """Per topic, what the last re-read's snapshot said where it contradicted us with
+        no order to judge by (it lacked a record we hold, or held one where a clear came):
+        a second re-read that says the same, with nothing live on the topic in between,
+        is believed. A lagging server's snapshot lacks what was just published and still
+        holds what was just cleared; a clear lost, or a record the broker kept after a
+        clear it lost, stays."""
+        self._gone: set[str] = set()
+        """Topics whose record we delivered and then a clear, kept across links."""
         self._snapshot: dict[str, bytes] | None = None
         """While a re-read runs: the retained copies it got, held back from the caller."""
         self._snapshot_filters: list[str] = []
         self._last_live = -math.inf
         """time.monotonic() of the last live message on a filter (not a ping)."""
-        self._first_live = -math.inf
-        self._last_unordered = -math.inf
-        """time.monotonic() of the last live message whose record has no writer's order
-        (`imexd.messages.order`): its topic is protected by the quiet time."""
-        """time.monotonic() of the first live message since the last re-read began."""
         self._last_reread = -math.inf
         self._next_periodic = math.inf
         self.refreshing = False
@@ -222,6 +241,7 @@ class Repairs:
         """A new link: nothing is live on it yet, nothing delivered; re-reads start over."""
         self._copies.live.clear()
         self._known.clear()
+        self._doubted.clear()
         self._next_periodic = self._jittered()
 
     def subscribed(self, filters: Iterable[str]) -> None:
@@ -239,15 +259,12 @@ class Repairs:
         if self._copies.stale(topic, retained=retained):
             return True
         if not retained:
-            if self._known.get(topic, (None,))[0] == payload:
+            self._doubted.pop(topic, None)
+            if self._known.get(topic) == payload:
                 return False  # it repeats what we delivered (a peer's refresh): no news
-            at = time.monotonic()
             if self._last_live <= self._last_reread:
-                self._first_live = at
-            if self._order(topic, payload) is None:
-                self._last_unordered = at
-                self.burst.set()
-            self._last_live = at
+                self.burst.set()  # the first of a burst: its re-read is scheduled
+            self._last_live = time.monotonic()
             return False
         if self._snapshot is not None and any(
             topic_matches(f, topic) for f in self._snapshot_filters
@@ -259,17 +276,15 @@ class Repairs:
     def delivered(self, topic: str, payload: bytes) -> None:
         """`payload` reached the caller on `topic` (what a re-read compares with)."""
         if payload:
-            self._gone.pop(topic, None)
-        elif (held := self._known.get(topic, (b"", 0.0))[0]) and (
-            cleared := self._order(topic, held)
-        ):
-            self._gone[topic] = cleared
-        self._known[topic] = (payload, time.monotonic())
+            self._gone.discard(topic)
+        elif self._known.get(topic):
+            self._gone.add(topic)
+        self._known[topic] = payload
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Drop what was delivered on topics no subscription of ours covers now."""
         self._known = {t: k for t, k in self._known.items() if keep(t)}
-        self._gone = {t: g for t, g in self._gone.items() if keep(t)}
+        self._gone = {t for t in self._gone if keep(t)}
 
     def due(self) -> float:
         """time.monotonic() of the next re-read: the periodic one (`[bus]
@@ -280,21 +295,19 @@ class Repairs:
             return math.inf
         due = self._next_periodic
         if self._last_live > self._last_reread:
-            settled = self._last_live + RESYNC_SETTLE_S
-            if self._last_unordered > self._last_reread:
-                settled = max(settled, self._last_unordered + self._quiet_s + RESYNC_SETTLE_S)
-            due = min(due, settled, self._first_live + RESYNC_SETTLE_MAX_S)
+            due = min(due, self._last_live + RESYNC_SETTLE_S)
+        if self._doubted:  # believed on its second sight
+            due = min(due, self._last_reread + RESYNC_SETTLE_S)
         return due
 
-    def begin(self, filters: list[str]) -> float:
-        """A re-read of `filters` starts: hold their retained copies back; its start."""
+    def begin(self, filters: list[str]) -> None:
+        """A re-read of `filters` starts: hold their retained copies back."""
         started = time.monotonic()
         self.refreshing = started >= self._next_periodic
         self._last_reread = started
         if self.refreshing:  # a burst's re-read does not put the periodic one off
             self._next_periodic = self._jittered()
         self._snapshot, self._snapshot_filters = {}, filters
-        return started
 
     def end(self) -> dict[str, bytes]:
         """The re-read's snapshot is complete (or abandoned): the copies it held back."""
@@ -309,37 +322,37 @@ class Repairs:
         *,
         ours: Mapping[str, bytes],
         published: Mapping[str, bytes],
-        started: float,
         log: FilteringBoundLogger,
     ) -> Verdict:
         """What the fresh `snapshot` of `filters` says differently from what we delivered,
         given `ours` (the records we publish ourselves and replay, by topic) and
         `published` (ours as this link published them, the member record included).
 
-        A record that carries its writer's order (`imexd.messages.order`) is judged by it,
-        whenever it changed: a copy later than the one we hold comes out as received, an
-        earlier one (or one no later than a record cleared since) is left alone. The rest
-        is judged by time. Left alone: topics with a live message during the re-read (it
-        is newer) and topics whose record changed within `resync_quiet_s` before it (the
-        snapshot may lag). One of `published` that came back to us and that the snapshot
-        lacks is a store the broker lost (no clear came live): it goes out again, and the
-        caller hears nothing. Any other record we hold that the snapshot lacks comes out
-        as deleted; a record we never delivered, or a different one, as received. Ours go out again
-        where the snapshot differs; on a periodic re-read (`refreshing`), every one of
-        `published` that the snapshot shows as we published it goes out again too. An
+        A record that carries its writer's order (`place`) is judged by it: a copy later
+        than the one we hold comes out as received, an earlier one is left alone, so a
+        snapshot that lags behind what came live changes nothing. Topics with a live
+        message during the re-read are left alone (it is newer). One of `published` that
+        came back to us and that the snapshot lacks is a store the broker lost (no clear
+        came live): it goes out again, and the caller hears nothing. Any other record we
+        hold that the snapshot lacks comes out as deleted, and a copy of a topic cleared
+        since as received, once a second re-read says the same with nothing live on the
+        topic in between (`_doubted`; the second re-read follows RESYNC_SETTLE_S after the
+        first); a record we never delivered, or a different one, as received. Ours go out
+        again where the snapshot differs; on a periodic re-read (`refreshing`), every one
+        of `published` that the snapshot shows as we published it goes out again too. An
         empty snapshot while we hold records is a broker that did not send the retained
         messages again for a SUBSCRIBE of an existing filter (Mosquitto, amqtt and
         nats-server 2.9 do): it deletes nothing (logged: `bus_resync_empty`).
         """
-        quiet_from = started - self._quiet_s
-        self._known = {t: (p, at) for t, (p, at) in self._known.items() if p or at >= quiet_from}
+        self._known = {t: p for t, p in self._known.items() if p}  # a clear: in `_gone`
         scope = {
             t
             for t in itertools.chain(self._known, ours)
             if any(topic_matches(f, t) for f in filters)
         }
         verdict = Verdict()
-        verdict.blind = not snapshot and any(self._known.get(t, (b"", 0.0))[0] for t in scope)
+        doubted, self._doubted = self._doubted, {}
+        verdict.blind = not snapshot and any(self._known.get(t) for t in scope)
         if verdict.blind:
             log.warning(
                 "bus_resync_empty",
@@ -351,14 +364,12 @@ class Repairs:
             if topic == self._ping_topic or topic in self._copies.live:
                 continue
             fresh = snapshot.get(topic, b"")
-            held, at = self._known.get(topic, (b"", -math.inf))
+            held = self._known.get(topic, b"")
             own = ours.get(topic)
             later = None if own is not None or fresh == held else self._later(topic, fresh, held)
             if later is not None:
                 if later:
                     verdict.deliver.append((topic, fresh))
-                continue
-            if at >= quiet_from:
                 continue
             if self.refreshing and fresh and published.get(topic) == fresh:
                 verdict.refresh.append(topic)
@@ -374,33 +385,29 @@ class Repairs:
                 # (nats-server 2.14 gives up after its 5 s request timeout).
                 verdict.republish.append(topic)
                 continue
+            if (not fresh or topic in self._gone) and doubted.get(topic) != fresh:
+                self._doubted[topic] = fresh  # said once: the next re-read decides
+                continue
             verdict.deliver.append((topic, fresh))
         return verdict
 
     def _later(self, topic: str, fresh: bytes, held: bytes) -> bool | None:
         """Whether the snapshot's `fresh` copy is later than `held`, what we delivered
         last (b"": nothing, or a clear), by their writer's order; None: the order cannot
-        tell, time decides (either lacks an order, both have the same, or `fresh` is
-        later than a record cleared since: it may be one the writer published just
-        before its clear, which we missed)."""
-        new = self._order(topic, fresh) if fresh else None
-        if new is None:
+        tell (either lacks an order, or both have the same, or `held` is a clear, which
+        carries none: a record the writer published just before its clear, which we
+        missed, and one after it look alike)."""
+        if not held:
             return None
-        if held:
-            old = self._order(topic, held)
-            return None if old is None or old == new else new > old
-        cleared = self._gone.get(topic)
-        return False if cleared is not None and new <= cleared else None
+        new, old = self._order(topic, fresh), self._order(topic, held)
+        return None if new is None or old is None or new == old else new > old
 
-    def _order(self, topic: str, payload: bytes) -> tuple[int, int] | None:
-        """The writer's order of the record `payload` on `topic` (None: it has none)."""
-        ref = self._topics.parse(topic)
-        if not payload or ref is None or ref.kind != "member":
+    def _order(self, topic: str, payload: bytes) -> tuple[float, ...] | None:
+        """The writer's order of the record `payload` on `topic` (`place`; None: none)."""
+        if not payload or self._topics.parse(topic) is None:
             return None
         message = decode_message(self._topics, topic, payload, retained=True)
-        if isinstance(message, Received) and isinstance(message.payload, MemberRecord):
-            return order(message.payload)
-        return None
+        return place(message.payload) if isinstance(message, Received) else None
 
     def corrected(self, topics: list[str], log: FilteringBoundLogger) -> None:
         """A re-read put `topics` right (delivered or published again): counted, logged."""
