@@ -34,6 +34,7 @@ from imexd.daemon.output import (
     Tail,
     parse_imex_line,
     quote_lines,
+    says_ready,
 )
 from imexd.daemon.process import daemon_environment, spawn_error
 from imexd.daemon.state import DaemonState, DaemonStatus
@@ -102,6 +103,28 @@ def test_imex_log_lines_are_split_into_level_and_message() -> None:
         "IMEX Log initializing at: 9/18/2026 06:40:33.561",
         None,
     )
+
+
+@pytest.mark.parametrize(
+    ("line", "ready"),
+    [
+        ("IMEX daemon state changed from INIT_GPU to READY", True),
+        ("[Sep 18 2026 06:40:33] [INFO] [tid 77] IMEX daemon state changed from X to READY", True),
+        ("IMEX Daemon State Changed From WAITING_FOR_RECOVERY to READY.", True),
+        ("IMEX daemon state changed from READY to SHUTTING_DOWN", False),
+        ("IMEX daemon state changed from INIT_GPU to READY_SOON", False),
+        ("IMEX daemon state changed from INIT_GPU to READYING", False),
+        ("IMEX daemon state changed from INIT_GPU to NOT_READY", False),
+        ("IMEX daemon state changed from INIT_GPU to ready", False),
+        ("Node 3 state changed from INIT_GPU to READY", False),
+        ("Node #0   - 172.31.48.81    - READY                - Version: 570.172", False),
+        ("READY", False),
+    ],
+)
+def test_only_the_daemons_own_change_to_ready_says_ready(line: str, *, ready: bool) -> None:
+    """The daemon says READY with its own state change to the whole word READY: a peer's
+    change, a change away from READY, or READY elsewhere in a line says nothing."""
+    assert says_ready(parse_imex_line(line).message) is ready
 
 
 def test_daemon_environment_adds_imex_env_and_drops_systemd_notify_variables() -> None:

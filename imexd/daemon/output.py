@@ -82,6 +82,12 @@ _PREFIXED_LINE = re.compile(
 )
 _IDENTIFIED = re.compile(r"\bIdentified this node as ID (?P<id>\d+)\b")
 """IMEX's start-up line naming its own node id (its line in nodes_config.cfg)."""
+_STATE_CHANGED = re.compile(
+    r"\b(?i:daemon state changed from) (?P<old>[A-Z_]+) (?i:to) (?P<new>[A-Z_]+)\b"
+)
+"""The daemon's line naming its own new state word (the simulator's wording,
+`IMEX daemon state changed from INIT_GPU to READY`): a peer's state, or READY anywhere
+else in a line, is not it."""
 _LEVELS = {
     "TRACE": "debug",
     "VERBOSE": "debug",
@@ -111,6 +117,16 @@ def parse_imex_line(line: str) -> ImexLine:
     if m is not None:
         return ImexLine(_LEVELS[m["level"]], m["message"])
     return ImexLine("info", line)
+
+
+def says_ready(message: str) -> bool:
+    """Whether a message is the daemon's own word that its state changed to READY.
+
+    Only the state word after `to` counts, whole (not `READY_...`): a line that merely
+    mentions READY, or a change away from it, does not.
+    """
+    m = _STATE_CHANGED.search(message)
+    return m is not None and m["new"] == "READY"
 
 
 def identified_id(message: str) -> int | None:
