@@ -271,7 +271,7 @@ def spawn_figure(runs: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"daemon spawn -> RUNNING: {spread([g[0] for g in got])}; its READY line read -> "
-        f"RUNNING: {spread([g[1] for g in got])}, over {len(got)} runs"
+        f"RUNNING: {spread([g[1] for g in got], 1e6, 'us')}, over {len(got)} runs"
     )
 
 
