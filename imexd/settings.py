@@ -436,9 +436,9 @@ class DaemonSettings:
 
     start_s: float = _setting(
         3.0,
-        "Bound on a start, not a wait: the daemon is RUNNING as soon as `ctl -q` says "
-        "READY, or once alive this many seconds without READY; an exit before either is a "
-        "failed start.",
+        "Bound on a start, not a wait: the daemon is RUNNING as soon as it says READY (its "
+        "own line, or `ctl -q`), or once alive this many seconds without READY; an exit "
+        "before either is a failed start.",
         _nonneg,
     )
     stable_s: float = _setting(

@@ -15,8 +15,9 @@ of each task. Named long-lived tasks, each with a heartbeat that /healthz watche
   follows within `[domain] settle_s`, writes the files and asks the supervisor for
   exactly what the change needs (start, SIGUSR1, restart, or nothing), and passes on
   an operator's `imexd node retry`;
-- `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
-  periodically (imexd.agent.probes);
+- `probe`: a start is RUNNING at the daemon's READY (its own line, or `ctl -q`); `ctl
+  -q` and `ctl -N -j` after every start and delivered SIGUSR1, then periodically
+  (imexd.agent.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once; the daemon's, its probes' and the channels'
   news at once), publishes the HealthReport, tells systemd;
