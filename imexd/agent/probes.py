@@ -8,7 +8,7 @@ prints no such line, in the answer of `ctl -q`. After that `ctl` stays the truth
 slow probes on a busy host do not run back to back, and what it says replaces what the
 line said. An answer the ctl gave before a READY line came is older than the line and
 does not undo it. `ctl -N -j` runs in a short series once READY is known (from the line
-or from ctl) and after every SIGUSR1 that was delivered (`DOMAIN_PROBE_SERIES_S`), until
+or from ctl) and after every SIGUSR1 that was delivered (`PROBE_SERIES_S`), until
 it shows every member connected, and every `[daemon] domain_probe_interval_s` of a
 RUNNING daemon, counted from its start: a daemon that has not said READY has no links
 to show, so nothing asks for them sooner. A membership change alone probes nothing: its
@@ -18,7 +18,7 @@ ctl runs (bounded, killed with its process group) is `imexd.daemon.ctl`.
 The daemon's other lines are news while it is not READY (for `ctl -q`) or a member is
 missing from its links (for `ctl -N -j`), and its output is read closely until READY. A
 start is not probed at its spawn (a process spawned this instant serves no command
-yet) but at each line it writes, else `probe_interval_s` after it; a silent start that
+yet) but at each line it writes, and on `PROBE_SERIES_S` after it; a silent start that
 never says READY is RUNNING at `start_s`, which asks `ctl -q` at once. What bounds the
 cost of the lines, since the real daemon logs every reconnect attempt (every 0.5 to 3 s
 per unreachable peer, without end): a probe that lines ask for is single-flight (the
@@ -51,10 +51,12 @@ if TYPE_CHECKING:
     from imexd.daemon.supervisor import Supervisor
     from imexd.settings import Settings
 
-DOMAIN_PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Seconds after a start's READY or a SIGUSR1 at which `ctl -N -j` runs until it shows every
-member connected: the daemons reconnect at once (the real one retries every 0.5 to 3 s), so
-a series finds the links without guessing one delay; then `domain_probe_interval_s`."""
+PROBE_SERIES_S: Final = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Seconds after a change at which a probe asks until it sees the change done, so that no
+one delay is guessed: after a spawn, `ctl -q` until READY (for a daemon that prints no
+READY line; then every `probe_interval_s`); after a start's READY or a SIGUSR1, `ctl -N
+-j` until every member shows connected (the daemons reconnect at once, the real one
+retries every 0.5 to 3 s; then `domain_probe_interval_s`)."""
 READY_LINE = "its output says READY"
 """How a start became RUNNING when the daemon's own line said READY (`report_ready`)."""
 
@@ -106,9 +108,14 @@ class DaemonProbes:
         """time.monotonic() of the daemon's start (or adoption): the periodic domain
         probe counts from it."""
         self._first_probe = 0.0
+        self._local_ended = -math.inf
+        """time.monotonic() of the last answer to `ctl -q`, or of a READY line."""
+        self._starting: list[float] = []
+        """time.monotonic() of the `ctl -q` probes left of a start's series
+        (PROBE_SERIES_S), for a daemon that prints no READY line."""
         """time.monotonic() of a new start's first timed `ctl -q` (0: none pending)."""
         self._due: list[float] = []
-        """time.monotonic() of the pending series of domain probes (DOMAIN_PROBE_SERIES_S)."""
+        """time.monotonic() of the pending series of domain probes (PROBE_SERIES_S)."""
         self._last_domain = 0.0
         """time.monotonic() of the last domain probe's start."""
         self._supervisor: Supervisor | None = None
@@ -146,7 +153,10 @@ class DaemonProbes:
             # Not at once: a process spawned this instant serves no command yet. Its
             # lines (`on_output`) ask sooner; READY makes it RUNNING.
             self._await_ready, self._started_at = True, time.monotonic()
-            self._first_probe = self._started_at + self.settings.daemon.probe_interval_s
+            # A daemon that prints no READY line is asked on the series, not a whole
+            # probe interval later; its lines ask sooner.
+            self._starting = [self._started_at + d for d in PROBE_SERIES_S]
+            self._first_probe = self._starting.pop(0)
             self._heard = self._local_by_line = self._domain_by_line = False
             if self.imex_status or self.probe_error:  # a new daemon has said nothing yet
                 self.imex_status, self.probe_error = "", ""
@@ -156,8 +166,8 @@ class DaemonProbes:
             self._domain_soon()  # SIGUSR1 delivered: the links move now
 
     def _domain_soon(self) -> None:
-        """Probe the domain DOMAIN_PROBE_SERIES_S after now, until every member is connected."""
-        self._due = [time.monotonic() + d for d in DOMAIN_PROBE_SERIES_S]
+        """Probe the domain PROBE_SERIES_S after now, until every member is connected."""
+        self._due = [time.monotonic() + d for d in PROBE_SERIES_S]
         self._wake.set()
 
     def _domain_complete(self) -> bool:
@@ -194,6 +204,8 @@ class DaemonProbes:
             now = time.monotonic()
             if self._first_probe:
                 next_local, self._first_probe = self._first_probe, 0.0
+            elif not self._starting and supervisor.state is DaemonState.RUNNING:
+                next_local = max(next_local, self._local_ended + s.daemon.probe_interval_s)
             if self._now:
                 self._now = False
                 next_local = now
@@ -224,7 +236,14 @@ class DaemonProbes:
             if now >= next_local:
                 self._local_by_line = by_line
                 await guard.beating("probe", self._local(), limit=bound)
-                next_local = time.monotonic() + s.daemon.probe_interval_s
+                ended = self._local_ended = time.monotonic()
+                series = self._starting
+                while series and series[0] <= ended:
+                    series.pop(0)
+                if supervisor.state is DaemonState.STARTING and series:
+                    next_local = min(series[0], ended + s.daemon.probe_interval_s)
+                else:
+                    next_local = ended + s.daemon.probe_interval_s
             due = self._due
             timed = (bool(due) and now >= due[0]) or now >= next_domain
             while due and now >= due[0]:
@@ -239,6 +258,8 @@ class DaemonProbes:
     def _ready(self, detail: str) -> None:
         """The daemon said READY (`detail`: how): a start is RUNNING, its links are news."""
         self._heard = False  # what it wrote before READY asks for nothing more
+        self._starting.clear()  # the start's series is over: `ctl -q` at its interval,
+        self._local_ended = time.monotonic()  # counted from this answer
         if self._await_ready:
             self._await_ready = False
             self._domain_soon()  # now it has links to show
