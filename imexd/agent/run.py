@@ -8,7 +8,8 @@ imexd.health.conditions) judge the facts, and imexd.health.guard contains the fa
 of each task. Named long-lived tasks, each with a heartbeat that /healthz watches:
 
 - `events`: reads the bus (our shard's records, the domain's spec, our assignment and
-  retry requests, link state) into the shard view and wakes `membership`;
+  retry requests, link state) into the shard view and wakes `membership` once for all
+  that was queued;
 - `membership`: follows the target (domain, clique), steps the shard view, publishes
   our record, and sets what should run (`Desired`);
 - `reconcile`: applies the first change after a quiet period at once and coalesces what
@@ -87,17 +88,12 @@ UNSUPERVISED_SURVEY_S: Final = 5.0
 """How often an agent standing aside looks for a daemon of its config run by no one."""
 UNSUPERVISED: Final = "Unsupervised"
 """DaemonReady's reason for such a daemon."""
-STEP_PACE_S: Final = 0.05
-"""Seconds between two membership steps while records keep coming (`imexd.agent.pacer.Pacer`):
-the first record after a quiet period is stepped at once, those within this pause after
-it together at its end. The claim's barrier is taken as its echo arrives
-(`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
 
 
 def _report(event: Event) -> bool:
     """Whether `event` is about a health report, which the agent follows only so that the
     bus puts back a copy of its own someone else wrote (`Bus`), and to clear its own
-    report in a domain it left (`Agent._note_stale_own`): it wakes no task."""
+    report in a domain it left (`Agent._note_stale_own`): only the latter wakes membership."""
     ref = getattr(event, "ref", None)
     return ref is not None and ref.kind == "health"
 
@@ -144,7 +140,8 @@ class Agent:
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
         self.wake = asyncio.Event()
-        self.step_pace = Pacer(STEP_PACE_S)
+        """Wakes membership: set once per batch of bus events (`_events_loop`), and by the
+        daemon's state, discovery and an operator's retry."""
 
         # Reconcile state.
         self.desired = Desired()
@@ -374,17 +371,20 @@ class Agent:
     # -- bus events -----------------------------------------------------------------
 
     async def _events_loop(self, bus: Bus) -> None:
-        events = aiter(bus.events())
+        """Take in every event already queued, then wake membership once: a burst of
+        records that arrives together costs one step, and no clock delays it."""
+        events = bus.events()
         while True:
             with self.heartbeats.resting("events"):
                 event = await anext(events, None)
-                while event is not None and _report(event):
-                    if self._note_stale_own(event):
-                        self.wake.set()
-                    event = await anext(events, None)
                 while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
-            self._on_event(event, bus)
+            step = False
+            while event is not None:
+                step |= self._on_event(event, bus)
+                event = events.queued()
+            if step:
+                self.wake.set()
 
     def _note_stale_own(self, event: Event) -> bool:
         """Whether `event` is a record of this node that a broker serves outside its shard
@@ -399,12 +399,16 @@ class Agent:
             return True
         return False
 
-    def _on_event(self, event: Event, bus: Bus) -> None:
+    def _on_event(self, event: Event, bus: Bus) -> bool:
+        """Take one bus event in; whether membership should step on it."""
+        if _report(event):
+            return self._note_stale_own(event)
         # The control plane's records reach the readers only when newer than the held ones
         # (imexd.order); a held one takes the place of an older copy or a clear.
         for found in self.rebuild.on_event(event):
             self._take(found, bus)
         self.rebuild.count_drops(bus)
+        return True
 
     def _take(self, event: Event, bus: Bus) -> None:
         """One bus event into the shard, the assignment, the retry requests and channels."""
@@ -444,7 +448,6 @@ class Agent:
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
-        self.wake.set()
         self.changed.set()
 
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
@@ -509,23 +512,23 @@ class Agent:
     async def _membership_loop(self) -> None:
         while True:
             self.heartbeats.beat("membership")
-            with self.heartbeats.resting("membership"):
-                # A burst of records: few steps. Nothing due and no record: no step.
-                await self.step_pace.wait(self.wake, self._step_due())
+            # Nothing due and no record: no step.
+            await self.guard.rest("membership", self.wake, self._step_due())
+            self.wake.clear()
             await self._retarget()
             await self._step(time.monotonic())
 
     def _step_due(self) -> float | None:
-        """Seconds until a membership step is due without any event (None: none is): the
-        shard's timers, the release of a FATAL daemon's slot, the survey while standing
-        aside."""
+        """time.monotonic() when a membership step is due without any event (None: none
+        is): the shard's timers, the release of a FATAL daemon's slot, the survey while
+        standing aside."""
         now = time.monotonic()
         due = [t for t in (self.shard.due_at(now), self.survey_due) if t is not None]
         if (release_at := self._release_at()) is not None and release_at > now:
             due.append(release_at)
         if self.released_until > now:
             due.append(self.released_until)
-        return max(0.0, min(due) - now) if due else None
+        return min(due) if due else None
 
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""

@@ -68,6 +68,16 @@ class EventStream:
             raise StopAsyncIteration
         return event
 
+    def queued(self) -> Event | None:
+        """The next event if one is queued already, without waiting; None when none is or
+        the bus was closed (the next `anext` then ends the iteration)."""
+        if self._queue.empty():
+            return None
+        event = self._queue.get_nowait()
+        if event is None:
+            self._queue.put_nowait(None)
+        return event
+
 
 class Bus(LinkEngine):
     """One resilient MQTT connection that replays the caller's desired state.
