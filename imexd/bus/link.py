@@ -222,6 +222,13 @@ class Bus(LinkEngine):
         return self._repairs.resync_corrections
 
     @property
+    def echo_timeout_s(self) -> float:
+        """How long a retained publication may take to come back (the constructor's
+        `echo_timeout_s`); the agent waits as long for a record it gave back to a broker
+        (imexd.agent.rebuild)."""
+        return self._echo_timeout_s
+
+    @property
     def refused_topics(self) -> frozenset[str]:
         """Retained publications the broker did not give back in time (PublishRefused).
 
