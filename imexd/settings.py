@@ -262,7 +262,8 @@ class NodeSettings:
     )
     discover_interval_s: float = _setting(
         300.0,
-        "Seconds between NVML fabric re-discoveries (partitions can change).",
+        "Seconds between NVML fabric re-discoveries (partitions can change); a failed "
+        "discovery is tried again sooner, backing off, and at most this long after.",
         _positive,
     )
 

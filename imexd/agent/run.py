@@ -80,10 +80,11 @@ from imexd.topics import Topics
 EXIT_HANDOVER: Final = 75
 """Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
 DISCOVERY_TIMEOUT_S: Final = 20.0
-DISCOVERY_RETRY_S: Final = 30.0
-"""Retry delay after a failed discovery (shorter than discover_interval_s)."""
-WRITE_RETRY_INITIAL_S: Final = 0.5
-WRITE_RETRY_MAX_S: Final = 30.0
+LOCAL_RETRY_S: Final = (0.5, 30.0)
+"""(first, longest) wait before a failed local action is tried again: a reconcile round
+(a file that cannot be written) and an NVML discovery (at most `[node]
+discover_interval_s`). It doubles after each failure, jittered (`imexd.retry`), so a
+fault that clears is soon noticed and one that stays costs little."""
 UNSUPERVISED_SURVEY_S: Final = 5.0
 """How often an agent standing aside looks for a daemon of its config run by no one."""
 UNSUPERVISED: Final = "Unsupervised"
@@ -778,7 +779,7 @@ class Agent:
             quiet_at = started + s.domain.settle_s
             # Starting and stopping the daemon are bounded by the supervisor's timeouts.
             bound = 2 * s.daemon.stop_timeout_s + s.daemon.start_s
-            delay = backoff_delay(attempt, WRITE_RETRY_INITIAL_S, WRITE_RETRY_MAX_S)
+            delay = backoff_delay(attempt, *LOCAL_RETRY_S)
             try:
                 probe = await self.guard.beating(
                     "reconcile", reconciler.apply(self.desired, self.saved), limit=bound
@@ -959,6 +960,7 @@ class Agent:
     async def _discover_loop(self) -> None:
         s = self.settings
         next_at = 0.0
+        failures = 0
         while True:
             self.heartbeats.beat("discover")
             if time.monotonic() < next_at:
@@ -968,9 +970,14 @@ class Agent:
                 found = await discover(DISCOVERY_TIMEOUT_S)
             except DiscoveryError as exc:
                 self.fabric = FabricFacts(source="nvml", error=str(exc))
-                self.log.error("fabric.discovery_failed", error=str(exc))
-                next_at = time.monotonic() + min(DISCOVERY_RETRY_S, s.node.discover_interval_s)
+                delay = min(backoff_delay(failures, *LOCAL_RETRY_S), s.node.discover_interval_s)
+                failures += 1
+                self.log.error(
+                    "fabric.discovery_failed", error=str(exc), retry_in_s=round(delay, 2)
+                )
+                next_at = time.monotonic() + delay
             else:
+                failures = 0
                 self.fabric = FabricFacts(source="nvml")
                 self.driver = found.report.driver_version or ""
                 if found.clique != self.clique:
