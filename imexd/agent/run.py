@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from dataclasses import replace
@@ -85,8 +86,6 @@ LOCAL_RETRY_S: Final = (0.5, 30.0)
 (a file that cannot be written) and an NVML discovery (at most `[node]
 discover_interval_s`). It doubles after each failure, jittered (`imexd.retry`), so a
 fault that clears is soon noticed and one that stays costs little."""
-UNSUPERVISED_SURVEY_S: Final = 5.0
-"""How often an agent standing aside looks for a daemon of its config run by no one."""
 UNSUPERVISED: Final = "Unsupervised"
 """DaemonReady's reason for such a daemon."""
 
@@ -158,7 +157,8 @@ class Agent:
         self.unsupervised: int | None = None
         """The pid of a daemon running our config that this agent does not supervise,
         while it stands aside (`_survey_unsupervised`): reported as it is."""
-        self.surveyed_at = -UNSUPERVISED_SURVEY_S
+        self.surveyed_at = -math.inf
+        """time.monotonic() of the last survey (-inf: none since this agent last claimed)."""
         self.survey_due: float | None = None
         """time.monotonic() of the next survey while this agent stands aside (None: it
         does not)."""
@@ -605,7 +605,7 @@ class Agent:
             # Another agent may run as this node: what runs keeps running, and a daemon
             # of our config that runs without us is reported as it is.
             await self._survey_unsupervised()
-            self.survey_due = self.surveyed_at + UNSUPERVISED_SURVEY_S
+            self.survey_due = self.surveyed_at + self.settings.daemon.probe_interval_s
         elif plan.desired is None:
             return  # no shard, or no synced snapshot yet
         elif plan.desired.cleanup:
@@ -617,11 +617,12 @@ class Agent:
         self.changed.set()
 
     async def _survey_unsupervised(self) -> None:
-        """While we stand aside, look (at most every UNSUPERVISED_SURVEY_S) for a daemon of
-        our config that runs without us, so that /status tells the truth about it."""
+        """While we stand aside, look for a daemon of our config that runs without us, so
+        that /status tells the truth about it: at most once per `[daemon]
+        probe_interval_s`, as often as a daemon of our own would be probed."""
         _, supervisor = self._parts()
         now = time.monotonic()
-        if now - self.surveyed_at < UNSUPERVISED_SURVEY_S:
+        if now - self.surveyed_at < self.settings.daemon.probe_interval_s:
             return
         self.surveyed_at = now
         pid = await supervisor.running_unsupervised()
@@ -641,7 +642,7 @@ class Agent:
         assert decision is not None  # noqa: S101 - a claim step
         assert plan.desired is not None  # noqa: S101 - a claim step
         self.unsupervised = None
-        self.surveyed_at = -UNSUPERVISED_SURVEY_S
+        self.surveyed_at = -math.inf
         if plan.outbid:
             self._save_state(replace(self.state_store.current, incarnation=shard.incarnation))
         if plan.publish:
