@@ -1,9 +1,10 @@
-"""The agent's loops, in process: how often membership steps, and when a failed local
-action or a look around is tried again, with no clock of their own.
+"""The agent's loops, in process, none paced by a clock of its own: how often membership
+steps, when a failed discovery is tried again, how often an agent standing aside looks
+for a daemon nobody supervises.
 
 One in-process `Agent` (`test_agent_containment.running_agent`: a real Mosquitto and the
-simulated daemon, or no broker at all where none is needed); records are handed to its
-bus as the link hands over what it read.
+simulated daemon; no broker at all where none is needed); records are handed to its bus
+as the link hands over what it read.
 """
 
 from __future__ import annotations
