@@ -104,6 +104,7 @@ class LinkEngine:
             raise ValueError("settings.url names no broker")
         self._will = will
         self._timeout_s = timeout_s
+        self._echo_timeout_s = echo_timeout_s
         self._ping_interval_s = settings.ping_interval_s
         self._close_timeout_s = close_timeout_s
         self._rand = rand
