@@ -49,12 +49,13 @@ from imexd.messages import (
     DomainSpec,
     MemberState,
     Presence,
+    Received,
     WorkloadRecord,
     encode,
     json_schemas,
 )
 from imexd.settings import BusSettings
-from imexd.topics import Topics
+from imexd.topics import TopicRef, Topics
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, raw_client
 from tests.test_bus import RefusingRelay
@@ -545,10 +546,10 @@ async def test_a_node_whose_agent_stopped_or_died_is_refused_whatever_seen_withi
     assert await control_async("workload", "create", "w1", "--domain", "d1") == 2
     assert "imexd workload create: node n2: AgentDown" in capsys.readouterr().err
     assert await retained(broker, T.workloads_filter("d1")) == {}
-    # An idle agent's will is its presence, marked lost.
+    # An agent's will is its presence, marked lost.
     await put(broker, {T.presence("n4"): presence("n4", at=now - 60, lost=True)})
     assert await control_async("domain", "create", "d4", "--nodes", "n4") == 2
-    assert "node n4: AgentDown: its agent's link ended without a goodbye (its will is its" in (
+    assert "node n4: AgentDown: its agent's link ended without a goodbye (its Last Will is" in (
         capsys.readouterr().err
     )
 
@@ -684,6 +685,46 @@ async def test_delete_clears_a_crashed_members_tombstone_without_waiting_for_it(
     assert "waiting up to 20 s for 1 member(s) to leave: n1; clearing the lost record of n2" in out
     await seen(broker, "n2")
     assert await control_async("domain", "create", "d2", "--nodes", "n2") == 0
+
+
+async def test_delete_clears_a_member_whose_presence_is_its_will(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A member's Last Will is its presence, marked lost: its member record stays on the
+    bus as it wrote it, and the will ends it. The delete judges the record by the will
+    (lost), clears it with the rest instead of waiting for a node that will not leave,
+    and the node is then free for the next domain."""
+    state = domain_state("d1", ["n1", "n2"])
+    state[T.presence("n2")] = presence("n2", lost=True)
+    await put(broker, state)
+    async with fake_agents(broker, ["n1"]) as left:
+        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+        assert left == ["n1"]
+    got = await retained(broker)
+    assert T.member("d1", "c1", "n2") not in got
+    out = capsys.readouterr().out
+    assert "waiting up to 20 s for 1 member(s) to leave: n1; clearing the lost record of n2" in out
+
+
+def test_the_store_reads_a_record_its_nodes_will_ends_as_lost() -> None:
+    """`Store.members` judges each member record with its node's presence: a will of the
+    record's link or a later one ends it (state lost, the will's hold); a will of an
+    earlier link does not; a live presence after it (the agent back) gives it back."""
+    store = Store()
+    topic = T.member("d1", "c1", "n2")
+    record = msgspec.structs.replace(member_record("n2", 1, domain="d1"), seq=3, link=2)
+    ref = TopicRef(kind="member", domain="d1", clique="c1", node="n2")
+    store.apply(Received(topic, ref, record, retained=True))
+    will = msgspec.json.decode(presence("n2", lost=True), type=Presence)
+    pref = TopicRef(kind="presence", node="n2")
+    for link, state in ((1, MemberState.MEMBER), (2, MemberState.LOST), (3, MemberState.LOST)):
+        said = msgspec.structs.replace(will, link=link, hold_s=5.0)
+        store.apply(Received(T.presence("n2"), pref, said, retained=True))
+        assert store.members[("d1", "c1", "n2")].state is state, link
+    assert store.members[("d1", "c1", "n2")].hold_s == 5.0
+    back = msgspec.json.decode(presence("n2", incarnation=2), type=Presence)
+    store.apply(Received(T.presence("n2"), pref, back, retained=False))
+    assert store.members[("d1", "c1", "n2")] == record
 
 
 async def test_delete_keeps_a_tombstone_for_static_members(

@@ -347,6 +347,23 @@ def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) 
     assert "imex/v2/domains/d1/health/n1" not in retained(c, "imex/v2/domains/d1/health/+")
 
 
+def test_a_job_domain_is_joined_and_left_on_the_agents_first_link(c: Cluster) -> None:
+    """Seen from outside: each of eight agents joining a per-job domain dropped its broker
+    link and connected again (`bus_disconnected` reason "will changed"), three rounds of
+    it per job start, because the will sat on the member topic. The will is the node's
+    presence, set once per agent run: creating and deleting a domain of idle agents costs
+    none of them a second connect."""
+    nodes = form_d1(c)
+    deleted = imexd(c, "domain", "delete", "d1", "--wait", "30")
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    c.wait(lambda: all(n.status().get("domain") is None for n in nodes), what="all left d1")
+    for n in nodes:
+        connects = n.log_events("bus_connected")
+        assert len(connects) == 1, (n.name, connects)
+        assert connects[0]["will"] == f"imex/v2/nodes/{n.name}/presence", connects[0]
+        assert n.log_events("bus_disconnected") == [], n.name
+
+
 def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     """Issue 25: `kill -TERM` one agent, then a job's prolog listing its node failed only
     after minutes (the default --seen-within counted the goodbye as a sighting). A stop
@@ -370,28 +387,26 @@ def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     assert retry.returncode == 2, retry.stdout + retry.stderr
     assert "node n3: its agent stopped" in retry.stderr, retry.stderr
 
-    n2.crash()  # agent and daemon; its will fires after will_delay_s
+    n2.crash()  # agent and daemon; its will (its presence, marked lost) fires later
 
-    def will_fired() -> bool:
-        records = retained(c, "imex/v2/domains/d1/members/+/n2").values()
-        return any(json.loads(r).get("state") == "lost" for r in records if r)
+    def presence_lost(node: str) -> bool:
+        topic = f"imex/v2/nodes/{node}/presence"
+        payload = retained(c, topic).get(topic)
+        return bool(payload) and json.loads(payload or b"{}").get("lost") is True
 
-    wait_for(will_fired, timeout=FAST["bus"]["will_delay_s"] + 15)
+    wait_for(lambda: presence_lost("n2"), timeout=FAST["bus"]["will_delay_s"] + 15)
     dead = imexd(c, "domain", "create", "d2", "--nodes", "n2", "--steal")
     assert dead.returncode == 2, dead.stdout + dead.stderr
     assert "node n2: AgentDown: its agent's link ended without a goodbye" in dead.stderr
+    status = imexd(c, "domain", "status", "d1", "--wait", "0")
+    assert "n2: Lost" in status.stdout, status.stdout
 
-    # An idle agent (the per-job layout between jobs) has no member topic for a will: its
-    # will is its presence, marked lost, so a job's prolog fails at once on it too.
+    # An idle agent (the per-job layout between jobs): the same will, so a job's prolog
+    # fails at once on it too.
     idle = c.add("n4", domain=None)
     c.wait(idle.ready, timeout=30)
     idle.crash()
-
-    def presence_lost() -> bool:
-        payload = retained(c, "imex/v2/nodes/n4/presence").get("imex/v2/nodes/n4/presence")
-        return bool(payload) and json.loads(payload or b"{}").get("lost") is True
-
-    wait_for(presence_lost, timeout=FAST["bus"]["will_delay_s"] + 15)
+    wait_for(lambda: presence_lost("n4"), timeout=FAST["bus"]["will_delay_s"] + 15)
     gone = imexd(c, "domain", "create", "d3", "--nodes", "n4", "--wait", "60")
     assert gone.returncode == 2, gone.stdout + gone.stderr
     assert "node n4: AgentDown: its agent's link ended without a goodbye" in gone.stderr

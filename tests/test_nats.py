@@ -243,8 +243,9 @@ def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) ->
 
 @pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
 def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) -> None:
-    """SIGKILL on 3.1.1 (no Will Delay at the broker): the will is a `lost` tombstone with
-    hold_s = will_delay_s, so peers keep the node that long, then drop it."""
+    """SIGKILL on 3.1.1 (no Will Delay at the broker): the will, the node's presence
+    marked lost, says hold_s = will_delay_s, so peers keep the node that long, then drop
+    it."""
     c = one
     nodes = form(c, NAMES)
     victim, stay = nodes[1], [nodes[0], nodes[2]]
@@ -256,8 +257,10 @@ def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) ->
     gone = time.monotonic() - killed
     will_delay = float(victim.sections["bus"]["will_delay_s"])
     assert gone >= 0.75 * will_delay, f"dropped after {gone:.1f} s, before the hold"
-    record = member_records(c).get(victim.name)
-    assert record is None or record.get("state") == "lost", record
+    presence = TOPICS.presence(victim.name)
+    with c.client() as client:
+        will = json.loads(client.retained(presence)[presence])
+    assert (will["lost"], will["hold_s"]) == (True, will_delay), will
     c.wait(lambda: all(n.up_with(2) for n in stay))
     assert untouched(stay, before) == []
 

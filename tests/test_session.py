@@ -605,9 +605,9 @@ def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
 def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr1(
     c: Cluster,
 ) -> None:
-    """SIGKILL on 3.1.1: the broker publishes the tombstone at once; the peers keep the
-    node's slot in their hosts and nodes files for will_delay_s, then drop it with one
-    SIGUSR1 each, and their daemons keep running."""
+    """SIGKILL on 3.1.1: the broker publishes the will (the node's presence marked lost)
+    at once; the peers keep the node's slot in their hosts and nodes files for
+    will_delay_s, then drop it with one SIGUSR1 each, and their daemons keep running."""
     nodes = form_311(c)
     victim, stay = nodes[2], nodes[:2]
     slot = slot_of(victim)
@@ -616,16 +616,14 @@ def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr
     reloads = {n.name: len(n.reloads()) for n in stay}
     killed = time.monotonic()
     victim.crash()
+    presence = TOPICS.presence(victim.name)
     with c.client() as client:
         c.wait(
-            lambda: (
-                b'"lost"'
-                in client.retained(cluster_member(victim)).get(cluster_member(victim), b"")
-            ),
+            lambda: b'"lost":true' in client.retained(presence).get(presence, b""),
             timeout=3,
         )
-        record = json.loads(client.retained(cluster_member(victim))[cluster_member(victim)])
-    assert (record["state"], record["hold_s"], record["slot"]) == ("lost", HOLD_S, None)
+        will = json.loads(client.retained(presence)[presence])
+    assert (will["lost"], will["hold_s"]) == (True, HOLD_S)
     time.sleep(max(0.0, killed + HOLD_S - 1.0 - time.monotonic()))
     held = {n.name: files(n) for n in stay}
     assert held == kept, "a peer changed its files within the hold"
@@ -641,8 +639,9 @@ def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr
 
 @pytest.mark.slow
 def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Cluster) -> None:
-    """n3's link is cut and back within will_delay_s on 3.1.1: its tombstone came, but its
-    record came back in time, so no peer sends SIGUSR1 or rewrites a file."""
+    """n3's link is cut and back within will_delay_s on 3.1.1: its will came, but its
+    record (of a later link) came back in time, so no peer sends SIGUSR1 or rewrites a
+    file."""
     nodes = form_311(c, proxied="n3")
     victim, stay = nodes[2], nodes[:2]
     assert victim.proxy is not None
@@ -651,14 +650,18 @@ def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Clus
     before = pids(nodes)
     with c.client() as watch:
         watch.record(cluster_member(victim))
+        watch.record(TOPICS.presence(victim.name))
         victim.proxy.cut()
-        c.wait(lambda: any(b'"lost"' in p for _, p in watch.seen()), timeout=5)
+        c.wait(lambda: any(b'"lost":true' in p for _, p in watch.seen()), timeout=5)
         time.sleep(0.5)
         victim.proxy.heal()
         c.wait(lambda: victim.condition("BusConnected").get("status") == "True", timeout=10)
         time.sleep(HOLD_S + 1.0)
-        last = json.loads(watch.seen()[-1][1])
+        seen = watch.seen()
+    last = json.loads([p for t, p in seen if t == cluster_member(victim)][-1])
     assert last["state"] == "member"
+    back = json.loads([p for t, p in seen if t == TOPICS.presence(victim.name)][-1])
+    assert back["lost"] is False
     assert {n.name: files(n) for n in stay} == kept
     assert {n.name: n.signals() for n in stay} == signals
     assert pids(nodes) == before

@@ -50,7 +50,7 @@ from imexd.agent.probes import DaemonProbes
 from imexd.agent.rebuild import Rebuilder
 from imexd.agent.reconcile import Reconciler
 from imexd.agent.statefile import RecordFile, StateStore
-from imexd.bus.events import Event, WillSpec
+from imexd.bus.events import Event, Synced, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
@@ -140,6 +140,11 @@ class Agent:
         self.retry_asked: Retry | None = None
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
+        self.presences: set[str] = set()
+        """The presence topics of the peers we follow (`_follow_presences`)."""
+        self.synced_filters: frozenset[str] | None = frozenset()
+        """The filters of the last `Synced` the events loop took in (None: all)."""
+        self.synced_seen = asyncio.Event()
         self.wake = asyncio.Event()
         """Wakes membership: set once per batch of bus events (`_events_loop`), and by the
         daemon's state, discovery and an operator's retry."""
@@ -215,6 +220,9 @@ class Agent:
             # None of them is judged by its order among others (`Bus.subscribe`).
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node), ordered=False)
+            # Our own presence: our will lands there, and a new link's snapshot that shows
+            # it fired ends the record we would otherwise resume (`ShardView`).
+            await bus.subscribe(self.topics.presence(self.node), ordered=False)
             if self._target() is not None:
                 await self._retarget()
             await stack.enter_async_context(bus)
@@ -273,7 +281,7 @@ class Agent:
             s.bus,
             node=self.node,
             client_id=self._client_id,
-            will=self._first_will(),
+            will=self._will(),
             verifier=verifier,
         )
         bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
@@ -403,6 +411,9 @@ class Agent:
 
     def _on_event(self, event: Event, bus: Bus) -> bool:
         """Take one bus event in; whether membership should step on it."""
+        if isinstance(event, Synced):
+            self.synced_filters = event.filters
+            self.synced_seen.set()
         if _report(event):
             return self._note_stale_own(event)
         # The control plane's records reach the readers only when newer than the held ones
@@ -479,24 +490,9 @@ class Agent:
         return client_id("imexd", self.node)
 
     def _will(self) -> WillSpec:
-        """Our will now: a tombstone on our member topic, or in no shard our presence."""
-        current = self.shard.current
-        if current is None:
-            return self.shard.idle_will(self.topics, at=wire_now())
-        return self.shard.will(self.topics, *current)
-
-    def _first_will(self) -> WillSpec | None:
-        """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
-        at start does not reconnect: the configured domain (assigned: the saved one, a guess)
-        and clique ("auto": the saved one). None: the join sets it and reconnects once."""
-        saved = self.saved
-        domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
-        clique = self.clique
-        if clique is None and domain is not None and domain == saved.domain:
-            clique = saved.clique
-        if domain is None or clique is None:
-            return self.shard.idle_will(self.topics, at=wire_now())
-        return self.shard.will(self.topics, domain, clique)
+        """Our will, one for the agent's run whatever shard it is in: our presence marked
+        lost (`ShardView.will`), so that joining or leaving never connects again."""
+        return self.shard.will(self.topics, at=wire_now())
 
     # -- membership -----------------------------------------------------------------
 
@@ -518,6 +514,7 @@ class Agent:
             await self.guard.rest("membership", self.wake, self._step_due())
             self.wake.clear()
             await self._retarget()
+            await self._follow_presences(self._parts()[0])
             await self._step(time.monotonic())
 
     def _step_due(self) -> float | None:
@@ -558,22 +555,48 @@ class Agent:
             bus.set_client_id(self._client_id)
         self.view_ready.clear()
         if target is None:
-            bus.set_will(self._will())
             # No domain: clean up. A domain but no clique yet (discovery pending or
             # failing): nothing to run and nothing to remove; the node is not ready.
             self._set_desired(Desired(cleanup=self._wanted_domain is None))
             return
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
-        # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        # A claim settles at its echo (imexd.membership.slots.barrier): the members filter
-        # needs the broker's one order, the spec and the retry request do not.
+        # The will stays (it is our presence): the new filters' snapshot is all a join
+        # waits for. A claim settles at its echo (imexd.membership.slots.barrier): the
+        # members filter needs the broker's one order, the spec and the retry request not.
         spec, members = self._shard_filters(domain, clique)
         await bus.subscribe(members)
         # Our own health report too: a copy we did not write is put back by the bus.
         own = (self.topics.retry(domain, self.node), self.topics.health(domain, self.node))
         await bus.subscribe(spec, *own, ordered=False)
-        bus.set_will(shard.will(self.topics, domain, clique))
+
+    async def _follow_presences(self, bus: Bus) -> None:
+        """Follow the presence of every peer the shard holds a record of, and no other: a
+        peer's Last Will is its presence (`ShardView.followed`). Their retained copies, a
+        will among them, are in the shard before the step that may claim: the events
+        loop took in the Synced that follows them; records that came meanwhile are
+        followed in turn. A link that drops meanwhile gives them with its snapshot; each
+        wait is bounded regardless."""
+        limit = bus.timeout_s + bus.echo_timeout_s
+        while True:
+            wanted = {self.topics.presence(n) for n in self.shard.followed()}
+            for topic in sorted(self.presences - wanted):
+                await bus.unsubscribe(topic)
+            new = sorted(wanted - self.presences)
+            self.presences = wanted
+            if not new:
+                return
+            await self.guard.beating("membership", self._presences_read(bus, new), limit=limit)
+
+    async def _presences_read(self, bus: Bus, topics: list[str]) -> None:
+        """Subscribe the presence `topics` and wait (at most `bus.echo_timeout_s` after the
+        SUBSCRIBE) until the events loop took in the Synced that covers them."""
+        await bus.subscribe(*topics, ordered=False)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(bus.echo_timeout_s):
+                while (read := self.synced_filters) is not None and not read >= set(topics):
+                    self.synced_seen.clear()
+                    await self.synced_seen.wait()
 
     async def _clear_stale_own(self) -> None:
         """Clear the records of this node that a broker serves outside its shard (a standby

@@ -215,6 +215,12 @@ class Bus(LinkEngine):
         return self._repairs.resync_corrections
 
     @property
+    def timeout_s(self) -> float:
+        """The bound on connecting and on every broker round trip (the constructor's
+        `timeout_s`)."""
+        return self._timeout_s
+
+    @property
     def echo_timeout_s(self) -> float:
         """How long a retained publication may take to come back (the constructor's
         `echo_timeout_s`); the agent waits as long for a record it gave back to a broker
