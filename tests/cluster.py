@@ -40,7 +40,7 @@ from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import Nats, NatsCluster
-from tests.support import loopback_address, wait_for
+from tests.support import imexd, loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -591,6 +591,14 @@ class Cluster:
             }
             | ({} if protocol is None else {"IMEXD_BUS_PROTOCOL": protocol})
         )
+
+    def imexd(
+        self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """`imexd ARGS` as this cluster's control plane (`control_env`, plus `env`). The
+        bound is above any `--wait` a scenario gives, so that the command's own verdict,
+        not the bound, ends a slow wait."""
+        return imexd(*args, env=self.control_env() | dict(env or {}), timeout=timeout)
 
     def check_closed(self) -> None:
         """After `close`: nothing left behind (agents or daemons still running, anything

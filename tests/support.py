@@ -13,11 +13,12 @@ import contextlib
 import inspect
 import itertools
 import os
+import subprocess
 import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import aiomqtt
@@ -26,6 +27,28 @@ from imexd.demo.brokers import Mosquitto
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 """The `imexd` console script of the test's environment."""
+
+
+def imexd(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS` as a shell or a Slurm prolog runs it: the installed script, its output
+    as text, its exit status returned rather than raised, at most `timeout` seconds.
+
+    The environment is this process's without its `IMEXD_*` variables (a developer's own
+    would change what the test checks), plus `env`: the settings the test means. A test
+    whose event loop serves what the command asks runs it in a thread
+    (`asyncio.to_thread`)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    return subprocess.run(
+        [IMEXD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean | dict(env or {}),
+        check=False,
+    )
+
 
 _addr_counter = itertools.count(1)
 

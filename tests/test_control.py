@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -56,7 +55,7 @@ from imexd.messages import (
 from imexd.settings import BusSettings
 from imexd.topics import Topics
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
-from tests.support import IMEXD, raw_client
+from tests.support import IMEXD, imexd, raw_client
 from tests.test_bus import RefusingRelay
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,21 +147,6 @@ def control(*args: str) -> int:
 async def control_async(*args: str) -> int:
     """`control` in a worker thread, so fake agents keep running on the test's loop."""
     return await asyncio.to_thread(main, list(args))
-
-
-def run_imexd(
-    env: Mapping[str, str], *args: str, timeout: float = 30.0
-) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as a subprocess with only `env`'s IMEXD_* settings."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    return subprocess.run(
-        [IMEXD, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**base, **env},
-        check=False,
-    )
 
 
 # Components: each command against a real broker.
@@ -745,17 +729,17 @@ def test_list_of_an_empty_bus_says_so() -> None:
 async def test_status_exits_0_only_when_up(broker: Mosquitto, env: dict[str, str]) -> None:
     """`imexd domain status` prints the table and exits 0 for UP, 1 for DEGRADED."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("domain d1: UP, 3 of 3 members ready")
     crashed = report("n2", 1, THREE, daemon=CRASH, at=time.time())
     await put(broker, {T.health("d1", "n2"): encode(crashed)})
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert proc.returncode == 1
     assert proc.stdout.startswith("domain d1: DEGRADED, 2 of 3 members ready")
     assert "DaemonCrashLoop" in proc.stdout
     proc = await asyncio.to_thread(
-        run_imexd, env, "domain", "status", "d1", "--json", "--wait", "0"
+        imexd, "domain", "status", "d1", "--json", "--wait", "0", env=env
     )
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
@@ -769,7 +753,7 @@ async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[
     starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
     await put(broker, state | {T.health("d1", "n3"): encode(starting)})
     proc = asyncio.create_task(
-        asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "20")
+        asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "20", env=env)
     )
     await asyncio.sleep(1.5)
     await put(broker, {T.health("d1", "n3"): state[T.health("d1", "n3")]})
@@ -825,27 +809,15 @@ async def test_create_with_wait_exits_0_once_up_and_prints_the_status(
     moment the members report the domain UP, printing what `domain status` prints."""
     state = domain_state("d1", ["n1", "n2", "n3"])
     del state[T.spec("d1")]
-    proc = asyncio.create_task(
-        asyncio.to_thread(
-            run_imexd,
-            env,
-            "domain",
-            "create",
-            "d1",
-            "--nodes",
-            "n1,n2,n3",
-            "--force",
-            "--wait",
-            "20",
-        )
-    )
+    create = ("domain", "create", "d1", "--nodes", "n1,n2,n3", "--force", "--wait", "20")
+    proc = asyncio.create_task(asyncio.to_thread(imexd, *create, env=env))
     await asyncio.sleep(1.5)
     await put(broker, state)
     done = await proc
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("domain d1: created")
-    status = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    status = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert status.returncode == 0
     assert done.stdout.endswith(status.stdout)
 
@@ -856,7 +828,7 @@ async def test_create_with_wait_exits_1_with_the_status_when_not_up(
     """At the end of --wait a domain that is not UP exits 1, its table (why) printed, the
     spec kept (the prolog deletes it)."""
     proc = await asyncio.to_thread(
-        run_imexd, env, "domain", "create", "d1", "--nodes", "n1,n2", "--force", "--wait", "0.5"
+        imexd, "domain", "create", "d1", "--nodes", "n1,n2", "--force", "--wait", "0.5", env=env
     )
     assert proc.returncode == 1
     assert "domain d1: created" in proc.stdout
@@ -899,7 +871,7 @@ async def test_status_wait_returns_on_the_message_that_made_the_domain_up(
 
 async def test_status_of_an_unknown_domain_exits_1(broker: Mosquitto, env: dict[str, str]) -> None:
     """A domain nothing is known about is an error, not an empty table."""
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "ghost", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "ghost", "--wait", "0", env=env)
     assert proc.returncode == 1
     assert "domain ghost: nothing on the bus" in proc.stderr
 
@@ -963,7 +935,7 @@ async def test_malformed_reports_are_ignored(broker: Mosquitto, env: dict[str, s
     """Garbage on a health topic neither crashes status nor counts as a member."""
     await put(broker, domain_state("d1", ["n1"]))
     await put(broker, {T.health("d1", "n2"): b"{not json", T.health("d1", "n3"): b'{"v":2}'})
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert proc.returncode == 1  # the spec lists n2 and n3, which never reported
     assert "NoReport" in proc.stdout
 
@@ -1009,7 +981,7 @@ async def test_watch_redraws_on_change_and_stops_on_sigint(
 def test_an_unreachable_broker_exits_1_with_a_clear_message() -> None:
     """A refused connection ends the command at once with exit 1 and names the broker."""
     url = f"mqtt://127.0.0.1:{free_port()}"
-    proc = run_imexd({"IMEXD_BUS_URL": url}, "domain", "list")
+    proc = imexd("domain", "list", env={"IMEXD_BUS_URL": url})
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"imexd: cannot connect to {url}: ")
     assert "refused" in proc.stderr.lower()
@@ -1060,9 +1032,9 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
     b.start()
     try:
         proc = await asyncio.to_thread(
-            run_imexd,
-            {"IMEXD_BUS_URL": b.url},
+            imexd,
             *("domain", "create", "d1", "--nodes", "n1", "--force"),
+            env={"IMEXD_BUS_URL": b.url},
         )
     finally:
         b.stop()
@@ -1219,22 +1191,10 @@ def test_the_shipped_schemas_are_the_generated_ones() -> None:
 
 def test_the_schema_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
     """`imexd schemas --check` exits 1 when a file differs."""
-    gen = subprocess.run(
-        [IMEXD, "schemas", "--write", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    gen = imexd("schemas", "--write", str(tmp_path))
     assert gen.returncode == 0, gen.stderr
     (tmp_path / "DomainSpec.json").write_text("{}\n")
-    check = subprocess.run(
-        [IMEXD, "schemas", "--check", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    check = imexd("schemas", "--check", str(tmp_path))
     assert check.returncode == 1
     assert "DomainSpec.json" in check.stderr
 

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 from collections.abc import Callable, MutableMapping
 from contextlib import suppress
@@ -32,7 +31,6 @@ from imexd.membership.slots import Phase
 from imexd.settings import Settings, settings_from_mapping
 from tests.cluster import BusClient, Cluster, Node, formed, members
 from tests.faultproxy import FaultProxy
-from tests.support import IMEXD
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +41,7 @@ def test_nodes_started_together_start_their_daemons_once_with_everyone(c: Cluste
     names = ["n1", "n2", "n3", "n4"]
     nodes = [c.add(n, domain=None) for n in names]
     c.wait(c.all_ready, timeout=60)
-    created = subprocess.run(
-        [IMEXD, "domain", "create", "d1", "--nodes", ",".join(names)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=c.control_env(),
-        check=False,
-    )
+    created = c.imexd("domain", "create", "d1", "--nodes", ",".join(names))
     assert created.returncode == 0, created.stderr
     formed(c, nodes)
     first = {n.name: n.daemon_pid() for n in nodes}
