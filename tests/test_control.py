@@ -54,9 +54,9 @@ from imexd.messages import (
 )
 from imexd.settings import BusSettings
 from imexd.topics import Topics
+from tests.faultproxy import FaultProxy, RefusedSubscriptions
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, imexd, raw_client
-from tests.test_bus import RefusingRelay
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
@@ -1055,15 +1055,16 @@ async def test_a_refused_subscription_is_asked_for_again_on_the_same_broker(
     """A filter refused twice is granted on the third try within the operation timeout,
     on the same link: the read returns the snapshot."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+    refusing = RefusedSubscriptions({members: {1, 2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(broker.url)) as writer:
             await writer.put(T.spec("d1"), encode(SPEC))
         async with Link(settings_311(relay.url)) as link:
             store = await link.read(T.spec("d1"), members)
             assert link.broker == relay.url
             assert "d1" in store.specs
-        assert relay.refused[members] == 2
-        assert relay.connections == 1
+        assert refusing.refused[members] == 2
+        assert relay.accepted == 1
 
 
 async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
@@ -1073,14 +1074,15 @@ async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
     not get the repairs a refusal is an ACL's: the read fails at the first refusal, naming
     the broker and the filter, instead of waiting out the operation timeout."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+    refusing = RefusedSubscriptions({members: {1, 2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
         async with Link(s, timeout_s=10.0) as link:
             started = time.monotonic()
             with pytest.raises(BusError, match=f"the broker {relay.url} refused the subscription"):
                 await link.read(members)
             assert time.monotonic() - started < 5.0
-        assert relay.refused[members] == 1
+        assert refusing.refused[members] == 1
 
 
 async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
@@ -1090,7 +1092,8 @@ async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
     the timeout, the read goes on at the next URL with every subscription of the link, its
     snapshot included."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: None}) as relay:
+    refusing = RefusedSubscriptions({members: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(broker.url)) as writer:
             await writer.put(T.spec("d1"), encode(SPEC))
         async with Link(settings_311(relay.url, broker.url), timeout_s=1.0) as link:
@@ -1101,7 +1104,7 @@ async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
             assert "d1" in store.specs
             assert link._filters[-2:] == [T.spec("d1"), members]
             await link.sync()
-        assert relay.refused[members] >= 2
+        assert refusing.refused[members] >= 2
 
 
 async def test_a_subscription_every_broker_refuses_names_each_and_the_filter(
@@ -1109,9 +1112,9 @@ async def test_a_subscription_every_broker_refuses_names_each_and_the_filter(
 ) -> None:
     """When no broker grants it, the error names every broker and the filter."""
     members = T.all_members_filter("d1")
-    async with (
-        RefusingRelay(broker.port, {members: None}) as one,
-        RefusingRelay(broker.port, {members: None}) as two,
+    with (
+        FaultProxy(broker.host, broker.port, rule=RefusedSubscriptions({members: None})) as one,
+        FaultProxy(broker.host, broker.port, rule=RefusedSubscriptions({members: None})) as two,
     ):
         async with Link(settings_311(one.url, two.url), timeout_s=0.6) as link:
             with pytest.raises(BusError) as failed:
@@ -1126,7 +1129,8 @@ async def test_after_a_write_a_refused_subscription_does_not_move_the_link(
 ) -> None:
     """A link that wrote stays where it wrote: a refusal then fails the command."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: None}) as relay:
+    refusing = RefusedSubscriptions({members: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(relay.url, broker.url), timeout_s=0.6) as link:
             await link.put(T.spec("d1"), encode(SPEC))
             with pytest.raises(BusError, match="refused the subscription"):
@@ -1138,7 +1142,7 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
     broker: Mosquitto,
 ) -> None:
     """nats-server 2.14 leaves a retained message whose load timed out out of a new
-    subscription's snapshot, without a word (`RefusingRelay.skip_retained`). On a link
+    subscription's snapshot, without a word (`RefusedSubscriptions.skip_retained`). On a link
     that gets the broker repairs, a read subscribes again until a fresh snapshot brings
     nothing it lacked: every member record is read, and the copy read twice is logged and
     stored once."""
@@ -1151,7 +1155,8 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
     await put(broker, records)
     left_out = {T.member("d1", "c1", "n1"): 1, T.workload("d1", "w1"): 1}
     refuse: dict[str, set[int] | None] = {members: set(), workloads: set()}
-    async with RefusingRelay(broker.port, refuse, skip_retained=left_out) as relay:
+    refusing = RefusedSubscriptions(refuse, skip_retained=left_out)
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(relay.url), race=True) as link:
             store = await link.read(members, workloads)
             assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
@@ -1159,9 +1164,9 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
                 T.workload("d1", "w0"),
                 T.workload("d1", "w1"),
             ]
-        assert relay.skipped == 2
+        assert refusing.skipped == 2
         # The first snapshot, the one that brought the two left out, one that brought none.
-        assert relay.seen == {members: 3, workloads: 3}
+        assert refusing.seen == {members: 3, workloads: 3}
 
 
 async def test_without_the_broker_repairs_a_read_subscribes_once(broker: Mosquitto) -> None:
@@ -1170,12 +1175,13 @@ async def test_without_the_broker_repairs_a_read_subscribes_once(broker: Mosquit
     members = T.all_members_filter("d1")
     records = {T.member("d1", "c1", f"n{i}"): member_record(f"n{i}", i) for i in range(3)}
     await put(broker, {topic: encode(record) for topic, record in records.items()})
-    async with RefusingRelay(broker.port, {members: set()}) as relay:
+    refusing = RefusedSubscriptions({members: set()})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
         async with Link(s) as link:
             store = await link.read(members)
             assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
-        assert relay.seen[members] == 1
+        assert refusing.seen[members] == 1
 
 
 # Schemas.

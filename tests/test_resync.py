@@ -39,10 +39,9 @@ from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
 from tests.cluster import Cluster, pids, quiet, untouched
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import FaultProxy, NoRetained
 from tests.nats_servers import NatsCluster, find_nats_server
 from tests.test_bus import fast_settings
-from tests.test_session import NoRetainedRelay
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -445,7 +444,7 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(broker: Mosquitto) 
 
 
 class ServerThatLost:
-    """The drop rule of a `NoRetainedRelay` standing for a server of a cluster that lost
+    """The drop rule of a `NoRetained` proxy standing for a server of a cluster that lost
     `topic`'s record: its retained copies never come, and neither does its first live
     update; later live updates pass (`live_updates` counts them all)."""
 
@@ -463,7 +462,7 @@ class ServerThatLost:
 
 
 @contextlib.asynccontextmanager
-async def reader_behind(server: NoRetainedRelay) -> AsyncIterator[View]:
+async def reader_behind(server: FaultProxy) -> AsyncIterator[View]:
     """The view of n2, a repaired link through `server`, synced on FILTER."""
     s = settings(server.url, resync_interval_s=600.0)
     async with Bus(s, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
@@ -490,12 +489,16 @@ async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_l
     mine = encode(record("n1", 0, MemberState.MEMBER))
     lost = ServerThatLost(topic("n1"))
     s = settings(broker.url, resync_interval_s=0.5)
-    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
-        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
+    withheld = NoRetained(lost)
+    with FaultProxy(broker.host, broker.port, rule=withheld) as server:
+        async with (
+            reader_behind(server) as view,
+            Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer,
+        ):
             await writer.subscribe(FILTER)
             await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
             await view.until({topic("n1"): mine}, within=10)
-            assert server.dropped >= 1
+            assert withheld.dropped >= 1
             assert lost.live_updates >= 2
             assert writer.resync_corrections == 0, "the writer's server held it all along"
 
@@ -508,19 +511,20 @@ async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosqu
     mine = encode(record("n1", 0, MemberState.MEMBER))
     s = settings(broker.url, resync_interval_s=2.0)
     lost = ServerThatLost(topic("n1"))
-    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
-        peer = await client_of(broker.url)
-        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as w:
-            await w.subscribe(FILTER)
-            await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
-            began = time.monotonic()
-            slot = 0
-            while view.records.get(topic("n1")) != mine:
-                assert time.monotonic() - began < 12.0, "our record never came again"
-                slot += 1
-                await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
-                await asyncio.sleep(1.3)
-        await peer.close(2.0)
+    with FaultProxy(broker.host, broker.port, rule=NoRetained(lost)) as server:
+        async with reader_behind(server) as view:
+            peer = await client_of(broker.url)
+            async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as w:
+                await w.subscribe(FILTER)
+                await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+                began = time.monotonic()
+                slot = 0
+                while view.records.get(topic("n1")) != mine:
+                    assert time.monotonic() - began < 12.0, "our record never came again"
+                    slot += 1
+                    await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
+                    await asyncio.sleep(1.3)
+            await peer.close(2.0)
 
 
 async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
