@@ -21,7 +21,7 @@ import gc
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +41,7 @@ from imexd.topics import Topics
 from tests.cluster import Cluster, pids, quiet, untouched
 from tests.faultproxy import FaultProxy, NoRetained
 from tests.nats_servers import NatsCluster, find_nats_server
+from tests.support import until
 from tests.test_bus import fast_settings
 
 TOPICS = Topics("imex/v2")
@@ -111,13 +112,6 @@ class View:
 
     def stop(self) -> None:
         self._task.cancel()
-
-
-async def until_at_least(count: Callable[[], int], wanted: int, within: float) -> None:
-    """Until the bus counter read by `count` reaches `wanted`."""
-    async with asyncio.timeout(within):
-        while count() < wanted:  # noqa: ASYNC110 - a plain counter of the bus: no event
-            await asyncio.sleep(0.05)
 
 
 async def client_of(url: str, attempts: int = 3) -> Client:
@@ -197,14 +191,15 @@ async def test_a_reread_corrects_a_view_that_lost_updates_and_emits_nothing_else
         bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=True)
         bus._dispatch(topic("n4"), encode(record("n4", 2)), retained=True)
         bus._dispatch(topic("n3"), b"", retained=True)
-        await until_at_least(lambda: bus.resync_corrections, 3, within=10)
+        await until(lambda: bus.resync_corrections >= 3, within=10)
         await view.until(current, within=5)
         corrected = bus.resync_corrections
         assert corrected == 3
         deleted = [e.topic for e in view.events if isinstance(e, Deleted)]
         assert deleted == [topic("n3"), topic("n4")], "the injected clear, then n4's"
         before = len(view.events)
-        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        wanted = bus.resyncs + 2
+        await until(lambda: bus.resyncs >= wanted, within=10)
         assert view.records == current
         assert bus.resync_corrections == corrected, "a later re-read corrected again"
         later = [e for e in view.events[before:] if isinstance(e, Received | Deleted)]
@@ -226,7 +221,8 @@ async def test_an_empty_reread_deletes_nothing(broker: Mosquitto) -> None:
         held = {topic(n): encode(record(n, i)) for i, n in enumerate(["n2", "n4"])}
         for t, payload in held.items():
             bus._dispatch(t, payload, retained=True)  # records the broker does not hold
-        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        wanted = bus.resyncs + 2
+        await until(lambda: bus.resyncs >= wanted, within=10)
         assert view.records == held
         assert bus.resync_corrections == 0
         view.stop()
@@ -248,7 +244,7 @@ async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
         peer = await client_of(broker.url)
         await peer.publish(topic("n1"), b"", retain=True)
         await peer.close(2.0)
-        await until_at_least(lambda: bus.resync_corrections + bus.put_back, 1, within=10)
+        await until(lambda: bus.resync_corrections + bus.put_back >= 1, within=10)
         await view.until({topic("n1"): encode(mine)}, within=10)
         assert any(isinstance(e, Deleted) and e.topic == topic("n1") for e in view.events)
         view.stop()
@@ -362,7 +358,7 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
         # The lost update: n2's older claim stands in the view (delivered live, as a
         # later update that never arrived leaves it); a burst of changes ends here.
         bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=False)
-        await until_at_least(lambda: bus.resync_corrections, 1, within=5)
+        await until(lambda: bus.resync_corrections >= 1, within=5)
         assert view.records[topic("n2")] == current[topic("n2")]
         resyncs = bus.resyncs
         await asyncio.sleep(RESYNC_SETTLE_S + 1.0)
@@ -388,12 +384,12 @@ async def test_every_burst_is_read_again_without_a_quiet_time(
         await view.until({topic("n2"): later}, within=5)
         # The lost update: n2's earlier claim stands in the view (delivered live).
         bus._dispatch(topic("n2"), encode(record("n2", 4, seq=1)), retained=False)
-        await until_at_least(lambda: bus.resync_corrections, 1, within=RESYNC_SETTLE_S + 4)
+        await until(lambda: bus.resync_corrections >= 1, within=RESYNC_SETTLE_S + 4)
         assert view.records[topic("n2")] == later
         # A burst with a record without an order (seq 0: an agent that predates it) too.
         resyncs = bus.resyncs
         bus._dispatch(topic("n3"), encode(record("n3", 5)), retained=False)
-        await until_at_least(lambda: bus.resyncs, resyncs + 1, within=RESYNC_SETTLE_S + 4)
+        await until(lambda: bus.resyncs >= resyncs + 1, within=RESYNC_SETTLE_S + 4)
         view.stop()
     await peer.close(2.0)
 
@@ -541,7 +537,7 @@ async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: M
             await view.synced.wait()
         await peer.publish(topic("n2"), current, retain=True)
         await view.until({topic("n2"): current}, within=5)
-        await until_at_least(lambda: bus.resyncs, 1, within=5)  # the burst's re-read
+        await until(lambda: bus.resyncs >= 1, within=5)  # the burst's re-read
         resyncs = bus.resyncs
         await peer.publish(topic("n2"), current, retain=True)
         await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)
