@@ -39,7 +39,7 @@ from pathlib import Path
 import scale
 from harness import log_agents
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 
 LIMIT_S = 120.0
 """Bound of one formation (then the run fails)."""

@@ -100,8 +100,8 @@ One file on purpose (about 1500 lines): a script that is run, read and changed a
 experiment, not a library; its sections (log capture, the broker's view, nodes, figures,
 one run with one method per phase, output, main) follow the order of a run. What it
 shares with the demo and the tests (free ports, the Mosquitto launcher) it imports from
-`imexd.demo.brokers`. Hundreds of membership-only agents in many cliques, on Mosquitto or
-a NATS cluster, are bench/scale.py's job.
+`imexd.demo.brokers` and tests/brokers.py. Hundreds of membership-only agents in many
+cliques, on Mosquitto or a NATS cluster, are bench/scale.py's job.
 """
 
 from __future__ import annotations
@@ -143,12 +143,13 @@ from harness import (
 )
 
 from imexd.agent.run import Agent
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
 from imexd.settings_text import render_toml
+from tests.brokers import Mosquitto
 from tests.cluster import spawn_agent
 
 VENV_BIN: Final = Path(sys.executable).parent

@@ -6,8 +6,9 @@ The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.p
 this folder is first on their import path and they import this module as `harness`,
 first. Importing it also puts the checkout on the path, once for every benchmark, so
 that they start nodes and brokers with the launchers the tests use (`tests.cluster`'s
-simulated nodes, `tests.nats_servers`), not with copies of them, and writes the
-checkout's bytecode (`compile_bytecode`), as an installed package has it.
+simulated nodes, `tests.brokers`' Mosquitto, `tests.nats_servers`), not with copies of
+them, and writes the checkout's bytecode (`compile_bytecode`), as an installed package
+has it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
 
-from imexd.demo.brokers import Mosquitto, find_mosquitto  # noqa: E402 - after the path
+from imexd.demo.brokers import find_mosquitto  # noqa: E402 - after the path
+from tests.brokers import Mosquitto  # noqa: E402 - after the path
 from tests.nats_servers import Nats, NatsCluster, find_nats_server  # noqa: E402
 
 

@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 import aiomqtt
+import harness  # noqa: F401 - first: the checkout's tests on the path
 
 from imexd.control.link import Link
-from imexd.demo.brokers import Mosquitto
 from imexd.messages import WorkloadRecord, encode
 from imexd.settings import BusSettings
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 
 TOPICS = Topics("imex/v2")
 READS = 3

@@ -33,11 +33,12 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
+from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import Nats, NatsCluster
 from tests.support import imexd, loopback_address, wait_for

@@ -1,8 +1,8 @@
 """Helpers shared by the tests: loopback addresses, bounded waits, a raw MQTT client, the CLI.
 
-Free ports and the Mosquitto launcher are the demo's (`imexd.demo.brokers`): one copy for
-the demo, the tests and the benchmark. Everything here talks to 127.0.0.0/8 only, and
-every wait is bounded in time.
+Free ports are the demo's (`imexd.demo.brokers.free_port`), the Mosquitto launcher is
+tests/brokers.py's. Everything here talks to 127.0.0.0/8 only, and every wait is bounded
+in time.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiomqtt
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 """The `imexd` console script of the test's environment."""

@@ -44,7 +44,7 @@ from imexd.bus.events import (
 from imexd.bus.link import Bus
 from imexd.bus.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.bus.records import Record
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.errors import BusError
 from imexd.messages import (
     Assignment,
@@ -62,6 +62,7 @@ from imexd.messages import (
 )
 from imexd.settings import BusSettings
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy, Only311, RefusedSubscriptions, protocol_level, read_packet
 from tests.support import raw_client
 

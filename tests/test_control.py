@@ -36,7 +36,7 @@ from imexd.control import commands
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.scenario import Demo
 from imexd.errors import BusError
 from imexd.health.fleet import (
@@ -54,6 +54,7 @@ from imexd.messages import (
 )
 from imexd.settings import BusSettings
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy, RefusedSubscriptions
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
 from tests.support import IMEXD, imexd, raw_client

@@ -12,7 +12,7 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy, Link, Rule
 from tests.support import wait_for
 

@@ -26,9 +26,9 @@ from structlog.testing import capture_logs
 
 from imexd.agent.run import Agent
 from imexd.daemon.state import DaemonState, DaemonStatus
-from imexd.demo.brokers import Mosquitto
 from imexd.membership.slots import Phase
 from imexd.settings import Settings, settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import BusClient, Cluster, Node, formed, members
 from tests.faultproxy import FaultProxy
 from tests.support import until

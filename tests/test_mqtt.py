@@ -22,8 +22,8 @@ from paho.mqtt.properties import Properties
 
 from imexd.bus import mqtt
 from imexd.bus.mqtt import topic_matches
-from imexd.demo.brokers import Mosquitto
 from imexd.settings import BusSettings, parse_broker_url
+from tests.brokers import Mosquitto
 from tests.support import until
 
 ROOT = Path(__file__).resolve().parent.parent

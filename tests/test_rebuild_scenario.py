@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, Node, checked, pids, untouched
 from tests.support import during, wait_for
 

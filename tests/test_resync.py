@@ -33,11 +33,11 @@ from imexd.bus.link import Bus
 from imexd.bus.mqtt import Client, connect
 from imexd.bus.repairs import RESYNC_SETTLE_S, SUBSCRIBE_RETRIES, refusal_waits
 from imexd.control.link import Link
-from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, pids, quiet, untouched
 from tests.faultproxy import FaultProxy, NoRetained
 from tests.nats_servers import NatsCluster, find_nats_server

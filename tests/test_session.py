@@ -22,9 +22,9 @@ import pytest
 
 from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Synced, WillSpec
 from imexd.bus.link import Bus
-from imexd.demo.brokers import Mosquitto
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, Node, formed, members, pids, quiet, slot_of
 from tests.faultproxy import FaultProxy, NoRetained
 from tests.test_bus import MEMBERS, TOPICS, bus_for, fast_settings, next_event, no_event
