@@ -30,13 +30,13 @@ from imexd.agent.probes import DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
-from imexd.demo.brokers import Mosquitto
 from imexd.health import guard
 from imexd.health.conditions import Heartbeats
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.membership.desired import Desired
 from imexd.settings import settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import Node, end_in_process
 from tests.support import until
 

@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 from imexd.messages import MAX_PAYLOAD
 from imexd.topics import Topics, encode_level
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
-from tests.support import raw_client, wait_for
+from tests.support import raw_client, until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -202,8 +202,10 @@ async def connect_reply(
 
 async def wait_for_log(broker: ShippedBroker, text: str) -> None:
     """Until the broker's log shows `text` (another process's file: polled, bounded)."""
-    await asyncio.to_thread(
-        wait_for, lambda: text in broker.log_path.read_text(errors="replace"), timeout=WAIT_S
+    await until(
+        lambda: text in broker.log_path.read_text(errors="replace"),
+        within=WAIT_S,
+        what=f"{text!r} in the broker's log",
     )
 
 
