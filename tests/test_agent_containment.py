@@ -361,7 +361,8 @@ async def test_the_domain_is_probed_every_domain_probe_interval(
 
 
 async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path: Path) -> None:
-    """The will rides on the first CONNECT, and READY (not start_s) makes the daemon RUNNING."""
+    """The will (the node's presence) rides on the first CONNECT, and READY (not start_s)
+    makes the daemon RUNNING."""
     broker = Mosquitto(tmp_path / "broker")
     broker.start()
     node = Node(tmp_path, "n1", [broker.url], domain="d1", clique="c1", overrides=SLOW_TIMERS)
@@ -378,7 +379,7 @@ async def test_a_configured_domain_connects_once_and_is_ready_on_ready(tmp_path:
             assert r.agent.supervisor.state is DaemonState.RUNNING
         connects = [e for e in logs if e["event"] == "bus_connected"]
         assert len(connects) == 1, connects
-        assert connects[0]["will"] == "imex/v2/domains/d1/members/c1/n1"
+        assert connects[0]["will"] == "imex/v2/nodes/n1/presence"
         assert not [e for e in logs if e["event"] == "bus_disconnected"]
     finally:
         await end_agents([node], runs)

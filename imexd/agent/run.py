@@ -70,7 +70,15 @@ from imexd.logs import get_logger
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.membership.shard import Identity, Plan, ShardView
-from imexd.messages import Assignment, Deleted, HealthReport, MemberRecord, Received, Retry
+from imexd.messages import (
+    Assignment,
+    Deleted,
+    HealthReport,
+    MemberRecord,
+    Presence,
+    Received,
+    Retry,
+)
 from imexd.messages import now as wire_now
 from imexd.names import client_id
 from imexd.nodestate import NodeState
@@ -142,6 +150,11 @@ class Agent:
         """Topics of records of this node that a broker serves outside its shard."""
         self.presences: set[str] = set()
         """The presence topics of the peers we follow (`_follow_presences`)."""
+        self.presences_read: set[str] = set()
+        """Those of them whose retained copies the shard has taken in."""
+        self.presences_moved = asyncio.Event()
+        self.follow = asyncio.Event()
+        """Wakes the presences task: the shard's records may have changed."""
         self.synced_filters: frozenset[str] | None = frozenset()
         """The filters of the last `Synced` the events loop took in (None: all)."""
         self.synced_seen = asyncio.Event()
@@ -233,6 +246,7 @@ class Agent:
                     running = [
                         guard.start(tasks, "events", lambda: self._events_loop(bus)),
                         guard.start(tasks, "membership", self._membership_loop),
+                        guard.start(tasks, "presences", lambda: self._presences_loop(bus)),
                         guard.start(tasks, "reconcile", self._reconcile_loop),
                         guard.start(tasks, "probe", self._probe_loop),  # imexd.agent.probes
                         guard.start(tasks, "report", self._report_loop),
@@ -416,6 +430,12 @@ class Agent:
             self.synced_seen.set()
         if _report(event):
             return self._note_stale_own(event)
+        if (
+            isinstance(event, Received)
+            and isinstance(event.payload, Presence)
+            and not event.payload.lost
+        ):
+            return False  # news to membership only as a Last Will (refreshed every report)
         # The control plane's records reach the readers only when newer than the held ones
         # (imexd.order); a held one takes the place of an older copy or a clear.
         for found in self.rebuild.on_event(event):
@@ -514,8 +534,11 @@ class Agent:
             await self.guard.rest("membership", self.wake, self._step_due())
             self.wake.clear()
             await self._retarget()
-            await self._follow_presences(self._parts()[0])
+            if not self.shard.member:
+                # A step that may claim judges the slots with every peer's will in.
+                await self._presences_current()
             await self._step(time.monotonic())
+            self.follow.set()  # the peers it now holds records of
 
     def _step_due(self) -> float | None:
         """time.monotonic() when a membership step is due without any event (None: none
@@ -570,23 +593,58 @@ class Agent:
         own = (self.topics.retry(domain, self.node), self.topics.health(domain, self.node))
         await bus.subscribe(spec, *own, ordered=False)
 
+    async def _presences_loop(self, bus: Bus) -> None:
+        """Follow the presence of every peer the shard holds a record of, and no other
+        (`ShardView.followed`): a peer's Last Will is its presence. Off membership's path,
+        so that a member steps on new records at once; a step that may claim waits for it
+        (`_presences_current`)."""
+        while True:
+            self.heartbeats.beat("presences")
+            with self.heartbeats.resting("presences"):
+                await self.follow.wait()
+            self.follow.clear()
+            await self._follow_presences(bus)
+
     async def _follow_presences(self, bus: Bus) -> None:
-        """Follow the presence of every peer the shard holds a record of, and no other: a
-        peer's Last Will is its presence (`ShardView.followed`). Their retained copies, a
-        will among them, are in the shard before the step that may claim: the events
-        loop took in the Synced that follows them; records that came meanwhile are
-        followed in turn. A link that drops meanwhile gives them with its snapshot; each
-        wait is bounded regardless."""
+        """One SUBSCRIBE for the presence topics of the peers newly held, an UNSUBSCRIBE
+        for those no longer held; their retained copies, a will among them, are taken in
+        (`_presences_read`) before `presences_read` says so; records that came meanwhile
+        are followed in turn."""
         limit = bus.timeout_s + bus.echo_timeout_s
         while True:
-            wanted = {self.topics.presence(n) for n in self.shard.followed()}
+            wanted = self._presence_topics()
             for topic in sorted(self.presences - wanted):
                 await bus.unsubscribe(topic)
+            self.presences_read &= wanted
             new = sorted(wanted - self.presences)
             self.presences = wanted
             if not new:
                 return
-            await self.guard.beating("membership", self._presences_read(bus, new), limit=limit)
+            await self.guard.beating("presences", self._presences_read(bus, new), limit=limit)
+            self.presences_read |= set(new)  # or given up on: each wait is bounded
+            self.presences_moved.set()
+
+    def _presence_topics(self) -> set[str]:
+        return {self.topics.presence(n) for n in self.shard.followed()}
+
+    async def _presences_current(self) -> None:
+        """Until the presence of every peer the shard holds a record of was taken in (at
+        most a round trip and an echo timeout; a link that drops gives them with its
+        snapshot)."""
+        bus, _ = self._parts()
+        if self._presence_topics() <= self.presences_read:
+            return
+        self.follow.set()
+        limit = bus.timeout_s + bus.echo_timeout_s
+
+        async def read() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit):
+                    while not self._presence_topics() <= self.presences_read:
+                        self.presences_moved.clear()
+                        await self.presences_moved.wait()
+
+        await self.guard.beating("membership", read(), limit=limit)
 
     async def _presences_read(self, bus: Bus, topics: list[str]) -> None:
         """Subscribe the presence `topics` and wait (at most `bus.echo_timeout_s` after the

@@ -310,6 +310,11 @@ class ShardView:
         """Why the first start waits (empty: it does not)."""
 
     @property
+    def member(self) -> bool:
+        """Our claim settled: we hold a slot (no step of ours claims one now)."""
+        return self.claim.phase is mb.Phase.MEMBER
+
+    @property
     def incumbent(self) -> bool:
         """We hold our slot first: our record stood without a break, on links that keep
         the broker's order (docs/membership.md, *Incumbency*)."""
@@ -368,7 +373,8 @@ class ShardView:
         self.unproven.clear()
         self.lost.clear()
         self.spec = None
-        self.synced = False
+        # No shard: no snapshot to wait for (a leave keeps the link, so no Synced follows).
+        self.synced = target is None
         self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
         self.decision = None
         self.wake_at = None
