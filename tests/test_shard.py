@@ -854,6 +854,27 @@ def presence_will(node: str, *, inc: int = 1, link: int = 1, hold_s: float = 0.0
     return Received(topic="p", ref=ref, payload=will, retained=False)
 
 
+def test_our_own_will_given_live_changes_nothing_and_in_a_snapshot_ends_our_record() -> None:
+    """Our will given live while our link is up is a broker shutting down (or a forgery):
+    no incarnation raised, no reconnect for a new will. In a new link's snapshot it says
+    our will fired while we were away: our record of that link is ended, and we claim
+    again rather than resume it."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    mine = presence_will(ME, inc=3, link=ours.link)
+    v.apply(mine, 3.0)
+    assert (v.incarnation, v.outbid) == (3, False)
+    assert v.records[ME] == ours
+    v.apply(Connected(broker="b", protocol="5", will_delay=True, link=ours.link + 1), 5.0)
+    v.apply(Received(mine.topic, mine.ref, mine.payload, retained=True), 5.0)
+    v.apply(received(ours), 5.0)
+    v.apply(Synced(at=5.0), 5.0)
+    assert ME not in v.records
+    assert v.incarnation == 3
+
+
 def test_a_peers_presence_will_ends_its_record_of_that_link() -> None:
     """A peer's Last Will is its presence, marked lost: it ends the peer's record of its
     link (and earlier ones) as a tombstone on its member topic would, with its hold; a

@@ -712,9 +712,15 @@ class ShardView:
         (`_on_lost`); a will of an earlier link or run than the record changes nothing.
         One found retained (in a snapshot) is old news: the record it ends is dropped at
         once. Ours ends our record in a new link's snapshot when our will fired while the
-        link was down: we claim again rather than resume a slot someone may hold now."""
+        link was down: we claim again rather than resume a slot someone may hold now; given
+        live, ours changes nothing."""
         held = self.records.get(presence.node)
         if self.current is None or held is None:
+            return None
+        if presence.node == self.node and not event.retained:
+            # Our own will given live while our link is up: a broker shutting down (the
+            # link ends next) or a forgery; the next link's snapshot tells which. Neither
+            # is a record of our name that we must outbid.
             return None
         will = lost_record(held, presence)
         if will is None or (presence.node == self.node and not ended(held, presence)):
