@@ -479,11 +479,12 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def lost_record(record: MemberRecord, presence: Presence) -> MemberRecord | None:
-    """The Last Will that `presence` makes of `record`, a member record of the same node:
-    a tombstone (state lost) at the will's version, which ends the records of its link and
-    of earlier ones (`version`) and comes before any of a later link or run; None when the
-    presence is no will of this node."""
-    if not presence.lost or presence.node != record.node:
+    """The end that `presence` makes of `record`, a member record of the same node, as a
+    tombstone (state lost): a Last Will at the will's version, which ends the records of
+    its link and of earlier ones (`version`) and comes before any of a later link or run;
+    a clean stop's last word (`stopped`), which ends every record of its run and of
+    earlier runs. None when the presence says neither."""
+    if presence.node != record.node or not (presence.lost or presence.stopped is not None):
         return None
     return MemberRecord(
         node=record.node,
@@ -496,12 +497,12 @@ def lost_record(record: MemberRecord, presence: Presence) -> MemberRecord | None
         max_nodes=record.max_nodes,
         mode=record.mode,
         hold_s=presence.hold_s,
-        link=presence.link,
+        link=presence.link if presence.lost else LINK_END,
     )
 
 
 def ended(record: MemberRecord, presence: Presence | None) -> bool:
-    """Whether `presence` is a Last Will that ends `record` (its version is later)."""
+    """Whether `presence` ends `record` (`lost_record`: its version is later)."""
     if presence is None:
         return False
     will = lost_record(record, presence)

@@ -875,6 +875,39 @@ def test_our_own_will_given_live_changes_nothing_and_in_a_snapshot_ends_our_reco
     assert v.incarnation == 3
 
 
+def test_our_will_seen_before_our_record_still_ends_it() -> None:
+    """Found by the simulator: a snapshot gave our presence (our will fired while we were
+    away) before our record, or before we joined the shard; nothing was held then, so our
+    record, coming next, was resumed on a slot another node had taken. The end our
+    presence says is kept node-wide and ends the record that comes after it."""
+    v = view()
+    settle(v)
+    ours = v.last_sent
+    assert ours is not None
+    mine = presence_will(ME, inc=3, link=ours.link)
+    v.join(None, now=4.0)
+    v.apply(Received(mine.topic, mine.ref, mine.payload, retained=True), 4.5)
+    v.join((DOMAIN, CLIQUE), now=5.0)
+    v.apply(received(ours), 5.0)
+    v.apply(Synced(at=5.0), 5.0)
+    assert ME not in v.records
+
+
+def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
+    """Found by the simulator: a run that stopped cleanly before it published left the
+    previous run's record standing, and a node joining later listed it for good. A
+    presence that says the run stopped ends every record of that run and earlier ones."""
+    v = view()
+    n2 = msgspec.structs.replace(rec("n2", 1, inc=4), seq=2, link=1)
+    v.apply(received(n2), 0.0)
+    settle(v)
+    stopped = Presence(
+        node="n2", incarnation=5, at=WALL, domain=None, address="10.0.9.9", stopped=WALL
+    )
+    v.apply(Received("p", TopicRef(kind="presence", node="n2"), stopped, retained=True), 3.0)
+    assert members(derive(v, 3.0)) == {0: ME}
+
+
 def test_a_peers_presence_will_ends_its_record_of_that_link() -> None:
     """A peer's Last Will is its presence, marked lost: it ends the peer's record of its
     link (and earlier ones) as a tombstone on its member topic would, with its hold; a
@@ -1193,6 +1226,24 @@ def test_a_kept_record_whose_echo_was_lost_stands_as_if_it_came_back() -> None:
     assert v.continuous
     v.apply(received(rec(ME, 3, inc=3, address="10.6.6.6"), retained=False), 11.0)
     assert v.overwritten_total == 1
+
+
+def test_no_step_is_due_while_the_view_is_not_synced() -> None:
+    """Found by the simulator: a timer came due while the link was down; `derive` waits
+    for the snapshot without touching it, so it stayed due and the membership loop turned
+    without pause until the link was back. An unsynced view has no timer due; the
+    snapshot's Synced is the event that wakes the next step."""
+    v = view()
+    v.apply(received(rec("n2", 1, MemberState.CLAIMING)), now=5.0)
+    settle(v)
+    assert v.due_at(6.0) is not None  # n2's claim turns stale at 35 s
+    v.apply(Disconnected(broker="b", reason="lost"), 7.0)
+    assert v.due_at(40.0) is None
+    assert not derive(v, 40.0).publish
+    v.apply(Connected(broker="b", protocol="5", will_delay=True, link=2), 41.0)
+    assert v.due_at(41.0) is None
+    v.apply(Synced(at=41.0), 41.0)
+    assert v.due_at(41.0) is not None
 
 
 def test_a_peers_claim_turning_stale_is_a_step_due_without_any_event() -> None:

@@ -434,8 +434,9 @@ class Agent:
             isinstance(event, Received)
             and isinstance(event.payload, Presence)
             and not event.payload.lost
+            and event.payload.stopped is None
         ):
-            return False  # news to membership only as a Last Will (refreshed every report)
+            return False  # news to membership only as an end (refreshed every report)
         # The control plane's records reach the readers only when newer than the held ones
         # (imexd.order); a held one takes the place of an older copy or a clear.
         for found in self.rebuild.on_event(event):

@@ -433,7 +433,8 @@ class Bus(LinkEngine):
             return False
 
     def set_will(self, will: WillSpec | None) -> None:
-        """Change the Last Will (a domain switch moves the member topic).
+        """Change the Last Will (the agent's presence will, when it raises its incarnation
+        or stands aside for another agent of its name; a join or a leave keeps it).
 
         The will is part of CONNECT, so a change reconnects cleanly: the DISCONNECT
         suppresses the old will, so clear the old record yourself first. A will known

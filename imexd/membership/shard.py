@@ -244,6 +244,10 @@ class ShardView:
         hold it: its echo is checked for a rival on our slot (`_on_own_echo`)."""
         self.replay_rival: MemberRecord | None = None
         """The rival on our slot at the echo of that re-publication: claim again."""
+        self.own_end: Version | None = None
+        """The latest end of a run or link of ours that our presence showed in a snapshot
+        (a will that fired while we were away, a past run's stop): a record of ours it ends
+        is not resumed. Node-wide, so not reset by `join`."""
         self.overwrite_open = False
         """A record written over ours stands on the broker: ours is not back yet (its
         echo has not come). RecordOverwritten, or DuplicateNode while `contested`."""
@@ -402,7 +406,11 @@ class ShardView:
         """When the next step is due without any event (None: no step is): a timer of the
         last plan, the end of the wait for a new link to confirm the old records, or a
         peer's claim turning stale (`claim_stale_s` unchanged). Time changes nothing else
-        here, so between these an agent waits for events alone."""
+        here, so between these an agent waits for events alone. While the view is not
+        synced no timer can act (`derive` waits for the snapshot, whose Synced is an
+        event), so none is due: a past one would otherwise be due again at every turn."""
+        if self.current is None or not self.synced:
+            return None
         due = [at for at in (self.wake_at, self.confirm_by) if at is not None]
         due += [
             at + self.claim_stale_s
@@ -478,7 +486,7 @@ class ShardView:
         if ref.kind == "member" and isinstance(payload, MemberRecord):
             ours = ref.node == self.node  # judged whatever its version: ours goes back over it
             here = (ref.domain, ref.clique) == self.current
-            if here and ours and not self._newer(payload) and self._ended_by_will(payload):
+            if here and ours and event.retained and self._ended_by_will(payload):
                 return None  # ours, which our will ended: we claim again, not resume it
             if here and not self._newer(payload) and not ours:
                 if version(payload) == self.versions.get(ref.node):
@@ -517,9 +525,14 @@ class ShardView:
         return None
 
     def _ended_by_will(self, record: MemberRecord) -> bool:
-        """Whether the version we hold for `record`'s node is a will that ends it."""
+        """Whether the version we hold for `record`'s node is a will that ends it (for our
+        own node also the end our presence said, `own_end`)."""
         held, new = self.versions.get(record.node), version(record)
-        return held is not None and held[2] == LINK_END and (new is None or new < held)
+        if held is not None and held[2] != LINK_END:
+            held = None
+        if record.node == self.node and self.own_end is not None:
+            held = self.own_end if held is None else max(held, self.own_end)
+        return held is not None and (new is None or new < held)
 
     def _newer(self, record: MemberRecord) -> bool:
         """Whether `record` (of the current shard) is newer than what we took in for its
@@ -714,13 +727,19 @@ class ShardView:
         once. Ours ends our record in a new link's snapshot when our will fired while the
         link was down: we claim again rather than resume a slot someone may hold now; given
         live, ours changes nothing."""
-        held = self.records.get(presence.node)
-        if self.current is None or held is None:
-            return None
-        if presence.node == self.node and not event.retained:
+        ours = presence.node == self.node
+        if ours and not event.retained:
             # Our own will given live while our link is up: a broker shutting down (the
             # link ends next) or a forgery; the next link's snapshot tells which. Neither
             # is a record of our name that we must outbid.
+            return None
+        if ours and (presence.lost or presence.stopped is not None):
+            # Kept across shards: our record may come after it in a snapshot, or in the
+            # shard we join next (`_ended_by_will`).
+            end = (presence.incarnation, presence.link if presence.lost else LINK_END, LINK_END)
+            self.own_end = end if self.own_end is None else max(self.own_end, end)
+        held = self.records.get(presence.node)
+        if self.current is None or held is None:
             return None
         will = lost_record(held, presence)
         if will is None or (presence.node == self.node and not ended(held, presence)):
