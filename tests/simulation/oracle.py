@@ -1,0 +1,347 @@
+"""The oracle: the three invariants of docs/membership.md, checked against what really
+happened (the broker's records and who wrote them, which nodes live), never against
+what a view believes.
+
+1. **A settled member's daemon is touched only by its own decision.** Stopping or
+   restarting a running daemon is a breach unless, since it started, the node's
+   continuity was really lost (its record stopped standing on the broker: its will
+   fired, the broker lost its state, or its link went down while a record it did not
+   write stood on its topic) and another node's claim or member record on the daemon's
+   slot reached the broker (a rival that the stamps may rank first once continuity is
+   lost: `own_change`). A leave and a crash end the daemon with the node: no breach.
+2. **Hosts files converge.** After the last fault and `QUIET_S`, every live node is a
+   settled member whose daemon runs, and all of them list the same slot map: every live
+   node, at its real address, each on the slot its own daemon runs, each slot once.
+3. **Nothing dead comes back.** A node that crashed or left (and did not start again)
+   leaves every live peer's hosts file within `GONE_BOUND_S` of its end (within
+   `REJOIN_BOUND_S` of the peer's next snapshot, where the peer's link was down), and once
+   a peer dropped it after a round trip proved its end, never returns to that peer's
+   hosts file.
+
+A record that the hostile writer forged on a node's topic with a version the node never
+wrote past (it died before it could outbid it) is the broker's to keep, not the agents'
+to repair (docs/membership.md, *What a node with valid credentials that lies can still
+do*): that node is left out of rules 2 and 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from imexd.messages import MemberRecord, MemberState, Version, version
+from tests.simulation.broker import Author, Broker
+from tests.simulation.clock import Clock
+from tests.simulation.timings import GONE_BOUND_S, REJOIN_BOUND_S
+
+if TYPE_CHECKING:
+    from tests.simulation.node import SimNode
+
+DAEMON_TOUCHED = "1 daemon touched"
+NO_CONVERGENCE = "2 no convergence"
+DEAD_RETURNED = "3 dead node listed"
+RUNAWAY = "runaway"
+"""Not an invariant: the run did not go quiet within its event budget (a busy loop)."""
+RULES = (DAEMON_TOUCHED, NO_CONVERGENCE, DEAD_RETURNED, RUNAWAY)
+
+_CONTENDING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule: which, when, and what was seen."""
+
+    rule: str
+    at: float
+    detail: str
+    nodes: tuple[str, ...] = ()
+    """The nodes it is about (what a diagnosis looks at)."""
+
+
+class Broken(Exception):  # noqa: N818 - it is what happened, not an error of the code
+    """Raised at the first violation: the run stops there."""
+
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.detail)
+        self.violation = violation
+
+
+class Oracle:
+    """Watches one run (see the module)."""
+
+    def __init__(self, clock: Clock, broker: Broker) -> None:
+        self.clock = clock
+        self.broker = broker
+        self.nodes: dict[str, SimNode] = {}
+        self.broken: dict[str, bool] = {}
+        """node -> its record does not stand on the broker as it wrote it (ground truth)."""
+        self.lost: set[str] = set()
+        """Nodes whose record was `broken` at some time since their daemon started."""
+        self.rivals: dict[str, set[int]] = {}
+        """node -> the slots on which another node's claim or member record stood on the
+        broker since its daemon started."""
+        self.dead: dict[str, float] = {}
+        """node -> when it crashed or left (nodes that lived and are not running now)."""
+        self.gone_from: dict[str, set[str]] = {}
+        """live node -> the dead nodes its hosts file stopped listing once a round trip
+        through the broker came back after their end (`ShardView.proven`)."""
+        self.taint: dict[str, Version] = {}
+        """node -> the version of a hostile record on its topic that it never wrote past."""
+        self.ended: dict[str, int] = {}
+        """dead node -> the broker's `seq` at its end (its will, its clear, or a broker
+        that lost its record): a peer that has seen that far and lists it no more has
+        taken its end in."""
+        self.last_seq: dict[str, int] = {}
+        """node -> the broker's `seq` of the last record accepted on its topic."""
+        self.left_unpublished: set[str] = set()
+        """Nodes that left before they published in their run (what a diagnosis reads)."""
+        self.overwritten: set[str] = set()
+        """Nodes on whose topic the hostile writer wrote while their daemon ran."""
+        self.restored: dict[str, MemberRecord] = {}
+        """node -> its own record as the last persisting broker restart gave it back."""
+        self.hostile_on: set[str] = set()
+        """Running nodes on whose topic the hostile writer wrote during this run."""
+        self.masked: set[str] = set()
+        """Nodes a record of whose was accepted below a hostile version on their topic (the
+        peers that took the forgery in ignore it)."""
+        self.written_first: set[str] = set()
+        """Nodes on whose topic the hostile writer wrote before their agent, in its current
+        (or next) run, published anything."""
+
+    def _fail(self, rule: str, detail: str, *nodes: str) -> None:
+        raise Broken(Violation(rule, self.clock.now, detail, tuple(sorted(set(nodes)))))
+
+    # -- the broker -------------------------------------------------------------------
+
+    def on_accept(self, topic_node: str, record: MemberRecord | None, author: Author) -> None:
+        self.last_seq[topic_node] = self.broker.seq
+        ends = author == "will" or record is None
+        if ends and topic_node in self.dead and topic_node not in self.ended:
+            self.ended[topic_node] = self.broker.seq
+        if author == "hostile":
+            target = self.nodes.get(topic_node)
+            if target is not None and target.daemon.running:
+                self.overwritten.add(topic_node)
+            if target is not None and target.alive:
+                self.hostile_on.add(topic_node)
+            if target is not None and (not target.alive or target.first_state is None):
+                self.written_first.add(topic_node)
+            new = None if record is None else version(record)
+            held = self.taint.get(topic_node)
+            if new is not None and (held is None or new > held):
+                self.taint[topic_node] = new
+        else:
+            held = self.taint.get(topic_node)
+            new = None if record is None else version(record)
+            if held is not None and (record is None or (new is not None and new > held)):
+                del self.taint[topic_node]
+            elif held is not None:
+                self.masked.add(topic_node)
+            if author == "agent":
+                self.broken[topic_node] = False
+            else:
+                self._break(topic_node)
+        if record is not None and record.state in _CONTENDING and record.slot is not None:
+            for node, slots in self.rivals.items():
+                if node != topic_node:
+                    slots.add(record.slot)
+
+    def _break(self, node: str) -> None:
+        """`node`'s record no longer stands as it wrote it: its continuity is lost."""
+        self.broken[node] = True
+        self.lost.add(node)
+
+    def on_state_lost(self) -> None:
+        """The broker restarts without its retained records (called before it drops them)."""
+        for node in self.nodes:
+            self._break(node)
+        for node in self.dead:
+            self.ended.setdefault(node, self.broker.seq)
+
+    def on_state_kept(self) -> None:
+        """The broker restarted with the records it persisted."""
+        for node, author in self.broker.authors.items():
+            if author == "agent" and node in self.broker.retained:
+                self.broken[node] = False  # its record is back as it wrote it
+                self.lost.discard(node)
+                self.restored[node] = self.broker.retained[node]
+
+    # -- the nodes --------------------------------------------------------------------
+
+    def on_start(self, node: SimNode) -> None:
+        self.dead.pop(node.name, None)
+        self.ended.pop(node.name, None)
+        self.left_unpublished.discard(node.name)
+        self.gone_from[node.name] = set()
+        for gone in self.gone_from.values():
+            gone.discard(node.name)
+
+    def on_gone(self, node: SimNode, *, left: bool = False) -> None:
+        self.dead[node.name] = self.clock.now
+        if left and not node.shard.published:
+            self.left_unpublished.add(node.name)
+        standing = self.broker.retained.get(node.name)
+        if standing is None or standing.state is MemberState.LOST:
+            self.ended[node.name] = self.last_seq.get(node.name, 0)
+        self.rivals.pop(node.name, None)
+        self.gone_from.pop(node.name, None)
+        self.written_first.discard(node.name)
+        self.hostile_on.discard(node.name)
+        for peer in self.nodes.values():
+            if peer.alive:
+                self._check_later(node.name, peer)
+
+    def on_link_down(self, node: SimNode) -> None:
+        if self.broker.authors.get(node.name) == "hostile":
+            self._break(node.name)
+
+    def on_synced(self, node: SimNode) -> None:
+        for dead in self.dead:
+            self._check_later(dead, node)
+
+    def on_daemon_started(self, node: SimNode) -> None:
+        """A daemon starts: its continuity and rivals are counted from now (a record that
+        does not stand as it wrote it now, say a will that fired while the member record
+        was still on its way, is no continuity)."""
+        if not self.broken.get(node.name, False):
+            self.lost.discard(node.name)
+        self.overwritten.discard(node.name)
+        self.rivals[node.name] = {
+            r.slot
+            for other, r in self.broker.retained.items()
+            if other != node.name and r.state in _CONTENDING and r.slot is not None
+        }
+
+    def on_daemon_touched(self, node: SimNode, what: str, slot: int | None) -> None:
+        """Rule 1: a running daemon was stopped or restarted while the node lives."""
+        lost = node.name in self.lost
+        rival = slot is not None and slot in self.rivals.get(node.name, set())
+        if lost and rival:
+            if self.clock.tracing:
+                self.clock.note(f"oracle: {node.name}'s daemon {what}: continuity was lost")
+            return
+        why = "its record stood on the broker" if not lost else "no rival reached its slot"
+        self._fail(
+            DAEMON_TOUCHED, f"{node.name}'s daemon on slot {slot} was {what}: {why}", node.name
+        )
+
+    def on_applied(self, node: SimNode, before: set[str]) -> None:
+        """Rule 3, as each hosts file changes (`before`: whom it listed until now): a dead
+        node listed again after a proven deletion, or listed past its deadline."""
+        listed = _listed(node)
+        running = node.daemon.running
+        gone = self.gone_from.setdefault(node.name, set())
+        for dead in self.dead:
+            if dead in self.taint:
+                continue
+            if dead not in listed:
+                end = self.ended.get(dead)
+                proven = end is not None and node.proven_seq >= end
+                if running and dead in before and proven:
+                    gone.add(dead)  # dropped once a round trip proved its end
+            elif dead in gone:
+                self._fail(
+                    DEAD_RETURNED,
+                    f"{dead} (gone since {self.dead[dead]:.3f}) is back in {node.name}'s "
+                    "hosts file after a round trip proved its end",
+                    dead,
+                    node.name,
+                )
+            elif self.clock.now >= self._deadline(dead, node):
+                self._still_listed(dead, node)
+
+    def _deadline(self, dead: str, peer: SimNode) -> float:
+        return max(self.dead[dead] + GONE_BOUND_S, peer.synced_at + REJOIN_BOUND_S)
+
+    def _check_later(self, dead: str, peer: SimNode) -> None:
+        self.clock.at(self._deadline(dead, peer), self._check, dead, self.dead[dead], peer)
+
+    def _check(self, dead: str, since: float, peer: SimNode) -> None:
+        if self.dead.get(dead) != since or not peer.alive or not peer.up or dead in self.taint:
+            return
+        if self.clock.now < self._deadline(dead, peer):
+            return  # the peer synced again meanwhile: checked at its own deadline
+        if dead in _listed(peer):
+            self._still_listed(dead, peer)
+
+    def _still_listed(self, dead: str, peer: SimNode) -> None:
+        self._fail(
+            DEAD_RETURNED,
+            f"{dead} (gone since {self.dead[dead]:.3f}) is still in {peer.name}'s hosts "
+            f"file, whose view synced at {peer.synced_at:.3f}",
+            dead,
+            peer.name,
+        )
+
+    # -- the end ----------------------------------------------------------------------
+
+    def final(self) -> None:
+        """Rule 2 after the quiet period (and rule 3 once more)."""
+        live = sorted(n.name for n in self.nodes.values() if n.alive)
+        maps: dict[str, dict[int, tuple[str, str]]] = {}
+        for name in live:
+            node = self.nodes[name]
+            if not node.up:
+                self._fail(NO_CONVERGENCE, f"{name} is not connected and synced", name)
+            if not node.daemon.running or node.daemon.members is None:
+                why = node.shard.facts(node.desired)
+                self._fail(
+                    NO_CONVERGENCE,
+                    f"{name}'s daemon does not run ({why.state} {why.reason} {why.detail})",
+                    name,
+                )
+            assert node.daemon.members is not None
+            desired = {slot: (m.node, m.address) for slot, m in node.desired.members.items()}
+            if desired != node.daemon.members or node.desired.slot != node.daemon.slot:
+                self._fail(NO_CONVERGENCE, f"{name}'s daemon does not run what it desires", name)
+            maps[name] = node.daemon.members
+        tolerated = {n for n in self.taint if n in self.dead}
+        truth = {name: self.nodes[name].address for name in live}
+        for name, members in maps.items():
+            listed = {node for node, _ in members.values()}
+            extra = listed - set(live) - tolerated
+            missing = set(live) - listed
+            if extra or missing:
+                self._fail(
+                    NO_CONVERGENCE,
+                    f"{name} lists {_show(members)}: missing {sorted(missing)}, "
+                    f"dead {sorted(extra)}",
+                    name,
+                    *missing,
+                    *extra,
+                )
+            wrong = [(s, n, a) for s, (n, a) in members.items() if n in truth and truth[n] != a]
+            if wrong:
+                self._fail(
+                    NO_CONVERGENCE,
+                    f"{name} lists wrong addresses {wrong}",
+                    name,
+                    *(n for _, n, _ in wrong),
+                )
+            own = self.nodes[name].daemon.slot
+            if own is None or members.get(own, ("", ""))[0] != name:
+                self._fail(
+                    NO_CONVERGENCE, f"{name} runs slot {own} but lists {_show(members)}", name
+                )
+        first = maps[live[0]] if live else {}
+        for name, members in maps.items():
+            same = {s: v for s, v in members.items() if v[0] not in tolerated}
+            base = {s: v for s, v in first.items() if v[0] not in tolerated}
+            if same != base:
+                differ = {entry[1][0] for entry in set(same.items()) ^ set(base.items())}
+                self._fail(
+                    NO_CONVERGENCE,
+                    f"hosts files differ: {live[0]} {_show(first)}, {name} {_show(members)}",
+                    live[0],
+                    name,
+                    *differ,
+                )
+
+
+def _listed(node: SimNode) -> set[str]:
+    members = node.daemon.members
+    return set() if members is None else {n for n, _ in members.values()}
+
+
+def _show(members: dict[int, tuple[str, str]]) -> str:
+    return "{" + ", ".join(f"{slot}: {node}" for slot, (node, _) in sorted(members.items())) + "}"
