@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import pytest
 
@@ -16,8 +17,9 @@ from imexd.messages import MemberRecord, MemberState
 from tests.simulation.batch import main, sweep
 from tests.simulation.diagnosis import CAUSES
 from tests.simulation.known_failures import CI_FIRST, CI_SEEDS, KNOWN_FAILURES
-from tests.simulation.schedule import generate, valid
+from tests.simulation.schedule import Schedule, Step, generate, valid
 from tests.simulation.shrink import shrink
+from tests.simulation.timings import WILL_DELAY_S
 from tests.simulation.world import Outcome, run
 
 CI_JOBS = 2
@@ -80,6 +82,49 @@ def test_the_command_prints_its_count_last_and_fails_on_a_violation(
     assert out.splitlines()[-1] == "1 schedules, 1 violations"
     assert f"seed {failing}: " in out
     assert "minimal schedule" in out
+
+
+# -- the model broker -------------------------------------------------------------
+
+
+def _one_node(protocol: Literal["5", "3.1.1"], *steps: Step) -> Schedule:
+    return Schedule(
+        seed=CI_FIRST,
+        nodes=("n1", "n2"),
+        max_nodes=2,
+        protocol=protocol,
+        takeover_will=False,
+        persist_wills=False,
+        spike_p=0.0,
+        skews=(0.0, 0.0),
+        steps=(Step(0.0, "start", "n1"), Step(0.1, "start", "n2"), *steps),
+    )
+
+
+def _wills(outcome: Outcome) -> list[float]:
+    return [at for at, text in outcome.notes if "n1's topic <- lost" in text]
+
+
+def test_a_link_back_within_the_will_delay_fires_no_will_on_mqtt_5() -> None:
+    """MQTT 5: a cut shorter than the Will Delay resumes the session, and no will fires;
+    a longer one fires the will once the delay passed."""
+    short = run(_one_node("5", Step(1.0, "cut", "n1", span_s=WILL_DELAY_S / 4)), tracing=True)
+    long = run(_one_node("5", Step(1.0, "cut", "n1", span_s=3 * WILL_DELAY_S)), tracing=True)
+    assert short.violation is None
+    assert long.violation is None
+    assert _wills(short) == []
+    assert len(_wills(long)) == 1
+    assert _wills(long)[0] >= 1.0 + WILL_DELAY_S
+
+
+def test_a_will_fires_at_once_on_mqtt_3_1_1_and_the_peer_keeps_the_node_its_hold() -> None:
+    """MQTT 3.1.1: the will fires as soon as the broker notices the dead link, and the
+    peer keeps the node in its hosts file for the tombstone's hold_s."""
+    outcome = run(_one_node("3.1.1", Step(1.0, "cut", "n1", span_s=WILL_DELAY_S / 4)), tracing=True)
+    assert outcome.violation is None
+    assert len(_wills(outcome)) == 1
+    assert _wills(outcome)[0] < 1.0 + WILL_DELAY_S
+    assert not [text for _, text in outcome.notes if text.startswith("n2: SIGUSR1: hosts {1: n2}")]
 
 
 # -- planted defects ---------------------------------------------------------------
