@@ -27,7 +27,8 @@ CAUSES: Final[dict[str, str]] = {
     ),
     "tombstone-confirms": (
         "a node's will taken in, then restored unconfirmed when the link ended before a "
-        "round trip proved it (a broker shutting down), is confirmed by the same tombstone "
+        "round trip proved it (any link that drops; a broker shutting down publishes every "
+        "will first), is confirmed by the same tombstone "
         "given again (the new snapshot, or a persisted session's will): "
         "`ShardView._on_received` treats any copy of the held version as a confirmation, "
         "so the dead node stays in the hosts files for ever"
