@@ -26,7 +26,6 @@ import harness  # noqa: F401 - first: the checkout's tests on the path
 
 from imexd.demo.timings import FAST
 from tests.cluster import Cluster
-from tests.support import IMEXD
 
 BOUND_S = 60.0
 
@@ -39,18 +38,10 @@ def main() -> int:
         try:
             nodes = [c.add(n, domain=None) for n in ("n1", "n2", "n3", "n4")]
             c.wait(c.all_ready, timeout=30)
-            env = c.control_env()
 
             def run(*args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
                 started = time.monotonic()
-                done = subprocess.run(
-                    [IMEXD, *args],
-                    check=False,
-                    capture_output=True,
-                    text=True,
-                    env=env,
-                    timeout=120,
-                )
+                done = c.imexd(*args)
                 return time.monotonic() - started, done
 
             formed = run("domain", "create", "d1", "--nodes", "n1,n2", "--wait", "60")[1]

@@ -64,11 +64,11 @@ from imexd.demo.brokers import free_port, log_tail
 from imexd.names import client_id
 from tests.cluster import Node
 from tests.nats_servers import mqtt_connect_problem
+from tests.support import imexd
 
 DOMAIN: Final = "d1"
 CLIQUE: Final = "b3c1d2e4-0000-4000-8000-00000000beef.7"
 NODES: Final = ("gpu-1.bench.internal", "gpu-2.bench.internal", "gpu-3.bench.internal")
-IMEXD: Final = str(Path(sys.executable).parent / "imexd")
 FORM_S: Final = 90.0
 """Bound on a formation (three agents and daemons on a loaded two-core machine)."""
 RECOVER_S: Final = 60.0
@@ -303,16 +303,13 @@ def until(predicate: Callable[[], bool], bound_s: float) -> float | None:
 
 def domain_status(run: Run, wait_s: float) -> tuple[int, str]:
     """`imexd domain status` as a control plane would run it: exit status, last line."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    env["IMEXD_BUS_URL"] = ",".join(run.target.urls)
+    env = {"IMEXD_BUS_URL": ",".join(run.target.urls)}
     if run.target.protocol is not None:
         env["IMEXD_BUS_PROTOCOL"] = run.target.protocol
     names = ",".join(n.name for n in run.nodes)
-    command = [IMEXD, "domain", "status", DOMAIN, "--nodes", names, "--wait", f"{wait_s:g}"]
+    command = ["domain", "status", DOMAIN, "--nodes", names, "--wait", f"{wait_s:g}"]
     try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=wait_s + 30, check=False
-        )
+        proc = imexd(*command, env=env, timeout=wait_s + 30)
     except subprocess.TimeoutExpired:
         return 124, f"no answer within {wait_s + 30:g} s"
     lines = (proc.stdout + proc.stderr).strip().splitlines()

@@ -37,9 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import scale
-from harness import log_agents
-
-from imexd.demo.brokers import Mosquitto
+from harness import broker_target, log_agents
 
 LIMIT_S = 120.0
 """Bound of one formation (then the run fails)."""
@@ -56,12 +54,12 @@ def _callgrind(pid: int, on: bool) -> None:
 
 async def formation(nodes: int, cliques: int, root: Path, *, counted: bool) -> dict[str, object]:
     """One formation on a fresh broker: CPU ms per agent, seconds, messages per agent."""
-    broker = Mosquitto(root / "broker")
+    broker = broker_target("mosquitto", root / "broker")
     broker.start()
     plans = scale.plan_nodes(nodes, cliques)
     spec = {
         "root": str(root),
-        "urls": [broker.url],
+        "urls": broker.urls,
         "will_delay_s": 2.0,
         "protocol": "auto",
         "nodes": [dataclasses.asdict(p) for p in plans],

@@ -98,10 +98,11 @@ agents gracefully, then kills whatever still runs from that folder, then removes
 
 One file on purpose (about 1500 lines): a script that is run, read and changed as one
 experiment, not a library; its sections (log capture, the broker's view, nodes, figures,
-one run with one method per phase, output, main) follow the order of a run. What it
-shares with the demo and the tests (free ports, the Mosquitto launcher) it imports from
-`imexd.demo.brokers`. Hundreds of membership-only agents in many cliques, on Mosquitto or
-a NATS cluster, are bench/scale.py's job.
+one run with one method per phase, output, main) follow the order of a run. Its broker,
+its nodes' settings and its in-process agents are started as every benchmark starts them
+(bench/harness.py: `broker_target`, `agent_sections`, `InProcAgent`), its agent processes
+as the tests do (tests/cluster.py's `spawn_agent`). Hundreds of membership-only agents in
+many cliques, on Mosquitto or a NATS cluster, are bench/scale.py's job.
 """
 
 from __future__ import annotations
@@ -133,18 +134,20 @@ from harness import (
     BenchError,
     Figure,
     InProcAgent,
+    agent_sections,
+    broker_target,
     cpu_seconds,
     cpu_total,
     end_agents,
     log_agents,
     machine,
     print_figures,
+    restart,
     sweep,
 )
 
 from imexd.agent.run import Agent
-from imexd.demo.brokers import Mosquitto, free_port
-from imexd.demo.nodes import node_folder
+from imexd.demo.brokers import free_port
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
@@ -278,8 +281,8 @@ class BrokerCounts:
 class Monitor:
     """A subscriber on `imex/v2/#` and `$SYS/broker/#` that counts what the agents publish."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, endpoint: tuple[str, int]) -> None:
+        self.host, self.port = endpoint
         self.published: list[tuple[float, str]] = []
         self.total = 0
         self.sys: dict[str, int] = {}
@@ -296,7 +299,7 @@ class Monitor:
         """(when, domain) of every DomainSpec published."""
 
     async def run(self) -> None:
-        async with aiomqtt.Client("127.0.0.1", self.port, identifier="imexd-bench-monitor") as c:
+        async with aiomqtt.Client(self.host, self.port, identifier="imexd-bench-monitor") as c:
             await c.subscribe(f"{PREFIX}/#")
             await c.subscribe("$SYS/broker/#")
             self.up.set()
@@ -440,18 +443,16 @@ class Node:
     def sections(self, health_listen: str) -> dict[str, dict[str, Any]]:
         """The node's settings: the shipped defaults (or the fast table, `--timings fast`)
         but for what the docstring lists."""
-        daemons = self.run.daemons
-        domain: dict[str, Any] = {"max_nodes": self.run.opts.max_nodes}
-        if self.assigned:
-            domain["assigned"] = True
-        else:
-            domain["name"] = self.domain
-        sections = node_folder(
-            self.dir, name=self.name, address=self.address, health_listen=health_listen
+        sections = agent_sections(
+            self.dir,
+            name=self.name,
+            address=self.address,
+            clique=f"{CLUSTER}.{self.group}" if self.run.daemons else "",
+            domain=None if self.assigned else self.domain,
+            max_nodes=self.run.opts.max_nodes,
+            urls=self.run.broker.urls,
+            health_listen=health_listen,
         )
-        sections["node"]["clique"] = f"{CLUSTER}.{self.group}" if daemons else ""
-        sections["domain"] = domain
-        sections["bus"] = {"url": [self.run.broker.url]}
         sections["imex"] |= {"binary": str(SIM_DAEMON), "ctl": str(SIM_CTL)}
         sections["imex"]["env"]["IMEXD_SIM_SIGNAL_LOG"] = str(self.signal_log)
         if self.run.fast:
@@ -882,8 +883,8 @@ class Run:
         """The agents' `[imex] reload_min_interval_s` (the quiet time between phases)."""
         self.wall_offset = time.time() - time.monotonic()
         """Wall clock minus monotonic clock: puts the processes' log times on ours."""
-        self.broker = Mosquitto(root / "broker", extra_config=SYS_INTERVAL)
-        self.monitor = Monitor(self.broker.port)
+        self.broker = broker_target("mosquitto", root / "broker", extra_config=SYS_INTERVAL)
+        self.monitor = Monitor(self.broker.endpoint)
         self.nodes: list[Node] = []
         self.proc: ProcNode | None = None
         self.result = Result(n, daemons, opts.agents)
@@ -1439,7 +1440,7 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
         fleet = settings_from_mapping(self.nodes[0].sections("127.0.0.1:0"))
         return env | {
-            "IMEXD_BUS_URL": self.broker.url,
+            "IMEXD_BUS_URL": ",".join(self.broker.urls),
             "IMEXD_DOMAIN_MAX_NODES": str(self.opts.max_nodes),
             "IMEXD_HEALTH_REPORT_INTERVAL_S": str(fleet.health.report_interval_s),
         }
@@ -1643,8 +1644,7 @@ class Run:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._monitor_task
             self._monitor_task = None
-        self.broker.stop()
-        self.broker.start()
+        restart(self.broker)
         t0 = time.monotonic()
         checks = [[str(IMEXD), "domain", "status", d, "--wait", wait] for d in domains]
         checks += [[str(IMEXD), "workload", "status", f"{d}-job", "--wait", wait] for d in domains]

@@ -1,13 +1,16 @@
 """What every benchmark shares: its error, its figures, the machine it ran on, the CPU
-and memory of the processes it watches, the sweep of the processes it left, the
-in-process agents (`InProcAgent`) and their logs, and the way to the tests' launchers.
+and memory of the processes it watches, the sweep of the processes it left, the one way
+to give a node its settings (`agent_sections`) and to run it in this process
+(`InProcAgent`, with its logs), the one way to start a broker (`broker_target`), and the
+way to the tests' launchers.
 
 The benchmarks are scripts run from the checkout (`.venv/bin/python bench/NAME.py`), so
 this folder is first on their import path and they import this module as `harness`,
 first. Importing it also puts the checkout on the path, once for every benchmark, so
 that they start nodes and brokers with the launchers the tests use (`tests.cluster`'s
-simulated nodes, `tests.nats_servers`), not with copies of them, and writes the
-checkout's bytecode (`compile_bytecode`), as an installed package has it.
+simulated nodes, `tests.brokers`' Mosquitto, `tests.nats_servers`), not with copies of
+them, and writes the checkout's bytecode (`compile_bytecode`), as an installed package
+has it.
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 import psutil
 import structlog
 from structlog.typing import Processor
 
 from imexd.agent.run import Agent
+from imexd.demo.nodes import node_folder
 from imexd.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after bench/: `tests` is the checkout's test package
 
-from imexd.demo.brokers import Mosquitto, find_mosquitto  # noqa: E402 - after the path
+from imexd.demo.brokers import find_mosquitto  # noqa: E402 - after the path
+from tests.brokers import Mosquitto  # noqa: E402 - after the path
 from tests.nats_servers import Nats, NatsCluster, find_nats_server  # noqa: E402
 
 
@@ -70,6 +75,35 @@ def log_agents(out: TextIO, tap: Processor) -> None:
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+
+
+def agent_sections(
+    folder: Path,
+    *,
+    name: str,
+    address: str,
+    clique: str,
+    domain: str | None,
+    max_nodes: int,
+    urls: Sequence[str],
+    bus: Mapping[str, Any] | None = None,
+    health_listen: str = "127.0.0.1:0",
+) -> dict[str, dict[str, Any]]:
+    """A benchmark node's settings: the shipped defaults but for what makes it distinct
+    (the simulated node's folder, `imexd.demo.nodes.node_folder`: state and run dirs,
+    hosts file, a fake driver; its name, address and health listener), its clique, its
+    domain (None: assigned mode, idle until the control plane assigns one) of at most
+    `max_nodes`, and its bus: `urls`, plus the `[bus]` keys of `bus`. A benchmark changes
+    more (daemons, timings) on the result."""
+    sections = node_folder(folder, name=name, address=address, health_listen=health_listen)
+    sections["node"]["clique"] = clique
+    sections["domain"] = {"max_nodes": max_nodes}
+    if domain is None:
+        sections["domain"]["assigned"] = True
+    else:
+        sections["domain"]["name"] = domain
+    sections["bus"] = {"url": list(urls), **(bus or {})}
+    return sections
 
 
 class InProcAgent:
@@ -298,10 +332,18 @@ def pids_alive(pids: Iterable[int | None]) -> list[psutil.Process]:
 
 
 class MosquittoTarget:
-    """A Mosquitto on a free port; `persistence`: whether a restart keeps its store."""
+    """A Mosquitto on a free port; `persistence`: whether a restart keeps its store;
+    `extra_config`: directives of the benchmark's own."""
 
-    def __init__(self, folder: Path, protocol: str | None, *, persistence: bool = True) -> None:
-        self.server = Mosquitto(folder, persistence=persistence)
+    def __init__(
+        self,
+        folder: Path,
+        protocol: str | None,
+        *,
+        persistence: bool = True,
+        extra_config: str = "",
+    ) -> None:
+        self.server = Mosquitto(folder, persistence=persistence, extra_config=extra_config)
         self.protocol = protocol
 
     @property
@@ -378,3 +420,35 @@ class NatsTarget:
 
     def processes(self) -> list[psutil.Process]:
         return pids_alive(s.pid for s in self.servers)
+
+
+BROKER_KINDS = ("mosquitto", "nats", "nats-cluster")
+
+
+def broker_target(
+    kind: str,
+    folder: Path,
+    *,
+    extra_config: str = "",
+    nats_server: str | None = None,
+    consumer_replicas: int | None = 1,
+) -> Target:
+    """The broker `kind` (of BROKER_KINDS) with its files in `folder`, not started yet.
+
+    Mosquitto keeps no store, so a restart brings it back empty, and takes the benchmark's
+    `extra_config`; NATS runs the binary `nats_server` (None: `find_nats_server`), a
+    cluster (three servers) with its consumers' `consumer_replicas` replicas in memory
+    (None: nats-server's default, the streams' replicas on disk). Starting a NATS target
+    blocks (its readiness check runs an event loop of its own): start it in a thread."""
+    if kind == "mosquitto":
+        return MosquittoTarget(folder, None, persistence=False, extra_config=extra_config)
+    if kind in ("nats", "nats-cluster"):
+        size = 1 if kind == "nats" else 3
+        return NatsTarget(folder, size, binary=nats_server, consumer_replicas=consumer_replicas)
+    raise BenchError(f"unknown broker {kind!r}: expected one of {', '.join(BROKER_KINDS)}")
+
+
+def restart(target: Target) -> None:
+    """Stop `target` and start it again on its ports (a Mosquitto without a store: empty)."""
+    target.stop()
+    target.start()

@@ -98,23 +98,25 @@ from typing import Any, Final
 import aiomqtt
 import psutil
 from harness import (
+    BROKER_KINDS,
     BenchError,
     Figure,
     InProcAgent,
     MosquittoTarget,
-    NatsTarget,
     Target,
+    agent_sections,
+    broker_target,
     cpu_total,
     end_agents,
     first_line,
     log_agents,
     machine,
     print_figures,
+    restart,
     rss_mb,
     sweep,
 )
 
-from imexd.demo.nodes import node_folder
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.settings import settings_from_mapping
 from imexd.topics import Topics
@@ -231,22 +233,23 @@ class Worker:
 
     def sections(self, node: NodePlan) -> dict[str, dict[str, Any]]:
         """The node's settings: the shipped defaults but what the module docstring lists."""
-        folder = self.root / "nodes" / node.name
         urls = list(self.spec["urls"])
         turn = node.index % len(urls)  # the agents spread over a cluster's servers
-        bus: dict[str, Any] = {"url": urls[turn:] + urls[:turn]}
-        bus["will_delay_s"] = float(self.spec["will_delay_s"])
+        bus: dict[str, Any] = {"will_delay_s": float(self.spec["will_delay_s"])}
         if self.spec.get("resync_interval_s") is not None:
             bus["resync_interval_s"] = float(self.spec["resync_interval_s"])
         if self.spec["protocol"] != "auto":
             bus["protocol"] = self.spec["protocol"]
-        sections = node_folder(
-            folder, name=node.name, address=node.address, health_listen="127.0.0.1:0"
+        return agent_sections(
+            self.root / "nodes" / node.name,
+            name=node.name,
+            address=node.address,
+            clique="",  # no daemon: the membership alone is measured
+            domain=node.domain,
+            max_nodes=MAX_NODES,
+            urls=urls[turn:] + urls[:turn],
+            bus=bus,
         )
-        sections["node"]["clique"] = ""  # no daemon: the membership alone is measured
-        sections["domain"] = {"name": node.domain, "max_nodes": MAX_NODES}
-        sections["bus"] = bus
-        return sections
 
     def build(self) -> None:
         for raw in self.spec["nodes"]:
@@ -461,33 +464,6 @@ class WorkerProc:
             self.killed = True
 
 
-# Brokers -------------------------------------------------------------------------------
-
-
-def start_broker(
-    kind: str, folder: Path, nats_server: str | None = None, consumer_replicas: int | None = 1
-) -> Target:
-    """Start the broker `kind` (mosquitto, nats, nats-cluster) with its files in `folder`
-    (NATS: the binary `nats_server`, None: `find_nats_server`; a cluster's consumers with
-    `consumer_replicas` replicas in memory, None: nats-server's default, the streams'
-    replicas on disk). Mosquitto keeps no store, so `--rebuild` restarts it empty.
-    Blocking (NATS's readiness check runs an event loop of its own): run it in a thread."""
-    target: Target
-    if kind == "mosquitto":
-        target = MosquittoTarget(folder, "auto", persistence=False)
-    else:
-        size = 1 if kind == "nats" else 3
-        target = NatsTarget(folder, size, binary=nats_server, consumer_replicas=consumer_replicas)
-    target.start()
-    return target
-
-
-def restart(target: Target) -> None:
-    """Stop `target` and start it again on its port (a Mosquitto without a store: empty)."""
-    target.stop()
-    target.start()
-
-
 # Figures -------------------------------------------------------------------------------
 
 
@@ -679,13 +655,13 @@ class Bench:
     async def setup(self) -> None:
         load = os.getloadavg()
         self.load = f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
-        self.broker = await asyncio.to_thread(
-            start_broker,
+        self.broker = broker_target(
             self.opts.broker,
             self.root / "broker",
-            self.opts.nats_server,
-            self.opts.consumer_replicas,
+            nats_server=self.opts.nats_server,
+            consumer_replicas=self.opts.consumer_replicas,
         )
+        await asyncio.to_thread(self.broker.start)
         sizes = clique_sizes(self.opts.nodes, self.opts.cliques)
         self.log(
             f"{self.opts.cliques} cliques of {min(sizes)}..{max(sizes)}, "
@@ -1125,7 +1101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--cliques", type=int, default=16, help="cliques, 18 nodes at most (16)")
     parser.add_argument(
         "--broker",
-        choices=("mosquitto", "nats", "nats-cluster"),
+        choices=BROKER_KINDS,
         default="mosquitto",
         help="mosquitto (default), one nats-server, or a cluster of three",
     )

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import aiomqtt
+from harness import Target, broker_target
 
 from imexd.control.link import Link
-from imexd.demo.brokers import Mosquitto
 from imexd.messages import WorkloadRecord, encode
 from imexd.settings import BusSettings
 from imexd.topics import Topics
@@ -34,24 +34,25 @@ TOPICS = Topics("imex/v2")
 READS = 3
 
 
-async def fill(broker: Mosquitto, records: int) -> None:
-    async with aiomqtt.Client(broker.host, broker.port) as client:
+async def fill(broker: Target, records: int) -> None:
+    async with aiomqtt.Client(*broker.endpoint) as client:
         for channel in range(1, records + 1):
             name = f"w{channel:05d}"
             record = WorkloadRecord(workload=name, domain="d1", channel=channel, generation=1)
             await client.publish(TOPICS.workload("d1", name), encode(record), qos=1, retain=True)
 
 
-async def read(broker: Mosquitto, *, race: bool) -> tuple[int, float]:
+async def read(broker: Target, *, race: bool) -> tuple[int, float]:
     started = time.monotonic()
-    async with Link(BusSettings(url=(broker.url,)), race=race) as link:
+    async with Link(BusSettings(url=tuple(broker.urls)), race=race) as link:
         store = await link.read(link.topics.workloads_filter("d1"))
         return len(store.workloads), time.monotonic() - started
 
 
 async def measure(records: int, queue: int) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        broker = Mosquitto(Path(folder), extra_config=f"max_queued_messages {queue}")
+        queued = f"max_queued_messages {queue}"
+        broker = broker_target("mosquitto", Path(folder), extra_config=queued)
         broker.start()
         try:
             await fill(broker, records)

@@ -20,7 +20,12 @@ that exit their CPU time (user + system), which a loaded machine does not inflat
   simulated daemon says READY `READY_DELAY_S` after its start (after the fast timings'
   `start_s`, with the shipped `probe_interval_s`), from the line's appearance in the
   daemon's output file to the broker's delivery of the first report with `ready`, both
-  seen by this process (it looks every `LOOK_S`).
+  seen by this process (it looks every `LOOK_S`);
+- the daemon's spawn -> RUNNING: per run a new one-node domain with the shipped `start_s`
+  and `probe_interval_s`, whose simulated daemon says READY `READY_DELAY_S` after its
+  start; both moments from the agent's own log (`daemon.state` to STARTING and to
+  RUNNING), and the READY line's read (its `daemon.output` event) -> RUNNING.
+  `--spawn-only` measures this figure alone.
 
 `--tree PATH` runs every program from another checkout of imexd (PYTHONPATH, this
 virtual environment's interpreter and packages), so that two versions compare on the
@@ -31,6 +36,7 @@ shared machine they move with it.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -126,6 +132,29 @@ def ready_line_to_report(cluster: Cluster, name: str) -> float:
     return ready - said
 
 
+def spawn_to_running(cluster: Cluster, name: str) -> tuple[float, float]:
+    """Seconds from the daemon's spawn to RUNNING, and from the agent's read of its READY
+    line to RUNNING, from the agent's log (a one-node domain of its own)."""
+    overrides: dict[str, dict[str, Any]] = {
+        "domain": {"max_nodes": 1},
+        "daemon": {"start_s": 3.0, "probe_interval_s": 5.0},  # the shipped ones
+        "imex": {"env": {"IMEXD_SIM_START_DELAY_S": READY_DELAY_S}},
+    }
+    node = cluster.add(name, domain=name, overrides=overrides)
+    cluster.wait(node.ready, timeout=LIMIT_S)
+    node.stop()
+    states = {e["to"]: _at(e) for e in node.log_events("daemon.state")}
+    said = [_at(e) for e in node.log_events("daemon.output") if "to READY" in e.get("line", "")]
+    if "STARTING" not in states or "RUNNING" not in states or not said:
+        raise RuntimeError(f"{name}: no start, RUNNING or READY line in its log: {states}")
+    return states["RUNNING"] - states["STARTING"], states["RUNNING"] - said[0]
+
+
+def _at(event: dict[str, Any]) -> float:
+    """A log event's time, in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
 def _bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -163,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ready-runs", type=int, default=20, help="runs of the READY-line figure (20)"
     )
+    parser.add_argument(
+        "--spawn-runs", type=int, default=10, help="runs of the spawn -> RUNNING figure (10)"
+    )
+    parser.add_argument("--spawn-only", action="store_true", help="measure only spawn -> RUNNING")
     parser.add_argument("--tree", type=Path, default=None, help="imexd checkout to measure")
     opts = parser.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
@@ -173,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.chdir(opts.tree)  # `python -m imexd` puts its working folder first on sys.path
     py = sys.executable
     print(f"tree {opts.tree or ROOT}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if opts.spawn_only:
+        spawn_figure(opts.spawn_runs)
+        print(f"load {os.getloadavg()[0]:.1f}")
+        return 0
     show("python -c pass", repeat(opts.runs, lambda: timed([py, "-c", "pass"], env)))
     version = [str(VENV_BIN / "imexd"), "--version"]
     show("imexd --version", repeat(opts.runs, lambda: timed(version, env)))
@@ -217,8 +254,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
+    spawn_figure(opts.spawn_runs)
     print(f"load {os.getloadavg()[0]:.1f}")
     return 0
+
+
+def spawn_figure(runs: int) -> None:
+    """Print the spawn -> RUNNING figure over `runs` new one-node domains."""
+    root = Path(tempfile.mkdtemp(prefix="imexd-spawn-"))
+    cluster = Cluster(root)
+    try:
+        spawn_to_running(cluster, "w0")  # warm the page cache and the .pyc files
+        got = [spawn_to_running(cluster, f"s{i}") for i in range(runs)]
+    finally:
+        cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"daemon spawn -> RUNNING: {spread([g[0] for g in got])}; its READY line read -> "
+        f"RUNNING: {spread([g[1] for g in got], 1e6, 'us')}, over {len(got)} runs"
+    )
 
 
 if __name__ == "__main__":

@@ -381,7 +381,7 @@ async def discover(
     child_cmd: Sequence[str] | None = None,
 ) -> Discovery:
     """Collect the fabric info in a child and apply the clique rule; DiscoveryError on
-    any failure (the agent keeps running and retries at `discover_interval_s`)."""
+    any failure (the agent keeps running and tries again, backing off)."""
     report = await collect_fabric(timeout, child_cmd=child_cmd)
     if child_cmd is None and not os.environ.get(CHILD_CMD_ENV, "").strip():
         report = with_health(report, await collect_health(timeout))

@@ -176,7 +176,8 @@ class DaemonFacts:
     """How the files were last written: atomically by rename, or in place under a lock
     (bind-mounted or read-only-folder hosts files); conditions say which."""
     imex_status: str = ""
-    """The last word of `ctl -q` (READY, WAITING_FOR_PEERS, ...); "" before any."""
+    """The daemon's last state word (READY, WAITING_FOR_PEERS, ...): of `ctl -q`, or READY
+    from its own line; "" before any."""
     probe_error: str = ""
     """Why the last `ctl -q` failed or timed out; "" when it succeeded."""
     identified: int | None = None

@@ -441,7 +441,11 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
     """An agent's retained word on `{p}/nodes/{node}/presence` that it runs on `node`.
 
     Written whatever the node does (also while it is in no domain), so the control plane
-    can tell a node that an agent reported from a typo; `at` says when.
+    can tell a node that an agent reported from a typo; `at` says when. It is also where
+    the agent's one Last Will goes, set once per agent run (`lost`): a will does not
+    follow the node from domain to domain, so joining or leaving one never changes the
+    will, which MQTT can change only by connecting again. Its peers follow it
+    (`lost_record`).
     """
 
     v: Literal[1] = 1
@@ -456,13 +460,55 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock seconds when the agent stopped cleanly: its last word before it left
     (not at a hand-over, whose successor goes on). None while it runs."""
     lost: bool = False
-    """True in the will of an agent in no domain (whose member topic carries none): the
-    broker wrote it because the agent's link ended without a goodbye."""
+    """True in the agent's Last Will: the broker wrote it because the agent's link ended
+    without a goodbye. It ends every member record of this node that its link and run
+    wrote (`lost_record`)."""
+    link: Count = 0
+    """Lost only: the link whose end the will says (`Connected.link`, counted from 1 in
+    the run); 0: an agent that predates the field."""
+    hold_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Lost only: seconds the peers keep the node's records before dropping them (0 when
+    the broker already waited a Will Delay), as MemberRecord.hold_s."""
 
     def __post_init__(self) -> None:
         problem = address_problem(self.address)
         if problem is not None:
             raise ValueError(problem)
+        if (self.link or self.hold_s) and not self.lost:
+            raise ValueError("only a lost presence (a Last Will) has a link and hold_s")
+
+
+def lost_record(record: MemberRecord, presence: Presence) -> MemberRecord | None:
+    """The Last Will that `presence` makes of `record`, a member record of the same node:
+    a tombstone (state lost) at the will's version, which ends the records of its link and
+    of earlier ones (`version`) and comes before any of a later link or run; None when the
+    presence is no will of this node."""
+    if not presence.lost or presence.node != record.node:
+        return None
+    return MemberRecord(
+        node=record.node,
+        domain=record.domain,
+        clique=record.clique,
+        address=presence.address,
+        slot=None,
+        incarnation=presence.incarnation,
+        state=MemberState.LOST,
+        max_nodes=record.max_nodes,
+        mode=record.mode,
+        hold_s=presence.hold_s,
+        link=presence.link,
+    )
+
+
+def ended(record: MemberRecord, presence: Presence | None) -> bool:
+    """Whether `presence` is a Last Will that ends `record` (its version is later)."""
+    if presence is None:
+        return False
+    will = lost_record(record, presence)
+    if will is None:
+        return False
+    held, end = version(record), version(will)
+    return held is None or (end is not None and end > held)
 
 
 class Retry(msgspec.Struct, frozen=True, kw_only=True):
@@ -610,6 +656,18 @@ def json_schemas() -> dict[str, Any]:
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schemas[cls.__name__] = schema
     return schemas
+
+
+def tombstone(payload: Payload) -> bool:
+    """Whether `payload` is a deletion: a spec or workload `deleted`, an assignment to no
+    domain, a retry request `done`."""
+    if isinstance(payload, DomainSpec | WorkloadRecord):
+        return payload.state == "deleted"
+    if isinstance(payload, Assignment):
+        return payload.domain is None
+    if isinstance(payload, Retry):
+        return payload.state == "done"
+    return False
 
 
 def now() -> float:

@@ -28,22 +28,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-from imexd.messages import Assignment, DomainSpec, Payload, Retry, WorkloadRecord
+from imexd.messages import Assignment, DomainSpec, Payload, Retry, WorkloadRecord, tombstone
 
 ORDERED: Final = (DomainSpec, WorkloadRecord, Assignment, Retry)
 """The payloads ordered by generation (the control plane's records)."""
-
-
-def tombstone(payload: Payload) -> bool:
-    """Whether `payload` is a deletion: a spec or workload `deleted`, an assignment to no
-    domain, a retry request `done`."""
-    if isinstance(payload, DomainSpec | WorkloadRecord):
-        return payload.state == "deleted"
-    if isinstance(payload, Assignment):
-        return payload.domain is None
-    if isinstance(payload, Retry):
-        return payload.state == "done"
-    return False
 
 
 def first_generation(now: float | None = None) -> int:

@@ -262,7 +262,8 @@ class NodeSettings:
     )
     discover_interval_s: float = _setting(
         300.0,
-        "Seconds between NVML fabric re-discoveries (partitions can change).",
+        "Seconds between NVML fabric re-discoveries (partitions can change); a failed "
+        "discovery is tried again sooner, backing off, and at most this long after.",
         _positive,
     )
 
@@ -436,9 +437,9 @@ class DaemonSettings:
 
     start_s: float = _setting(
         3.0,
-        "Bound on a start, not a wait: the daemon is RUNNING as soon as `ctl -q` says "
-        "READY, or once alive this many seconds without READY; an exit before either is a "
-        "failed start.",
+        "Bound on a start, not a wait: the daemon is RUNNING as soon as it says READY (its "
+        "own line, or `ctl -q`), or once alive this many seconds without READY; an exit "
+        "before either is a failed start.",
         _nonneg,
     )
     stable_s: float = _setting(
@@ -471,7 +472,13 @@ class DaemonSettings:
         "edit imexd) to allow a longer stop_timeout_s.",
         _positive,
     )
-    probe_interval_s: float = _setting(5.0, "Seconds between local probes (`ctl -q`).", _positive)
+    probe_interval_s: float = _setting(
+        5.0,
+        "Seconds between local probes (`ctl -q`); also between looks for a daemon of this "
+        "node's config that no agent supervises, while the agent stands aside for another "
+        "agent of its name.",
+        _positive,
+    )
     domain_probe_interval_s: float = _setting(
         15.0, "Seconds between domain probes (`ctl -N -j`).", _positive
     )

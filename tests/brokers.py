@@ -1,4 +1,10 @@
-"""Mosquitto running the shipped production configuration, with throwaway certificates.
+"""The tests' Mosquitto: the demo's launcher with what tests and benchmarks ask of a
+broker besides, and Mosquitto running the shipped production configuration.
+
+`Mosquitto` is the demo's launcher (`imexd.demo.brokers.Mosquitto`: a free port of
+127.0.0.1, start, stop, restart on the same port) plus a store that survives a restart
+(`persistence`), directives of the test's own (`extra_config`) and a Unix socket
+listener (`unix_socket`). Every test and benchmark starts its Mosquitto with it.
 
 `ShippedBroker` starts a real Mosquitto with config/mosquitto.conf and
 config/mosquitto.acl, changing only what a test must: the listener's port and address,
@@ -23,7 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from imexd.demo.brokers import Mosquitto
+from imexd.demo import brokers
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CONF = REPO / "config" / "mosquitto.conf"
@@ -32,6 +38,40 @@ CONTROL_USER = "imexd_control"
 """The control plane's user name (its certificate's CN) in config/mosquitto.acl."""
 CLIENT_SAN = "client@imexd.invalid"
 """The subjectAltName of every client certificate (`Pki.client`)."""
+
+
+class Mosquitto(brokers.Mosquitto):
+    """A real Mosquitto on a free port of 127.0.0.1, with a throwaway config in `workdir`
+    (and optionally a Unix socket); `persistence` decides whether the retained state
+    survives a `stop()` then `start()`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        persistence: bool = False,
+        extra_config: str = "",
+        unix_socket: bool = False,
+        binary: str | None = None,
+    ) -> None:
+        super().__init__(workdir, binary=binary)
+        self.persistence = persistence
+        self.extra_config = extra_config
+        self.socket_path = str(workdir / "mqtt.sock") if unix_socket else None
+
+    def config_lines(self) -> list[str]:
+        lines = super().config_lines()
+        if any(line.split()[:1] == ["user"] for line in self.extra_config.splitlines()):
+            lines.remove("user root")  # Mosquitto refuses a second `user` line
+        lines += [
+            f"persistence {'true' if self.persistence else 'false'}",
+            f"persistence_location {self.workdir}/",
+        ]
+        if self.socket_path:
+            lines += [f"listener 0 {self.socket_path}", "allow_anonymous true"]
+        if self.extra_config:
+            lines.append(self.extra_config)
+        return lines
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,14 +33,15 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
+from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import Nats, NatsCluster
-from tests.support import loopback_address, wait_for
+from tests.support import imexd, loopback_address, wait_for
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -591,6 +592,14 @@ class Cluster:
             }
             | ({} if protocol is None else {"IMEXD_BUS_PROTOCOL": protocol})
         )
+
+    def imexd(
+        self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """`imexd ARGS` as this cluster's control plane (`control_env`, plus `env`). The
+        bound is above any `--wait` a scenario gives, so that the command's own verdict,
+        not the bound, ends a slow wait."""
+        return imexd(*args, env=self.control_env() | dict(env or {}), timeout=timeout)
 
     def check_closed(self) -> None:
         """After `close`: nothing left behind (agents or daemons still running, anything

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, checked
 
 

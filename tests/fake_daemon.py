@@ -12,6 +12,8 @@ behaviour from the environment:
 - FAKE_IMEX_CHILD=1: start a child in its process group that ignores SIGTERM
 - FAKE_IMEX_PIDFILE=PATH: write "<pid> [<child pid>]" there once started
 - FAKE_IMEX_LOG_EVERY_S=S: write a log line to stderr every S seconds
+- FAKE_IMEX_READY_AFTER_S=S: after S seconds, log the simulator's line saying that the
+  daemon's state changed to READY
 - FAKE_IMEX_MAX_LIFE_S=S: exit after S seconds whatever happens (default 60: a crashed
   test leaves nothing behind for long)
 
@@ -92,6 +94,8 @@ def main() -> int:
             with open(once, "w", encoding="utf-8"):
                 pass
     every = float(env.get("FAKE_IMEX_LOG_EVERY_S", "0") or 0)
+    ready_after = env.get("FAKE_IMEX_READY_AFTER_S", "")
+    ready_at = started + float(ready_after) if ready_after else None
     max_life = float(env.get("FAKE_IMEX_MAX_LIFE_S", "60"))
     last_log = started
     while True:
@@ -101,6 +105,9 @@ def main() -> int:
             return int(env.get("FAKE_IMEX_EXIT_CODE", "3"))
         if now - started >= max_life:
             return 0
+        if ready_at is not None and now >= ready_at:
+            log("INFO", "IMEX daemon state changed from INIT_GPU to READY")
+            ready_at = None
         if every and now - last_log >= every:
             log("INFO", "heartbeat")
             last_log = now

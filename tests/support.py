@@ -1,8 +1,8 @@
 """Helpers shared by the tests: loopback addresses, bounded waits, a raw MQTT client, the CLI.
 
-Free ports and the Mosquitto launcher are the demo's (`imexd.demo.brokers`): one copy for
-the demo, the tests and the benchmark. Everything here talks to 127.0.0.0/8 only, and
-every wait is bounded in time.
+Free ports are the demo's (`imexd.demo.brokers.free_port`), the Mosquitto launcher is
+tests/brokers.py's. Everything here talks to 127.0.0.0/8 only, and every wait is bounded
+in time.
 """
 
 from __future__ import annotations
@@ -13,19 +13,42 @@ import contextlib
 import inspect
 import itertools
 import os
+import subprocess
 import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import aiomqtt
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 """The `imexd` console script of the test's environment."""
+
+
+def imexd(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """`imexd ARGS` as a shell or a Slurm prolog runs it: the installed script, its output
+    as text, its exit status returned rather than raised, at most `timeout` seconds.
+
+    The environment is this process's without its `IMEXD_*` variables (a developer's own
+    would change what the test checks), plus `env`: the settings the test means. A test
+    whose event loop serves what the command asks runs it in a thread
+    (`asyncio.to_thread`)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    return subprocess.run(
+        [IMEXD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean | dict(env or {}),
+        check=False,
+    )
+
 
 _addr_counter = itertools.count(1)
 

@@ -12,6 +12,7 @@ events the signals set), facts out (its health endpoint and its exit code).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -25,17 +26,17 @@ from structlog.testing import capture_logs
 
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
-from imexd.agent.probes import STARTING_PROBE_S, DaemonProbes
+from imexd.agent.probes import DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
-from imexd.demo.brokers import Mosquitto
 from imexd.health import guard
 from imexd.health.conditions import Heartbeats
 from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.membership.desired import Desired
 from imexd.settings import settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import Node, end_in_process
 from tests.support import until
 
@@ -496,7 +497,8 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
 ) -> None:
     """Issue 22: a new start asked `ctl -q` the instant the daemon was spawned, when no
     process serves a command yet: one refused `ctl` per node in every job start. Its first
-    probe now comes with its first lines, or `STARTING_PROBE_S` after the start."""
+    probe now comes with its first lines, or `probe_interval_s` after the start (none at
+    all when its READY line came first)."""
     starts: list[float] = []
     probes: list[float] = []
     lines: list[float] = []
@@ -504,9 +506,9 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
     heard = DaemonProbes.on_output
     local = Prober.local
 
-    def listened(self: DaemonProbes) -> None:
+    def listened(self: DaemonProbes, ready: bool) -> None:
         lines.append(time.monotonic())
-        heard(self)
+        heard(self, ready)
 
     def noted(self: DaemonProbes, status: DaemonStatus, seen: tuple[DaemonState, int]) -> None:
         if status.state is DaemonState.STARTING and seen[0] is not DaemonState.STARTING:
@@ -524,27 +526,28 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
         await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert not run.task.done()
         assert len(starts) == 1, starts
-        first = min(at for at in probes if at >= starts[0])
-        news = min([at for at in lines if at >= starts[0]] + [starts[0] + STARTING_PROBE_S])
+        interval = run.agent.settings.daemon.probe_interval_s
+        first = min([at for at in probes if at >= starts[0]], default=math.inf)
+        news = min([at for at in lines if at >= starts[0]] + [starts[0] + interval])
         assert first >= news, (
             f"ctl -q {first - starts[0]:.3f} s after the spawn, before its first lines "
-            f"({news - starts[0]:.3f} s) and before STARTING_PROBE_S"
+            f"({news - starts[0]:.3f} s) and before probe_interval_s"
         )
 
 
 async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The `ctl -q` that says READY makes the daemon RUNNING; that RUNNING asked `ctl -q`
-    once more at once, for the answer just read (one more ctl process per node in every
-    job start). Now the next `ctl -q` waits for `probe_interval_s` (30 s here)."""
-    calls: list[tuple[float, bool]] = []
+    """The `ctl -q` that says READY made the daemon RUNNING, and that RUNNING asked `ctl
+    -q` once more at once, for the answer just read (one more ctl process per node in
+    every job start). Whatever said READY (its line or `ctl -q`), the next `ctl -q` now
+    waits for `probe_interval_s` (30 s here)."""
+    calls: list[float] = []
     local = Prober.local
 
     async def counted(self: Prober, *, timeout: float | None = None) -> LocalProbe:  # noqa: ASYNC109
-        result = await local(self, timeout=timeout)
-        calls.append((time.monotonic(), result.ready))
-        return result
+        calls.append(time.monotonic())
+        return await local(self, timeout=timeout)
 
     monkeypatch.setattr(Prober, "local", counted)
     async with one_agent(tmp_path, SLOW_TIMERS) as run:
@@ -552,10 +555,10 @@ async def test_the_probe_that_says_ready_is_not_asked_again_at_once(
         assert not run.task.done()
         assert run.agent.supervisor is not None
         assert run.agent.supervisor.state is DaemonState.RUNNING  # by READY: start_s is 30 s
-        said_ready = next(at for at, ready in calls if ready)
+        ready = time.monotonic()
         await asyncio.sleep(1.5)
-        after = [at - said_ready for at, _ in calls if at > said_ready]
-        assert after == [], f"ctl -q again {after} s after it said READY"
+        after = [at - ready for at in calls if at > ready]
+        assert after == [], f"ctl -q again {after} s after the node was ready"
 
 
 async def test_a_join_that_changed_nothing_does_not_hold_the_first_start(

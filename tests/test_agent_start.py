@@ -17,9 +17,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from imexd.agent.run import Agent
-from imexd.demo.brokers import Mosquitto
 from imexd.errors import FatalError
 from imexd.settings import settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import Node, end_in_process
 from tests.support import until
 

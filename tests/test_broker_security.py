@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 from imexd.messages import MAX_PAYLOAD
 from imexd.topics import Topics, encode_level
 from tests.brokers import CONTROL_USER, Identity, Pki, ShippedBroker
-from tests.support import raw_client, wait_for
+from tests.support import raw_client, until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -202,8 +202,10 @@ async def connect_reply(
 
 async def wait_for_log(broker: ShippedBroker, text: str) -> None:
     """Until the broker's log shows `text` (another process's file: polled, bounded)."""
-    await asyncio.to_thread(
-        wait_for, lambda: text in broker.log_path.read_text(errors="replace"), timeout=WAIT_S
+    await until(
+        lambda: text in broker.log_path.read_text(errors="replace"),
+        within=WAIT_S,
+        what=f"{text!r} in the broker's log",
     )
 
 
@@ -339,16 +341,17 @@ async def test_a_dotted_node_writes_as_its_encoded_name_and_not_as_its_raw_name(
     assert await retained(broker, T.presence(node)) == b"encoded-name"
 
 
-async def test_a_node_writes_only_its_own_presence_and_the_control_plane_reads_it(
+async def test_a_node_writes_only_its_own_presence_and_its_peers_read_it(
     broker: ShippedBroker,
 ) -> None:
-    """n1's presence stands; its forgery of n2's is dropped; only the control plane reads them."""
+    """n1's presence stands; its forgery of n2's is dropped; the control plane and the
+    peers read it (it carries the node's Last Will, which ends its member records)."""
     async with client(broker, "n1") as n1:
         await publish(n1, T.presence("n1"), b"n1-here")
         await publish(n1, T.presence("n2"), b"forged-by-n1")
     assert await retained(broker, T.presence("n1"), name=CONTROL_USER) == b"n1-here"
     assert await retained(broker, T.presence("n2"), name=CONTROL_USER) is None
-    assert await retained(broker, T.presence("n1"), name="n2") is None
+    assert await retained(broker, T.presence("n1"), name="n2") == b"n1-here"
 
 
 async def test_a_node_cannot_write_another_nodes_assignment(broker: ShippedBroker) -> None:
@@ -434,10 +437,11 @@ async def test_the_control_plane_clears_a_gone_nodes_records(broker: ShippedBrok
     assert await retained(broker, T.spec(DOMAIN)) is None
 
 
-async def test_a_will_clears_only_its_own_nodes_record(broker: ShippedBroker) -> None:
-    """A vanished node's will clears its own member record; a will aimed at a peer's is dropped."""
+async def test_a_will_lands_only_on_its_own_nodes_presence(broker: ShippedBroker) -> None:
+    """A vanished node's will (an empty payload here) lands on its own presence, where the
+    agent sets it; a will aimed at a peer's is dropped."""
     ctx = tls_context(broker.pki, broker.pki.client("n1"))
-    ours, theirs = T.member(DOMAIN, CLIQUE, "n1"), T.member(DOMAIN, CLIQUE, "n2")
+    ours, theirs = T.presence("n1"), T.presence("n2")
     async with client(broker, "n1") as n1, client(broker, "n2") as n2:
         await publish(n1, ours, b"n1-member")
         await publish(n2, theirs, b"n2-member")

@@ -1,8 +1,8 @@
 """The bus client against a real Mosquitto: replay, failover, will, drops, dead links.
 
 Every wait is bounded (asyncio.timeout); everything listens on loopback only. Brokers
-that misbehave on purpose (frozen, MQTT 3.1.1 only) are a small TCP relay in front of a
-real Mosquitto (`Relay`).
+that misbehave on purpose (frozen, MQTT 3.1.1 only, refusing subscriptions) are the tests'
+fault proxy in front of a real Mosquitto (tests/faultproxy.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,7 +44,7 @@ from imexd.bus.events import (
 from imexd.bus.link import Bus
 from imexd.bus.mqtt import protocol_versions, refuses_protocol, topic_matches
 from imexd.bus.records import Record
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.errors import BusError
 from imexd.messages import (
     Assignment,
@@ -62,6 +62,8 @@ from imexd.messages import (
 )
 from imexd.settings import BusSettings
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
+from tests.faultproxy import FaultProxy, Only311, RefusedSubscriptions, protocol_level, read_packet
 from tests.support import raw_client
 
 E = TypeVar("E", bound=Event)
@@ -449,8 +451,8 @@ async def test_not_connected_publish_fails_and_close_is_bounded() -> None:
 
 async def test_close_while_connecting_to_a_frozen_broker_is_bounded(broker: Mosquitto) -> None:
     """A connect that hangs (no CONNACK) does not hold close() beyond its bound."""
-    async with Relay(broker.port) as relay:
-        relay.freeze()
+    with FaultProxy(broker.host, broker.port) as relay:
+        relay.drop()
         bus = bus_for(fast_settings(relay.url), "n1", timeout_s=10.0, close_timeout_s=0.3)
         async with bus:
             await asyncio.sleep(0.3)  # the connect now waits for a CONNACK
@@ -635,12 +637,12 @@ async def test_a_session_take_over_ends_the_link_and_counts(broker: Mosquitto) -
 async def test_the_brokers_disconnect_reason_is_reported(broker: Mosquitto) -> None:
     """An MQTT 5 DISCONNECT "Session taken over" (0x8E) from the broker is on the
     Disconnected event and, as a warning, on the link-down log event."""
-    async with Relay(broker.port) as relay:
+    with FaultProxy(broker.host, broker.port) as relay:
         settings = fast_settings(relay.url, reconnect_initial_s=3.0, reconnect_max_s=3.0)
         with capture_logs() as logs:
             async with bus_for(settings, "n1") as bus:
                 await next_event(bus, Synced)
-                relay.disconnect_clients(0x8E)
+                relay.end_with(bytes([0xE0, 2, 0x8E, 0]))  # DISCONNECT, no properties
                 lost = await next_event(bus, Disconnected)
                 assert lost.reason_code == 0x8E
                 assert lost.taken_over
@@ -748,155 +750,11 @@ async def test_wrong_messages_are_dropped_counted_and_logged_once(broker: Mosqui
 # Misbehaving brokers: a relay in front of a real one.
 
 
-@dataclass(eq=False)
-class _Pipe:
-    client: asyncio.StreamWriter
-    upstream: asyncio.StreamWriter
-    broken: bool = False
-
-
-class Relay:
-    """A TCP relay to a broker that can go silent (frozen) or refuse MQTT 5 like a
-    3.1.1-only broker (a CONNACK refusal, or a hang-up before CONNACK). Thawing breaks
-    every connection that lived through the freeze, as a long network partition would."""
-
-    def __init__(
-        self, target_port: int, *, refuse_v5: bool = False, close_v5: bool = False
-    ) -> None:
-        self.target_port = target_port
-        self.refuse_v5 = refuse_v5 or close_v5
-        self.close_v5 = close_v5
-        self.levels: list[int] = []
-        """The protocol level of every CONNECT seen while refusing (5, or 4 = 3.1.1)."""
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-        self.pipes: set[_Pipe] = set()
-        self.handlers: set[asyncio.Task[None]] = set()
-        self.writers: set[asyncio.StreamWriter] = set()
-        self.refused = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> Relay:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        self.thaw()  # every handler and pump then ends on its own
-        for writer in self.writers:
-            writer.transport.abort()
-        if self.handlers:
-            await asyncio.wait(self.handlers, timeout=2)
-        await self._server.wait_closed()
-
-    def freeze(self) -> None:
-        self.flowing.clear()
-
-    def disconnect_clients(self, reason_code: int) -> None:
-        """Send every client an MQTT 5 DISCONNECT with `reason_code`, then close."""
-        for pipe in self.pipes:
-            pipe.broken = True
-            pipe.client.write(bytes([0xE0, 2, reason_code, 0]))  # reason, no properties
-            pipe.client.close()
-            pipe.upstream.transport.abort()
-
-    def thaw(self) -> None:
-        for pipe in self.pipes:
-            pipe.broken = True
-            pipe.client.transport.abort()
-            pipe.upstream.transport.abort()
-        self.flowing.set()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.handlers.add(task)
-        self.writers.add(writer)
-        upstream: asyncio.StreamWriter | None = None
-        try:
-            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
-            self.writers.add(upstream)
-            pipe = _Pipe(writer, upstream)
-            self.pipes.add(pipe)
-            if self.refuse_v5:
-                connect = await _read_packet(reader)
-                if connect[0] >> 4 == 1:
-                    self.levels.append(_protocol_level(connect))
-                if connect[0] >> 4 == 1 and _protocol_level(connect) == 5:
-                    self.refused += 1
-                    if self.close_v5:  # some 3.1.1-only brokers hang up without CONNACK
-                        return
-                    writer.write(b"\x20\x02\x00\x01")  # 3.1.1 CONNACK: unacceptable version
-                    await writer.drain()
-                    return
-                upstream.write(connect)
-            pumps = {
-                asyncio.create_task(self._pump(reader, upstream, pipe)),
-                asyncio.create_task(self._pump(up_reader, writer, pipe)),
-            }
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for pump in pumps:
-                    pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-            self.pipes.discard(pipe)
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.transport.abort()
-            self.writers.discard(writer)
-            if upstream is not None:
-                upstream.transport.abort()
-                self.writers.discard(upstream)
-            self.handlers.discard(task)
-
-    async def _pump(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, pipe: _Pipe
-    ) -> None:
-        with contextlib.suppress(OSError):
-            while data := await src.read(65536):
-                await self.flowing.wait()
-                if pipe.broken:
-                    return
-                dst.write(data)
-                await dst.drain()
-
-
-async def _read_packet(reader: asyncio.StreamReader) -> bytes:
-    raw = bytearray(await reader.readexactly(1))
-    length, shift = 0, 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        raw.append(byte)
-        length |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    raw += await reader.readexactly(length)
-    return bytes(raw)
-
-
-def _protocol_level(connect: bytes) -> int:
-    # fixed header (1 + length bytes), then protocol name (2 + 4 bytes "MQTT"), then level
-    i = 1
-    while connect[i] & 0x80:
-        i += 1
-    return connect[i + 1 + 6]
-
-
 async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
     """A frozen link (no RST, no FIN) is noticed by the ping and replaced when it thaws;
     the record survives because the reconnect comes within the will delay."""
     settings = fast_settings(ping_interval_s=0.3, will_delay_s=2.0)
-    async with Relay(broker.port) as relay:
+    with FaultProxy(broker.host, broker.port) as relay:
         settings = replace(settings, url=(relay.url,))
         async with (
             bus_for(fast_settings(broker.url), "obs") as observer,
@@ -911,7 +769,7 @@ async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
             await next_event(bus, Synced)
             await asyncio.sleep(0.4)
 
-            relay.freeze()
+            relay.drop()
             frozen = time.monotonic()
             lost = await next_event(bus, Disconnected, within=3)
             assert time.monotonic() - frozen < 2 * (0.3 + 0.5)
@@ -921,7 +779,8 @@ async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
             assert bus.synced_at is None
             await asyncio.sleep(0.5)  # a few connects hang on the frozen relay meanwhile
 
-            relay.thaw()
+            relay.cut()  # a partition this long breaks every connection that lived through it
+            relay.heal()
             await next_event(bus, Connected, within=5)
             await next_event(bus, Synced, within=3)
             assert bus.reconnects == 1
@@ -930,7 +789,8 @@ async def test_a_silently_dead_link_is_replaced(broker: Mosquitto) -> None:
 
 async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Mosquitto) -> None:
     """A broker answering MQTT 5 with "unsupported version" gets 3.1.1, said in a log."""
-    async with Relay(broker.port, refuse_v5=True) as relay:
+    only_311 = Only311()
+    with FaultProxy(broker.host, broker.port, rule=only_311) as relay:
         with capture_logs() as logs:
             async with bus_for(
                 fast_settings(relay.url), "n1", will=WillSpec(member_topic())
@@ -943,7 +803,7 @@ async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Mosquitto) -> No
                 got = await next_event(bus, Received)
                 assert got.payload == record()
                 await bus.retain(TOPICS.health("d1", "n1"), None, message_expiry_s=5)
-        assert relay.refused == 1
+        assert only_311.refused == 1
     fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
     assert len(fallback) == 1
     assert "no Will Delay" in fallback[0]["message"]
@@ -952,7 +812,8 @@ async def test_falls_back_to_mqtt_311_when_5_is_refused(broker: Mosquitto) -> No
 async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Mosquitto) -> None:
     """A broker that hangs up on an MQTT 5 CONNECT without CONNACK gets 3.1.1 at once,
     without waiting for the connect timeout."""
-    async with Relay(broker.port, close_v5=True) as relay:
+    only_311 = Only311(close=True)
+    with FaultProxy(broker.host, broker.port, rule=only_311) as relay:
         with capture_logs() as logs:
             async with bus_for(fast_settings(relay.url), "n1", timeout_s=5.0) as bus:
                 up = await next_event(bus, Connected, within=3)
@@ -961,7 +822,7 @@ async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Mo
                 await bus.retain(member_topic(), record())
                 got = await next_event(bus, Received)
                 assert got.payload == record()
-        assert relay.refused == 1
+        assert only_311.refused == 1
     fallback = [e for e in logs if e["event"] == "bus_protocol_fallback"]
     assert len(fallback) == 1
     assert "closed" in fallback[0]["message"]
@@ -969,36 +830,40 @@ async def test_falls_back_to_mqtt_311_when_5_is_closed_before_connack(broker: Mo
 
 async def test_every_connect_tries_mqtt_5_again(broker: Mosquitto) -> None:
     """The fallback is for one connect only: after a lost link MQTT 5 is asked again."""
-    async with Relay(broker.port, refuse_v5=True) as relay:
+    only_311 = Only311()
+    with FaultProxy(broker.host, broker.port, rule=only_311) as relay:
         async with bus_for(fast_settings(relay.url), "n1") as bus:
             assert (await next_event(bus, Connected)).protocol == "3.1.1"
-            relay.thaw()  # breaks the link
+            relay.cut()  # breaks the link
+            relay.heal()
             await next_event(bus, Disconnected)
             assert (await next_event(bus, Connected)).protocol == "3.1.1"
-        assert relay.refused == 2
+        assert only_311.refused == 2
 
 
 async def test_protocol_5_never_falls_back(broker: Mosquitto) -> None:
     """With bus.protocol = "5" a broker refusing MQTT 5 is a failed connect, retried as 5."""
-    async with Relay(broker.port, refuse_v5=True) as relay:
+    only_311 = Only311()
+    with FaultProxy(broker.host, broker.port, rule=only_311) as relay:
         async with bus_for(fast_settings(relay.url, protocol="5"), "n1") as bus:
             failed = await next_event(bus, ConnectFailed)
             assert 'bus.protocol = "5"' in failed.error
             await next_event(bus, ConnectFailed)
             assert not bus.connected
-        assert relay.refused >= 2
-        assert relay.levels == [5] * len(relay.levels)
+        assert only_311.refused >= 2
+        assert only_311.levels == [5] * len(only_311.levels)
 
 
 async def test_protocol_311_connects_with_311(broker: Mosquitto) -> None:
     """With bus.protocol = "3.1.1" the first CONNECT already speaks 3.1.1."""
-    async with Relay(broker.port, refuse_v5=True) as relay:
+    only_311 = Only311()
+    with FaultProxy(broker.host, broker.port, rule=only_311) as relay:
         async with bus_for(fast_settings(relay.url, protocol="3.1.1"), "n1") as bus:
             up = await next_event(bus, Connected)
             assert up.protocol == "3.1.1"
             assert not up.will_delay
-        assert relay.refused == 0
-        assert relay.levels == [4]
+        assert only_311.refused == 0
+        assert only_311.levels == [4]
 
 
 async def test_a_connect_that_times_out_does_not_fall_back() -> None:
@@ -1010,7 +875,7 @@ async def test_a_connect_that_times_out_does_not_fall_back() -> None:
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            levels.append(_protocol_level(await _read_packet(reader)))
+            levels.append(protocol_level(await read_packet(reader)))
             await reader.read()
 
     server = await asyncio.start_server(mute, "127.0.0.1", 0)
@@ -1193,163 +1058,6 @@ async def test_a_barrier_comes_back_on_a_live_link_only(broker: Mosquitto) -> No
 # Refused subscriptions: a clustered broker refuses some for a while, an ACL for good.
 
 
-def _remaining_length(length: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, length = length & 0x7F, length >> 7
-        out.append(byte | (0x80 if length else 0))
-        if not length:
-            return bytes(out)
-
-
-class RefusingRelay:
-    """An MQTT 3.1.1 relay in front of a real broker that refuses SUBSCRIBEs as a NATS
-    cluster does after a server died: it answers the filters of `refuse` itself with a
-    SUBACK failure (0x80) and passes the others on. `refuse[filter]` holds which of that
-    filter's SUBSCRIBEs (counted from 1, over all connections) are refused; None: all.
-
-    It also drops the first `skip_retained[topic]` retained copies of a topic on their way
-    to the client, as nats-server 2.14 leaves out of a new subscription's snapshot, without
-    a word, a retained message whose load timed out (server/mqtt.go,
-    `loadRetainedMessages`: "skip requests that timed out")."""
-
-    def __init__(
-        self,
-        target_port: int,
-        refuse: dict[str, set[int] | None],
-        *,
-        skip_retained: dict[str, int] | None = None,
-    ) -> None:
-        self.target_port = target_port
-        self.refuse = refuse
-        self.skip_retained = dict(skip_retained or {})
-        """Retained copies still to drop, per topic."""
-        self.skipped = 0
-        self.seen: dict[str, int] = dict.fromkeys(refuse, 0)
-        """SUBSCRIBEs seen per filter of `refuse`."""
-        self.refused: dict[str, int] = dict.fromkeys(refuse, 0)
-        self.connections = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> RefusingRelay:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _refuses(self, topic_filter: str) -> bool:
-        if topic_filter not in self.refuse:
-            return False
-        self.seen[topic_filter] += 1
-        which = self.refuse[topic_filter]
-        refused = which is None or self.seen[topic_filter] in which
-        self.refused[topic_filter] += refused
-        return refused
-
-    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-        pending: dict[bytes, list[bool]] = {}
-        """Per packet id of a SUBSCRIBE passed on in part: which of its filters we refused."""
-        pumps = [
-            asyncio.create_task(self._up(client_r, up_w, client_w, pending)),
-            asyncio.create_task(self._down(up_r, client_w, pending)),
-        ]
-        self._tasks.update(pumps)
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in pumps:
-                task.cancel()
-                self._tasks.discard(task)
-            client_w.close()
-            up_w.close()
-
-    async def _up(
-        self,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
-        client: asyncio.StreamWriter,
-        pending: dict[bytes, list[bool]],
-    ) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                packet = await _read_packet(src)
-                if packet[0] == 0x82:  # SUBSCRIBE
-                    packet = self._subscribe(packet, client, pending)
-                if packet:
-                    dst.write(packet)
-                    await dst.drain()
-
-    def _subscribe(
-        self, packet: bytes, client: asyncio.StreamWriter, pending: dict[bytes, list[bool]]
-    ) -> bytes:
-        """The SUBSCRIBE to pass on (b"": none; the SUBACK was answered here)."""
-        i = 1
-        while packet[i] & 0x80:
-            i += 1
-        body = packet[i + 1 :]
-        packet_id, rest = body[:2], body[2:]
-        entries: list[tuple[bytes, bool]] = []
-        while rest:
-            size = int.from_bytes(rest[:2], "big")
-            entry, rest = rest[: 2 + size + 1], rest[2 + size + 1 :]
-            entries.append((entry, self._refuses(entry[2 : 2 + size].decode())))
-        refused = [r for _, r in entries]
-        if not any(refused):
-            return packet
-        if all(refused):
-            codes = bytes([0x80] * len(entries))
-            client.write(b"\x90" + _remaining_length(2 + len(codes)) + packet_id + codes)
-            return b""
-        pending[packet_id] = refused
-        kept = packet_id + b"".join(e for e, r in entries if not r)
-        return b"\x82" + _remaining_length(len(kept)) + kept
-
-    def _skips(self, packet: bytes) -> bool:
-        """Whether to drop this retained PUBLISH (`skip_retained`)."""
-        i = 1
-        while packet[i] & 0x80:
-            i += 1
-        size = int.from_bytes(packet[i + 1 : i + 3], "big")
-        topic = packet[i + 3 : i + 3 + size].decode()
-        if self.skip_retained.get(topic, 0) <= 0:
-            return False
-        self.skip_retained[topic] -= 1
-        self.skipped += 1
-        return True
-
-    async def _down(
-        self,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
-        pending: dict[bytes, list[bool]],
-    ) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                packet = await _read_packet(src)
-                if packet[0] == 0x90 and (refused := pending.pop(packet[2:4], None)):
-                    granted = iter(packet[4:])
-                    codes = bytes(0x80 if r else next(granted) for r in refused)
-                    packet = b"\x90" + _remaining_length(2 + len(codes)) + packet[2:4] + codes
-                if packet[0] & 0xF1 == 0x31 and self._skips(packet):  # a retained PUBLISH
-                    continue
-                dst.write(packet)
-                await dst.drain()
-
-
 def settings_311(*urls: str, **overrides: object) -> BusSettings:
     return fast_settings(*urls, protocol="3.1.1", **overrides)
 
@@ -1360,7 +1068,8 @@ async def test_a_refused_subscription_is_retried_on_the_link_until_granted(
     """A filter refused twice is subscribed again with backoff on the same link; no
     Synced comes before it is granted, and our record's missing echo meanwhile is not
     judged refused (its filter was not granted yet)."""
-    async with RefusingRelay(broker.port, {MEMBERS: {1, 2}}) as relay:
+    refusing = RefusedSubscriptions({MEMBERS: {1, 2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         # Retries after 0.4-0.8 s and 0.8-1.6 s: longer than the echo may take.
         settings = settings_311(relay.url, reconnect_initial_s=0.8, reconnect_max_s=2.0)
         bus = bus_for(settings, "n1", echo_timeout_s=0.5)
@@ -1376,8 +1085,8 @@ async def test_a_refused_subscription_is_retried_on_the_link_until_granted(
         assert relay.url in refusals[0].detail
         assert MEMBERS in refusals[0].detail
         assert not [e for e in seen if isinstance(e, Disconnected | Refused)]
-        assert relay.connections == 1
-        assert relay.seen[MEMBERS] == 3
+        assert relay.accepted == 1
+        assert refusing.seen[MEMBERS] == 3
         warned = [e for e in logs if e["event"] == "bus_subscribe_refused"]
         assert [(e["filter"], e["reason"]) for e in warned] == [(MEMBERS, "SubscribeRefused")] * 2
 
@@ -1387,7 +1096,8 @@ async def test_a_subscription_that_stays_refused_fails_over_to_the_next_broker(
 ) -> None:
     """After a few refused retries the link is dropped, naming the broker and the filter,
     and the next broker of [bus] url serves the whole desired state."""
-    async with RefusingRelay(broker.port, {MEMBERS: None}) as relay:
+    refusing = RefusedSubscriptions({MEMBERS: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         bus = bus_for(settings_311(relay.url, broker.url), "n1")
         await bus.subscribe(MEMBERS)
         async with bus:
@@ -1398,7 +1108,7 @@ async def test_a_subscription_that_stays_refused_fails_over_to_the_next_broker(
             assert MEMBERS in down.reason
             assert relay.url in down.reason
             assert "refused" in down.reason
-            assert relay.refused[MEMBERS] == 4  # the first try and three retries
+            assert refusing.refused[MEMBERS] == 4  # the first try and three retries
             connected = await next_event(bus, Connected, within=10)
             assert connected.broker == broker.url
             await next_event(bus, Synced, within=10)
@@ -1411,7 +1121,8 @@ async def test_a_new_subscription_refused_while_linked_holds_synced_back(
 ) -> None:
     """A filter subscribed on a synced link and refused gets no Synced until a retry is
     granted; the link stays."""
-    async with RefusingRelay(broker.port, {MEMBERS: {1}}) as relay:
+    refusing = RefusedSubscriptions({MEMBERS: {1}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         settings = settings_311(relay.url, reconnect_initial_s=0.4, reconnect_max_s=1.0)
         async with bus_for(settings, "n1") as bus:
             await next_event(bus, Synced)
@@ -1422,7 +1133,7 @@ async def test_a_new_subscription_refused_while_linked_holds_synced_back(
             assert MEMBERS in bus.subscribe_refused
             await next_event(bus, Synced, within=5)
             assert bus.subscribe_refused == ""
-            assert relay.connections == 1
+            assert relay.accepted == 1
 
 
 async def test_a_refused_retained_check_subscription_is_retried_not_judged(
@@ -1431,7 +1142,8 @@ async def test_a_refused_retained_check_subscription_is_retried_not_judged(
     """On MQTT 3.1.1 the retained-wildcard check subscribes our filter again (a second read
     of the shard, which nats-server 2.9 sometimes needs); refused, it is retried and the
     check answers once granted (never BrokerNoRetainedWildcard for a refusal)."""
-    async with RefusingRelay(broker.port, {MEMBERS: {2}}) as relay:
+    refusing = RefusedSubscriptions({MEMBERS: {2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         lost = msgspec.structs.replace(record("n1"), state=MemberState.LOST, slot=None)
         will = WillSpec(member_topic("n1"), tombstone=lost)
         bus = bus_for(settings_311(relay.url), "n1", will=will)
@@ -1443,8 +1155,8 @@ async def test_a_refused_retained_check_subscription_is_retried_not_judged(
             assert checked.ok
             assert bus.no_retained_wildcard == ""
         assert [e.topic_filter for e in seen if isinstance(e, SubscribeRefused)] == [MEMBERS]
-        assert relay.seen[MEMBERS] == 4  # replay, the check (refused), retry, the check
-        assert relay.connections == 1
+        assert refusing.seen[MEMBERS] == 4  # replay, the check (refused), retry, the check
+        assert relay.accepted == 1
 
 
 class CheckClient:
@@ -1541,7 +1253,8 @@ async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
     Mosquitto 2.0's acl_file grants them and filters delivery instead): the bus says so,
     naming the broker and the filter, never syncs, and reconnects with the capped backoff
     (a link dropped for a refusal never counts as stable)."""
-    async with RefusingRelay(broker.port, {MEMBERS: None}) as relay:
+    refusing = RefusedSubscriptions({MEMBERS: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         settings = settings_311(relay.url, reconnect_initial_s=0.05, reconnect_max_s=0.4)
         bus = bus_for(settings, "n1")
         await bus.subscribe(MEMBERS)
@@ -1556,7 +1269,7 @@ async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
         waits = [e["delay_s"] for e in logs if e["event"] == "bus_reconnect_wait"]
         # Each link: the first try and three retries (0.35 s at most), then a wait that
         # grows to its cap: a handful of links in 3 s, not a spin.
-        assert 2 <= relay.connections <= 8
+        assert 2 <= relay.accepted <= 8
         assert max(waits) >= 0.2
         lost = [e["reason"] for e in logs if e["event"] == "bus_disconnected"]
         assert all(MEMBERS in reason for reason in lost if reason != "closed")

@@ -28,6 +28,7 @@ from imexd.logs import get_logger
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received, WorkloadRecord
 from imexd.settings import ChannelsSettings
 from imexd.topics import TopicRef, Topics
+from tests.support import until
 
 TOPICS = Topics("imex/v2")
 UNTIL_S = 5.0
@@ -558,16 +559,9 @@ async def test_the_task_applies_on_every_change(tmp_path: Path) -> None:
         await keeper.follow(FakeBus(), "d1", "c1")
         keeper.on_event(received(record("job-a", 3)))
         keeper.on_event(synced())
-        await _until(lambda: dev(keeper, 3).exists())
+        await until(lambda: dev(keeper, 3).exists(), within=UNTIL_S, interval=0.02)
         keeper.on_event(deleted("job-a"))
-        await _until(lambda: not dev(keeper, 3).exists())
+        await until(lambda: not dev(keeper, 3).exists(), within=UNTIL_S, interval=0.02)
         assert heartbeats.stale() == []
         task.cancel()
     assert changes
-
-
-async def _until(predicate: Any) -> None:
-    """Wait (at most UNTIL_S) for a state of the filesystem, which has no event to await."""
-    async with asyncio.timeout(UNTIL_S):
-        while not predicate():  # noqa: ASYNC110 - polls the filesystem, not a flag
-            await asyncio.sleep(0.02)

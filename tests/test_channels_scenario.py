@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,6 @@ pytestmark = [
 ]
 
 WAIT_S = 30.0
-IMEXD = str(Path(sys.executable).with_name("imexd"))
 
 
 def publish(c: Cluster, name: str, channel: int, **fields: Any) -> None:
@@ -191,18 +188,6 @@ def test_members_with_different_channel_counts_say_so(c: Cluster) -> None:
 # The operator's commands end to end: `imexd workload ...` and `domain create --channel`.
 
 
-def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
-    return subprocess.run(
-        [IMEXD, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=c.control_env(),
-        check=False,
-    )
-
-
 def test_a_shared_domain_serves_two_jobs_on_their_own_channels(c: Cluster) -> None:
     """The shared layout: one rack domain, two jobs created by the CLI get channels 1 and
     2 on their nodes, `--wait` returns once they are ready, `env` prints what a TaskProlog
@@ -210,11 +195,11 @@ def test_a_shared_domain_serves_two_jobs_on_their_own_channels(c: Cluster) -> No
     nodes = [c.add(name) for name in ("n1", "n2", "n3")]
     c.wait(c.all_ready, timeout=60)
     pids = {n.name: n.daemon_pid() for n in nodes}
-    a = imexd(c, "workload", "create", "job-a", "--domain", "d1", "--nodes", "n1,n2",
-              "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
+    a = c.imexd("workload", "create", "job-a", "--domain", "d1", "--nodes", "n1,n2",
+                "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
     assert a.returncode == 0, a.stdout + a.stderr
-    b = imexd(c, "workload", "create", "job-b", "--domain", "d1", "--nodes", "n2,n3",
-              "--uid", "1001", "--gid", "1001", "--mode", "0600", "--wait", "30")  # fmt: skip
+    b = c.imexd("workload", "create", "job-b", "--domain", "d1", "--nodes", "n2,n3",
+                "--uid", "1001", "--gid", "1001", "--mode", "0600", "--wait", "30")  # fmt: skip
     assert b.returncode == 0, b.stdout + b.stderr
     # Each job's device exists at once: --wait returned when every node reported it ready.
     for node, channel, owner, mode in (
@@ -231,26 +216,26 @@ def test_a_shared_domain_serves_two_jobs_on_their_own_channels(c: Cluster) -> No
         ), node.name
     assert not device(nodes[0], 2).exists()
     assert not device(nodes[2], 1).exists()
-    status = imexd(c, "workload", "status", "job-b")
+    status = c.imexd("workload", "status", "job-b")
     assert status.returncode == 0, status.stdout + status.stderr
     assert "READY, 2 of 2 nodes ready" in status.stdout, status.stdout
-    env = imexd(c, "workload", "env", "job-b")
+    env = c.imexd("workload", "env", "job-b")
     assert env.returncode == 0, env.stderr
     assert "export IMEX_CHANNEL=2" in env.stdout.splitlines()
-    listing = imexd(c, "workload", "list", "--domain", "d1")
+    listing = c.imexd("workload", "list", "--domain", "d1")
     assert listing.returncode == 0, listing.stderr
     assert [line.split()[:3] for line in listing.stdout.splitlines()[1:]] == [
         ["d1", "job-a", "1"],
         ["d1", "job-b", "2"],
     ]
-    gone = imexd(c, "workload", "delete", "job-a", "--wait", "30")
+    gone = c.imexd("workload", "delete", "job-a", "--wait", "30")
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert not device(nodes[0], 1).exists()
     assert not device(nodes[1], 1).exists()
     assert device(nodes[1], 2).exists(), "the other job keeps its channel"
     assert {n.name: n.daemon_pid() for n in nodes} == pids, "no IMEX restart for a job"
-    again = imexd(c, "workload", "create", "job-c", "--domain", "d1", "--nodes", "n1",
-                  "--wait", "30")  # fmt: skip
+    again = c.imexd("workload", "create", "job-c", "--domain", "d1", "--nodes", "n1",
+                    "--wait", "30")  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr
     assert device(nodes[0], 1).exists(), "the freed channel 1 is the lowest free one again"
 
@@ -261,8 +246,8 @@ def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
     node has the channel; `domain delete --wait` in the epilog removes both."""
     nodes = [c.add(name, domain=None) for name in ("n1", "n2")]
     c.wait(c.all_ready, timeout=60)
-    made = imexd(c, "domain", "create", "job-7", "--nodes", "n1,n2", "--channel",
-                 "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
+    made = c.imexd("domain", "create", "job-7", "--nodes", "n1,n2", "--channel",
+                   "--uid", "1000", "--gid", "1000", "--wait", "30")  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
     assert "domain job-7: UP, 2 of 2 members ready" in made.stdout
     assert "workload job-7 in job-7: READY, 2 of 2 nodes ready" in made.stdout
@@ -270,7 +255,7 @@ def test_a_per_job_domain_gets_its_channel_with_one_command(c: Cluster) -> None:
         assert ready_with(node, "job-7", generation(c, "job-7", "job-7")), node.name
         info = os.lstat(device(node, 0))
         assert (os.minor(info.st_rdev), info.st_uid) == (0, 1000), node.name
-    ended = imexd(c, "domain", "delete", "job-7", "--wait", "30")
+    ended = c.imexd("domain", "delete", "job-7", "--wait", "30")
     assert ended.returncode == 0, ended.stdout + ended.stderr
     c.wait(lambda: not any(device(n, 0).exists() for n in nodes), timeout=WAIT_S)
     with c.client() as client:
@@ -309,8 +294,8 @@ def test_a_channel_held_on_one_node_is_given_to_no_other_workload_anywhere(c: Cl
     create refuses to write a record on the held channel."""
     n1, n2, n3 = (c.add(name) for name in ("n1", "n2", "n3"))
     c.wait(c.all_ready, timeout=60)
-    made = imexd(c, "workload", "create", "job1", "--domain", "d1", "--nodes", "n1",
-                 "--channel", "5", "--uid", "1001", "--gid", "1001", "--wait", "30")  # fmt: skip
+    made = c.imexd("workload", "create", "job1", "--domain", "d1", "--nodes", "n1",
+                   "--channel", "5", "--uid", "1001", "--gid", "1001", "--wait", "30")  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
     publish(c, "job2", 5, nodes=["n2", "n3"], uid=6666, gid=6666, generation=1)
     c.wait(lambda: all(refused_with(n, "job2", "ChannelConflict") for n in (n2, n3)), WAIT_S)
@@ -319,16 +304,16 @@ def test_a_channel_held_on_one_node_is_given_to_no_other_workload_anywhere(c: Cl
         assert "job1 keeps it" in listed(node)["job2"]["message"]
     assert_device(n1, 5, 1001, 1001, 0o660)
     assert ready_with(n1, "job1", generation(c, "job1"))
-    status = imexd(c, "workload", "status", "job1")
+    status = c.imexd("workload", "status", "job1")
     assert status.returncode == 1, status.stdout + status.stderr
     assert "ChannelConflict: channel 5 of d1 is claimed by workloads job1, job2" in status.stdout
-    listing = imexd(c, "workload", "list")
+    listing = c.imexd("workload", "list")
     assert listing.returncode == 1
     assert "ChannelConflict: channel 5 of d1" in listing.stderr
-    domain = imexd(c, "domain", "status", "d1")
+    domain = c.imexd("domain", "status", "d1")
     assert domain.returncode == 1
     assert "ChannelConflict: channel 5 of d1" in domain.stderr
-    again = imexd(c, "workload", "create", "job3", "--domain", "d1", "--channel", "5")
+    again = c.imexd("workload", "create", "job3", "--domain", "d1", "--channel", "5")
     assert again.returncode == 2
     assert "channel 5 of d1 is used by workload" in again.stderr
     delete(c, "job1")
@@ -389,6 +374,6 @@ def test_every_device_stays_across_a_restart_with_many_workloads(c: Cluster) -> 
     c.wait(lambda: last in (n1.get("/metrics")[1] or ""), timeout=120)
     now = {channel: os.lstat(device(n1, channel)).st_ino for channel in range(1, MANY + 1)}
     assert now == inodes, "devices were removed and made again after the restart"
-    gone = imexd(c, "workload", "delete", f"w{MANY}", "--domain", "d1", "--wait", "30")
+    gone = c.imexd("workload", "delete", f"w{MANY}", "--domain", "d1", "--wait", "30")
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert_no_device(n1, MANY)

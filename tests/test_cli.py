@@ -16,9 +16,10 @@ import psutil
 import pytest
 
 from imexd.cli.main import build_parser, main
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.messages import ChannelsView, encode
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.reports import report as health_report
 from tests.test_control import put
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from imexd.bus.mqtt import connect
-from imexd.demo.brokers import Mosquitto
 from imexd.names import CLIENT_ID_MAX, client_id
 from imexd.settings import BusSettings, parse_broker_url
 from tests import nats_builds
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, formed
 from tests.nats_servers import Nats
 

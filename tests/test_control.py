@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -37,7 +36,7 @@ from imexd.control import commands
 from imexd.control.link import Link
 from imexd.control.schemas import outdated_schemas, schema_texts
 from imexd.control.store import Store, summarize
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.scenario import Demo
 from imexd.errors import BusError
 from imexd.health.fleet import (
@@ -49,15 +48,17 @@ from imexd.messages import (
     DomainSpec,
     MemberState,
     Presence,
+    Received,
     WorkloadRecord,
     encode,
     json_schemas,
 )
 from imexd.settings import BusSettings
-from imexd.topics import Topics
+from imexd.topics import TopicRef, Topics
+from tests.brokers import Mosquitto
+from tests.faultproxy import FaultProxy, RefusedSubscriptions
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
-from tests.support import IMEXD, raw_client
-from tests.test_bus import RefusingRelay
+from tests.support import IMEXD, imexd, raw_client
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
@@ -148,21 +149,6 @@ def control(*args: str) -> int:
 async def control_async(*args: str) -> int:
     """`control` in a worker thread, so fake agents keep running on the test's loop."""
     return await asyncio.to_thread(main, list(args))
-
-
-def run_imexd(
-    env: Mapping[str, str], *args: str, timeout: float = 30.0
-) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as a subprocess with only `env`'s IMEXD_* settings."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    return subprocess.run(
-        [IMEXD, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**base, **env},
-        check=False,
-    )
 
 
 # Components: each command against a real broker.
@@ -545,10 +531,10 @@ async def test_a_node_whose_agent_stopped_or_died_is_refused_whatever_seen_withi
     assert await control_async("workload", "create", "w1", "--domain", "d1") == 2
     assert "imexd workload create: node n2: AgentDown" in capsys.readouterr().err
     assert await retained(broker, T.workloads_filter("d1")) == {}
-    # An idle agent's will is its presence, marked lost.
+    # An agent's will is its presence, marked lost.
     await put(broker, {T.presence("n4"): presence("n4", at=now - 60, lost=True)})
     assert await control_async("domain", "create", "d4", "--nodes", "n4") == 2
-    assert "node n4: AgentDown: its agent's link ended without a goodbye (its will is its" in (
+    assert "node n4: AgentDown: its agent's link ended without a goodbye (its Last Will is" in (
         capsys.readouterr().err
     )
 
@@ -686,6 +672,46 @@ async def test_delete_clears_a_crashed_members_tombstone_without_waiting_for_it(
     assert await control_async("domain", "create", "d2", "--nodes", "n2") == 0
 
 
+async def test_delete_clears_a_member_whose_presence_is_its_will(
+    broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A member's Last Will is its presence, marked lost: its member record stays on the
+    bus as it wrote it, and the will ends it. The delete judges the record by the will
+    (lost), clears it with the rest instead of waiting for a node that will not leave,
+    and the node is then free for the next domain."""
+    state = domain_state("d1", ["n1", "n2"])
+    state[T.presence("n2")] = presence("n2", lost=True)
+    await put(broker, state)
+    async with fake_agents(broker, ["n1"]) as left:
+        assert await control_async("domain", "delete", "d1", "--timeout", "20") == 0
+        assert left == ["n1"]
+    got = await retained(broker)
+    assert T.member("d1", "c1", "n2") not in got
+    out = capsys.readouterr().out
+    assert "waiting up to 20 s for 1 member(s) to leave: n1; clearing the lost record of n2" in out
+
+
+def test_the_store_reads_a_record_its_nodes_will_ends_as_lost() -> None:
+    """`Store.members` judges each member record with its node's presence: a will of the
+    record's link or a later one ends it (state lost, the will's hold); a will of an
+    earlier link does not; a live presence after it (the agent back) gives it back."""
+    store = Store()
+    topic = T.member("d1", "c1", "n2")
+    record = msgspec.structs.replace(member_record("n2", 1, domain="d1"), seq=3, link=2)
+    ref = TopicRef(kind="member", domain="d1", clique="c1", node="n2")
+    store.apply(Received(topic, ref, record, retained=True))
+    will = msgspec.json.decode(presence("n2", lost=True), type=Presence)
+    pref = TopicRef(kind="presence", node="n2")
+    for link, state in ((1, MemberState.MEMBER), (2, MemberState.LOST), (3, MemberState.LOST)):
+        said = msgspec.structs.replace(will, link=link, hold_s=5.0)
+        store.apply(Received(T.presence("n2"), pref, said, retained=True))
+        assert store.members[("d1", "c1", "n2")].state is state, link
+    assert store.members[("d1", "c1", "n2")].hold_s == 5.0
+    back = msgspec.json.decode(presence("n2", incarnation=2), type=Presence)
+    store.apply(Received(T.presence("n2"), pref, back, retained=False))
+    assert store.members[("d1", "c1", "n2")] == record
+
+
 async def test_delete_keeps_a_tombstone_for_static_members(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -745,17 +771,17 @@ def test_list_of_an_empty_bus_says_so() -> None:
 async def test_status_exits_0_only_when_up(broker: Mosquitto, env: dict[str, str]) -> None:
     """`imexd domain status` prints the table and exits 0 for UP, 1 for DEGRADED."""
     await put(broker, domain_state("d1", ["n1", "n2", "n3"]))
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("domain d1: UP, 3 of 3 members ready")
     crashed = report("n2", 1, THREE, daemon=CRASH, at=time.time())
     await put(broker, {T.health("d1", "n2"): encode(crashed)})
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert proc.returncode == 1
     assert proc.stdout.startswith("domain d1: DEGRADED, 2 of 3 members ready")
     assert "DaemonCrashLoop" in proc.stdout
     proc = await asyncio.to_thread(
-        run_imexd, env, "domain", "status", "d1", "--json", "--wait", "0"
+        imexd, "domain", "status", "d1", "--json", "--wait", "0", env=env
     )
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
@@ -769,7 +795,7 @@ async def test_status_waits_for_up_within_its_wait(broker: Mosquitto, env: dict[
     starting = report("n3", 2, THREE, daemon=fx.DaemonFacts(state="STARTING"), at=time.time())
     await put(broker, state | {T.health("d1", "n3"): encode(starting)})
     proc = asyncio.create_task(
-        asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "20")
+        asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "20", env=env)
     )
     await asyncio.sleep(1.5)
     await put(broker, {T.health("d1", "n3"): state[T.health("d1", "n3")]})
@@ -825,27 +851,15 @@ async def test_create_with_wait_exits_0_once_up_and_prints_the_status(
     moment the members report the domain UP, printing what `domain status` prints."""
     state = domain_state("d1", ["n1", "n2", "n3"])
     del state[T.spec("d1")]
-    proc = asyncio.create_task(
-        asyncio.to_thread(
-            run_imexd,
-            env,
-            "domain",
-            "create",
-            "d1",
-            "--nodes",
-            "n1,n2,n3",
-            "--force",
-            "--wait",
-            "20",
-        )
-    )
+    create = ("domain", "create", "d1", "--nodes", "n1,n2,n3", "--force", "--wait", "20")
+    proc = asyncio.create_task(asyncio.to_thread(imexd, *create, env=env))
     await asyncio.sleep(1.5)
     await put(broker, state)
     done = await proc
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("domain d1: created")
-    status = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    status = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert status.returncode == 0
     assert done.stdout.endswith(status.stdout)
 
@@ -856,7 +870,7 @@ async def test_create_with_wait_exits_1_with_the_status_when_not_up(
     """At the end of --wait a domain that is not UP exits 1, its table (why) printed, the
     spec kept (the prolog deletes it)."""
     proc = await asyncio.to_thread(
-        run_imexd, env, "domain", "create", "d1", "--nodes", "n1,n2", "--force", "--wait", "0.5"
+        imexd, "domain", "create", "d1", "--nodes", "n1,n2", "--force", "--wait", "0.5", env=env
     )
     assert proc.returncode == 1
     assert "domain d1: created" in proc.stdout
@@ -899,7 +913,7 @@ async def test_status_wait_returns_on_the_message_that_made_the_domain_up(
 
 async def test_status_of_an_unknown_domain_exits_1(broker: Mosquitto, env: dict[str, str]) -> None:
     """A domain nothing is known about is an error, not an empty table."""
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "ghost", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "ghost", "--wait", "0", env=env)
     assert proc.returncode == 1
     assert "domain ghost: nothing on the bus" in proc.stderr
 
@@ -963,7 +977,7 @@ async def test_malformed_reports_are_ignored(broker: Mosquitto, env: dict[str, s
     """Garbage on a health topic neither crashes status nor counts as a member."""
     await put(broker, domain_state("d1", ["n1"]))
     await put(broker, {T.health("d1", "n2"): b"{not json", T.health("d1", "n3"): b'{"v":2}'})
-    proc = await asyncio.to_thread(run_imexd, env, "domain", "status", "d1", "--wait", "0")
+    proc = await asyncio.to_thread(imexd, "domain", "status", "d1", "--wait", "0", env=env)
     assert proc.returncode == 1  # the spec lists n2 and n3, which never reported
     assert "NoReport" in proc.stdout
 
@@ -1009,7 +1023,7 @@ async def test_watch_redraws_on_change_and_stops_on_sigint(
 def test_an_unreachable_broker_exits_1_with_a_clear_message() -> None:
     """A refused connection ends the command at once with exit 1 and names the broker."""
     url = f"mqtt://127.0.0.1:{free_port()}"
-    proc = run_imexd({"IMEXD_BUS_URL": url}, "domain", "list")
+    proc = imexd("domain", "list", env={"IMEXD_BUS_URL": url})
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"imexd: cannot connect to {url}: ")
     assert "refused" in proc.stderr.lower()
@@ -1060,9 +1074,9 @@ async def test_a_write_the_acl_refuses_is_reported(tmp_path: Path) -> None:
     b.start()
     try:
         proc = await asyncio.to_thread(
-            run_imexd,
-            {"IMEXD_BUS_URL": b.url},
+            imexd,
             *("domain", "create", "d1", "--nodes", "n1", "--force"),
+            env={"IMEXD_BUS_URL": b.url},
         )
     finally:
         b.stop()
@@ -1083,15 +1097,16 @@ async def test_a_refused_subscription_is_asked_for_again_on_the_same_broker(
     """A filter refused twice is granted on the third try within the operation timeout,
     on the same link: the read returns the snapshot."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+    refusing = RefusedSubscriptions({members: {1, 2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(broker.url)) as writer:
             await writer.put(T.spec("d1"), encode(SPEC))
         async with Link(settings_311(relay.url)) as link:
             store = await link.read(T.spec("d1"), members)
             assert link.broker == relay.url
             assert "d1" in store.specs
-        assert relay.refused[members] == 2
-        assert relay.connections == 1
+        assert refusing.refused[members] == 2
+        assert relay.accepted == 1
 
 
 async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
@@ -1101,14 +1116,15 @@ async def test_without_the_broker_repairs_a_refusal_is_not_asked_for_again(
     not get the repairs a refusal is an ACL's: the read fails at the first refusal, naming
     the broker and the filter, instead of waiting out the operation timeout."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: {1, 2}}) as relay:
+    refusing = RefusedSubscriptions({members: {1, 2}})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
         async with Link(s, timeout_s=10.0) as link:
             started = time.monotonic()
             with pytest.raises(BusError, match=f"the broker {relay.url} refused the subscription"):
                 await link.read(members)
             assert time.monotonic() - started < 5.0
-        assert relay.refused[members] == 1
+        assert refusing.refused[members] == 1
 
 
 async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
@@ -1118,7 +1134,8 @@ async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
     the timeout, the read goes on at the next URL with every subscription of the link, its
     snapshot included."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: None}) as relay:
+    refusing = RefusedSubscriptions({members: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(broker.url)) as writer:
             await writer.put(T.spec("d1"), encode(SPEC))
         async with Link(settings_311(relay.url, broker.url), timeout_s=1.0) as link:
@@ -1129,7 +1146,7 @@ async def test_a_subscription_refused_for_good_moves_to_the_next_broker(
             assert "d1" in store.specs
             assert link._filters[-2:] == [T.spec("d1"), members]
             await link.sync()
-        assert relay.refused[members] >= 2
+        assert refusing.refused[members] >= 2
 
 
 async def test_a_subscription_every_broker_refuses_names_each_and_the_filter(
@@ -1137,9 +1154,9 @@ async def test_a_subscription_every_broker_refuses_names_each_and_the_filter(
 ) -> None:
     """When no broker grants it, the error names every broker and the filter."""
     members = T.all_members_filter("d1")
-    async with (
-        RefusingRelay(broker.port, {members: None}) as one,
-        RefusingRelay(broker.port, {members: None}) as two,
+    with (
+        FaultProxy(broker.host, broker.port, rule=RefusedSubscriptions({members: None})) as one,
+        FaultProxy(broker.host, broker.port, rule=RefusedSubscriptions({members: None})) as two,
     ):
         async with Link(settings_311(one.url, two.url), timeout_s=0.6) as link:
             with pytest.raises(BusError) as failed:
@@ -1154,7 +1171,8 @@ async def test_after_a_write_a_refused_subscription_does_not_move_the_link(
 ) -> None:
     """A link that wrote stays where it wrote: a refusal then fails the command."""
     members = T.all_members_filter("d1")
-    async with RefusingRelay(broker.port, {members: None}) as relay:
+    refusing = RefusedSubscriptions({members: None})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(relay.url, broker.url), timeout_s=0.6) as link:
             await link.put(T.spec("d1"), encode(SPEC))
             with pytest.raises(BusError, match="refused the subscription"):
@@ -1166,7 +1184,7 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
     broker: Mosquitto,
 ) -> None:
     """nats-server 2.14 leaves a retained message whose load timed out out of a new
-    subscription's snapshot, without a word (`RefusingRelay.skip_retained`). On a link
+    subscription's snapshot, without a word (`RefusedSubscriptions.skip_retained`). On a link
     that gets the broker repairs, a read subscribes again until a fresh snapshot brings
     nothing it lacked: every member record is read, and the copy read twice is logged and
     stored once."""
@@ -1179,7 +1197,8 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
     await put(broker, records)
     left_out = {T.member("d1", "c1", "n1"): 1, T.workload("d1", "w1"): 1}
     refuse: dict[str, set[int] | None] = {members: set(), workloads: set()}
-    async with RefusingRelay(broker.port, refuse, skip_retained=left_out) as relay:
+    refusing = RefusedSubscriptions(refuse, skip_retained=left_out)
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         async with Link(settings_311(relay.url), race=True) as link:
             store = await link.read(members, workloads)
             assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
@@ -1187,9 +1206,9 @@ async def test_a_retained_record_the_broker_left_out_is_read_again_on_a_repaired
                 T.workload("d1", "w0"),
                 T.workload("d1", "w1"),
             ]
-        assert relay.skipped == 2
+        assert refusing.skipped == 2
         # The first snapshot, the one that brought the two left out, one that brought none.
-        assert relay.seen == {members: 3, workloads: 3}
+        assert refusing.seen == {members: 3, workloads: 3}
 
 
 async def test_without_the_broker_repairs_a_read_subscribes_once(broker: Mosquitto) -> None:
@@ -1198,12 +1217,13 @@ async def test_without_the_broker_repairs_a_read_subscribes_once(broker: Mosquit
     members = T.all_members_filter("d1")
     records = {T.member("d1", "c1", f"n{i}"): member_record(f"n{i}", i) for i in range(3)}
     await put(broker, {topic: encode(record) for topic, record in records.items()})
-    async with RefusingRelay(broker.port, {members: set()}) as relay:
+    refusing = RefusedSubscriptions({members: set()})
+    with FaultProxy(broker.host, broker.port, rule=refusing) as relay:
         s = BusSettings(url=(relay.url,), protocol="3.1.1", broker="mosquitto")
         async with Link(s) as link:
             store = await link.read(members)
             assert sorted(node for _, _, node in store.members) == ["n0", "n1", "n2"]
-        assert relay.seen[members] == 1
+        assert refusing.seen[members] == 1
 
 
 # Schemas.
@@ -1219,22 +1239,10 @@ def test_the_shipped_schemas_are_the_generated_ones() -> None:
 
 def test_the_schema_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
     """`imexd schemas --check` exits 1 when a file differs."""
-    gen = subprocess.run(
-        [IMEXD, "schemas", "--write", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    gen = imexd("schemas", "--write", str(tmp_path))
     assert gen.returncode == 0, gen.stderr
     (tmp_path / "DomainSpec.json").write_text("{}\n")
-    check = subprocess.run(
-        [IMEXD, "schemas", "--check", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    check = imexd("schemas", "--check", str(tmp_path))
     assert check.returncode == 1
     assert "DomainSpec.json" in check.stderr
 

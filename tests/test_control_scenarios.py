@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imexd.demo.timings import FAST
 from tests.cluster import BusClient, Cluster, Node
-from tests.support import IMEXD, wait_for
+from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 NAMES = ["n1", "n2", "n3"]
-
-
-def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
-    env = c.control_env()
-    return subprocess.run(
-        [IMEXD, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
 
 
 def validator(kind: str) -> Any:
@@ -50,14 +41,14 @@ def form_d1(c: Cluster) -> list[Node]:
     """Start n1..n3 idle in assigned mode, create d1 listing them, wait until it is UP."""
     nodes = [c.add(name, domain=None) for name in NAMES]
     c.wait(c.all_ready, timeout=30)  # idle nodes are ready too (no domain)
-    created = imexd(c, "domain", "create", "d1", "--nodes", ",".join(NAMES))
+    created = c.imexd("domain", "create", "d1", "--nodes", ",".join(NAMES))
     assert created.returncode == 0, created.stderr
     assert re.search(
         r"domain d1: created \(generation \d+, max_nodes 8, nodes n1,n2,n3\)", created.stdout
     ), created.stdout
     c.wait(lambda: all(n.status().get("domain") == "d1" for n in nodes) and c.all_ready())
     assert [n.slot() for n in nodes] == [0, 1, 2], "the spec's list order is the slot order"
-    up = imexd(c, "domain", "status", "d1", "--wait", "30")
+    up = c.imexd("domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.startswith("domain d1: UP, 3 of 3 members ready"), up.stdout
     return nodes
@@ -125,7 +116,7 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     assert "SIGKILL" in ready_cond["message"], ready_cond
     assert report["daemon"]["state"] == "FATAL"
 
-    degraded = imexd(c, "domain", "status", "d1", "--wait", "0")
+    degraded = c.imexd("domain", "status", "d1", "--wait", "0")
     assert degraded.returncode == 1
     assert degraded.stdout.startswith("domain d1: DEGRADED, 2 of 3 members ready"), degraded.stdout
     row = next(line for line in degraded.stdout.splitlines() if line.split()[1:2] == ["n2"])
@@ -141,24 +132,24 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
         bus.publish("imex/v2/domains/d1/retry/n2", json.dumps(stale).encode(), retain=True)
     time.sleep(1.0)
     assert n2.status()["daemon"]["state"] == "FATAL"
-    retried = imexd(c, "node", "retry", "n2", "--wait", "30")
+    retried = c.imexd("node", "retry", "n2", "--wait", "30")
     assert retried.returncode == 0, retried.stdout + retried.stderr
     assert "node n2: daemon RUNNING in d1" in retried.stdout, retried.stdout
     done = retained(c, "imex/v2/domains/d1/retry/+")
     assert [json.loads(p)["state"] for p in done.values()] == ["done"], "it ends with the command"
-    up = imexd(c, "domain", "status", "d1", "--wait", "30")
+    up = c.imexd("domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
-    again = imexd(c, "node", "retry", "n2")
+    again = c.imexd("node", "retry", "n2")
     assert (again.returncode, again.stdout.splitlines()[-1]) == (
         0,
         "node n2: its daemon in d1 is RUNNING: nothing to retry",
     ), again.stdout + again.stderr
-    unknown = imexd(c, "node", "retry", "n9")
+    unknown = c.imexd("node", "retry", "n9")
     assert unknown.returncode == 2, unknown.stdout + unknown.stderr
     assert "node n9: no agent reported it (no presence record)" in unknown.stderr
 
     # Delete: every agent stops its daemon, removes its files and clears its records.
-    deleted = imexd(c, "domain", "delete", "d1", "--timeout", "30")
+    deleted = c.imexd("domain", "delete", "d1", "--timeout", "30")
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert re.search(r"domain d1: deleted \(spec generation \d+, 3 assignment\(s\)", deleted.stdout)
     c.wait(lambda: all(n.daemon_pids_on_host() == [] for n in nodes), timeout=20)
@@ -184,7 +175,7 @@ def test_create_crash_loop_and_delete_through_the_cli(c: Cluster) -> None:
     assert sorted(retained(c, "imex/v2/nodes/+/presence")) == [
         f"imex/v2/nodes/{n.name}/presence" for n in nodes
     ]
-    listed = imexd(c, "domain", "list")
+    listed = c.imexd("domain", "list")
     assert (listed.returncode, listed.stdout.split()[0]) == (0, "no"), listed.stdout
 
 
@@ -245,7 +236,7 @@ def test_a_broker_outage_keeps_agents_live_and_daemons_running(c: Cluster) -> No
     c.wait(lambda: len(retained(c, "imex/v2/domains/d1/members/+/+")) == 3, timeout=10)
     # The spec was lost with the rest, and the agents gave it back (imexd.agent.rebuild): the
     # status is UP again with nobody running `domain create`.
-    up = imexd(c, "domain", "status", "d1", "--wait", "30")
+    up = c.imexd("domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.startswith("domain d1: UP, 3 of 3 members ready"), up.stdout
     assert re.search(r"spec generation \d+, active", up.stdout), up.stdout
@@ -266,7 +257,7 @@ def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> 
         c.wait(lambda: list(retained(c, members)) == ["imex/v2/domains/d1/members/c1/n1"])
         c.wait(lambda: "imex/v2/domains/d1/health/n1" in retained(c, "imex/v2/domains/d1/#"))
         c.wait(lambda: "imex/v2/domains/d1/spec" in retained(c, "imex/v2/domains/d1/#"))
-        partial = imexd(c, "domain", "status", "d1", "--wait", "0")
+        partial = c.imexd("domain", "status", "d1", "--wait", "0")
         assert partial.returncode == 1, partial.stdout + partial.stderr
         assert partial.stdout.startswith("domain d1: FORMING, 1 of 3 members ready"), partial.stdout
         assert "n2: NoReport" in partial.stdout
@@ -275,9 +266,9 @@ def test_status_after_a_broker_lost_its_retained_state_is_not_up(c: Cluster) -> 
             assert n.proc is not None
             os.kill(n.proc.pid, signal.SIGCONT)
     c.wait(lambda: len(retained(c, "imex/v2/domains/d1/members/+/+")) == 3, timeout=20)
-    again = imexd(c, "domain", "create", "d1", "--nodes", ",".join(NAMES))
+    again = c.imexd("domain", "create", "d1", "--nodes", ",".join(NAMES))
     assert again.returncode == 0, again.stdout + again.stderr
-    up = imexd(c, "domain", "status", "d1", "--wait", "30")
+    up = c.imexd("domain", "status", "d1", "--wait", "30")
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.startswith("domain d1: UP, 3 of 3 members ready"), up.stdout
 
@@ -332,7 +323,7 @@ def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) 
     """`node unassign` makes the agent leave d1 for good: no report of it in d1 follows."""
     form_d1(c)
     with BusClient(c.broker).record("imex/v2/domains/d1/#") as recorder:
-        done = imexd(c, "node", "unassign", "n1")
+        done = c.imexd("node", "unassign", "n1")
         assert done.returncode == 0, done.stderr
         assert "node n1: unassigned (was d1)" in done.stdout
 
@@ -347,6 +338,23 @@ def test_an_unassigned_agent_publishes_no_report_for_its_old_domain(c: Cluster) 
     assert "imex/v2/domains/d1/health/n1" not in retained(c, "imex/v2/domains/d1/health/+")
 
 
+def test_a_job_domain_is_joined_and_left_on_the_agents_first_link(c: Cluster) -> None:
+    """Seen from outside: each of eight agents joining a per-job domain dropped its broker
+    link and connected again (`bus_disconnected` reason "will changed"), three rounds of
+    it per job start, because the will sat on the member topic. The will is the node's
+    presence, set once per agent run: creating and deleting a domain of idle agents costs
+    none of them a second connect."""
+    nodes = form_d1(c)
+    deleted = c.imexd("domain", "delete", "d1", "--wait", "30")
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    c.wait(lambda: all(n.status().get("domain") is None for n in nodes), what="all left d1")
+    for n in nodes:
+        connects = n.log_events("bus_connected")
+        assert len(connects) == 1, (n.name, connects)
+        assert connects[0]["will"] == f"imex/v2/nodes/{n.name}/presence", connects[0]
+        assert n.log_events("bus_disconnected") == [], n.name
+
+
 def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     """Issue 25: `kill -TERM` one agent, then a job's prolog listing its node failed only
     after minutes (the default --seen-within counted the goodbye as a sighting). A stop
@@ -358,41 +366,39 @@ def test_a_prolog_fails_at_once_on_a_stopped_or_dead_node(c: Cluster) -> None:
     assert n3.stop() == 0
 
     started = time.monotonic()
-    refused = imexd(c, "domain", "create", "d2", "--nodes", "n3", "--steal", "--wait", "60")
+    refused = c.imexd("domain", "create", "d2", "--nodes", "n3", "--steal", "--wait", "60")
     took = time.monotonic() - started
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "node n3: AgentDown: its agent stopped" in refused.stderr, refused.stderr
     assert took < 30, f"refused after {took:.1f} s, not at once"
-    status = imexd(c, "domain", "status", "d1")
+    status = c.imexd("domain", "status", "d1")
     assert "n3: AgentDown: its agent stopped" in status.stdout, status.stdout
     assert "NoReport" not in status.stdout, status.stdout
-    retry = imexd(c, "node", "retry", "n3")
+    retry = c.imexd("node", "retry", "n3")
     assert retry.returncode == 2, retry.stdout + retry.stderr
     assert "node n3: its agent stopped" in retry.stderr, retry.stderr
 
-    n2.crash()  # agent and daemon; its will fires after will_delay_s
+    n2.crash()  # agent and daemon; its will (its presence, marked lost) fires later
 
-    def will_fired() -> bool:
-        records = retained(c, "imex/v2/domains/d1/members/+/n2").values()
-        return any(json.loads(r).get("state") == "lost" for r in records if r)
+    def presence_lost(node: str) -> bool:
+        topic = f"imex/v2/nodes/{node}/presence"
+        payload = retained(c, topic).get(topic)
+        return bool(payload) and json.loads(payload or b"{}").get("lost") is True
 
-    wait_for(will_fired, timeout=FAST["bus"]["will_delay_s"] + 15)
-    dead = imexd(c, "domain", "create", "d2", "--nodes", "n2", "--steal")
+    wait_for(lambda: presence_lost("n2"), timeout=FAST["bus"]["will_delay_s"] + 15)
+    dead = c.imexd("domain", "create", "d2", "--nodes", "n2", "--steal")
     assert dead.returncode == 2, dead.stdout + dead.stderr
     assert "node n2: AgentDown: its agent's link ended without a goodbye" in dead.stderr
+    status = c.imexd("domain", "status", "d1", "--wait", "0")
+    assert "n2: Lost" in status.stdout, status.stdout
 
-    # An idle agent (the per-job layout between jobs) has no member topic for a will: its
-    # will is its presence, marked lost, so a job's prolog fails at once on it too.
+    # An idle agent (the per-job layout between jobs): the same will, so a job's prolog
+    # fails at once on it too.
     idle = c.add("n4", domain=None)
     c.wait(idle.ready, timeout=30)
     idle.crash()
-
-    def presence_lost() -> bool:
-        payload = retained(c, "imex/v2/nodes/n4/presence").get("imex/v2/nodes/n4/presence")
-        return bool(payload) and json.loads(payload or b"{}").get("lost") is True
-
-    wait_for(presence_lost, timeout=FAST["bus"]["will_delay_s"] + 15)
-    gone = imexd(c, "domain", "create", "d3", "--nodes", "n4", "--wait", "60")
+    wait_for(lambda: presence_lost("n4"), timeout=FAST["bus"]["will_delay_s"] + 15)
+    gone = c.imexd("domain", "create", "d3", "--nodes", "n4", "--wait", "60")
     assert gone.returncode == 2, gone.stdout + gone.stderr
     assert "node n4: AgentDown: its agent's link ended without a goodbye" in gone.stderr
 
@@ -408,6 +414,6 @@ def test_a_retry_request_from_the_far_future_does_not_block_a_genuine_one(c: Clu
         c.wait(lambda: n2.log_events("retry.asked"), timeout=10, what="n2 read the request")
         bus.publish("imex/v2/domains/d1/retry/n2", b"", retain=True)
     assert crash_until_fatal(n2) >= 3
-    retried = imexd(c, "node", "retry", "n2", "--wait", "30")
+    retried = c.imexd("node", "retry", "n2", "--wait", "30")
     assert retried.returncode == 0, retried.stdout + retried.stderr
     assert "node n2: daemon RUNNING in d1" in retried.stdout, retried.stdout

@@ -6,6 +6,7 @@ Every daemon here is a real child process on 127.0.0.0/8 settings; every wait is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -18,7 +19,8 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
+from imexd.agent.probes import PROBE_SERIES_S, DaemonProbes
+from imexd.daemon.ctl import DomainResult, DomainTable, LocalProbe, NodeStatus, Prober
 from imexd.daemon.inotify import Inotify
 from imexd.daemon.output import (
     EXIT_LINE_CHARS,
@@ -34,12 +38,17 @@ from imexd.daemon.output import (
     Tail,
     parse_imex_line,
     quote_lines,
+    says_ready,
 )
 from imexd.daemon.process import daemon_environment, spawn_error
 from imexd.daemon.state import DaemonState, DaemonStatus
 from imexd.daemon.supervisor import Supervisor
 from imexd.demo.brokers import free_port
-from imexd.imex import PACKAGE_CONFIG
+from imexd.health.conditions import Heartbeats
+from imexd.health.guard import BEAT_S, Guard
+from imexd.health.metrics import Metrics
+from imexd.imex import PACKAGE_CONFIG, ConnectionState, ImexDomainState, ImexState
+from imexd.logs import get_logger
 from imexd.process import (
     Endpoint,
     ImexProcess,
@@ -53,7 +62,8 @@ from imexd.process import (
     read_imex_config,
     survives_signal,
 )
-from imexd.settings import DaemonSettings, ImexSettings
+from imexd.settings import DaemonSettings, ImexSettings, Settings
+from tests import support
 from tests.support import loopback_address, wait_for
 
 FAKE_SOURCE = Path(__file__).with_name("fake_daemon.py")
@@ -102,6 +112,28 @@ def test_imex_log_lines_are_split_into_level_and_message() -> None:
         "IMEX Log initializing at: 9/18/2026 06:40:33.561",
         None,
     )
+
+
+@pytest.mark.parametrize(
+    ("line", "ready"),
+    [
+        ("IMEX daemon state changed from INIT_GPU to READY", True),
+        ("[Sep 18 2026 06:40:33] [INFO] [tid 77] IMEX daemon state changed from X to READY", True),
+        ("IMEX Daemon State Changed From WAITING_FOR_RECOVERY to READY.", True),
+        ("IMEX daemon state changed from READY to SHUTTING_DOWN", False),
+        ("IMEX daemon state changed from INIT_GPU to READY_SOON", False),
+        ("IMEX daemon state changed from INIT_GPU to READYING", False),
+        ("IMEX daemon state changed from INIT_GPU to NOT_READY", False),
+        ("IMEX daemon state changed from INIT_GPU to ready", False),
+        ("Node 3 state changed from INIT_GPU to READY", False),
+        ("Node #0   - 172.31.48.81    - READY                - Version: 570.172", False),
+        ("READY", False),
+    ],
+)
+def test_only_the_daemons_own_change_to_ready_says_ready(line: str, *, ready: bool) -> None:
+    """The daemon says READY with its own state change to the whole word READY: a peer's
+    change, a change away from READY, or READY elsewhere in a line says nothing."""
+    assert says_ready(parse_imex_line(line).message) is ready
 
 
 def test_daemon_environment_adds_imex_env_and_drops_systemd_notify_variables() -> None:
@@ -379,7 +411,7 @@ class Node:
         settings: DaemonSettings = FAST,
         reload_min_interval_s: float = 0.5,
         binary: str | None = None,
-        on_change: list[DaemonStatus] | None = None,
+        on_change: list[DaemonStatus] | Callable[[DaemonStatus], None] | None = None,
         **kwargs: Any,
     ) -> Supervisor:
         return Supervisor(
@@ -389,7 +421,7 @@ class Node:
             settings=settings,
             reload_min_interval_s=reload_min_interval_s,
             conflict_recheck_s=0.2,
-            on_change=on_change.append if on_change is not None else None,
+            on_change=on_change.append if isinstance(on_change, list) else on_change,
             rand=lambda: 1.0,
             **kwargs,
         )
@@ -1350,3 +1382,194 @@ async def test_without_ready_an_exit_inside_start_s_is_a_failed_start(node: Node
         await until(sup, lambda s: s.state is DaemonState.BACKOFF)
         status = await until(sup, lambda s: s.pid not in (None, first))
         assert (status.restarts, status.crashes, status.start_failures) == (0, 1, 1)
+
+
+# ---------------------------------------------------------------------------------
+# The agent's probes of a supervised daemon (imexd.agent.probes), with a fake ctl
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FakeCtl(Prober):
+    """A ctl that runs nothing: `ctl -q` says READY once `ready()` holds (INITIALIZING
+    before), `ctl -N -j` shows member 0 alone, so member 1 never connects. Each call
+    takes `took_s` and is recorded as (kind, start, end)."""
+
+    ctl: str = "fake-ctl"
+    config_path: str = "/run/imexd/config.cfg"
+    ready: Callable[[], bool] = lambda: False
+    took_s: float = 0.02
+    calls: list[tuple[str, float, float]] = field(default_factory=list)
+
+    async def local(self, *, timeout: float | None = None) -> LocalProbe:  # noqa: ASYNC109 - the Prober's signature
+        started = time.monotonic()
+        await asyncio.sleep(self.took_s)
+        self.calls.append(("local", started, time.monotonic()))
+        if self.ready():
+            return LocalProbe(ImexState.READY, True, "", self.took_s)
+        return LocalProbe(ImexState.INITIALIZING, False, "IMEX is INITIALIZING", self.took_s)
+
+    async def domain(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the Prober's signature
+        json_format: bool = True,
+    ) -> DomainResult:
+        started = time.monotonic()
+        await asyncio.sleep(self.took_s)
+        self.calls.append(("domain", started, time.monotonic()))
+        alone = NodeStatus(0, "10.0.0.1", None, ImexState.READY, None, True, {0: C_LINK})
+        return DomainResult(DomainTable(ImexDomainState.DEGRADED, "t", {0: alone}), "", 0.0)
+
+    def count(self, kind: str, after: float = 0.0) -> int:
+        """How many `kind` probes started at or after `after`."""
+        return sum(1 for k, started, _ in self.calls if k == kind and started >= after)
+
+
+C_LINK = ConnectionState.CONNECTED
+TWO_MEMBERS = {0: "n1", 1: "n2"}
+"""The members the daemon was given: member 1's link never shows (FakeCtl)."""
+
+
+@asynccontextmanager
+async def probed(
+    node: Node,
+    env: Mapping[str, str],
+    settings: DaemonSettings,
+    ctl: FakeCtl,
+    binary: str | None = None,
+) -> AsyncIterator[tuple[Supervisor, DaemonProbes]]:
+    """A started daemon and the agent's probe task on it, wired as the agent wires them."""
+    probes = DaemonProbes(
+        Settings(daemon=settings),
+        ctl,
+        metrics=Metrics(),
+        log=get_logger("test"),
+        on_change=lambda: None,
+    )
+    seen = [(DaemonState.STOPPED, 0)]
+
+    def changed(status: DaemonStatus) -> None:
+        before, seen[0] = seen[0], (status.state, status.reloads_sent)
+        probes.on_daemon_change(status, before)
+
+    heartbeats = Heartbeats()
+    heartbeats.register("probe", BEAT_S)
+    guard = Guard(heartbeats, Metrics(), get_logger("test"))
+    async with node.supervisor(env, settings=settings, on_change=changed, binary=binary) as sup:
+        task = asyncio.create_task(
+            probes.run(guard, sup, wanted=lambda: True, members=lambda: TWO_MEMBERS)
+        )
+        try:
+            await sup.ensure_started()
+            yield sup, probes
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+QUIET_TIMERS = dataclasses.replace(
+    FAST, start_s=30.0, stable_s=60.0, probe_interval_s=30.0, domain_probe_interval_s=600.0
+)
+"""Timers no test waits for: whatever happens sooner came from the daemon's words."""
+
+
+async def test_the_daemons_ready_line_makes_a_start_running_without_ctl(node: Node) -> None:
+    """The daemon's own `state changed from ... to READY` line makes a start RUNNING, and
+    its state READY, though `ctl -q` never said READY (and `start_s` is 30 s away); the
+    detail says the line did it, and the domain probes begin."""
+    ctl = FakeCtl()
+    env = {"FAKE_IMEX_READY_AFTER_S": "0.3"}
+    with capture_logs() as logs:
+        async with probed(node, env, QUIET_TIMERS, ctl) as (sup, probes):
+            await until(sup, lambda s: s.state is DaemonState.RUNNING)
+            await support.until(lambda: ctl.count("domain"), within=5.0)  # the series' first
+            assert probes.imex_status == "READY"
+            assert probes.probe_error == ""
+    running = [e for e in logs if e["event"] == "daemon.state" and e["to"] == "RUNNING"]
+    assert [e["reason"] for e in running] == ["its output says READY"]
+
+
+async def test_the_ready_line_leaves_ctl_q_to_its_interval(node: Node) -> None:
+    """No `ctl -q` follows the READY line: the next waits for `probe_interval_s`, and its
+    answer stays the truth (INITIALIZING here is the daemon's state again)."""
+    ctl = FakeCtl()
+    timers = dataclasses.replace(QUIET_TIMERS, probe_interval_s=1.0)
+    env = {"FAKE_IMEX_READY_AFTER_S": "0.3"}
+    async with probed(node, env, timers, ctl) as (sup, probes):
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        said = time.monotonic()
+        assert probes.imex_status == "READY"
+        await asyncio.sleep(0.5)
+        assert ctl.count("local", said) == 0
+        await support.until(lambda: probes.imex_status != "READY", within=5.0)
+        assert probes.imex_status == "INITIALIZING"
+        assert sup.state is DaemonState.RUNNING  # a later not-READY is the probes' to report
+
+
+async def test_a_daemon_without_a_ready_line_is_running_by_ctl(node: Node) -> None:
+    """A daemon that prints no READY line is RUNNING once `ctl -q` says READY: its lines
+    ask for a probe while it is starting."""
+    ctl = FakeCtl(ready=lambda: True)
+    with capture_logs() as logs:
+        async with probed(node, {}, QUIET_TIMERS, ctl) as (sup, probes):
+            await until(sup, lambda s: s.state is DaemonState.RUNNING)
+            assert probes.imex_status == "READY"
+    running = [e for e in logs if e["event"] == "daemon.state" and e["to"] == "RUNNING"]
+    assert [e["reason"] for e in running] == ["ctl -q says READY"]
+
+
+async def test_a_silent_start_is_probed_on_the_series_not_at_its_spawn(
+    node: Node, tmp_path: Path
+) -> None:
+    """A daemon that prints nothing (no READY line) is asked on PROBE_SERIES_S after its
+    spawn (0.2, 0.5, 1 s, ...), not at the spawn itself and not a whole probe interval
+    (30 s here) later: RUNNING by ctl soon after it says READY, though `start_s` is 30 s
+    away."""
+    script = tmp_path / "silent-daemon"
+    script.write_text("#!/bin/sh\nexec sleep 30\n")
+    script.chmod(0o755)
+    said = [False]
+    ctl = FakeCtl(ready=lambda: said[0])
+    spawned = time.monotonic()
+    async with probed(node, {}, QUIET_TIMERS, ctl, binary=str(script)) as (sup, _):
+        assert sup.state is DaemonState.STARTING
+        await support.until(lambda: ctl.count("local") >= 2, within=5.0)
+        starts = sorted(started - spawned for _, started, _ in ctl.calls)
+        assert starts[0] >= PROBE_SERIES_S[0] - 0.05, ctl.calls
+        said[0] = True
+        asked = time.monotonic()
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        assert time.monotonic() - asked < PROBE_SERIES_S[-1] + 1.0
+
+
+async def test_a_chatty_daemon_does_not_run_domain_probes_back_to_back(node: Node) -> None:
+    """A READY daemon that writes a line every 20 ms while a member is missing (the real
+    one logs every reconnect attempt): its lines ask for a `ctl -N -j` only between the
+    timed ones (the series after READY), never two in a row."""
+    ctl = FakeCtl(ready=lambda: True)
+    env = {"FAKE_IMEX_READY_AFTER_S": "0.2", "FAKE_IMEX_LOG_EVERY_S": "0.02"}
+    async with probed(node, env, QUIET_TIMERS, ctl) as (sup, probes):
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        await support.until(lambda: probes.imex_status == "READY", within=5.0)
+        ready = time.monotonic()
+        await asyncio.sleep(1.6)  # the series' probes at 0.2, 0.5 and 1.0 s
+        domain = ctl.count("domain", ready)
+        assert 2 <= domain <= 8, f"{domain} ctl -N -j in 1.6 s: {ctl.calls}"  # 3 timed, 4 more
+        assert ctl.count("local", ready) == 0
+
+
+async def test_a_chatty_daemon_that_is_not_ready_costs_one_more_ctl_q_per_interval(
+    node: Node,
+) -> None:
+    """A daemon RUNNING by `start_s` but not READY, writing a line every 20 ms: between two
+    timed `ctl -q` (`probe_interval_s`), its lines ask for one more, not one per line."""
+    ctl = FakeCtl()
+    timers = dataclasses.replace(QUIET_TIMERS, start_s=0.3, probe_interval_s=0.5)
+    env = {"FAKE_IMEX_LOG_EVERY_S": "0.02"}
+    async with probed(node, env, timers, ctl) as (sup, _):
+        await until(sup, lambda s: s.state is DaemonState.RUNNING)
+        running = time.monotonic()
+        await asyncio.sleep(2.0)
+        local = ctl.count("local", running)
+        assert 2 <= local <= 12, f"{local} ctl -q in 2 s: {ctl.calls}"  # 5 timed, 5 more

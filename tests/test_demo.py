@@ -31,6 +31,7 @@ from imexd.cli.main import main
 from imexd.demo import DemoError, brokers, scenario, screen
 from imexd.health.fleet import judge
 from imexd.messages import Condition, DaemonInfo, DomainView, HealthReport, SlotView
+from tests.support import until
 
 IS_ROOT = os.geteuid() == 0
 RUN_TIMEOUT_S = 90.0
@@ -554,10 +555,8 @@ async def test_cleanup_ends_every_process_of_the_folder(tmp_path: Path) -> None:
         for code in codes
     ]
     try:
-        deadline = time.monotonic() + 30
-        while not _ignores_sigterm(procs[1].pid):  # else SIGTERM ends it before it can refuse
-            assert time.monotonic() < deadline, "the stubborn child never ignored SIGTERM"
-            await asyncio.sleep(0.05)
+        stubborn = procs[1].pid  # until it ignores SIGTERM, SIGTERM ends it before it refuses
+        await until(lambda: _ignores_sigterm(stubborn), within=30, what="SIGTERM ignored")
         started = time.monotonic()
         await run.close()
         assert all(proc.poll() is not None for proc in procs)

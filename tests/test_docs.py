@@ -33,8 +33,9 @@ import pytest
 from imexd import messages
 from imexd.cli.control import add_control_commands
 from imexd.cli.main import build_parser
-from imexd.demo.brokers import Mosquitto, find_mosquitto
+from imexd.demo.brokers import find_mosquitto
 from imexd.topics import TopicRef, Topics
+from tests.brokers import Mosquitto
 from tests.test_layout import _graph
 
 ROOT = Path(__file__).resolve().parent.parent

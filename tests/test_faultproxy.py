@@ -12,8 +12,8 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from imexd.demo.brokers import Mosquitto
-from tests.faultproxy import FaultProxy
+from tests.brokers import Mosquitto
+from tests.faultproxy import FaultProxy, Link, Rule
 from tests.support import wait_for
 
 
@@ -188,6 +188,39 @@ def test_a_drop_then_cut_then_heal_leaves_a_working_proxy(proxy: FaultProxy) -> 
     with connect(proxy) as sock:
         sock.sendall(b"ok")
         assert recv_exactly(sock, 2) == b"ok"
+
+
+def test_end_with_sends_its_bytes_then_closes(proxy: FaultProxy) -> None:
+    with connect(proxy) as sock:
+        sock.sendall(b"a")
+        assert recv_exactly(sock, 1) == b"a"
+        proxy.end_with(b"bye")
+        assert recv_exactly(sock, 3) == b"bye"
+        assert ended(sock, b"x")
+    wait_for(lambda: proxy.connections() == 0, timeout=5)
+
+
+class _AnswersPings(Rule):
+    """Answers a PINGREQ itself, hangs up on a DISCONNECT, passes the rest on."""
+
+    def up(self, packet: bytes, link: Link) -> bytes:
+        if packet == b"\xc0\x00":
+            link.to_client(b"\xd0\x00")
+            return b""
+        if packet == b"\xe0\x00":
+            link.hang_up()
+            return b""
+        return packet
+
+
+def test_a_rule_sees_whole_packets_answers_and_hangs_up(echo: tuple[str, int]) -> None:
+    with FaultProxy(*echo, rule=_AnswersPings()) as proxy, connect(proxy) as sock:
+        sock.sendall(b"\x30\x03")  # a PUBLISH's fixed header: nothing passes before its body
+        assert silent_for(sock, 0.3)
+        sock.sendall(b"t\x00!\xc0\x00")
+        assert recv_exactly(sock, 7) == b"\xd0\x00\x30\x03t\x00!"  # answered before the echo
+        sock.sendall(b"\xe0\x00")
+        assert ended(sock, b"x")
 
 
 def test_an_mqtt_client_works_through_it_and_notices_a_cut(broker: Mosquitto) -> None:

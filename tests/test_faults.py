@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.demo.timings import FAST
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, Node, formed, members, pids, slot_of, untouched
 from tests.support import IMEXD, during
 

@@ -14,9 +14,8 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +26,12 @@ from structlog.testing import capture_logs
 
 from imexd.agent.run import Agent
 from imexd.daemon.state import DaemonState, DaemonStatus
-from imexd.demo.brokers import Mosquitto
 from imexd.membership.slots import Phase
 from imexd.settings import Settings, settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import BusClient, Cluster, Node, formed, members
 from tests.faultproxy import FaultProxy
-from tests.support import IMEXD
+from tests.support import until
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +42,7 @@ def test_nodes_started_together_start_their_daemons_once_with_everyone(c: Cluste
     names = ["n1", "n2", "n3", "n4"]
     nodes = [c.add(n, domain=None) for n in names]
     c.wait(c.all_ready, timeout=60)
-    created = subprocess.run(
-        [IMEXD, "domain", "create", "d1", "--nodes", ",".join(names)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=c.control_env(),
-        check=False,
-    )
+    created = c.imexd("domain", "create", "d1", "--nodes", ",".join(names))
     assert created.returncode == 0, created.stderr
     formed(c, nodes)
     first = {n.name: n.daemon_pid() for n in nodes}
@@ -216,14 +208,6 @@ def _pids(runs: list[_Run]) -> dict[str, int | None]:
     return {r.node.name: r.agent.supervisor.pid if r.agent.supervisor else None for r in runs}
 
 
-async def _until(problem: Callable[[], str], what: str) -> None:
-    """Poll `problem` every 50 ms until it is empty; fail with it after ROUND_WAIT_S."""
-    deadline = time.monotonic() + ROUND_WAIT_S
-    while found := problem():
-        assert time.monotonic() < deadline, f"{what} not within {ROUND_WAIT_S} s: {found}"
-        await asyncio.sleep(0.05)
-
-
 async def _stop(runs: list[_Run]) -> dict[str, int | None]:
     """Set every agent's `stop` (they leave); their exit codes (None: did not end in time)."""
     for r in runs:
@@ -266,7 +250,10 @@ class _Lane:
         claimed = asyncio.create_task(self._claim_latency(slow, began))
         await asyncio.sleep(offset)
         self.runs += [_start(n) for n in self.nodes[1:]]
-        await _until(functools.partial(_not_formed, self.runs, domain), f"{domain} formed")
+        not_formed = functools.partial(_not_formed, self.runs, domain)
+        await until(
+            lambda: not not_formed(), within=ROUND_WAIT_S, what=f"{domain} formed", seen=not_formed
+        )
         formed = time.monotonic() - began
         self.latency_s = await claimed
         first = _pids(self.runs)
@@ -303,7 +290,7 @@ class _Lane:
     async def _claim_latency(slow: _Run, began: float) -> float:
         """Seconds from `began` until the delayed agent first claims."""
         shard = slow.agent.shard
-        await _until(lambda: "no claim yet" if shard.claim.phase is Phase.NONE else "", "claim")
+        await until(lambda: shard.claim.phase is not Phase.NONE, within=ROUND_WAIT_S, what="claim")
         return time.monotonic() - began
 
     async def rounds(self, numbers: range) -> None:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from imexd.cli.main import main
-from imexd.demo.brokers import Mosquitto, free_port
+from imexd.demo.brokers import free_port
 from imexd.messages import DomainSpec, WorkloadRecord, encode
 from imexd.names import job_of, parse_job_ids
+from tests.brokers import Mosquitto
 from tests.test_control import T, domain_state, fake_agents, put, retained, standing
 from tests.test_workloads import channel_report, info
 

@@ -19,9 +19,8 @@ also name a window that no rule finds (a setting used as a window on its own, su
 `slots.stale_claims`); it must then name a definition, an assignment, a parameter or a
 keyword argument that exists.
 
-Issue 41's targets for the table (`MAX_ROWS`, `BROKER_NAMES`): no broker is named outside
-the bus; the row count is a strict xfail until the guards that versioned records make
-unnecessary are removed (it then passes, and so fails until its marker goes).
+The table's targets (`MAX_ROWS`, `BROKER_NAMES`): at most 30 rows, and no broker is named
+outside the bus.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-import pytest
-
 from tests.test_docs import _section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,10 +40,10 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 HEADING: Final = "## Timers and guards"
 
 MAX_ROWS: Final = 30
-"""Issue 41's target: at most this many rows in the table, once records carry their
-author's version and the windows that stand in for an order are gone."""
+"""At most this many rows in the table: records carry their author's version, so no
+window stands in for an order."""
 BROKER_NAMES: Final = ("Mosquitto", "NATS", "nats-server", "RabbitMQ", "amqtt", "ejabberd")
-"""Issue 41's other target: no broker is named in the code or docstrings of
+"""No broker is named in the code or docstrings of
 `imexd/membership/` and `imexd/agent/`; what one broker needs lives in `imexd/bus/`."""
 SERVES: Final = frozenset({"1", "2", "3", "liveness", "cost"})
 """What a row may say it serves: one of DESIGN.md's three invariants, or neither."""
@@ -314,13 +311,6 @@ def broker_mentions() -> list[str]:
     ]
 
 
-def _rows_today() -> int:
-    try:
-        return len(table(ARCHITECTURE.read_text()))
-    except ValueError:  # no such heading: the tests below say so
-        return 0
-
-
 # -- the table against the code ------------------------------------------------------
 
 
@@ -400,20 +390,17 @@ def test_the_checks_see_an_unlisted_window_and_a_stale_row() -> None:
     assert unknown == ["planted.Gone.NEVER_S"]
 
 
-# -- issue 41's targets (not met yet) ----------------------------------------------------
+# -- the table's targets -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=f"issue 41: {_rows_today()} rows today, the target is at most {MAX_ROWS}",
-)
 def test_the_table_has_at_most_max_rows() -> None:
-    """Issue 41's target: at most MAX_ROWS timers and guards remain."""
+    """At most MAX_ROWS timers and guards remain: records carry their author's version,
+    and the windows that stood in for an order are gone."""
     rows = table(ARCHITECTURE.read_text())
     assert len(rows) <= MAX_ROWS, f"{len(rows)} rows, the target is at most {MAX_ROWS}"
 
 
 def test_no_broker_is_named_outside_the_bus() -> None:
-    """Issue 41's target: what one broker needs is said and done in imexd/bus/ only."""
+    """What one broker needs is said and done in imexd/bus/ only."""
     mentions = broker_mentions()
     assert mentions == [], f"broker names outside imexd/bus/: {mentions}"

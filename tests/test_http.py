@@ -33,6 +33,7 @@ from imexd.health.conditions import Health, Heartbeats
 from imexd.health.http import HealthServer, ServerLimits
 from imexd.health.metrics import CONTENT_TYPE, Metrics
 from imexd.messages import HealthReport
+from tests.support import until
 
 MEMBERS = {0: Member("n1", "127.0.0.1"), 1: Member("n2", "127.0.0.2")}
 READY = Facts(
@@ -621,11 +622,7 @@ async def test_a_client_that_never_reads_its_answers_is_cut_off() -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", a.server.port)
         try:
             writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 5000)
-            for _ in range(100):  # 10 s at most
-                await asyncio.sleep(0.1)
-                if not a.server.open_connections:
-                    break
-            assert a.server.open_connections == 0
+            await until(lambda: a.server.open_connections == 0, within=10, interval=0.1)
         finally:
             writer.close()
             with contextlib.suppress(OSError):

@@ -16,9 +16,9 @@ import pytest
 
 from imexd.agent.run import Agent
 from imexd.daemon.output import identified_id
-from imexd.demo.brokers import Mosquitto
 from imexd.messages import DAEMON_READY
 from imexd.settings import settings_from_mapping
+from tests.brokers import Mosquitto
 from tests.cluster import Node, end_in_process
 from tests.support import until
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 from tests.cluster import (
     BusBroker,
     Cluster,

@@ -22,8 +22,9 @@ from paho.mqtt.properties import Properties
 
 from imexd.bus import mqtt
 from imexd.bus.mqtt import topic_matches
-from imexd.demo.brokers import Mosquitto
 from imexd.settings import BusSettings, parse_broker_url
+from tests.brokers import Mosquitto
+from tests.support import until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,9 +171,7 @@ async def test_a_link_the_broker_ended_leaves_no_unretrieved_exception(
     )
     ended = client._inner._disconnected
     broker.stop()
-    async with asyncio.timeout(10):
-        while not ended.done():  # noqa: ASYNC110 - aiomqtt's own future, no event to wait on
-            await asyncio.sleep(0.02)
+    await until(ended.done, within=10, interval=0.02, what="aiomqtt's end of the link")
     # What asyncio's never-retrieved check looks at when the future is collected
     # (read before `exception()`, which clears it).
     assert ended._log_traceback is False

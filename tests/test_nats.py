@@ -40,7 +40,6 @@ from imexd.topics import Topics
 from tests import nats_builds
 from tests.cluster import Cluster, Node, checked, members, pids, slot_of, untouched
 from tests.nats_servers import Nats, NatsCluster, publish_retained, retained_copy
-from tests.support import IMEXD
 
 pytestmark = pytest.mark.slow
 
@@ -66,18 +65,6 @@ def three(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
     three URLs."""
     servers = NatsCluster(tmp_path / "nats", size=3, consumer_replicas=1, binary=request.param)
     yield from checked(tmp_path, servers)
-
-
-def imexd(c: Cluster, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
-    return subprocess.run(
-        [IMEXD, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=c.control_env(),
-        check=False,
-    )
 
 
 KILL_RETRY_S = 20.0
@@ -108,7 +95,7 @@ def until_ok(c: Cluster, *args: str, within: float) -> subprocess.CompletedProce
     """
     deadline = time.monotonic() + within
     while True:
-        done = imexd(c, *args)
+        done = c.imexd(*args)
         if done.returncode == 0 or time.monotonic() > deadline:
             return done
         time.sleep(0.5)
@@ -126,7 +113,7 @@ def form(c: Cluster, names: list[str]) -> list[Node]:
     CLI, and wait until every agent judges it UP and `domain status` says so."""
     nodes = [c.add(name, domain=None, clique=CLIQUE) for name in names]
     c.wait(c.all_ready, timeout=60)
-    created = imexd(c, "domain", "create", "d1", "--nodes", ",".join(names))
+    created = c.imexd("domain", "create", "d1", "--nodes", ",".join(names))
     assert created.returncode == 0, created.stdout + created.stderr
     # 60 s, not 30: on nats-server 2.14 a peer's record can arrive only through the
     # link's re-reads (issue 23: about 8 s for three idle agents); under the whole suite's
@@ -225,7 +212,7 @@ def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) ->
     before = pids(nodes)
     n4 = c.add("n4.rack-b", domain=None, clique=CLIQUE)
     c.wait(n4.ready, timeout=30)
-    created = imexd(c, "domain", "create", "d1", "--nodes", ",".join([*NAMES, "n4.rack-b"]))
+    created = c.imexd("domain", "create", "d1", "--nodes", ",".join([*NAMES, "n4.rack-b"]))
     assert created.returncode == 0, created.stdout + created.stderr
     c.wait(lambda: all(n.up_with(4) for n in [*nodes, n4]), timeout=30)
     domain_up(c, 4)
@@ -243,8 +230,9 @@ def test_a_dotted_clique_forms_takes_a_join_and_a_leave_on_nats(one: Cluster) ->
 
 @pytest.mark.timeout(240)  # form()'s bounded waits may take 60 s on 2.14
 def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) -> None:
-    """SIGKILL on 3.1.1 (no Will Delay at the broker): the will is a `lost` tombstone with
-    hold_s = will_delay_s, so peers keep the node that long, then drop it."""
+    """SIGKILL on 3.1.1 (no Will Delay at the broker): the will, the node's presence
+    marked lost, says hold_s = will_delay_s, so peers keep the node that long, then drop
+    it."""
     c = one
     nodes = form(c, NAMES)
     victim, stay = nodes[1], [nodes[0], nodes[2]]
@@ -256,8 +244,10 @@ def test_a_crashed_node_is_dropped_after_the_will_delay_on_nats(one: Cluster) ->
     gone = time.monotonic() - killed
     will_delay = float(victim.sections["bus"]["will_delay_s"])
     assert gone >= 0.75 * will_delay, f"dropped after {gone:.1f} s, before the hold"
-    record = member_records(c).get(victim.name)
-    assert record is None or record.get("state") == "lost", record
+    presence = TOPICS.presence(victim.name)
+    with c.client() as client:
+        will = json.loads(client.retained(presence)[presence])
+    assert (will["lost"], will["hold_s"]) == (True, will_delay), will
     c.wait(lambda: all(n.up_with(2) for n in stay))
     assert untouched(stay, before) == []
 

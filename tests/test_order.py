@@ -9,14 +9,13 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imexd.messages import Assignment, DomainSpec, Retry, WorkloadRecord, encode
+from imexd.messages import Assignment, DomainSpec, Retry, WorkloadRecord, encode, tombstone
 from imexd.order import (
     Order,
     Verdict,
     Version,
     first_generation,
     next_generation,
-    tombstone,
     version,
 )
 

@@ -30,6 +30,7 @@ from imexd.errors import ParseError, ProbeError
 from imexd.imex import ConnectionState, ImexDomainState, ImexState
 from imexd.process import OUTPUT_LIMIT
 from imexd.settings import DaemonSettings, ImexSettings, Settings
+from tests.support import until
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ctl"
 C = ConnectionState.CONNECTED
@@ -481,14 +482,6 @@ def _read(path: Path) -> str:
     return path.read_text().strip() if path.exists() else ""
 
 
-async def _wait_for_file(path: Path, within: float = 5.0) -> str:
-    deadline = time.monotonic() + within
-    while not _read(path):
-        assert time.monotonic() < deadline, f"{path} never written"
-        await asyncio.sleep(0.02)
-    return _read(path)
-
-
 async def test_ready_script_passes_config_and_args(tmp_path: Path) -> None:
     """The ctl is run as `<ctl> -c <config.cfg> -q` and `READY\\n` with exit 0 is ready."""
     args_file = tmp_path / "args"
@@ -559,10 +552,7 @@ async def test_hung_ctl_is_killed_with_its_group(tmp_path: Path) -> None:
     assert time.monotonic() - started < 1.5
     leader, child = int(pid_file.read_text()), int(child_file.read_text())
     assert not psutil.pid_exists(leader), "the ctl itself must be reaped, not a zombie"
-    deadline = time.monotonic() + 3
-    while not _gone(child):
-        assert time.monotonic() < deadline, "the ctl's child survived the group kill"
-        await asyncio.sleep(0.02)
+    await until(lambda: _gone(child), within=3, interval=0.02, what="the ctl's child gone")
 
 
 async def test_hung_ctl_probe_reports_instead_of_raising(tmp_path: Path) -> None:
@@ -585,7 +575,8 @@ async def test_cancelled_probe_kills_and_reaps_the_ctl_before_it_returns(tmp_pat
     pid_file = tmp_path / "pid"
     ctl = _script(tmp_path, "ctl", f"echo $$ > {pid_file}\nexec sleep 1000\n")
     task = asyncio.create_task(_prober(ctl, tmp_path).run(["-q"], timeout=30))
-    pid = int(await _wait_for_file(pid_file))
+    await until(lambda: _read(pid_file), within=5.0, interval=0.02, what=f"{pid_file} written")
+    pid = int(_read(pid_file))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

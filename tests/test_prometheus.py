@@ -41,7 +41,6 @@ from imexd.health import conditions as health
 from imexd.health.http import PATHS
 from imexd.health.metrics import Metrics
 from imexd.messages import CONDITION_TYPES
-from tests.support import IMEXD
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "imexd-rules.yaml"
@@ -669,14 +668,7 @@ def test_every_panel_shows_data_against_live_agents(tmp_path: Path) -> None:
         broken = {"imex": {"env": {"IMEXD_SIM_EXIT_AFTER_S": "0.05", "IMEXD_SIM_EXIT_CODE": "3"}}}
         n2 = cluster.add("n2", domain="d1", overrides=broken)
         cluster.wait(n1.ready, timeout=60)
-        created = subprocess.run(
-            [IMEXD, "workload", "create", "job-1", "--domain", "d1", "--nodes", "n1"],
-            env=cluster.control_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        created = cluster.imexd("workload", "create", "job-1", "--domain", "d1", "--nodes", "n1")
         assert created.returncode == 0, created.stdout + created.stderr
         cluster.wait(lambda: n2.status().get("daemon", {}).get("state") == "FATAL", timeout=60)
         scrapes: list[dict[str, float]] = []

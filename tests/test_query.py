@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,8 +20,8 @@ from imexd.health.conditions import Health, Heartbeats
 from imexd.health.http import HealthServer
 from imexd.health.metrics import Metrics
 from imexd.messages import HealthReport
+from tests.support import imexd
 
-IMEXD = str(Path(sys.executable).with_name("imexd"))
 READY = Facts(
     node="n1",
     domain="d1",
@@ -87,40 +85,21 @@ async def ready_agent() -> AsyncIterator[Endpoint]:
         yield e
 
 
-async def imexd(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """Run the installed `imexd` script; return its exit code, stdout and stderr."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
-    proc = await asyncio.create_subprocess_exec(
-        IMEXD,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**base, **(env or {})},
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 20)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 # check
 
 
 async def test_check_ready_exits_0(ready_agent: Endpoint) -> None:
     """A ready agent makes the exec probe succeed."""
-    assert await imexd("check", "--url", ready_agent.url) == (0, "ready\n", "")
+    done = await asyncio.to_thread(imexd, "check", "--url", ready_agent.url)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ready\n", "")
 
 
 async def test_check_not_ready_prints_one_line_reason() -> None:
     """An unready agent fails the probe with the failing condition on one line."""
     async with serving(CRASHING) as e:
-        code, out, _ = await imexd("check", "--url", e.url)
-    assert code == 1
-    assert out == (
+        done = await asyncio.to_thread(imexd, "check", "--url", e.url)
+    assert done.returncode == 1
+    assert done.stdout == (
         "not ready: DaemonReady=False DaemonCrashLoop: exit 3: cannot bind 127.0.0.1:50000\n"
     )
 
@@ -128,21 +107,22 @@ async def test_check_not_ready_prints_one_line_reason() -> None:
 async def test_check_live_ignores_readiness_but_not_wedged_tasks() -> None:
     """--live passes while unready, and fails naming a wedged task."""
     async with serving(CRASHING) as e:
-        assert (await imexd("check", "--live", "--url", e.url))[:2] == (0, "live\n")
+        live = await asyncio.to_thread(imexd, "check", "--live", "--url", e.url)
+        assert (live.returncode, live.stdout) == (0, "live\n")
         e.clock.t += 10
-        code, out, _ = await imexd("check", "--live", "--url", e.url)
-    assert code == 1
-    assert out == "not live: task main silent for 10.0 s (interval 1 s)\n"
+        done = await asyncio.to_thread(imexd, "check", "--live", "--url", e.url)
+    assert done.returncode == 1
+    assert done.stdout == "not live: task main silent for 10.0 s (interval 1 s)\n"
 
 
 async def test_check_unreachable_agent() -> None:
     """Nothing listening is a failed probe that names the URL."""
     url = f"http://127.0.0.1:{free_port()}"
-    code, out, _ = await imexd("check", "--url", url)
-    assert code == 1
-    assert out.startswith(f"agent unreachable at {url}: ")
-    assert "refused" in out
-    assert out.count("\n") == 1
+    done = await asyncio.to_thread(imexd, "check", "--url", url)
+    assert done.returncode == 1
+    assert done.stdout.startswith(f"agent unreachable at {url}: ")
+    assert "refused" in done.stdout
+    assert done.stdout.count("\n") == 1
 
 
 @pytest.fixture
@@ -156,23 +136,25 @@ def silent_port() -> Iterator[int]:
 
 async def test_check_times_out(silent_port: int) -> None:
     """An agent that does not answer in --timeout seconds fails the probe."""
-    code, out, _ = await imexd("check", "--timeout", "0.5", "--url", f"127.0.0.1:{silent_port}")
-    assert code == 1
-    assert out.startswith(f"agent unreachable at http://127.0.0.1:{silent_port}: ")
-    assert out.endswith(": no answer within 0.5 s\n")
+    url = f"127.0.0.1:{silent_port}"
+    done = await asyncio.to_thread(imexd, "check", "--timeout", "0.5", "--url", url)
+    assert done.returncode == 1
+    assert done.stdout.startswith(f"agent unreachable at http://127.0.0.1:{silent_port}: ")
+    assert done.stdout.endswith(": no answer within 0.5 s\n")
 
 
 async def test_check_reports_foreign_http_answers(ready_agent: Endpoint) -> None:
     """A URL that is not an imexd endpoint gives the HTTP status it got."""
-    code, out, _ = await imexd("check", "--url", ready_agent.url + "/elsewhere")
-    assert code == 1
-    assert out == f"not ready: HTTP 404 from {ready_agent.url}/elsewhere/readyz\n"
+    done = await asyncio.to_thread(imexd, "check", "--url", ready_agent.url + "/elsewhere")
+    assert done.returncode == 1
+    assert done.stdout == f"not ready: HTTP 404 from {ready_agent.url}/elsewhere/readyz\n"
 
 
 async def test_check_ignores_proxy_variables(ready_agent: Endpoint) -> None:
     """HTTP_PROXY in the environment does not redirect a probe of the local agent."""
     proxy = {"HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
-    assert (await imexd("check", "--url", ready_agent.url, env=proxy))[0] == 0
+    done = await asyncio.to_thread(imexd, "check", "--url", ready_agent.url, env=proxy)
+    assert done.returncode == 0
 
 
 async def test_check_default_url_from_settings(tmp_path: Path) -> None:
@@ -181,16 +163,17 @@ async def test_check_default_url_from_settings(tmp_path: Path) -> None:
     config = tmp_path / "imexd.toml"
     config.write_text(f'[node]\nname = "n1"\n[health]\nlisten = "0.0.0.0:{port}"\n')
     async with serving(READY, listen=f"127.0.0.1:{port}"):
-        assert await imexd("check", "--config", str(config)) == (0, "ready\n", "")
+        done = await asyncio.to_thread(imexd, "check", "--config", str(config))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ready\n", "")
 
 
 async def test_check_with_port_zero_needs_url(tmp_path: Path) -> None:
     """A listen port of 0 cannot be probed without --url: a configuration error."""
     config = tmp_path / "imexd.toml"
     config.write_text('[node]\nname = "n1"\n[health]\nlisten = "127.0.0.1:0"\n')
-    code, _, err = await imexd("check", "--config", str(config))
-    assert code == 2
-    assert "pass --url" in err
+    done = await asyncio.to_thread(imexd, "check", "--config", str(config))
+    assert done.returncode == 2
+    assert "pass --url" in done.stderr
 
 
 # status
@@ -199,40 +182,40 @@ async def test_check_with_port_zero_needs_url(tmp_path: Path) -> None:
 async def test_status_shows_the_agent_for_a_person() -> None:
     """The human view names node, domain, slot, daemon, IMEX state and each condition."""
     async with serving(CRASHING) as e:
-        code, out, _ = await imexd("status", "--url", e.url)
-    assert code == 0
-    assert "n1 (127.0.0.1)" in out
-    assert "d1, clique c0ffee.1, slot 3" in out
-    assert "FATAL, 5 restarts, last exit: exit 3" in out
+        done = await asyncio.to_thread(imexd, "status", "--url", e.url)
+    assert done.returncode == 0
+    assert "n1 (127.0.0.1)" in done.stdout
+    assert "d1, clique c0ffee.1, slot 3" in done.stdout
+    assert "FATAL, 5 restarts, last exit: exit 3" in done.stdout
     for kind in ("BusConnected", "SlotSettled", "DaemonReady", "DomainUp", "FabricReady"):
-        assert kind in out
-    assert "DaemonCrashLoop  exit 3: cannot bind 127.0.0.1:50000" in out
+        assert kind in done.stdout
+    assert "DaemonCrashLoop  exit 3: cannot bind 127.0.0.1:50000" in done.stdout
 
 
 async def test_status_json_is_the_health_report(ready_agent: Endpoint) -> None:
     """--json prints the HealthReport, which decodes strictly."""
-    code, out, _ = await imexd("status", "--json", "--url", ready_agent.url)
-    assert code == 0
-    rep = msgspec.convert(json.loads(out), HealthReport)
+    done = await asyncio.to_thread(imexd, "status", "--json", "--url", ready_agent.url)
+    assert done.returncode == 0
+    rep = msgspec.convert(json.loads(done.stdout), HealthReport)
     assert (rep.node, rep.slot, rep.ready, rep.daemon.imex_status) == ("n1", 3, True, "READY")
 
 
 async def test_status_unreachable_agent() -> None:
     """status fails with exit 1 and says where it looked."""
     url = f"http://127.0.0.1:{free_port()}"
-    code, out, err = await imexd("status", "--url", url)
-    assert (code, out) == (1, "")
-    assert err.startswith(f"agent unreachable at {url}: ")
+    done = await asyncio.to_thread(imexd, "status", "--url", url)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(f"agent unreachable at {url}: ")
 
 
 async def test_status_says_unknown_not_up_while_the_bus_is_down() -> None:
     """With the broker gone, `imexd status` shows the domain as UNKNOWN (BusDown), never UP."""
     down = replace(READY, bus=BusFacts(broker="mqtt://127.0.0.1:1", last_error="refused"))
     async with serving(down) as e:
-        code, out, _ = await imexd("status", "--url", e.url)
-    assert code == 0
-    assert "domain state  UNKNOWN (BusDown)" in out
-    assert "UP" not in out.split("conditions:")[0]
+        done = await asyncio.to_thread(imexd, "status", "--url", e.url)
+    assert done.returncode == 0
+    assert "domain state  UNKNOWN (BusDown)" in done.stdout
+    assert "UP" not in done.stdout.split("conditions:")[0]
 
 
 def test_status_lists_each_workload_channel() -> None:

@@ -7,6 +7,8 @@ import contextlib
 from pathlib import Path
 from typing import Literal
 
+from structlog.testing import capture_logs
+
 from imexd.agent.rebuild import TASK, Rebuilder
 from imexd.agent.statefile import RecordFile
 from imexd.bus.events import Connected, Event, Synced
@@ -26,6 +28,7 @@ from imexd.messages import (
     encode,
 )
 from imexd.topics import Topics
+from tests.support import until
 
 T = Topics("imex/v2")
 NODE = "n1"
@@ -199,9 +202,10 @@ def test_claims_and_retry_requests_are_never_given_back() -> None:
 
 
 class FakeBus:
-    """Records what the rebuilder publishes."""
+    """Records what the rebuilder publishes; gives nothing back."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, echo_timeout_s: float = 5.0) -> None:
+        self.echo_timeout_s = echo_timeout_s
         self.put: list[tuple[str, bytes, float | None]] = []
         self.subscribed: list[str] = []
         self.dropped: list[str] = []
@@ -259,3 +263,32 @@ async def test_the_task_publishes_verbatim_a_tombstone_with_its_expiry() -> None
     assert bus.subscribed == [T.domain_filter("d1")]
     text = metrics.render().decode()
     assert 'imexd_broker_records_restored_total{kind="spec"} 1.0' in text
+
+
+async def test_a_give_back_not_echoed_within_the_bus_echo_timeout_is_counted() -> None:
+    """A record given back that the broker does not deliver back within the bus's own echo
+    timeout (the wait after which the bus counts our records refused) is counted and
+    logged as unconfirmed."""
+    with capture_logs() as logs:
+        r = rebuilder()
+        linked(r, spec(9))
+        r.on_event(spec(8))  # an older copy: spec 9 is given back
+        bus = FakeBus(echo_timeout_s=0.05)
+        guard = Guard(Heartbeats(), Metrics(), get_logger("test"))
+        guard.heartbeats.register(TASK, 1.0)
+        task = asyncio.create_task(r.run(bus, guard))
+        try:
+            await until(  # well below the shipped 5 s
+                lambda: [e for e in logs if e["event"] == "rebuild.unconfirmed"],
+                within=2.0,
+                interval=0.01,
+            )
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    [unconfirmed] = [e for e in logs if e["event"] == "rebuild.unconfirmed"]
+    assert unconfirmed["topics"] == [T.spec("d1")]
+    assert [topic for topic, _, _ in bus.put] == [T.spec("d1")]
+    text = r.metrics.render().decode()
+    assert "imexd_broker_restores_unconfirmed_total 1.0" in text

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from imexd.demo.brokers import Mosquitto
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, Node, checked, pids, untouched
-from tests.support import IMEXD, during, wait_for
+from tests.support import during, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +33,6 @@ WATCH_S = 4.0
 """How long a wrong reaction gets to show (reconcile, reload window, probes)."""
 CHANNELS: dict[str, dict[str, Any]] = {"channels": {"simulate": True}}
 """A stand-in channel file where the agent may not mknod (the test may run unprivileged)."""
-
-
-def imexd(c: Cluster, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """`imexd ARGS` as the control plane: no settings file, the fleet's settings in env."""
-    return subprocess.run(
-        [IMEXD, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=c.control_env(),
-        check=False,
-    )
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -75,11 +63,11 @@ def test_a_replayed_older_spec_changes_nothing_and_the_newer_goes_back(c: Cluste
     the broker serves generation 2 again."""
     nodes = [c.add(name, domain=None, overrides=CHANNELS) for name in ("n1", "n2", "n3")]
     c.wait(c.all_ready, timeout=WAIT_S, what="idle nodes ready")
-    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2"))
+    ok(c.imexd("domain", "create", "d1", "--nodes", "n1,n2"))
     with c.client() as client:
         first = client.retained(T.spec("d1"))[T.spec("d1")]
-    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
+    ok(c.imexd("domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
+    ok(c.imexd("workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
     newest = generation(c, T.spec("d1"))
     before = pids(nodes)
     assert channel(nodes[2], 1).exists()
@@ -99,7 +87,7 @@ def test_a_replayed_older_spec_changes_nothing_and_the_newer_goes_back(c: Cluste
 
     assert during(WATCH_S, changed) == []
     assert nodes[2].dropped().get("stale", 0) >= 1
-    assert "3 of 3 members ready" in ok(imexd(c, "domain", "status", "d1", "--wait", "5"))
+    assert "3 of 3 members ready" in ok(c.imexd("domain", "status", "d1", "--wait", "5"))
 
 
 def test_a_domain_deleted_while_a_node_was_frozen_stays_deleted(c: Cluster) -> None:
@@ -112,17 +100,17 @@ def test_a_domain_deleted_while_a_node_was_frozen_stays_deleted(c: Cluster) -> N
     n3 = c.add("n3", domain=None, overrides=frozen_settings)
     nodes.append(n3)
     c.wait(c.all_ready, timeout=WAIT_S, what="idle nodes ready")
-    ok(imexd(c, "domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
+    ok(c.imexd("domain", "create", "d1", "--nodes", "n1,n2,n3", "--wait", str(WAIT_S)))
+    ok(c.imexd("workload", "create", "job-a", "--domain", "d1", "--wait", str(WAIT_S)))
     assert n3.daemon_pid() is not None
     n3.signal(signal.SIGSTOP)
     try:
         c.wait(
-            lambda: (served(c, T.member("d1", "c1", "n3")) or {}).get("state") == "lost",
+            lambda: (served(c, T.presence("n3")) or {}).get("lost") is True,
             timeout=WAIT_S,
             what="the broker ended n3's link: its will is on the bus",
         )
-        ok(imexd(c, "domain", "delete", "d1", "--timeout", "40"))
+        ok(c.imexd("domain", "delete", "d1", "--timeout", "40"))
         assert (served(c, T.spec("d1")) or {}).get("state") == "deleted"
         c.broker.stop()
         c.broker.start()
@@ -148,7 +136,7 @@ def test_a_domain_deleted_while_a_node_was_frozen_stays_deleted(c: Cluster) -> N
         return "; ".join(back) or None
 
     assert during(WATCH_S, resurrected) == []
-    listed = ok(imexd(c, "domain", "list"))
+    listed = ok(c.imexd("domain", "list"))
     assert "d1" not in listed.split(), listed
     assert not channel(n3, 1).exists()
 
@@ -176,23 +164,23 @@ def test_a_standby_restored_from_an_older_snapshot_is_healed(persistent: Cluster
     c.wait(c.all_ready, timeout=2 * WAIT_S, what="idle nodes ready")
     per = min(8, (len(names) - 1) // 2)  # a domain holds at most max_nodes (8) members
     a, b = names[:per], names[per : 2 * per]
-    ok(imexd(c, "domain", "create", "da", "--nodes", ",".join(a), "--wait", str(2 * WAIT_S)))
-    ok(imexd(c, "domain", "create", "db", "--nodes", ",".join(b), "--wait", str(2 * WAIT_S)))
-    ok(imexd(c, "domain", "create", "dc", "--nodes", names[-1], "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "job-a", "--domain", "da", "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "job-b", "--domain", "db", "--wait", str(WAIT_S)))
-    ok(imexd(c, "workload", "create", "gone", "--domain", "db", "--wait", str(WAIT_S)))
+    ok(c.imexd("domain", "create", "da", "--nodes", ",".join(a), "--wait", str(2 * WAIT_S)))
+    ok(c.imexd("domain", "create", "db", "--nodes", ",".join(b), "--wait", str(2 * WAIT_S)))
+    ok(c.imexd("domain", "create", "dc", "--nodes", names[-1], "--wait", str(WAIT_S)))
+    ok(c.imexd("workload", "create", "job-a", "--domain", "da", "--wait", str(WAIT_S)))
+    ok(c.imexd("workload", "create", "job-b", "--domain", "db", "--wait", str(WAIT_S)))
+    ok(c.imexd("workload", "create", "gone", "--domain", "db", "--wait", str(WAIT_S)))
     broker = c.broker
     assert isinstance(broker, Mosquitto)
     broker.stop()  # Mosquitto writes its state at exit
     snapshot = broker.workdir / "older.db"
     shutil.copy(broker.workdir / "mosquitto.db", snapshot)
     broker.start()
-    ok(imexd(c, "domain", "status", "da", "--wait", str(WAIT_S)))
+    ok(c.imexd("domain", "status", "da", "--wait", str(WAIT_S)))
     # Newer than the snapshot: an update, a deleted workload, a deleted domain.
-    ok(imexd(c, "domain", "create", "da", "--nodes", ",".join(a)))
-    ok(imexd(c, "workload", "delete", "gone", "--wait", str(WAIT_S)))
-    ok(imexd(c, "domain", "delete", "dc", "--timeout", str(WAIT_S)))
+    ok(c.imexd("domain", "create", "da", "--nodes", ",".join(a)))
+    ok(c.imexd("workload", "delete", "gone", "--wait", str(WAIT_S)))
+    ok(c.imexd("domain", "delete", "dc", "--timeout", str(WAIT_S)))
     topics = [
         T.spec("da"),
         T.spec("db"),
@@ -220,11 +208,11 @@ def test_a_standby_restored_from_an_older_snapshot_is_healed(persistent: Cluster
     assert untouched(running, before) == []
     assert nodes[-1].daemon_pid() is None
     for domain in ("da", "db"):
-        ok(imexd(c, "domain", "status", domain, "--wait", str(WAIT_S)))
+        ok(c.imexd("domain", "status", domain, "--wait", str(WAIT_S)))
     assert during(WATCH_S, lambda: "; ".join(untouched(running, before)) or None) == []
     wait_for(
-        lambda: "dc" not in imexd(c, "domain", "list").stdout.split(),
+        lambda: "dc" not in c.imexd("domain", "list").stdout.split(),
         timeout=WAIT_S,
         what="domain list without the deleted dc (its member's stale record cleared)",
-        seen=lambda: imexd(c, "domain", "list").stdout,
+        seen=lambda: c.imexd("domain", "list").stdout,
     )

@@ -21,7 +21,7 @@ import gc
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,16 +33,16 @@ from imexd.bus.link import Bus
 from imexd.bus.mqtt import Client, connect
 from imexd.bus.repairs import RESYNC_SETTLE_S, SUBSCRIBE_RETRIES, refusal_waits
 from imexd.control.link import Link
-from imexd.demo.brokers import Mosquitto
 from imexd.errors import BusError
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, encode
 from imexd.settings import BusSettings, parse_broker_url
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, pids, quiet, untouched
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import FaultProxy, NoRetained
 from tests.nats_servers import NatsCluster, find_nats_server
+from tests.support import until
 from tests.test_bus import fast_settings
-from tests.test_session import NoRetainedRelay
 
 TOPICS = Topics("imex/v2")
 CLIQUE = "b3c1d2e4-0000-4000-8000-00000000beef.7"
@@ -112,13 +112,6 @@ class View:
 
     def stop(self) -> None:
         self._task.cancel()
-
-
-async def until_at_least(count: Callable[[], int], wanted: int, within: float) -> None:
-    """Until the bus counter read by `count` reaches `wanted`."""
-    async with asyncio.timeout(within):
-        while count() < wanted:  # noqa: ASYNC110 - a plain counter of the bus: no event
-            await asyncio.sleep(0.05)
 
 
 async def client_of(url: str, attempts: int = 3) -> Client:
@@ -198,14 +191,15 @@ async def test_a_reread_corrects_a_view_that_lost_updates_and_emits_nothing_else
         bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=True)
         bus._dispatch(topic("n4"), encode(record("n4", 2)), retained=True)
         bus._dispatch(topic("n3"), b"", retained=True)
-        await until_at_least(lambda: bus.resync_corrections, 3, within=10)
+        await until(lambda: bus.resync_corrections >= 3, within=10)
         await view.until(current, within=5)
         corrected = bus.resync_corrections
         assert corrected == 3
         deleted = [e.topic for e in view.events if isinstance(e, Deleted)]
         assert deleted == [topic("n3"), topic("n4")], "the injected clear, then n4's"
         before = len(view.events)
-        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        wanted = bus.resyncs + 2
+        await until(lambda: bus.resyncs >= wanted, within=10)
         assert view.records == current
         assert bus.resync_corrections == corrected, "a later re-read corrected again"
         later = [e for e in view.events[before:] if isinstance(e, Received | Deleted)]
@@ -227,7 +221,8 @@ async def test_an_empty_reread_deletes_nothing(broker: Mosquitto) -> None:
         held = {topic(n): encode(record(n, i)) for i, n in enumerate(["n2", "n4"])}
         for t, payload in held.items():
             bus._dispatch(t, payload, retained=True)  # records the broker does not hold
-        await until_at_least(lambda: bus.resyncs, bus.resyncs + 2, within=10)
+        wanted = bus.resyncs + 2
+        await until(lambda: bus.resyncs >= wanted, within=10)
         assert view.records == held
         assert bus.resync_corrections == 0
         view.stop()
@@ -249,7 +244,7 @@ async def test_a_reread_publishes_our_own_record_again_when_the_broker_lost_it(
         peer = await client_of(broker.url)
         await peer.publish(topic("n1"), b"", retain=True)
         await peer.close(2.0)
-        await until_at_least(lambda: bus.resync_corrections + bus.put_back, 1, within=10)
+        await until(lambda: bus.resync_corrections + bus.put_back >= 1, within=10)
         await view.until({topic("n1"): encode(mine)}, within=10)
         assert any(isinstance(e, Deleted) and e.topic == topic("n1") for e in view.events)
         view.stop()
@@ -363,7 +358,7 @@ async def test_a_reread_follows_each_burst_of_changes_on_a_repaired_link(
         # The lost update: n2's older claim stands in the view (delivered live, as a
         # later update that never arrived leaves it); a burst of changes ends here.
         bus._dispatch(topic("n2"), encode(record("n2", 3)), retained=False)
-        await until_at_least(lambda: bus.resync_corrections, 1, within=5)
+        await until(lambda: bus.resync_corrections >= 1, within=5)
         assert view.records[topic("n2")] == current[topic("n2")]
         resyncs = bus.resyncs
         await asyncio.sleep(RESYNC_SETTLE_S + 1.0)
@@ -389,12 +384,12 @@ async def test_every_burst_is_read_again_without_a_quiet_time(
         await view.until({topic("n2"): later}, within=5)
         # The lost update: n2's earlier claim stands in the view (delivered live).
         bus._dispatch(topic("n2"), encode(record("n2", 4, seq=1)), retained=False)
-        await until_at_least(lambda: bus.resync_corrections, 1, within=RESYNC_SETTLE_S + 4)
+        await until(lambda: bus.resync_corrections >= 1, within=RESYNC_SETTLE_S + 4)
         assert view.records[topic("n2")] == later
         # A burst with a record without an order (seq 0: an agent that predates it) too.
         resyncs = bus.resyncs
         bus._dispatch(topic("n3"), encode(record("n3", 5)), retained=False)
-        await until_at_least(lambda: bus.resyncs, resyncs + 1, within=RESYNC_SETTLE_S + 4)
+        await until(lambda: bus.resyncs >= resyncs + 1, within=RESYNC_SETTLE_S + 4)
         view.stop()
     await peer.close(2.0)
 
@@ -445,7 +440,7 @@ async def test_a_burst_that_never_ends_still_gets_its_reread(broker: Mosquitto) 
 
 
 class ServerThatLost:
-    """The drop rule of a `NoRetainedRelay` standing for a server of a cluster that lost
+    """The drop rule of a `NoRetained` proxy standing for a server of a cluster that lost
     `topic`'s record: its retained copies never come, and neither does its first live
     update; later live updates pass (`live_updates` counts them all)."""
 
@@ -463,7 +458,7 @@ class ServerThatLost:
 
 
 @contextlib.asynccontextmanager
-async def reader_behind(server: NoRetainedRelay) -> AsyncIterator[View]:
+async def reader_behind(server: FaultProxy) -> AsyncIterator[View]:
     """The view of n2, a repaired link through `server`, synced on FILTER."""
     s = settings(server.url, resync_interval_s=600.0)
     async with Bus(s, node="n2", client_id="imexd-n2", timeout_s=2.0) as reader:
@@ -490,12 +485,16 @@ async def test_a_periodic_reread_publishes_our_records_again_for_a_server_that_l
     mine = encode(record("n1", 0, MemberState.MEMBER))
     lost = ServerThatLost(topic("n1"))
     s = settings(broker.url, resync_interval_s=0.5)
-    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
-        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer:
+    withheld = NoRetained(lost)
+    with FaultProxy(broker.host, broker.port, rule=withheld) as server:
+        async with (
+            reader_behind(server) as view,
+            Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as writer,
+        ):
             await writer.subscribe(FILTER)
             await writer.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
             await view.until({topic("n1"): mine}, within=10)
-            assert server.dropped >= 1
+            assert withheld.dropped >= 1
             assert lost.live_updates >= 2
             assert writer.resync_corrections == 0, "the writer's server held it all along"
 
@@ -508,19 +507,20 @@ async def test_changes_that_never_pause_do_not_put_off_the_refresh(broker: Mosqu
     mine = encode(record("n1", 0, MemberState.MEMBER))
     s = settings(broker.url, resync_interval_s=2.0)
     lost = ServerThatLost(topic("n1"))
-    async with NoRetainedRelay(broker.port, lost) as server, reader_behind(server) as view:
-        peer = await client_of(broker.url)
-        async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as w:
-            await w.subscribe(FILTER)
-            await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
-            began = time.monotonic()
-            slot = 0
-            while view.records.get(topic("n1")) != mine:
-                assert time.monotonic() - began < 12.0, "our record never came again"
-                slot += 1
-                await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
-                await asyncio.sleep(1.3)
-        await peer.close(2.0)
+    with FaultProxy(broker.host, broker.port, rule=NoRetained(lost)) as server:
+        async with reader_behind(server) as view:
+            peer = await client_of(broker.url)
+            async with Bus(s, node="n1", client_id="imexd-n1", timeout_s=2.0) as w:
+                await w.subscribe(FILTER)
+                await w.retain(topic("n1"), record("n1", 0, MemberState.MEMBER))
+                began = time.monotonic()
+                slot = 0
+                while view.records.get(topic("n1")) != mine:
+                    assert time.monotonic() - began < 12.0, "our record never came again"
+                    slot += 1
+                    await peer.publish(topic("n3"), encode(record("n3", slot)), retain=True)
+                    await asyncio.sleep(1.3)
+            await peer.close(2.0)
 
 
 async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: Mosquitto) -> None:
@@ -537,7 +537,7 @@ async def test_a_live_message_that_repeats_the_record_brings_no_reread(broker: M
             await view.synced.wait()
         await peer.publish(topic("n2"), current, retain=True)
         await view.until({topic("n2"): current}, within=5)
-        await until_at_least(lambda: bus.resyncs, 1, within=5)  # the burst's re-read
+        await until(lambda: bus.resyncs >= 1, within=5)  # the burst's re-read
         resyncs = bus.resyncs
         await peer.publish(topic("n2"), current, retain=True)
         await asyncio.sleep(0.2 + RESYNC_SETTLE_S + 1.0)

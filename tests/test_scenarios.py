@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from imexd.agent.run import EXIT_HANDOVER
-from imexd.messages import DomainSpec, MemberRecord, MemberState, encode
+from imexd.messages import DomainSpec, MemberRecord, MemberState, Presence, encode
 from tests.cluster import Cluster, Node, members, pids, quiet, slot_of
 
 pytestmark = pytest.mark.slow
@@ -85,10 +85,11 @@ def test_a_joining_agent_makes_the_others_reload_not_restart(c: Cluster) -> None
     assert n5.daemon_starts() == 1
     assert n5.reloads() == []
     for n in [*nodes, n5]:
-        # A configured domain: the will rides on the first CONNECT, no second connect.
+        # The will is the node's presence: it rides on the first CONNECT, and no join
+        # connects again.
         connects = n.log_events("bus_connected")
         assert len(connects) == 1, (n.name, connects)
-        assert connects[0]["will"] == MEMBERS + n.name, n.name
+        assert connects[0]["will"] == f"imex/v2/nodes/{n.name}/presence", n.name
 
 
 def test_a_graceful_leave_frees_the_slot_without_restarts(c: Cluster) -> None:
@@ -109,8 +110,9 @@ def test_a_graceful_leave_frees_the_slot_without_restarts(c: Cluster) -> None:
 
 
 def test_a_crashed_node_is_dropped_after_the_will_delay(c: Cluster) -> None:
-    """SIGKILL: after its delay the will replaces the record with a lost tombstone (hold 0:
-    this Mosquitto applied the Will Delay) and peers map the sentinel."""
+    """SIGKILL: after its delay the will, the node's presence marked lost (hold 0: this
+    Mosquitto applied the Will Delay), ends its record, which stays as it wrote it, and
+    peers map the sentinel."""
     nodes = form(c, 4)
     victim, stay = nodes[3], nodes[:3]
     slot = slot_of(victim)
@@ -121,9 +123,12 @@ def test_a_crashed_node_is_dropped_after_the_will_delay(c: Cluster) -> None:
     gone = time.monotonic() - killed
     assert gone >= 1.5, f"the slot was freed after {gone:.1f} s, before the will delay"
     with c.client() as client:
-        tombstone = client.retained(MEMBERS + "+")[MEMBERS + victim.name]
-    lost = msgspec.json.decode(tombstone, type=MemberRecord)
-    assert (lost.state, lost.slot, lost.hold_s) == (MemberState.LOST, None, 0.0)
+        record = client.retained(MEMBERS + "+")[MEMBERS + victim.name]
+        will = client.retained(f"imex/v2/nodes/{victim.name}/presence")
+    written = msgspec.json.decode(record, type=MemberRecord)
+    lost = msgspec.json.decode(will[f"imex/v2/nodes/{victim.name}/presence"], type=Presence)
+    assert (lost.lost, lost.hold_s, lost.incarnation) == (True, 0.0, written.incarnation)
+    assert lost.link >= written.link
     c.wait(lambda: all(n.up_with(3) for n in stay))
     assert_untouched(stay, before)
 

@@ -2,8 +2,9 @@
 MQTT 5 session, the lost tombstone and the peers' hold, the retained-wildcard check.
 
 A link is cut without DISCONNECT by a fault proxy (tests/faultproxy.py); a broker that
-keeps retained messages from wildcard subscriptions is a small MQTT-aware relay in front
-of a real Mosquitto (`NoRetainedRelay`). Every wait is bounded; loopback only.
+keeps retained messages from wildcard subscriptions is the same proxy in front of a real
+Mosquitto, with a rule that withholds them (`NoRetained`). Every wait is bounded;
+loopback only.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiomqtt
@@ -22,12 +22,11 @@ import pytest
 
 from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Synced, WillSpec
 from imexd.bus.link import Bus
-from imexd.demo.brokers import Mosquitto, free_port
 from imexd.messages import Deleted, MemberRecord, MemberState, Received, to_builtins
 from imexd.settings import BusSettings
+from tests.brokers import Mosquitto
 from tests.cluster import Cluster, Node, formed, members, pids, quiet, slot_of
-from tests.faultproxy import FaultProxy
-from tests.support import loopback_address
+from tests.faultproxy import FaultProxy, NoRetained
 from tests.test_bus import MEMBERS, TOPICS, bus_for, fast_settings, next_event, no_event
 
 DOMAIN, CLIQUE = "d1", ""
@@ -343,135 +342,6 @@ async def test_the_retained_check_brings_back_our_record_alone(broker: Mosquitto
         await bus.close()
 
 
-def _filters(body: bytes, *, v5: bool) -> list[str]:
-    """The topic filters of a SUBSCRIBE packet's body (after the fixed header)."""
-    rest = body[2:]  # the packet id
-    if v5:  # the properties: a variable byte integer length, then that many bytes
-        length, i, multiplier = 0, 0, 1
-        while True:
-            length += (rest[i] & 0x7F) * multiplier
-            multiplier *= 128
-            i += 1
-            if not rest[i - 1] & 0x80:
-                break
-        rest = rest[i + length :]
-    found = []
-    while len(rest) >= 3:
-        size = int.from_bytes(rest[:2], "big")
-        found.append(rest[2 : 2 + size].decode(errors="replace"))
-        rest = rest[2 + size + 1 :]  # the filter, then its options byte
-    return found
-
-
-def retained_copies(_topic: str, retained: bool) -> bool:
-    """`NoRetainedRelay`'s default: drop every retained PUBLISH, pass every live one."""
-    return retained
-
-
-class NoRetainedRelay:
-    """An MQTT-aware relay in front of a real broker that never delivers retained
-    messages: every PUBLISH from the broker with the retain flag is dropped (and, at QoS
-    1, acknowledged to the broker on the client's behalf). Live messages pass. With
-    `dropping` set False, it passes retained messages too (a broker that was only slow).
-    `drop(topic, retained)` says which PUBLISHes it drops instead (a server that lost
-    one record). With `wildcards_only` it passes the retained copies that follow a
-    SUBSCRIBE of topics without a wildcard, as RabbitMQ's MQTT plugin (3.10) serves them;
-    without, it is a server that serves no retained record at all (a NATS cluster's server
-    whose retained feed died with another server, docs/brokers.md)."""
-
-    def __init__(
-        self,
-        target_port: int,
-        drop: Callable[[str, bool], bool] = retained_copies,
-        *,
-        wildcards_only: bool = False,
-    ) -> None:
-        self.target_port = target_port
-        self._drop = drop
-        self.wildcards_only = wildcards_only
-        self._exact = False
-        """The last SUBSCRIBE named its topics without a wildcard."""
-        self._v5 = False
-        self.host = loopback_address()
-        self.port = free_port(self.host)
-        self.dropped = 0
-        self.dropping = True
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
-
-    async def __aenter__(self) -> NoRetainedRelay:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-        pumps = [
-            asyncio.create_task(self._pump(client_r, up_w, None)),
-            asyncio.create_task(self._pump(up_r, client_w, up_w)),
-        ]
-        self._tasks.update(pumps)
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in pumps:
-                task.cancel()
-                self._tasks.discard(task)
-            client_w.close()
-            up_w.close()
-
-    async def _pump(
-        self,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
-        ack_to: asyncio.StreamWriter | None,
-    ) -> None:
-        """Forward whole packets; on the way down (`ack_to` set) drop retained PUBLISHes."""
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                head = await src.readexactly(1)
-                length, multiplier, raw_length = 0, 1, b""
-                while True:
-                    byte = await src.readexactly(1)
-                    raw_length += byte
-                    length += (byte[0] & 0x7F) * multiplier
-                    multiplier *= 128
-                    if not byte[0] & 0x80:
-                        break
-                body = await src.readexactly(length)
-                kind, flags = head[0] >> 4, head[0] & 0x0F
-                if kind == 1:  # CONNECT: "MQTT" and the protocol level (5: MQTT 5)
-                    self._v5 = body[6] == 5
-                if kind == 8:
-                    filters = _filters(body, v5=self._v5)
-                    self._exact = all("+" not in f and "#" not in f for f in filters)
-                topic_length = int.from_bytes(body[:2], "big")
-                if (
-                    self.dropping
-                    and ack_to is not None
-                    and kind == 3
-                    and not (self.wildcards_only and self._exact)
-                    and self._drop(body[2 : 2 + topic_length].decode(), bool(flags & 0x01))
-                ):
-                    self.dropped += 1
-                    if (flags >> 1) & 0x03:
-                        packet_id = body[2 + topic_length : 4 + topic_length]
-                        ack_to.write(b"\x40\x02" + packet_id)
-                    continue
-                dst.write(head + raw_length + body)
-                await dst.drain()
-
-
 async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_again(
     broker: Mosquitto,
 ) -> None:
@@ -480,7 +350,8 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
     is no longer synced, and on the next link no Synced comes while the check fails. It
     serves our record to a subscription of its own topic (as RabbitMQ's plugin does): the
     failure is BrokerNoRetainedWildcard, not BrokerRetainedNotServed."""
-    async with NoRetainedRelay(broker.port, wildcards_only=True) as relay:
+    withheld = NoRetained(wildcards_only=True)
+    with FaultProxy(broker.host, broker.port, rule=withheld) as relay:
         bus = await agent_bus(fast_settings(relay.url))
         try:
             checked = await next_event(bus, BrokerChecked)
@@ -490,7 +361,7 @@ async def test_a_broker_without_retained_wildcards_is_reported_and_never_synced_
             assert "wildcard subscriptions" in checked.detail
             assert not bus.retained_not_served
             assert bus.synced_at is None
-            assert relay.dropped > 0
+            assert withheld.dropped > 0
             bus._kill(bus._client, "test: drop the link")  # type: ignore[arg-type]
             await next_event(bus, Connected)
             again = await next_event(bus, BrokerChecked, within=5)
@@ -511,13 +382,14 @@ async def test_a_failed_check_is_asked_again_on_a_repaired_link(broker: Mosquitt
     synced again on that link (its peers lacked it for good). On a repaired link a failed
     check is asked again, with backoff: once the broker delivers, the link passes and is
     synced without a reconnect."""
-    async with NoRetainedRelay(broker.port) as relay:
+    withheld = NoRetained()
+    with FaultProxy(broker.host, broker.port, rule=withheld) as relay:
         bus = await agent_bus(fast_settings(relay.url, **NATS_LIKE))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
             assert bus.synced_at is None
-            relay.dropping = False
+            withheld.dropping = False
             seen: list[Event] = []
             again = await next_event(bus, BrokerChecked, lambda e: e.ok, within=5, seen=seen)
             assert again.ok
@@ -537,7 +409,8 @@ async def test_a_repaired_link_whose_check_keeps_failing_moves_to_the_next_broke
     killed one, docs/brokers.md, which the failure's detail names). After the
     refused-subscription rule's retries (`refusal_waits`) the link is dropped for the next
     broker, and the check passes there."""
-    async with NoRetainedRelay(broker.port) as relay:
+    withheld = NoRetained()
+    with FaultProxy(broker.host, broker.port, rule=withheld) as relay:
         bus = await agent_bus(fast_settings(relay.url, broker.url, **NATS_LIKE))
         try:
             checked = await next_event(bus, BrokerChecked)
@@ -562,13 +435,14 @@ async def test_a_failed_check_on_a_link_without_repairs_stands_until_the_next_co
 ) -> None:
     """Elsewhere (RabbitMQ's plugin fails every time) the check is not asked again on the
     link: one verdict, no link dropped for it."""
-    async with NoRetainedRelay(broker.port, wildcards_only=True) as relay:
+    withheld = NoRetained(wildcards_only=True)
+    with FaultProxy(broker.host, broker.port, rule=withheld) as relay:
         bus = await agent_bus(fast_settings(relay.url, broker="mosquitto"))
         try:
             checked = await next_event(bus, BrokerChecked)
             assert not checked.ok
             assert not bus.retained_not_served
-            relay.dropping = False
+            withheld.dropping = False
             await no_event(bus, BrokerChecked, lambda _: True, 2.0)
             await no_event(bus, Disconnected, lambda _: True, 0.1)
             assert bus.synced_at is None
@@ -605,9 +479,9 @@ def form_311(c: Cluster, *, proxied: str = "") -> list[Node]:
 def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr1(
     c: Cluster,
 ) -> None:
-    """SIGKILL on 3.1.1: the broker publishes the tombstone at once; the peers keep the
-    node's slot in their hosts and nodes files for will_delay_s, then drop it with one
-    SIGUSR1 each, and their daemons keep running."""
+    """SIGKILL on 3.1.1: the broker publishes the will (the node's presence marked lost)
+    at once; the peers keep the node's slot in their hosts and nodes files for
+    will_delay_s, then drop it with one SIGUSR1 each, and their daemons keep running."""
     nodes = form_311(c)
     victim, stay = nodes[2], nodes[:2]
     slot = slot_of(victim)
@@ -616,16 +490,14 @@ def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr
     reloads = {n.name: len(n.reloads()) for n in stay}
     killed = time.monotonic()
     victim.crash()
+    presence = TOPICS.presence(victim.name)
     with c.client() as client:
         c.wait(
-            lambda: (
-                b'"lost"'
-                in client.retained(cluster_member(victim)).get(cluster_member(victim), b"")
-            ),
+            lambda: b'"lost":true' in client.retained(presence).get(presence, b""),
             timeout=3,
         )
-        record = json.loads(client.retained(cluster_member(victim))[cluster_member(victim)])
-    assert (record["state"], record["hold_s"], record["slot"]) == ("lost", HOLD_S, None)
+        will = json.loads(client.retained(presence)[presence])
+    assert (will["lost"], will["hold_s"]) == (True, HOLD_S)
     time.sleep(max(0.0, killed + HOLD_S - 1.0 - time.monotonic()))
     held = {n.name: files(n) for n in stay}
     assert held == kept, "a peer changed its files within the hold"
@@ -641,8 +513,9 @@ def test_on_311_a_killed_agent_is_held_by_its_peers_then_dropped_with_one_sigusr
 
 @pytest.mark.slow
 def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Cluster) -> None:
-    """n3's link is cut and back within will_delay_s on 3.1.1: its tombstone came, but its
-    record came back in time, so no peer sends SIGUSR1 or rewrites a file."""
+    """n3's link is cut and back within will_delay_s on 3.1.1: its will came, but its
+    record (of a later link) came back in time, so no peer sends SIGUSR1 or rewrites a
+    file."""
     nodes = form_311(c, proxied="n3")
     victim, stay = nodes[2], nodes[:2]
     assert victim.proxy is not None
@@ -651,36 +524,22 @@ def test_on_311_a_link_blip_within_the_hold_changes_nothing_on_the_peers(c: Clus
     before = pids(nodes)
     with c.client() as watch:
         watch.record(cluster_member(victim))
+        watch.record(TOPICS.presence(victim.name))
         victim.proxy.cut()
-        c.wait(lambda: any(b'"lost"' in p for _, p in watch.seen()), timeout=5)
+        c.wait(lambda: any(b'"lost":true' in p for _, p in watch.seen()), timeout=5)
         time.sleep(0.5)
         victim.proxy.heal()
         c.wait(lambda: victim.condition("BusConnected").get("status") == "True", timeout=10)
         time.sleep(HOLD_S + 1.0)
-        last = json.loads(watch.seen()[-1][1])
+        seen = watch.seen()
+    last = json.loads([p for t, p in seen if t == cluster_member(victim)][-1])
     assert last["state"] == "member"
+    back = json.loads([p for t, p in seen if t == TOPICS.presence(victim.name)][-1])
+    assert back["lost"] is False
     assert {n.name: files(n) for n in stay} == kept
     assert {n.name: n.signals() for n in stay} == signals
     assert pids(nodes) == before
     c.wait(lambda: all(n.up_with(3) for n in nodes), timeout=15)
-
-
-@contextlib.contextmanager
-def no_retained_relay(port: int, *, wildcards_only: bool) -> Iterator[NoRetainedRelay]:
-    """A `NoRetainedRelay` to the broker on `port`, served by a thread of its own (for
-    tests that drive agent processes synchronously)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="no-retained-relay", daemon=True)
-    thread.start()
-    relay = NoRetainedRelay(port, wildcards_only=wildcards_only)
-    try:
-        asyncio.run_coroutine_threadsafe(relay.__aenter__(), loop).result(5)
-        yield relay
-    finally:
-        asyncio.run_coroutine_threadsafe(relay.__aexit__(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 @pytest.mark.slow
@@ -697,7 +556,8 @@ def test_an_agent_on_a_broker_without_retained_wildcards_says_so_and_never_settl
     plugin) and BrokerRetainedNotServed where it serves it nowhere (a NATS server whose
     retained feed died); its slot never settles while that holds."""
     assert isinstance(c.broker, Mosquitto)
-    with no_retained_relay(c.broker.port, wildcards_only=wildcards_only) as relay:
+    withheld = NoRetained(wildcards_only=wildcards_only)
+    with FaultProxy(c.broker.host, c.broker.port, rule=withheld) as relay:
         node = c.add("n1", bus_url=relay.url)
         c.wait(lambda: node.condition("BusConnected").get("reason") == reason, timeout=20)
         bus = node.condition("BusConnected")

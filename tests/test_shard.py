@@ -781,6 +781,27 @@ def test_a_will_not_newer_than_the_record_changes_nothing() -> None:
     assert members(derive(v, 50.0)) == {0: ME}
 
 
+def test_an_unproven_will_given_again_in_the_next_snapshot_still_ends_the_record() -> None:
+    """Found by the simulator (tests/simulation): a peer's will taken in, the link ended
+    before a round trip proved it, so the record came back unconfirmed; the next link's
+    snapshot gave the same will again, which equalled the held version and so confirmed
+    the dead record, for good. A will given again ends what it ended."""
+    v = view()
+    n2 = msgspec.structs.replace(rec("n2", 1), seq=1, link=1)
+    v.apply(received(n2), 0.0)
+    settle(v)
+    will = msgspec.structs.replace(tombstone("n2", 0.0), link=1)
+    v.apply(received(will, retained=False), 10.0)
+    assert "n2" not in v.records
+    v.apply(Disconnected(broker="b", reason="lost"), 10.1)  # before any proof
+    assert "n2" in v.records  # restored, unconfirmed
+    assert "n2" in v.unconfirmed
+    reconnect(v, 11.0, received(will))
+    assert "n2" not in v.records
+    assert members(derive(v, 11.0)) == {0: ME}
+    assert members(derive(v, 11.0 + GRACE_S + 1.0)) == {0: ME}
+
+
 def test_the_hold_is_clamped() -> None:
     """A tombstone asking for a day is held MAX_HOLD_S at most."""
     v, _ = with_peer()
@@ -800,33 +821,73 @@ def test_our_own_tombstone_makes_us_publish_again() -> None:
     assert derive(v, 3.0).publish
 
 
-def test_in_no_domain_the_will_is_our_presence_marked_lost() -> None:
-    """An idle agent has no member topic: its will is its presence, marked lost, so that a
-    killed idle agent reads AgentDown (issue 25); the broker waits or not, same payload."""
+def test_the_will_is_our_presence_marked_lost_whatever_the_shard() -> None:
+    """One will per agent run: our presence marked lost, with the link it ends and hold_s
+    set per link, whether we are in a shard or not, so joining or leaving one never
+    changes it (MQTT changes a will only by connecting again)."""
     v = view()
-    will = v.idle_will(Topics("imex/v2"), at=12.5)
-    assert will.topic == Topics("imex/v2").presence(ME)
-    payload = will.payload(5.0, broker_waits=False)
-    assert payload == will.payload(5.0, broker_waits=True)
-    said = msgspec.json.decode(payload, type=Presence)
+    topics = Topics("imex/v2")
+    will = v.will(topics, at=12.5)
+    v.join(None, now=1.0)
+    assert v.will(topics, at=12.5) == will
+    assert will.topic == topics.presence(ME)
+    said = msgspec.json.decode(will.payload(5.0, broker_waits=False, link=4), type=Presence)
     assert (said.node, said.address, said.incarnation) == (ME, MY_ADDRESS, 3)
     assert (said.domain, said.at, said.stopped, said.lost) == (None, 12.5, None, True)
+    assert (said.link, said.hold_s) == (4, 5.0)
+    waited = msgspec.json.decode(will.payload(5.0, broker_waits=True, link=4), type=Presence)
+    assert waited.hold_s == 0.0
 
 
-def test_the_will_is_a_tombstone_of_this_node() -> None:
-    """The will names node, domain, clique, address, incarnation, max_nodes and mode."""
+def presence_will(node: str, *, inc: int = 1, link: int = 1, hold_s: float = 0.0) -> Received:
+    will = Presence(
+        node=node,
+        incarnation=inc,
+        at=WALL,
+        domain=None,
+        address="10.0.9.9",
+        lost=True,
+        link=link,
+        hold_s=hold_s,
+    )
+    ref = TopicRef(kind="presence", node=node)
+    return Received(topic="p", ref=ref, payload=will, retained=False)
+
+
+def test_a_peers_presence_will_ends_its_record_of_that_link() -> None:
+    """A peer's Last Will is its presence, marked lost: it ends the peer's record of its
+    link (and earlier ones) as a tombstone on its member topic would, with its hold; a
+    will of an earlier link or run changes nothing; a record of a later link comes back."""
     v = view()
-    will = v.will(Topics("imex/v2"), DOMAIN, CLIQUE)
-    assert will.topic == Topics("imex/v2").member(DOMAIN, CLIQUE, ME)
-    assert isinstance(will.tombstone, MemberRecord)
-    assert (will.tombstone.node, will.tombstone.address) == (ME, MY_ADDRESS)
-    assert (will.tombstone.incarnation, will.tombstone.max_nodes) == (3, 4)
-    assert will.tombstone.state is MemberState.LOST
-    assert will.tombstone.slot is None
-    held = msgspec.json.decode(will.payload(5.0, broker_waits=False))
-    assert held["state"] == "lost"
-    assert held["hold_s"] == 5.0
-    assert msgspec.json.decode(will.payload(5.0, broker_waits=True))["hold_s"] == 0.0
+    n2 = msgspec.structs.replace(rec("n2", 1), seq=1, link=2)
+    v.apply(received(n2), 0.0)
+    settle(v)
+    assert v.followed() == {"n2"}
+    v.apply(presence_will("n2", link=1), 5.0)  # an earlier link's
+    assert members(derive(v, 5.0)) == {0: ME, 1: "n2"}
+    v.apply(presence_will("n2", link=2, hold_s=2.0), 6.0)
+    assert members(derive(v, 7.0)) == {0: ME, 1: "n2"}  # held
+    assert members(derive(v, 8.0)) == {0: ME}
+    assert v.followed() == frozenset()
+    v.apply(received(msgspec.structs.replace(n2, seq=2, link=3), retained=False), 9.0)
+    assert members(derive(v, 9.0)) == {0: ME, 1: "n2"}
+    v.apply(presence_will("n2", link=2), 10.0)  # the old will again: older
+    assert members(derive(v, 10.0)) == {0: ME, 1: "n2"}
+
+
+def test_a_will_found_in_a_snapshot_drops_the_record_at_once() -> None:
+    """A newcomer finds a dead node's record and then, retained, its will: the record was
+    dead before we saw it, so no hold keeps it; our own presence is never judged."""
+    v = view()
+    v.apply(received(msgspec.structs.replace(rec("n2", 1), seq=4, link=1)), 0.0)
+    will = presence_will("n2", link=1, hold_s=5.0)
+    v.apply(Received(will.topic, will.ref, will.payload, retained=True), 0.1)
+    assert "n2" not in v.records
+    settle(v)
+    assert members(derive(v, 1.0)) == {0: ME}
+    mine = presence_will(ME, inc=3, link=1)
+    v.apply(mine, 2.0)
+    assert members(derive(v, 2.0)) == {0: ME}
 
 
 def test_a_broker_without_retained_wildcards_unsyncs_the_view() -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from imexd.cli.main import main
-from imexd.demo.brokers import Mosquitto
 from imexd.messages import DomainSpec, Presence, encode
 from imexd.signing import Verifier, create_keys, load_verifier
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.reports import CRASH, report
 from tests.support import raw_client, until
 from tests.test_control import put, retained, valid

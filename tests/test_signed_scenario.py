@@ -13,7 +13,6 @@ Every wait is bounded.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from imexd.messages import DomainSpec, encode
 from imexd.signing import Signer, create_keys
 from tests.cluster import Cluster, Node, formed, pids, untouched
-from tests.support import IMEXD, during
+from tests.support import during
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +34,18 @@ CHANNELS: dict[str, dict[str, Any]] = {"channels": {"simulate": True}}
 """A stand-in channel file where the agent may not mknod (the test may run unprivileged)."""
 
 
-def imexd(
-    env: dict[str, str], *args: str, timeout: float = 90.0
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [IMEXD, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
-
-
 def keyed(c: Cluster, tmp_path: Path) -> tuple[list[Node], dict[str, str], str]:
-    """n1..n3 idle in assigned mode with the public key; the control plane's environment
-    with both keys; the key's fingerprint."""
+    """n1..n3 idle in assigned mode with the public key; the control plane's keys, as the
+    variables of its environment; the key's fingerprint."""
     private, public, fingerprint = create_keys(tmp_path / "keys")
     overrides: dict[str, dict[str, Any]] = {"control": {"public_key": str(public)}, **CHANNELS}
     nodes = [c.add(name, domain=None, overrides=overrides) for name in NAMES]
     c.wait(c.all_ready, timeout=60, what="idle nodes ready")
-    env = c.control_env() | {
+    keys = {
         "IMEXD_CONTROL_PRIVATE_KEY": str(private),
         "IMEXD_CONTROL_PUBLIC_KEY": str(public),
     }
-    return nodes, env, fingerprint
+    return nodes, keys, fingerprint
 
 
 def steady(nodes: list[Node], before: dict[str, int | None]) -> list[str]:
@@ -83,11 +74,13 @@ def test_signed_records_drive_the_fleet_and_forged_ones_change_nothing(
     of the workload stop no daemon and remove no channel; the forgeries are counted by
     reason and named by BusConnected UnverifiedRecords, the clears given back at once by
     the agents; the control plane's signed delete still ends it."""
-    nodes, env, fingerprint = keyed(c, tmp_path)
-    created = imexd(env, "domain", "create", "d1", "--nodes", ",".join(NAMES), "--wait", "60")
+    nodes, keys, fingerprint = keyed(c, tmp_path)
+    created = c.imexd(
+        "domain", "create", "d1", "--nodes", ",".join(NAMES), "--wait", "60", env=keys
+    )
     assert created.returncode == 0, created.stdout + created.stderr
     formed(c, nodes)
-    work = imexd(env, "workload", "create", "w1", "--domain", "d1", "--wait", "30")
+    work = c.imexd("workload", "create", "w1", "--domain", "d1", "--wait", "30", env=keys)
     assert work.returncode == 0, work.stdout + work.stderr
     channel = next(
         w["channel"] for w in nodes[0].status()["channels"]["workloads"] if w["workload"] == "w1"
@@ -98,7 +91,7 @@ def test_signed_records_drive_the_fleet_and_forged_ones_change_nothing(
         status = n.status()
         assert status["control_key"] == fingerprint, n.name
         assert n.condition("BusConnected")["reason"] == "Connected", n.name
-    shown = imexd(env, "status", "--url", nodes[0].url)
+    shown = c.imexd("status", "--url", nodes[0].url, env=keys)
     assert f"records verified with key {fingerprint}" in shown.stdout
 
     before = pids(nodes)
@@ -139,7 +132,7 @@ def test_signed_records_drive_the_fleet_and_forged_ones_change_nothing(
 
     # The signed delete ends it all. n1 keeps the assignment the forged clear took off
     # the broker (the control plane no longer sees it), so it stays pointed at d1, out.
-    deleted = imexd(env, "domain", "delete", "d1", "--wait", "60")
+    deleted = c.imexd("domain", "delete", "d1", "--wait", "60", env=keys)
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     c.wait(
         lambda: (
@@ -163,14 +156,14 @@ def test_agents_without_the_key_take_signed_records(c: Cluster, tmp_path: Path) 
     private, _, _ = create_keys(tmp_path / "keys")
     nodes = [c.add(name, domain=None) for name in NAMES[:2]]
     c.wait(c.all_ready, timeout=60, what="idle nodes ready")
-    env = c.control_env() | {"IMEXD_CONTROL_PRIVATE_KEY": str(private)}
-    created = imexd(env, "domain", "create", "d1", "--nodes", "n1,n2", "--wait", "60")
+    keys = {"IMEXD_CONTROL_PRIVATE_KEY": str(private)}
+    created = c.imexd("domain", "create", "d1", "--nodes", "n1,n2", "--wait", "60", env=keys)
     assert created.returncode == 0, created.stdout + created.stderr
     with c.client() as client:
         spec = client.retained(SPEC)[SPEC]
     assert "sig" in json.loads(spec)
     for n in nodes:
         assert n.status()["control_key"] == "", n.name
-    shown = imexd(env, "status", "--url", nodes[0].url)
+    shown = c.imexd("status", "--url", nodes[0].url, env=keys)
     assert "records accepted unsigned (no control.public_key)" in shown.stdout
-    assert imexd(env, "domain", "delete", "d1", "--wait", "60").returncode == 0
+    assert c.imexd("domain", "delete", "d1", "--wait", "60", env=keys).returncode == 0

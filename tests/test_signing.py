@@ -52,7 +52,7 @@ from imexd.signing import (
     signed_bytes,
 )
 from imexd.topics import Topics
-from tests.support import IMEXD
+from tests.support import imexd
 
 SPEC_TOPIC = "imex/v2/domains/d1/spec"
 SPEC = encode(DomainSpec(domain="d1", nodes=["n1", "n2"], max_nodes=8, generation=2))
@@ -236,25 +236,21 @@ def test_create_keys_refuses_a_bad_folder(tmp_path: Path) -> None:
         create_keys(plain / "below")
 
 
-def _imexd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([IMEXD, *args], capture_output=True, text=True, timeout=30, check=False)
-
-
 def test_keys_create_on_the_command_line(tmp_path: Path) -> None:
     """`imexd keys create DIR` prints both paths and the fingerprint (exit 0); again on
     the same DIR it exits 2 naming the existing files; a DIR that is a file exits 2."""
-    made = _imexd("keys", "create", str(tmp_path / "k"))
+    made = imexd("keys", "create", str(tmp_path / "k"))
     assert made.returncode == 0, made.stderr
     assert str(tmp_path / "k" / "control.key") in made.stdout
     assert str(tmp_path / "k" / "control.pub") in made.stdout
     fingerprint = load_verifier(str(tmp_path / "k" / "control.pub")).fingerprint
     assert fingerprint in made.stdout
-    again = _imexd("keys", "create", str(tmp_path / "k"))
+    again = imexd("keys", "create", str(tmp_path / "k"))
     assert again.returncode == 2
     assert "already exist: not overwritten" in again.stderr
     assert "Traceback" not in again.stderr
     (tmp_path / "f").write_text("x")
-    bad = _imexd("keys", "create", str(tmp_path / "f"))
+    bad = imexd("keys", "create", str(tmp_path / "f"))
     assert bad.returncode == 2
     assert "not a directory" in bad.stderr
 
@@ -330,7 +326,7 @@ def test_a_bad_key_file_stops_run_config_and_the_control_plane(
         f'[control]\npublic_key = "{junk}"\n'
     )
     for args in (["config"], ["run"], ["domain", "list"]):
-        proc = _imexd(*args, "--config", str(config))
+        proc = imexd(*args, "--config", str(config))
         assert proc.returncode == 2, (args, proc.stderr)
         assert f"control.public_key = '{junk}': expected a SubjectPublicKeyInfo" in proc.stderr
         assert "Traceback" not in proc.stderr

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from imexd.cli.main import build_parser
-from imexd.demo.brokers import Mosquitto
+from tests.brokers import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "config" / "slurm"

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from imexd.settings import (
     UNIT_TIMEOUT_STOP_S,
     iter_settings,
 )
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "imexd.service"
@@ -238,11 +238,12 @@ def test_reload_is_the_hand_over(unit: Unit, tmp_path: Path) -> None:
         ]
     )
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, "the stand-in agent did not start"
-            assert child.poll() is None
-            time.sleep(0.02)
+
+        def started() -> bool:
+            assert child.poll() is None, "the stand-in agent ended"
+            return ready.exists()
+
+        wait_for(started, timeout=20, interval=0.02, what="the stand-in agent started")
         reload = [a.replace("$MAINPID", str(child.pid)) for a in argv]
         subprocess.run(reload, check=True, timeout=10)
         assert child.wait(timeout=10) == HANDOVER_EXIT

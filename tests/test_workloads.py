@@ -27,7 +27,6 @@ from imexd.cli.main import main
 from imexd.control import workloads
 from imexd.control.commands import load_control_settings
 from imexd.control.link import Logged
-from imexd.demo.brokers import Mosquitto
 from imexd.health.fleet import SeenReport
 from imexd.messages import (
     CHANNELS_READY,
@@ -41,6 +40,7 @@ from imexd.messages import (
 )
 from imexd.settings import Settings
 from imexd.topics import Topics
+from tests.brokers import Mosquitto
 from tests.reports import member_record, report
 from tests.support import cancel_and_wait, raw_client
 from tests.test_control import retained, valid

@@ -1,7 +1,7 @@
 """The agent: the one process per node that joins its shard and keeps its IMEX daemon.
 
 The modules, lowest first:
-- `pacer`: leading-edge coalescing for the loops that recompute on every change;
+- `pacer`: leading-edge coalescing for the report loop, which recomputes on every change;
 - `statefile`: the state files across restarts (`StateStore`, and `RecordFile` for the
   control-plane records held), read once, saved on change;
 - `reconcile`: `Desired` made real in the IMEX files and the daemon (`Reconciler`), the

@@ -58,13 +58,13 @@ TASK: Final = "rebuild"
 PUBLISH_LIMIT_S: Final = 30.0
 """How long one round of publishes may keep the task's heartbeat alive (each publish is
 bounded by the MQTT client's own timeout)."""
-ECHO_WAIT_S: Final = 5.0
-"""How long a record given back may take to come back before it counts as refused (the
-broker's ACL does not give agents the rebuild grants)."""
 
 
 class Publisher(Protocol):
     """The part of `imexd.bus.link.Bus` the rebuilder uses."""
+
+    @property
+    def echo_timeout_s(self) -> float: ...
 
     async def put_retained(
         self, topic: str, data: bytes, *, message_expiry_s: float | None = None
@@ -313,7 +313,8 @@ class Rebuilder:
 
     async def run(self, bus: Publisher, guard: Guard) -> None:
         """The agent's `rebuild` task: publish what is due, follow deleted domains, save
-        the held versions, the slow pass; say which publishes never came back."""
+        the held versions, the slow pass; say which publishes did not come back within
+        the bus's echo timeout (the broker's ACL may not give agents the rebuild grants)."""
         check_at: float | None = None
         next_pass = time.monotonic() + self.period_s
         while True:
@@ -330,7 +331,7 @@ class Rebuilder:
                 self.periodic()
             due, self.due = self.due, {}
             if due:
-                check_at = time.monotonic() + ECHO_WAIT_S
+                check_at = time.monotonic() + bus.echo_timeout_s
                 await guard.beating(TASK, self._publish(bus, due), limit=PUBLISH_LIMIT_S)
             await guard.beating(TASK, self._follow_deleted(bus), limit=PUBLISH_LIMIT_S)
             if self.dirty:

@@ -8,15 +8,17 @@ imexd.health.conditions) judge the facts, and imexd.health.guard contains the fa
 of each task. Named long-lived tasks, each with a heartbeat that /healthz watches:
 
 - `events`: reads the bus (our shard's records, the domain's spec, our assignment and
-  retry requests, link state) into the shard view and wakes `membership`;
+  retry requests, link state) into the shard view and wakes `membership` once for all
+  that was queued;
 - `membership`: follows the target (domain, clique), steps the shard view, publishes
   our record, and sets what should run (`Desired`);
 - `reconcile`: applies the first change after a quiet period at once and coalesces what
   follows within `[domain] settle_s`, writes the files and asks the supervisor for
   exactly what the change needs (start, SIGUSR1, restart, or nothing), and passes on
   an operator's `imexd node retry`;
-- `probe`: `ctl -q` and `ctl -N -j` after every start and delivered SIGUSR1, then
-  periodically (imexd.agent.probes);
+- `probe`: a start is RUNNING at the daemon's READY (its own line, or `ctl -q`); `ctl
+  -q` and `ctl -N -j` after every start and delivered SIGUSR1, then periodically
+  (imexd.agent.probes);
 - `report`: turns the facts into conditions (in a burst of changes once per
   `health.REPORT_PACE_S`, the first at once; the daemon's, its probes' and the channels'
   news at once), publishes the HealthReport, tells systemd;
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from dataclasses import replace
@@ -47,7 +50,7 @@ from imexd.agent.probes import DaemonProbes
 from imexd.agent.rebuild import Rebuilder
 from imexd.agent.reconcile import Reconciler
 from imexd.agent.statefile import RecordFile, StateStore
-from imexd.bus.events import Event, WillSpec
+from imexd.bus.events import Event, Synced, WillSpec
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
@@ -79,25 +82,19 @@ from imexd.topics import Topics
 EXIT_HANDOVER: Final = 75
 """Exit status after a SIGUSR2 hand-over: the unit restarts the agent (EX_TEMPFAIL)."""
 DISCOVERY_TIMEOUT_S: Final = 20.0
-DISCOVERY_RETRY_S: Final = 30.0
-"""Retry delay after a failed discovery (shorter than discover_interval_s)."""
-WRITE_RETRY_INITIAL_S: Final = 0.5
-WRITE_RETRY_MAX_S: Final = 30.0
-UNSUPERVISED_SURVEY_S: Final = 5.0
-"""How often an agent standing aside looks for a daemon of its config run by no one."""
+LOCAL_RETRY_S: Final = (0.5, 30.0)
+"""(first, longest) wait before a failed local action is tried again: a reconcile round
+(a file that cannot be written) and an NVML discovery (at most `[node]
+discover_interval_s`). It doubles after each failure, jittered (`imexd.retry`), so a
+fault that clears is soon noticed and one that stays costs little."""
 UNSUPERVISED: Final = "Unsupervised"
 """DaemonReady's reason for such a daemon."""
-STEP_PACE_S: Final = 0.05
-"""Seconds between two membership steps while records keep coming (`imexd.agent.pacer.Pacer`):
-the first record after a quiet period is stepped at once, those within this pause after
-it together at its end. The claim's barrier is taken as its echo arrives
-(`ShardView.apply`), so pacing changes when an outcome is acted on, never which wins."""
 
 
 def _report(event: Event) -> bool:
     """Whether `event` is about a health report, which the agent follows only so that the
     bus puts back a copy of its own someone else wrote (`Bus`), and to clear its own
-    report in a domain it left (`Agent._note_stale_own`): it wakes no task."""
+    report in a domain it left (`Agent._note_stale_own`): only the latter wakes membership."""
     ref = getattr(event, "ref", None)
     return ref is not None and ref.kind == "health"
 
@@ -143,8 +140,14 @@ class Agent:
         self.retry_asked: Retry | None = None
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
+        self.presences: set[str] = set()
+        """The presence topics of the peers we follow (`_follow_presences`)."""
+        self.synced_filters: frozenset[str] | None = frozenset()
+        """The filters of the last `Synced` the events loop took in (None: all)."""
+        self.synced_seen = asyncio.Event()
         self.wake = asyncio.Event()
-        self.step_pace = Pacer(STEP_PACE_S)
+        """Wakes membership: set once per batch of bus events (`_events_loop`), and by the
+        daemon's state, discovery and an operator's retry."""
 
         # Reconcile state.
         self.desired = Desired()
@@ -160,7 +163,8 @@ class Agent:
         self.unsupervised: int | None = None
         """The pid of a daemon running our config that this agent does not supervise,
         while it stands aside (`_survey_unsupervised`): reported as it is."""
-        self.surveyed_at = -UNSUPERVISED_SURVEY_S
+        self.surveyed_at = -math.inf
+        """time.monotonic() of the last survey (-inf: none since this agent last claimed)."""
         self.survey_due: float | None = None
         """time.monotonic() of the next survey while this agent stands aside (None: it
         does not)."""
@@ -216,6 +220,9 @@ class Agent:
             # None of them is judged by its order among others (`Bus.subscribe`).
             if s.domain.assigned:
                 await bus.subscribe(self.topics.assignment(self.node), ordered=False)
+            # Our own presence: our will lands there, and a new link's snapshot that shows
+            # it fired ends the record we would otherwise resume (`ShardView`).
+            await bus.subscribe(self.topics.presence(self.node), ordered=False)
             if self._target() is not None:
                 await self._retarget()
             await stack.enter_async_context(bus)
@@ -274,7 +281,7 @@ class Agent:
             s.bus,
             node=self.node,
             client_id=self._client_id,
-            will=self._first_will(),
+            will=self._will(),
             verifier=verifier,
         )
         bus.on_counted = self.changed.set  # the bus facts' counters moved (report loop)
@@ -374,17 +381,20 @@ class Agent:
     # -- bus events -----------------------------------------------------------------
 
     async def _events_loop(self, bus: Bus) -> None:
-        events = aiter(bus.events())
+        """Take in every event already queued, then wake membership once: a burst of
+        records that arrives together costs one step, and no clock delays it."""
+        events = bus.events()
         while True:
             with self.heartbeats.resting("events"):
                 event = await anext(events, None)
-                while event is not None and _report(event):
-                    if self._note_stale_own(event):
-                        self.wake.set()
-                    event = await anext(events, None)
                 while event is None:
                     await asyncio.Event().wait()  # the bus closed: shutting down
-            self._on_event(event, bus)
+            step = False
+            while event is not None:
+                step |= self._on_event(event, bus)
+                event = events.queued()
+            if step:
+                self.wake.set()
 
     def _note_stale_own(self, event: Event) -> bool:
         """Whether `event` is a record of this node that a broker serves outside its shard
@@ -399,12 +409,19 @@ class Agent:
             return True
         return False
 
-    def _on_event(self, event: Event, bus: Bus) -> None:
+    def _on_event(self, event: Event, bus: Bus) -> bool:
+        """Take one bus event in; whether membership should step on it."""
+        if isinstance(event, Synced):
+            self.synced_filters = event.filters
+            self.synced_seen.set()
+        if _report(event):
+            return self._note_stale_own(event)
         # The control plane's records reach the readers only when newer than the held ones
         # (imexd.order); a held one takes the place of an older copy or a clear.
         for found in self.rebuild.on_event(event):
             self._take(found, bus)
         self.rebuild.count_drops(bus)
+        return True
 
     def _take(self, event: Event, bus: Bus) -> None:
         """One bus event into the shard, the assignment, the retry requests and channels."""
@@ -444,7 +461,6 @@ class Agent:
         self.channels.on_event(event)
         # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
         self._refresh_bus_facts(bus)
-        self.wake.set()
         self.changed.set()
 
     def _refresh_bus_facts(self, bus: Bus) -> BusFacts:
@@ -474,24 +490,9 @@ class Agent:
         return client_id("imexd", self.node)
 
     def _will(self) -> WillSpec:
-        """Our will now: a tombstone on our member topic, or in no shard our presence."""
-        current = self.shard.current
-        if current is None:
-            return self.shard.idle_will(self.topics, at=wire_now())
-        return self.shard.will(self.topics, *current)
-
-    def _first_will(self) -> WillSpec | None:
-        """The first CONNECT's will (MQTT sets it only there), so that joining a shard known
-        at start does not reconnect: the configured domain (assigned: the saved one, a guess)
-        and clique ("auto": the saved one). None: the join sets it and reconnects once."""
-        saved = self.saved
-        domain = self._wanted_domain if not self.settings.domain.assigned else saved.domain
-        clique = self.clique
-        if clique is None and domain is not None and domain == saved.domain:
-            clique = saved.clique
-        if domain is None or clique is None:
-            return self.shard.idle_will(self.topics, at=wire_now())
-        return self.shard.will(self.topics, domain, clique)
+        """Our will, one for the agent's run whatever shard it is in: our presence marked
+        lost (`ShardView.will`), so that joining or leaving never connects again."""
+        return self.shard.will(self.topics, at=wire_now())
 
     # -- membership -----------------------------------------------------------------
 
@@ -509,23 +510,24 @@ class Agent:
     async def _membership_loop(self) -> None:
         while True:
             self.heartbeats.beat("membership")
-            with self.heartbeats.resting("membership"):
-                # A burst of records: few steps. Nothing due and no record: no step.
-                await self.step_pace.wait(self.wake, self._step_due())
+            # Nothing due and no record: no step.
+            await self.guard.rest("membership", self.wake, self._step_due())
+            self.wake.clear()
             await self._retarget()
+            await self._follow_presences(self._parts()[0])
             await self._step(time.monotonic())
 
     def _step_due(self) -> float | None:
-        """Seconds until a membership step is due without any event (None: none is): the
-        shard's timers, the release of a FATAL daemon's slot, the survey while standing
-        aside."""
+        """time.monotonic() when a membership step is due without any event (None: none
+        is): the shard's timers, the release of a FATAL daemon's slot, the survey while
+        standing aside."""
         now = time.monotonic()
         due = [t for t in (self.shard.due_at(now), self.survey_due) if t is not None]
         if (release_at := self._release_at()) is not None and release_at > now:
             due.append(release_at)
         if self.released_until > now:
             due.append(self.released_until)
-        return max(0.0, min(due) - now) if due else None
+        return min(due) if due else None
 
     async def _retarget(self) -> None:
         """Leave the current shard and join the target one when they differ."""
@@ -553,22 +555,48 @@ class Agent:
             bus.set_client_id(self._client_id)
         self.view_ready.clear()
         if target is None:
-            bus.set_will(self._will())
             # No domain: clean up. A domain but no clique yet (discovery pending or
             # failing): nothing to run and nothing to remove; the node is not ready.
             self._set_desired(Desired(cleanup=self._wanted_domain is None))
             return
         domain, clique = target
         self.log.info("membership.join", domain=domain, clique=clique or "none")
-        # The will moves to the new member topic, which reconnects (a fresh snapshot).
-        # A claim settles at its echo (imexd.membership.slots.barrier): the members filter
-        # needs the broker's one order, the spec and the retry request do not.
+        # The will stays (it is our presence): the new filters' snapshot is all a join
+        # waits for. A claim settles at its echo (imexd.membership.slots.barrier): the
+        # members filter needs the broker's one order, the spec and the retry request not.
         spec, members = self._shard_filters(domain, clique)
         await bus.subscribe(members)
         # Our own health report too: a copy we did not write is put back by the bus.
         own = (self.topics.retry(domain, self.node), self.topics.health(domain, self.node))
         await bus.subscribe(spec, *own, ordered=False)
-        bus.set_will(shard.will(self.topics, domain, clique))
+
+    async def _follow_presences(self, bus: Bus) -> None:
+        """Follow the presence of every peer the shard holds a record of, and no other: a
+        peer's Last Will is its presence (`ShardView.followed`). Their retained copies, a
+        will among them, are in the shard before the step that may claim: the events
+        loop took in the Synced that follows them; records that came meanwhile are
+        followed in turn. A link that drops meanwhile gives them with its snapshot; each
+        wait is bounded regardless."""
+        limit = bus.timeout_s + bus.echo_timeout_s
+        while True:
+            wanted = {self.topics.presence(n) for n in self.shard.followed()}
+            for topic in sorted(self.presences - wanted):
+                await bus.unsubscribe(topic)
+            new = sorted(wanted - self.presences)
+            self.presences = wanted
+            if not new:
+                return
+            await self.guard.beating("membership", self._presences_read(bus, new), limit=limit)
+
+    async def _presences_read(self, bus: Bus, topics: list[str]) -> None:
+        """Subscribe the presence `topics` and wait (at most `bus.echo_timeout_s` after the
+        SUBSCRIBE) until the events loop took in the Synced that covers them."""
+        await bus.subscribe(*topics, ordered=False)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(bus.echo_timeout_s):
+                while (read := self.synced_filters) is not None and not read >= set(topics):
+                    self.synced_seen.clear()
+                    await self.synced_seen.wait()
 
     async def _clear_stale_own(self) -> None:
         """Clear the records of this node that a broker serves outside its shard (a standby
@@ -601,7 +629,7 @@ class Agent:
             # Another agent may run as this node: what runs keeps running, and a daemon
             # of our config that runs without us is reported as it is.
             await self._survey_unsupervised()
-            self.survey_due = self.surveyed_at + UNSUPERVISED_SURVEY_S
+            self.survey_due = self.surveyed_at + self.settings.daemon.probe_interval_s
         elif plan.desired is None:
             return  # no shard, or no synced snapshot yet
         elif plan.desired.cleanup:
@@ -613,11 +641,12 @@ class Agent:
         self.changed.set()
 
     async def _survey_unsupervised(self) -> None:
-        """While we stand aside, look (at most every UNSUPERVISED_SURVEY_S) for a daemon of
-        our config that runs without us, so that /status tells the truth about it."""
+        """While we stand aside, look for a daemon of our config that runs without us, so
+        that /status tells the truth about it: at most once per `[daemon]
+        probe_interval_s`, as often as a daemon of our own would be probed."""
         _, supervisor = self._parts()
         now = time.monotonic()
-        if now - self.surveyed_at < UNSUPERVISED_SURVEY_S:
+        if now - self.surveyed_at < self.settings.daemon.probe_interval_s:
             return
         self.surveyed_at = now
         pid = await supervisor.running_unsupervised()
@@ -637,7 +666,7 @@ class Agent:
         assert decision is not None  # noqa: S101 - a claim step
         assert plan.desired is not None  # noqa: S101 - a claim step
         self.unsupervised = None
-        self.surveyed_at = -UNSUPERVISED_SURVEY_S
+        self.surveyed_at = -math.inf
         if plan.outbid:
             self._save_state(replace(self.state_store.current, incarnation=shard.incarnation))
         if plan.publish:
@@ -775,7 +804,7 @@ class Agent:
             quiet_at = started + s.domain.settle_s
             # Starting and stopping the daemon are bounded by the supervisor's timeouts.
             bound = 2 * s.daemon.stop_timeout_s + s.daemon.start_s
-            delay = backoff_delay(attempt, WRITE_RETRY_INITIAL_S, WRITE_RETRY_MAX_S)
+            delay = backoff_delay(attempt, *LOCAL_RETRY_S)
             try:
                 probe = await self.guard.beating(
                     "reconcile", reconciler.apply(self.desired, self.saved), limit=bound
@@ -954,6 +983,7 @@ class Agent:
     async def _discover_loop(self) -> None:
         s = self.settings
         next_at = 0.0
+        failures = 0
         while True:
             self.heartbeats.beat("discover")
             if time.monotonic() < next_at:
@@ -963,9 +993,14 @@ class Agent:
                 found = await discover(DISCOVERY_TIMEOUT_S)
             except DiscoveryError as exc:
                 self.fabric = FabricFacts(source="nvml", error=str(exc))
-                self.log.error("fabric.discovery_failed", error=str(exc))
-                next_at = time.monotonic() + min(DISCOVERY_RETRY_S, s.node.discover_interval_s)
+                delay = min(backoff_delay(failures, *LOCAL_RETRY_S), s.node.discover_interval_s)
+                failures += 1
+                self.log.error(
+                    "fabric.discovery_failed", error=str(exc), retry_in_s=round(delay, 2)
+                )
+                next_at = time.monotonic() + delay
             else:
+                failures = 0
                 self.fabric = FabricFacts(source="nvml")
                 self.driver = found.report.driver_version or ""
                 if found.clique != self.clique:

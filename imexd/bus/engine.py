@@ -61,6 +61,9 @@ _STABLE_S: Final = 10.0
 
 CHECK_OVER: Final = "over"
 """The retained-wildcard check passed, or cannot be asked on this link."""
+CHECK_NONE: Final = "none"
+"""No record of ours that a wildcard filter covers stands yet (an agent in no shard): the
+check is asked at the echo of one."""
 CHECK_REFUSED: Final = "refused"
 """The check's re-read was refused: the link's task subscribes again, then asks again."""
 CHECK_FAILED: Final = "failed"
@@ -104,6 +107,7 @@ class LinkEngine:
             raise ValueError("settings.url names no broker")
         self._will = will
         self._timeout_s = timeout_s
+        self._echo_timeout_s = echo_timeout_s
         self._ping_interval_s = settings.ping_interval_s
         self._close_timeout_s = close_timeout_s
         self._rand = rand
@@ -463,12 +467,13 @@ class LinkEngine:
 
     def _check_target(self) -> tuple[str, str, str] | None:
         """(our record's topic, the shard's wildcard filter covering it, the check's own
-        filter), if we have both a record and such a filter (`check_filters`)."""
-        will = self._will
-        if will is None or not self._records.held(will.topic):
-            return None  # none, or the caller publishes it on this link after Synced
-        filters = check_filters(will.topic, self._subs.wanted)
-        return None if filters is None else (will.topic, *filters)
+        filter), if we have both a record that such a filter covers (our member record:
+        `check_filters`) and it stands on this link."""
+        for topic in self._records.topics():
+            filters = check_filters(topic, self._subs.wanted)
+            if filters is not None and self._records.held(topic):
+                return (topic, *filters)
+        return None  # none, or the caller publishes it on this link after Synced
 
     async def _check_retained(self, client: Client) -> str:
         """The retained-wildcard check of this link (`imexd.bus.check` says why and how):
@@ -477,7 +482,8 @@ class LinkEngine:
         when our copy did not come (`_check_failed` says what then)."""
         target = self._check_target()
         if target is None:
-            return CHECK_OVER
+            self._check.own_echo.clear()  # asked again at the echo of a record it covers
+            return CHECK_NONE
         topic, shard_filter, topic_filter = target
         refusal: str | None = None
         served: bool | None = None
@@ -767,12 +773,11 @@ class LinkEngine:
             self._answered[topic] = payload
             self._overwritten.add(topic)
             self._overwrite.set()
-        will = self._will
-        if will is not None and topic == will.topic and payload:
+        if payload and (ours := self._records.payload(topic)):
             if self._check.saw(topic, retained=retained) and self._check.narrow:
                 return  # the check's own filter: what we published, already delivered
-            if not retained and self._records.payload(topic) == payload:
-                self._check.own_echo.set()
+            if not retained and ours == payload and not self._check.own_echo.is_set():
+                self._check.own_echo.set()  # the check looks for a record it can ask about
         if self._repairing and self._repairs.intercept(topic, payload, retained=retained):
             self._counted()
             return

@@ -168,9 +168,9 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class WillSpec:
-    """The Last Will, retained (QoS 1) on `topic`, the node's member topic: `tombstone`
-    (state lost) with its `hold_s` set per link, or an empty payload without one; in no
-    domain, its presence topic: a Presence marked lost.
+    """The Last Will, retained (QoS 1) on `topic`: the agent's presence marked lost
+    (`messages.Presence`), with the link it ends and its `hold_s` set per link; a member
+    record's tombstone (state lost) likewise; or an empty payload without one.
 
     The broker publishes it when the link ends without DISCONNECT, after `delay_s`
     (MQTT 5 Will Delay; None: `BusSettings.will_delay_s`) so that a quick reconnect does not
@@ -187,7 +187,5 @@ class WillSpec:
         the Will Delay, or not."""
         if self.tombstone is None:
             return b""
-        if isinstance(self.tombstone, Presence):
-            return encode(self.tombstone)
         hold_s = 0.0 if broker_waits else float(delay_s)
         return encode(msgspec.structs.replace(self.tombstone, hold_s=hold_s, link=link))

@@ -67,6 +67,16 @@ class EventStream:
             raise StopAsyncIteration
         return event
 
+    def queued(self) -> Event | None:
+        """The next event if one is queued already, without waiting; None when none is or
+        the bus was closed (the next `anext` then ends the iteration)."""
+        if self._queue.empty():
+            return None
+        event = self._queue.get_nowait()
+        if event is None:
+            self._queue.put_nowait(None)
+        return event
+
 
 class Bus(LinkEngine):
     """One resilient MQTT connection that replays the caller's desired state.
@@ -203,6 +213,19 @@ class Bus(LinkEngine):
         """Topics a re-read corrected (delivered, changed, deleted, or ours published
         again) because the broker's snapshot said otherwise."""
         return self._repairs.resync_corrections
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound on connecting and on every broker round trip (the constructor's
+        `timeout_s`)."""
+        return self._timeout_s
+
+    @property
+    def echo_timeout_s(self) -> float:
+        """How long a retained publication may take to come back (the constructor's
+        `echo_timeout_s`); the agent waits as long for a record it gave back to a broker
+        (imexd.agent.rebuild)."""
+        return self._echo_timeout_s
 
     @property
     def refused_topics(self) -> frozenset[str]:

@@ -89,6 +89,10 @@ class Records:
             and payload not in (record.payload, self._previous.get(topic))
         )
 
+    def topics(self) -> list[str]:
+        """The topics we hold a record on."""
+        return list(self._by_topic)
+
     def payload(self, topic: str) -> bytes:
         """Our declared record on `topic`; b"" when none."""
         record = self._by_topic.get(topic)

@@ -54,9 +54,9 @@ from imexd.messages import (
     Retry,
     WorkloadRecord,
     decode_message,
+    tombstone,
     version,
 )
-from imexd.order import tombstone
 from imexd.retry import backoff_delay
 from imexd.settings import BrokerProfile
 from imexd.topics import Topics

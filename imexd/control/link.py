@@ -387,6 +387,18 @@ class Link:
         await self.sync()
         if new and self._repaired:
             await self._read_again(new)
+        # A member record is judged with its node's presence, where the node's Last Will
+        # goes (`Store.members`): read the presence of every node that has one.
+        have = set(self._filters)
+        wildcards = [f for f in have if "+" in f or "#" in f]
+        presences = (self.topics.presence(n) for n in self.store.written)
+        unread = [
+            t
+            for t in presences
+            if t not in have and not any(topic_matches(f, t) for f in wildcards)
+        ]
+        if unread:
+            await self.read(*sorted(unread))
         return self.store
 
     async def _read_again(self, filters: Sequence[str]) -> None:

@@ -22,8 +22,11 @@ from imexd.messages import (
     Presence,
     Received,
     WorkloadRecord,
+    ended,
+    lost_record,
+    tombstone,
 )
-from imexd.order import ORDERED, tombstone
+from imexd.order import ORDERED
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,11 @@ class Store:
 
     specs: dict[str, DomainSpec] = field(default_factory=dict)
     members: dict[tuple[str, str, str], MemberRecord] = field(default_factory=dict)
-    """(domain, clique, node) -> record."""
+    """(domain, clique, node) -> record, as its node's Last Will leaves it: a record that
+    the node's presence, marked lost, ends (`messages.ended`) reads as that will (state
+    lost)."""
+    written: dict[str, dict[tuple[str, str], MemberRecord]] = field(default_factory=dict)
+    """node -> (domain, clique) -> its record as the broker serves it."""
     reports: dict[tuple[str, str], SeenReport] = field(default_factory=dict)
     """(domain, node) -> report."""
     assignments: dict[str, str | None] = field(default_factory=dict)
@@ -90,11 +97,13 @@ class Store:
                 else:
                     self.specs.pop(ref.domain, None)
             case "member":
-                key = (ref.domain, ref.clique, ref.node)
+                shards = self.written.setdefault(ref.node, {})
                 if isinstance(payload, MemberRecord):
-                    self.members[key] = payload
+                    shards[(ref.domain, ref.clique)] = payload
                 else:
-                    self.members.pop(key, None)
+                    shards.pop((ref.domain, ref.clique), None)
+                    self.members.pop((ref.domain, ref.clique, ref.node), None)
+                self._apply_will(ref.node)
             case "health":
                 if isinstance(payload, HealthReport):
                     self.reports[(ref.domain, ref.node)] = SeenReport(payload, expires_at)
@@ -115,8 +124,16 @@ class Store:
                     self.presences[ref.node] = payload
                 else:
                     self.presences.pop(ref.node, None)
+                self._apply_will(ref.node)
             case "ping":
                 pass
+
+    def _apply_will(self, node: str) -> None:
+        """Set `members` of `node` from what the broker serves and its presence."""
+        presence = self.presences.get(node)
+        for (domain, clique), record in self.written.get(node, {}).items():
+            will = lost_record(record, presence) if presence and ended(record, presence) else None
+            self.members[(domain, clique, node)] = will or record
 
     def records_of(self, domain: str) -> list[MemberRecord]:
         return [r for (d, _, _), r in sorted(self.members.items()) if d == domain]
@@ -172,8 +189,8 @@ class Store:
         presence = self.presences.get(node)
         if presence is not None and presence.lost:
             return (
-                "its agent's link ended without a goodbye (its will is its presence, in no "
-                "domain): the agent died, or lost the broker"
+                "its agent's link ended without a goodbye (its Last Will is its presence): "
+                "the agent died, or lost the broker"
             )
         if presence is not None and presence.stopped is not None:
             later = [s.report.at for (_, n), s in self.reports.items() if n == node]

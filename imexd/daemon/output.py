@@ -82,6 +82,12 @@ _PREFIXED_LINE = re.compile(
 )
 _IDENTIFIED = re.compile(r"\bIdentified this node as ID (?P<id>\d+)\b")
 """IMEX's start-up line naming its own node id (its line in nodes_config.cfg)."""
+_STATE_CHANGED = re.compile(
+    r"\b(?i:daemon state changed from) (?P<old>[A-Z_]+) (?i:to) (?P<new>[A-Z_]+)\b"
+)
+"""The daemon's line naming its own new state word (the simulator's wording,
+`IMEX daemon state changed from INIT_GPU to READY`): a peer's state, or READY anywhere
+else in a line, is not it."""
 _LEVELS = {
     "TRACE": "debug",
     "VERBOSE": "debug",
@@ -111,6 +117,16 @@ def parse_imex_line(line: str) -> ImexLine:
     if m is not None:
         return ImexLine(_LEVELS[m["level"]], m["message"])
     return ImexLine("info", line)
+
+
+def says_ready(message: str) -> bool:
+    """Whether a message is the daemon's own word that its state changed to READY.
+
+    Only the state word after `to` counts, whole (not `READY_...`): a line that merely
+    mentions READY, or a change away from it, does not.
+    """
+    m = _STATE_CHANGED.search(message)
+    return m is not None and m["new"] == "READY"
 
 
 def identified_id(message: str) -> int | None:
@@ -164,15 +180,18 @@ class DaemonOutput:
     `create` opens fresh files for a spawn, `adopt` finds those an adopted daemon
     writes to, `poll` and `read` log what was written since; each daemon's `Tail`
     keeps its last `LAST_LINES` lines for the status and error reasons. `on_lines` is
-    called after a read that found new lines (in the event loop, must not block).
+    called after a read that found new lines (in the event loop, must not block), with
+    whether one of them says the daemon is READY (`says_ready`).
     """
 
-    def __init__(self, folder: str, *, max_bytes: int, on_lines: Callable[[], None]) -> None:
+    def __init__(self, folder: str, *, max_bytes: int, on_lines: Callable[[bool], None]) -> None:
         self.paths = {stream: os.path.join(folder, name) for stream, name in OUTPUT_FILES.items()}
         """The output files by stream (`stdout`, `stderr`)."""
         self._max = max_bytes
         self._on_lines = on_lines
         self._count = 0
+        self._ready = False
+        """A line read since the last `on_lines` said the daemon is READY."""
         self._log = get_logger("daemon")
 
     def create(self, stream: str) -> tuple[int, Stream] | None:
@@ -285,7 +304,8 @@ class DaemonOutput:
                 self._emit(tail, stream.stream, bytes(stream.buf))
                 stream.buf.clear()
             if self._count != emitted:
-                self._on_lines()
+                ready, self._ready = self._ready, False
+                self._on_lines(ready)
             if at_end and not final:
                 pos = os.lseek(stream.fd, 0, os.SEEK_CUR)
                 if pos > self._max:
@@ -336,6 +356,8 @@ class DaemonOutput:
         said = identified_id(parsed.message)
         if said is not None:
             tail.identified = said
+        if says_ready(parsed.message):
+            self._ready = True
         extra: dict[str, Any] = {}
         if parsed.tid is not None:
             extra["tid"] = parsed.tid

@@ -108,8 +108,9 @@ class Supervisor:
         folder = os.path.dirname(path) if output_dir is None else os.fspath(output_dir)
         self._output = DaemonOutput(folder, max_bytes=output_max_bytes, on_lines=self._on_lines)
         self._output_poll = output_poll_s
-        self.on_output: Callable[[], None] | None = None
-        """Called after a read found new lines of the daemon (the agent's probes listen)."""
+        self.on_output: Callable[[bool], None] | None = None
+        """Called after a read found new lines of the daemon, with whether one of them
+        says it is READY (the agent's probes listen: their READY makes a start RUNNING)."""
         self.listening = False
         """Read new output within OUTPUT_LISTEN_S instead of `output_poll_s` (the agent
         waits for the daemon's word), for at most LISTEN_FOR_S after its start."""
@@ -381,8 +382,9 @@ class Supervisor:
     def report_ready(self, detail: str = "ctl -q says READY") -> bool:
         """The daemon said READY: a STARTING daemon is RUNNING at once; True if it moved.
 
-        The agent calls it from its probe; in any other state nothing happens (a start is
-        RUNNING already, or the daemon is gone and its exit is handled by the loop).
+        The agent calls it when its probes learn it, `detail` saying how (its output's
+        READY line, or `ctl -q`); in any other state nothing happens (a start is RUNNING
+        already, or the daemon is gone and its exit is handled by the loop).
         """
         self._check_open()
         child = self._child
@@ -639,7 +641,7 @@ class Supervisor:
         self._child = child
         self._watch_output(child)
         self._watching.set()
-        self.listening = True  # until a probe finds it READY
+        self.listening = True  # until the probes learn that it is READY
         self._last_tail = child.output
         if self._last_ran:
             self._restarts += 1
@@ -936,13 +938,13 @@ class Supervisor:
             )
         self._notify()
 
-    def _on_lines(self) -> None:
-        """New output lines: wake `wait_for` callers and tell `on_output` (not worth an
-        `on_change`: the lines are no state)."""
+    def _on_lines(self, ready: bool) -> None:
+        """New output lines (`ready`: one says the daemon is READY): wake `wait_for`
+        callers and tell `on_output` (not worth an `on_change`: the lines are no state)."""
         self._wake()
         if self.on_output is not None:
             try:
-                self.on_output()
+                self.on_output(ready)
             except Exception:
                 self._log.exception("daemon.on_output_failed")
 

@@ -13,7 +13,7 @@ One job per module:
 
 - `brokers`: free ports and loopback addresses, and the MQTT brokers the demo runs its
   agents on (Mosquitto as a child process, amqtt inside this process, or one given with
-  `--broker`); the tests and the benchmark start their Mosquitto with the same launcher;
+  `--broker`); the tests and the benchmarks extend its Mosquitto launcher;
 - `timings`: the one table of fast timings (the demo's agents and the scenario tests'
   agents react in seconds with it);
 - `nodes`: the simulated nodes (folder, settings, `imexd run` process) and the sweep

@@ -1,9 +1,11 @@
 """The MQTT brokers the demo's agents meet on, and the free ports and addresses they bind.
 
-One Mosquitto launcher (`Mosquitto`) serves the demo, the tests (tests/support.py) and
-the benchmark (bench/formation.py); the demo wraps it, amqtt and a broker given with
-`--broker` in one async context manager shape (`Broker`) so the scenario does not care
-which one runs. Everything here binds 127.0.0.0/8 only, and every wait is bounded.
+The demo wraps its Mosquitto (`Mosquitto`, a child process), amqtt and a broker given
+with `--broker` in one async context manager shape (`Broker`) so the scenario does not
+care which one runs. The tests and the benchmarks start their Mosquitto with the same
+launcher, extended with what only they ask of a broker (tests/brokers.py), and take
+their ports from `free_port`. Everything here binds 127.0.0.0/8 only, and every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -145,31 +147,19 @@ def find_mosquitto() -> str | None:
 
 
 class Mosquitto:
-    """A real Mosquitto on a free port of 127.0.0.1 (and optionally a Unix socket), with a
-    throwaway config in `workdir`.
+    """A real Mosquitto on a free port of 127.0.0.1, with a throwaway config in `workdir`
+    and no store.
 
-    `stop()` then `start()` restart it on the same port; `persistence` decides whether the
-    retained state survives that. Synchronous, because the tests drive it from plain
-    functions; the demo runs `start` and `stop` in a thread. Subclasses change the
-    configuration through `config_text` (tests/brokers.py runs the shipped one).
+    `stop()` then `start()` restart it on the same port. Synchronous: the demo runs
+    `start` and `stop` in a thread. Subclasses add to the configuration through
+    `config_lines`.
     """
 
-    def __init__(
-        self,
-        workdir: Path,
-        *,
-        persistence: bool = False,
-        extra_config: str = "",
-        unix_socket: bool = False,
-        binary: str | None = None,
-    ) -> None:
+    def __init__(self, workdir: Path, *, binary: str | None = None) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = "127.0.0.1"
         self.port = free_port()
-        self.socket_path = str(workdir / "mqtt.sock") if unix_socket else None
-        self.persistence = persistence
-        self.extra_config = extra_config
         self.binary = binary
         """The mosquitto binary; None: `find_mosquitto()` when started."""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -179,29 +169,23 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
-    def config_text(self) -> str:
-        lines = [
+    def config_lines(self) -> list[str]:
+        """The configuration, a directive a line."""
+        return [
             f"listener {self.port} {self.host}",
             "allow_anonymous true",
-            f"persistence {'true' if self.persistence else 'false'}",
-            f"persistence_location {self.workdir}/",
             "log_type error",
             "log_type warning",
             "log_type notice",
             "max_keepalive 65535",
             "set_tcp_nodelay true",
-        ]
-        if not any(line.split()[:1] == ["user"] for line in self.extra_config.splitlines()):
             # As root Mosquitto drops to the mosquitto user, which cannot read files in
-            # private folders (ours are 0700: sockets, ACLs, certificates); ignored
-            # otherwise. Mosquitto refuses a second `user` line, so an extra config may
-            # set its own.
-            lines.append("user root")
-        if self.socket_path:
-            lines += [f"listener 0 {self.socket_path}", "allow_anonymous true"]
-        if self.extra_config:
-            lines.append(self.extra_config)
-        return "\n".join(lines) + "\n"
+            # private folders (ours are 0700); ignored otherwise.
+            "user root",
+        ]
+
+    def config_text(self) -> str:
+        return "\n".join(self.config_lines()) + "\n"
 
     def start(self, *, timeout: float = BROKER_START_TIMEOUT_S) -> None:
         """Start it and wait until it listens; DemoError (with its log) when it does not."""

@@ -40,6 +40,7 @@ from imexd.facts import Contest, Member, MembershipFacts, MembershipState
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.messages import (
+    LINK_END,
     MAX_HOLD_S,
     Deleted,
     DomainSpec,
@@ -51,6 +52,8 @@ from imexd.messages import (
     Received,
     Version,
     encode,
+    ended,
+    lost_record,
     version,
 )
 from imexd.nodestate import NodeState
@@ -464,10 +467,19 @@ class ShardView:
 
     def _on_received(self, event: Received, now: float) -> Identity | None:
         ref, payload = event.ref, event.payload
+        if ref.kind == "presence" and isinstance(payload, Presence):
+            return self._on_presence(event, payload, now)
         if ref.kind == "member" and isinstance(payload, MemberRecord):
             ours = ref.node == self.node  # judged whatever its version: ours goes back over it
-            if (ref.domain, ref.clique) == self.current and not self._newer(payload) and not ours:
+            here = (ref.domain, ref.clique) == self.current
+            if here and ours and not self._newer(payload) and self._ended_by_will(payload):
+                return None  # ours, which our will ended: we claim again, not resume it
+            if here and not self._newer(payload) and not ours:
                 if version(payload) == self.versions.get(ref.node):
+                    if payload.state is MemberState.LOST and ref.node in self.records:
+                        # The will we hold, given again: it still ends the record (one
+                        # restored unproven when a link ended before a round trip).
+                        return self._on_lost(event, payload, now)
                     self.unconfirmed.discard(ref.node)  # what we hold, given again
                 return None
             if (ref.domain, ref.clique) == self.current and payload.state is MemberState.LOST:
@@ -497,6 +509,11 @@ class ShardView:
                 else payload
             )
         return None
+
+    def _ended_by_will(self, record: MemberRecord) -> bool:
+        """Whether the version we hold for `record`'s node is a will that ends it."""
+        held, new = self.versions.get(record.node), version(record)
+        return held is not None and held[2] == LINK_END and (new is None or new < held)
 
     def _newer(self, record: MemberRecord) -> bool:
         """Whether `record` (of the current shard) is newer than what we took in for its
@@ -683,6 +700,37 @@ class ShardView:
             self.log.info("membership.peer_lost", peer=node, hold_s=round(hold, 3))
         return None
 
+    def _on_presence(self, event: Received, presence: Presence, now: float) -> Identity | None:
+        """A presence (a peer's, `followed`, or our own): its Last Will ends the node's
+        record here, as a tombstone on its member topic at the will's version would
+        (`_on_lost`); a will of an earlier link or run than the record changes nothing.
+        One found retained (in a snapshot) is old news: the record it ends is dropped at
+        once. Ours ends our record in a new link's snapshot when our will fired while the
+        link was down: we claim again rather than resume a slot someone may hold now."""
+        held = self.records.get(presence.node)
+        if self.current is None or held is None:
+            return None
+        will = lost_record(held, presence)
+        if will is None or (presence.node == self.node and not ended(held, presence)):
+            return None
+        if event.retained:
+            will = msgspec.structs.replace(will, hold_s=0.0)
+        self.log.info(
+            "membership.will_seen",
+            peer=presence.node,
+            link=presence.link,
+            retained=event.retained,
+            why="the node's presence says its link ended without a goodbye",
+        )
+        domain, clique = self.current
+        ref = TopicRef(kind="member", domain=domain, clique=clique, node=presence.node)
+        return self._on_received(Received(event.topic, ref, will, retained=event.retained), now)
+
+    def followed(self) -> frozenset[str]:
+        """The peers whose presence the agent follows: those it holds a record of in the
+        current shard, since their Last Will is their presence (`messages.Presence`)."""
+        return frozenset(n for n in self.records if n != self.node)
+
     def _drop_lost(self, now: float) -> None:
         """Drop the peers whose tombstone's hold ran out, as if their records were cleared."""
         gone = sorted(node for node, until in self.lost.items() if now >= until)
@@ -696,21 +744,11 @@ class ShardView:
         if gone:
             self.log.info("membership.records_gone", nodes=gone, why="lost: hold_s passed")
 
-    def will(self, topics: Topics, domain: str, clique: str) -> WillSpec:
-        """Our Last Will on our member topic of (domain, clique): a tombstone that says
-        who we are as of now (the bus sets hold_s per link)."""
-        tombstone = MemberRecord(
-            node=self.node,
-            domain=domain,
-            clique=clique,
-            address=self.address,
-            slot=None,
-            incarnation=self.incarnation,
-            state=MemberState.LOST,
-            max_nodes=self.max_nodes,
-            mode=self.mode,
-        )
-        return WillSpec(topics.member(domain, clique, self.node), tombstone=tombstone)
+    def will(self, topics: Topics, *, at: float) -> WillSpec:
+        """Our Last Will, one for the agent's run: our presence marked lost (the bus sets
+        the link it ends and hold_s per link). It ends our member record wherever we are
+        (`messages.lost_record`), so joining or leaving a shard never changes it."""
+        return WillSpec(topics.presence(self.node), tombstone=self.presence(None, at=at, lost=True))
 
     def presence(
         self, domain: str | None, *, at: float, stopped: float | None = None, lost: bool = False
@@ -725,11 +763,6 @@ class ShardView:
             stopped=stopped,
             lost=lost,
         )
-
-    def idle_will(self, topics: Topics, *, at: float) -> WillSpec:
-        """Our Last Will while in no domain (no member topic to carry one): our presence,
-        marked lost, so that a killed idle agent reads AgentDown like a member's will."""
-        return WillSpec(topics.presence(self.node), tombstone=self.presence(None, at=at, lost=True))
 
     def sending(self, record: MemberRecord | None) -> None:
         """We publish `record` on our member topic now (None: clear ours).
