@@ -102,7 +102,7 @@ def _one_node(protocol: Literal["5", "3.1.1"], *steps: Step) -> Schedule:
 
 
 def _wills(outcome: Outcome) -> list[float]:
-    return [at for at, text in outcome.notes if "n1's topic <- lost" in text]
+    return [at for at, text in outcome.notes if "n1's presence <- will" in text]
 
 
 def test_a_link_back_within_the_will_delay_fires_no_will_on_mqtt_5() -> None:
@@ -119,7 +119,7 @@ def test_a_link_back_within_the_will_delay_fires_no_will_on_mqtt_5() -> None:
 
 def test_a_will_fires_at_once_on_mqtt_3_1_1_and_the_peer_keeps_the_node_its_hold() -> None:
     """MQTT 3.1.1: the will fires as soon as the broker notices the dead link, and the
-    peer keeps the node in its hosts file for the tombstone's hold_s."""
+    peer keeps the node in its hosts file for the will's hold_s."""
     outcome = run(_one_node("3.1.1", Step(1.0, "cut", "n1", span_s=WILL_DELAY_S / 4)), tracing=True)
     assert outcome.violation is None
     assert len(_wills(outcome)) == 1

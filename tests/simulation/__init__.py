@@ -6,15 +6,16 @@ delivery delay, and an oracle checks the three invariants of docs/membership.md 
 and after each schedule (docs/simulation.md).
 
 Test infrastructure, not product: nothing in imexd imports it. From imexd it takes the
-shard and what the agent feeds it (records, the bus's events, the node state), the
-backoff rule (`Rotation`), and the agent's and bus's constants that shape the driving
-(`STEP_PACE_S`, `BEAT_S`, the stable-link time), so that the model keeps their values.
+shard and what the agent feeds it (records, presences, the bus's events, the node
+state), the backoff rule (`Rotation`), and the agent's and bus's constants that shape the
+driving (`BEAT_S`, the stable-link time, the bus's echo timeout), so that the model keeps
+their values.
 
 - `timings`: the settings every view is built with, the fault model's bounds, and the
   oracle's bounds derived from both;
 - `clock`: the simulated clock, its queue of timed actions and the run's random source;
-- `broker`: the model broker (retained records, per-subscriber order, echoes, wills,
-  sessions, restarts);
+- `broker`: the model broker (retained member records and presences, subscriptions,
+  per-subscriber order, echoes, wills, sessions, restarts);
 - `node`: one node: its `ShardView`, driven like the agent, its reconcile loop and a
   model daemon;
 - `oracle`: the invariants, checked while a schedule runs and after its quiet period;

@@ -1,23 +1,27 @@
 """The model broker: the MQTT semantics the membership code relies on, and no more.
 
-One shard's member topics (one per node), all retained. What it models, each as the
-agents' docs describe the broker (docs/membership.md, docs/bus.md):
+One shard's member topics and the nodes' presence topics (one of each per node), all
+retained. What it models, each as the agents' docs describe the broker (docs/membership.md,
+docs/bus.md):
 
 - the retained record of every topic; an empty publication deletes it;
-- per-subscriber order: every accepted publication is queued to every session in the
-  order the broker accepted it, each delivery with a seeded delay that never lets it
-  pass the one before (so a node's own publication comes back, its echo, after
-  everything accepted before it);
-- a subscription's retained snapshot, in no particular order, queued before anything
-  accepted after the SUBSCRIBE; a ping queued after it comes back once the snapshot is
-  delivered (what the agent's bus turns into `Synced`);
+- subscriptions: the shard's members filter and single presence topics, added and removed
+  while a session lives;
+- per-subscriber order: every accepted publication is queued to every session whose
+  subscriptions cover its topic, in the order the broker accepted it, each delivery with a
+  seeded delay that never lets it pass the one before (so a node's own publication comes
+  back, its echo, after everything accepted before it);
+- a SUBSCRIBE's retained snapshot, in no particular order, queued before anything accepted
+  after it; a ping queued after it comes back once the snapshot is delivered (what the
+  agent's bus turns into `Synced`);
 - sessions: MQTT 5 resumes the session of a client id that reconnects within its expiry
   (the Will Delay), with what was queued for it meanwhile delivered first; MQTT 3.1.1
   starts afresh; a connect with a client id whose link the broker still holds takes that
   session over;
-- the Last Will of a link that dies without DISCONNECT: after the Will Delay unless the
-  client id connects again first (MQTT 5), at once with the tombstone's hold_s (3.1.1);
-  on a take-over, 3.1.1 brokers that publish the old link's will do so at once;
+- the Last Will of a link that dies without DISCONNECT, the node's presence marked lost:
+  after the Will Delay unless the client id connects again first (MQTT 5), at once with
+  the will's hold_s (3.1.1); on a take-over, 3.1.1 brokers that publish the old link's
+  will do so at once;
 - a restart: every will (of connected clients and those still delayed) published at
   once, then every link closed; the broker comes back after a while, empty or with the
   retained records it persisted (before or after those wills), with no sessions.
@@ -27,12 +31,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import msgspec
 
 from imexd.bus.events import Protocol, WillSpec
-from imexd.messages import MemberRecord
+from imexd.messages import MemberRecord, MemberState, Presence, ended
 from tests.simulation.clock import Clock
 from tests.simulation.timings import CONNECT_TIMEOUT_S, HOP_S, SPIKE_S, WILL_DELAY_S
 
@@ -44,6 +48,20 @@ Author = Literal["agent", "will", "hostile"]
 """Who wrote a record the broker accepted: the node's own agent, the broker for the
 node's link (its will), or the hostile writer (with the node's credentials)."""
 ItemKind = Literal["record", "ping", "eof"]
+TopicKind = Literal["member", "presence"]
+Topic = tuple[TopicKind, str]
+"""A topic of the model: the member topic of a node in the shard, or its presence."""
+Payload = MemberRecord | Presence
+MEMBERS: Final = "members"
+"""The subscription that covers every member topic of the shard (the members filter)."""
+
+
+def member(node: str) -> Topic:
+    return ("member", node)
+
+
+def presence(node: str) -> Topic:
+    return ("presence", node)
 
 
 @dataclass(slots=True, eq=False)
@@ -55,7 +73,7 @@ class Link:
     """The agent's count of connect attempts (`Connected.link`), which its will says."""
     client_id: str
     will: WillSpec | None
-    will_record: MemberRecord | None
+    will_record: Presence | None
     """The will as this link's CONNECT carries it (hold_s and link filled in)."""
     net_ok: bool = True
     """The network between the agent and the broker works for this link."""
@@ -69,6 +87,8 @@ class Link:
     checked: bool = False
     """The retained check ran on this link (after its first own echo)."""
     session: Session | None = None
+    published: set[Topic] = field(default_factory=set)
+    """The agent's records it published on this link (the bus puts back only those)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -77,8 +97,8 @@ class Item:
 
     due: float
     kind: ItemKind
-    topic_node: str = ""
-    record: MemberRecord | None = None
+    topic: Topic = ("member", "")
+    record: Payload | None = None
     retained: bool = False
     token: object = None
     """A ping's: what the agent asked it for."""
@@ -91,14 +111,19 @@ class Item:
 
 @dataclass(slots=True, eq=False)
 class Session:
-    """What the broker keeps for a client id: its queue, subscription and current link."""
+    """What the broker keeps for a client id: its queue, subscriptions and current link."""
 
     client_id: str
     link: Link | None = None
     queue: deque[Item] = field(default_factory=deque)
     last_due: float = 0.0
     pumping: bool = False
-    subscribed: bool = False
+    filters: set[str] = field(default_factory=set)
+    """MEMBERS, and the nodes whose presence topic it subscribed."""
+
+    def covers(self, topic: Topic) -> bool:
+        kind, node = topic
+        return MEMBERS in self.filters if kind == "member" else node in self.filters
 
 
 class Broker:
@@ -123,18 +148,41 @@ class Broker:
         """The share of deliveries that are late (`timings.SPIKE_S`)."""
         self.oracle: Oracle | None = None
         self.up = True
-        self.retained: dict[str, MemberRecord] = {}
-        """node -> the retained record on its member topic."""
-        self.authors: dict[str, Author] = {}
-        """node -> who wrote what its topic holds (or last cleared it)."""
-        self.history: dict[str, list[MemberRecord]] = {}
-        """node -> every record accepted on its topic, oldest first (what a replay takes)."""
+        self.retained: dict[Topic, Payload] = {}
+        """topic -> the retained record on it."""
+        self.authors: dict[Topic, Author] = {}
+        """topic -> who wrote what it holds (or last cleared it)."""
+        self.ended: dict[str, MemberRecord] = {}
+        """node -> its member record as it stood when a will (or a forged one) ended it: the
+        record stays on the broker, ended, until its node writes another, even once a later
+        presence replaced the will (not MQTT: the ground truth the oracle reads)."""
+        self.history: dict[str, list[tuple[Topic, Payload]]] = {}
+        """node -> every record accepted on its topics, oldest first (what a replay takes)."""
         self.sessions: dict[str, Session] = {}
         self.seq = 0
         """Records accepted so far (and restarts, which change what is retained)."""
         self._wills: dict[str, tuple[Link, int]] = {}
         """client id -> a delayed will pending (its link, and a token that a reconnect voids)."""
         self._will_tokens = 0
+
+    def member_record(self, node: str) -> MemberRecord | None:
+        """What `node`'s member topic holds."""
+        record = self.retained.get(member(node))
+        return record if isinstance(record, MemberRecord) else None
+
+    def presence_of(self, node: str) -> Presence | None:
+        """What `node`'s presence topic holds."""
+        record = self.retained.get(presence(node))
+        return record if isinstance(record, Presence) else None
+
+    def stands(self, node: str) -> bool:
+        """Whether `node`'s member record stands on the broker, no will having ended it."""
+        standing = self.member_record(node)
+        return (
+            standing is not None
+            and standing.state is not MemberState.LOST
+            and self.ended.get(node) != standing
+        )
 
     # -- delays ---------------------------------------------------------------------
 
@@ -162,11 +210,15 @@ class Broker:
     def connect(self, link: Link) -> None:
         self.clock.at(self._uplink(link), self._on_connect, link)
 
-    def subscribe(self, link: Link) -> None:
-        self.clock.at(self._uplink(link), self._on_subscribe, link)
+    def subscribe(self, link: Link, filters: frozenset[str]) -> None:
+        self.clock.at(self._uplink(link), self._on_subscribe, link, filters)
 
-    def publish(self, link: Link, topic_node: str, record: MemberRecord | None) -> None:
-        self.clock.at(self._uplink(link), self._on_publish, link, topic_node, record)
+    def unsubscribe(self, link: Link, filters: frozenset[str]) -> None:
+        self.clock.at(self._uplink(link), self._on_unsubscribe, link, filters)
+
+    def publish(self, link: Link, topic: Topic, record: Payload | None) -> None:
+        link.published.add(topic)
+        self.clock.at(self._uplink(link), self._on_publish, link, topic, record)
 
     def ping(self, link: Link, token: object) -> None:
         self.clock.at(self._uplink(link), self._on_ping, link, token)
@@ -190,7 +242,7 @@ class Broker:
             # same client id, is this one's past).
             old.broker_open = False
             if self.protocol == "3.1.1" and self.takeover_will and old.will_record is not None:
-                self.accept(old.will_record.node, old.will_record, "will")
+                self.accept(presence(old.node.name), old.will_record, "will")
         self._wills.pop(link.client_id, None)  # back within the Will Delay: no will
         present = session is not None and self.protocol == "5"
         if not present:
@@ -204,19 +256,28 @@ class Broker:
             self.clock.note(f"broker: {link.node.name} link {link.number} open")
         self.clock.at(self.clock.now + self.hop(), link.node.on_connack, link, present)
 
-    def _on_subscribe(self, link: Link) -> None:
+    def _on_subscribe(self, link: Link, filters: frozenset[str]) -> None:
         if not self._open(link) or link.session is None:
             return
         session = link.session
-        session.subscribed = True
-        snapshot = sorted(self.retained.items())
+        session.filters |= filters
+        covered = [
+            (topic, record)
+            for topic, record in self.retained.items()
+            if (MEMBERS in filters if topic[0] == "member" else topic[1] in filters)
+        ]
+        snapshot = sorted(covered, key=lambda entry: entry[0])
         self.clock.rng.shuffle(snapshot)  # a snapshot comes in no particular order
-        for node, record in snapshot:
-            self._enqueue(session, Item(0.0, "record", node, record, retained=True))
+        for topic, record in snapshot:
+            self._enqueue(session, Item(0.0, "record", topic, record, retained=True))
 
-    def _on_publish(self, link: Link, topic_node: str, record: MemberRecord | None) -> None:
+    def _on_unsubscribe(self, link: Link, filters: frozenset[str]) -> None:
+        if self._open(link) and link.session is not None:
+            link.session.filters -= filters
+
+    def _on_publish(self, link: Link, topic: Topic, record: Payload | None) -> None:
         if self._open(link):
-            self.accept(topic_node, record, "agent")
+            self.accept(topic, record, "agent")
 
     def _on_ping(self, link: Link, token: object) -> None:
         if self._open(link) and link.session is not None:
@@ -230,24 +291,27 @@ class Broker:
 
     # -- what the broker does -------------------------------------------------------
 
-    def accept(self, topic_node: str, record: MemberRecord | None, author: Author) -> None:
-        """Take `record` (None: a delete) on `topic_node`'s member topic, and queue it to
-        every subscribed session, connected or resumable."""
+    def accept(self, topic: Topic, record: Payload | None, author: Author) -> None:
+        """Take `record` (None: a delete) on `topic`, and queue it to every session,
+        connected or resumable, whose subscriptions cover it."""
         self.seq += 1
         if record is None:
-            self.retained.pop(topic_node, None)
+            self.retained.pop(topic, None)
         else:
-            self.retained[topic_node] = record
-            self.history.setdefault(topic_node, []).append(record)
-        self.authors[topic_node] = author
+            self.retained[topic] = record
+            self.history.setdefault(topic[1], []).append((topic, record))
+        self.authors[topic] = author
+        standing = self.member_record(topic[1])
+        if isinstance(record, Presence) and standing is not None and ended(standing, record):
+            self.ended[topic[1]] = standing
         if self.clock.tracing:
             what = "cleared" if record is None else describe(record)
-            self.clock.note(f"broker: {topic_node}'s topic <- {what} (by {author})")
+            self.clock.note(f"broker: {topic[1]}'s {topic[0]} <- {what} (by {author})")
         if self.oracle is not None:
-            self.oracle.on_accept(topic_node, record, author)
+            self.oracle.on_accept(topic, record, author)
         for session in self.sessions.values():
-            if session.subscribed:
-                self._enqueue(session, Item(0.0, "record", topic_node, record, seq=self.seq))
+            if session.covers(topic):
+                self._enqueue(session, Item(0.0, "record", topic, record, seq=self.seq))
 
     def link_died(self, link: Link) -> None:
         """The broker notices that `link` died without DISCONNECT: its will."""
@@ -265,7 +329,7 @@ class Broker:
                 self.clock.now + WILL_DELAY_S, self._will_due, link.client_id, self._will_tokens
             )
         else:
-            self.accept(will.node, will, "will")
+            self.accept(presence(will.node), will, "will")
 
     def armed(self, node: str) -> bool:
         """Whether a will of `node` may still end its record: a link of it that the broker
@@ -299,7 +363,7 @@ class Broker:
         del self._wills[client_id]
         will = pending[0].will_record
         if will is not None:
-            self.accept(will.node, will, "will")
+            self.accept(presence(will.node), will, "will")
 
     def restart(self, down_s: float, *, empty: bool) -> None:
         """Shut down (every will at once, then every link closed) and come back after
@@ -314,12 +378,14 @@ class Broker:
         self._wills.clear()
         for link in delayed:
             if link.will_record is not None:
-                self.accept(link.will_record.node, link.will_record, "will")
-        before = dict(self.retained), dict(self.authors)
+                self.accept(presence(link.will_record.node), link.will_record, "will")
+        before = dict(self.retained), dict(self.authors), dict(self.ended)
+        if self.oracle is not None:
+            self.oracle.on_shutdown()
         for link in open_links:
             if link.will_record is not None:
-                self.accept(link.will_record.node, link.will_record, "will")
-        after = dict(self.retained), dict(self.authors)
+                self.accept(presence(link.will_record.node), link.will_record, "will")
+        after = dict(self.retained), dict(self.authors), dict(self.ended)
         for link in open_links:
             link.broker_open = False
             if link.session is not None:
@@ -330,7 +396,7 @@ class Broker:
         if empty and self.oracle is not None:
             self.oracle.on_state_lost()
         kept = after if self.persist_wills else before
-        self.retained, self.authors = ({}, {}) if empty else (dict(kept[0]), dict(kept[1]))
+        self.retained, self.authors, self.ended = ({}, {}, {}) if empty else kept
         rearm = [] if empty or self.persist_wills else open_links
         if not empty and self.oracle is not None:
             self.oracle.on_state_kept()
@@ -384,8 +450,13 @@ class Broker:
         self._kick(session)
 
 
-def describe(record: MemberRecord) -> str:
+def describe(record: Payload) -> str:
     """A record in a trace's words."""
+    if isinstance(record, Presence):
+        if record.lost:
+            return f"will inc {record.incarnation} link {record.link} hold {record.hold_s:g}"
+        said = "stopped" if record.stopped is not None else "runs"
+        return f"presence ({said}) inc {record.incarnation}"
     where = "" if record.slot is None else f" slot {record.slot}"
     return (
         f"{record.state.value}{where} inc {record.incarnation} link {record.link} "
@@ -393,9 +464,9 @@ def describe(record: MemberRecord) -> str:
     )
 
 
-def will_of(will: WillSpec | None, *, protocol: Protocol, link: int) -> MemberRecord | None:
-    """The tombstone a link's CONNECT carries, as the agent's bus fills it in."""
-    if will is None or not isinstance(will.tombstone, MemberRecord):
+def will_of(will: WillSpec | None, *, protocol: Protocol, link: int) -> Presence | None:
+    """The will a link's CONNECT carries, as the agent's bus fills it in."""
+    if will is None or not isinstance(will.tombstone, Presence):
         return None
     payload = will.payload(WILL_DELAY_S, broker_waits=protocol == "5", link=link)
-    return msgspec.json.decode(payload, type=MemberRecord)
+    return msgspec.json.decode(payload, type=Presence)

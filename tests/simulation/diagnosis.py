@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from imexd.messages import LINK_END, MemberState, version
+from imexd.messages import LINK_END, MemberState, lost_record, version
 from tests.simulation.oracle import DAEMON_TOUCHED, Violation
 from tests.simulation.world import World
 
@@ -100,19 +100,20 @@ def cause(world: World, violation: Violation) -> str:
     oracle, broker = world.oracle, world.broker
     nodes = set(violation.nodes)
     for name in sorted(nodes & set(oracle.dead)):
-        standing = broker.retained.get(name)
+        standing = broker.member_record(name)
+        said = broker.presence_of(name)
         unended = (
-            standing is not None
-            and standing.state is not MemberState.LOST
-            and broker.authors.get(name) == "agent"
+            broker.stands(name)
+            and broker.authors.get(("member", name)) == "agent"
             and not broker.armed(name)
         )
         if unended:
             return "leave-before-publish" if name in oracle.left_unpublished else "will-gap"
-        will = version(standing) if standing is not None else None
+        will = lost_record(standing, said) if standing is not None and said is not None else None
+        end = version(will) if will is not None else None
         for peer in world.nodes.values():
             held = peer.shard.versions.get(name) if peer.alive else None
-            if will is not None and held is not None and will < held:
+            if end is not None and held is not None and end < held:
                 return "will-gap"  # a will older than the records it should end
     for peer in world.nodes.values():
         if not peer.alive or peer.name not in nodes:

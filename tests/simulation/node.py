@@ -3,13 +3,18 @@
 The agent's parts that turn the shard's plans into effects are modelled here, each
 after the method it stands for:
 
-- the bus (`imexd.bus.engine`): connect with the will, subscribe, a ping that proves the
-  snapshot (`Synced`), the retained check after the first own echo (`BrokerChecked`),
-  reconnects with the real `Rotation` backoff, and a deliberate reconnect when the will
-  or the client id changes (`Agent._take`);
-- the membership loop (`Agent._membership_loop`, `_step`, `_claim`, `_publish_claim`):
-  steps paced by `STEP_PACE_S`, at the shard's own timers (`ShardView.due_at`), and
-  the node state it saves;
+- the bus (`imexd.bus.engine`): connect with the will (the node's presence marked lost,
+  one per run), subscribe (the members filter and our own presence from the start, the
+  presence of each peer followed), a ping that proves a snapshot (`Synced`), the
+  retained check after the first own echo (`BrokerChecked`), our presence replayed on
+  every link and put back when written over, reconnects with the real `Rotation`
+  backoff, and a deliberate reconnect when the will or the client id changes
+  (`Agent._take`, an outbid in `Agent._claim`);
+- the membership loop (`Agent._membership_loop`, `_follow_presences`, `_step`,
+  `_claim`): a turn once per batch of deliveries and at the shard's own timers
+  (`ShardView.due_at`), which first follows the presence of every peer the view holds a
+  record of (`ShardView.followed`) and waits for their snapshot, then steps; the node
+  state it saves;
 - the reconcile loop (`Agent._reconcile_loop`, `Reconciler.apply`): coalescing within
   `settle_s`, a removed member applied only once it stood `settle_s` and a round trip
   proved it (`ShardView.proven`), and no change while the view is not ready;
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -39,10 +45,19 @@ from imexd.bus.events import (
 from imexd.bus.rotation import Rotation
 from imexd.membership.desired import Desired
 from imexd.membership.shard import Identity, Plan, ShardView
-from imexd.messages import Deleted, MemberState, Received
+from imexd.messages import Deleted, MemberState, Presence, Received
 from imexd.nodestate import NodeState
 from imexd.topics import TopicRef, Topics
-from tests.simulation.broker import Broker, Item, Link, will_of
+from tests.simulation.broker import (
+    MEMBERS,
+    Broker,
+    Item,
+    Link,
+    Topic,
+    member,
+    presence,
+    will_of,
+)
 from tests.simulation.clock import Clock
 from tests.simulation.timings import (
     BEAT_S,
@@ -52,10 +67,10 @@ from tests.simulation.timings import (
     CONFIRM_GRACE_S,
     DETECT_MAX_S,
     DOMAIN,
+    ECHO_TIMEOUT_S,
     RECONNECT_INITIAL_S,
     RECONNECT_MAX_S,
     SETTLE_S,
-    STEP_PACE_S,
     TAKEOVER_WATCH_S,
     WALL_ORIGIN,
 )
@@ -68,6 +83,16 @@ SHARD = (DOMAIN, CLIQUE)
 BROKER = "mqtt://sim"
 Members = dict[int, tuple[str, str]]
 """slot -> (node, address): what a hosts file lists."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPing:
+    """The ping after a SUBSCRIBE (`LinkEngine._settle`): its return is `Synced`."""
+
+    filters: frozenset[str]
+    """The subscriptions (MEMBERS, presence nodes) granted when it was sent."""
+    new_link: bool
+    """The first of its link: the link's whole snapshot, not one more subscription's."""
 
 
 def _silent_log(clock: Clock) -> structlog.typing.FilteringBoundLogger:
@@ -156,12 +181,28 @@ class SimNode:
         self.links = 0
         self.client_id = f"imexd-{self.name}"
         self.will: WillSpec | None = None
+        self.filters: set[str] = {MEMBERS, self.name}
+        """The bus's subscriptions, kept across links: the shard's members filter, our own
+        presence (subscribed at start), and the presences followed."""
+        self.presence: Presence | None = None
+        """Our presence as the bus declares it (`Bus.retain`): replayed on every link."""
+        self.presence_before: Presence | None = None
+        self.answered: Presence | None = None
+        """The copy written over our presence that was last put back (`_put_back`)."""
+        self.presences: set[str] = set()
+        """The peers whose presence we follow (`Agent.presences`)."""
+        self.synced_filters: frozenset[str] | None = frozenset()
+        """The filters of the last `Synced` taken in (`Agent.synced_filters`)."""
+        self.following: tuple[frozenset[str], int] | None = None
+        """While the turn waits for the snapshot of presences it began to follow: those
+        presences, and the wait's token (`Agent._presences_read`)."""
+        self.follow_token = 0
+        self.wake = False
         self.rotation = Rotation(1, RECONNECT_INITIAL_S, RECONNECT_MAX_S, self.clock.rng.random)
         self.synced_at = float("-inf")
         self.view_ready = False
         self.step_at: float | None = None
         self.step_token = 0
-        self.last_step = float("-inf")
         self.dirty = False
         self.rec_at: float | None = None
         self.rec_token = 0
@@ -198,11 +239,16 @@ class SimNode:
         self.saved = replace(self.saved, incarnation=incarnation)
         self.saved_at_start = incarnation
         self.shard.start(incarnation)
-        self.shard.join(SHARD, self.clock.now)
-        self.will = self.shard.will(TOPICS, *SHARD)
+        self.shard.join(SHARD, self.clock.now, needs=frozenset({_filter(MEMBERS)}))
+        self.will = self.shard.will(TOPICS, at=self._wall())
         self._note(f"agent starts, incarnation {incarnation}")
         self.oracle.on_start(self)
+        self._declare_presence()
         self._connect(floor=0.0)
+
+    def _wall(self) -> float:
+        """This node's wall clock (`wire_now`)."""
+        return WALL_ORIGIN + self.clock.now + self.skew_s
 
     def crash(self) -> None:
         """The node dies, daemon and all: the broker notices its link's end (its will)."""
@@ -211,12 +257,17 @@ class SimNode:
         self.oracle.on_gone(self)
 
     def leave(self) -> None:
-        """SIGTERM: clear our record, stop the daemon, DISCONNECT (`Agent._shutdown`)."""
+        """SIGTERM: our presence says we stopped, our record is cleared, the daemon stops,
+        DISCONNECT (`Agent._shutdown`)."""
         self._note("leaves")
         link = self.link
         if link is not None and link.client_open:
+            if not self.shard.duplicate:
+                wall = self._wall()
+                stopped = self.shard.presence(None, at=wall, stopped=wall)
+                self.broker.publish(link, presence(self.name), stopped)
             if self.shard.published:
-                self.broker.publish(link, self.name, None)
+                self.broker.publish(link, member(self.name), None)
             link.client_open = False
             self.broker.disconnect(link)
             self.link = None
@@ -311,8 +362,12 @@ class SimNode:
         if link.client_id != self.client_id or link.will != self.will:
             self._leave_link("will changed")  # changed while connecting: as the engine does
             return
-        self.broker.subscribe(link)
-        self._ping(link, "sync")
+        # `LinkEngine._serve`: subscribe everything, replay our presence, prove the snapshot.
+        filters = frozenset(self.filters)
+        self.broker.subscribe(link, filters)
+        if self.presence is not None:
+            self.broker.publish(link, presence(self.name), self.presence)
+        self._ping(link, SyncPing(filters, new_link=True))
 
     def _notice_dead(self, life: int, link: Link) -> None:
         if life == self.life:
@@ -358,7 +413,7 @@ class SimNode:
         if item.kind == "ping":
             self._on_ping(item)
             return
-        topic, ref = _address(item.topic_node)
+        topic, ref = _address(item.topic)
         record = item.record
         event: Event = (
             Deleted(topic, ref, item.retained)
@@ -366,8 +421,10 @@ class SimNode:
             else Received(topic, ref, record, item.retained)
         )
         self._apply(event)
+        if item.topic == presence(self.name) and not item.retained:
+            self._put_back(link, record)
         if (
-            item.topic_node == self.name
+            item.topic == member(self.name)
             and record is not None
             and not item.retained
             and not link.checked
@@ -380,12 +437,31 @@ class SimNode:
             self._ping(link, "check")
         self._request_step()
 
+    def _put_back(self, link: Link, record: object) -> None:
+        """`LinkEngine._put_back`: a live copy of our presence that is not ours (a will of
+        an earlier link, the hostile writer's) goes back under ours, once per copy."""
+        ours = self.presence
+        if (
+            ours is None
+            or not isinstance(record, Presence)
+            or record in (ours, self.presence_before, self.answered)
+            or presence(self.name) not in link.published
+        ):
+            return
+        self.answered = record
+        self.broker.publish(link, presence(self.name), ours)
+
     def _on_ping(self, item: Item) -> None:
         token = item.token
-        if token == "sync":
-            self._apply(Synced(at=self.clock.now))
-            self.synced_at = self.clock.now
-            self.oracle.on_synced(self)
+        if isinstance(token, SyncPing):
+            self._apply(Synced(at=self.clock.now, filters=frozenset(map(_filter, token.filters))))
+            self.synced_filters = token.filters
+            if token.new_link:
+                self.synced_at = self.clock.now
+                self.oracle.on_synced(self)
+            following = self.following
+            if following is not None and token.filters >= following[0]:
+                self.following = None  # the presences' snapshot is in: the turn goes on
             self._request_step()
         elif token == "check":
             self._apply(BrokerChecked(BROKER, ok=True))
@@ -405,19 +481,49 @@ class SimNode:
             self._note("stands aside: another agent runs as this node")
             self.will = None
             self.client_id = f"imexd-{self.name}-duplicate-{shard.incarnation}"
+            self.presence = None  # the other agent's to write (`Bus.disown`)
             self._leave_link("client id changed")
         elif identity is Identity.BACK:
             self._note("back: the other agent's record is gone")
             self.client_id = f"imexd-{self.name}"
-            self.will = shard.will(TOPICS, *SHARD)
+            self.will = shard.will(TOPICS, at=self._wall())
+            self._declare_presence()
             self._leave_link("client id changed")
         if not shard.synced:
             self.view_ready = False
 
+    def _declare_presence(self) -> None:
+        """Our presence now (`Agent._publish_report`: at start and whenever the
+        incarnation changes), published on the current link and replayed on the next."""
+        self.presence_before = self.presence
+        self.presence = self.shard.presence(DOMAIN, at=self._wall())
+        link = self.link
+        if link is not None and link.client_open:
+            self.broker.publish(link, presence(self.name), self.presence)
+
+    def _subscribe(self, nodes: Set[str]) -> None:
+        """`Bus.subscribe` of the presence of `nodes`: on the link now, with the round trip
+        that proves the snapshot (`LinkEngine._settle`), else on the next link."""
+        self.filters |= nodes
+        link = self.link
+        if link is not None and link.client_open:
+            self.broker.subscribe(link, frozenset(nodes))
+            self._ping(link, SyncPing(frozenset(self.filters), new_link=False))
+
+    def _unsubscribe(self, nodes: Set[str]) -> None:
+        self.filters -= nodes
+        link = self.link
+        if link is not None and link.client_open:
+            self.broker.unsubscribe(link, frozenset(nodes))
+
     # -- the membership loop ------------------------------------------------------------
 
     def _request_step(self) -> None:
-        self._schedule_step(max(self.clock.now, self.last_step + STEP_PACE_S))
+        """The events loop took a batch in: membership turns (once the wait for followed
+        presences, if one is on, is over)."""
+        self.wake = True
+        if self.following is None:
+            self._schedule_step(self.clock.now)
 
     def _schedule_step(self, at: float) -> None:
         if self.step_at is not None and self.step_at <= at:
@@ -430,22 +536,56 @@ class SimNode:
         if life != self.life or token != self.step_token:
             return
         self.step_at = None
+        if self.following is not None:
+            return  # the turn is waiting for presences: it goes on when the wait ends
+        self.wake = False
+        if not self._follow_presences():
+            return  # the turn goes on once their snapshot is in, or the wait is over
         self._step()
-        if not self.alive:
+        if self.wake:
+            self._schedule_step(self.clock.now)
             return
         due = self.shard.due_at(self.clock.now)
         if due is not None:
-            self._schedule_step(max(due, self.last_step + STEP_PACE_S))
+            self._schedule_step(due)
+
+    def _follow_presences(self) -> bool:
+        """`Agent._follow_presences`: follow the presence of every peer the view holds a
+        record of, and no other; False while the snapshot of those newly followed is
+        awaited (`_presences_read`: until a `Synced` covers them, at most ECHO_TIMEOUT_S)."""
+        while True:
+            wanted = set(self.shard.followed())
+            if gone := self.presences - wanted:
+                self._unsubscribe(gone)
+            new = frozenset(wanted - self.presences)
+            self.presences = wanted
+            if not new:
+                return True
+            self._subscribe(new)
+            read = self.synced_filters
+            if read is None or read >= new:
+                continue
+            self.follow_token += 1
+            self.following = (new, self.follow_token)
+            self.clock.at(
+                self.clock.now + ECHO_TIMEOUT_S, self._follow_late, self.life, self.follow_token
+            )
+            return False
+
+    def _follow_late(self, life: int, token: int) -> None:
+        following = self.following
+        if life == self.life and following is not None and following[1] == token:
+            self.following = None
+            self._schedule_step(self.clock.now)
 
     def _step(self) -> None:
         """`Agent._step`: derive, publish, commit, and what should run."""
         now = self.clock.now
-        self.last_step = now
         shard = self.shard
         desired = self.desired
         plan = shard.derive(
             now,
-            wall_now=WALL_ORIGIN + now + self.skew_s,
+            wall_now=self._wall(),
             saved=self.saved,
             running=desired.run and (desired.domain, desired.clique) == shard.current,
             release=lambda: False,
@@ -477,14 +617,14 @@ class SimNode:
                 self.first_state = record.state
             link = self.link
             if link is not None and link.client_open:
-                self.broker.publish(link, self.name, record)
+                self.broker.publish(link, member(self.name), record)
             shard.sent(record)
         shard.commit(plan)
         if plan.outbid:
-            will = shard.will(TOPICS, *SHARD)
-            if will != self.will:
-                self.will = will
-                self._leave_link("will changed")
+            # Our will must end this incarnation's links: a new one, and a new link.
+            self.will = shard.will(TOPICS, at=self._wall())
+            self._declare_presence()
+            self._leave_link("will changed")
         if decision.settled and decision.claim.slot is not None:
             self.saved = NodeState(
                 domain=DOMAIN,
@@ -607,10 +747,19 @@ class SimNode:
 
 
 @functools.cache
-def _address(node: str) -> tuple[str, TopicRef]:
-    """The member topic of `node`, and what it addresses."""
+def _address(topic: Topic) -> tuple[str, TopicRef]:
+    """The bus topic of a model topic, and what it addresses."""
+    kind, node = topic
+    if kind == "presence":
+        return TOPICS.presence(node), TopicRef(kind="presence", node=node)
     ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=node)
     return TOPICS.member(DOMAIN, CLIQUE, node), ref
+
+
+@functools.cache
+def _filter(name: str) -> str:
+    """The bus filter of a model subscription (MEMBERS, or a node's presence)."""
+    return TOPICS.members_filter(DOMAIN, CLIQUE) if name == MEMBERS else TOPICS.presence(name)
 
 
 def _hosts(members: Members) -> str:

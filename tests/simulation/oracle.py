@@ -4,11 +4,12 @@ what a view believes.
 
 1. **A settled member's daemon is touched only by its own decision.** Stopping or
    restarting a running daemon is a breach unless, since it started, the node's
-   continuity was really lost (its record stopped standing on the broker: its will
-   fired, the broker lost its state, or its link went down while a record it did not
-   write stood on its topic) and another node's claim or member record on the daemon's
-   slot reached the broker (a rival that the stamps may rank first once continuity is
-   lost: `own_change`). A leave and a crash end the daemon with the node: no breach.
+   continuity was really lost (its record stopped standing on the broker: its will, its
+   presence marked lost, fired and ended it, the broker lost its state, or its link went
+   down while a record it did not write stood on its topic or a will it did not write
+   ended its record) and another node's claim or member record on the daemon's slot
+   reached the broker (a rival that the stamps may rank first once continuity is lost:
+   `own_change`). A leave and a crash end the daemon with the node: no breach.
 2. **Hosts files converge.** After the last fault and `QUIET_S`, every live node is a
    settled member whose daemon runs, and all of them list the same slot map: every live
    node, at its real address, each on the slot its own daemon runs, each slot once.
@@ -16,10 +17,11 @@ what a view believes.
    leaves every live peer's hosts file within `GONE_BOUND_S` of its end (within
    `REJOIN_BOUND_S` of the peer's next snapshot, where the peer's link was down), and once
    a peer dropped it after a round trip proved its end, never returns to that peer's
-   hosts file.
+   hosts file. A dead node's member record stays on the broker as it wrote it (its will,
+   on its presence topic, is what ends it): the rule is about the hosts files.
 
-A record that the hostile writer forged on a node's topic with a version the node never
-wrote past (it died before it could outbid it) is the broker's to keep, not the agents'
+A record (or will) that the hostile writer forged on a node's topics with a version the
+node never wrote past (it died before it could outbid it) is the broker's to keep, not the agents'
 to repair (docs/membership.md, *What a node with valid credentials that lies can still
 do*): that node is left out of rules 2 and 3.
 """
@@ -29,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from imexd.messages import MemberRecord, MemberState, Version, version
-from tests.simulation.broker import Author, Broker
+from imexd.messages import LINK_END, MemberRecord, MemberState, Presence, Version, ended, version
+from tests.simulation.broker import Author, Broker, Payload, Topic, member, presence
 from tests.simulation.clock import Clock
 from tests.simulation.timings import GONE_BOUND_S, REJOIN_BOUND_S
 
@@ -88,63 +90,90 @@ class Oracle:
         self.taint: dict[str, Version] = {}
         """node -> the version of a hostile record on its topic that it never wrote past."""
         self.ended: dict[str, int] = {}
-        """dead node -> the broker's `seq` at its end (its will, its clear, or a broker
-        that lost its record): a peer that has seen that far and lists it no more has
-        taken its end in."""
-        self.last_seq: dict[str, int] = {}
-        """node -> the broker's `seq` of the last record accepted on its topic."""
+        """dead node -> the broker's `seq` at its end (a will that ends its record, its
+        clear, or a broker that lost its record): a peer that has seen that far and lists
+        it no more has taken its end in."""
+        self.last_seq: dict[Topic, int] = {}
+        """topic -> the broker's `seq` of the last record accepted on it."""
         self.left_unpublished: set[str] = set()
         """Nodes that left before they published in their run (what a diagnosis reads)."""
         self.overwritten: set[str] = set()
-        """Nodes on whose topic the hostile writer wrote while their daemon ran."""
+        """Nodes on whose topics the hostile writer wrote while their daemon ran."""
         self.restored: dict[str, MemberRecord] = {}
         """node -> its own record as the last persisting broker restart gave it back."""
         self.hostile_on: set[str] = set()
-        """Running nodes on whose topic the hostile writer wrote during this run."""
+        """Running nodes on whose topics the hostile writer wrote during this run."""
         self.masked: set[str] = set()
-        """Nodes a record of whose was accepted below a hostile version on their topic (the
-        peers that took the forgery in ignore it)."""
+        """Nodes a record or will of whose was accepted below a hostile version on their
+        topics (the peers that took the forgery in ignore it)."""
         self.written_first: set[str] = set()
-        """Nodes on whose topic the hostile writer wrote before their agent, in its current
+        """Nodes on whose topics the hostile writer wrote before their agent, in its current
         (or next) run, published anything."""
+        self._before_wills: tuple[dict[str, bool], set[str]] = ({}, set())
+        """`broken` and `lost` as a broker began to publish its wills while shutting down."""
 
     def _fail(self, rule: str, detail: str, *nodes: str) -> None:
         raise Broken(Violation(rule, self.clock.now, detail, tuple(sorted(set(nodes)))))
 
     # -- the broker -------------------------------------------------------------------
 
-    def on_accept(self, topic_node: str, record: MemberRecord | None, author: Author) -> None:
-        self.last_seq[topic_node] = self.broker.seq
-        ends = author == "will" or record is None
-        if ends and topic_node in self.dead and topic_node not in self.ended:
-            self.ended[topic_node] = self.broker.seq
+    def on_accept(self, topic: Topic, record: Payload | None, author: Author) -> None:
+        kind, name = topic
+        self.last_seq[topic] = self.broker.seq
         if author == "hostile":
-            target = self.nodes.get(topic_node)
-            if target is not None and target.daemon.running:
-                self.overwritten.add(topic_node)
-            if target is not None and target.alive:
-                self.hostile_on.add(topic_node)
-            if target is not None and (not target.alive or target.first_state is None):
-                self.written_first.add(topic_node)
-            new = None if record is None else version(record)
-            held = self.taint.get(topic_node)
-            if new is not None and (held is None or new > held):
-                self.taint[topic_node] = new
+            self._hostile(name, record)
         else:
-            held = self.taint.get(topic_node)
-            new = None if record is None else version(record)
-            if held is not None and (record is None or (new is not None and new > held)):
-                del self.taint[topic_node]
-            elif held is not None:
-                self.masked.add(topic_node)
-            if author == "agent":
-                self.broken[topic_node] = False
-            else:
-                self._break(topic_node)
-        if record is not None and record.state in _CONTENDING and record.slot is not None:
+            self._versioned(name, _version(record) if record is not None else None, record)
+        if kind == "presence":
+            will = record if isinstance(record, Presence) and record.lost else None
+            if will is not None and self._ends(name, will):
+                self._end(name)
+                if author == "will":
+                    self._break(name)
+            return
+        if record is None:
+            self._end(name)
+        elif author == "agent":
+            self.broken[name] = False
+        if isinstance(record, MemberRecord) and record.state in _CONTENDING:
             for node, slots in self.rivals.items():
-                if node != topic_node:
+                if node != name and record.slot is not None:
                     slots.add(record.slot)
+
+    def _hostile(self, name: str, record: Payload | None) -> None:
+        """The hostile writer wrote `record` on a topic of `name`."""
+        target = self.nodes.get(name)
+        if target is not None and target.daemon.running:
+            self.overwritten.add(name)
+        if target is not None and target.alive:
+            self.hostile_on.add(name)
+        if target is not None and (not target.alive or target.first_state is None):
+            self.written_first.add(name)
+        new = None if record is None else _version(record)
+        held = self.taint.get(name)
+        if new is not None and (held is None or new > held):
+            self.taint[name] = new
+
+    def _versioned(self, name: str, new: Version | None, record: Payload | None) -> None:
+        """A record or will of `name` that its agent or its link wrote: past a hostile
+        version it ends the taint, below one the peers that took the forgery ignore it."""
+        held = self.taint.get(name)
+        if held is None or (isinstance(record, Presence) and not record.lost):
+            return
+        if record is None or (new is not None and new > held):
+            del self.taint[name]
+        else:
+            self.masked.add(name)
+
+    def _ends(self, name: str, will: Presence) -> bool:
+        """Whether `will` ends the member record that stands for `name` on the broker."""
+        standing = self.broker.member_record(name)
+        return standing is not None and ended(standing, will)
+
+    def _end(self, name: str) -> None:
+        """`name`'s record ended on the broker now: a dead node's end, for rule 3."""
+        if name in self.dead and name not in self.ended:
+            self.ended[name] = self.broker.seq
 
     def _break(self, node: str) -> None:
         """`node`'s record no longer stands as it wrote it: its continuity is lost."""
@@ -158,13 +187,21 @@ class Oracle:
         for node in self.dead:
             self.ended.setdefault(node, self.broker.seq)
 
+    def on_shutdown(self) -> None:
+        """The broker shuts down: what continuity was as its wills begin to go out."""
+        self._before_wills = dict(self.broken), set(self.lost)
+
     def on_state_kept(self) -> None:
-        """The broker restarted with the records it persisted."""
-        for node, author in self.broker.authors.items():
-            if author == "agent" and node in self.broker.retained:
-                self.broken[node] = False  # its record is back as it wrote it
-                self.lost.discard(node)
-                self.restored[node] = self.broker.retained[node]
+        """The broker restarted with the records it persisted: those from before the wills
+        it published while shutting down (continuity as it was then), or with them."""
+        if not self.broker.persist_wills:
+            broken, lost = self._before_wills
+            self.broken, self.lost = dict(broken), set(lost)
+        for node in self.nodes:
+            record = self.broker.member_record(node)
+            if self.broker.stands(node) and self.broker.authors.get(("member", node)) == "agent":
+                assert record is not None
+                self.restored[node] = record
 
     # -- the nodes --------------------------------------------------------------------
 
@@ -180,9 +217,9 @@ class Oracle:
         self.dead[node.name] = self.clock.now
         if left and not node.shard.published:
             self.left_unpublished.add(node.name)
-        standing = self.broker.retained.get(node.name)
-        if standing is None or standing.state is MemberState.LOST:
-            self.ended[node.name] = self.last_seq.get(node.name, 0)
+        if not self.broker.stands(node.name):
+            topics = (member(node.name), presence(node.name))
+            self.ended[node.name] = max(self.last_seq.get(t, 0) for t in topics)
         self.rivals.pop(node.name, None)
         self.gone_from.pop(node.name, None)
         self.written_first.discard(node.name)
@@ -192,8 +229,11 @@ class Oracle:
                 self._check_later(node.name, peer)
 
     def on_link_down(self, node: SimNode) -> None:
-        if self.broker.authors.get(node.name) == "hostile":
-            self._break(node.name)
+        """The node's link went down while a record it did not write stood on its topic, or
+        a will it did not write had ended its record: it cannot have seen its own put back."""
+        name = node.name
+        if self.broker.authors.get(("member", name)) == "hostile" or not self.broker.stands(name):
+            self._break(name)
 
     def on_synced(self, node: SimNode) -> None:
         for dead in self.dead:
@@ -208,8 +248,12 @@ class Oracle:
         self.overwritten.discard(node.name)
         self.rivals[node.name] = {
             r.slot
-            for other, r in self.broker.retained.items()
-            if other != node.name and r.state in _CONTENDING and r.slot is not None
+            for (kind, other), r in self.broker.retained.items()
+            if kind == "member"
+            and other != node.name
+            and isinstance(r, MemberRecord)
+            and r.state in _CONTENDING
+            and r.slot is not None
         }
 
     def on_daemon_touched(self, node: SimNode, what: str, slot: int | None) -> None:
@@ -345,3 +389,11 @@ def _listed(node: SimNode) -> set[str]:
 
 def _show(members: dict[int, tuple[str, str]]) -> str:
     return "{" + ", ".join(f"{slot}: {node}" for slot, (node, _) in sorted(members.items())) + "}"
+
+
+def _version(record: Payload) -> Version | None:
+    """Where a record or will stands among what its node wrote (`messages.version`); a
+    presence that is no will has no place."""
+    if isinstance(record, Presence):
+        return (record.incarnation, record.link, LINK_END) if record.lost else None
+    return version(record)

@@ -9,13 +9,14 @@ steps sees reconnects, will delays and confirmation graces overlap.
 
 from __future__ import annotations
 
+import inspect
 from typing import Final
 
-from imexd.agent.run import STEP_PACE_S
+from imexd.bus.link import Bus
 from imexd.health.guard import BEAT_S
 from imexd.membership.shard import CONFIRM_MARGIN_S, TAKEOVER_WATCH_DELAYS
 
-__all__ = ["BEAT_S", "STEP_PACE_S"]
+__all__ = ["BEAT_S"]
 
 DOMAIN: Final = "sim"
 CLIQUE: Final = "c1"
@@ -30,12 +31,15 @@ CLAIM_STALE_S: Final = 30.0
 """`[domain] claim_stale_s` (default)."""
 WILL_DELAY_S: Final = 5.0
 """`[bus] will_delay_s` (default): the broker's Will Delay, or on MQTT 3.1.1 the
-tombstone's hold_s."""
+will's hold_s."""
 RECONNECT_INITIAL_S: Final = 0.5
 """`[bus] reconnect_initial_s` (default)."""
 RECONNECT_MAX_S: Final = 8.0
 """`[bus] reconnect_max_s` (30 s by default): the cap of the reconnect backoff."""
 CONFIRM_GRACE_S: Final = RECONNECT_MAX_S + CONFIRM_MARGIN_S
+ECHO_TIMEOUT_S: Final[float] = inspect.signature(Bus).parameters["echo_timeout_s"].default
+"""The bus's echo timeout (the agent's default): the longest the agent waits for the
+snapshot of the presence topics it begins to follow (`Agent._presences_read`)."""
 TAKEOVER_WATCH_S: Final = TAKEOVER_WATCH_DELAYS * RECONNECT_INITIAL_S + CONFIRM_MARGIN_S
 
 # -- the fault model: how late things may be
@@ -61,18 +65,21 @@ BROKER_DOWN_MAX_S: Final = 6.0
 
 DELIVERY_BOUND_S: Final = SLOW_MAX_S + SPIKE_S[1] + 2 * HOP_S[1]
 """The latest a message accepted by the broker reaches a connected subscriber."""
-APPLY_BOUND_S: Final = STEP_PACE_S + 2 * SETTLE_S + 2 * DELIVERY_BOUND_S + BEAT_S + 0.5
-"""From a change in a node's view to its hosts file: the step's pace, the reconcile
-loop's settle window (a removal waits it, then a round trip proves it, at most BEAT_S
-before the loop goes on without it), and a margin."""
+APPLY_BOUND_S: Final = 2 * SETTLE_S + 4 * DELIVERY_BOUND_S + BEAT_S + 0.5
+"""From a change in a node's view to its hosts file: a step that waits for the snapshot
+of the presence topics it began to follow (a round trip), the reconcile loop's settle
+window (a removal waits it, then a round trip proves it, at most BEAT_S before the loop
+goes on without it), and a margin."""
 GONE_BOUND_S: Final = DETECT_MAX_S + WILL_DELAY_S + DELIVERY_BOUND_S + APPLY_BOUND_S
-"""After a node crashed (or left while its link was down), the latest its will is in the
+"""After a node crashed (or left while its link was down), the latest it is out of the
 hosts file of every peer whose link stayed up: the broker notices, waits the Will Delay
-(or the peers hold the tombstone that long), delivers it, and the peers apply it."""
+(or the peers hold its record that long after the will), delivers the will, and the
+peers apply it."""
 REJOIN_BOUND_S: Final = CONFIRM_GRACE_S + WILL_DELAY_S + APPLY_BOUND_S
 """After a peer's link came back (its Synced), the latest a node that died meanwhile is
 out of its hosts file: a record the new snapshot lacks stays for the confirmation grace,
-a tombstone in it is held for hold_s (MQTT 3.1.1), then the change is applied."""
+a will that comes live after it is held for hold_s (MQTT 3.1.1), then the change is
+applied."""
 QUIET_S: Final = (
     RECONNECT_MAX_S
     + CONNECT_TIMEOUT_S

@@ -1,9 +1,10 @@
 """One run: the nodes, the broker and the oracle of a schedule, on one clock.
 
-The hostile writer lives here: it writes with a node's credentials on that node's topic
-only (the broker's ACL, docs/security.md), while that node's agent runs and its link
-stands (so that the node itself sees the record and can put its own back, and its will
-ends whatever stands there when the node dies), or before the node's agent first joins.
+The hostile writer lives here: it writes with a node's credentials on that node's topics
+only, its member topic and its presence (the broker's ACL, docs/security.md), while that
+node's agent runs and its link stands (so that the node itself sees the record and can
+put its own back, and its will ends whatever its records say when the node dies), or
+before the node's agent first joins. A forged will is the node's presence marked lost.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from imexd.messages import MemberRecord, MemberState
-from tests.simulation.broker import Broker
+from imexd.messages import MemberRecord, MemberState, Presence
+from tests.simulation.broker import Broker, Payload, Topic, member, presence
 from tests.simulation.clock import Clock
 from tests.simulation.node import SimNode
 from tests.simulation.oracle import RUNAWAY, Broken, Oracle, Violation
@@ -121,29 +122,44 @@ class World:
             allowed = node.alive and link is not None and link.broker_open and self.broker.up
         if not allowed or not self.broker.up:
             return
-        record = self._replayed(step, node) if step.kind == "replay" else self._forged(step, node)
-        if record is not None:
-            self.broker.accept(node.name, record, "hostile")
+        written = self._replayed(step, node) if step.kind == "replay" else self._forged(step, node)
+        if written is not None:
+            self.broker.accept(*written, "hostile")
 
-    def _replayed(self, step: Step, node: SimNode) -> MemberRecord | None:
-        """An older record of `node` that the broker once held (a will included)."""
-        current = self.broker.retained.get(node.name)
-        older = [r for r in self.broker.history.get(node.name, []) if r != current]
+    def _replayed(self, step: Step, node: SimNode) -> tuple[Topic, Payload] | None:
+        """An older record of `node` that the broker once held on one of its topics (a
+        will, or a presence that is none, included)."""
+        retained = self.broker.retained
+        history = self.broker.history.get(node.name, [])
+        older = [(t, r) for t, r in history if retained.get(t) != r]
         return older[step.pick % len(older)] if older else None
 
-    def _forged(self, step: Step, node: SimNode) -> MemberRecord:
-        """A record `node` never wrote: its name, a state and slot of the writer's choice,
-        an incarnation at or above the node's, sometimes another address."""
+    def _forged(self, step: Step, node: SimNode) -> tuple[Topic, Payload]:
+        """A record `node` never wrote: its name, a state and slot of the writer's choice
+        (a will: its presence marked lost), an incarnation at or above the node's,
+        sometimes another address."""
         pick, now = step.pick, self.clock.now
         incarnation = node.saved.incarnation + (0 if node.alive else 1) + pick % 3
         slot = (pick >> 2) % self.schedule.max_nodes
-        lost = step.form == "lost"
-        return MemberRecord(
+        address = "10.66.0.1" if (pick >> 8) % 4 == 0 else node.address
+        if step.form == "lost":
+            will = Presence(
+                node=node.name,
+                incarnation=incarnation,
+                at=WALL_ORIGIN + now,
+                domain=None,
+                address=address,
+                lost=True,
+                link=(pick >> 16) % 4,
+                hold_s=0.0 if self.schedule.protocol == "5" else WILL_DELAY_S,
+            )
+            return presence(node.name), will
+        return member(node.name), MemberRecord(
             node=node.name,
             domain=DOMAIN,
             clique=CLIQUE,
-            address="10.66.0.1" if (pick >> 8) % 4 == 0 else node.address,
-            slot=None if lost or step.form == "standby" else slot,
+            address=address,
+            slot=None if step.form == "standby" else slot,
             incarnation=incarnation,
             state=MemberState(step.form),
             max_nodes=self.schedule.max_nodes,
@@ -151,8 +167,7 @@ class World:
             settled=WALL_ORIGIN + now - 1000 - (pick >> 10) % 100
             if step.form == "member"
             else None,
-            hold_s=(0.0 if self.schedule.protocol == "5" else WILL_DELAY_S) if lost else 0.0,
-            seq=0 if lost else 1 + (pick >> 12) % 40,
+            seq=1 + (pick >> 12) % 40,
             link=(pick >> 16) % 4,
         )
 
