@@ -91,6 +91,14 @@ CAUSES: Final[dict[str, str]] = {
         "saw the forgery (its will or its next record replaced it on the broker first, or "
         "it died)"
     ),
+    "timer-spin": (
+        "a timer of the view (`ShardView.due_at`: a first start held, a record to put "
+        "back, a peer's hold) comes due while the view is not synced (its link is down): "
+        "`derive` returns at once without clearing it, so `Agent._step_due` keeps "
+        "returning a time in the past and the membership loop turns without ever waiting "
+        "until the link is back (up to `[bus] reconnect_max_s`), a busy loop; no rule "
+        "breaks, the agent burns a core"
+    ),
     "unclassified": "none of the causes above: read its trace",
 }
 
@@ -98,6 +106,8 @@ CAUSES: Final[dict[str, str]] = {
 def cause(world: World, violation: Violation) -> str:
     """The cause (a key of CAUSES) of `violation`, from the world where the run stopped."""
     oracle, broker = world.oracle, world.broker
+    if violation is oracle.spun:
+        return "timer-spin"
     nodes = set(violation.nodes)
     for name in sorted(nodes & set(oracle.dead)):
         standing = broker.member_record(name)

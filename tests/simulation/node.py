@@ -83,6 +83,13 @@ SHARD = (DOMAIN, CLIQUE)
 BROKER = "mqtt://sim"
 Members = dict[int, tuple[str, str]]
 """slot -> (node, address): what a hosts file lists."""
+SPIN_TURNS = 100
+"""Turns of one node's membership loop at one instant of the simulated clock that make a
+busy loop: a timer that stays due (`ShardView.due_at` in the past) wakes the loop at once,
+again and again, and the agent's task spins without ever waiting. The oracle is told
+(`Oracle.on_spin`), and the loop then waits for its next event: turns that change nothing
+at one instant change nothing more when repeated, so the run goes on as the agent's
+would, less the spinning."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +210,9 @@ class SimNode:
         self.view_ready = False
         self.step_at: float | None = None
         self.step_token = 0
+        self.turned_at = float("-inf")
+        self.turns = 0
+        """Turns of the membership loop at `turned_at` (SPIN_TURNS)."""
         self.dirty = False
         self.rec_at: float | None = None
         self.rec_token = 0
@@ -538,6 +548,12 @@ class SimNode:
         self.step_at = None
         if self.following is not None:
             return  # the turn is waiting for presences: it goes on when the wait ends
+        now = self.clock.now
+        self.turns = self.turns + 1 if now == self.turned_at else 1
+        self.turned_at = now
+        if self.turns > SPIN_TURNS:
+            self.oracle.on_spin(self, self.shard.due_at(now))
+            return
         self.wake = False
         if not self._follow_presences():
             return  # the turn goes on once their snapshot is in, or the wait is over

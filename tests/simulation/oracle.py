@@ -43,7 +43,9 @@ DAEMON_TOUCHED = "1 daemon touched"
 NO_CONVERGENCE = "2 no convergence"
 DEAD_RETURNED = "3 dead node listed"
 RUNAWAY = "runaway"
-"""Not an invariant: the run did not go quiet within its event budget (a busy loop)."""
+"""Not an invariant: the run did not go quiet within its event budget, or an agent's
+membership loop spun (turned without end at one instant); reported only when the run
+broke no invariant."""
 RULES = (DAEMON_TOUCHED, NO_CONVERGENCE, DEAD_RETURNED, RUNAWAY)
 
 _CONTENDING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
@@ -109,6 +111,8 @@ class Oracle:
         self.written_first: set[str] = set()
         """Nodes on whose topics the hostile writer wrote before their agent, in its current
         (or next) run, published anything."""
+        self.spun: Violation | None = None
+        """The first spin of a membership loop (`on_spin`)."""
         self._before_wills: tuple[dict[str, bool], set[str]] = ({}, set())
         """`broken` and `lost` as a broker began to publish its wills while shutting down."""
 
@@ -228,6 +232,21 @@ class Oracle:
             if peer.alive:
                 self._check_later(node.name, peer)
 
+    def on_spin(self, node: SimNode, due: float | None) -> None:
+        """A node's membership loop turns without end at one instant (`node.SPIN_TURNS`):
+        kept, and reported at the end unless an invariant breaks first."""
+        if self.spun is None:
+            synced = "synced" if node.shard.synced else "not synced"
+            self.spun = Violation(
+                RUNAWAY,
+                self.clock.now,
+                f"{node.name}'s membership loop spins: {node.turns} turns at one instant, "
+                f"a timer due at {due:.3f} and its view {synced}"
+                if due is not None
+                else f"{node.name}'s membership loop spins with no timer due",
+                (node.name,),
+            )
+
     def on_link_down(self, node: SimNode) -> None:
         """The node's link went down while a record it did not write stood on its topic, or
         a will it did not write had ended its record: it cannot have seen its own put back."""
@@ -320,7 +339,8 @@ class Oracle:
     # -- the end ----------------------------------------------------------------------
 
     def final(self) -> None:
-        """Rule 2 after the quiet period (and rule 3 once more)."""
+        """Rule 2 after the quiet period (and rule 3 once more), then a spin if one was
+        seen."""
         live = sorted(n.name for n in self.nodes.values() if n.alive)
         maps: dict[str, dict[int, tuple[str, str]]] = {}
         for name in live:
@@ -380,6 +400,8 @@ class Oracle:
                     name,
                     *differ,
                 )
+        if self.spun is not None:
+            raise Broken(self.spun)
 
 
 def _listed(node: SimNode) -> set[str]:
