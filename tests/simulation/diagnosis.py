@@ -6,32 +6,34 @@ from __future__ import annotations
 
 from typing import Final
 
-from imexd.messages import LINK_END, MemberState, lost_record, version
+from imexd.messages import MemberState, ended, lost_record, version
 from tests.simulation.oracle import DAEMON_TOUCHED, Violation
 from tests.simulation.world import World
 
 CAUSES: Final[dict[str, str]] = {
     "leave-before-publish": (
         "an agent that leaves (SIGTERM) before it published anything in its run clears "
-        "nothing (`Agent._shutdown` clears only when `ShardView.published`), and its clean "
-        "DISCONNECT drops its will: its past run's record stands for ever, a dead member "
-        "in every hosts file"
+        "nothing (`Agent._shutdown` clears only when `ShardView.published`), its presence "
+        "says only that it stopped, and its clean DISCONNECT drops its will: its past "
+        "run's record, which no will ended (a restart within the Will Delay resumed the "
+        "session), stands for ever, a dead member in every hosts file"
     ),
     "will-gap": (
-        "a change of will (an incarnation raised over a record of the node's name) "
-        "reconnects with a clean DISCONNECT first: between it and the next CONNECT the "
-        "broker holds no will of the raised incarnation, so a crash (or a leave, whose "
-        "clear has no link to go out on) there leaves the node's record standing for "
-        "ever, or ends it with the old link's will (fired where the DISCONNECT came too "
-        "late), older than the records it should end: the peers keep the dead node"
+        "a change of will (only an incarnation raised over a record or will of the node's "
+        "name: `Agent._claim` sets a new will, a join no longer does) reconnects with a "
+        "clean DISCONNECT first: between it and the next CONNECT the broker holds no will "
+        "of the raised incarnation, so a crash (or a leave, whose clear has no link to go "
+        "out on) there leaves the record it published with the raised incarnation "
+        "standing for ever, or ends nothing with the old link's will (fired where the "
+        "DISCONNECT came too late), older than that record: the peers keep the dead node"
     ),
-    "tombstone-confirms": (
-        "a node's will taken in, then restored unconfirmed when the link ended before a "
-        "round trip proved it (any link that drops; a broker shutting down publishes every "
-        "will first), is confirmed by the same tombstone "
-        "given again (the new snapshot, or a persisted session's will): "
-        "`ShardView._on_received` treats any copy of the held version as a confirmation, "
-        "so the dead node stays in the hosts files for ever"
+    "will-overwritten": (
+        "a node's will (its presence marked lost) ends its member record, which stays on "
+        "the broker; its next run publishes its presence (replayed on every link), which "
+        "replaces the will, and leaves (SIGTERM) before it publishes a record of its own, "
+        "so it clears nothing and its presence says only that it stopped: a node that "
+        "joins later (or a peer that missed the will) finds the dead record and a "
+        "presence that is no will, and lists the dead node for ever"
     ),
     "foreign-adopted": (
         "a record of a node's name that it did not write (placed before it ran, or forged "
@@ -48,33 +50,30 @@ CAUSES: Final[dict[str, str]] = {
         "which the view restores when the link ends, and the dead node returns to the "
         "hosts file"
     ),
-    "held-claim-rival": (
-        "after a reconnect, a peer's stale claim, kept only for its tombstone's hold_s "
-        "(MQTT 3.1.1) and confirmed by that tombstone (`_on_lost`), counts as a rival on "
-        "our slot in `_rejoin`: a member whose will fired yields its slot to a dead node's "
-        "claim, which no longer stands on the broker, and its daemon restarts"
-    ),
     "shutdown-will-outbid": (
-        "a broker that shuts down publishes the will of our current link: we raise our "
-        "incarnation over it and publish a record that the closing broker never takes; "
-        "restarted with its state kept, it gives our previous record back, which is no "
-        "longer the last we published, so `_rejoin` judges continuity lost and a rival "
-        "record on our slot takes it: our daemon restarts"
+        "a broker that shuts down publishes every will, ours (of our current link) too, "
+        "then closes the links: our view takes our own will in as the end of our record "
+        "at once (`_on_presence`, an incarnation raised over it, and `_ended_by_will` "
+        "keeps the record from being resumed), with no round trip to prove it, unlike a "
+        "peer's will, which comes back unconfirmed when the link ends; restarted with its "
+        "state from before those wills, the broker gives our record back as it stood, "
+        "but we claim again instead of resuming it, and a rival record on our slot (one "
+        "that its stamp ranks first) takes it: our daemon stops or restarts"
     ),
     "forged-vacates-slot": (
-        "a hostile record on a holder's topic that leaves its slot (a replay of an older "
-        "record, a forged claim, standby or will) lets a node that claims the slot before "
-        "the holder's record is back settle there: two members on one slot of one broker, "
-        "each keeping its daemon (the holder's continuity holds), and the hosts files "
-        "disagree on who holds it"
+        "a hostile record on a holder's topics that leaves its slot (a replay of an older "
+        "record, a forged claim or standby, or a forged will on its presence) lets a node "
+        "that claims the slot before the holder's record is back settle there: two "
+        "members on one slot of one broker, each keeping its daemon (the holder's "
+        "continuity holds), and the hosts files disagree on who holds it"
     ),
     "forged-relink": (
-        "the hostile writer's records on a holder's topic: a forged will makes it raise its "
-        "incarnation and reconnect to change its will, and a forged record that leaves its "
-        "slot, arriving before that new link's first step, makes the holder judge its "
-        "continuity lost (`_rejoin`: its record is not as it last published it); a node "
-        "that claimed the slot while the forgery stood there settled, and the holder "
-        "yields to it: its daemon restarts"
+        "the hostile writer's records on a holder's topics: a forged will (its presence "
+        "marked lost) makes it raise its incarnation and reconnect to change its will, and "
+        "a forged record that leaves its slot, arriving before that new link's first "
+        "step, makes the holder judge its continuity lost (`_rejoin`: its record is not "
+        "as it last published it); a node that claimed the slot while the forgery stood "
+        "there settled, and the holder yields to it: its daemon restarts"
     ),
     "past-resumed": (
         "an older record of a node, replayed on its topic after its agent restarted and "
@@ -84,12 +83,12 @@ CAUSES: Final[dict[str, str]] = {
         "incumbent, and the two run on one slot"
     ),
     "forged-version": (
-        "the hostile writer's record (with the node's credentials) carries a version above "
-        "the node's own: the peers that took it in ignore the node's real records until "
-        "the node outbids it, its claims too (a rival settles on the claimed slot at its "
-        "echo: two members on one slot of one broker), and for good where the node never "
-        "saw the forgery (its will or its next record replaced it on the broker first, or "
-        "it died)"
+        "the hostile writer's record or will (with the node's credentials) carries a "
+        "version above the node's own: the peers that took it in ignore the node's real "
+        "records until the node outbids it, its claims too (a rival settles on the "
+        "claimed slot at its echo: two members on one slot of one broker), and for good "
+        "where the node never saw the forgery (its next record or presence replaced it "
+        "on the broker first, a broker restart lost it, or it died)"
     ),
     "timer-spin": (
         "a timer of the view (`ShardView.due_at`: a first start held, a record to put "
@@ -98,6 +97,23 @@ CAUSES: Final[dict[str, str]] = {
         "returning a time in the past and the membership loop turns without ever waiting "
         "until the link is back (up to `[bus] reconnect_max_s`), a busy loop; no rule "
         "breaks, the agent burns a core"
+    ),
+    "ended-resumed": (
+        "a restarted agent resumes its past run's member record, which stays on the broker "
+        "after its will fired, although that will (on its presence) ended it: the new "
+        "link's snapshot gave the presence before the record (no order across filters; "
+        "the agent subscribes its presence first), so `_on_presence` found no record to "
+        "end and kept nothing, and the record, coming next, is resumed with its old settle "
+        "stamp, on a slot that a node settled on since the will: two members on one slot"
+    ),
+    "empty-restart-newcomer": (
+        "a broker restarts without its retained records; before a member whose link is "
+        "still in its reconnect backoff publishes its record again, a node that joins "
+        "(with no earlier link, so no record of its own view waits unconfirmed for it) "
+        "finds the slot free and settles there; the member comes back, continuity lost, "
+        "and keeps the slot by its older settle stamp, while every view that saw the "
+        "newcomer settle first holds it as the slot's incumbent: two members on one slot, "
+        "each listed by its own side"
     ),
     "unclassified": "none of the causes above: read its trace",
 }
@@ -119,6 +135,9 @@ def cause(world: World, violation: Violation) -> str:
         )
         if unended:
             return "leave-before-publish" if name in oracle.left_unpublished else "will-gap"
+        ended_here = standing is not None and broker.ended.get(name) == standing
+        if ended_here and standing is not None and not ended(standing, said):
+            return "will-overwritten"
         will = lost_record(standing, said) if standing is not None and said is not None else None
         end = version(will) if will is not None else None
         for peer in world.nodes.values():
@@ -130,20 +149,9 @@ def cause(world: World, violation: Violation) -> str:
             continue
         shard = peer.shard
         for name in sorted(nodes & set(shard.records) & set(oracle.dead)):
-            held = shard.versions.get(name)
             if name in oracle.gone_from.get(peer.name, set()) and name in shard.unconfirmed:
                 return "unproven-applied"
-            if (
-                name not in shard.unconfirmed
-                and held is not None
-                and held[2] == LINK_END
-                and version(shard.records[name]) != held
-            ):
-                return "tombstone-confirms"
         if violation.rule == DAEMON_TOUCHED:
-            held_claims = [n for n in shard.lost if shard.records[n].state is MemberState.CLAIMING]
-            if held_claims:
-                return "held-claim-rival"
             restored = oracle.restored.get(peer.name)
             if restored is not None and restored.incarnation < shard.incarnation:
                 return "shutdown-will-outbid"
@@ -153,8 +161,17 @@ def cause(world: World, violation: Violation) -> str:
     for node in world.nodes.values():
         if node.alive and node.daemon.running and node.daemon.slot is not None:
             by_slot.setdefault(node.daemon.slot, set()).add(node.name)
-    if any(len(held) > 1 and held & oracle.hostile_on for held in by_slot.values()):
+    shared = [pair for pair in by_slot.values() if len(pair) > 1]
+    if any(world.nodes[name].resumed_ended for pair in shared for name in pair):
+        return "ended-resumed"
+    if any(pair & oracle.hostile_on for pair in shared):
         return "forged-vacates-slot"
+    emptied = oracle.emptied
+    forged = oracle.hostile_on | oracle.written_first | oracle.masked | set(oracle.taint)
+    for pair in shared:
+        since = [oracle.started_at.get(name, 0.0) for name in pair]
+        if emptied is not None and min(since) < emptied < max(since) and not pair & forged:
+            return "empty-restart-newcomer"
     for name in sorted(oracle.written_first):
         node = world.nodes[name]
         if node.alive and node.first_state is MemberState.MEMBER:

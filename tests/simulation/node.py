@@ -45,7 +45,7 @@ from imexd.bus.events import (
 from imexd.bus.rotation import Rotation
 from imexd.membership.desired import Desired
 from imexd.membership.shard import Identity, Plan, ShardView
-from imexd.messages import Deleted, MemberState, Presence, Received
+from imexd.messages import Deleted, MemberState, Presence, Received, ended
 from imexd.nodestate import NodeState
 from imexd.topics import TopicRef, Topics
 from tests.simulation.broker import (
@@ -226,6 +226,9 @@ class SimNode:
         """The incarnation this run started with (what a diagnosis compares)."""
         self.first_state: MemberState | None = None
         """The state of the first record this run published (what a diagnosis reads)."""
+        self.resumed_ended = False
+        """This run resumed (its first record a member's) a past record of ours that a will
+        on our presence had ended (what a diagnosis reads)."""
         self.proven_seq = 0
         """How far into the broker's order the last proof (a round trip) reached."""
 
@@ -631,6 +634,7 @@ class SimNode:
             shard.sending(record)
             if self.first_state is None and record is not None:
                 self.first_state = record.state
+                self.resumed_ended = record.state is MemberState.MEMBER and self._past_ended()
             link = self.link
             if link is not None and link.client_open:
                 self.broker.publish(link, member(self.name), record)
@@ -653,6 +657,14 @@ class SimNode:
             self.desired_at = self.clock.now
             self.dirty = True
             self._schedule_reconcile(self.clock.now)
+
+    def _past_ended(self) -> bool:
+        """Whether a will accepted on our presence so far ended the past record we resume."""
+        past = self.shard.past
+        history = self.broker.history.get(self.name, [])
+        return past is not None and any(
+            isinstance(said, Presence) and ended(past, said) for _, said in history
+        )
 
     # -- the reconcile loop -------------------------------------------------------------
 

@@ -113,6 +113,10 @@ class Oracle:
         (or next) run, published anything."""
         self.spun: Violation | None = None
         """The first spin of a membership loop (`on_spin`)."""
+        self.emptied: float | None = None
+        """When the broker last restarted without its retained records."""
+        self.started_at: dict[str, float] = {}
+        """node -> when its daemon last started (what a diagnosis reads)."""
         self._before_wills: tuple[dict[str, bool], set[str]] = ({}, set())
         """`broken` and `lost` as a broker began to publish its wills while shutting down."""
 
@@ -186,6 +190,7 @@ class Oracle:
 
     def on_state_lost(self) -> None:
         """The broker restarts without its retained records (called before it drops them)."""
+        self.emptied = self.clock.now
         for node in self.nodes:
             self._break(node)
         for node in self.dead:
@@ -262,6 +267,7 @@ class Oracle:
         """A daemon starts: its continuity and rivals are counted from now (a record that
         does not stand as it wrote it now, say a will that fired while the member record
         was still on its way, is no continuity)."""
+        self.started_at[node.name] = self.clock.now
         if not self.broken.get(node.name, False):
             self.lost.discard(node.name)
         self.overwritten.discard(node.name)
