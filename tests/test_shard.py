@@ -908,6 +908,18 @@ def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
     assert members(derive(v, 3.0)) == {0: ME}
 
 
+def test_a_will_of_ours_later_than_our_run_is_outbid() -> None:
+    """Found by the simulator: a will of our name at a later incarnation than ours (only
+    someone else can have written it) stood in every peer's view over our records, which
+    they then ignored for good. We raise our incarnation over it, as over any record of
+    our name that we did not write."""
+    v = view()
+    settle(v)
+    forged = presence_will(ME, inc=7, link=1)
+    v.apply(forged, 3.0)
+    assert (v.incarnation, v.outbid) == (8, True)
+
+
 def test_a_peers_presence_will_ends_its_record_of_that_link() -> None:
     """A peer's Last Will is its presence, marked lost: it ends the peer's record of its
     link (and earlier ones) as a tombstone on its member topic would, with its hold; a

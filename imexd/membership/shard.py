@@ -590,14 +590,19 @@ class ShardView:
                 return  # what we publish next on this link comes after it
         if encode(record) == (b"" if self.last_sent is None else encode(self.last_sent)):
             return
-        self.incarnation = record.incarnation + 1
+        self._raise_incarnation(record.incarnation, "a record of this node name")
+
+    def _raise_incarnation(self, over: int, what: str) -> None:
+        """Raise our incarnation above `over`, so that what we publish next is newer
+        everywhere (`Plan.outbid`: saved, and a will that says it)."""
+        self.incarnation = over + 1
         self.claim = replace(self.claim, incarnation=self.incarnation)
         self.outbid = True
         self.log.info(
             "membership.incarnation_raised",
             incarnation=self.incarnation,
-            over=record.incarnation,
-            why="a record of this node name that this agent did not write",
+            over=over,
+            why=f"{what} that this agent did not write",
         )
 
     def _overwritten(self, record: MemberRecord | None, now: float) -> Identity | None:
@@ -728,10 +733,23 @@ class ShardView:
         link was down: we claim again rather than resume a slot someone may hold now; given
         live, ours changes nothing."""
         ours = presence.node == self.node
+        if (
+            ours
+            and presence.lost
+            and (presence.incarnation, presence.link)
+            > (
+                self.incarnation,
+                self.link,
+            )
+        ):
+            # A will of ours that we cannot have left (a later run or link than ours):
+            # someone else wrote it, and peers would take it over every record of ours.
+            self._raise_incarnation(presence.incarnation, "a will of this node name")
+            return None
         if ours and not event.retained:
             # Our own will given live while our link is up: a broker shutting down (the
-            # link ends next) or a forgery; the next link's snapshot tells which. Neither
-            # is a record of our name that we must outbid.
+            # link ends next), or a copy of it; the next link's snapshot tells which. It
+            # is nothing we must outbid.
             return None
         if ours and (presence.lost or presence.stopped is not None):
             # Kept across shards: our record may come after it in a snapshot, or in the
