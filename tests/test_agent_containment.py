@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
-from imexd.agent.probes import DaemonProbes
+from imexd.agent.probes import PROBE_SERIES_S, DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
 from imexd.daemon.state import DaemonState, DaemonStatus
@@ -498,8 +498,8 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
 ) -> None:
     """Issue 22: a new start asked `ctl -q` the instant the daemon was spawned, when no
     process serves a command yet: one refused `ctl` per node in every job start. Its first
-    probe now comes with its first lines, or `probe_interval_s` after the start (none at
-    all when its READY line came first)."""
+    probe now comes with its first lines, or the probe series' first time after the start
+    (`PROBE_SERIES_S`; none at all when its READY line came first)."""
     starts: list[float] = []
     probes: list[float] = []
     lines: list[float] = []
@@ -527,12 +527,11 @@ async def test_a_start_is_not_probed_the_instant_it_is_spawned(
         await until(lambda: run.agent.health.is_ready or run.task.done(), within=15)
         assert not run.task.done()
         assert len(starts) == 1, starts
-        interval = run.agent.settings.daemon.probe_interval_s
         first = min([at for at in probes if at >= starts[0]], default=math.inf)
-        news = min([at for at in lines if at >= starts[0]] + [starts[0] + interval])
+        news = min([at for at in lines if at >= starts[0]] + [starts[0] + PROBE_SERIES_S[0]])
         assert first >= news, (
             f"ctl -q {first - starts[0]:.3f} s after the spawn, before its first lines "
-            f"({news - starts[0]:.3f} s) and before probe_interval_s"
+            f"({news - starts[0]:.3f} s) and before the probe series' first time"
         )
 
 

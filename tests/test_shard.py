@@ -920,6 +920,18 @@ def test_a_will_of_ours_later_than_our_run_is_outbid() -> None:
     assert (v.incarnation, v.outbid) == (8, True)
 
 
+def test_only_records_found_in_a_snapshot_wait_for_their_presence() -> None:
+    """A record that came live has a live writer; one found in a snapshot may be a dead
+    node's, so a step that may claim waits for its presence (`found`), and for no other's."""
+    v = view()
+    v.apply(received(rec("n2", 1)), 0.0)
+    v.apply(received(rec("n3", 2), retained=False), 0.1)
+    assert v.followed() == {"n2", "n3"}
+    assert v.found() == {"n2"}
+    v.apply(received(msgspec.structs.replace(rec("n2", 1), seq=3), retained=False), 0.2)
+    assert v.found() == frozenset()
+
+
 def test_a_peers_presence_will_ends_its_record_of_that_link() -> None:
     """A peer's Last Will is its presence, marked lost: it ends the peer's record of its
     link (and earlier ones) as a tombstone on its member topic would, with its hold; a

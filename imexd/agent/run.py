@@ -625,15 +625,18 @@ class Agent:
             self.presences_read |= set(new)  # or given up on: each wait is bounded
             self.presences_moved.set()
 
-    def _presence_topics(self) -> set[str]:
-        return {self.topics.presence(n) for n in self.shard.followed()}
+    def _presence_topics(self, nodes: frozenset[str] | None = None) -> set[str]:
+        """The presence topics of `nodes` (default: every peer the shard follows)."""
+        return {
+            self.topics.presence(n) for n in self.shard.followed() if nodes is None or n in nodes
+        }
 
     async def _presences_current(self) -> None:
-        """Until the presence of every peer the shard holds a record of was taken in (at
-        most a round trip and an echo timeout; a link that drops gives them with its
-        snapshot)."""
+        """Until the presence of every peer whose record came from a snapshot was taken in
+        (`ShardView.found`; at most a round trip and an echo timeout; a link that drops
+        gives them with its snapshot)."""
         bus, _ = self._parts()
-        if self._presence_topics() <= self.presences_read:
+        if self._presence_topics(self.shard.found()) <= self.presences_read:
             return
         self.follow.set()
         limit = bus.timeout_s + bus.echo_timeout_s
@@ -641,7 +644,7 @@ class Agent:
         async def read() -> None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(limit):
-                    while not self._presence_topics() <= self.presences_read:
+                    while not self._presence_topics(self.shard.found()) <= self.presences_read:
                         self.presences_moved.clear()
                         await self.presences_moved.wait()
 
@@ -650,6 +653,10 @@ class Agent:
     async def _presences_read(self, bus: Bus, topics: list[str]) -> None:
         """Subscribe the presence `topics` and wait (at most `bus.echo_timeout_s` after the
         SUBSCRIBE) until the events loop took in the Synced that covers them."""
+        # Only a claim waits, and only for peers found in a snapshot: else no round trip.
+        if self.shard.member or not set(topics) & self._presence_topics(self.shard.found()):
+            await bus.subscribe(*topics, ordered=False, synced=False)
+            return
         await bus.subscribe(*topics, ordered=False)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(bus.echo_timeout_s):

@@ -287,9 +287,12 @@ class Bus(LinkEngine):
 
     # Desired state.
 
-    async def subscribe(self, *topic_filters: str, ordered: bool = True) -> None:
+    async def subscribe(
+        self, *topic_filters: str, ordered: bool = True, synced: bool = True
+    ) -> None:
         """Add filters, kept across reconnects; one `Synced` follows their snapshot (one
-        SUBSCRIBE and one round trip for all of them). Before the first connect they are
+        SUBSCRIBE and one round trip for all of them), unless `synced` is False (a caller
+        that waits for no snapshot: the SUBSCRIBE alone). Before the first connect they are
         only noted: that connect subscribes them with the rest.
 
         `ordered`: the caller judges by the order in which the broker delivers these
@@ -314,7 +317,8 @@ class Bus(LinkEngine):
                 return
             if any(f in self._subs.refused for f in new):
                 return  # the link's task retries it, then resyncs
-        await unless(leave, self._resync(client))
+        if synced:
+            await unless(leave, self._resync(client))
 
     async def unsubscribe(self, topic_filter: str) -> None:
         """Remove a filter now and from later connections."""

@@ -244,6 +244,8 @@ class ShardView:
         hold it: its echo is checked for a rival on our slot (`_on_own_echo`)."""
         self.replay_rival: MemberRecord | None = None
         """The rival on our slot at the echo of that re-publication: claim again."""
+        self.snapshot_records: set[str] = set()
+        """Nodes whose record we hold came from a snapshot (retained), not live (`found`)."""
         self.own_end: Version | None = None
         """The latest end of a run or link of ours that our presence showed in a snapshot
         (a will that fired while we were away, a past run's stop): a record of ours it ends
@@ -371,6 +373,7 @@ class ShardView:
         self.duplicate = ""
         self.watch_until = None
         self.records.clear()
+        self.snapshot_records.clear()
         self.unconfirmed.clear()
         self.confirm_by = None
         self.versions.clear()
@@ -504,6 +507,10 @@ class ShardView:
                     # Changed while our link was down: we did not see it stand unbroken.
                     self._forget_incumbent(ref.node)
                 self.records[ref.node] = payload
+                if event.retained:
+                    self.snapshot_records.add(ref.node)
+                else:
+                    self.snapshot_records.discard(ref.node)
                 self.lost.pop(ref.node, None)
                 self.unconfirmed.discard(ref.node)
                 self._track_claim(payload, now)
@@ -779,6 +786,12 @@ class ShardView:
         """The peers whose presence the agent follows: those it holds a record of in the
         current shard, since their Last Will is their presence (`messages.Presence`)."""
         return frozenset(n for n in self.records if n != self.node)
+
+    def found(self) -> frozenset[str]:
+        """The followed peers whose record came from a snapshot, not live: only such a
+        record can be a dead node's (a live one has a live writer), so a step that may
+        claim waits for their presence, and for no other."""
+        return frozenset(n for n in self.snapshot_records if n in self.records and n != self.node)
 
     def _drop_lost(self, now: float) -> None:
         """Drop the peers whose tombstone's hold ran out, as if their records were cleared."""
