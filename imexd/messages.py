@@ -478,13 +478,24 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("only a lost presence (a Last Will) has a link and hold_s")
 
 
+def presence_end(presence: Presence) -> Version | None:
+    """The version past which `presence` ends its node's member records, or None when it
+    ends none: a Last Will ends the records of its link and of earlier ones (it comes
+    after every record of that link, before any of a later link or run); a clean stop's
+    last word (`stopped`) ends every record of its run and of earlier runs."""
+    if presence.lost:
+        return (presence.incarnation, presence.link, LINK_END)
+    if presence.stopped is not None:
+        return (presence.incarnation, LINK_END, LINK_END)
+    return None
+
+
 def lost_record(record: MemberRecord, presence: Presence) -> MemberRecord | None:
     """The end that `presence` makes of `record`, a member record of the same node, as a
-    tombstone (state lost): a Last Will at the will's version, which ends the records of
-    its link and of earlier ones (`version`) and comes before any of a later link or run;
-    a clean stop's last word (`stopped`), which ends every record of its run and of
-    earlier runs. None when the presence says neither."""
-    if presence.node != record.node or not (presence.lost or presence.stopped is not None):
+    tombstone (state lost) at `presence_end`, which every reader orders by `version`; None
+    when the presence ends nothing."""
+    end = presence_end(presence)
+    if presence.node != record.node or end is None:
         return None
     return MemberRecord(
         node=record.node,
@@ -497,19 +508,15 @@ def lost_record(record: MemberRecord, presence: Presence) -> MemberRecord | None
         max_nodes=record.max_nodes,
         mode=record.mode,
         hold_s=presence.hold_s,
-        link=presence.link if presence.lost else LINK_END,
+        link=end[1],
     )
 
 
 def ended(record: MemberRecord, presence: Presence | None) -> bool:
-    """Whether `presence` ends `record` (`lost_record`: its version is later)."""
-    if presence is None:
-        return False
-    will = lost_record(record, presence)
-    if will is None:
-        return False
-    held, end = version(record), version(will)
-    return held is None or (end is not None and end > held)
+    """Whether `presence` ends `record` (`presence_end` is later than its version)."""
+    end = None if presence is None or presence.node != record.node else presence_end(presence)
+    held = version(record)
+    return end is not None and (held is None or end > held)
 
 
 class Retry(msgspec.Struct, frozen=True, kw_only=True):

@@ -41,6 +41,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Final
@@ -105,6 +106,16 @@ def _report(event: Event) -> bool:
     report in a domain it left (`Agent._note_stale_own`): only the latter wakes membership."""
     ref = getattr(event, "ref", None)
     return ref is not None and ref.kind == "health"
+
+
+async def _until(holds: Callable[[], bool], moved: asyncio.Event, limit: float) -> None:
+    """Wait until `holds()`, looking again each time `moved` is set, at most `limit`
+    seconds (then go on regardless: what it waits for is bounded, not required)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(limit):
+            while not holds():
+                moved.clear()
+                await moved.wait()
 
 
 class Agent:
@@ -613,7 +624,7 @@ class Agent:
         are followed in turn."""
         limit = bus.timeout_s + bus.echo_timeout_s
         while True:
-            wanted = self._presence_topics()
+            wanted = self._presence_topics(self.shard.followed())
             for topic in sorted(self.presences - wanted):
                 await bus.unsubscribe(topic)
             self.presences_read &= wanted
@@ -625,30 +636,25 @@ class Agent:
             self.presences_read |= set(new)  # or given up on: each wait is bounded
             self.presences_moved.set()
 
-    def _presence_topics(self, nodes: frozenset[str] | None = None) -> set[str]:
-        """The presence topics of `nodes` (default: every peer the shard follows)."""
-        return {
-            self.topics.presence(n) for n in self.shard.followed() if nodes is None or n in nodes
-        }
+    def _presence_topics(self, nodes: frozenset[str]) -> set[str]:
+        return {self.topics.presence(n) for n in nodes}
 
     async def _presences_current(self) -> None:
         """Until the presence of every peer whose record came from a snapshot was taken in
         (`ShardView.found`; at most a round trip and an echo timeout; a link that drops
         gives them with its snapshot)."""
         bus, _ = self._parts()
-        if self._presence_topics(self.shard.found()) <= self.presences_read:
+
+        def read() -> bool:
+            return self._presence_topics(self.shard.found()) <= self.presences_read
+
+        if read():
             return
         self.follow.set()
         limit = bus.timeout_s + bus.echo_timeout_s
-
-        async def read() -> None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(limit):
-                    while not self._presence_topics(self.shard.found()) <= self.presences_read:
-                        self.presences_moved.clear()
-                        await self.presences_moved.wait()
-
-        await self.guard.beating("membership", read(), limit=limit)
+        await self.guard.beating(
+            "membership", _until(read, self.presences_moved, limit), limit=limit
+        )
 
     async def _presences_read(self, bus: Bus, topics: list[str]) -> None:
         """Subscribe the presence `topics` and wait (at most `bus.echo_timeout_s` after the
@@ -658,11 +664,11 @@ class Agent:
             await bus.subscribe(*topics, ordered=False, synced=False)
             return
         await bus.subscribe(*topics, ordered=False)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(bus.echo_timeout_s):
-                while (read := self.synced_filters) is not None and not read >= set(topics):
-                    self.synced_seen.clear()
-                    await self.synced_seen.wait()
+
+        def synced() -> bool:
+            return self.synced_filters is None or self.synced_filters >= set(topics)
+
+        await _until(synced, self.synced_seen, bus.echo_timeout_s)
 
     async def _clear_stale_own(self) -> None:
         """Clear the records of this node that a broker serves outside its shard (a standby

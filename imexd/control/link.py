@@ -374,6 +374,15 @@ class Link:
             refusals.update(zip(group, await client.subscribe(group, qos=qos), strict=True))
         return [refusals[f] for f in filters]
 
+    def _uncovered(self, topics: Iterable[str]) -> list[str]:
+        """Those of `topics` that no filter we subscribed covers (a topic subscribed by
+        name is found without matching it against every filter)."""
+        named = set(self._filters)
+        wildcards = [f for f in named if "+" in f or "#" in f]
+        return [
+            t for t in topics if t not in named and not any(topic_matches(f, t) for f in wildcards)
+        ]
+
     async def read(self, *filters: str) -> Store:
         """Subscribe to `filters`; returns once their retained snapshot is in `store`.
 
@@ -389,15 +398,7 @@ class Link:
             await self._read_again(new)
         # A member record is judged with its node's presence, where the node's Last Will
         # goes (`Store.members`): read the presence of every node that has one.
-        have = set(self._filters)
-        wildcards = [f for f in have if "+" in f or "#" in f]
-        presences = (self.topics.presence(n) for n in self.store.written)
-        unread = [
-            t
-            for t in presences
-            if t not in have and not any(topic_matches(f, t) for f in wildcards)
-        ]
-        if unread:
+        if unread := self._uncovered(self.topics.presence(n) for n in self.store.written):
             await self.read(*sorted(unread))
         return self.store
 
@@ -468,7 +469,7 @@ class Link:
         The topic is subscribed first when no filter covers it, so `verify` can see it.
         """
         data = self.seal(topic, payload)
-        if not any(topic_matches(f, topic) for f in self._filters):
+        if self._uncovered([topic]):
             await self._subscribe([topic])
         client = self._live()
         self._wrote = True
@@ -486,7 +487,7 @@ class Link:
         order): what the channel race (`imexd.control.workloads`) decides by. No echo
         within the operation timeout (an ACL that drops the publish) raises BusError.
         """
-        if not any(topic_matches(f, topic) for f in self._filters):
+        if self._uncovered([topic]):
             raise ValueError(f"{topic} is not subscribed: no echo would come")
         start = len(self.workload_log)
         found: list[int] = []

@@ -54,6 +54,7 @@ from imexd.messages import (
     encode,
     ended,
     lost_record,
+    presence_end,
     version,
 )
 from imexd.nodestate import NodeState
@@ -740,15 +741,8 @@ class ShardView:
         link was down: we claim again rather than resume a slot someone may hold now; given
         live, ours changes nothing."""
         ours = presence.node == self.node
-        if (
-            ours
-            and presence.lost
-            and (presence.incarnation, presence.link)
-            > (
-                self.incarnation,
-                self.link,
-            )
-        ):
+        later = (presence.incarnation, presence.link) > (self.incarnation, self.link)
+        if ours and presence.lost and later:
             # A will of ours that we cannot have left (a later run or link than ours):
             # someone else wrote it, and peers would take it over every record of ours.
             self._raise_incarnation(presence.incarnation, "a will of this node name")
@@ -758,16 +752,15 @@ class ShardView:
             # link ends next), or a copy of it; the next link's snapshot tells which. It
             # is nothing we must outbid.
             return None
-        if ours and (presence.lost or presence.stopped is not None):
+        if ours and (end := presence_end(presence)) is not None:
             # Kept across shards: our record may come after it in a snapshot, or in the
             # shard we join next (`_ended_by_will`).
-            end = (presence.incarnation, presence.link if presence.lost else LINK_END, LINK_END)
             self.own_end = end if self.own_end is None else max(self.own_end, end)
         held = self.records.get(presence.node)
         if self.current is None or held is None:
             return None
         will = lost_record(held, presence)
-        if will is None or (presence.node == self.node and not ended(held, presence)):
+        if will is None or (ours and not ended(held, presence)):
             return None
         if event.retained:
             will = msgspec.structs.replace(will, hold_s=0.0)
