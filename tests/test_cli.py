@@ -352,12 +352,14 @@ def test_a_control_command_loads_no_logging_stack() -> None:
     connects through imexd.bus.mqtt only: it loads neither the agent's link nor structlog,
     nor the rich and pygments that structlog pulls in where rich is installed (seen when
     the bus became a package whose __init__ imported the link: 0.13 s of every prolog's
-    two commands), nor psutil (the settings' default node address)."""
+    two commands), nor psutil (the settings' default node address), nor the http.client
+    and email that paho's urllib.request import brings."""
     code = "__import__('imexd.cli.main').cli.main.main(['workload', 'list'])"
     imported = _imported_after(code, env={"IMEXD_BUS_URL": "mqtt://127.0.0.1:9"})
     assert "msgspec" in imported, "the command did not run"
     assert [m for m in imported if m in ("structlog", "rich", "pygments", "aiohttp")] == []
     assert "psutil" not in imported, "the control plane has no node address to look up"
+    assert [m for m in imported if m in ("http.client", "email")] == [], "paho's proxy lookup"
 
 
 def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
@@ -377,21 +379,21 @@ def test_the_agent_imports_no_rich_and_no_aiohttp() -> None:
 
 
 def test_a_module_imported_lazily_loads_at_its_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agent's stand-in for urllib.request: importing it loads nothing, using it loads
+    """The commands' stand-in for urllib.request: importing it loads nothing, using it loads
     the real module, and every attribute is the real one's."""
     import importlib
 
-    from imexd.cli.main import _import_lazily
+    from imexd.cli.args import import_lazily
 
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
-    _import_lazily("colorsys")
+    import_lazily("colorsys")
     stand_in = sys.modules["colorsys"]
     colorsys = importlib.import_module("colorsys")
     assert colorsys is stand_in
     assert "rgb_to_hsv" not in vars(stand_in)  # not loaded by its import
     assert colorsys.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
     assert sys.modules["colorsys"] is not stand_in  # the real one took its place
-    _import_lazily("colorsys")  # already loaded: left alone
+    import_lazily("colorsys")  # already loaded: left alone
     assert sys.modules["colorsys"].rgb_to_hsv is colorsys.rgb_to_hsv
 
 

@@ -21,6 +21,7 @@ from imexd.cli.args import (
     SubParsers,
     command,
     config_arg,
+    defer_unused_imports,
     integer,
     owner_args,
     owner_problems,
@@ -391,6 +392,7 @@ def _run_control(
     module it calls itself: one handed in from here would be untyped."""
     if problems:
         return usage(command_words, problems)
+    defer_unused_imports()
     from imexd.control import commands  # noqa: PLC0415 - lazy: see the docstring
 
     return run_async(call(commands.load_control_settings(args.config)))

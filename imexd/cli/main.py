@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol, cast
 
 from imexd import __version__
-from imexd.cli.args import Parser, SubParsers, command, config_arg, run_async, seconds
+from imexd.cli.args import (
+    Parser,
+    SubParsers,
+    command,
+    config_arg,
+    defer_unused_imports,
+    run_async,
+    seconds,
+)
 from imexd.cli.control import add_control_commands
 from imexd.errors import ConfigError, ImexdError
 
@@ -268,32 +276,6 @@ def _load_with_env_file(config: str | None, env_file: str) -> Settings:
     return load_settings(config, environ=parsed.environ, env_labels=parsed.labels)
 
 
-def _import_lazily(name: str) -> None:
-    """Let module `name` load at its first use instead of at its import: a stand-in that
-    loads the real module, and hands its attributes out, the first time one is asked for.
-
-    (importlib.util.LazyLoader cannot do this on Python 3.11: the import statement itself
-    reads the module's `__spec__`, which loads it.)
-    """
-    if name in sys.modules:
-        return
-    import types  # noqa: PLC0415 - the agent's command only
-
-    class Deferred(types.ModuleType):
-        def __getattr__(self, attr: str) -> object:
-            import importlib  # noqa: PLC0415 - at the first use only
-
-            if sys.modules.get(name) is self:
-                del sys.modules[name]  # the import below loads the real module
-            return getattr(importlib.import_module(name), attr)
-
-    stand_in = Deferred(name)
-    sys.modules[name] = stand_in
-    parent, _, child = name.rpartition(".")
-    if parent:
-        setattr(__import__(parent), child, stand_in)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     """`imexd run`: validate the settings (exit 2 when wrong), then run the agent.
 
@@ -307,9 +289,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # at a cost in every agent's memory (docs/performance.md). None in sys.modules makes
     # that import fail here, in the agent's process only, as if rich were absent.
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
-    # paho imports urllib.request (and with it http.client and email) for a
-    # proxy lookup that runs only where PySocks is installed: load it on first use instead.
-    _import_lazily("urllib.request")
+    defer_unused_imports()
     from imexd import preflight  # noqa: PLC0415 - lazy: only this command pays for it
     from imexd.agent.run import run as run_agent  # noqa: PLC0415 - lazy, as above
     from imexd.logs import configure_logging, get_logger, install_loop_handler  # noqa: PLC0415
