@@ -147,6 +147,7 @@ from harness import (
 )
 
 from imexd.agent.run import Agent
+from imexd.daemon.output import says_ready
 from imexd.demo.brokers import free_port
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
@@ -186,6 +187,8 @@ CAPTURED: Final = frozenset(
         "daemon.reload",
         "daemon.adopted",
         "membership.step",
+        "membership.join",
+        "daemon.output",
         "rebuild.broker_lost_state",
         "rebuild.restored",
         "rebuild.epoch_written",
@@ -785,6 +788,8 @@ class JobRound:
     job start's wall time is mostly the CPU its processes need, and this is steadier."""
     starts: list[int] = field(default_factory=list)
     sigusr1: int = 0
+    parts: dict[str, float] = field(default_factory=dict)
+    """`JOB_PARTS` name -> seconds from the start until the last node got there."""
     ok: bool = False
     problem: str = ""
 
@@ -795,6 +800,21 @@ class JobRound:
         if self.spec_s is not None and self.ready_s is not None:
             parts.append(f"spec at {self.spec_s:.3f} s, all ready {self.ready_s:.3f} s later")
         return "; ".join(parts)
+
+
+JOB_PARTS: Final = {
+    "spec on the bus": "the create process up to its publish, at the bench's subscriber",
+    "joins": "each agent took the spec in and joined the shard (`membership.join`)",
+    "claims settled": "each agent's claim settled as a member (`membership.step`)",
+    "first daemon start": "the first agent spawned its daemon (`daemon.state` STARTING)",
+    "daemon starts": "each agent spawned its daemon",
+    "READY lines": "each daemon printed READY, as its agent read it (`daemon.output`)",
+    "RUNNING": "each agent took its daemon for RUNNING (`daemon.state`)",
+    "reports ready": "each node's HealthReport `ready` reached the bench's subscriber",
+    "exit": "the command exited 0",
+}
+"""The parts of a job start, in order, each until the last node got there (the first
+daemon start excepted), from the agents' own logs and the bench's subscriber."""
 
 
 def _spread(values: Sequence[float]) -> str:
@@ -1510,9 +1530,43 @@ class Run:
             if len(ready_at) == self.n:
                 done.ready_s = max(ready_at.values()) - spec_at
         self.refresh()
+        done.parts = self._job_parts(job, t0, t_end, done, ready_at)
         done.starts = [n.daemon_starts(t0, t_end) for n in self.nodes]
         done.sigusr1 = sum(self.reloads(t0, t_end).values())
         return done
+
+    def _job_parts(
+        self, job: str, t0: float, t_end: float, done: JobRound, ready_at: Mapping[str, float]
+    ) -> dict[str, float]:
+        """When each part of a job start (`JOB_PARTS`) ended, from `t0`: the last node's
+        first such event (the first daemon start: the first node's); a part that some node
+        did not reach is left out."""
+        names = {n.name for n in self.nodes}
+
+        def last(event: str, holds: Callable[[Mapping[str, Any]], bool]) -> float | None:
+            first: dict[str, float] = {}
+            for seen in self.capture.events(event, after=t0, before=t_end):
+                if seen.node in names and holds(seen.fields):
+                    first.setdefault(seen.node, seen.at - t0)
+            return max(first.values()) if len(first) == len(names) else None
+
+        starting = [
+            s.at - t0
+            for s in self.capture.events("daemon.state", after=t0, before=t_end)
+            if s.node in names and s.fields.get("to") == "STARTING"
+        ]
+        parts = {
+            "spec on the bus": done.spec_s,
+            "joins": last("membership.join", lambda f: f.get("domain") == job),
+            "claims settled": last("membership.step", lambda f: f.get("phase") == "member"),
+            "first daemon start": min(starting, default=None),
+            "daemon starts": last("daemon.state", lambda f: f.get("to") == "STARTING"),
+            "READY lines": last("daemon.output", lambda f: says_ready(str(f.get("line", "")))),
+            "RUNNING": last("daemon.state", lambda f: f.get("to") == "RUNNING"),
+            "reports ready": max(ready_at.values()) - t0 if len(ready_at) == self.n else None,
+            "exit": done.total_s if done.ok else None,
+        }
+        return {name: at for name, at in parts.items() if at is not None}
 
     async def _job_delete(self, job: str, env: Mapping[str, str]) -> None:
         """`imexd domain delete`, then until no record of the job is on the bus and every
@@ -1755,13 +1809,15 @@ class Run:
                     note=_spread([d.status_s for d in done])
                     + f"; status runs per round: {[d.status_runs for d in done]}",
                 )
-            spec = [d.spec_s for d in done if d.spec_s is not None]
             ready = [d.ready_s for d in done if d.ready_s is not None]
-            r.add(
-                f"job start ({form}): start -> spec on the bus",
-                statistics.median(spec) if spec else None,
-                note=_spread(spec) + " (the create process up to its publish)",
-            )
+            for part, what in JOB_PARTS.items():
+                ends = [d.parts[part] for d in done if part in d.parts]
+                r.add(
+                    f"job start ({form}): start -> {part}",
+                    statistics.median(ends) if ends else None,
+                    note=f"{what}; {_spread(ends)}"
+                    + ("" if len(ends) == len(done) else f"; in {len(ends)} of {len(done)} rounds"),
+                )
             cpu = [d.busy_s for d in done]
             r.add(
                 f"job start ({form}): machine CPU busy, start -> exit 0",
