@@ -66,7 +66,8 @@ from typing import Any, Final, TextIO
 
 import formation
 import msgspec
-from harness import BenchError, first_line, log_agents, machine, sweep
+import psutil
+from harness import BenchError, cpu_total, first_line, log_agents, machine, pids_alive, sweep
 
 from imexd.demo.brokers import free_port
 
@@ -377,13 +378,22 @@ class SerfCluster:
         seed.start(None)
         await self.wait(lambda a: a.alive_view == {a.name}, [seed], "seed start")
         rest = [self.new_agent(f"serf-{i:03d}") for i in range(1, self.n)]
+        me = psutil.Process()
+        mine0 = me.cpu_times()
         for agent in rest:
             agent.start(seed.bind)
         t0 = rest[-1].started_at if rest else seed.started_at
         names = frozenset(a.name for a in self.agents)
         t1 = await self.wait(lambda a: a.alive_view == names, self.agents, "formation")
+        mine1 = me.cpu_times()
+        agents_cpu = cpu_total(pids_alive(a.proc.pid for a in self.agents if a.proc))
+        mine = mine1.user + mine1.system - mine0.user - mine0.system
         r.figures["formation"] = t1 - t0
-        r.notes["formation"] = f"the first start -> all alive {t1 - seed.started_at:.3f} s"
+        r.notes["formation"] = (
+            f"the first start -> all alive {t1 - seed.started_at:.3f} s; CPU of the {self.n} "
+            f"agents from their start {agents_cpu / self.n * 1000:.0f} ms each; the "
+            f"benchmark's polling {mine * 1000:.0f} ms"
+        )
         await asyncio.sleep(0.5)
 
         leaver = self.agents[-1]
@@ -482,7 +492,11 @@ async def imexd_round(root: Path, n: int, rnd: Round, octet: int, log_out: TextI
         startup = figure(run, "startup: start -> last agent connected")
         formed = figure(run, "formation: last connected -> all memberships final")
         r.figures["formation"] = startup + formed
-        r.notes["formation"] = f"last link up -> all final {formed:.3f} s"
+        cpu = figure(run, "formation: CPU of the in-process agents")
+        r.notes["formation"] = (
+            f"last link up -> all final {formed:.3f} s; CPU {cpu / n * 1000:.0f} ms per agent, "
+            "all in this process's one event loop"
+        )
         await run._leave()
         r.figures["leave"] = figure(run, "leave: stop -> visible on all")
         await run._join()
