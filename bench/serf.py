@@ -576,6 +576,8 @@ async def bench(args: argparse.Namespace, base: Path, log_out: TextIO) -> list[R
     octet = 250 + os.getpid() % 5
     rounds: list[Round] = []
     for i in range(1, args.rounds + 1):
+        if args.max_load is not None:
+            await formation.wait_for_load(args.max_load, 300.0)
         for system in ("serf", "imexd"):
             rnd = Round(system, i, os.getloadavg()[0])
             root = base / f"round{i}-{system}"
@@ -607,6 +609,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each, in turns (3)")
     parser.add_argument(
         "--poll-ms", type=float, default=10.0, help="Serf: members polled every (10 ms)"
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="before each round of both wait (at most 5 min) for the 1-min loadavg to drop "
+        "below this",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the work folder")
