@@ -546,6 +546,13 @@ def print_table(rounds: Sequence[Round], n: int) -> bool | None:
         print(f"  {name:<10} {spread(s):>26} {spread(m):>26} {shown:>11}")
         if name == "formation" and ratio is not None and n == TARGET_N:
             verdict = ratio >= TARGET_RATIO
+    crashes = [r.figures["crash"] for r in imexd if "crash" in r.figures]
+    if crashes:
+        print(
+            f"  imexd's crash: will delay {WILL_DELAY_S:g} s (5 s shipped) + "
+            f"{statistics.median(crashes) - WILL_DELAY_S:.3f} s; Serf's: its failure "
+            "detector as above"
+        )
     loads = [r.load for r in rounds]
     if loads:
         print(f"  1-min load average at the rounds' starts: {min(loads):.2f} to {max(loads):.2f}")
