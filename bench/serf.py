@@ -237,8 +237,9 @@ class SerfAgent:
         """When `alive_view` last changed (the poll whose answer changed it)."""
         self.changes: list[tuple[float, str, str]] = []
         """(when seen, member, its new status)."""
-        self.polls = 0
         self._task: asyncio.Task[None] | None = None
+        self.problem = ""
+        """The last error of its RPC while it ran (shown when a wait fails)."""
 
     @property
     def bind(self) -> str:
@@ -285,19 +286,22 @@ class SerfAgent:
         try:
             while self.alive:
                 if rpc is None:
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError):  # not listening yet
                         rpc = await SerfRpc.connect(self.rpc_port)
                     if rpc is None:
                         await asyncio.sleep(0.005)
                         continue
                 try:
                     statuses = await rpc.members()
-                except (OSError, ConnectionError):
+                except (OSError, ValueError, msgspec.MsgspecError) as exc:
                     rpc.close()
                     rpc = None
+                    if self.alive:
+                        self.problem = f"{type(exc).__name__}: {exc}"
+                        await asyncio.sleep(0.005)
                     continue
                 now = time.monotonic()
-                self.polls += 1
+                self.problem = ""
                 for member, status in statuses.items():
                     if self.statuses.get(member) != status:
                         self.changes.append((now, member, status))
@@ -309,6 +313,10 @@ class SerfAgent:
         finally:
             if rpc is not None:
                 rpc.close()
+
+    def describe(self) -> str:
+        problem = f" (its RPC: {self.problem})" if self.problem else ""
+        return f"{self.name} lists {len(self.alive_view)} alive{problem}"
 
     def first_change(self, member: str, after: float, test: Callable[[str], bool]) -> float | None:
         """When it first saw `member` in a status that passes `test`, after `after`."""
@@ -367,7 +375,7 @@ class SerfCluster:
         deadline = time.monotonic() + limit_s
         while not all(test(a) for a in agents):
             if time.monotonic() > deadline:
-                late = [f"{a.name} lists {len(a.alive_view)} alive" for a in agents if not test(a)]
+                late = [a.describe() for a in agents if not test(a)]
                 raise BenchError(f"Serf {what}: not converged in {limit_s:g} s: {late[:4]}")
             await asyncio.sleep(0.005)
         return max(a.view_at for a in agents)
