@@ -1293,6 +1293,7 @@ class Run:
             t0 = time.monotonic()
             second.leave()
             t_left2, _ = await self._wait_gone(second, 20, "leave 2")
+            await second.exited(30)  # until then it counts as a member of the group
             self.result.add(
                 "leave 2 (room for the process): visible on all",
                 t_left2 - t0,
