@@ -224,7 +224,7 @@ def test_decided_members_are_those_a_second_resolve_gave(
         records.pop(ME, None)
     stale = mb.stale_claims(
         v.records.values(),
-        {node: at for node, (_, at) in v.claims_seen.items()},
+        {node: at for node, (_, at) in v.peers.claims_seen.items()},
         now=SETTLE_S + 0.1,
         stale_after_s=v.claim_stale_s,
         me=ME,
@@ -241,12 +241,12 @@ def test_records_missing_after_a_reconnect_are_kept_for_the_grace() -> None:
     v.apply(received(rec("n2", 1)), 0.0)
     v.apply(Connected(broker="b", protocol="5", will_delay=True), 1.0)
     v.apply(Synced(at=1.0), 1.0)
-    assert v.confirm_by == 1.0 + GRACE_S
+    assert v.peers.confirm_by == 1.0 + GRACE_S
     derive(v, 2.0)
     assert "n2" in v.records
     derive(v, 1.0 + GRACE_S)
     assert "n2" not in v.records
-    assert v.confirm_by is None
+    assert v.peers.confirm_by is None
 
 
 def test_a_confirmed_record_supersedes_an_unconfirmed_one_on_its_slot() -> None:
@@ -271,7 +271,7 @@ def test_deletions_that_no_round_trip_proved_come_back_when_the_link_ends() -> N
     v.apply(deleted("n3"), 5.0)
     v.apply(Disconnected(broker="b", reason="lost"), 50.0)
     assert set(v.records) == {"n3"}
-    assert v.unconfirmed == {"n3"}
+    assert v.peers.unconfirmed == {"n3"}
     assert not v.synced
     assert not v.unproven
 
@@ -705,7 +705,7 @@ def test_a_lost_peer_keeps_its_record_until_hold_s_then_is_dropped() -> None:
     assert plan.wake_at == 15.0
     assert members(derive(v, 15.0)) == {0: ME}
     assert "n2" not in v.records
-    assert not v.lost
+    assert not v.peers.lost
 
 
 def test_a_lost_peer_that_comes_back_within_hold_s_is_kept() -> None:
@@ -713,7 +713,7 @@ def test_a_lost_peer_that_comes_back_within_hold_s_is_kept() -> None:
     v, n2 = with_peer()
     v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
     v.apply(received(n2, retained=False), 11.0)
-    assert not v.lost
+    assert not v.peers.lost
     assert members(derive(v, 20.0)) == {0: ME, 1: "n2"}
 
 
@@ -724,7 +724,7 @@ def test_a_second_tombstone_keeps_the_first_deadline() -> None:
     v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False, repaired=True), 12.0)
     v.apply(received(tombstone("n2", 5.0)), 12.0)
     v.apply(Synced(at=12.0), 12.0)
-    assert "n2" not in v.unconfirmed
+    assert "n2" not in v.peers.unconfirmed
     assert members(derive(v, 14.9)) == {0: ME, 1: "n2"}
     assert members(derive(v, 15.0)) == {0: ME}
 
@@ -734,7 +734,7 @@ def test_a_leave_during_the_hold_drops_the_peer_at_once() -> None:
     v, _ = with_peer()
     v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
     v.apply(deleted("n2"), 11.0)
-    assert not v.lost
+    assert not v.peers.lost
     assert members(derive(v, 11.0)) == {0: ME}
 
 
@@ -743,7 +743,7 @@ def test_a_tombstone_of_an_unknown_node_stays_out_of_membership() -> None:
     v = view()
     v.apply(received(tombstone("n9", 5.0)), 0.0)
     assert "n9" not in v.records
-    assert not v.lost
+    assert not v.peers.lost
     settle(v)
     assert members(derive(v, 2.0)) == {0: ME}
 
@@ -795,7 +795,7 @@ def test_an_unproven_will_given_again_in_the_next_snapshot_still_ends_the_record
     assert "n2" not in v.records
     v.apply(Disconnected(broker="b", reason="lost"), 10.1)  # before any proof
     assert "n2" in v.records  # restored, unconfirmed
-    assert "n2" in v.unconfirmed
+    assert "n2" in v.peers.unconfirmed
     reconnect(v, 11.0, received(will))
     assert "n2" not in v.records
     assert members(derive(v, 11.0)) == {0: ME}
@@ -806,7 +806,7 @@ def test_the_hold_is_clamped() -> None:
     """A tombstone asking for a day is held MAX_HOLD_S at most."""
     v, _ = with_peer()
     v.apply(received(tombstone("n2", 86400.0), retained=False), 10.0)
-    assert v.lost["n2"] == 10.0 + MAX_HOLD_S
+    assert v.peers.lost["n2"] == 10.0 + MAX_HOLD_S
     assert members(derive(v, 10.0 + MAX_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
     assert members(derive(v, 10.0 + MAX_HOLD_S)) == {0: ME}
 
@@ -817,7 +817,7 @@ def test_our_own_tombstone_makes_us_publish_again() -> None:
     settle(v)
     v.apply(received(tombstone(ME, 5.0, inc=3), retained=False), 3.0)
     assert v.reassert_at == 3.0
-    assert not v.lost
+    assert not v.peers.lost
     assert derive(v, 3.0).publish
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 import pytest
 
 from imexd.membership import slots as mb
+from imexd.membership.peers import Peers
 from imexd.membership.shard import ShardView
 from imexd.messages import MemberRecord, MemberState
 from tests.simulation.batch import main, sweep
@@ -132,12 +133,12 @@ def test_a_will_fires_at_once_on_mqtt_3_1_1_and_the_peer_keeps_the_node_its_hold
 
 def _will_at_face_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Last Will is applied whatever its version: a will of an earlier link too."""
-    newer = ShardView._newer
+    newer = Peers.newer
 
-    def planted(self: ShardView, record: MemberRecord) -> bool:
+    def planted(self: Peers, record: MemberRecord) -> bool:
         return record.state is MemberState.LOST or newer(self, record)
 
-    monkeypatch.setattr(ShardView, "_newer", planted)
+    monkeypatch.setattr(Peers, "newer", planted)
 
 
 def _claim_without_echo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +160,7 @@ def _claim_without_echo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _versions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every record is applied as it comes: a replayed older one too."""
-    monkeypatch.setattr(ShardView, "_newer", lambda self, record: True)
+    monkeypatch.setattr(Peers, "newer", lambda self, record: True)
 
 
 DEFECTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], int]] = {

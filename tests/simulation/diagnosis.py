@@ -141,7 +141,7 @@ def cause(world: World, violation: Violation) -> str:
         will = lost_record(standing, said) if standing is not None and said is not None else None
         end = version(will) if will is not None else None
         for peer in world.nodes.values():
-            held = peer.shard.versions.get(name) if peer.alive else None
+            held = peer.shard.peers.versions.get(name) if peer.alive else None
             if end is not None and held is not None and end < held:
                 return "will-gap"  # a will older than the records it should end
     for peer in world.nodes.values():
@@ -149,7 +149,7 @@ def cause(world: World, violation: Violation) -> str:
             continue
         shard = peer.shard
         for name in sorted(nodes & set(shard.records) & set(oracle.dead)):
-            if name in oracle.gone_from.get(peer.name, set()) and name in shard.unconfirmed:
+            if name in oracle.gone_from.get(peer.name, set()) and name in shard.peers.unconfirmed:
                 return "unproven-applied"
         if violation.rule == DAEMON_TOUCHED:
             restored = oracle.restored.get(peer.name)
