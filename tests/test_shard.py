@@ -802,6 +802,40 @@ def test_an_unproven_will_given_again_in_the_next_snapshot_still_ends_the_record
     assert members(derive(v, 11.0 + GRACE_S + 1.0)) == {0: ME}
 
 
+def test_a_will_held_when_the_link_ends_is_unproven_like_a_deletion() -> None:
+    """Found by the simulator (tests/simulation): a broker that shuts down publishes every
+    will, then closes the links. A peer's will held for its hold_s when our link ended
+    was no more proven than a deletion: its hold ran out while the broker was away, and
+    the next link's first step dropped the record and let our claim take its slot, which
+    the peer, back with the broker, still held. The will comes back as the record did,
+    unconfirmed: the peer's newer record confirms it, the grace for a new link ends it."""
+    v, n2 = with_peer()
+    n2 = msgspec.structs.replace(n2, seq=1, link=1)
+    v.apply(received(n2, retained=False), 3.0)
+    will = msgspec.structs.replace(tombstone("n2", 5.0), link=1)
+    v.apply(received(will, retained=False), 10.0)
+    assert "n2" in v.peers.lost
+    v.apply(Disconnected(broker="b", reason="lost"), 10.1)  # before any proof
+    assert "n2" not in v.peers.lost
+    reconnect(v, 20.0, received(n2))  # the broker's copy from before its shutdown
+    assert members(derive(v, 20.0)) == {0: ME, 1: "n2"}
+    assert "n2" in v.peers.unconfirmed
+    back = msgspec.structs.replace(n2, seq=2, link=2)
+    v.apply(received(back, retained=False), 21.0)
+    assert members(derive(v, 21.0 + GRACE_S)) == {0: ME, 1: "n2"}
+
+
+def test_a_proven_will_runs_its_hold_across_a_link_end() -> None:
+    """A will that a round trip proved was no shutdown's: a link that ends afterwards
+    does not bring its record back, and its hold ends it."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    v.proven(v.proof_mark())
+    v.apply(Disconnected(broker="b", reason="lost"), 10.1)
+    reconnect(v, 11.0)
+    assert members(derive(v, 15.0)) == {0: ME}
+
+
 def test_the_hold_is_clamped() -> None:
     """A tombstone asking for a day is held MAX_HOLD_S at most."""
     v, _ = with_peer()

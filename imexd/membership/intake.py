@@ -91,7 +91,8 @@ class RecordEvents(OwnRecord):
 
     def _on_lost(self, event: Received, tombstone: MemberRecord, now: float) -> Identity | None:
         """A node's Last Will (state lost), newer than its records here (`Peers.newer`): keep
-        its previous record for its hold_s.
+        its previous record for its hold_s, unproven like a deletion until a round trip
+        after it (`Peers.hold`).
 
         Ours (a past link's will, or a duplicate's): as if our record were cleared, so a
         running agent publishes it again (over it: `_outbid`). A peer's without a record
@@ -114,7 +115,7 @@ class RecordEvents(OwnRecord):
                 Deleted(event.topic, event.ref, retained=retained), now, will=True
             )
         if node not in self.peers.lost:
-            self.peers.lost[node] = now + hold
+            self.peers.hold(node, now + hold)
             self.log.info("membership.peer_lost", peer=node, hold_s=round(hold, 3))
         return None
 

@@ -54,10 +54,11 @@ class Peers:
         """Peer or us -> the newest version (`messages.version`) of a record or Last Will
         taken in for it: anything not newer is not applied (`newer`)."""
         self.unproven: dict[str, tuple[MemberRecord, int]] = {}
-        """Peers' records dropped on this link (a clear, a will) that no round trip through
-        the broker has come back after yet, with the deletion's mark (`proof_mark`). A
-        link that ends first may have ended with a broker that shut down (it publishes
-        every will, then closes the links): they come back, unconfirmed (`restore_unproven`)."""
+        """Peers' records dropped on this link (a clear, a will), or held by a will for its
+        hold_s (`lost`), that no round trip through the broker has come back after yet,
+        with the deletion's mark (`proof_mark`). A link that ends first may have ended with
+        a broker that shut down (it publishes every will, then closes the links): they
+        come back, unconfirmed (`restore_unproven`)."""
         self.deletions = 0
         """Deletions taken in so far: the mark of the last one."""
         self.lost: dict[str, float] = {}
@@ -285,6 +286,12 @@ class Peers:
         if not self.unconfirmed:
             self.confirm_by = None
 
+    def hold(self, node: str, until: float) -> None:
+        """A will of `node` keeps its record until `until`, then drops it (`drop_lost`):
+        a deletion to come, unproven as one until a round trip after it."""
+        self.lost[node] = until
+        self.unprove(self.records[node])
+
     def unprove(self, record: MemberRecord) -> None:
         """A peer's record was dropped on this link: unproven until a round trip after it."""
         self.deletions += 1
@@ -305,13 +312,15 @@ class Peers:
 
         A broker that shuts down publishes every client's will, ignoring the Will Delay,
         and then closes the links: those wills say nothing about the peers, which come
-        back with the broker. The records return unconfirmed, as after any reconnect:
-        their nodes publish newer ones, or the grace for a new link drops them. A
-        deletion that a round trip proved never comes back this way.
+        back with the broker. The records return unconfirmed, as after any reconnect,
+        whether dropped or still held by a will: their nodes publish newer ones, or the
+        grace for a new link drops them. A deletion that a round trip proved never comes
+        back this way, nor a record that a newer one replaced since.
         """
-        restored = sorted(n for n in self.unproven if n not in self.records)
+        restored = sorted(n for n in self.unproven if n not in self.records or n in self.lost)
         for node in restored:
-            self.records[node] = self.unproven[node][0]
+            self.records.setdefault(node, self.unproven[node][0])
+            self.lost.pop(node, None)
             self.unconfirmed.add(node)
         self.unproven.clear()
         if restored:
