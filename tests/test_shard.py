@@ -927,6 +927,24 @@ def test_our_will_seen_before_our_record_still_ends_it() -> None:
     assert ME not in v.records
 
 
+def test_a_replay_of_our_ended_record_given_live_is_not_resumed() -> None:
+    """Found by the simulator: a restarted agent's snapshot gave its presence, the will of
+    its past run's last link, which ended its record there; then an older record of that
+    run came live (a replay on its topic before the agent published), and the agent
+    resumed it, old settle stamp and all, on a slot another node had settled since. A
+    record of ours that our presence ended is not resumed, however it comes."""
+    v = view(incarnation=4)
+    v.apply(received(rec("n2", 0, settled=WALL + 10)), 0.1)
+    mine = presence_will(ME, inc=3, link=5)
+    v.apply(Received(mine.topic, mine.ref, mine.payload, retained=True), 0.1)
+    old = msgspec.structs.replace(rec(ME, 0, inc=3, address=MY_ADDRESS), seq=2, link=1)
+    v.apply(received(old, retained=False), 0.2)
+    assert ME not in v.records
+    plan = derive(v, 0.2)
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
 def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
     """Found by the simulator: a run that stopped cleanly before it published left the
     previous run's record standing, and a node joining later listed it for good. A

@@ -40,8 +40,13 @@ class RecordEvents(OwnRecord):
         if ref.kind == "member" and isinstance(payload, MemberRecord):
             ours = ref.node == self.node  # judged whatever its version: ours goes back over it
             here = (ref.domain, ref.clique) == self.current
-            if here and ours and event.retained and self.peers.ended_by_will(payload, self.own_end):
-                return None  # ours, which our will ended: we claim again, not resume it
+            if here and ours and self.peers.ended_by_will(payload, self.own_end):
+                # Ours, which our will ended: we claim again, not resume it. Given live (a
+                # replay: our own echoes come after any end we know of), it is written
+                # over ours all the same, and ours goes back over it.
+                if event.retained:
+                    return None
+                return self._on_own(payload, live=True, now=now)
             if here and not self.peers.newer(payload) and not ours:
                 if version(payload) == self.peers.versions.get(ref.node):
                     if payload.state is MemberState.LOST and ref.node in self.peers.records:

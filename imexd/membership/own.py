@@ -239,6 +239,7 @@ class OwnRecord:
             record is not None
             and record.state is not MemberState.LOST
             and not self._foreign(record)
+            and not self.peers.ended_by_will(record, self.own_end)
         ):
             self.past = record
         if record is not None:

@@ -37,7 +37,6 @@ KNOWN_FAILURES: dict[int, str] = {
     1527: "forged-version",
     1581: "forged-version",
     1629: "forged-version",
-    1745: "ended-resumed",
     1758: "forged-relink",
     1836: "will-gap",
     1837: "forged-version",
