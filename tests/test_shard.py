@@ -969,7 +969,39 @@ def test_a_will_of_ours_later_than_our_run_is_outbid() -> None:
     settle(v)
     forged = presence_will(ME, inc=7, link=1)
     v.apply(forged, 3.0)
-    assert (v.incarnation, v.outbid) == (8, True)
+    assert v.outbid
+    plan = derive(v, 3.0)
+    assert (plan.outbid, v.incarnation) == (True, 8)
+
+
+def test_an_incarnation_is_raised_only_by_a_plan_that_hands_it_to_the_agent() -> None:
+    """Found by the simulator: a record of our name that we did not write raised our
+    incarnation as it came, while the step that watches such a record held (no plan for
+    the agent to save the raise from); the agent then stopped, its presence saying the
+    raised incarnation, and its next run, one above the saved one, started at it: that
+    presence ended every record of the new run. Until a plan carries the raise, our
+    presence and will say the incarnation the agent saved."""
+    v = ShardView(
+        node=ME,
+        address=MY_ADDRESS,
+        max_nodes=4,
+        mode="names",
+        settle_s=SETTLE_S,
+        claim_stale_s=30.0,
+        confirm_grace_s=GRACE_S,
+        takeover_watch_s=5.0,
+        log=get_logger("test"),
+    )
+    v.start(1)
+    v.join((DOMAIN, CLIQUE), now=0.0)
+    v.apply(Synced(at=0.0), now=0.0)
+    forged = msgspec.structs.replace(rec(ME, 1, CLAIMING, inc=1, address=MY_ADDRESS), link=3)
+    v.apply(received(forged, retained=False), 0.1)
+    assert derive(v, 0.1).hold  # watching the record of our name
+    assert v.presence(None, at=WALL, stopped=WALL).incarnation == 1
+    plan = derive(v, 6.0)  # the watch is over: outbid it
+    assert plan.outbid
+    assert v.presence(None, at=WALL).incarnation == 2
 
 
 def test_only_records_found_in_a_snapshot_wait_for_their_presence() -> None:
@@ -1200,6 +1232,24 @@ def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
     assert plan.outbid
     assert plan.decision is not None
     assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
+def test_a_record_of_our_name_that_we_outbid_stays_foreign() -> None:
+    """Found by the simulator: a record of our name at our own address and an incarnation
+    above ours, which no past run of ours wrote, was outbid (our incarnation raised over it), after
+    which it ranked below our incarnation and passed for our past run's record: it was
+    resumed, on the slot and with the stamp its writer chose. Our past runs are those
+    before the incarnation this run started with; raising ours changes none of them."""
+    v = view()
+    forged = rec(ME, 2, inc=5, address=MY_ADDRESS, settled=WALL - 500)
+    v.apply(received(forged), 0.0)
+    plan = derive(v, 0.0)
+    assert plan.outbid
+    assert v.incarnation == 6
+    assert plan.decision is not None
+    assert plan.decision.reason is not mb.Reason.RESUMED
+    assert plan.decision.claim.phase is mb.Phase.CLAIMING
+    assert members(derive(v, 0.1)) == {}
 
 
 def reconnect(v: ShardView, now: float, *snapshot: Received) -> None:

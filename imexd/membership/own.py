@@ -85,6 +85,9 @@ class OwnRecord:
         self.first = self._first_start()
         """The first daemon start in this shard, held while the shard forms."""
         self.incarnation = 0
+        self.started_as = 0
+        """The incarnation this run started with (the state dir's): every record of a past
+        run of ours is below it, whatever ours is raised to since (`_foreign`)."""
         self.current: tuple[str, str] | None = None
         self.spec: DomainSpec | None = None
         self.claim = mb.ClaimState(node=node, incarnation=0)
@@ -128,8 +131,11 @@ class OwnRecord:
         """`now` at which our record is published again over another (None: none due)."""
         self.last_reassert = float("-inf")
         self.outbid = False
-        """Our incarnation was raised over a record of our name that we did not write: the
-        next plan says so (save it, and a will that says it)."""
+        """A record or will of our name that we did not write stands where ours would not
+        come after it: the next plan raises our incarnation above `outbid_over` and says
+        so (save it, and a will that says it)."""
+        self.outbid_over = 0
+        """The highest incarnation of such a record or will."""
         self.in_flight: list[bytes] = []
         """Our records published on this link (since it synced) whose live echo has not
         come back yet, oldest first (b"": a clear)."""
@@ -293,17 +299,27 @@ class OwnRecord:
         self._raise_incarnation(record.incarnation, "a record of this node name")
 
     def _raise_incarnation(self, over: int, what: str) -> None:
-        """Raise our incarnation above `over`, so that what we publish next is newer
-        everywhere (`Plan.outbid`: saved, and a will that says it)."""
-        self.incarnation = over + 1
-        self.claim = replace(self.claim, incarnation=self.incarnation)
+        """Raise our incarnation above `over` at the next plan, so that what we publish
+        next is newer everywhere (`Plan.outbid`: saved, and a will that says it). Not
+        before: until the agent saved it, our presence and will say the incarnation it
+        saved, which its next run starts above."""
+        self.outbid_over = max(self.outbid_over, over)
         self.outbid = True
         self.log.info(
             "membership.incarnation_raised",
-            incarnation=self.incarnation,
+            incarnation=max(self.incarnation, over + 1),
             over=over,
             why=f"{what} that this agent did not write",
         )
+
+    def _take_outbid(self) -> bool:
+        """Whether this plan raises our incarnation (`_raise_incarnation`): it does now."""
+        if not self.outbid:
+            return False
+        self.outbid = False
+        self.incarnation = max(self.incarnation, self.outbid_over + 1)
+        self.claim = replace(self.claim, incarnation=self.incarnation)
+        return True
 
     def _overwritten(self, record: MemberRecord | None, now: float) -> Identity | None:
         """Someone wrote over our record: put ours back at once (paced only while another
@@ -421,8 +437,10 @@ class OwnRecord:
         )
 
     def _foreign(self, own: MemberRecord) -> bool:
-        """Whether a record of our name may come from another agent, not our past run."""
-        return own.incarnation >= self.incarnation or own.address != self.address
+        """Whether a record of our name may come from another agent, not our past run: a
+        past run's is below the incarnation this run started with, at our address (one
+        that we outbid since stays foreign)."""
+        return own.incarnation >= self.started_as or own.address != self.address
 
     # -- another agent with our name ------------------------------------------------
 

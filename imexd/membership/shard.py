@@ -116,7 +116,7 @@ class ShardView(RecordEvents):
 
     def start(self, incarnation: int) -> None:
         """This agent run's incarnation (loaded from the state dir)."""
-        self.incarnation = incarnation
+        self.incarnation = self.started_as = incarnation
         self.claim = mb.ClaimState(node=self.node, incarnation=incarnation)
         self.seq = 0
 
@@ -319,7 +319,7 @@ class ShardView(RecordEvents):
                 self.decision = None
                 return Plan(hold=True)
             self._outbid(own)
-        outbid, self.outbid = self.outbid, False
+        outbid = self._take_outbid()
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
         stale = self.peers.stale(now)
         records = {**self.peers.records}
