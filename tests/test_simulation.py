@@ -16,7 +16,7 @@ from imexd.membership.peers import Peers
 from imexd.membership.shard import ShardView
 from imexd.messages import MemberRecord, MemberState
 from tests.simulation.batch import main, sweep
-from tests.simulation.diagnosis import CAUSES
+from tests.simulation.diagnosis import CAUSES, LIMITS
 from tests.simulation.known_failures import CI_FIRST, CI_SEEDS, KNOWN_FAILURES
 from tests.simulation.schedule import Schedule, Step, generate, valid
 from tests.simulation.shrink import shrink
@@ -46,7 +46,18 @@ def test_the_ci_batch_breaks_no_invariant_beyond_the_known_failures() -> None:
         f"known failures that pass now (write the list again, docs/simulation.md): {passing}"
     )
     assert set(KNOWN_FAILURES.values()) <= set(CAUSES)
-    print(f"{CI_SEEDS} schedules in {elapsed:.1f} s, {len(found)} known failures")
+    limits = sum(cause in LIMITS for cause in KNOWN_FAILURES.values())
+    print(
+        f"{CI_SEEDS} schedules in {elapsed:.1f} s, {len(found)} known failures, "
+        f"{limits} of them limits the design accepts"
+    )
+
+
+def test_the_accepted_limits_are_causes_of_a_hostile_writer() -> None:
+    """Only causes of the hostile writer (a writer with a node's credentials) are limits:
+    a defect cannot be declared one."""
+    assert set(LIMITS) <= set(CAUSES)
+    assert all(cause.startswith("forged-") for cause in LIMITS)
 
 
 def test_a_seed_replays_exactly() -> None:

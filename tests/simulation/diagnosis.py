@@ -118,6 +118,17 @@ CAUSES: Final[dict[str, str]] = {
     "unclassified": "none of the causes above: read its trace",
 }
 
+LIMITS: Final[frozenset[str]] = frozenset(
+    {"forged-version", "forged-vacates-slot", "forged-relink"}
+)
+"""Causes that the design accepts rather than defects: the hostile writer holds the node's
+own broker credentials, and on a bus whose member records and presences are not signed
+no reader can tell what it writes from what the node writes (docs/security.md, *What a
+node's broker credentials can do*). A version above the node's own is believed until the
+node outbids it, and a record that leaves the node's slot is a free slot to a claimant
+until the node puts its own back. Listed with the defects, marked as limits, so that a
+signature on the nodes' records would show here as fewer failures."""
+
 
 def cause(world: World, violation: Violation) -> str:
     """The cause (a key of CAUSES) of `violation`, from the world where the run stopped."""
