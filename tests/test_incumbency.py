@@ -211,7 +211,7 @@ def test_an_incumbent_that_leaves_its_slot_is_forgotten() -> None:
     assert members(derive(v, 3.0, running=True))[1] == "n2"
     v.apply(Deleted(topic="t", ref=TopicRef("member", DOMAIN, CLIQUE, "n2"), retained=False), 4.0)
     assert members(derive(v, 4.0, running=True))[1] == "z9"
-    assert v.incumbents[1] == "z9"
+    assert v.peers.incumbents[1] == "z9"
 
 
 # The one rule
@@ -562,7 +562,7 @@ def test_no_running_daemon_stops_without_an_own_reason(data: st.DataObject) -> N
         world.step()
         # Whatever drops a record drops its "unconfirmed" mark too (a peer's tombstone
         # whose hold ran out while its record was unconfirmed once crashed the step).
-        assert world.v.unconfirmed <= set(world.v.records), world.trace
+        assert world.v.peers.unconfirmed <= set(world.v.records), world.trace
 
 
 def test_the_model_runs_a_daemon_and_keeps_it_through_hostile_records() -> None:

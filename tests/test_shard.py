@@ -224,7 +224,7 @@ def test_decided_members_are_those_a_second_resolve_gave(
         records.pop(ME, None)
     stale = mb.stale_claims(
         v.records.values(),
-        {node: at for node, (_, at) in v.claims_seen.items()},
+        {node: at for node, (_, at) in v.peers.claims_seen.items()},
         now=SETTLE_S + 0.1,
         stale_after_s=v.claim_stale_s,
         me=ME,
@@ -241,12 +241,12 @@ def test_records_missing_after_a_reconnect_are_kept_for_the_grace() -> None:
     v.apply(received(rec("n2", 1)), 0.0)
     v.apply(Connected(broker="b", protocol="5", will_delay=True), 1.0)
     v.apply(Synced(at=1.0), 1.0)
-    assert v.confirm_by == 1.0 + GRACE_S
+    assert v.peers.confirm_by == 1.0 + GRACE_S
     derive(v, 2.0)
     assert "n2" in v.records
     derive(v, 1.0 + GRACE_S)
     assert "n2" not in v.records
-    assert v.confirm_by is None
+    assert v.peers.confirm_by is None
 
 
 def test_a_confirmed_record_supersedes_an_unconfirmed_one_on_its_slot() -> None:
@@ -271,7 +271,7 @@ def test_deletions_that_no_round_trip_proved_come_back_when_the_link_ends() -> N
     v.apply(deleted("n3"), 5.0)
     v.apply(Disconnected(broker="b", reason="lost"), 50.0)
     assert set(v.records) == {"n3"}
-    assert v.unconfirmed == {"n3"}
+    assert v.peers.unconfirmed == {"n3"}
     assert not v.synced
     assert not v.unproven
 
@@ -705,7 +705,7 @@ def test_a_lost_peer_keeps_its_record_until_hold_s_then_is_dropped() -> None:
     assert plan.wake_at == 15.0
     assert members(derive(v, 15.0)) == {0: ME}
     assert "n2" not in v.records
-    assert not v.lost
+    assert not v.peers.lost
 
 
 def test_a_lost_peer_that_comes_back_within_hold_s_is_kept() -> None:
@@ -713,7 +713,7 @@ def test_a_lost_peer_that_comes_back_within_hold_s_is_kept() -> None:
     v, n2 = with_peer()
     v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
     v.apply(received(n2, retained=False), 11.0)
-    assert not v.lost
+    assert not v.peers.lost
     assert members(derive(v, 20.0)) == {0: ME, 1: "n2"}
 
 
@@ -724,7 +724,7 @@ def test_a_second_tombstone_keeps_the_first_deadline() -> None:
     v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False, repaired=True), 12.0)
     v.apply(received(tombstone("n2", 5.0)), 12.0)
     v.apply(Synced(at=12.0), 12.0)
-    assert "n2" not in v.unconfirmed
+    assert "n2" not in v.peers.unconfirmed
     assert members(derive(v, 14.9)) == {0: ME, 1: "n2"}
     assert members(derive(v, 15.0)) == {0: ME}
 
@@ -734,7 +734,7 @@ def test_a_leave_during_the_hold_drops_the_peer_at_once() -> None:
     v, _ = with_peer()
     v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
     v.apply(deleted("n2"), 11.0)
-    assert not v.lost
+    assert not v.peers.lost
     assert members(derive(v, 11.0)) == {0: ME}
 
 
@@ -743,7 +743,7 @@ def test_a_tombstone_of_an_unknown_node_stays_out_of_membership() -> None:
     v = view()
     v.apply(received(tombstone("n9", 5.0)), 0.0)
     assert "n9" not in v.records
-    assert not v.lost
+    assert not v.peers.lost
     settle(v)
     assert members(derive(v, 2.0)) == {0: ME}
 
@@ -795,18 +795,52 @@ def test_an_unproven_will_given_again_in_the_next_snapshot_still_ends_the_record
     assert "n2" not in v.records
     v.apply(Disconnected(broker="b", reason="lost"), 10.1)  # before any proof
     assert "n2" in v.records  # restored, unconfirmed
-    assert "n2" in v.unconfirmed
+    assert "n2" in v.peers.unconfirmed
     reconnect(v, 11.0, received(will))
     assert "n2" not in v.records
     assert members(derive(v, 11.0)) == {0: ME}
     assert members(derive(v, 11.0 + GRACE_S + 1.0)) == {0: ME}
 
 
+def test_a_will_held_when_the_link_ends_is_unproven_like_a_deletion() -> None:
+    """Found by the simulator (tests/simulation): a broker that shuts down publishes every
+    will, then closes the links. A peer's will held for its hold_s when our link ended
+    was no more proven than a deletion: its hold ran out while the broker was away, and
+    the next link's first step dropped the record and let our claim take its slot, which
+    the peer, back with the broker, still held. The will comes back as the record did,
+    unconfirmed: the peer's newer record confirms it, the grace for a new link ends it."""
+    v, n2 = with_peer()
+    n2 = msgspec.structs.replace(n2, seq=1, link=1)
+    v.apply(received(n2, retained=False), 3.0)
+    will = msgspec.structs.replace(tombstone("n2", 5.0), link=1)
+    v.apply(received(will, retained=False), 10.0)
+    assert "n2" in v.peers.lost
+    v.apply(Disconnected(broker="b", reason="lost"), 10.1)  # before any proof
+    assert "n2" not in v.peers.lost
+    reconnect(v, 20.0, received(n2))  # the broker's copy from before its shutdown
+    assert members(derive(v, 20.0)) == {0: ME, 1: "n2"}
+    assert "n2" in v.peers.unconfirmed
+    back = msgspec.structs.replace(n2, seq=2, link=2)
+    v.apply(received(back, retained=False), 21.0)
+    assert members(derive(v, 21.0 + GRACE_S)) == {0: ME, 1: "n2"}
+
+
+def test_a_proven_will_runs_its_hold_across_a_link_end() -> None:
+    """A will that a round trip proved was no shutdown's: a link that ends afterwards
+    does not bring its record back, and its hold ends it."""
+    v, _ = with_peer()
+    v.apply(received(tombstone("n2", 5.0), retained=False), 10.0)
+    v.proven(v.proof_mark())
+    v.apply(Disconnected(broker="b", reason="lost"), 10.1)
+    reconnect(v, 11.0)
+    assert members(derive(v, 15.0)) == {0: ME}
+
+
 def test_the_hold_is_clamped() -> None:
     """A tombstone asking for a day is held MAX_HOLD_S at most."""
     v, _ = with_peer()
     v.apply(received(tombstone("n2", 86400.0), retained=False), 10.0)
-    assert v.lost["n2"] == 10.0 + MAX_HOLD_S
+    assert v.peers.lost["n2"] == 10.0 + MAX_HOLD_S
     assert members(derive(v, 10.0 + MAX_HOLD_S - 0.1)) == {0: ME, 1: "n2"}
     assert members(derive(v, 10.0 + MAX_HOLD_S)) == {0: ME}
 
@@ -817,7 +851,7 @@ def test_our_own_tombstone_makes_us_publish_again() -> None:
     settle(v)
     v.apply(received(tombstone(ME, 5.0, inc=3), retained=False), 3.0)
     assert v.reassert_at == 3.0
-    assert not v.lost
+    assert not v.peers.lost
     assert derive(v, 3.0).publish
 
 
@@ -893,6 +927,24 @@ def test_our_will_seen_before_our_record_still_ends_it() -> None:
     assert ME not in v.records
 
 
+def test_a_replay_of_our_ended_record_given_live_is_not_resumed() -> None:
+    """Found by the simulator: a restarted agent's snapshot gave its presence, the will of
+    its past run's last link, which ended its record there; then an older record of that
+    run came live (a replay on its topic before the agent published), and the agent
+    resumed it, old settle stamp and all, on a slot another node had settled since. A
+    record of ours that our presence ended is not resumed, however it comes."""
+    v = view(incarnation=4)
+    v.apply(received(rec("n2", 0, settled=WALL + 10)), 0.1)
+    mine = presence_will(ME, inc=3, link=5)
+    v.apply(Received(mine.topic, mine.ref, mine.payload, retained=True), 0.1)
+    old = msgspec.structs.replace(rec(ME, 0, inc=3, address=MY_ADDRESS), seq=2, link=1)
+    v.apply(received(old, retained=False), 0.2)
+    assert ME not in v.records
+    plan = derive(v, 0.2)
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
 def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
     """Found by the simulator: a run that stopped cleanly before it published left the
     previous run's record standing, and a node joining later listed it for good. A
@@ -917,7 +969,39 @@ def test_a_will_of_ours_later_than_our_run_is_outbid() -> None:
     settle(v)
     forged = presence_will(ME, inc=7, link=1)
     v.apply(forged, 3.0)
-    assert (v.incarnation, v.outbid) == (8, True)
+    assert v.outbid
+    plan = derive(v, 3.0)
+    assert (plan.outbid, v.incarnation) == (True, 8)
+
+
+def test_an_incarnation_is_raised_only_by_a_plan_that_hands_it_to_the_agent() -> None:
+    """Found by the simulator: a record of our name that we did not write raised our
+    incarnation as it came, while the step that watches such a record held (no plan for
+    the agent to save the raise from); the agent then stopped, its presence saying the
+    raised incarnation, and its next run, one above the saved one, started at it: that
+    presence ended every record of the new run. Until a plan carries the raise, our
+    presence and will say the incarnation the agent saved."""
+    v = ShardView(
+        node=ME,
+        address=MY_ADDRESS,
+        max_nodes=4,
+        mode="names",
+        settle_s=SETTLE_S,
+        claim_stale_s=30.0,
+        confirm_grace_s=GRACE_S,
+        takeover_watch_s=5.0,
+        log=get_logger("test"),
+    )
+    v.start(1)
+    v.join((DOMAIN, CLIQUE), now=0.0)
+    v.apply(Synced(at=0.0), now=0.0)
+    forged = msgspec.structs.replace(rec(ME, 1, CLAIMING, inc=1, address=MY_ADDRESS), link=3)
+    v.apply(received(forged, retained=False), 0.1)
+    assert derive(v, 0.1).hold  # watching the record of our name
+    assert v.presence(None, at=WALL, stopped=WALL).incarnation == 1
+    plan = derive(v, 6.0)  # the watch is over: outbid it
+    assert plan.outbid
+    assert v.presence(None, at=WALL).incarnation == 2
 
 
 def test_only_records_found_in_a_snapshot_wait_for_their_presence() -> None:
@@ -1148,6 +1232,24 @@ def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
     assert plan.outbid
     assert plan.decision is not None
     assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+
+
+def test_a_record_of_our_name_that_we_outbid_stays_foreign() -> None:
+    """Found by the simulator: a record of our name at our own address and an incarnation
+    above ours, which no past run of ours wrote, was outbid (our incarnation raised over it), after
+    which it ranked below our incarnation and passed for our past run's record: it was
+    resumed, on the slot and with the stamp its writer chose. Our past runs are those
+    before the incarnation this run started with; raising ours changes none of them."""
+    v = view()
+    forged = rec(ME, 2, inc=5, address=MY_ADDRESS, settled=WALL - 500)
+    v.apply(received(forged), 0.0)
+    plan = derive(v, 0.0)
+    assert plan.outbid
+    assert v.incarnation == 6
+    assert plan.decision is not None
+    assert plan.decision.reason is not mb.Reason.RESUMED
+    assert plan.decision.claim.phase is mb.Phase.CLAIMING
+    assert members(derive(v, 0.1)) == {}
 
 
 def reconnect(v: ShardView, now: float, *snapshot: Received) -> None:

@@ -12,10 +12,11 @@ from typing import Literal
 import pytest
 
 from imexd.membership import slots as mb
+from imexd.membership.peers import Peers
 from imexd.membership.shard import ShardView
 from imexd.messages import MemberRecord, MemberState
 from tests.simulation.batch import main, sweep
-from tests.simulation.diagnosis import CAUSES
+from tests.simulation.diagnosis import CAUSES, LIMITS
 from tests.simulation.known_failures import CI_FIRST, CI_SEEDS, KNOWN_FAILURES
 from tests.simulation.schedule import Schedule, Step, generate, valid
 from tests.simulation.shrink import shrink
@@ -45,7 +46,18 @@ def test_the_ci_batch_breaks_no_invariant_beyond_the_known_failures() -> None:
         f"known failures that pass now (write the list again, docs/simulation.md): {passing}"
     )
     assert set(KNOWN_FAILURES.values()) <= set(CAUSES)
-    print(f"{CI_SEEDS} schedules in {elapsed:.1f} s, {len(found)} known failures")
+    limits = sum(cause in LIMITS for cause in KNOWN_FAILURES.values())
+    print(
+        f"{CI_SEEDS} schedules in {elapsed:.1f} s, {len(found)} known failures, "
+        f"{limits} of them limits the design accepts"
+    )
+
+
+def test_the_accepted_limits_are_causes_of_a_hostile_writer() -> None:
+    """Only causes of the hostile writer (a writer with a node's credentials) are limits:
+    a defect cannot be declared one."""
+    assert set(LIMITS) <= set(CAUSES)
+    assert all(cause.startswith("forged-") for cause in LIMITS)
 
 
 def test_a_seed_replays_exactly() -> None:
@@ -132,12 +144,12 @@ def test_a_will_fires_at_once_on_mqtt_3_1_1_and_the_peer_keeps_the_node_its_hold
 
 def _will_at_face_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Last Will is applied whatever its version: a will of an earlier link too."""
-    newer = ShardView._newer
+    newer = Peers.newer
 
-    def planted(self: ShardView, record: MemberRecord) -> bool:
+    def planted(self: Peers, record: MemberRecord) -> bool:
         return record.state is MemberState.LOST or newer(self, record)
 
-    monkeypatch.setattr(ShardView, "_newer", planted)
+    monkeypatch.setattr(Peers, "newer", planted)
 
 
 def _claim_without_echo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +171,7 @@ def _claim_without_echo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _versions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every record is applied as it comes: a replayed older one too."""
-    monkeypatch.setattr(ShardView, "_newer", lambda self, record: True)
+    monkeypatch.setattr(Peers, "newer", lambda self, record: True)
 
 
 DEFECTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], int]] = {

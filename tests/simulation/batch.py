@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tests.simulation.diagnosis import CAUSES
+from tests.simulation.diagnosis import CAUSES, LIMITS
 from tests.simulation.known_failures import KNOWN_FAILURES
 from tests.simulation.oracle import Violation
 from tests.simulation.schedule import generate
@@ -85,8 +85,9 @@ def report(
     for index, item in enumerate(found):
         seed, violation = item.seed, item.violation
         listed = " (a known failure)" if known.get(seed) == item.cause else ""
+        limit = " (a limit the design accepts: diagnosis.LIMITS)" if item.cause in LIMITS else ""
         out.write(f"seed {seed}: {violation.rule}: {violation.detail}\n")
-        out.write(f"  cause: {item.cause}{listed}: {CAUSES[item.cause]}\n")
+        out.write(f"  cause: {item.cause}{limit}{listed}: {CAUSES[item.cause]}\n")
         out.write(f"  replay: scripts/simulate --seeds 1 --first {seed} --trace\n")
         if index >= SHRUNK_AT_MOST and not trace:
             continue
@@ -143,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report(found, out, trace=args.trace, known=KNOWN_FAILURES, shrink_budget_s=args.shrink_s)
         for why, count in sorted(Counter(item.cause for item in found).items()):
-            out.write(f"{count} violations caused by {why}\n")
+            limit = " (a limit the design accepts)" if why in LIMITS else ""
+            out.write(f"{count} violations caused by {why}{limit}\n")
     out.write(f"{args.seeds} schedules, {len(found)} violations\n")
     return 1 if found else 0
 
@@ -151,5 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_known(found: Sequence[Found], path: Path) -> None:
     """Write the known-failures list of a range's violations (see `known_failures`)."""
     head, _, _ = KNOWN_PATH.read_text().partition(KNOWN_START)
-    lines = [f'    {item.seed}: "{item.cause}",\n' for item in found]
+    lines = [
+        f'    {item.seed}: "{item.cause}",{"  # a limit" if item.cause in LIMITS else ""}\n'
+        for item in found
+    ]
     path.write_text(head + KNOWN_START + "".join(lines) + "}\n")

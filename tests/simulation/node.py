@@ -10,11 +10,14 @@ after the method it stands for:
   every link and put back when written over, reconnects with the real `Rotation`
   backoff, and a deliberate reconnect when the will or the client id changes
   (`Agent._take`, an outbid in `Agent._claim`);
-- the membership loop (`Agent._membership_loop`, `_follow_presences`, `_step`,
+- the membership loop (`Agent._membership_loop`, `_presences_current`, `_step`,
   `_claim`): a turn once per batch of deliveries and at the shard's own timers
-  (`ShardView.due_at`), which first follows the presence of every peer the view holds a
-  record of (`ShardView.followed`) and waits for their snapshot, then steps; the node
+  (`ShardView.due_at`); one that may claim first waits for the presences of the peers
+  whose records came from a snapshot (`ShardView.found`), then it steps; the node
   state it saves;
+- the presences task (`Agent._follow_presences`, `_presences_read`): after each step,
+  the presence of every peer the view holds a record of (`ShardView.followed`),
+  subscribed with a round trip only where a claim may wait for it;
 - the reconcile loop (`Agent._reconcile_loop`, `Reconciler.apply`): coalescing within
   `settle_s`, a removed member applied only once it stood `settle_s` and a round trip
   proved it (`ShardView.proven`), and no change while the view is not ready;
@@ -61,6 +64,7 @@ from tests.simulation.broker import (
 from tests.simulation.clock import Clock
 from tests.simulation.timings import (
     BEAT_S,
+    BUS_TIMEOUT_S,
     CLAIM_STALE_S,
     CLIENT_DETECT_MAX_S,
     CLIQUE,
@@ -198,12 +202,21 @@ class SimNode:
         """The copy written over our presence that was last put back (`_put_back`)."""
         self.presences: set[str] = set()
         """The peers whose presence we follow (`Agent.presences`)."""
+        self.presences_read: set[str] = set()
+        """Those of them whose retained copies the shard has taken in, or whose wait for
+        them was given up (`Agent.presences_read`)."""
         self.synced_filters: frozenset[str] | None = frozenset()
         """The filters of the last `Synced` taken in (`Agent.synced_filters`)."""
         self.following: tuple[frozenset[str], int] | None = None
-        """While the turn waits for the snapshot of presences it began to follow: those
-        presences, and the wait's token (`Agent._presences_read`)."""
+        """While the presences task waits for the snapshot of presences it began to follow
+        (`Agent._presences_read`): those presences, and the wait's token."""
         self.follow_token = 0
+        self.awaiting: int | None = None
+        """While a turn that may claim waits for the presences of the peers found in a
+        snapshot (`Agent._presences_current`): the wait's token."""
+        self.await_token = 0
+        self.resumed = False
+        """The next turn goes on past its wait for presences (`_presences_current`)."""
         self.wake = False
         self.rotation = Rotation(1, RECONNECT_INITIAL_S, RECONNECT_MAX_S, self.clock.rng.random)
         self.synced_at = float("-inf")
@@ -474,7 +487,7 @@ class SimNode:
                 self.oracle.on_synced(self)
             following = self.following
             if following is not None and token.filters >= following[0]:
-                self.following = None  # the presences' snapshot is in: the turn goes on
+                self._read(following[0])  # the presences' snapshot is in
             self._request_step()
         elif token == "check":
             self._apply(BrokerChecked(BROKER, ok=True))
@@ -514,14 +527,16 @@ class SimNode:
         if link is not None and link.client_open:
             self.broker.publish(link, presence(self.name), self.presence)
 
-    def _subscribe(self, nodes: Set[str]) -> None:
+    def _subscribe(self, nodes: Set[str], *, synced: bool = True) -> None:
         """`Bus.subscribe` of the presence of `nodes`: on the link now, with the round trip
-        that proves the snapshot (`LinkEngine._settle`), else on the next link."""
+        that proves the snapshot (`LinkEngine._settle`) when `synced`, else on the next
+        link."""
         self.filters |= nodes
         link = self.link
         if link is not None and link.client_open:
             self.broker.subscribe(link, frozenset(nodes))
-            self._ping(link, SyncPing(frozenset(self.filters), new_link=False))
+            if synced:
+                self._ping(link, SyncPing(frozenset(self.filters), new_link=False))
 
     def _unsubscribe(self, nodes: Set[str]) -> None:
         self.filters -= nodes
@@ -535,7 +550,7 @@ class SimNode:
         """The events loop took a batch in: membership turns (once the wait for followed
         presences, if one is on, is over)."""
         self.wake = True
-        if self.following is None:
+        if self.awaiting is None:
             self._schedule_step(self.clock.now)
 
     def _schedule_step(self, at: float) -> None:
@@ -549,7 +564,7 @@ class SimNode:
         if life != self.life or token != self.step_token:
             return
         self.step_at = None
-        if self.following is not None:
+        if self.awaiting is not None:
             return  # the turn is waiting for presences: it goes on when the wait ends
         now = self.clock.now
         self.turns = self.turns + 1 if now == self.turned_at else 1
@@ -557,10 +572,18 @@ class SimNode:
         if self.turns > SPIN_TURNS:
             self.oracle.on_spin(self, self.shard.due_at(now))
             return
-        self.wake = False
-        if not self._follow_presences():
-            return  # the turn goes on once their snapshot is in, or the wait is over
+        resumed, self.resumed = self.resumed, False
+        if not resumed:
+            self.wake = False
+            if not self.shard.member and not self._presences_current():
+                return  # the turn goes on once their presences are in, or the wait is over
+        self._step_on()
+
+    def _step_on(self) -> None:
+        """The rest of a turn: the step, then the presences of the peers it now holds
+        records of (`Agent.follow`), then the next turn's time."""
         self._step()
+        self._follow_presences()
         if self.wake:
             self._schedule_step(self.clock.now)
             return
@@ -568,34 +591,89 @@ class SimNode:
         if due is not None:
             self._schedule_step(due)
 
-    def _follow_presences(self) -> bool:
-        """`Agent._follow_presences`: follow the presence of every peer the view holds a
-        record of, and no other; False while the snapshot of those newly followed is
-        awaited (`_presences_read`: until a `Synced` covers them, at most ECHO_TIMEOUT_S)."""
+    def _presences_current(self) -> bool:
+        """`Agent._presences_current`: whether the presence of every peer whose record came
+        from a snapshot (`ShardView.found`) was taken in; if not, the turn waits until the
+        presences task says so, at most the bus's timeout and an echo timeout."""
+        if self._found_read():
+            return True
+        self._follow_presences()
+        if self._found_read():
+            return True
+        self.await_token += 1
+        self.awaiting = self.await_token
+        self.clock.at(
+            self.clock.now + BUS_TIMEOUT_S + ECHO_TIMEOUT_S,
+            self._await_over,
+            self.life,
+            self.await_token,
+        )
+        return False
+
+    def _found_read(self) -> bool:
+        return self.shard.found() <= self.presences_read
+
+    def _presences_moved(self) -> None:
+        """`Agent.presences_moved`: a turn waiting for presences looks again."""
+        if self.awaiting is not None and self._found_read():
+            self._resume()
+
+    def _await_over(self, life: int, token: int) -> None:
+        if life == self.life and self.awaiting == token:
+            self._resume()  # bounded, not required: the turn goes on
+
+    def _resume(self) -> None:
+        self.awaiting = None
+        self.resumed = True
+        self._schedule_step(self.clock.now)
+
+    def _follow_presences(self) -> None:
+        """`Agent._follow_presences`, the presences task: follow the presence of every peer
+        the view holds a record of, and no other. Newly followed ones are read at once
+        (subscribed without a round trip) unless a claim may wait for one of them: then,
+        with the round trip, until a `Synced` covers them, at most ECHO_TIMEOUT_S
+        (`Agent._presences_read`), the task doing nothing else meanwhile."""
+        if self.following is not None:
+            return  # in a read: the task follows again when it ends
         while True:
             wanted = set(self.shard.followed())
             if gone := self.presences - wanted:
                 self._unsubscribe(gone)
+            self.presences_read &= wanted
             new = frozenset(wanted - self.presences)
             self.presences = wanted
             if not new:
-                return True
+                return
+            if self.shard.member or not new & self.shard.found():
+                self._subscribe(new, synced=False)
+                self.presences_read |= new
+                self._presences_moved()
+                continue
             self._subscribe(new)
             read = self.synced_filters
             if read is None or read >= new:
+                self.presences_read |= new
+                self._presences_moved()
                 continue
             self.follow_token += 1
             self.following = (new, self.follow_token)
             self.clock.at(
                 self.clock.now + ECHO_TIMEOUT_S, self._follow_late, self.life, self.follow_token
             )
-            return False
+            return
 
     def _follow_late(self, life: int, token: int) -> None:
         following = self.following
         if life == self.life and following is not None and following[1] == token:
-            self.following = None
-            self._schedule_step(self.clock.now)
+            self._read(following[0])  # bounded, not required: given up on
+
+    def _read(self, nodes: frozenset[str]) -> None:
+        """The presences task's read of `nodes` is over: they count as read, and the task
+        follows the records that came meanwhile."""
+        self.following = None
+        self.presences_read |= nodes
+        self._presences_moved()
+        self._follow_presences()
 
     def _step(self) -> None:
         """`Agent._step`: derive, publish, commit, and what should run."""
