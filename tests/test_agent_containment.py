@@ -26,6 +26,8 @@ from structlog.testing import capture_logs
 
 from imexd.agent import reconcile
 from imexd.agent import run as agent_module
+from imexd.agent.actions import Action
+from imexd.agent.core import NodeCore
 from imexd.agent.probes import PROBE_SERIES_S, DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
@@ -602,12 +604,12 @@ async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
     """Reconcile on the leading edge: a member joining a quiet node is applied at once."""
     settle_s = 5.0  # large: an apply inside it did not wait for it
     marks: dict[str, float] = {}
-    set_desired, apply = Agent._set_desired, reconcile.Reconciler.apply
+    set_desired, apply = NodeCore._set_desired, reconcile.Reconciler.apply
 
-    def mark_desired(self: Agent, desired: Desired) -> None:
+    def mark_desired(self: NodeCore, desired: Desired, cause: str, now: float) -> list[Action]:
         if self.node == "n1" and len(desired.members) == 2 and desired != self.desired:
             marks.setdefault("desired", time.monotonic())
-        set_desired(self, desired)
+        return set_desired(self, desired, cause, now)
 
     async def mark_apply(
         self: reconcile.Reconciler, desired: Desired, saved: Any
@@ -616,7 +618,7 @@ async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
             marks.setdefault("apply", time.monotonic())
         return await apply(self, desired, saved)
 
-    monkeypatch.setattr(Agent, "_set_desired", mark_desired)
+    monkeypatch.setattr(NodeCore, "_set_desired", mark_desired)
     monkeypatch.setattr(reconcile.Reconciler, "apply", mark_apply)
     broker = Mosquitto(tmp_path / "broker")
     broker.start()

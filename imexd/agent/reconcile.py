@@ -1,12 +1,12 @@
 """Reconcile: what should run (`Desired`) made real in the IMEX files and the daemon.
 
-The agent's membership decides; this module writes config.cfg, nodes_config.cfg and the
-hosts block, and asks the supervisor for exactly what the change needs: start (adopting
-a daemon the files still fit), SIGUSR1 for new members, a restart for a new identity or
-config, or nothing. Its own module because it is the agent's only writer of files and
-the only caller of the supervisor's start, reload and restart; the agent's loop paces
-it (the first change at once, what follows within settle_s coalesced; retries with
-`retry.backoff_delay`).
+The node's core decides; this module writes config.cfg, nodes_config.cfg and the hosts
+block, and asks the supervisor for exactly what the change needs: start (adopting a
+daemon the files still fit), SIGUSR1 for new members, a restart for a new identity or
+config, a stop, or nothing. Its own module because it is the agent's only writer of
+files and the only caller of the supervisor: a stop, restart or retry is carried out
+only as an order of the daemon's gate (`carry_out`, `imexd.agent.gate`), asked for
+through `gate` (`NodeCore.order`). The core paces it (`NodeCore.reconcile_next`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Literal
 
 import structlog
 
+from imexd.agent.gate import DaemonOrder, Kind
 from imexd.daemon.state import DaemonState
 from imexd.daemon.supervisor import Supervisor
 from imexd.errors import FileWriteError
@@ -34,6 +35,9 @@ from imexd.settings import Settings
 
 Probe = Literal["now", "soon"]
 """When the agent should probe the daemon after a reconcile."""
+Gate = Callable[[Kind, str, "tuple[str, str, int] | None", Desired], DaemonOrder | None]
+"""`NodeCore.order`: the order to stop or restart a daemon started as the given identity
+(None: none of ours runs) while `desired` should run; None: keep it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +61,7 @@ class Reconciler:
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
         current: Callable[[], Desired],
+        gate: Gate,
     ) -> None:
         self.settings = settings
         self.supervisor = supervisor
@@ -64,6 +69,7 @@ class Reconciler:
         self.log = log
         self.current = current
         """The agent's `desired` as of now: a start waits for it to still hold."""
+        self.gate = gate
         self.applied: Applied | None = None
         self.first = True
         self.write_error = ""
@@ -76,15 +82,20 @@ class Reconciler:
 
         Returns when to probe the daemon next: "now" after a stop, "soon" after a
         change of files or members (once the start or the SIGUSR1 it asked for has
-        happened), None when a newer `desired` superseded this one.
+        happened), None when a newer `desired` superseded this one or the gate kept
+        the daemon.
         """
         supervisor = self.supervisor
         first, self.first = self.first, False
+        running = None if self.applied is None else self.applied.identity
         if not desired.run or desired.domain is None or desired.slot is None:
             if self.applied is not None or supervisor.state is not DaemonState.STOPPED:
-                await supervisor.stop("not a settled member" if not desired.cleanup else "left")
+                why = "not a settled member" if not desired.cleanup else "left"
+                if not await self.carry_out(self.gate("stop", why, running, desired)):
+                    return None
             elif first and desired.cleanup:
-                await supervisor.end_strays("this node is in no domain")
+                why = "this node is in no domain"
+                await self.carry_out(self.gate("end_strays", why, None, desired))
             self.applied = None
             if desired.cleanup:
                 await asyncio.to_thread(self.remove_files)
@@ -116,8 +127,9 @@ class Reconciler:
             identity=identity,
             members=MappingProxyType({slot: m.address for slot, m in desired.members.items()}),
         )
-        previous, self.applied = self.applied, applied
+        previous = self.applied
         if previous is None:
+            self.applied = applied
             was = (saved.domain, saved.clique, saved.slot)
             adopt = not config_changed and not nodes_changed and was == identity
             self.log.info("reconcile.start", slot=desired.slot, adopt_allowed=adopt)
@@ -131,13 +143,35 @@ class Reconciler:
             if s.domain.mode == "addresses" and previous.nodes_config != applied.nodes_config:
                 why = "member addresses changed (addresses mode)"
             self.log.info("reconcile.restart", why=why)
-            await supervisor.restart(why)
+            if not await self.carry_out(self.gate("restart", why, previous.identity, desired)):
+                return None
+            self.applied = applied
         elif previous.members != applied.members:
+            self.applied = applied
             self.log.info("reconcile.reload", members=len(applied.members))
             supervisor.request_reload("members changed")
         else:
+            self.applied = applied
             await supervisor.ensure_started()
         return "soon"
+
+    async def carry_out(self, order: DaemonOrder | None) -> bool:
+        """Carry out an order of the daemon's gate; False when it gave none (the daemon
+        keeps running: `NodeCore` logged why)."""
+        if order is None:
+            self.log.error("reconcile.daemon_kept", why="the daemon's gate gave no order")
+            return False
+        supervisor = self.supervisor
+        match order.kind:
+            case "stop":
+                await supervisor.stop(order.why)
+            case "restart":
+                await supervisor.restart(order.why)
+            case "retry":
+                await supervisor.retry(order.why)
+            case "end_strays":
+                await supervisor.end_strays(order.why)
+        return True
 
     async def write(
         self, path: Path, content: str, *, in_place_ok: bool = False, label: str | None = None
