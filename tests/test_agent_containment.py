@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.agent import reconcile
+from imexd.agent import reconcile, report
 from imexd.agent import run as agent_module
 from imexd.agent.actions import Action
 from imexd.agent.core import NodeCore
@@ -210,10 +210,10 @@ async def test_a_task_that_keeps_failing_ends_the_agent_as_a_hand_over(
         pid = daemon_pid(r.agent)
         assert pid is not None
 
-        async def always() -> None:
+        async def always(_bus: object, _report: object) -> None:
             raise KeyError("report bug")
 
-        monkeypatch.setattr(r.agent, "_publish_report", lambda _report: always())
+        monkeypatch.setattr(r.agent.reporter, "publish", always)
         r.agent.changed.set()
         code = await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
         assert code == EXIT_HANDOVER
@@ -446,7 +446,7 @@ async def test_the_daemons_ready_is_judged_at_once_not_at_the_end_of_a_pause(
     periodic domain probe) held READY's judgement to the end of that pause. The daemon's
     and its probes' news is never paced now. With a 20 s pause, readiness before the fix
     waited for the end of the pause that the start's own changes began."""
-    monkeypatch.setattr(agent_module, "REPORT_PACE_S", 20.0)
+    monkeypatch.setattr(report, "REPORT_PACE_S", 20.0)
     async with one_agent(tmp_path, SLOW_READY) as run:
         await until(lambda: run.agent.probes.imex_status == "READY" or run.task.done(), within=15)
         said = time.monotonic()

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from imexd.agent.gate import Cause, DaemonOrder, admit
+from imexd.agent.inputs import Retarget
+from imexd.bus.events import Connected, Synced
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
 from imexd.membership.shard import DOMAIN_DELETED
-from tests.test_core import CLIQUE, DOMAIN, Driver
+from imexd.messages import DomainSpec, Received
+from imexd.topics import TopicRef
+from tests.test_core import CLIQUE, DOMAIN, TOPICS, Driver
 
 ROOT = Path(__file__).resolve().parent.parent / "imexd"
 DAEMON_CALLS = frozenset({"stop", "restart", "retry", "end_strays"})
@@ -122,41 +127,75 @@ def test_another_nodes_record_moves_no_incumbent(cause: str) -> None:
         assert admit("restart", "x", cause, running=RUNS, desired=desired, incumbent=False)
 
 
+def spec(state: Literal["active", "deleting"], nodes: list[str] | None = None) -> Received:
+    record = DomainSpec(domain=DOMAIN, max_nodes=4, state=state, nodes=nodes, generation=2)
+    ref = TopicRef(kind="spec", domain=DOMAIN)
+    return Received(topic=TOPICS.spec(DOMAIN), ref=ref, payload=record, retained=False)
+
+
 def test_every_stop_path_of_the_core_passes_the_gate() -> None:
-    """Each way the core takes the daemon down yields an admitted order with its cause:
-    the agent's leave, an operator's retry, a FATAL daemon's release, a domain delete, a
-    move off the slot while not incumbent; and a rival's record against an incumbent
-    changes nothing the reconciler could act on."""
+    """Each way the core takes a settled member's daemon down, driven by its inputs, is
+    an order the gate admitted, with its cause: a domain delete, a spec without us, a
+    FATAL daemon's release (tests/test_core.py), a new target, the agent's leave, an
+    operator's retry; a restart that keeps the identity; a daemon none of ours."""
     running = (DOMAIN, CLIQUE, 0)
     causes: dict[str, str] = {}
 
-    d = Driver()
-    d.settle()
+    def settled() -> Driver:
+        d = Driver()
+        d.settle()
+        return d
+
+    def stop(d: Driver, path: str) -> None:
+        order = d.core.order("stop", path, running, d.core.desired)
+        assert order is not None, path
+        causes[path] = order.cause
+
+    d = settled()
+    d.bus(spec("deleting"), at=2.0)
+    d.step(2.0)
+    assert d.core.desired.cleanup
+    stop(d, "domain deleted")
+
+    d = settled()
+    d.bus(spec("active", nodes=["n7"]), at=2.0)
+    d.step(2.0)
+    assert not d.core.desired.run
+    stop(d, "not in the spec")
+
+    d = settled()
+    d.core.clique = "c2"  # discovery found another clique: the target moved
+    d.feed(Retarget(), 2.0)
+    d.bus(Synced(at=2.0))
+    d.step(2.1)  # the first plan of the new shard: what ran in the old one stops
+    assert not d.core.desired.run
+    stop(d, "new target")
+
+    d = settled()
     causes["leave"] = d.core.shutdown().cause
-    none_of_ours = d.core.order("end_strays", "x", None, Desired(cleanup=True))
-    assert none_of_ours is not None
-    # A rival member on our slot while our record stood: the daemon keeps running.
-    assert d.core.order("stop", "x", running, STOPPED) is None
-    assert d.core.desired.run
-
-    d.core.departures[running] = (mb.Reason.LOST_CONFLICT, False)  # our link broke first
-    moved = d.core.order("restart", "identity", running, MOVED)
-    assert moved is not None
-    causes["moved while not incumbent"] = moved.cause
-
-    d = Driver()
-    d.settle()
-    d.core.departures[running] = (DOMAIN_DELETED, True)
-    deleted = d.core.order("stop", "left", running, Desired(cleanup=True))
-    assert deleted is not None
-    causes["domain deleted"] = deleted.cause
-    same = d.core.order("restart", "addresses", running, RUNS)
-    assert same is not None
-    causes["same identity"] = same.cause
+    causes["same identity"] = getattr(d.core.order("restart", "x", running, RUNS), "cause", "")
+    causes["none of ours"] = getattr(d.core.order("end_strays", "x", None, STOPPED), "kind", "")
 
     assert causes == {
-        "leave": Cause.LEAVE,
-        "moved while not incumbent": mb.Reason.LOST_CONFLICT,
         "domain deleted": DOMAIN_DELETED,
+        "not in the spec": mb.Reason.NOT_IN_SPEC,
+        "new target": Cause.LEFT_SHARD,
+        "leave": Cause.LEAVE,
         "same identity": Cause.SAME_IDENTITY,
+        "none of ours": "end_strays",
     }
+
+
+def test_a_rival_record_gives_no_order_against_an_incumbent() -> None:
+    """A member on our slot while our record stood without a break moves nothing: the
+    daemon keeps running, and the gate gives the reconciler no order to stop it; after
+    our link broke (no longer incumbent), the settle stamps decide and it may."""
+    d = Driver()
+    d.settle()
+    incumbent = [d.core.shard.incumbent]
+    assert d.core.order("stop", "x", (DOMAIN, CLIQUE, 0), STOPPED) is None
+    assert d.core.order("restart", "x", (DOMAIN, CLIQUE, 0), MOVED) is None
+    d.bus(Connected(broker="b", protocol="5", will_delay=True, link=2), at=3.0)
+    incumbent.append(d.core.shard.incumbent)
+    assert incumbent == [True, False]
+    assert d.core.order("restart", "x", (DOMAIN, CLIQUE, 0), MOVED) is not None

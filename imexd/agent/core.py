@@ -574,6 +574,19 @@ class NodeCore:
         cause, incumbent = self.departures.get(running, ("", self.shard.incumbent))
         return admit(kind, why, cause, running=runs, desired=desired, incumbent=incumbent)
 
+    def leave(self, wall: float) -> list[Action]:
+        """What the agent publishes when it leaves (SIGTERM), before the daemon stops."""
+        shard, actions = self.shard, list[Action]()
+        if not shard.duplicate:  # else our topics may be another agent's
+            # Our presence's last word: this agent stopped, so that the control plane
+            # refuses the node at once (AgentDown) instead of counting it seen.
+            presence = shard.presence(None, at=wall, stopped=wall)
+            actions.append(Publish(self.topics.presence(self.node), presence))
+        if shard.current is not None and shard.published:
+            # Only records this agent wrote: a duplicate never clears the other's.
+            actions.append(self.clear(*shard.current))
+        return actions
+
     def shutdown(self) -> DaemonOrder:
         """The order that stops the daemon when the agent leaves (SIGTERM)."""
         order = admit(

@@ -6,14 +6,16 @@ daemon the files still fit), SIGUSR1 for new members, a restart for a new identi
 config, a stop, or nothing. Its own module because it is the agent's only writer of
 files and the only caller of the supervisor: a stop, restart or retry is carried out
 only as an order of the daemon's gate (`carry_out`, `imexd.agent.gate`), asked for
-through `gate` (`NodeCore.order`). The core paces it (`NodeCore.reconcile_next`).
+through `gate` (`NodeCore.order`). Its task (`run`) runs the rounds the core paces
+(`NodeCore.reconcile_next`), each bounded and its failure contained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -21,14 +23,20 @@ from typing import Literal
 
 import structlog
 
+from imexd.agent.actions import Action, Apply, AwaitView, Pause, ProveLink, StepSoon
+from imexd.agent.core import NodeCore
 from imexd.agent.gate import DaemonOrder, Kind
+from imexd.agent.inputs import Proven, Reconciled
+from imexd.agent.pacer import until
 from imexd.daemon.state import DaemonState
 from imexd.daemon.supervisor import Supervisor
 from imexd.errors import FileWriteError
 from imexd.facts import LastWrite
 from imexd.files import read_text_or_empty, write_atomic, write_file
+from imexd.health.guard import BEAT_S, Guard, describe
 from imexd.health.metrics import Metrics
 from imexd.membership.desired import Desired
+from imexd.messages import now as wire_now
 from imexd.nodestate import NodeState
 from imexd.render import remove_hosts_block, render_files
 from imexd.settings import Settings
@@ -76,6 +84,78 @@ class Reconciler:
         self.write_path = ""
         self.write_method: LastWrite = "rename"
         self.write_failures = 0
+
+    async def run(
+        self,
+        core: NodeCore,
+        guard: Guard,
+        *,
+        dirty: asyncio.Event,
+        stepped: asyncio.Event,
+        changed: asyncio.Event,
+        prove: Callable[[], Awaitable[bool]],
+        carry: Callable[[list[Action]], Awaitable[None]],
+    ) -> None:
+        """The `reconcile` task: a round each time `dirty` is set (or a failed one is due
+        again), paced by the core. `stepped` is set after each membership step, `changed`
+        here after each round; `prove` makes a round trip through the broker; `carry`
+        carries out the core's actions."""
+        while True:
+            guard.heartbeats.beat("reconcile")
+            retry_at = core.rounds.retry_at
+            await guard.rest("reconcile", dirty, retry_at)
+            if not dirty.is_set() and (retry_at is None or time.monotonic() < retry_at):
+                continue
+            members = None if self.applied is None else self.applied.members
+            match core.reconcile_next(time.monotonic(), members):
+                case Pause(until=until_at):
+                    await asyncio.sleep(until_at - time.monotonic())
+                case ProveLink(mark):
+                    proven = Proven(mark, await prove())
+                    core.feed(proven, now=time.monotonic(), wall=wire_now())
+                case AwaitView():
+                    await until(lambda: core.view_ready, stepped, BEAT_S)
+                case Apply(desired, saved, retry):
+                    dirty.clear()
+                    if retry is not None:
+                        await self.carry_out(retry)
+                        await carry([StepSoon()])  # claim again a slot a FATAL daemon gave up
+                    await self._round(core, guard, desired, saved, carry)
+                    changed.set()
+
+    async def _round(
+        self,
+        core: NodeCore,
+        guard: Guard,
+        desired: Desired,
+        saved: NodeState,
+        carry: Callable[[list[Action]], Awaitable[None]],
+    ) -> None:
+        """One round: `apply`, bounded by the supervisor's timeouts; a failure is tried
+        again on the core's backoff and said in DaemonReady (with its traceback logged,
+        unless it is a failed write)."""
+        d = self.settings.daemon
+        started = time.monotonic()
+        bound = 2 * d.stop_timeout_s + d.start_s
+        try:
+            probe = await guard.beating("reconcile", self.apply(desired, saved), limit=bound)
+        except Exception as exc:
+            # Nothing was applied that the next round would not redo.
+            self.write_failures += 1
+            core.feed(Reconciled(ok=False), now=time.monotonic(), wall=wire_now())
+            retry_in_s = round((core.rounds.retry_at or started) - time.monotonic(), 2)
+            if isinstance(exc, FileWriteError):
+                self.log.warning("reconcile.write_failed", error=str(exc), retry_in_s=retry_in_s)
+            else:
+                self.write_error, self.write_path = f"reconcile failed: {describe(exc)}", ""
+                error = describe(exc)
+                self.log.error("reconcile.failed", error=error, retry_in_s=retry_in_s, exc_info=exc)
+        else:
+            self.write_error = self.write_path = ""
+            # "soon": the start or the paced SIGUSR1 starts the domain probes, not this write.
+            ended = Reconciled(ok=True, probe_now=probe == "now")
+            await carry(core.feed(ended, now=time.monotonic(), wall=wire_now()))
+        self.metrics.observe_reconcile(time.monotonic() - started)
 
     async def apply(self, desired: Desired, saved: NodeState) -> Probe | None:
         """Write the files `desired` implies and bring the daemon in line with them.
@@ -200,6 +280,17 @@ class Reconciler:
             self.metrics.count_write(name, ok=True)
             self.log.info("file.written", path=str(path))
         return changed
+
+    async def clean_up(self) -> None:
+        """A leave's last step: `remove_files`. A file that cannot be removed (a run_dir
+        below a regular file, a read-only folder) is one warning that names it; the leave
+        is done all the same."""
+        try:
+            await asyncio.to_thread(self.remove_files)
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            error = f"cannot remove{where}: {exc.strerror or exc}"
+            self.log.warning("agent.cleanup_failed", error=error)
 
     def remove_files(self) -> None:
         """Remove our hosts block and the IMEX files (left the domain)."""
