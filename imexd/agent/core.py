@@ -139,6 +139,7 @@ class NodeCore:
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
         self.presences = _Presences()
+        self._presence_topics: dict[str, str] = {}
         self.synced_filters: frozenset[str] | None = frozenset()
         """The filters of the last `Synced` taken in (None: all)."""
         self.view_ready = False
@@ -358,7 +359,11 @@ class NodeCore:
     # -- presences --------------------------------------------------------------------
 
     def presence_topics(self, nodes: frozenset[str]) -> set[str]:
-        return {self.topics.presence(n) for n in nodes}
+        """The presence topics of `nodes` (each encoded once: asked at every step)."""
+        known = self._presence_topics
+        for node in nodes - known.keys():
+            known[node] = self.topics.presence(node)
+        return {known[node] for node in nodes}
 
     def follow_presences(self) -> tuple[list[str], list[str]]:
         """(dropped, new): the presence topics to unsubscribe and to subscribe, so that we
