@@ -149,7 +149,7 @@ class InProcAgent:
 
     def members(self) -> dict[int, str]:
         """Its settled membership: slot -> address."""
-        return {slot: m.address for slot, m in self.agent.desired.members.items()}
+        return {slot: m.address for slot, m in self.agent.core.desired.members.items()}
 
     def failure(self) -> BaseException | None:
         """What ended its run with an error (None: running, cancelled, or a clean exit)."""

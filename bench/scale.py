@@ -277,7 +277,7 @@ class Worker:
         while True:
             changed = []
             for h in self.hosted.values():
-                desired = h.run.agent.desired
+                desired = h.run.agent.core.desired
                 if desired is h.seen_desired:
                     continue
                 h.seen_desired = desired

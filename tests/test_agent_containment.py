@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from imexd.agent import reconcile
+from imexd.agent import reconcile, report
 from imexd.agent import run as agent_module
+from imexd.agent.actions import Action
+from imexd.agent.core import NodeCore
 from imexd.agent.probes import PROBE_SERIES_S, DaemonProbes
 from imexd.agent.run import EXIT_HANDOVER, Agent
 from imexd.daemon.ctl import DomainResult, LocalProbe, Prober
@@ -208,10 +210,10 @@ async def test_a_task_that_keeps_failing_ends_the_agent_as_a_hand_over(
         pid = daemon_pid(r.agent)
         assert pid is not None
 
-        async def always() -> None:
+        async def always(_bus: object, _report: object) -> None:
             raise KeyError("report bug")
 
-        monkeypatch.setattr(r.agent, "_publish_report", lambda _report: always())
+        monkeypatch.setattr(r.agent.reporter, "publish", always)
         r.agent.changed.set()
         code = await asyncio.wait_for(asyncio.shield(r.task), WAIT_S)
         assert code == EXIT_HANDOVER
@@ -444,7 +446,7 @@ async def test_the_daemons_ready_is_judged_at_once_not_at_the_end_of_a_pause(
     periodic domain probe) held READY's judgement to the end of that pause. The daemon's
     and its probes' news is never paced now. With a 20 s pause, readiness before the fix
     waited for the end of the pause that the start's own changes began."""
-    monkeypatch.setattr(agent_module, "REPORT_PACE_S", 20.0)
+    monkeypatch.setattr(report, "REPORT_PACE_S", 20.0)
     async with one_agent(tmp_path, SLOW_READY) as run:
         await until(lambda: run.agent.probes.imex_status == "READY" or run.task.done(), within=15)
         said = time.monotonic()
@@ -602,12 +604,12 @@ async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
     """Reconcile on the leading edge: a member joining a quiet node is applied at once."""
     settle_s = 5.0  # large: an apply inside it did not wait for it
     marks: dict[str, float] = {}
-    set_desired, apply = Agent._set_desired, reconcile.Reconciler.apply
+    set_desired, apply = NodeCore._set_desired, reconcile.Reconciler.apply
 
-    def mark_desired(self: Agent, desired: Desired) -> None:
+    def mark_desired(self: NodeCore, desired: Desired, cause: str, now: float) -> list[Action]:
         if self.node == "n1" and len(desired.members) == 2 and desired != self.desired:
             marks.setdefault("desired", time.monotonic())
-        set_desired(self, desired)
+        return set_desired(self, desired, cause, now)
 
     async def mark_apply(
         self: reconcile.Reconciler, desired: Desired, saved: Any
@@ -616,7 +618,7 @@ async def test_the_first_change_after_a_quiet_period_is_applied_at_once(
             marks.setdefault("apply", time.monotonic())
         return await apply(self, desired, saved)
 
-    monkeypatch.setattr(Agent, "_set_desired", mark_desired)
+    monkeypatch.setattr(NodeCore, "_set_desired", mark_desired)
     monkeypatch.setattr(reconcile.Reconciler, "apply", mark_apply)
     broker = Mosquitto(tmp_path / "broker")
     broker.start()

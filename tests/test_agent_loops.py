@@ -1,6 +1,6 @@
 """The agent's loops, in process, none paced by a clock of its own: how often membership
-steps, when a failed discovery is tried again, how often an agent standing aside looks
-for a daemon nobody supervises.
+steps, when a failed discovery is tried again (how often an agent standing aside looks
+for a daemon nobody supervises is the core's: tests/test_core.py).
 
 One in-process `Agent` (`test_agent_containment.running_agent`: a real Mosquitto and the
 simulated daemon; no broker at all where none is needed); records are handed to its bus
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.agent import run as agent_module
+from imexd.agent import discovery
 from imexd.agent.run import Agent
 from imexd.errors import DiscoveryError
 from imexd.fabric import Discovery
@@ -98,7 +98,7 @@ async def failing_discovery(
         tries.append(time.monotonic())
         raise DiscoveryError("no GPU here")
 
-    monkeypatch.setattr(agent_module, "discover", failing)
+    monkeypatch.setattr(discovery, "discover", failing)
     folder = Node(tmp_path, "n1", [NO_BROKER], domain="d1", clique="auto")
     folder.sections["node"].update(node)
     agent = Agent(settings_from_mapping(folder.sections, environ={}))
@@ -131,33 +131,3 @@ async def test_a_failed_discovery_waits_at_most_the_discovery_interval(
         await until(lambda: len(tries) >= 5, within=10.0, what="5 discoveries")
     waits = gaps(tries)
     assert max(waits) < 0.3 + 0.5, waits
-
-
-class Unsupervised:
-    """The supervisor's part the survey uses: a daemon of our config runs as pid 4242."""
-
-    def __init__(self) -> None:
-        self.looks: list[float] = []
-
-    async def running_unsupervised(self) -> int | None:
-        self.looks.append(time.monotonic())
-        return 4242
-
-
-async def test_standing_aside_looks_for_a_daemon_once_per_probe_interval(tmp_path: Path) -> None:
-    """An agent that stands aside for another agent of its name looks for a daemon of its
-    config that nobody supervises once per `[daemon] probe_interval_s`, however often its
-    membership steps, and reports it."""
-    folder = Node(tmp_path, "n1", [NO_BROKER], domain="d1", clique="c1")
-    folder.sections["daemon"]["probe_interval_s"] = 0.2
-    agent = Agent(settings_from_mapping(folder.sections, environ={}))
-    agent._start()  # its bus and supervisor, neither started
-    supervisor = Unsupervised()
-    agent.supervisor = supervisor  # type: ignore[assignment]
-    end = time.monotonic() + 1.0
-    while time.monotonic() < end:  # a step every 20 ms
-        await agent._survey_unsupervised()
-        await asyncio.sleep(0.02)
-    looks = len(supervisor.looks)
-    assert 4 <= looks <= 6, f"{looks} looks in 1 s, 0.2 s apart: {gaps(supervisor.looks)}"
-    assert agent.unsupervised == 4242

@@ -362,6 +362,11 @@ def test_the_package_rule_sees_a_wrong_arrow() -> None:
 
 PURE_RULES = (
     "imexd.membership",
+    "imexd.agent.core",
+    "imexd.agent.gate",
+    "imexd.agent.rounds",
+    "imexd.agent.actions",
+    "imexd.agent.inputs",
     "imexd.health.fleet",
     "imexd.channels.fleet",
     "imexd.render",
@@ -370,7 +375,15 @@ PURE_RULES = (
 )
 """The rules a newcomer can own without a broker, a daemon or a disk: what they load."""
 IO_MODULES = (
-    "imexd.agent",
+    "imexd.agent.run",
+    "imexd.agent.reconcile",
+    "imexd.agent.probes",
+    "imexd.agent.presences",
+    "imexd.agent.report",
+    "imexd.agent.discovery",
+    "imexd.agent.rebuild",
+    "imexd.agent.statefile",
+    "imexd.agent.snapshot",
     "imexd.bus.engine",
     "imexd.bus.link",
     "imexd.bus.mqtt",
@@ -405,11 +418,18 @@ def _io_reached(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_rules_load_no_io() -> None:
-    """The pure rules (slots, the shard, `Desired`, the fleet judgements, the renderer,
-    the records) load nothing that does I/O, not even through a leaf: types that only
-    the type checker reads (`if TYPE_CHECKING:`) do not count. The shard once loaded the
-    file writer through the state file's record."""
+    """The pure rules (slots, the shard, `Desired`, the node's core and its gate, the
+    fleet judgements, the renderer, the records) load nothing that does I/O, not even
+    through a leaf: types that only the type checker reads (`if TYPE_CHECKING:`) do not
+    count. The shard once loaded the file writer through the state file's record."""
     assert _io_reached(_graph(runtime=True)) == []
+
+
+def test_the_io_rule_sees_the_core_reach_the_reconciler() -> None:
+    """Not blind: the node's core importing the reconciler (which writes files) is reported."""
+    graph = _graph(runtime=True)
+    graph["imexd.agent.gate"] = graph["imexd.agent.gate"] | {"imexd.agent.reconcile"}
+    assert "imexd.agent.core -> imexd.agent.reconcile" in _io_reached(graph)
 
 
 def test_the_io_rule_sees_a_path_through_a_leaf() -> None:

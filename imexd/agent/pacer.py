@@ -1,13 +1,18 @@
-"""Leading-edge coalescing for a loop that recomputes on every change.
+"""How the agent's loops wait on changes: bounded (`until`), and coalesced (`Pacer`).
 
-The agent's report loop judges the facts and conditions again after every bus event; a
-formation delivers dozens of member records per node within a second or two, and each
-recomputation costs about as much as the event itself. A `Pacer` keeps the first change
-after a quiet period immediate and folds the changes that follow within `pause_s` into
-one turn at the end of the pause. The event is cleared only after the pause, so a change
-that arrives during it is taken by that turn: the last change is never lost, only
-delayed by at most `pause_s`. News that a job waits for (`urgent`: the daemon's state,
-what its probes said, a channel made) is never held: it ends a pause at once.
+`until` waits for a condition that an event says may have moved, at most a bound: what
+the agent waits for that way (a presence's snapshot, a resynced view) is bounded, not
+required.
+
+A `Pacer` coalesces for a loop that recomputes on every change: the agent's report
+loop judges the facts and conditions again after every bus event; a formation delivers
+dozens of member records per node within a second or two, and each recomputation costs
+about as much as the event itself. The pacer keeps the first change after a quiet
+period immediate and folds the changes that follow within `pause_s` into one turn at the
+end of the pause. The event is cleared only after the pause, so a change that arrives
+during it is taken by that turn: the last change is never lost, only delayed by at most
+`pause_s`. News that a job waits for (`urgent`: the daemon's state, what its probes
+said, a channel made) is never held: it ends a pause at once.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+
+
+async def until(holds: Callable[[], bool], moved: asyncio.Event, limit: float) -> None:
+    """Wait until `holds()`, looking again each time `moved` is set, at most `limit`
+    seconds (then go on regardless)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(limit):
+            while not holds():
+                moved.clear()
+                await moved.wait()
 
 
 class Pacer:

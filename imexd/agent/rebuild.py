@@ -32,6 +32,7 @@ from typing import Final, Protocol
 
 import structlog
 
+from imexd.agent.statefile import RecordFile
 from imexd.bus.events import Connected, Disconnected, Event, Synced
 from imexd.bus.mqtt import topic_matches
 from imexd.errors import BusError, FileWriteError
@@ -50,6 +51,7 @@ from imexd.messages import (
     decode_message,
 )
 from imexd.order import Order, Verdict, Version, version
+from imexd.settings import Settings
 from imexd.signing import SIGNED_KINDS
 from imexd.topics import TopicRef, Topics
 
@@ -87,6 +89,21 @@ class Store(Protocol):
 
 class Rebuilder:
     """The agent's side of the order: `on_event` for every bus event, `run` as a task."""
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, metrics: Metrics, log: structlog.typing.FilteringBoundLogger
+    ) -> Rebuilder:
+        """The agent's rebuilder: its records kept in the state dir across restarts."""
+        return cls(
+            settings.node.name,
+            Topics(settings.bus.topic_prefix),
+            metrics=metrics,
+            log=log,
+            store=RecordFile(settings.node.state_dir),
+            expiry_s=settings.control.tombstone_expiry_s,
+            period_s=settings.control.anti_entropy_s,
+        )
 
     def __init__(
         self,

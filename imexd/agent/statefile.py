@@ -16,6 +16,7 @@ import msgspec
 
 from imexd.errors import FileWriteError
 from imexd.files import write_atomic
+from imexd.health.metrics import Metrics
 from imexd.logs import get_logger
 from imexd.nodestate import NodeState
 
@@ -74,6 +75,14 @@ class StateStore:
         )
         write_atomic(self.path, data + b"\n", mode=0o644)
         self.current = state
+
+    def keep(self, state: NodeState, *, metrics: Metrics) -> None:
+        """`save`, counted in `metrics`; a failure is logged, and the agent goes on."""
+        try:
+            self.save(state)
+        except FileWriteError as exc:
+            log.error("state.unwritable", error=str(exc))
+        metrics.count_write("state", ok=self.current == state)
 
 
 RECORDS_FILE = "records.json"

@@ -13,14 +13,14 @@ from tests.simulation.world import World
 CAUSES: Final[dict[str, str]] = {
     "leave-before-publish": (
         "an agent that leaves (SIGTERM) before it published anything in its run clears "
-        "nothing (`Agent._shutdown` clears only when `ShardView.published`), its presence "
+        "nothing (`NodeCore.leave` clears only when `ShardView.published`), its presence "
         "says only that it stopped, and its clean DISCONNECT drops its will: its past "
         "run's record, which no will ended (a restart within the Will Delay resumed the "
         "session), stands for ever, a dead member in every hosts file"
     ),
     "will-gap": (
         "a change of will (only an incarnation raised over a record or will of the node's "
-        "name: `Agent._claim` sets a new will, a join no longer does) reconnects with a "
+        "name: `NodeCore._claim` sets a new will, a join no longer does) reconnects with a "
         "clean DISCONNECT first: between it and the next CONNECT the broker holds no will "
         "of the raised incarnation, so a crash (or a leave, whose clear has no link to go "
         "out on) there leaves the record it published with the raised incarnation "
@@ -46,7 +46,7 @@ CAUSES: Final[dict[str, str]] = {
     "unproven-applied": (
         "the reconcile loop applies the view as it stands after its round trip, with "
         "deletions that arrived during the round trip, after its proof's mark "
-        "(`Agent._reconcile_loop`): the hosts file drops a node on an unproven deletion, "
+        "(`NodeCore.reconcile_next`): the hosts file drops a node on an unproven deletion, "
         "which the view restores when the link ends, and the dead node returns to the "
         "hosts file"
     ),
@@ -93,7 +93,7 @@ CAUSES: Final[dict[str, str]] = {
     "timer-spin": (
         "a timer of the view (`ShardView.due_at`: a first start held, a record to put "
         "back, a peer's hold) comes due while the view is not synced (its link is down): "
-        "`derive` returns at once without clearing it, so `Agent._step_due` keeps "
+        "`derive` returns at once without clearing it, so `NodeCore.next_due` keeps "
         "returning a time in the past and the membership loop turns without ever waiting "
         "until the link is back (up to `[bus] reconnect_max_s`), a busy loop; no rule "
         "breaks, the agent burns a core"

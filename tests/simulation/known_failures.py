@@ -26,8 +26,6 @@ KNOWN_FAILURES: dict[int, str] = {
     819: "forged-version",  # a limit
     850: "will-gap",
     887: "forged-version",  # a limit
-    960: "will-gap",
-    971: "will-gap",
     985: "forged-version",  # a limit
     1029: "unproven-applied",
     1060: "forged-version",  # a limit
@@ -42,7 +40,6 @@ KNOWN_FAILURES: dict[int, str] = {
     1836: "will-gap",
     1837: "forged-version",  # a limit
     2031: "forged-version",  # a limit
-    2360: "will-gap",
     2392: "will-gap",
     2488: "will-gap",
     2525: "forged-version",  # a limit
@@ -64,10 +61,10 @@ KNOWN_FAILURES: dict[int, str] = {
     4379: "forged-version",  # a limit
     4422: "forged-version",  # a limit
     4453: "forged-version",  # a limit
+    4509: "forged-version",  # a limit
     4686: "forged-version",  # a limit
     4750: "forged-vacates-slot",  # a limit
     4927: "forged-version",  # a limit
-    4982: "will-gap",
     5012: "will-gap",
     5149: "forged-version",  # a limit
     5194: "forged-version",  # a limit
@@ -95,9 +92,11 @@ KNOWN_FAILURES: dict[int, str] = {
     6783: "forged-version",  # a limit
     6793: "unproven-applied",
     6813: "forged-version",  # a limit
+    6839: "forged-version",  # a limit
     6861: "forged-version",  # a limit
     6926: "forged-version",  # a limit
     7017: "forged-version",  # a limit
+    7031: "forged-version",  # a limit
     7069: "forged-vacates-slot",  # a limit
     7142: "forged-vacates-slot",  # a limit
     7322: "forged-version",  # a limit
@@ -119,7 +118,6 @@ KNOWN_FAILURES: dict[int, str] = {
     9136: "will-gap",
     9177: "forged-version",  # a limit
     9396: "forged-version",  # a limit
-    9471: "will-gap",
     9574: "forged-version",  # a limit
     9709: "forged-version",  # a limit
     9840: "forged-version",  # a limit

@@ -1,26 +1,25 @@
-"""One simulated node: a real `ShardView`, driven as imexd.agent.run drives it.
+"""One simulated node: the agent's own core (`NodeCore`) and a real `ShardView` in it.
 
-The agent's parts that turn the shard's plans into effects are modelled here, each
-after the method it stands for:
+The decisions are the agent's: each input goes into the node's core as the driver
+(imexd.agent.run) feeds it, and its actions are carried out on the model broker and
+daemon, so the simulator and the agent cannot drift apart. The agent's I/O around the
+core is modelled here, each after the part it stands for:
 
 - the bus (`imexd.bus.engine`): connect with the will (the node's presence marked lost,
   one per run), subscribe (the members filter and our own presence from the start, the
   presence of each peer followed), a ping that proves a snapshot (`Synced`), the
   retained check after the first own echo (`BrokerChecked`), our presence replayed on
   every link and put back when written over, reconnects with the real `Rotation`
-  backoff, and a deliberate reconnect when the will or the client id changes
-  (`Agent._take`, an outbid in `Agent._claim`);
-- the membership loop (`Agent._membership_loop`, `_presences_current`, `_step`,
-  `_claim`): a turn once per batch of deliveries and at the shard's own timers
-  (`ShardView.due_at`); one that may claim first waits for the presences of the peers
-  whose records came from a snapshot (`ShardView.found`), then it steps; the node
-  state it saves;
-- the presences task (`Agent._follow_presences`, `_presences_read`): after each step,
-  the presence of every peer the view holds a record of (`ShardView.followed`),
-  subscribed with a round trip only where a claim may wait for it;
-- the reconcile loop (`Agent._reconcile_loop`, `Reconciler.apply`): coalescing within
-  `settle_s`, a removed member applied only once it stood `settle_s` and a round trip
-  proved it (`ShardView.proven`), and no change while the view is not ready;
+  backoff, and a deliberate reconnect when the will or the client id changes (the
+  core's `SetWill` and `SetClientId`);
+- the membership loop (`Agent._membership_loop`): a turn once per batch of deliveries
+  and at the core's own timers (`NodeCore.next_due`); a turn that may claim first waits
+  for the presences the core names (`NodeCore.presences_current`), then steps;
+- the presences task (`imexd.agent.presences`): the presence of every peer the view
+  holds a record of followed (`NodeCore.follow_presences`), a snapshot awaited only
+  where a claim waits for it (`NodeCore.claim_waits`);
+- the reconcile task (`Reconciler.run`): the rounds the core paces
+  (`NodeCore.reconcile_next`), its round trip, and `Reconciler.apply` on the model;
 - the daemon, as a model: running or not, its slot, the members its hosts file lists.
 """
 
@@ -34,6 +33,25 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from imexd.agent.actions import (
+    Action,
+    Apply,
+    AwaitView,
+    Clear,
+    Disown,
+    Pause,
+    ProveLink,
+    Publish,
+    Reconcile,
+    SaveState,
+    SetClientId,
+    SetWill,
+    StepSoon,
+    Subscribe,
+    Unsubscribe,
+)
+from imexd.agent.core import NodeCore
+from imexd.agent.inputs import BusInput, Input, Proven, Reconciled, Retarget, Step
 from imexd.bus.engine import _STABLE_S as STABLE_S
 from imexd.bus.events import (
     BrokerChecked,
@@ -47,9 +65,18 @@ from imexd.bus.events import (
 )
 from imexd.bus.rotation import Rotation
 from imexd.membership.desired import Desired
-from imexd.membership.shard import Identity, Plan, ShardView
-from imexd.messages import Deleted, MemberState, Presence, Received, ended
+from imexd.membership.shard import ShardView
+from imexd.messages import (
+    Deleted,
+    MemberRecord,
+    MemberState,
+    Payload,
+    Presence,
+    Received,
+    ended,
+)
 from imexd.nodestate import NodeState
+from imexd.settings import Settings, settings_from_mapping
 from imexd.topics import TopicRef, Topics
 from tests.simulation.broker import (
     MEMBERS,
@@ -64,7 +91,6 @@ from tests.simulation.broker import (
 from tests.simulation.clock import Clock
 from tests.simulation.timings import (
     BEAT_S,
-    BUS_TIMEOUT_S,
     CLAIM_STALE_S,
     CLIENT_DETECT_MAX_S,
     CLIQUE,
@@ -83,7 +109,6 @@ if TYPE_CHECKING:
     from tests.simulation.oracle import Oracle
 
 TOPICS = Topics("imex/v2")
-SHARD = (DOMAIN, CLIQUE)
 BROKER = "mqtt://sim"
 Members = dict[int, tuple[str, str]]
 """slot -> (node, address): what a hosts file lists."""
@@ -172,7 +197,7 @@ class SimNode:
 
     def _reset(self) -> None:
         """A fresh agent process (its state dir and network aside)."""
-        self.shard = ShardView(
+        shard = ShardView(
             node=self.name,
             address=self.address,
             max_nodes=self.max_nodes,
@@ -183,9 +208,9 @@ class SimNode:
             takeover_watch_s=TAKEOVER_WATCH_S,
             log=self.log,
         )
+        settings = _settings(self.name, self.address, self.max_nodes)
+        self.core = NodeCore(settings, shard=shard, started_at=self._wall(), log=self.log)
         self.daemon = Daemon()
-        self.desired = Desired()
-        self.desired_at = 0.0
         self.applied: tuple[tuple[str, str, int], Members] | None = None
         """(identity, members) the daemon was started or last reloaded with."""
         self.link: Link | None = None
@@ -200,27 +225,18 @@ class SimNode:
         self.presence_before: Presence | None = None
         self.answered: Presence | None = None
         """The copy written over our presence that was last put back (`_put_back`)."""
-        self.presences: set[str] = set()
-        """The peers whose presence we follow (`Agent.presences`)."""
-        self.presences_read: set[str] = set()
-        """Those of them whose retained copies the shard has taken in, or whose wait for
-        them was given up (`Agent.presences_read`)."""
-        self.synced_filters: frozenset[str] | None = frozenset()
-        """The filters of the last `Synced` taken in (`Agent.synced_filters`)."""
-        self.following: tuple[frozenset[str], int] | None = None
-        """While the presences task waits for the snapshot of presences it began to follow
-        (`Agent._presences_read`): those presences, and the wait's token."""
+        self.granted: frozenset[str] = frozenset()
+        """Bus filters the model broker has nothing on (the spec, our retry request and
+        health report): granted with every snapshot."""
+        self.reading: tuple[list[str], int] | None = None
+        """While the presences task waits for the snapshot of presence topics it began to
+        follow: those topics, and the wait's token (`Presences._read`)."""
         self.follow_token = 0
-        self.awaiting: int | None = None
-        """While a turn that may claim waits for the presences of the peers found in a
-        snapshot (`Agent._presences_current`): the wait's token."""
-        self.await_token = 0
-        self.resumed = False
-        """The next turn goes on past its wait for presences (`_presences_current`)."""
+        self.claim_waiting = False
+        """A turn that may claim waits for presences (`Presences.current`)."""
         self.wake = False
         self.rotation = Rotation(1, RECONNECT_INITIAL_S, RECONNECT_MAX_S, self.clock.rng.random)
         self.synced_at = float("-inf")
-        self.view_ready = False
         self.step_at: float | None = None
         self.step_token = 0
         self.turned_at = float("-inf")
@@ -231,7 +247,6 @@ class SimNode:
         self.rec_token = 0
         self.rec_busy = False
         self.waiting_view = False
-        self.quiet_at = 0.0
         self.proof: tuple[int, int] | None = None
         """(token, mark) of the round trip that proves the deletions up to mark."""
         self.pings = 0
@@ -244,6 +259,14 @@ class SimNode:
         on our presence had ended (what a diagnosis reads)."""
         self.proven_seq = 0
         """How far into the broker's order the last proof (a round trip) reached."""
+
+    @property
+    def shard(self) -> ShardView:
+        return self.core.shard
+
+    @property
+    def desired(self) -> Desired:
+        return self.core.desired
 
     @property
     def up(self) -> bool:
@@ -264,9 +287,9 @@ class SimNode:
         incarnation = self.saved.incarnation + 1
         self.saved = replace(self.saved, incarnation=incarnation)
         self.saved_at_start = incarnation
-        self.shard.start(incarnation)
-        self.shard.join(SHARD, self.clock.now, needs=frozenset({_filter(MEMBERS)}))
-        self.will = self.shard.will(TOPICS, at=self._wall())
+        self.core.start(self.saved)
+        self._carry(self._feed(Retarget()))  # the members filter is subscribed from the start
+        self.will = self.core.will(self._wall())
         self._note(f"agent starts, incarnation {incarnation}")
         self.oracle.on_start(self)
         self._declare_presence()
@@ -284,16 +307,11 @@ class SimNode:
 
     def leave(self) -> None:
         """SIGTERM: our presence says we stopped, our record is cleared, the daemon stops,
-        DISCONNECT (`Agent._shutdown`)."""
+        DISCONNECT (`Agent._shutdown`, `NodeCore.leave`)."""
         self._note("leaves")
         link = self.link
         if link is not None and link.client_open:
-            if not self.shard.duplicate:
-                wall = self._wall()
-                stopped = self.shard.presence(None, at=wall, stopped=wall)
-                self.broker.publish(link, presence(self.name), stopped)
-            if self.shard.published:
-                self.broker.publish(link, member(self.name), None)
+            self._carry(self.core.leave(self._wall()))
             link.client_open = False
             self.broker.disconnect(link)
             self.link = None
@@ -446,7 +464,7 @@ class SimNode:
             if record is None
             else Received(topic, ref, record, item.retained)
         )
-        self._apply(event)
+        step = self._apply(event)
         if item.topic == presence(self.name) and not item.retained:
             self._put_back(link, record)
         if (
@@ -461,7 +479,8 @@ class SimNode:
             # live on this link (`imexd.bus.check`); this broker passes it.
             link.checked = True
             self._ping(link, "check")
-        self._request_step()
+        if step:
+            self._request_step()
 
     def _put_back(self, link: Link, record: object) -> None:
         """`LinkEngine._put_back`: a live copy of our presence that is not ours (a will of
@@ -480,14 +499,14 @@ class SimNode:
     def _on_ping(self, item: Item) -> None:
         token = item.token
         if isinstance(token, SyncPing):
-            self._apply(Synced(at=self.clock.now, filters=frozenset(map(_filter, token.filters))))
-            self.synced_filters = token.filters
+            filters = frozenset(map(_filter, token.filters)) | self.granted
+            self._apply(Synced(at=self.clock.now, filters=filters))
             if token.new_link:
                 self.synced_at = self.clock.now
                 self.oracle.on_synced(self)
-            following = self.following
-            if following is not None and token.filters >= following[0]:
-                self._read(following[0])  # the presences' snapshot is in
+            reading = self.reading
+            if reading is not None and self.core.synced_covers(reading[0]):
+                self._read(reading[0])  # the presences' snapshot is in
             self._request_step()
         elif token == "check":
             self._apply(BrokerChecked(BROKER, ok=True))
@@ -496,41 +515,93 @@ class SimNode:
             mark = self.proof[1]
             self.proof = None
             self.proven_seq = max(self.proven_seq, item.seq)
-            self.shard.proven(mark)
-            self._finish()
+            self._proven(mark, ok=True)
 
-    def _apply(self, event: Event) -> None:
-        """One bus event into the shard, and the identity change it asks for."""
-        shard = self.shard
-        identity = shard.apply(event, self.clock.now)
-        if identity is Identity.ASIDE:
-            self._note("stands aside: another agent runs as this node")
-            self.will = None
-            self.client_id = f"imexd-{self.name}-duplicate-{shard.incarnation}"
-            self.presence = None  # the other agent's to write (`Bus.disown`)
-            self._leave_link("client id changed")
-        elif identity is Identity.BACK:
-            self._note("back: the other agent's record is gone")
-            self.client_id = f"imexd-{self.name}"
-            self.will = shard.will(TOPICS, at=self._wall())
-            self._declare_presence()
-            self._leave_link("client id changed")
-        if not shard.synced:
-            self.view_ready = False
+    # -- the core -----------------------------------------------------------------------
+
+    def _feed(self, happened: Input) -> list[Action]:
+        return self.core.feed(happened, now=self.clock.now, wall=self._wall())
+
+    def _apply(self, event: Event) -> bool:
+        """One bus event into the core as the events loop takes it in (`Agent._on_event`);
+        whether membership steps on it."""
+        sorted_out = self.core.sort(event)
+        if sorted_out is not None:
+            return sorted_out
+        self._carry(self._feed(BusInput(event)))
+        return True
+
+    def _carry(self, actions: list[Action]) -> None:
+        """The core's actions on the model broker, daemon and state dir (`Agent._do`)."""
+        relink = ""
+        for action in actions:
+            match action:
+                case Publish(topic, payload):
+                    self._publish(topic, payload)
+                case Clear(topics):
+                    for topic in topics:
+                        self._publish(topic, None)
+                case SetWill(will):
+                    if will != self.will:
+                        self.will = will
+                        relink = relink or "will changed"
+                case SetClientId(client_id):
+                    if client_id != self.client_id:
+                        self.client_id = client_id
+                        relink = "client id changed"
+                case Disown(topic) if topic == TOPICS.presence(self.name):
+                    self._note("stands aside: another agent runs as this node")
+                    self.presence = None  # the other agent's to write (`Bus.disown`)
+                case SaveState(state):
+                    self.saved = state
+                case Reconcile():
+                    self.dirty = True
+                    self._schedule_reconcile(self.clock.now)
+                case StepSoon():
+                    self._request_step()
+                case Subscribe(filters) | Unsubscribe(filters):
+                    model = {_filter(MEMBERS)}  # the members filter is the model's own
+                    extra = frozenset(filters) - model
+                    if isinstance(action, Subscribe):
+                        self.granted |= extra
+                    else:
+                        self.granted -= extra
+                case _:
+                    pass  # subscriptions the model has nothing on, a survey, a probe
+        if relink:
+            if self.will is not None:
+                self._declare_presence()  # its incarnation may have moved
+            self._leave_link(relink)
+
+    def _publish(self, topic: str, payload: Payload | None) -> None:
+        """`Bus.retain` of a member record or our presence on the current link (a presence
+        the bus replays: our will's, or the last word of a leave)."""
+        ref = TOPICS.parse(topic)
+        link = self.link
+        if ref is None or link is None or not link.client_open:
+            return
+        if ref.kind == "member" and (payload is None or isinstance(payload, MemberRecord)):
+            if payload is not None and self.first_state is None:
+                self.first_state = payload.state
+                resumed = payload.state is MemberState.MEMBER
+                self.resumed_ended = resumed and self._past_ended()
+            self.broker.publish(link, member(self.name), payload)
+        elif ref.kind == "presence" and (payload is None or isinstance(payload, Presence)):
+            self.broker.publish(link, presence(self.name), payload)
 
     def _declare_presence(self) -> None:
-        """Our presence now (`Agent._publish_report`: at start and whenever the
-        incarnation changes), published on the current link and replayed on the next."""
+        """Our presence now (`Reporter.publish`: at start and whenever the incarnation
+        changes), published on the current link and replayed on the next."""
         self.presence_before = self.presence
         self.presence = self.shard.presence(DOMAIN, at=self._wall())
         link = self.link
         if link is not None and link.client_open:
             self.broker.publish(link, presence(self.name), self.presence)
 
-    def _subscribe(self, nodes: Set[str], *, synced: bool = True) -> None:
+    def _subscribe(self, nodes: Set[str], *, synced: bool) -> None:
         """`Bus.subscribe` of the presence of `nodes`: on the link now, with the round trip
-        that proves the snapshot (`LinkEngine._settle`) when `synced`, else on the next
-        link."""
+        that proves the snapshot (`LinkEngine._settle`) unless `synced` is False, else on
+        the next link."""
         self.filters |= nodes
         link = self.link
         if link is not None and link.client_open:
@@ -544,14 +615,12 @@ class SimNode:
         if link is not None and link.client_open:
             self.broker.unsubscribe(link, frozenset(nodes))
 
-    # -- the membership loop ------------------------------------------------------------
+    # -- the membership loop and the presences task ---------------------------------------
 
     def _request_step(self) -> None:
-        """The events loop took a batch in: membership turns (once the wait for followed
-        presences, if one is on, is over)."""
+        """The events loop took a batch in: membership turns."""
         self.wake = True
-        if self.awaiting is None:
-            self._schedule_step(self.clock.now)
+        self._schedule_step(self.clock.now)
 
     def _schedule_step(self, at: float) -> None:
         if self.step_at is not None and self.step_at <= at:
@@ -564,177 +633,77 @@ class SimNode:
         if life != self.life or token != self.step_token:
             return
         self.step_at = None
-        if self.awaiting is not None:
-            return  # the turn is waiting for presences: it goes on when the wait ends
+        if self.claim_waiting:
+            return  # the turn waits for presences: it goes on when they are in
         now = self.clock.now
         self.turns = self.turns + 1 if now == self.turned_at else 1
         self.turned_at = now
         if self.turns > SPIN_TURNS:
-            self.oracle.on_spin(self, self.shard.due_at(now))
+            self.oracle.on_spin(self, self.core.next_due(now))
             return
-        resumed, self.resumed = self.resumed, False
-        if not resumed:
-            self.wake = False
-            if not self.shard.member and not self._presences_current():
-                return  # the turn goes on once their presences are in, or the wait is over
-        self._step_on()
+        self.wake = False
+        self._carry(self._feed(Retarget()))
+        if not self.shard.member and not self.core.presences_current():
+            # A turn that may claim judges the slots with every peer's will in.
+            self.claim_waiting = True
+            self._follow()
+            return
+        self._turn()
 
-    def _step_on(self) -> None:
-        """The rest of a turn: the step, then the presences of the peers it now holds
-        records of (`Agent.follow`), then the next turn's time."""
-        self._step()
-        self._follow_presences()
+    def _turn(self) -> None:
+        """The step of a turn, and what it schedules (`Agent._step`)."""
+        self._carry(self._feed(Step()))
+        if self.core.view_ready and self.waiting_view:
+            self.waiting_view = False
+            self._schedule_reconcile(self.clock.now)
+        self._follow()  # the peers it now holds records of
         if self.wake:
             self._schedule_step(self.clock.now)
             return
-        due = self.shard.due_at(self.clock.now)
+        due = self.core.next_due(self.clock.now)
         if due is not None:
             self._schedule_step(due)
 
-    def _presences_current(self) -> bool:
-        """`Agent._presences_current`: whether the presence of every peer whose record came
-        from a snapshot (`ShardView.found`) was taken in; if not, the turn waits until the
-        presences task says so, at most the bus's timeout and an echo timeout."""
-        if self._found_read():
-            return True
-        self._follow_presences()
-        if self._found_read():
-            return True
-        self.await_token += 1
-        self.awaiting = self.await_token
-        self.clock.at(
-            self.clock.now + BUS_TIMEOUT_S + ECHO_TIMEOUT_S,
-            self._await_over,
-            self.life,
-            self.await_token,
-        )
-        return False
-
-    def _found_read(self) -> bool:
-        return self.shard.found() <= self.presences_read
-
-    def _presences_moved(self) -> None:
-        """`Agent.presences_moved`: a turn waiting for presences looks again."""
-        if self.awaiting is not None and self._found_read():
-            self._resume()
-
-    def _await_over(self, life: int, token: int) -> None:
-        if life == self.life and self.awaiting == token:
-            self._resume()  # bounded, not required: the turn goes on
-
-    def _resume(self) -> None:
-        self.awaiting = None
-        self.resumed = True
-        self._schedule_step(self.clock.now)
-
-    def _follow_presences(self) -> None:
-        """`Agent._follow_presences`, the presences task: follow the presence of every peer
-        the view holds a record of, and no other. Newly followed ones are read at once
-        (subscribed without a round trip) unless a claim may wait for one of them: then,
-        with the round trip, until a `Synced` covers them, at most ECHO_TIMEOUT_S
-        (`Agent._presences_read`), the task doing nothing else meanwhile."""
-        if self.following is not None:
-            return  # in a read: the task follows again when it ends
-        while True:
-            wanted = set(self.shard.followed())
-            if gone := self.presences - wanted:
-                self._unsubscribe(gone)
-            self.presences_read &= wanted
-            new = frozenset(wanted - self.presences)
-            self.presences = wanted
+    def _follow(self) -> None:
+        """The presences task (`Presences.run`): follow what the core names, one batch of
+        new presences at a time, their snapshot awaited only where a claim waits for it
+        (at most ECHO_TIMEOUT_S)."""
+        core = self.core
+        while self.reading is None:
+            dropped, new = core.follow_presences()
+            if dropped:
+                self._unsubscribe({_node(t) for t in dropped})
             if not new:
-                return
-            if self.shard.member or not new & self.shard.found():
-                self._subscribe(new, synced=False)
-                self.presences_read |= new
-                self._presences_moved()
-                continue
-            self._subscribe(new)
-            read = self.synced_filters
-            if read is None or read >= new:
-                self.presences_read |= new
-                self._presences_moved()
+                break
+            waits = core.claim_waits(new)
+            self._subscribe({_node(t) for t in new}, synced=waits)
+            if not waits:
+                core.presences_taken(new)
                 continue
             self.follow_token += 1
-            self.following = (new, self.follow_token)
-            self.clock.at(
-                self.clock.now + ECHO_TIMEOUT_S, self._follow_late, self.life, self.follow_token
-            )
+            self.reading = (new, self.follow_token)
+            at = self.clock.now + ECHO_TIMEOUT_S
+            self.clock.at(at, self._read_late, self.life, self.follow_token)
+        self._claim_may_go_on()
+
+    def _read(self, topics: list[str]) -> None:
+        self.reading = None
+        self.core.presences_taken(topics)
+        self._follow()
+
+    def _read_late(self, life: int, token: int) -> None:
+        reading = self.reading
+        if life == self.life and reading is not None and reading[1] == token:
+            self._read(reading[0])  # given up on: each wait is bounded
+
+    def _claim_may_go_on(self) -> None:
+        """A turn that waits for presences goes on once the core has them (a member's
+        turns never wait), or once no read is left to wait for."""
+        if not self.claim_waiting:
             return
-
-    def _follow_late(self, life: int, token: int) -> None:
-        following = self.following
-        if life == self.life and following is not None and following[1] == token:
-            self._read(following[0])  # bounded, not required: given up on
-
-    def _read(self, nodes: frozenset[str]) -> None:
-        """The presences task's read of `nodes` is over: they count as read, and the task
-        follows the records that came meanwhile."""
-        self.following = None
-        self.presences_read |= nodes
-        self._presences_moved()
-        self._follow_presences()
-
-    def _step(self) -> None:
-        """`Agent._step`: derive, publish, commit, and what should run."""
-        now = self.clock.now
-        shard = self.shard
-        desired = self.desired
-        plan = shard.derive(
-            now,
-            wall_now=self._wall(),
-            saved=self.saved,
-            running=desired.run and (desired.domain, desired.clique) == shard.current,
-            release=lambda: False,
-        )
-        if plan.hold:
-            pass
-        elif plan.desired is None:
-            return
-        else:
-            self._claim(plan)
-        if shard.synced:
-            self.view_ready = True
-            if self.waiting_view:
-                self.waiting_view = False
-                self._schedule_reconcile(now)
-
-    def _claim(self, plan: Plan) -> None:
-        """`Agent._claim`."""
-        shard = self.shard
-        decision = plan.decision
-        assert decision is not None
-        assert plan.desired is not None
-        if plan.outbid:
-            self.saved = replace(self.saved, incarnation=shard.incarnation)
-        if plan.publish:
-            record = shard.record(decision.claim, driver="")
-            shard.sending(record)
-            if self.first_state is None and record is not None:
-                self.first_state = record.state
-                self.resumed_ended = record.state is MemberState.MEMBER and self._past_ended()
-            link = self.link
-            if link is not None and link.client_open:
-                self.broker.publish(link, member(self.name), record)
-            shard.sent(record)
-        shard.commit(plan)
-        if plan.outbid:
-            # Our will must end this incarnation's links: a new one, and a new link.
-            self.will = shard.will(TOPICS, at=self._wall())
-            self._declare_presence()
-            self._leave_link("will changed")
-        if decision.settled and decision.claim.slot is not None:
-            self.saved = NodeState(
-                domain=DOMAIN,
-                clique=CLIQUE,
-                slot=decision.claim.slot,
-                incarnation=shard.incarnation,
-            )
-        if plan.desired != self.desired:
-            self.desired = plan.desired
-            self.desired_at = self.clock.now
-            self.dirty = True
-            self._schedule_reconcile(self.clock.now)
+        if self.shard.member or self.core.presences_current() or self.reading is None:
+            self.claim_waiting = False
+            self._turn()
 
     def _past_ended(self) -> bool:
         """Whether a will accepted on our presence so far ended the past record we resume."""
@@ -744,7 +713,7 @@ class SimNode:
             isinstance(said, Presence) and ended(past, said) for _, said in history
         )
 
-    # -- the reconcile loop -------------------------------------------------------------
+    # -- the reconcile task -------------------------------------------------------------
 
     def _schedule_reconcile(self, at: float) -> None:
         if self.rec_busy or (self.rec_at is not None and self.rec_at <= at):
@@ -759,68 +728,50 @@ class SimNode:
         self.rec_at = None
         self._reconcile()
 
-    def _removes_members(self) -> bool:
-        """`Agent._removes_members`: the desired hosts drop or move a member applied."""
-        if self.applied is None or not self.desired.run:
-            return False
-        kept = {slot: m.address for slot, m in self.desired.members.items()}
-        return any(kept.get(slot) != address for slot, (_, address) in self.applied[1].items())
-
     def _reconcile(self) -> None:
-        """One turn of `Agent._reconcile_loop`, up to its proof or its apply."""
+        """Turns of `Reconciler.run`, up to a wait, a proof or an apply."""
         if not self.dirty or self.rec_busy:
             return
         now = self.clock.now
-        if now < self.quiet_at:
-            self._schedule_reconcile(self.quiet_at)
-            return
-        removes = self._removes_members()
-        if removes and now < self.desired_at + SETTLE_S:
-            self._schedule_reconcile(self.desired_at + SETTLE_S)
-            return
-        if removes or self.shard.unproven:
-            self.rec_busy = True
-            link = self.link
-            mark = self.shard.proof_mark()
-            if link is None or not link.client_open:
-                self._proof_failed()
-                return
-            self.pings += 1
-            self.proof = (self.pings, mark)
-            self._ping(link, self.pings)
-            self.clock.at(now + BEAT_S, self._proof_late, self.life, self.pings)
-            return
-        self._finish()
+        applied = None if self.applied is None else self.applied[1]
+        members = None if applied is None else {s: a for s, (_, a) in applied.items()}
+        match self.core.reconcile_next(now, members):
+            case Pause(until):
+                self._schedule_reconcile(until)
+            case ProveLink(mark):
+                link = self.link
+                if link is None or not link.client_open:
+                    self._proven(mark, ok=False)
+                    return
+                self.rec_busy = True
+                self.pings += 1
+                self.proof = (self.pings, mark)
+                self._ping(link, self.pings)
+                self.clock.at(now + BEAT_S, self._proof_late, self.life, self.pings)
+            case AwaitView():
+                self.waiting_view = True  # stepped on the resynced view, or BEAT_S on
+                self._schedule_reconcile(now + BEAT_S)
+            case Apply():
+                self.dirty = False
+                stopped = self._apply_desired()
+                self._feed(Reconciled(ok=True, probe_now=stopped))
+                if self.dirty:
+                    self._schedule_reconcile(self.clock.now)
 
     def _proof_late(self, life: int, token: int) -> None:
         if life == self.life and self.proof is not None and self.proof[0] == token:
             self._proof_failed()
 
     def _proof_failed(self) -> None:
-        """No round trip came back: a removal waits settle_s more (a broker shutting down
-        drops the link after its wills), then the view decides."""
-        self.proof = None
-        self.rec_busy = True
-        if self._removes_members():
-            self.clock.at(self.clock.now + SETTLE_S, self._after_wait, self.life)
-        else:
-            self._finish()
+        """No round trip came back (`Bus.barrier` is False when the link ends)."""
+        proof, self.proof = self.proof, None
+        if proof is not None:
+            self._proven(proof[1], ok=False)
 
-    def _after_wait(self, life: int) -> None:
-        if life == self.life:
-            self._finish()
-
-    def _finish(self) -> None:
-        """The end of a round: wait for a ready view, else apply what is desired now."""
+    def _proven(self, mark: int, *, ok: bool) -> None:
         self.rec_busy = False
-        if not self.view_ready:
-            self.waiting_view = True
-            return
-        self.dirty = False
-        stopped = self._apply_desired()
-        self.quiet_at = 0.0 if stopped else self.clock.now + SETTLE_S
-        if self.dirty:
-            self._schedule_reconcile(self.clock.now)
+        self._feed(Proven(mark, ok))
+        self._reconcile()
 
     def _apply_desired(self) -> bool:
         """`Reconciler.apply` on the model daemon; True when nothing runs now."""
@@ -860,6 +811,31 @@ def _address(topic: Topic) -> tuple[str, TopicRef]:
         return TOPICS.presence(node), TopicRef(kind="presence", node=node)
     ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=node)
     return TOPICS.member(DOMAIN, CLIQUE, node), ref
+
+
+def _node(topic: str) -> str:
+    """The node of a presence topic."""
+    ref = TOPICS.parse(topic)
+    assert ref is not None
+    return ref.node
+
+
+@functools.cache
+def _settings(name: str, address: str, max_nodes: int) -> Settings:
+    """A node's settings as the simulator runs it (what its core reads)."""
+    return settings_from_mapping(
+        {
+            "node": {"name": name, "address": address, "clique": CLIQUE},
+            "domain": {
+                "name": DOMAIN,
+                "max_nodes": max_nodes,
+                "settle_s": SETTLE_S,
+                "claim_stale_s": CLAIM_STALE_S,
+            },
+            "bus": {"url": BROKER},
+        },
+        environ={},
+    )
 
 
 @functools.cache

@@ -39,11 +39,7 @@ RECONNECT_MAX_S: Final = 8.0
 CONFIRM_GRACE_S: Final = RECONNECT_MAX_S + CONFIRM_MARGIN_S
 ECHO_TIMEOUT_S: Final[float] = inspect.signature(Bus).parameters["echo_timeout_s"].default
 """The bus's echo timeout (the agent's default): the longest the agent waits for the
-snapshot of the presence topics it begins to follow (`Agent._presences_read`)."""
-BUS_TIMEOUT_S: Final[float] = inspect.signature(Bus).parameters["timeout_s"].default
-"""The bus's timeout (the agent's default): with the echo timeout, the longest a step that
-may claim waits for the presences of the peers found in a snapshot
-(`Agent._presences_current`)."""
+snapshot of the presence topics it begins to follow (`Presences._read`)."""
 TAKEOVER_WATCH_S: Final = TAKEOVER_WATCH_DELAYS * RECONNECT_INITIAL_S + CONFIRM_MARGIN_S
 
 # -- the fault model: how late things may be
