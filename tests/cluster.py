@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -395,6 +396,14 @@ class Node:
         return pids
 
 
+def _no_delay(_client: Any, _userdata: Any, sock: Any) -> None:
+    """TCP_NODELAY on a test client's link, as imexd's own links have it (imexd.bus.mqtt):
+    with Nagle's algorithm a SUBSCRIBE's or PUBLISH's packet that follows another waits
+    for the broker's delayed ACK, some 40 ms a round trip."""
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class BusClient:
     """A plain MQTT client for tests (MQTT 5; 3.1.1 on NATS, on its first live server):
     publish anything, read the retained snapshot."""
@@ -409,24 +418,29 @@ class BusClient:
             protocol=paho.MQTTv5 if broker_protocol(broker) is None else paho.MQTTv311,
         )
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        """Notified on every SUBACK and message: `retained` and `record` wait on it."""
         self._messages: list[tuple[str, bytes]] = []
         self._retained: set[int] = set()
         """Indexes into `_messages` of the messages the broker flagged retained."""
         self._subacks: set[int] = set()
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
+        self._client.on_socket_open = _no_delay
         self._client.connect(*broker_endpoint(broker))
         self._client.loop_start()
 
     def _on_message(self, _client: Any, _userdata: Any, message: paho.MQTTMessage) -> None:
-        with self._lock:
+        with self._arrived:
             if message.retain:
                 self._retained.add(len(self._messages))
             self._messages.append((message.topic, bytes(message.payload)))
+            self._arrived.notify_all()
 
     def _on_subscribe(self, _client: Any, _userdata: Any, mid: int, *_rest: Any) -> None:
-        with self._lock:
+        with self._arrived:
             self._subacks.add(mid)
+            self._arrived.notify_all()
 
     def __enter__(self) -> Self:
         return self
@@ -458,9 +472,9 @@ class BusClient:
         result, mid = self._client.subscribe([(topic_filter, 1), (marker, 1)])
         assert result == paho.MQTT_ERR_SUCCESS
         assert mid is not None
-        wait_for(lambda: self._has_suback(mid), timeout=self.timeout)
+        self._until(lambda: mid in self._subacks, f"the SUBACK of {topic_filter}")
         self.publish(marker, b"end")
-        wait_for(lambda: self._has_message(marker), timeout=self.timeout)
+        self._until(lambda: any(t == marker for t, _ in self._messages), f"marker {marker}")
         self._client.unsubscribe([topic_filter, marker])
         with self._lock:
             # Only the snapshot: live messages (agents' pings, fresh reports) that pass
@@ -476,7 +490,7 @@ class BusClient:
         result, mid = self._client.subscribe([(topic_filter, 1)])
         assert result == paho.MQTT_ERR_SUCCESS
         assert mid is not None
-        wait_for(lambda: self._has_suback(mid), timeout=self.timeout)
+        self._until(lambda: mid in self._subacks, f"the SUBACK of {topic_filter}")
         return self
 
     def seen(self) -> list[tuple[str, bytes]]:
@@ -484,13 +498,12 @@ class BusClient:
         with self._lock:
             return list(self._messages)
 
-    def _has_suback(self, mid: int) -> bool:
-        with self._lock:
-            return mid in self._subacks
-
-    def _has_message(self, topic: str) -> bool:
-        with self._lock:
-            return any(t == topic for t, _ in self._messages)
+    def _until(self, arrived: Callable[[], bool], what: str) -> None:
+        """Wait until `arrived` (called with the lock held) is true, woken by each SUBACK
+        and message instead of polling; an AssertionError after `timeout` seconds."""
+        with self._arrived:
+            if not self._arrived.wait_for(arrived, timeout=self.timeout):
+                raise AssertionError(f"not within {self.timeout:g} s: {what}")
 
 
 class Cluster:

@@ -11,6 +11,34 @@ from tests.brokers import Mosquitto
 from tests.cluster import Cluster, checked
 
 
+def _declared_length(items: list[pytest.Item], default_s: float) -> tuple[float, bool]:
+    """What a module says of its own length: the longest timeout above `default_s` that
+    one of its tests declares (0: none) and whether it is a `slow` scenario module."""
+    timeouts = [float(m.args[0]) for i in items if (m := i.get_closest_marker("timeout"))]
+    longer = max((t for t in timeouts if t > default_s), default=0.0)
+    return longer, any(i.get_closest_marker("slow") for i in items)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long modules first: a module with a test that declares a longer timeout than the
+    default, longest first, then the `slow` scenario modules, then the rest in
+    collection order.
+
+    scripts/test hands one module at a time to each worker (`--dist loadfile`, in this
+    order with `--no-loadscope-reorder`): a long module picked up last would run on alone
+    while the other worker has nothing left.
+    """
+    default_s = float(config.getini("timeout") or 0)
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(
+        modules.values(),
+        key=lambda group: tuple(-value for value in _declared_length(group, default_s)),
+    )
+    items[:] = [item for group in order for item in group]
+
+
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Mosquitto]:
     """A fresh Mosquitto on a free loopback port, stopped after the test."""

@@ -8,6 +8,7 @@ so a cycle that only bites when a command imports late is caught here too.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +23,19 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, *, runtime: bool = False) -> set[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """`path` parsed once per test process: every rule here reads the same sources."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def _imports(path: Path, *, runtime: bool = False) -> frozenset[str]:
     """Every module `path` imports (absolute names), lazy imports included; with
     `runtime`, not those under `if TYPE_CHECKING:` (types only, never loaded)."""
     found: set[str] = set()
     package = _module_name(path).rpartition(".")[0] if path.name != "__init__.py" else None
-    for node in _walk(ast.parse(path.read_text(), str(path)), runtime=runtime):
+    for node in _walk(_tree(path), runtime=runtime):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -38,7 +46,7 @@ def _imports(path: Path, *, runtime: bool = False) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def _walk(tree: ast.AST, *, runtime: bool) -> Iterator[ast.AST]:
@@ -152,7 +160,7 @@ def test_the_domain_is_judged_in_fleet_only() -> None:
         f"{_module_name(path)}.{node.name}"
         for path in PACKAGE.rglob("*.py")
         if _module_name(path) not in JUDGE_HOMES
-        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for node in ast.walk(_tree(path))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and JUDGE_NAME.match(node.name)
         and not _calls_fleet_judge(node)
