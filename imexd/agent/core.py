@@ -85,6 +85,13 @@ IdentityKey = tuple[str, str, int]
 """(domain, clique, slot): what a daemon is started as."""
 
 
+def _cause(plan: Plan) -> str:
+    """Why `plan` changes what should run: its step's reason, or the domain's delete."""
+    if plan.desired is not None and plan.desired.cleanup:
+        return DOMAIN_DELETED
+    return plan.decision.reason if plan.decision is not None else ""
+
+
 def _identity(desired: Desired) -> IdentityKey | None:
     """What a daemon of `desired` runs as (None: it runs none)."""
     if not desired.run or desired.domain is None or desired.slot is None:
@@ -429,6 +436,11 @@ class NodeCore:
             release=lambda: self._release_due(now),
         )
         self.survey_due = None
+        detail = plan.decision.message if plan.decision is not None else ""
+        if plan.desired is not None and self._kept(plan.desired, _cause(plan), detail):
+            # The plan would stop or move what runs against the gate: nothing of it is
+            # published or kept, as for any hold.
+            plan = Plan(hold=True, wake_at=plan.wake_at)
         if plan.hold:
             # Another agent may run as this node: what runs keeps running, and a daemon
             # of our config that runs without us is reported as it is, looked for at
@@ -539,29 +551,44 @@ class NodeCore:
         """Take `desired` as what should run, if the gate admits what it does to the
         daemon that runs now; `cause`: why it changed (a `membership.Reason`, ...)."""
         old = self.desired
-        if desired == old:
+        if desired == old or self._kept(desired, cause):
             return []
-        running = _identity(old)
-        if running is not None and _identity(desired) != running:
-            if (old.domain, old.clique) != self.shard.current:
-                cause = Cause.LEFT_SHARD  # the node's target moved: its own decision
-            incumbent = self.shard.incumbent
-            why = "left" if desired.cleanup else "not a settled member"
-            if admit("stop", why, cause, running=old, desired=desired, incumbent=incumbent) is None:
-                self.log.error(
-                    "membership.daemon_kept",
-                    slot=old.slot,
-                    cause=cause,
-                    why="another node's record would stop or move the daemon of a member "
-                    "whose record stood without a break",
-                )
-                return []
-            self.departures[running] = (cause, incumbent)
+        if (running := _identity(old)) is not None and _identity(desired) != running:
+            self.departures[running] = (self._moved_by(cause), self.shard.incumbent)
         if (ident := _identity(desired)) is not None:
             self.departures.pop(ident, None)
         self.desired = desired
         self.desired_at = now
         return [Reconcile()]
+
+    def _moved_by(self, cause: str) -> str:
+        """The cause of a change that moves `desired` off what runs: the node's own when
+        its target moved (`Cause.LEFT_SHARD`), else `cause`."""
+        old = self.desired
+        return Cause.LEFT_SHARD if (old.domain, old.clique) != self.shard.current else cause
+
+    def _kept(self, desired: Desired, cause: str, detail: str = "") -> bool:
+        """Whether the gate refuses what `desired` does to the daemon that runs now (a stop
+        or a move for another node's record while ours stood without a break): then the
+        daemon keeps running, and the broken promise of the slot rules is logged."""
+        old = self.desired
+        running = _identity(old)
+        if running is None or _identity(desired) == running:
+            return False
+        cause = self._moved_by(cause)
+        why = "left" if desired.cleanup else "not a settled member"
+        incumbent = self.shard.incumbent
+        if admit("stop", why, cause, running=old, desired=desired, incumbent=incumbent):
+            return False
+        self.log.error(
+            "membership.daemon_kept",
+            slot=old.slot,
+            cause=cause,
+            detail=detail,
+            why="another node's record would stop or move the daemon of a member whose "
+            "record stood without a break",
+        )
+        return True
 
     def order(
         self, kind: Kind, why: str, running: IdentityKey | None, desired: Desired
