@@ -42,7 +42,7 @@ from imexd.daemon.state import DaemonState
 from imexd.logs import get_logger
 from imexd.membership import slots as mb
 from imexd.membership.shard import ShardView
-from imexd.messages import Assignment, MemberRecord, MemberState, Received, Retry
+from imexd.messages import Assignment, Deleted, MemberRecord, MemberState, Received, Retry
 from imexd.nodestate import NodeState
 from imexd.settings import Settings, settings_from_mapping
 from imexd.topics import TopicRef, Topics
@@ -112,6 +112,12 @@ def received(record: MemberRecord, *, retained: bool = True) -> Received:
     return Received(topic=topic, ref=ref, payload=record, retained=retained)
 
 
+def cleared(node: str) -> Deleted:
+    """The live clear of `node`'s member record (a leave)."""
+    ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=node)
+    return Deleted(topic=TOPICS.member(DOMAIN, CLIQUE, node), ref=ref, retained=False)
+
+
 def member(node: str, slot: int, *, incarnation: int = 1) -> MemberRecord:
     return MemberRecord(
         node=node,
@@ -177,6 +183,35 @@ def test_a_removed_member_waits_settle_s_and_a_link_proof() -> None:
     d.feed(Proven(proof.mark, ok=False), 11.1)
     assert d.core.reconcile_next(11.1, applied) == Pause(12.1)
     assert isinstance(d.core.reconcile_next(12.1, applied), Apply)
+
+
+def test_a_deletion_during_the_proof_waits_for_a_later_round_trip() -> None:
+    """A member's record cleared while the round trip that proves an earlier deletion is
+    under way reaches no daemon until a round trip begun after it came back."""
+    d = Driver()
+    d.settle()
+    d.bus(received(member("n2", 1), retained=False), received(member("n3", 2), retained=False))
+    d.step(2.0)
+    applied = {0: "10.0.0.1", 1: "10.0.0.9", 2: "10.0.0.9"}
+    d.core.rounds.quiet_at = 0.0
+    d.bus(cleared("n2"), at=3.0)
+    d.step(3.0)
+    first = d.core.reconcile_next(4.0, applied)
+    assert isinstance(first, ProveLink)
+    d.bus(cleared("n3"), at=4.1)  # during the round trip, after its mark
+    d.step(4.1)
+    assert set(d.core.shard.unproven) == {"n2", "n3"}
+    d.feed(Proven(first.mark, ok=True), 4.2)
+    assert set(d.core.shard.unproven) == {"n3"}
+    assert d.core.reconcile_next(4.2, applied) == Pause(5.1)  # n3's removal settles first
+    second = d.core.reconcile_next(5.1, applied)
+    assert isinstance(second, ProveLink)
+    assert second.mark > first.mark
+    d.feed(Proven(second.mark, ok=True), 5.2)
+    assert not d.core.shard.unproven
+    round_ = d.core.reconcile_next(5.2, applied)
+    assert isinstance(round_, Apply)
+    assert set(round_.desired.members) == {0}
 
 
 def test_a_dropped_link_waits_for_the_resynced_view() -> None:

@@ -27,7 +27,6 @@ KNOWN_FAILURES: dict[int, str] = {
     850: "will-gap",
     887: "forged-version",  # a limit
     985: "forged-version",  # a limit
-    1029: "unproven-applied",
     1060: "forged-version",  # a limit
     1161: "forged-version",  # a limit
     1411: "forged-vacates-slot",  # a limit
@@ -39,6 +38,7 @@ KNOWN_FAILURES: dict[int, str] = {
     1758: "forged-relink",  # a limit
     1836: "will-gap",
     1837: "forged-version",  # a limit
+    1928: "forged-relink",  # a limit
     2031: "forged-version",  # a limit
     2392: "will-gap",
     2488: "will-gap",
@@ -90,7 +90,6 @@ KNOWN_FAILURES: dict[int, str] = {
     6431: "forged-version",  # a limit
     6697: "forged-version",  # a limit
     6783: "forged-version",  # a limit
-    6793: "unproven-applied",
     6813: "forged-version",  # a limit
     6839: "forged-version",  # a limit
     6861: "forged-version",  # a limit
@@ -104,7 +103,6 @@ KNOWN_FAILURES: dict[int, str] = {
     7672: "forged-version",  # a limit
     7881: "will-gap",
     7958: "forged-version",  # a limit
-    7977: "unproven-applied",
     8034: "forged-version",  # a limit
     8037: "forged-vacates-slot",  # a limit
     8152: "forged-version",  # a limit
