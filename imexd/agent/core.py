@@ -16,7 +16,7 @@ What it decides:
   `derive`, `sending`, `sent`, `commit`) and turns its plan into actions: publish the
   claim, save the state, leave a deleted domain, survey while standing aside;
 - the release of a FATAL daemon's slot (latched for `claim_stale_s`), an operator's
-  retry request, which peers' presences a claim waits for;
+  retry request, which peers' presences a claim waits for (`Followed`, in `presences`);
 - `Desired`, what should run, and when the reconciler applies it (`reconcile_next`:
   the first change at once, what follows within `settle_s` coalesced, a removed member
   only once it stood for `settle_s` and a round trip proved the link);
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 
@@ -50,7 +50,8 @@ from imexd.agent.actions import (
     Survey,
     Unsubscribe,
 )
-from imexd.agent.gate import Cause, DaemonOrder, Kind, admit
+from imexd.agent.followed import Followed
+from imexd.agent.gate import Cause, DaemonOrder, IdentityKey, Kind, admit, runs_as
 from imexd.agent.inputs import (
     BusInput,
     DaemonInput,
@@ -81,31 +82,12 @@ from imexd.nodestate import NodeState
 from imexd.settings import Settings
 from imexd.topics import Topics
 
-IdentityKey = tuple[str, str, int]
-"""(domain, clique, slot): what a daemon is started as."""
-
 
 def _cause(plan: Plan) -> str:
     """Why `plan` changes what should run: its step's reason, or the domain's delete."""
     if plan.desired is not None and plan.desired.cleanup:
         return DOMAIN_DELETED
     return plan.decision.reason if plan.decision is not None else ""
-
-
-def _identity(desired: Desired) -> IdentityKey | None:
-    """What a daemon of `desired` runs as (None: it runs none)."""
-    if not desired.run or desired.domain is None or desired.slot is None:
-        return None
-    return desired.domain, desired.clique, desired.slot
-
-
-@dataclass(slots=True)
-class _Presences:
-    """The presence topics of the peers we follow, and those whose retained copies the
-    shard has taken in."""
-
-    followed: set[str] = field(default_factory=set)
-    read: set[str] = field(default_factory=set)
 
 
 class NodeCore:
@@ -145,10 +127,8 @@ class NodeCore:
         """`now` until which our slot stays given up (FATAL daemon)."""
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
-        self.presences = _Presences()
-        self._presence_topics: dict[str, str] = {}
-        self.synced_filters: frozenset[str] | None = frozenset()
-        """The filters of the last `Synced` taken in (None: all)."""
+        self.presences = Followed(self.topics, shard)
+        """The peers' presences followed, and which a claim waits for."""
         self.view_ready = False
         """Membership stepped on the current synced snapshot (cleared when the link goes):
         only then does `desired` say what the broker says."""
@@ -220,7 +200,7 @@ class NodeCore:
         else wrote, and to clear our own in a domain we left; a peer's presence is news
         only as an end (it is refreshed with every report)."""
         if isinstance(event, Synced):
-            self.synced_filters = event.filters
+            self.presences.synced_filters = event.filters
         ref = getattr(event, "ref", None)
         if ref is not None and ref.kind == "health":
             return self._note_stale_own(event)
@@ -362,47 +342,6 @@ class NodeCore:
         return Clear(
             (self.topics.member(domain, clique, self.node), self.topics.health(domain, self.node))
         )
-
-    # -- presences --------------------------------------------------------------------
-
-    def presence_topics(self, nodes: frozenset[str]) -> set[str]:
-        """The presence topics of `nodes` (each encoded once: asked at every step)."""
-        known = self._presence_topics
-        for node in nodes - known.keys():
-            known[node] = self.topics.presence(node)
-        return {known[node] for node in nodes}
-
-    def follow_presences(self) -> tuple[list[str], list[str]]:
-        """(dropped, new): the presence topics to unsubscribe and to subscribe, so that we
-        follow the presence of every peer the shard holds a record of, and no other
-        (`ShardView.followed`): a peer's Last Will is its presence."""
-        wanted = self.presence_topics(self.shard.followed())
-        held = self.presences
-        dropped = sorted(held.followed - wanted)
-        held.read &= wanted
-        new = sorted(wanted - held.followed)
-        held.followed = wanted
-        return dropped, new
-
-    def presences_taken(self, topics: list[str]) -> None:
-        """The retained copies of `topics` were taken in (or given up on: waits are bounded)."""
-        self.presences.read |= set(topics)
-
-    def presences_current(self) -> bool:
-        """Whether the presence of every peer whose record came from a snapshot was taken
-        in (`ShardView.found`): only such a record can be a dead node's, so a step that
-        may claim waits for those, and for no other."""
-        return self.presence_topics(self.shard.found()) <= self.presences.read
-
-    def claim_waits(self, topics: list[str]) -> bool:
-        """Whether a claim waits for the snapshot of these new presence topics: only one
-        that may claim, and only for peers found in a snapshot (else no round trip)."""
-        shard = self.shard
-        return not shard.member and bool(set(topics) & self.presence_topics(shard.found()))
-
-    def synced_covers(self, topics: list[str]) -> bool:
-        """Whether the last `Synced` taken in covers `topics`."""
-        return self.synced_filters is None or self.synced_filters >= set(topics)
 
     # -- membership -------------------------------------------------------------------
 
@@ -553,9 +492,9 @@ class NodeCore:
         old = self.desired
         if desired == old or self._kept(desired, cause):
             return []
-        if (running := _identity(old)) is not None and _identity(desired) != running:
+        if (running := runs_as(old)) is not None and runs_as(desired) != running:
             self.departures[running] = (self._moved_by(cause), self.shard.incumbent)
-        if (ident := _identity(desired)) is not None:
+        if (ident := runs_as(desired)) is not None:
             self.departures.pop(ident, None)
         self.desired = desired
         self.desired_at = now
@@ -572,8 +511,8 @@ class NodeCore:
         or a move for another node's record while ours stood without a break): then the
         daemon keeps running, and the broken promise of the slot rules is logged."""
         old = self.desired
-        running = _identity(old)
-        if running is None or _identity(desired) == running:
+        running = runs_as(old)
+        if running is None or runs_as(desired) == running:
             return False
         cause = self._moved_by(cause)
         why = "left" if desired.cleanup else "not a settled member"
@@ -599,7 +538,7 @@ class NodeCore:
             return admit(kind, why, "", running=Desired(), desired=desired, incumbent=False)
         domain, clique, slot = running
         runs = Desired(domain=domain, clique=clique, slot=slot, run=True)
-        if _identity(desired) == running:
+        if runs_as(desired) == running:
             return admit(
                 kind, why, Cause.SAME_IDENTITY, running=runs, desired=desired, incumbent=True
             )
