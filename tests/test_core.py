@@ -22,6 +22,7 @@ from imexd.agent.actions import (
     Publish,
     Reconcile,
     SaveState,
+    SetWill,
     StepSoon,
     Subscribe,
     Survey,
@@ -212,6 +213,32 @@ def test_a_deletion_during_the_proof_waits_for_a_later_round_trip() -> None:
     round_ = d.core.reconcile_next(5.2, applied)
     assert isinstance(round_, Apply)
     assert set(round_.desired.members) == {0}
+
+
+def test_an_outbid_record_goes_out_only_on_the_link_whose_will_ends_it() -> None:
+    """A record of our name that we did not write, above our incarnation: ours goes back
+    with a raised incarnation only on the next link, whose will (of that incarnation)
+    ends it; the link in between keeps the old will, and the daemon keeps running."""
+    d = Driver()
+    d.settle()
+    runs = d.core.desired
+    forged = msgspec.structs.replace(
+        member(ME, 0, incarnation=5), address="10.0.0.1", seq=9, link=1
+    )
+    d.bus(received(forged, retained=False), at=2.0)
+    actions = d.step(2.0)
+    wills = [a for a in actions if isinstance(a, SetWill)]
+    assert [getattr(w.will and w.will.tombstone, "incarnation", None) for w in wills] == [6]
+    assert SaveState(NodeState(domain=DOMAIN, clique=CLIQUE, slot=0, incarnation=6)) in actions
+    assert not [a for a in actions if isinstance(a, Publish)]
+    d.bus(Connected(broker="b", protocol="5", will_delay=True, link=2), at=2.1)
+    d.bus(received(forged), Synced(at=2.1), BrokerChecked(broker="b", ok=True))
+    again = d.step(2.2)
+    [published] = [a for a in again if isinstance(a, Publish)]
+    assert isinstance(published.payload, MemberRecord)
+    assert (published.payload.incarnation, published.payload.slot) == (6, 0)
+    assert d.core.shard.continuous
+    assert d.core.desired == runs
 
 
 def test_a_dropped_link_waits_for_the_resynced_view() -> None:

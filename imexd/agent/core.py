@@ -412,7 +412,7 @@ class NodeCore:
         self.surveyed_at = -math.inf
         if plan.outbid:
             actions += self._save(replace(self.state, incarnation=shard.incarnation))
-        if plan.publish and shard.current is not None:
+        if plan.publish and shard.current is not None and not plan.outbid:
             record = shard.record(decision.claim, driver=self.driver, channel_count=channel_count)
             shard.sending(record)  # before the publish: its echo is the claim's barrier
             # Not replayed by the bus on a new link: the shard judges that link's snapshot
@@ -423,7 +423,9 @@ class NodeCore:
             shard.sent(record)  # handed to the bus: ours to clear from here on
         shard.commit(plan)
         if plan.outbid:
-            # Our will must end this incarnation's link, after what we publish with it.
+            # Only a will of the raised incarnation ends a record of it: that record goes
+            # out on the next link, whose CONNECT carries that will (`republish`), never on
+            # this one, whose will a clean DISCONNECT drops.
             actions.append(SetWill(self.will(wall)))
         if decision.settled and decision.claim.slot is not None and shard.current is not None:
             domain, clique = shard.current

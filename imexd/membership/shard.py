@@ -136,7 +136,7 @@ class ShardView(RecordEvents):
         self.current = target
         self.needs = needs
         self.published = False
-        self.past = None
+        self.past = self.outbidding = None
         self.continuous = self.replaying = False
         self.replay_rival = None
         self.reassert_at = None
