@@ -22,6 +22,7 @@ from imexd.agent.actions import (
     Publish,
     Reconcile,
     SaveState,
+    SetWill,
     StepSoon,
     Subscribe,
     Survey,
@@ -42,7 +43,7 @@ from imexd.daemon.state import DaemonState
 from imexd.logs import get_logger
 from imexd.membership import slots as mb
 from imexd.membership.shard import ShardView
-from imexd.messages import Assignment, MemberRecord, MemberState, Received, Retry
+from imexd.messages import Assignment, Deleted, MemberRecord, MemberState, Received, Retry
 from imexd.nodestate import NodeState
 from imexd.settings import Settings, settings_from_mapping
 from imexd.topics import TopicRef, Topics
@@ -112,6 +113,12 @@ def received(record: MemberRecord, *, retained: bool = True) -> Received:
     return Received(topic=topic, ref=ref, payload=record, retained=retained)
 
 
+def cleared(node: str) -> Deleted:
+    """The live clear of `node`'s member record (a leave)."""
+    ref = TopicRef(kind="member", domain=DOMAIN, clique=CLIQUE, node=node)
+    return Deleted(topic=TOPICS.member(DOMAIN, CLIQUE, node), ref=ref, retained=False)
+
+
 def member(node: str, slot: int, *, incarnation: int = 1) -> MemberRecord:
     return MemberRecord(
         node=node,
@@ -177,6 +184,61 @@ def test_a_removed_member_waits_settle_s_and_a_link_proof() -> None:
     d.feed(Proven(proof.mark, ok=False), 11.1)
     assert d.core.reconcile_next(11.1, applied) == Pause(12.1)
     assert isinstance(d.core.reconcile_next(12.1, applied), Apply)
+
+
+def test_a_deletion_during_the_proof_waits_for_a_later_round_trip() -> None:
+    """A member's record cleared while the round trip that proves an earlier deletion is
+    under way reaches no daemon until a round trip begun after it came back."""
+    d = Driver()
+    d.settle()
+    d.bus(received(member("n2", 1), retained=False), received(member("n3", 2), retained=False))
+    d.step(2.0)
+    applied = {0: "10.0.0.1", 1: "10.0.0.9", 2: "10.0.0.9"}
+    d.core.rounds.quiet_at = 0.0
+    d.bus(cleared("n2"), at=3.0)
+    d.step(3.0)
+    first = d.core.reconcile_next(4.0, applied)
+    assert isinstance(first, ProveLink)
+    d.bus(cleared("n3"), at=4.1)  # during the round trip, after its mark
+    d.step(4.1)
+    assert set(d.core.shard.unproven) == {"n2", "n3"}
+    d.feed(Proven(first.mark, ok=True), 4.2)
+    assert set(d.core.shard.unproven) == {"n3"}
+    assert d.core.reconcile_next(4.2, applied) == Pause(5.1)  # n3's removal settles first
+    second = d.core.reconcile_next(5.1, applied)
+    assert isinstance(second, ProveLink)
+    assert second.mark > first.mark
+    d.feed(Proven(second.mark, ok=True), 5.2)
+    assert not d.core.shard.unproven
+    round_ = d.core.reconcile_next(5.2, applied)
+    assert isinstance(round_, Apply)
+    assert set(round_.desired.members) == {0}
+
+
+def test_an_outbid_record_goes_out_only_on_the_link_whose_will_ends_it() -> None:
+    """A record of our name that we did not write, above our incarnation: ours goes back
+    with a raised incarnation only on the next link, whose will (of that incarnation)
+    ends it; the link in between keeps the old will, and the daemon keeps running."""
+    d = Driver()
+    d.settle()
+    runs = d.core.desired
+    forged = msgspec.structs.replace(
+        member(ME, 0, incarnation=5), address="10.0.0.1", seq=9, link=1
+    )
+    d.bus(received(forged, retained=False), at=2.0)
+    actions = d.step(2.0)
+    wills = [a for a in actions if isinstance(a, SetWill)]
+    assert [getattr(w.will and w.will.tombstone, "incarnation", None) for w in wills] == [6]
+    assert SaveState(NodeState(domain=DOMAIN, clique=CLIQUE, slot=0, incarnation=6)) in actions
+    assert not [a for a in actions if isinstance(a, Publish)]
+    d.bus(Connected(broker="b", protocol="5", will_delay=True, link=2), at=2.1)
+    d.bus(received(forged), Synced(at=2.1), BrokerChecked(broker="b", ok=True))
+    again = d.step(2.2)
+    [published] = [a for a in again if isinstance(a, Publish)]
+    assert isinstance(published.payload, MemberRecord)
+    assert (published.payload.incarnation, published.payload.slot) == (6, 0)
+    assert d.core.shard.continuous
+    assert d.core.desired == runs
 
 
 def test_a_dropped_link_waits_for_the_resynced_view() -> None:

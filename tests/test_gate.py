@@ -9,17 +9,20 @@ driven through the node's core, and how the gate judges it.
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
+from structlog.testing import capture_logs
 
+from imexd.agent.actions import Publish, SaveState, Survey
 from imexd.agent.gate import Cause, DaemonOrder, admit
 from imexd.agent.inputs import Retarget
 from imexd.bus.events import Connected, Synced
 from imexd.membership import slots as mb
 from imexd.membership.desired import Desired
-from imexd.membership.shard import DOMAIN_DELETED
+from imexd.membership.shard import DOMAIN_DELETED, Plan
 from imexd.messages import DomainSpec, Received
 from imexd.topics import TopicRef
 from tests.test_core import CLIQUE, DOMAIN, TOPICS, Driver
@@ -199,3 +202,38 @@ def test_a_rival_record_gives_no_order_against_an_incumbent() -> None:
     incumbent.append(d.core.shard.incumbent)
     assert incumbent == [True, False]
     assert d.core.order("restart", "x", (DOMAIN, CLIQUE, 0), MOVED) is not None
+
+
+@pytest.mark.parametrize(
+    ("cause", "kept"), [(mb.Reason.PARTITION_HEALED, True), (mb.Reason.NOT_IN_SPEC, False)]
+)
+def test_a_plan_against_the_rule_is_held_by_the_core(
+    monkeypatch: pytest.MonkeyPatch, cause: mb.Reason, *, kept: bool
+) -> None:
+    """Should a membership step ever stop a continuous member's daemon for another node's
+    record, the core holds what runs: nothing of the plan is published or saved, and the
+    broken promise is logged as an error; for the node's own reason the stop goes on."""
+    d = Driver()
+    d.settle()
+    runs = d.core.desired
+    decision = d.core.shard.decision
+    assert decision is not None
+    gone = replace(decision, reason=cause, publish=True, settled=False)
+    stop = Plan(desired=Desired(domain=DOMAIN, clique=CLIQUE), decision=gone, publish=True)
+
+    def derive(now: float, **_: Any) -> Plan:
+        return stop
+
+    monkeypatch.setattr(d.core.shard, "derive", derive)
+    with capture_logs() as logs:
+        actions = d.step(2.0)
+    events = [(e["event"], e["log_level"]) for e in logs if e["log_level"] == "error"]
+    if kept:
+        assert events == [("membership.daemon_kept", "error")]
+        assert d.core.desired == runs
+        assert Survey() in actions
+        assert not [a for a in actions if isinstance(a, Publish | SaveState)]
+    else:
+        assert events == []
+        assert not d.core.desired.run
+        assert [a for a in actions if isinstance(a, Publish)]

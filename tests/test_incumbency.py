@@ -19,7 +19,6 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from structlog.testing import capture_logs
 
 from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Protocol, Synced
 from imexd.facts import Contest, Facts
@@ -233,19 +232,6 @@ def test_own_change_lets_only_own_reasons_stop_a_continuous_member(cause: str) -
         assert own_change(RUNS, changed, cause, incumbent=False)
     assert own_change(RUNS, RUNS, cause, incumbent=True)
     assert own_change(Desired(), moved, cause, incumbent=True)
-
-
-def test_a_plan_against_the_rule_keeps_what_runs() -> None:
-    """Should a plan ever stop a continuous member's daemon for another node's record,
-    derive holds what runs instead and logs the broken promise as an error."""
-    v = view()
-    settle(v)
-    stop = Plan(desired=Desired(domain=DOMAIN, clique=CLIQUE))
-    with capture_logs() as logs:
-        held = v._ruled(RUNS, stop, mb.Reason.PARTITION_HEALED)
-    assert (held.hold, held.desired) == (True, None)
-    assert [(e["event"], e["log_level"]) for e in logs] == [("membership.daemon_kept", "error")]
-    assert v._ruled(RUNS, stop, mb.Reason.NOT_IN_SPEC) is stop
 
 
 def test_standing_aside_keeps_what_runs() -> None:

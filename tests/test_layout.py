@@ -373,6 +373,7 @@ PURE_RULES = (
     "imexd.agent.core",
     "imexd.agent.gate",
     "imexd.agent.rounds",
+    "imexd.agent.followed",
     "imexd.agent.actions",
     "imexd.agent.inputs",
     "imexd.health.fleet",

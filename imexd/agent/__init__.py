@@ -7,6 +7,7 @@ The modules, lowest first:
   daemon (`DaemonOrder`), by the rule that guards a running daemon;
 - `inputs`, `actions`: what the node's core takes in and what it asks for, plain values;
 - `rounds`: the pacing of reconcile rounds (leading edge, settle, link proof, retries);
+- `followed`: which peers' presences the node follows, and which a claim waits for;
 - `core`: `NodeCore`, the node's decisions without I/O: inputs with the time in,
   actions out;
 - `statefile`: the state files across restarts (`StateStore`, and `RecordFile` for the

@@ -16,7 +16,7 @@ What it decides:
   `derive`, `sending`, `sent`, `commit`) and turns its plan into actions: publish the
   claim, save the state, leave a deleted domain, survey while standing aside;
 - the release of a FATAL daemon's slot (latched for `claim_stale_s`), an operator's
-  retry request, which peers' presences a claim waits for;
+  retry request, which peers' presences a claim waits for (`Followed`, in `presences`);
 - `Desired`, what should run, and when the reconciler applies it (`reconcile_next`:
   the first change at once, what follows within `settle_s` coalesced, a removed member
   only once it stood for `settle_s` and a round trip proved the link);
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 
@@ -50,7 +50,8 @@ from imexd.agent.actions import (
     Survey,
     Unsubscribe,
 )
-from imexd.agent.gate import Cause, DaemonOrder, Kind, admit
+from imexd.agent.followed import Followed
+from imexd.agent.gate import Cause, DaemonOrder, IdentityKey, Kind, admit, runs_as
 from imexd.agent.inputs import (
     BusInput,
     DaemonInput,
@@ -81,24 +82,12 @@ from imexd.nodestate import NodeState
 from imexd.settings import Settings
 from imexd.topics import Topics
 
-IdentityKey = tuple[str, str, int]
-"""(domain, clique, slot): what a daemon is started as."""
 
-
-def _identity(desired: Desired) -> IdentityKey | None:
-    """What a daemon of `desired` runs as (None: it runs none)."""
-    if not desired.run or desired.domain is None or desired.slot is None:
-        return None
-    return desired.domain, desired.clique, desired.slot
-
-
-@dataclass(slots=True)
-class _Presences:
-    """The presence topics of the peers we follow, and those whose retained copies the
-    shard has taken in."""
-
-    followed: set[str] = field(default_factory=set)
-    read: set[str] = field(default_factory=set)
+def _cause(plan: Plan) -> str:
+    """Why `plan` changes what should run: its step's reason, or the domain's delete."""
+    if plan.desired is not None and plan.desired.cleanup:
+        return DOMAIN_DELETED
+    return plan.decision.reason if plan.decision is not None else ""
 
 
 class NodeCore:
@@ -138,10 +127,8 @@ class NodeCore:
         """`now` until which our slot stays given up (FATAL daemon)."""
         self.stale_own: set[str] = set()
         """Topics of records of this node that a broker serves outside its shard."""
-        self.presences = _Presences()
-        self._presence_topics: dict[str, str] = {}
-        self.synced_filters: frozenset[str] | None = frozenset()
-        """The filters of the last `Synced` taken in (None: all)."""
+        self.presences = Followed(self.topics, shard)
+        """The peers' presences followed, and which a claim waits for."""
         self.view_ready = False
         """Membership stepped on the current synced snapshot (cleared when the link goes):
         only then does `desired` say what the broker says."""
@@ -213,7 +200,7 @@ class NodeCore:
         else wrote, and to clear our own in a domain we left; a peer's presence is news
         only as an end (it is refreshed with every report)."""
         if isinstance(event, Synced):
-            self.synced_filters = event.filters
+            self.presences.synced_filters = event.filters
         ref = getattr(event, "ref", None)
         if ref is not None and ref.kind == "health":
             return self._note_stale_own(event)
@@ -356,47 +343,6 @@ class NodeCore:
             (self.topics.member(domain, clique, self.node), self.topics.health(domain, self.node))
         )
 
-    # -- presences --------------------------------------------------------------------
-
-    def presence_topics(self, nodes: frozenset[str]) -> set[str]:
-        """The presence topics of `nodes` (each encoded once: asked at every step)."""
-        known = self._presence_topics
-        for node in nodes - known.keys():
-            known[node] = self.topics.presence(node)
-        return {known[node] for node in nodes}
-
-    def follow_presences(self) -> tuple[list[str], list[str]]:
-        """(dropped, new): the presence topics to unsubscribe and to subscribe, so that we
-        follow the presence of every peer the shard holds a record of, and no other
-        (`ShardView.followed`): a peer's Last Will is its presence."""
-        wanted = self.presence_topics(self.shard.followed())
-        held = self.presences
-        dropped = sorted(held.followed - wanted)
-        held.read &= wanted
-        new = sorted(wanted - held.followed)
-        held.followed = wanted
-        return dropped, new
-
-    def presences_taken(self, topics: list[str]) -> None:
-        """The retained copies of `topics` were taken in (or given up on: waits are bounded)."""
-        self.presences.read |= set(topics)
-
-    def presences_current(self) -> bool:
-        """Whether the presence of every peer whose record came from a snapshot was taken
-        in (`ShardView.found`): only such a record can be a dead node's, so a step that
-        may claim waits for those, and for no other."""
-        return self.presence_topics(self.shard.found()) <= self.presences.read
-
-    def claim_waits(self, topics: list[str]) -> bool:
-        """Whether a claim waits for the snapshot of these new presence topics: only one
-        that may claim, and only for peers found in a snapshot (else no round trip)."""
-        shard = self.shard
-        return not shard.member and bool(set(topics) & self.presence_topics(shard.found()))
-
-    def synced_covers(self, topics: list[str]) -> bool:
-        """Whether the last `Synced` taken in covers `topics`."""
-        return self.synced_filters is None or self.synced_filters >= set(topics)
-
     # -- membership -------------------------------------------------------------------
 
     def next_due(self, now: float) -> float | None:
@@ -429,6 +375,11 @@ class NodeCore:
             release=lambda: self._release_due(now),
         )
         self.survey_due = None
+        detail = plan.decision.message if plan.decision is not None else ""
+        if plan.desired is not None and self._kept(plan.desired, _cause(plan), detail):
+            # The plan would stop or move what runs against the gate: nothing of it is
+            # published or kept, as for any hold.
+            plan = Plan(hold=True, wake_at=plan.wake_at)
         if plan.hold:
             # Another agent may run as this node: what runs keeps running, and a daemon
             # of our config that runs without us is reported as it is, looked for at
@@ -461,7 +412,7 @@ class NodeCore:
         self.surveyed_at = -math.inf
         if plan.outbid:
             actions += self._save(replace(self.state, incarnation=shard.incarnation))
-        if plan.publish and shard.current is not None:
+        if plan.publish and shard.current is not None and not plan.outbid:
             record = shard.record(decision.claim, driver=self.driver, channel_count=channel_count)
             shard.sending(record)  # before the publish: its echo is the claim's barrier
             # Not replayed by the bus on a new link: the shard judges that link's snapshot
@@ -472,7 +423,9 @@ class NodeCore:
             shard.sent(record)  # handed to the bus: ours to clear from here on
         shard.commit(plan)
         if plan.outbid:
-            # Our will must end this incarnation's link, after what we publish with it.
+            # Only a will of the raised incarnation ends a record of it: that record goes
+            # out on the next link, whose CONNECT carries that will (`republish`), never on
+            # this one, whose will a clean DISCONNECT drops.
             actions.append(SetWill(self.will(wall)))
         if decision.settled and decision.claim.slot is not None and shard.current is not None:
             domain, clique = shard.current
@@ -539,29 +492,44 @@ class NodeCore:
         """Take `desired` as what should run, if the gate admits what it does to the
         daemon that runs now; `cause`: why it changed (a `membership.Reason`, ...)."""
         old = self.desired
-        if desired == old:
+        if desired == old or self._kept(desired, cause):
             return []
-        running = _identity(old)
-        if running is not None and _identity(desired) != running:
-            if (old.domain, old.clique) != self.shard.current:
-                cause = Cause.LEFT_SHARD  # the node's target moved: its own decision
-            incumbent = self.shard.incumbent
-            why = "left" if desired.cleanup else "not a settled member"
-            if admit("stop", why, cause, running=old, desired=desired, incumbent=incumbent) is None:
-                self.log.error(
-                    "membership.daemon_kept",
-                    slot=old.slot,
-                    cause=cause,
-                    why="another node's record would stop or move the daemon of a member "
-                    "whose record stood without a break",
-                )
-                return []
-            self.departures[running] = (cause, incumbent)
-        if (ident := _identity(desired)) is not None:
+        if (running := runs_as(old)) is not None and runs_as(desired) != running:
+            self.departures[running] = (self._moved_by(cause), self.shard.incumbent)
+        if (ident := runs_as(desired)) is not None:
             self.departures.pop(ident, None)
         self.desired = desired
         self.desired_at = now
         return [Reconcile()]
+
+    def _moved_by(self, cause: str) -> str:
+        """The cause of a change that moves `desired` off what runs: the node's own when
+        its target moved (`Cause.LEFT_SHARD`), else `cause`."""
+        old = self.desired
+        return Cause.LEFT_SHARD if (old.domain, old.clique) != self.shard.current else cause
+
+    def _kept(self, desired: Desired, cause: str, detail: str = "") -> bool:
+        """Whether the gate refuses what `desired` does to the daemon that runs now (a stop
+        or a move for another node's record while ours stood without a break): then the
+        daemon keeps running, and the broken promise of the slot rules is logged."""
+        old = self.desired
+        running = runs_as(old)
+        if running is None or runs_as(desired) == running:
+            return False
+        cause = self._moved_by(cause)
+        why = "left" if desired.cleanup else "not a settled member"
+        incumbent = self.shard.incumbent
+        if admit("stop", why, cause, running=old, desired=desired, incumbent=incumbent):
+            return False
+        self.log.error(
+            "membership.daemon_kept",
+            slot=old.slot,
+            cause=cause,
+            detail=detail,
+            why="another node's record would stop or move the daemon of a member whose "
+            "record stood without a break",
+        )
+        return True
 
     def order(
         self, kind: Kind, why: str, running: IdentityKey | None, desired: Desired
@@ -572,7 +540,7 @@ class NodeCore:
             return admit(kind, why, "", running=Desired(), desired=desired, incumbent=False)
         domain, clique, slot = running
         runs = Desired(domain=domain, clique=clique, slot=slot, run=True)
-        if _identity(desired) == running:
+        if runs_as(desired) == running:
             return admit(
                 kind, why, Cause.SAME_IDENTITY, running=runs, desired=desired, incumbent=True
             )

@@ -44,6 +44,17 @@ class Cause(StrEnum):
 
 EXEMPT: Final = frozenset(Cause)
 
+IdentityKey = tuple[str, str, int]
+"""(domain, clique, slot): what a daemon is started as, what a stop or restart moves."""
+
+
+def runs_as(desired: Desired) -> IdentityKey | None:
+    """What a daemon of `desired` runs as (None: it runs none)."""
+    if not desired.run or desired.domain is None or desired.slot is None:
+        return None
+    return desired.domain, desired.clique, desired.slot
+
+
 _KEY: Final = object()
 
 

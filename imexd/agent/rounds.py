@@ -5,9 +5,10 @@ within `[domain] settle_s` of a round that wrote or signalled is coalesced into 
 and one signal (the supervisor's SIGUSR1 pacing makes sure the last change reaches the
 daemon). A member moved or gone is applied only once that stood for settle_s, so that a
 change its owner undid (a record written over and put back) reaches no daemon, and only
-after a round trip through the broker proved the link: a broker shutting down publishes
-every will, then drops the link. Newcomers do not wait. A failed round is tried again on
-the local backoff.
+after a round trip through the broker, begun after the deletion came, proved the link: a
+broker shutting down publishes every will, then drops the link. A deletion that comes
+during the round trip waits for the next one. Newcomers do not wait. A failed round is
+tried again on the local backoff.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Rounds:
         """`now` from which a change is applied at once (settle_s after the last round)."""
         self.proved = False
         """The round in progress made its round trip through the broker."""
+        self.mark = 0
+        """The deletions that round trip began after (`mark`): a later one it cannot prove."""
         self.settle_until: float | None = None
         """`now` until which the round in progress waits after a failed proof."""
         self.retry_at: float | None = None
@@ -68,12 +71,16 @@ class Rounds:
         """
         if self.quiet_at > now:
             return Pause(self.quiet_at)
+        if self.proved and unproven and mark() > self.mark:
+            # Deletions came during the round trip: only one begun after them proves them.
+            self.proved, self.settle_until = False, None
         if removes and not self.proved and changed_at + self.settle_s > now:
             return Pause(changed_at + self.settle_s)
         if (removes or unproven) and not self.proved:
             self.proved = True
             self.settle_until = now if removes else None  # settle again if the proof fails
-            return ProveLink(mark())
+            self.mark = mark()
+            return ProveLink(self.mark)
         if self.settle_until is not None and self.settle_until > now:
             return Pause(self.settle_until)
         self.proved, self.settle_until = False, None

@@ -136,6 +136,10 @@ class OwnRecord:
         so (save it, and a will that says it)."""
         self.outbid_over = 0
         """The highest incarnation of such a record or will."""
+        self.outbidding: MemberRecord | None = None
+        """The record of our name we outbid last while ours stood without a break: ours
+        goes back over it only on the next link (whose will ends the raised incarnation),
+        so that link's snapshot showing it breaks no continuity (`_rejoin`)."""
         self.in_flight: list[bytes] = []
         """Our records published on this link (since it synced) whose live echo has not
         come back yet, oldest first (b"": a clear)."""
@@ -223,8 +227,9 @@ class OwnRecord:
 
     def sent(self, record: MemberRecord | None) -> None:
         """The publish of `record` (after `sending`) returned: a record of ours stands in
-        this shard, to be cleared when we leave it."""
+        this shard, to be cleared when we leave it; it goes over what we outbid."""
         self.published = self.published or record is not None
+        self.outbidding = None
 
     def _on_own(self, record: MemberRecord | None, *, live: bool, now: float) -> Identity | None:
         """A record on our own member topic (None: cleared): ours, or written over ours.
@@ -296,6 +301,8 @@ class OwnRecord:
                 return  # what we publish next on this link comes after it
         if encode(record) == (b"" if self.last_sent is None else encode(self.last_sent)):
             return
+        if not lost and self.continuous:
+            self.outbidding = record  # written over ours while it stood: ours goes back
         self._raise_incarnation(record.incarnation, "a record of this node name")
 
     def _raise_incarnation(self, over: int, what: str) -> None:
@@ -393,7 +400,11 @@ class OwnRecord:
         """
         slot = self.claim.slot
         assert slot is not None  # noqa: S101 - a member holds a slot
-        if own is not None and self.node not in self.peers.unconfirmed and own == self.last_sent:
+        if (
+            own is not None
+            and self.node not in self.peers.unconfirmed
+            and own in (self.last_sent, self.outbidding)
+        ):
             self.continuous = True
             return None
         rival = self.peers.rival(slot, self.spec, now)

@@ -3,14 +3,15 @@
 `ShardView` turns the bus events of one shard (member records, the domain's spec, the link
 coming and going) into what this node must do next: its record, its claim, and what should
 run (`Desired`). Events go in through `apply(event, now)`, a `Plan` comes out of
-`derive(now, ...)`, and `commit(plan)` keeps it once the agent has published; the agent
-(imexd.agent.run) only does the I/O, so this is testable without a broker, daemon or clock.
-Two rules to know: a settled member's daemon stops or restarts only for the node's own
-reasons, never for another node's record while our link was continuous (`own_change`);
-and a claim settles only at the live echo of the last record we published
-(`imexd.membership.slots`). The other guards (broker restarts, wills, stale claims, a
-second agent with our name, records written over ours) and why each exists:
-docs/membership.md#what-the-shard-guards-against.
+`derive(now, ...)`, and `commit(plan)` keeps it once the agent has published; the node's
+core (imexd.agent.core.NodeCore) turns the plan into actions and its driver does the I/O,
+so this is testable without a broker, daemon or clock. Two rules to know: a settled
+member's daemon stops or restarts only for the node's own reasons, never for another
+node's record while our link was continuous (`own_change`, which the core's gate
+`imexd.agent.gate.admit` applies to every plan); and a claim settles only at the live
+echo of the last record we published (`imexd.membership.slots`). The other guards
+(broker restarts, wills, stale claims, a second agent with our name, records written over
+ours) and why each exists: docs/membership.md#what-the-shard-guards-against.
 
 The view is built in layers, each a module: `own` (the state the view shares, and our own
 record's lifecycle), then `intake` (records, clears and wills taken off the bus), then this
@@ -135,7 +136,7 @@ class ShardView(RecordEvents):
         self.current = target
         self.needs = needs
         self.published = False
-        self.past = None
+        self.past = self.outbidding = None
         self.continuous = self.replaying = False
         self.replay_rival = None
         self.reassert_at = None
@@ -279,16 +280,10 @@ class ShardView(RecordEvents):
         self.peers.drop_lost(now)
         self.peers.seat_incumbents(self.spec)
         domain, clique = self.current
-        # What the daemon runs now, as far as the shard is concerned (`own_change`).
-        runs = Desired(domain=domain, clique=clique, slot=self.claim.slot, run=running)
         if self.spec is not None and self.spec.state == "deleting":
-            return self._ruled(
-                runs,
-                Plan(
-                    desired=Desired(domain=domain, clique=clique, cleanup=True),
-                    leave=self.claim.phase is not mb.Phase.OUT,
-                ),
-                DOMAIN_DELETED,
+            return Plan(
+                desired=Desired(domain=domain, clique=clique, cleanup=True),
+                leave=self.claim.phase is not mb.Phase.OUT,
             )
         own = self.peers.records.get(self.node)
         if own is not None and self._foreign(own) and self.past is not None and not self.published:
@@ -380,7 +375,7 @@ class ShardView(RecordEvents):
         if reassert:
             self.last_reassert = now
         wakes = (wake_at, self.reassert_at, *self.peers.lost.values())
-        plan = Plan(
+        return Plan(
             desired=Desired(
                 domain=domain,
                 clique=clique,
@@ -397,27 +392,6 @@ class ShardView(RecordEvents):
             mismatch=mismatch,
             mismatch_detail=detail,
         )
-        return self._ruled(runs, plan, decision.reason)
-
-    def _ruled(self, runs: Desired, plan: Plan, cause: str) -> Plan:
-        """`plan`, or a hold when it would stop or restart what runs against `own_change`.
-
-        `membership.step` gives another node's record no power over a member whose
-        record stood without a break, so a hold here is a broken promise of the slot
-        rules: it is logged as an error, and the daemon keeps running.
-        """
-        assert plan.desired is not None  # noqa: S101 - only plans that say what runs
-        if own_change(runs, plan.desired, cause, incumbent=self.incumbent):
-            return plan
-        self.log.error(
-            "membership.daemon_kept",
-            slot=runs.slot,
-            cause=cause,
-            detail=plan.decision.message if plan.decision is not None else "",
-            why="another node's record would stop or move the daemon of a member whose "
-            "record stood without a break",
-        )
-        return Plan(hold=True, wake_at=plan.wake_at)
 
     def record(
         self, claim: mb.ClaimState, *, driver: str, channel_count: int | None = None

@@ -23,9 +23,10 @@ CAUSES: Final[dict[str, str]] = {
         "name: `NodeCore._claim` sets a new will, a join no longer does) reconnects with a "
         "clean DISCONNECT first: between it and the next CONNECT the broker holds no will "
         "of the raised incarnation, so a crash (or a leave, whose clear has no link to go "
-        "out on) there leaves the record it published with the raised incarnation "
-        "standing for ever, or ends nothing with the old link's will (fired where the "
-        "DISCONNECT came too late), older than that record: the peers keep the dead node"
+        "out on) there would leave a record published with the raised incarnation before "
+        "the DISCONNECT standing for ever, or end nothing with the old link's will, older "
+        "than that record: the peers keep the dead node (the core publishes that record "
+        "only on the new link)"
     ),
     "will-overwritten": (
         "a node's will (its presence marked lost) ends its member record, which stays on "

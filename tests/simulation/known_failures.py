@@ -20,77 +20,66 @@ CI_SEEDS: Final = 10_000
 
 KNOWN_FAILURES: dict[int, str] = {
     9: "forged-version",  # a limit
-    245: "will-gap",
     504: "forged-version",  # a limit
     540: "forged-version",  # a limit
     819: "forged-version",  # a limit
-    850: "will-gap",
     887: "forged-version",  # a limit
     985: "forged-version",  # a limit
-    1029: "unproven-applied",
     1060: "forged-version",  # a limit
+    1158: "forged-vacates-slot",  # a limit
     1161: "forged-version",  # a limit
-    1411: "forged-vacates-slot",  # a limit
+    1191: "forged-vacates-slot",  # a limit
     1455: "forged-version",  # a limit
     1467: "forged-vacates-slot",  # a limit
     1527: "forged-version",  # a limit
     1581: "forged-version",  # a limit
     1629: "forged-version",  # a limit
     1758: "forged-relink",  # a limit
-    1836: "will-gap",
     1837: "forged-version",  # a limit
+    1928: "forged-relink",  # a limit
     2031: "forged-version",  # a limit
-    2392: "will-gap",
-    2488: "will-gap",
+    2355: "forged-vacates-slot",  # a limit
     2525: "forged-version",  # a limit
     2526: "forged-vacates-slot",  # a limit
     2551: "forged-version",  # a limit
-    2759: "will-gap",
     2866: "forged-version",  # a limit
     3145: "forged-version",  # a limit
     3400: "forged-version",  # a limit
     3406: "forged-version",  # a limit
-    3444: "will-gap",
     3562: "forged-version",  # a limit
-    3608: "will-gap",
     3621: "forged-version",  # a limit
     3716: "forged-version",  # a limit
     3748: "forged-version",  # a limit
-    3884: "will-gap",
-    4283: "will-gap",
     4379: "forged-version",  # a limit
     4422: "forged-version",  # a limit
-    4453: "forged-version",  # a limit
     4509: "forged-version",  # a limit
     4686: "forged-version",  # a limit
-    4750: "forged-vacates-slot",  # a limit
     4927: "forged-version",  # a limit
-    5012: "will-gap",
     5149: "forged-version",  # a limit
     5194: "forged-version",  # a limit
     5256: "forged-version",  # a limit
     5263: "forged-version",  # a limit
+    5272: "forged-vacates-slot",  # a limit
     5310: "forged-version",  # a limit
-    5331: "will-gap",
     5369: "forged-version",  # a limit
+    5378: "forged-vacates-slot",  # a limit
     5565: "forged-version",  # a limit
     5615: "forged-version",  # a limit
     5620: "forged-vacates-slot",  # a limit
-    5764: "will-gap",
     5785: "forged-vacates-slot",  # a limit
     5933: "forged-version",  # a limit
-    5973: "ended-resumed",
+    5973: "forged-version",  # a limit
     6027: "forged-version",  # a limit
     6124: "forged-version",  # a limit
     6143: "forged-version",  # a limit
     6252: "forged-version",  # a limit
-    6317: "will-gap",
     6360: "forged-version",  # a limit
-    6414: "forged-vacates-slot",  # a limit
+    6414: "forged-version",  # a limit
     6431: "forged-version",  # a limit
+    6514: "forged-vacates-slot",  # a limit
+    6632: "forged-version",  # a limit
     6697: "forged-version",  # a limit
     6783: "forged-version",  # a limit
-    6793: "unproven-applied",
     6813: "forged-version",  # a limit
     6839: "forged-version",  # a limit
     6861: "forged-version",  # a limit
@@ -98,24 +87,21 @@ KNOWN_FAILURES: dict[int, str] = {
     7017: "forged-version",  # a limit
     7031: "forged-version",  # a limit
     7069: "forged-vacates-slot",  # a limit
+    7128: "forged-vacates-slot",  # a limit
     7142: "forged-vacates-slot",  # a limit
     7322: "forged-version",  # a limit
-    7621: "forged-version",  # a limit
     7672: "forged-version",  # a limit
-    7881: "will-gap",
     7958: "forged-version",  # a limit
-    7977: "unproven-applied",
     8034: "forged-version",  # a limit
     8037: "forged-vacates-slot",  # a limit
     8152: "forged-version",  # a limit
     8237: "forged-version",  # a limit
+    8249: "forged-version",  # a limit
     8343: "forged-version",  # a limit
     8353: "forged-version",  # a limit
-    8706: "will-gap",
     8865: "forged-vacates-slot",  # a limit
     8900: "forged-version",  # a limit
     9041: "forged-version",  # a limit
-    9136: "will-gap",
     9177: "forged-version",  # a limit
     9396: "forged-version",  # a limit
     9574: "forged-version",  # a limit

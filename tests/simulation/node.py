@@ -14,10 +14,10 @@ core is modelled here, each after the part it stands for:
   core's `SetWill` and `SetClientId`);
 - the membership loop (`Agent._membership_loop`): a turn once per batch of deliveries
   and at the core's own timers (`NodeCore.next_due`); a turn that may claim first waits
-  for the presences the core names (`NodeCore.presences_current`), then steps;
+  for the presences the core names (`Followed.current`), then steps;
 - the presences task (`imexd.agent.presences`): the presence of every peer the view
-  holds a record of followed (`NodeCore.follow_presences`), a snapshot awaited only
-  where a claim waits for it (`NodeCore.claim_waits`);
+  holds a record of followed (`Followed.follow`), a snapshot awaited only
+  where a claim waits for it (`Followed.claim_waits`);
 - the reconcile task (`Reconciler.run`): the rounds the core paces
   (`NodeCore.reconcile_next`), its round trip, and `Reconciler.apply` on the model;
 - the daemon, as a model: running or not, its slot, the members its hosts file lists.
@@ -505,7 +505,7 @@ class SimNode:
                 self.synced_at = self.clock.now
                 self.oracle.on_synced(self)
             reading = self.reading
-            if reading is not None and self.core.synced_covers(reading[0]):
+            if reading is not None and self.core.presences.synced_covers(reading[0]):
                 self._read(reading[0])  # the presences' snapshot is in
             self._request_step()
         elif token == "check":
@@ -643,7 +643,7 @@ class SimNode:
             return
         self.wake = False
         self._carry(self._feed(Retarget()))
-        if not self.shard.member and not self.core.presences_current():
+        if not self.shard.member and not self.core.presences.current():
             # A turn that may claim judges the slots with every peer's will in.
             self.claim_waiting = True
             self._follow()
@@ -670,15 +670,15 @@ class SimNode:
         (at most ECHO_TIMEOUT_S)."""
         core = self.core
         while self.reading is None:
-            dropped, new = core.follow_presences()
+            dropped, new = core.presences.follow()
             if dropped:
                 self._unsubscribe({_node(t) for t in dropped})
             if not new:
                 break
-            waits = core.claim_waits(new)
+            waits = core.presences.claim_waits(new)
             self._subscribe({_node(t) for t in new}, synced=waits)
             if not waits:
-                core.presences_taken(new)
+                core.presences.taken(new)
                 continue
             self.follow_token += 1
             self.reading = (new, self.follow_token)
@@ -688,7 +688,7 @@ class SimNode:
 
     def _read(self, topics: list[str]) -> None:
         self.reading = None
-        self.core.presences_taken(topics)
+        self.core.presences.taken(topics)
         self._follow()
 
     def _read_late(self, life: int, token: int) -> None:
@@ -701,7 +701,7 @@ class SimNode:
         turns never wait), or once no read is left to wait for."""
         if not self.claim_waiting:
             return
-        if self.shard.member or self.core.presences_current() or self.reading is None:
+        if self.shard.member or self.core.presences.current() or self.reading is None:
             self.claim_waiting = False
             self._turn()
 
