@@ -172,7 +172,8 @@ def test_a_lone_node_claims_settles_saves_and_is_applied_at_once() -> None:
 
 def test_a_removed_member_waits_settle_s_and_a_link_proof() -> None:
     """A member gone is applied only once it stood for settle_s and a round trip through
-    the broker proved the link; a failed proof settles once more."""
+    the broker proved the link; a proof that did not come back (timed out on a link still
+    up) settles once more and proves again: it never lets the removal through."""
     d = Driver()
     d.settle()
     applied = {0: "10.0.0.1", 1: "10.0.0.9"}  # the daemon was given n2 too
@@ -183,7 +184,28 @@ def test_a_removed_member_waits_settle_s_and_a_link_proof() -> None:
     assert isinstance(proof, ProveLink)
     d.feed(Proven(proof.mark, ok=False), 11.1)
     assert d.core.reconcile_next(11.1, applied) == Pause(12.1)
-    assert isinstance(d.core.reconcile_next(12.1, applied), Apply)
+    again = d.core.reconcile_next(12.1, applied)
+    assert isinstance(again, ProveLink)
+    d.feed(Proven(again.mark, ok=True), 12.2)
+    assert isinstance(d.core.reconcile_next(12.2, applied), Apply)
+
+
+def test_a_proof_made_before_the_link_dropped_proves_nothing_on_the_next() -> None:
+    """A round trip came back, then the link dropped before the round applied: the round
+    waits for the resynced view and proves again there."""
+    d = Driver()
+    d.settle()
+    applied = {0: "10.0.0.1", 1: "10.0.0.9"}
+    d.core.rounds.quiet_at = 0.0
+    d.core.desired_at = 10.0
+    proof = d.core.reconcile_next(11.0, applied)
+    assert isinstance(proof, ProveLink)
+    d.feed(Proven(proof.mark, ok=True), 11.1)
+    d.bus(Connected(broker="b", protocol="5", will_delay=True, link=2), at=11.2)
+    assert d.core.reconcile_next(11.2, applied) == AwaitView()
+    d.bus(Synced(at=11.3), BrokerChecked(broker="b", ok=True))
+    d.step(11.4)
+    assert isinstance(d.core.reconcile_next(11.4, applied), ProveLink)
 
 
 def test_a_deletion_during_the_proof_waits_for_a_later_round_trip() -> None:

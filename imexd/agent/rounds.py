@@ -7,8 +7,9 @@ daemon). A member moved or gone is applied only once that stood for settle_s, so
 change its owner undid (a record written over and put back) reaches no daemon, and only
 after a round trip through the broker, begun after the deletion came, proved the link: a
 broker shutting down publishes every will, then drops the link. A deletion that comes
-during the round trip waits for the next one. Newcomers do not wait. A failed round is
-tried again on the local backoff.
+during the round trip waits for the next one; a round trip that did not come back proves
+nothing, and another is made settle_s later on the link the view is synced on. Newcomers
+do not wait. A failed round is tried again on the local backoff.
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ class Rounds:
         """The round in progress made its round trip through the broker."""
         self.mark = 0
         """The deletions that round trip began after (`mark`): a later one it cannot prove."""
-        self.settle_until: float | None = None
-        """`now` until which the round in progress waits after a failed proof."""
         self.retry_at: float | None = None
         """`now` at which a failed round is tried again (None: none failed)."""
         self.attempt = 0
@@ -73,30 +72,32 @@ class Rounds:
             return Pause(self.quiet_at)
         if self.proved and unproven and mark() > self.mark:
             # Deletions came during the round trip: only one begun after them proves them.
-            self.proved, self.settle_until = False, None
+            self.proved = False
         if removes and not self.proved and changed_at + self.settle_s > now:
             return Pause(changed_at + self.settle_s)
+        if not view_ready:
+            # The link dropped: what membership saw just before may be a broker's
+            # shutdown (it publishes every will first), and a proof holds for the link it
+            # was made on. Apply what the view says once it stepped on the resynced
+            # snapshot, proved again there.
+            self.proved = False
+            return AwaitView()
         if (removes or unproven) and not self.proved:
             self.proved = True
-            self.settle_until = now if removes else None  # settle again if the proof fails
             self.mark = mark()
             return ProveLink(self.mark)
-        if self.settle_until is not None and self.settle_until > now:
-            return Pause(self.settle_until)
-        self.proved, self.settle_until = False, None
-        if not view_ready:
-            # The link dropped meanwhile: what membership saw just before may be a
-            # broker's shutdown (it publishes every will first). Apply what it says
-            # once it has stepped on the resynced snapshot instead.
-            return AwaitView()
+        self.proved = False
         self.quiet_at = now + self.settle_s
         return None
 
     def proven(self, ok: bool, now: float) -> None:
-        """The round trip came back (`ok`) or not: a removal then settles once more, for
-        a broker's shutdown to reach the view and the resynced one to say what holds."""
-        if not ok and self.settle_until is not None:
-            self.settle_until = now + self.settle_s
+        """The round trip came back (`ok`) or not. One that did not proves nothing, though
+        the link may still be up (a round trip that timed out): the round pauses settle_s,
+        for a broker's shutdown to reach the view or a dead link to be declared dead,
+        and proves again."""
+        if not ok:
+            self.proved = False
+            self.quiet_at = now + self.settle_s
 
     def ended(self, *, ok: bool, probe_now: bool, now: float) -> None:
         """A round ended: a failed one is tried again on the local backoff; after one that

@@ -274,6 +274,10 @@ class ShardView(RecordEvents):
         if self.current is None:
             self.wake_at = None
             return Plan()
+        if self.wake_at is not None and self.wake_at <= now:
+            # A timer fires once: this is the step it asked for. Whatever still waits
+            # sets it again below; a step that returns early must not keep it due.
+            self.wake_at = None
         if not self.synced:
             return Plan()
         self.peers.drop_unconfirmed(now)

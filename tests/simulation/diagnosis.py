@@ -45,9 +45,10 @@ CAUSES: Final[dict[str, str]] = {
         "runs on a slot another member holds"
     ),
     "unproven-applied": (
-        "the reconcile loop applies the view as it stands after its round trip, with "
-        "deletions that arrived during the round trip, after its proof's mark "
-        "(`NodeCore.reconcile_next`): the hosts file drops a node on an unproven deletion, "
+        "the reconcile loop applies the view with a deletion no round trip proved (one "
+        "that arrived during the round trip, after its proof's mark, or a round trip that "
+        "timed out on a link still up: `Rounds.next`): the hosts file drops a node on an "
+        "unproven deletion, "
         "which the view restores when the link ends, and the dead node returns to the "
         "hosts file"
     ),
@@ -93,11 +94,11 @@ CAUSES: Final[dict[str, str]] = {
     ),
     "timer-spin": (
         "a timer of the view (`ShardView.due_at`: a first start held, a record to put "
-        "back, a peer's hold) comes due while the view is not synced (its link is down): "
-        "`derive` returns at once without clearing it, so `NodeCore.next_due` keeps "
-        "returning a time in the past and the membership loop turns without ever waiting "
-        "until the link is back (up to `[bus] reconnect_max_s`), a busy loop; no rule "
-        "breaks, the agent burns a core"
+        "back, a peer's hold) comes due and the step it asks for returns early (the view "
+        "not synced, or our claim's echo waiting for the broker's check) without spending "
+        "it, so `NodeCore.next_due` keeps returning a time in the past and the membership "
+        "loop turns without ever waiting, a busy loop; no rule breaks, the agent burns a "
+        "core"
     ),
     "ended-resumed": (
         "a restarted agent resumes its past run's member record, which stays on the broker "
