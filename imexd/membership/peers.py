@@ -71,6 +71,8 @@ class Peers:
         """slot -> the node whose member record has stood there first in this view,
         kept across a reconnect while that record comes back unchanged, forgotten when
         it leaves or changes slot or is dropped (`mb.resolve(incumbents=...)`)."""
+        self.before: dict[str, MemberRecord] = {}
+        """The records held when the last link ended (`reconnected`)."""
 
     def clear(self) -> None:
         """A new shard: nothing of the old one's records counts."""
@@ -83,6 +85,7 @@ class Peers:
         self.lost.clear()
         self.claims_seen.clear()
         self.incumbents.clear()
+        self.before.clear()
 
     def reconnected(self) -> None:
         """A new link: every record held is unconfirmed until the link gives it again.
@@ -93,6 +96,7 @@ class Peers:
         """
         self.unconfirmed = set(self.records)
         self.confirm_by = None
+        self.before = dict(self.records)
 
     def synced(self, now: float) -> None:
         """The new link's snapshot is in: what it did not confirm has its grace from now."""
@@ -203,9 +207,17 @@ class Peers:
         )
 
     def rival(self, slot: int, spec: DomainSpec | None, now: float) -> MemberRecord | None:
-        """The record of another node that competes on `slot` in this link's view (the
-        records a previous link left unconfirmed do not count)."""
-        confirmed = [r for n, r in self.records.items() if n not in self.unconfirmed]
+        """The record of another node that competes on `slot` and may have taken it while
+        our link was down: not one a previous link left unconfirmed, nor a claim held
+        unchanged since the last link ended (a claim settles only by a new record, so that
+        one settled nothing meanwhile; a broker that restarted from its disk can give it
+        back beside our claim, our member record lost)."""
+        confirmed = [
+            r
+            for n, r in self.records.items()
+            if n not in self.unconfirmed
+            and not (r.state is MemberState.CLAIMING and self.before.get(n) == r)
+        ]
         return mb.barrier(
             self.node,
             slot,

@@ -163,7 +163,10 @@ def cause(world: World, violation: Violation) -> str:
         shard = peer.shard
         for name in sorted(nodes & set(shard.records) & set(oracle.dead)):
             if name in oracle.gone_from.get(peer.name, set()) and name in shard.peers.unconfirmed:
-                return "unproven-applied"
+                # The record that came back is a forgery (a version above the node's own
+                # that a broker restart gave back unconfirmed): the hostile writer's.
+                forged = shard.records[name] in oracle.forged
+                return "forged-version" if forged else "unproven-applied"
         if violation.rule == DAEMON_TOUCHED:
             restored = oracle.restored.get(peer.name)
             if restored is not None and restored.incarnation < shard.incarnation:

@@ -36,7 +36,6 @@ KNOWN_FAILURES: dict[int, str] = {
     1629: "forged-version",  # a limit
     1758: "forged-relink",  # a limit
     1837: "forged-version",  # a limit
-    1928: "forged-relink",  # a limit
     2031: "forged-version",  # a limit
     2355: "forged-vacates-slot",  # a limit
     2525: "forged-version",  # a limit

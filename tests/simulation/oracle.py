@@ -108,6 +108,9 @@ class Oracle:
         self.masked: set[str] = set()
         """Nodes a record or will of whose was accepted below a hostile version on their
         topics (the peers that took the forgery in ignore it)."""
+        self.forged: set[MemberRecord] = set()
+        """Every member record the hostile writer wrote: a peer that holds one holds a
+        forgery, whatever came after it on the broker."""
         self.written_first: set[str] = set()
         """Nodes on whose topics the hostile writer wrote before their agent, in its current
         (or next) run, published anything."""
@@ -157,6 +160,8 @@ class Oracle:
             self.hostile_on.add(name)
         if target is not None and (not target.alive or target.first_state is None):
             self.written_first.add(name)
+        if isinstance(record, MemberRecord):
+            self.forged.add(record)
         new = None if record is None else _version(record)
         held = self.taint.get(name)
         if new is not None and (held is None or new > held):
