@@ -165,8 +165,8 @@ def cause(world: World, violation: Violation) -> str:
             if name in oracle.gone_from.get(peer.name, set()) and name in shard.peers.unconfirmed:
                 # The record that came back is a forgery (a version above the node's own
                 # that a broker restart gave back unconfirmed): the hostile writer's.
-                forged = shard.records[name] in oracle.forged
-                return "forged-version" if forged else "unproven-applied"
+                came_back = shard.records[name]
+                return "forged-version" if came_back in oracle.forged else "unproven-applied"
         if violation.rule == DAEMON_TOUCHED:
             restored = oracle.restored.get(peer.name)
             if restored is not None and restored.incarnation < shard.incarnation:
