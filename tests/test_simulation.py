@@ -102,6 +102,9 @@ REGRESSIONS: dict[int, str] = {
     "removal of a dead node through, and the node came back with the next link",
     102754: "timer-spin: a timer came due while our claim's echo waited for the broker's "
     "check, and the step that returned early kept it due: the loop spun",
+    204851: "a member that claimed again after a reconnect took the echo of the record "
+    "its new claim settled for the replay of its old one, and yielded its new slot to a "
+    "claim that had lost to it: its daemon stopped twice",
     227938: "a broker restarted from its disk without our member record (our claim "
     "stood there still) and gave back a later claim that had lost to ours: we yielded "
     "our slot to a claim that never settled",

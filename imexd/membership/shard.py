@@ -449,6 +449,10 @@ class ShardView(RecordEvents):
                 reason=decision.reason.value,
                 detail=decision.message,
             )
+        if decision.claim.phase is not mb.Phase.MEMBER:
+            # A replay is of the slot we held: a step that leaves it (a claim elsewhere)
+            # ends it, so the echo of the member record that claim settles is no replay.
+            self.replaying = False
         if not decision.settled:
             self.continuous = False
         elif (self.claim.phase, self.claim.slot) != (mb.Phase.MEMBER, decision.claim.slot):
