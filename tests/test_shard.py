@@ -334,6 +334,31 @@ def test_links_taken_in_a_row_after_another_writer_are_a_duplicate() -> None:
     assert v.duplicate == ""
 
 
+def test_an_aside_agent_comes_back_when_no_link_gives_the_other_record_back() -> None:
+    """Standing aside, our link ends with a broker that restarted empty: the other agent's
+    record never comes back (no agent of our name publishes it) and, once the new link's
+    grace is over, it is gone as surely as by a clear: back under our own identity."""
+    v = view()
+    other = rec(ME, 0, inc=9, address="10.9.9.9")
+    v.apply(received(other), 0.0)
+    lost = Disconnected(broker="b", reason="lost")
+    for at in (3.0, 4.0):
+        v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), at)
+        v.apply(received(msgspec.structs.replace(other, seq=int(at)), retained=False), at)
+        taken = v.apply(lost, at + 0.5)
+    assert taken is Identity.ASIDE
+    v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 5.0)
+    v.apply(Synced(at=5.0), 5.0)  # an empty snapshot
+    assert derive(v, 5.0).hold
+    assert v.identity is None  # within the grace the other may still publish it
+    due = v.due_at(5.0)
+    assert due == 5.0 + GRACE_S
+    plan = derive(v, due)
+    assert v.identity is Identity.BACK
+    assert v.duplicate == ""
+    assert not plan.hold
+
+
 def test_a_stale_record_of_our_name_is_outbid_at_once() -> None:
     """A record of our name with a higher incarnation (a run of ours we never saved):
     raise ours over it at once, no watch."""

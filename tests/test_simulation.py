@@ -105,6 +105,9 @@ REGRESSIONS: dict[int, str] = {
     204851: "a member that claimed again after a reconnect took the echo of the record "
     "its new claim settled for the replay of its old one, and yielded its new slot to a "
     "claim that had lost to it: its daemon stopped twice",
+    208967: "an agent stood aside for a placed record of its name; the broker restarted "
+    "empty and nobody published that record again, but only a clear brought the agent "
+    "back: it stood aside for good",
     227938: "a broker restarted from its disk without our member record (our claim "
     "stood there still) and gave back a later claim that had lost to ours: we yielded "
     "our slot to a claim that never settled",

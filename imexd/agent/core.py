@@ -216,21 +216,7 @@ class NodeCore:
     def _take(self, event: Event, now: float, wall: float) -> list[Action]:
         """One bus event into the shard, the assignment and the retry requests."""
         shard = self.shard
-        actions: list[Action] = []
-        identity = shard.apply(event, now)
-        if identity is Identity.ASIDE:
-            # Our will would clear the other's record; another client id stops the two
-            # from taking the broker session from each other. Its report and presence are
-            # the other agent's to write: neither replayed nor put back by us.
-            actions += [
-                SetWill(None),
-                SetClientId(client_id("imexd", self.node, "duplicate", str(shard.incarnation))),
-                Disown(self.topics.presence(self.node)),
-            ]
-            if shard.current is not None:
-                actions.append(Disown(self.topics.health(shard.current[0], self.node)))
-        elif identity is Identity.BACK:
-            actions += [SetClientId(self.client_id), SetWill(self.will(wall))]
+        actions = self._identity(shard.apply(event, now), wall)
         if not shard.synced:
             self.view_ready = False
         ref = getattr(event, "ref", None)
@@ -356,6 +342,26 @@ class NodeCore:
             due.append(self.released_until)
         return min(due) if due else None
 
+    def _identity(self, identity: Identity | None, wall: float) -> list[Action]:
+        """What a change of who we are on the bus takes (from a bus event or a step)."""
+        shard = self.shard
+        if identity is Identity.BACK:
+            return [SetClientId(self.client_id), SetWill(self.will(wall))]
+        if identity is not Identity.ASIDE:
+            return []
+        # Our will would clear the other's record; another client id stops the two from
+        # taking the broker session from each other. Its report and presence are the
+        # other agent's to write: neither replayed nor put back by us.
+        duplicate = client_id("imexd", self.node, "duplicate", str(shard.incarnation))
+        actions: list[Action] = [
+            SetWill(None),
+            SetClientId(duplicate),
+            Disown(self.topics.presence(self.node)),
+        ]
+        if shard.current is not None:
+            actions.append(Disown(self.topics.health(shard.current[0], self.node)))
+        return actions
+
     def _step(self, now: float, wall: float, channel_count: int | None) -> list[Action]:
         """One membership step: the shard view derives, and its plan becomes actions."""
         actions: list[Action] = []
@@ -375,6 +381,8 @@ class NodeCore:
             release=lambda: self._release_due(now),
         )
         self.survey_due = None
+        actions += self._identity(shard.identity, wall)
+        shard.identity = None
         detail = plan.decision.message if plan.decision is not None else ""
         if plan.desired is not None and self._kept(plan.desired, _cause(plan), detail):
             # The plan would stop or move what runs against the gate: nothing of it is

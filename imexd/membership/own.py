@@ -82,6 +82,9 @@ class OwnRecord:
         """The shard's member records (ours among them), and what we know of each."""
         self.names = Namesakes(node=node, takeover_watch_s=takeover_watch_s, log=log)
         """Another live agent that runs with our name, if any."""
+        self.identity: Identity | None = None
+        """A change of who we are on the bus that a step found (`derive`), for the agent
+        to make and clear (`NodeCore`); a bus event's comes back from `apply`."""
         self.first = self._first_start()
         """The first daemon start in this shard, held while the shard forms."""
         self.incarnation = 0

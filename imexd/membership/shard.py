@@ -281,6 +281,11 @@ class ShardView(RecordEvents):
         if not self.synced:
             return Plan()
         self.peers.drop_unconfirmed(now)
+        if self.names.duplicate and self.node not in self.peers.records:
+            # The other agent's record is gone without a clear: a broker that lost it (it
+            # restarted empty) gave it back to no link of ours within the grace, so no
+            # agent of our name published it again. Gone as surely as by a clear.
+            self.identity = self.names.gone()
         self.peers.drop_lost(now)
         self.peers.seat_incumbents(self.spec)
         domain, clique = self.current
