@@ -14,6 +14,9 @@ that exit their CPU time (user + system), which a loaded machine does not inflat
   interval);
 - `imexd-sim-daemon`: from its spawn until its first line on stderr (the daemon's start
   as the agent sees it);
+- `imexd domain create`: from its spawn until the broker delivers the spec it writes to
+  this process (a prolog's command reaching the bus: its start, imports, connect and
+  one publish), and until it exits (without `--wait`: its read, write and check);
 - one `imexd run` agent (tests.cluster's node: a simulated daemon, the fast timings) in a
   formed one-node domain: its RSS (max) and CPU (% of one core) over `--idle-s` seconds;
 - the daemon's READY line -> the node's ready report: per run a new one-node domain whose
@@ -132,6 +135,35 @@ def ready_line_to_report(cluster: Cluster, name: str) -> float:
     return ready - said
 
 
+def create_to_spec(cluster: Cluster, env: dict[str, str], name: str, node: str) -> float:
+    """Seconds from spawning `imexd domain create NAME --nodes NODE` to the broker's
+    delivery of its spec to this process; its exit's seconds to `EXITS`."""
+    topic = f"imex/v2/domains/{name}/spec"
+    argv = [str(VENV_BIN / "imexd"), "domain", "create", name, "--nodes", node]
+    control = cluster.control_env() | {k: v for k, v in env.items() if k == "PYTHONPATH"}
+    with cluster.client() as bus:
+        bus.record(topic)
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            argv, env=control, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        seen = None
+        while seen is None and time.perf_counter() - started < LIMIT_S:
+            if any(t == topic and p for t, p in bus.seen()):
+                seen = time.perf_counter()
+            else:
+                time.sleep(LOOK_S / 2)
+        code = proc.wait(timeout=LIMIT_S)
+        EXITS.append(time.perf_counter() - started)
+    if seen is None or code != 0:
+        raise RuntimeError(f"domain create {name}: exit {code}, spec seen: {seen is not None}")
+    return seen - started
+
+
+EXITS: list[float] = []
+"""Seconds from spawn to exit of each `create_to_spec` command."""
+
+
 def spawn_to_running(cluster: Cluster, name: str) -> tuple[float, float]:
     """Seconds from the daemon's spawn to RUNNING, and from the agent's read of its READY
     line to RUNNING, from the agent's log (a one-node domain of its own)."""
@@ -229,6 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon = [str(VENV_BIN / "imexd-sim-daemon"), "-c", config, "-p", "1"]
         sim_env = env | {"IMEXD_SIM_HOSTS_FILE": str(node.hosts_file)}
         show("imexd-sim-daemon first line", repeat(opts.runs, lambda: first_line(daemon, sim_env)))
+        create_to_spec(cluster, env, "warm", "n9")  # the page cache and the .pyc files
+        EXITS.clear()
+        creates = [create_to_spec(cluster, env, f"c{i}", "n9") for i in range(opts.runs)]
+        print(
+            f"imexd domain create: spawn -> spec on the bus {spread(creates)}; "
+            f"-> exit {spread(EXITS)}"
+        )
         assert node.proc is not None
         agent = psutil.Process(node.proc.pid)
         time.sleep(2.0)  # the start's probes and reports are over

@@ -188,6 +188,10 @@ def cause(world: World, violation: Violation) -> str:
         since = [oracle.started_at.get(name, 0.0) for name in pair]
         if emptied is not None and min(since) < emptied < max(since) and not pair & forged:
             return "empty-restart-newcomer"
+    if nodes & oracle.masked:
+        # Peers ignore the node's own records below a forged version (it never saw the
+        # forgery to outbid it: a broker that restarted empty lost it first).
+        return "forged-version"
     for name in sorted(oracle.written_first):
         node = world.nodes[name]
         if node.alive and node.first_state is MemberState.MEMBER:

@@ -80,7 +80,6 @@ KNOWN_FAILURES: dict[int, str] = {
     6697: "forged-version",  # a limit
     6783: "forged-version",  # a limit
     6813: "forged-version",  # a limit
-    6839: "forged-version",  # a limit
     6861: "forged-version",  # a limit
     6926: "forged-version",  # a limit
     7017: "forged-version",  # a limit
