@@ -145,7 +145,7 @@ def create_to_spec(cluster: Cluster, env: dict[str, str], name: str, node: str) 
         bus.record(topic)
         started = time.perf_counter()
         proc = subprocess.Popen(
-            argv, env=control, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            argv, env=control, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         seen = None
         while seen is None and time.perf_counter() - started < LIMIT_S:
@@ -153,10 +153,17 @@ def create_to_spec(cluster: Cluster, env: dict[str, str], name: str, node: str) 
                 seen = time.perf_counter()
             else:
                 time.sleep(LOOK_S / 2)
-        code = proc.wait(timeout=LIMIT_S)
+        _, err = proc.communicate(timeout=LIMIT_S)
         EXITS.append(time.perf_counter() - started)
-    if seen is None or code != 0:
-        raise RuntimeError(f"domain create {name}: exit {code}, spec seen: {seen is not None}")
+    if seen is None or proc.returncode != 0:
+        raise RuntimeError(
+            f"domain create {name}: exit {proc.returncode} ({err.decode().strip()}), "
+            f"spec seen: {seen is not None}"
+        )
+    # The node is free again for the next run's domain.
+    deleted = cluster.imexd("domain", "delete", name, "--timeout", str(LIMIT_S))
+    if deleted.returncode != 0:
+        raise RuntimeError(f"domain delete {name}: {deleted.stdout}{deleted.stderr}")
     return seen - started
 
 
@@ -261,9 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon = [str(VENV_BIN / "imexd-sim-daemon"), "-c", config, "-p", "1"]
         sim_env = env | {"IMEXD_SIM_HOSTS_FILE": str(node.hosts_file)}
         show("imexd-sim-daemon first line", repeat(opts.runs, lambda: first_line(daemon, sim_env)))
+        idle = cluster.add("n9", domain=None)  # the node each new domain names
+        cluster.wait(idle.ready, timeout=LIMIT_S)
         create_to_spec(cluster, env, "warm", "n9")  # the page cache and the .pyc files
         EXITS.clear()
         creates = [create_to_spec(cluster, env, f"c{i}", "n9") for i in range(opts.runs)]
+        idle.stop()
         print(
             f"imexd domain create: spawn -> spec on the bus {spread(creates)}; "
             f"-> exit {spread(EXITS)}"

@@ -583,9 +583,9 @@ _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 _TYPED = (MemberRecord, HealthReport, DomainSpec, Assignment, Ping, Presence, WorkloadRecord,
           Retry)  # fmt: skip
-_typed_decoders: Final[dict[type[Any], msgspec.json.Decoder[Any]]] = {
-    kind: msgspec.json.Decoder(kind) for kind in _TYPED
-}
+_typed_decoders: Final[dict[type[Any], msgspec.json.Decoder[Any]]] = {}
+"""Each kind's own decoder, made at its first payload: a command that reads two kinds
+does not pay for eight at its start."""
 
 
 def decode(payload: bytes, kind: type[P]) -> P | Dropped:
@@ -598,6 +598,8 @@ def decode(payload: bytes, kind: type[P]) -> P | Dropped:
     if len(payload) > MAX_PAYLOAD:
         return Dropped(DropReason.OVERSIZED, f"{len(payload)} bytes > {MAX_PAYLOAD}")
     typed = _typed_decoders.get(kind)
+    if typed is None and kind in _TYPED:
+        typed = _typed_decoders[kind] = msgspec.json.Decoder(kind)
     if typed is not None:
         with contextlib.suppress(msgspec.DecodeError):
             result: P = typed.decode(payload)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 import msgspec
 
-from imexd.facts import Facts, LinkFacts, SlotLink
 from imexd.imex import ConnectionState, ImexState
 from imexd.messages import (
     DAEMON_READY,
@@ -54,6 +53,7 @@ from imexd.messages import (
 
 if TYPE_CHECKING:
     from imexd.daemon.ctl import DomainTable
+    from imexd.facts import Facts, LinkFacts
 
 STALE_INTERVALS: Final = 3
 """A report older than this many `[health] report_interval_s` (by its `at`) is stale."""
@@ -623,6 +623,8 @@ def links(table: DomainTable, members: Mapping[int, str], mode: Mode) -> LinkFac
     named alone instead of making every member look disconnected from it, and a broken
     link between two live members names both ends.
     """
+    from imexd.facts import LinkFacts, SlotLink  # noqa: PLC0415 - lazy: the control commands build none
+
     if mode == "addresses":
         index_of = {slot: i for i, slot in enumerate(sorted(members))}
     else:
