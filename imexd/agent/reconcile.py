@@ -98,7 +98,8 @@ class Reconciler:
     ) -> None:
         """The `reconcile` task: a round each time `dirty` is set (or a failed one is due
         again), paced by the core. `stepped` is set after each membership step, `changed`
-        here after each round; `prove` makes a round trip through the broker; `carry`
+        here after each round; `prove` makes a round trip through the broker (False when
+        it did not come back within the link's ping timeout, or the link ended); `carry`
         carries out the core's actions."""
         while True:
             guard.heartbeats.beat("reconcile")
@@ -111,7 +112,10 @@ class Reconciler:
                 case Pause(until=until_at):
                     await asyncio.sleep(until_at - time.monotonic())
                 case ProveLink(mark):
-                    proven = Proven(mark, await prove())
+                    # A round trip is bounded by the link's own ping timeout, however long
+                    # the link's round trips are: waiting on the broker is not being wedged.
+                    with guard.heartbeats.resting("reconcile"):
+                        proven = Proven(mark, await prove())
                     core.feed(proven, now=time.monotonic(), wall=wire_now())
                 case AwaitView():
                     await until(lambda: core.view_ready, stepped, BEAT_S)

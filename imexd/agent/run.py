@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Awaitable
 from typing import Final
 
 from imexd.agent import actions as act
@@ -49,7 +48,7 @@ from imexd.errors import FileWriteError
 from imexd.facts import BusFacts, FabricFacts, Facts
 from imexd.files import remove_stale_temps
 from imexd.health.conditions import Health, Heartbeats
-from imexd.health.guard import BEAT_S, Guard, describe
+from imexd.health.guard import Guard, describe
 from imexd.health.http import HealthServer
 from imexd.health.metrics import Metrics
 from imexd.health.sdnotify import Notifier
@@ -168,7 +167,7 @@ class Agent:
                 dirty=self.dirty,
                 stepped=self.stepped,
                 changed=self.changed,
-                prove=lambda: _bounded(bus.barrier(), BEAT_S),
+                prove=bus.barrier,
                 carry=self._do,
             ),
             "probe": lambda: self.probes.run(
@@ -423,14 +422,6 @@ class Agent:
                 self.notifier.watchdog()
             until = None if interval is None else time.monotonic() + interval
             await self.guard.rest("watchdog", None, until)
-
-
-async def _bounded(proof: Awaitable[bool], limit: float) -> bool:
-    """`proof`, False when it takes longer than `limit` (a round trip for the heartbeat)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(limit):
-            return await proof
-    return False
 
 
 async def _first_of(*events: asyncio.Event) -> None:

@@ -747,7 +747,8 @@ class SimNode:
                 self.pings += 1
                 self.proof = (self.pings, mark)
                 self._ping(link, self.pings)
-                self.clock.at(now + BEAT_S, self._proof_late, self.life, self.pings)
+                # `Bus.barrier`: bounded by the link's ping timeout, not the loop's beat.
+                self.clock.at(now + CLIENT_DETECT_MAX_S, self._proof_late, self.life, self.pings)
             case AwaitView():
                 self.waiting_view = True  # stepped on the resynced view, or BEAT_S on
                 self._schedule_reconcile(now + BEAT_S)
