@@ -390,12 +390,13 @@ class Link:
         snapshot, `READ_AGAIN_MAX`) the new filters are subscribed again until a fresh
         snapshot brings no topic the link lacked; a copy read twice is applied once
         (`_on_message`)."""
-        new = [f for f in filters if f not in self._filters]
-        if new:
+        # A filter subscribed already was read then, and its subscription keeps the store
+        # current since: no round trip for it.
+        if new := [f for f in filters if f not in self._filters]:
             await self._subscribe(new)
-        await self.sync()
-        if new and self._repaired:
-            await self._read_again(new)
+            await self.sync()
+            if self._repaired:
+                await self._read_again(new)
         # A member record is judged with its node's presence, where the node's Last Will
         # goes (`Store.members`): read the presence of every node that has one.
         if unread := self._uncovered(self.topics.presence(n) for n in self.store.written):
