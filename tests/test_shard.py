@@ -310,6 +310,17 @@ def test_a_taken_session_is_a_duplicate_unless_we_hold_a_settled_slot() -> None:
     assert v.duplicate == ""
 
 
+def _links_taken(v: ShardView, other: MemberRecord) -> Identity | None:
+    """Two links (at 3 and 4 s) that end without a reason code, each after `other`, a
+    record of our name, came live on it: what the last end says."""
+    taken = None
+    for at in (3.0, 4.0):
+        v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), at)
+        v.apply(received(msgspec.structs.replace(other, seq=int(at)), retained=False), at)
+        taken = v.apply(Disconnected(broker="b", reason="lost"), at + 0.5)
+    return taken
+
+
 def test_links_taken_in_a_row_after_another_writer_are_a_duplicate() -> None:
     """Without a reason code, links ended while only a retained record of our name stood
     prove nothing; TAKEN_LINKS links in a row, each after another writer published a
@@ -320,11 +331,7 @@ def test_links_taken_in_a_row_after_another_writer_are_a_duplicate() -> None:
     lost = Disconnected(broker="b", reason="lost")
     assert v.apply(lost, 1.0) is None
     assert v.apply(lost, 2.0) is None
-    for at in (3.0, 4.0):
-        v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), at)
-        v.apply(received(msgspec.structs.replace(other, seq=int(at)), retained=False), at)
-        taken = v.apply(lost, at + 0.5)
-    assert taken is Identity.ASIDE
+    assert _links_taken(v, other) is Identity.ASIDE
     v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 5.0)
     v.apply(Synced(at=5.0), 5.0)
     plan = derive(v, 5.0)
@@ -341,12 +348,7 @@ def test_an_aside_agent_comes_back_when_no_link_gives_the_other_record_back() ->
     v = view()
     other = rec(ME, 0, inc=9, address="10.9.9.9")
     v.apply(received(other), 0.0)
-    lost = Disconnected(broker="b", reason="lost")
-    for at in (3.0, 4.0):
-        v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), at)
-        v.apply(received(msgspec.structs.replace(other, seq=int(at)), retained=False), at)
-        taken = v.apply(lost, at + 0.5)
-    assert taken is Identity.ASIDE
+    assert _links_taken(v, other) is Identity.ASIDE
     v.apply(Connected(broker="b", protocol="3.1.1", will_delay=False), 5.0)
     v.apply(Synced(at=5.0), 5.0)  # an empty snapshot
     assert derive(v, 5.0).hold
