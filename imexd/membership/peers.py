@@ -268,15 +268,16 @@ class Peers:
         if gone:
             self.log.info("membership.records_gone", nodes=gone, why="lost: hold_s passed")
 
-    def drop_unconfirmed(self, now: float) -> None:
-        """Forget the records a new link did not confirm in time, or whose slot moved on.
+    def drop_unconfirmed(self, now: float) -> list[str]:
+        """Forget the records a new link did not confirm in time, or whose slot moved on;
+        the nodes whose records went.
 
         A confirmed record on the slot of an unconfirmed one supersedes it at once: the
         slot was freed and taken while this node was away.
         """
         if not self.unconfirmed:
             self.confirm_by = None
-            return
+            return []
         expired = self.confirm_by is not None and now >= self.confirm_by
         taken = {
             r.slot
@@ -287,7 +288,7 @@ class Peers:
             node for node in self.unconfirmed if expired or self.records[node].slot in taken
         )
         if not gone:
-            return
+            return []
         self.log.info(
             "membership.records_gone", nodes=gone, why="not re-published after a reconnect"
         )
@@ -297,6 +298,7 @@ class Peers:
             self.unconfirmed.discard(node)
         if not self.unconfirmed:
             self.confirm_by = None
+        return gone
 
     def hold(self, node: str, until: float) -> None:
         """A will of `node` keeps its record until `until`, then drops it (`drop_lost`):

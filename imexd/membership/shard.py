@@ -280,9 +280,8 @@ class ShardView(RecordEvents):
             self.wake_at = None
         if not self.synced:
             return Plan()
-        ours_unconfirmed = self.node in self.peers.unconfirmed
-        self.peers.drop_unconfirmed(now)
-        if self.names.duplicate and ours_unconfirmed and self.node not in self.peers.records:
+        gone = self.peers.drop_unconfirmed(now)
+        if self.names.duplicate and self.node in gone:
             # The other agent's record is gone without a clear: a broker that lost it (it
             # restarted empty) gave it back to no link of ours within the grace, so no
             # agent of our name published it again. Gone as surely as by a clear.
