@@ -41,7 +41,7 @@ from imexd.agent.inputs import (
 from imexd.bus.events import BrokerChecked, Connected, Synced
 from imexd.daemon.state import DaemonState
 from imexd.logs import get_logger
-from imexd.membership import slots as mb
+from imexd.membership.claim import Reason
 from imexd.membership.shard import ShardView
 from imexd.messages import Assignment, Deleted, MemberRecord, MemberState, Received, Retry
 from imexd.nodestate import NodeState
@@ -301,7 +301,7 @@ def test_a_fatal_daemon_gives_its_slot_up_after_release_after_s_latched() -> Non
     assert d.core.released_until == 15.0 + 30.0
     order = d.core.order("stop", "not a settled member", (DOMAIN, CLIQUE, 0), d.core.desired)
     assert order is not None
-    assert order.cause == mb.Reason.RELEASED
+    assert order.cause == Reason.RELEASED
 
 
 def test_an_operator_retry_is_applied_once_and_ends_the_release() -> None:

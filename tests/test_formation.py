@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 
 from imexd.agent.run import Agent
 from imexd.daemon.state import DaemonState, DaemonStatus
-from imexd.membership.slots import Phase
+from imexd.membership.claim import Phase
 from imexd.settings import Settings, settings_from_mapping
 from tests.brokers import Mosquitto
 from tests.cluster import BusClient, Cluster, Node, formed, members

@@ -20,7 +20,7 @@ from imexd.agent.actions import Publish, SaveState, Survey
 from imexd.agent.gate import Cause, DaemonOrder, admit
 from imexd.agent.inputs import Retarget
 from imexd.bus.events import Connected, Synced
-from imexd.membership import slots as mb
+from imexd.membership.claim import Reason
 from imexd.membership.desired import Desired
 from imexd.membership.shard import DOMAIN_DELETED, Plan
 from imexd.messages import DomainSpec, Received
@@ -115,13 +115,13 @@ def test_the_nodes_own_causes_pass_even_an_incumbent(cause: str) -> None:
     assert admit("stop", "x", cause, running=RUNS, desired=STOPPED, incumbent=True) is not None
 
 
-@pytest.mark.parametrize("cause", [DOMAIN_DELETED, mb.Reason.NOT_IN_SPEC, mb.Reason.RELEASED])
+@pytest.mark.parametrize("cause", [DOMAIN_DELETED, Reason.NOT_IN_SPEC, Reason.RELEASED])
 def test_the_shards_own_causes_pass(cause: str) -> None:
     """A domain delete, a spec without us, a FATAL daemon's release."""
     assert admit("stop", "x", cause, running=RUNS, desired=STOPPED, incumbent=True) is not None
 
 
-@pytest.mark.parametrize("cause", [mb.Reason.LOST_CONFLICT, mb.Reason.CLAIMED, ""])
+@pytest.mark.parametrize("cause", [Reason.LOST_CONFLICT, Reason.CLAIMED, ""])
 def test_another_nodes_record_moves_no_incumbent(cause: str) -> None:
     """Another node's record stops or moves the daemon only of a member whose record did
     not stand without a break."""
@@ -181,7 +181,7 @@ def test_every_stop_path_of_the_core_passes_the_gate() -> None:
 
     assert causes == {
         "domain deleted": DOMAIN_DELETED,
-        "not in the spec": mb.Reason.NOT_IN_SPEC,
+        "not in the spec": Reason.NOT_IN_SPEC,
         "new target": Cause.LEFT_SHARD,
         "leave": Cause.LEAVE,
         "same identity": Cause.SAME_IDENTITY,
@@ -205,10 +205,10 @@ def test_a_rival_record_gives_no_order_against_an_incumbent() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cause", "kept"), [(mb.Reason.PARTITION_HEALED, True), (mb.Reason.NOT_IN_SPEC, False)]
+    ("cause", "kept"), [(Reason.PARTITION_HEALED, True), (Reason.NOT_IN_SPEC, False)]
 )
 def test_a_plan_against_the_rule_is_held_by_the_core(
-    monkeypatch: pytest.MonkeyPatch, cause: mb.Reason, *, kept: bool
+    monkeypatch: pytest.MonkeyPatch, cause: Reason, *, kept: bool
 ) -> None:
     """Should a membership step ever stop a continuous member's daemon for another node's
     record, the core holds what runs: nothing of the plan is published or saved, and the

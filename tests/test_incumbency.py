@@ -24,7 +24,7 @@ from imexd.bus.events import BrokerChecked, Connected, Disconnected, Event, Prot
 from imexd.facts import Contest, Facts
 from imexd.health import conditions as health
 from imexd.health.metrics import Metrics
-from imexd.membership import slots as mb
+from imexd.membership.claim import Phase, Reason
 from imexd.membership.desired import Desired
 from imexd.membership.shard import DOMAIN_DELETED, Plan, ShardView, own_change
 from imexd.messages import Deleted, DomainSpec, MemberRecord, MemberState, Received
@@ -91,7 +91,7 @@ def test_a_member_copying_our_stamp_with_a_lower_name_leaves_our_daemon_alone() 
     assert addresses(plan)[0] == MY_ADDRESS
     publish(v, plan, 3.0)
     assert v.decision is not None
-    assert v.decision.reason is mb.Reason.SLOT_CONTESTED
+    assert v.decision.reason is Reason.SLOT_CONTESTED
     assert "a0" in v.decision.message
     facts = v.facts(plan.desired)
     assert (facts.state, facts.contested) == ("member", (Contest(0, ME, ("a0",)),))
@@ -131,7 +131,7 @@ def test_a_reconnect_that_lost_our_record_claims_again(what: str) -> None:
     plan = derive(v, 5.0, running=True)
     assert not v.continuous
     assert plan.decision is not None
-    assert plan.decision.claim.phase is mb.Phase.CLAIMING
+    assert plan.decision.claim.phase is Phase.CLAIMING
     assert plan.decision.claim.slot != 0
     assert plan.desired is not None
     assert not plan.desired.run
@@ -149,7 +149,7 @@ def test_a_link_that_may_lose_updates_gives_no_incumbency() -> None:
     plan = derive(v, 5.0, running=True)
     assert (v.continuous, v.ordered, v.incumbent) == (True, False, False)
     assert plan.decision is not None
-    assert plan.decision.reason is mb.Reason.PARTITION_HEALED
+    assert plan.decision.reason is Reason.PARTITION_HEALED
 
     v, n2 = with_peer()
     mine = v.last_sent
@@ -219,12 +219,12 @@ def test_an_incumbent_that_leaves_its_slot_is_forgotten() -> None:
 RUNS = Desired(domain=DOMAIN, clique=CLIQUE, slot=0, run=True)
 
 
-@pytest.mark.parametrize("cause", [*mb.Reason, DOMAIN_DELETED])
+@pytest.mark.parametrize("cause", [*Reason, DOMAIN_DELETED])
 def test_own_change_lets_only_own_reasons_stop_a_continuous_member(cause: str) -> None:
     """A plan that stops or moves what runs passes only for the node's own reasons while
     continuity holds, and for any cause once it is lost; one that keeps the slot (new
     members: a SIGUSR1) or starts what did not run always passes."""
-    own = cause in {mb.Reason.NOT_IN_SPEC, mb.Reason.RELEASED, DOMAIN_DELETED}
+    own = cause in {Reason.NOT_IN_SPEC, Reason.RELEASED, DOMAIN_DELETED}
     stop = Desired(domain=DOMAIN, clique=CLIQUE)
     moved = Desired(domain=DOMAIN, clique=CLIQUE, slot=1, run=True)
     for changed in (stop, moved):
@@ -433,7 +433,7 @@ class World:
         if desired.run and not (old.run and old.slot == desired.slot):
             self.excused = False  # a new start: its own record of reasons
             self.note("a daemon started")
-        if desired.run and self.v.decision and self.v.decision.reason is mb.Reason.SLOT_CONTESTED:
+        if desired.run and self.v.decision and self.v.decision.reason is Reason.SLOT_CONTESTED:
             self.note("a running daemon's slot was contested")
         self.desired = desired
 

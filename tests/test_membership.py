@@ -11,16 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from imexd.membership.claim import ClaimState, Decision, Echo, Phase, Reason
 from imexd.membership.slots import (
-    ClaimState,
-    Decision,
-    Echo,
-    Phase,
-    Reason,
     barrier,
-    compatible,
     mismatches,
-    newer,
     preferred_slot,
     resolve,
     stale_claims,
@@ -145,17 +139,6 @@ def test_only_claims_and_members_compete() -> None:
     assert m.winners == {}
     assert m.standby == {"a"}
     assert m.losers == frozenset()
-
-
-def test_newer_prefers_higher_incarnation() -> None:
-    """The higher incarnation wins; a tie goes to the later arrival."""
-    old, new = rec("a", 0, MEMBER, inc=1), rec("a", 2, CLAIMING, inc=2)
-    assert newer(old, new) is new
-    assert newer(new, old) is new
-    same = rec("a", 3, CLAIMING, inc=2)
-    assert newer(new, same) is same
-    with pytest.raises(ValueError, match="different nodes"):
-        newer(old, rec("b", 0))
 
 
 def test_resolve_keeps_the_newest_record_of_a_node() -> None:
@@ -522,8 +505,6 @@ def test_mismatched_max_nodes_or_mode_are_reported() -> None:
         rec("d", None, LEAVING, max_nodes=2),
         rec("x", None, STANDBY, max_nodes=2),
     ]
-    assert compatible(records[0], max_nodes=8, mode="names")
-    assert not compatible(records[1], max_nodes=8, mode="names")
     assert mismatches(records, max_nodes=8, mode="names") == ["b", "c"]
     allow = DomainSpec(domain="d1", nodes=["a", "b", "c", "d"], max_nodes=8)
     # With a spec its max_nodes decides: b disagrees with it and refuses itself.

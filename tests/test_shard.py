@@ -21,6 +21,7 @@ from imexd.bus.events import (
 )
 from imexd.logs import get_logger
 from imexd.membership import slots as mb
+from imexd.membership.claim import Echo, Phase, Reason
 from imexd.membership.desired import Desired
 from imexd.membership.shard import (
     FIRST_START_WINDOWS,
@@ -461,7 +462,7 @@ def claim(v: ShardView, now: float) -> MemberRecord:
     return record
 
 
-def slot_phase(v: ShardView, now: float) -> tuple[int | None, mb.Phase, bool]:
+def slot_phase(v: ShardView, now: float) -> tuple[int | None, Phase, bool]:
     """Step (and publish what the step asks, without its echo): our slot and phase."""
     plan = derive(v, now)
     if plan.decision is not None and plan.publish:
@@ -471,12 +472,12 @@ def slot_phase(v: ShardView, now: float) -> tuple[int | None, mb.Phase, bool]:
     return v.claim.slot, v.claim.phase, bool(plan.desired and plan.desired.run)
 
 
-def reason(v: ShardView) -> mb.Reason | None:
+def reason(v: ShardView) -> Reason | None:
     """The reason of the last step (None: no step yet)."""
     return v.decision.reason if v.decision is not None else None
 
 
-def barrier_of(v: ShardView) -> mb.Echo | None:
+def barrier_of(v: ShardView) -> Echo | None:
     """The barrier of our claim as the view holds it now."""
     return v.echo
 
@@ -487,12 +488,12 @@ def test_a_rival_claim_before_my_echo_beats_me_even_with_a_higher_name() -> None
     v = view()
     mine = claim(v, 0.0)
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.1)
-    assert slot_phase(v, 0.1)[:2] == (mine.slot, mb.Phase.CLAIMING)
-    assert reason(v) is mb.Reason.WAITING_FOR_ECHO
+    assert slot_phase(v, 0.1)[:2] == (mine.slot, Phase.CLAIMING)
+    assert reason(v) is Reason.WAITING_FOR_ECHO
     v.apply(received(mine, retained=False), 0.2)
     slot, phase, _ = slot_phase(v, 0.2)
-    assert (phase, slot) == (mb.Phase.CLAIMING, 1)
-    assert reason(v) is mb.Reason.LOST_CONFLICT
+    assert (phase, slot) == (Phase.CLAIMING, 1)
+    assert reason(v) is Reason.LOST_CONFLICT
 
 
 def test_a_rival_claim_after_my_echo_loses_even_with_a_lower_name() -> None:
@@ -503,7 +504,7 @@ def test_a_rival_claim_after_my_echo_loses_even_with_a_lower_name() -> None:
     v.apply(received(rec("n0", mine.slot, CLAIMING), retained=False), 0.1)
     v.apply(BrokerChecked(broker="b", ok=True), 0.1)
     slot, phase, _ = slot_phase(v, 0.2)
-    assert (phase, slot) == (mb.Phase.MEMBER, mine.slot)
+    assert (phase, slot) == (Phase.MEMBER, mine.slot)
 
 
 def test_a_retained_copy_of_my_claim_is_no_echo() -> None:
@@ -512,14 +513,14 @@ def test_a_retained_copy_of_my_claim_is_no_echo() -> None:
     mine = claim(v, 0.0)
     v.apply(received(mine, retained=True), 0.1)
     assert v.echo is None
-    assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING
+    assert slot_phase(v, 0.2)[1] is Phase.CLAIMING
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=False), 0.3)
-    assert slot_phase(v, 0.3)[:2] == (0, mb.Phase.CLAIMING)  # lost; waits for the echo
+    assert slot_phase(v, 0.3)[:2] == (0, Phase.CLAIMING)  # lost; waits for the echo
     v.apply(received(mine, retained=False), 0.4)
     echo = barrier_of(v)
     assert echo is not None
     assert echo.rival is not None
-    assert slot_phase(v, 0.4)[:2] == (1, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.4)[:2] == (1, Phase.CLAIMING)
 
 
 def test_an_old_echo_with_the_same_bytes_is_not_the_barrier() -> None:
@@ -539,7 +540,7 @@ def test_an_old_echo_with_the_same_bytes_is_not_the_barrier() -> None:
     echo = barrier_of(v)
     assert echo is not None
     assert echo.rival == rec("n7", 0, CLAIMING)
-    assert slot_phase(v, 0.5)[:2] == (1, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.5)[:2] == (1, Phase.CLAIMING)
 
 
 def test_a_claim_in_flight_loses_to_a_rival_in_the_new_snapshot() -> None:
@@ -553,10 +554,10 @@ def test_a_claim_in_flight_loses_to_a_rival_in_the_new_snapshot() -> None:
     assert v.echo is None
     v.apply(received(rec("n9", mine.slot, CLAIMING), retained=True), 0.2)
     v.apply(Synced(at=0.3), 0.3)
-    assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.3)[:2] == (mine.slot, Phase.CLAIMING)
     assert v.in_flight  # published again, waiting for the new link's echo
     v.apply(received(mine, retained=False), 0.4)  # the new link's echo
-    assert slot_phase(v, 0.4)[:2] == (1, mb.Phase.CLAIMING)
+    assert slot_phase(v, 0.4)[:2] == (1, Phase.CLAIMING)
 
 
 def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
@@ -568,11 +569,11 @@ def test_a_clear_claim_on_a_new_link_settles_on_its_new_echo() -> None:
     v.apply(received(mine, retained=False), 0.15)  # the bus's replay, before the sync
     v.apply(Synced(at=0.2), 0.2)
     assert v.echo is None
-    assert slot_phase(v, 0.2)[1] is mb.Phase.CLAIMING  # published again, not settled
+    assert slot_phase(v, 0.2)[1] is Phase.CLAIMING  # published again, not settled
     assert v.in_flight
     v.apply(received(mine, retained=False), 0.3)  # the new echo
     v.apply(BrokerChecked(broker="b", ok=True), 0.3)  # the new link's broker check
-    assert slot_phase(v, 0.3)[:2] == (mine.slot, mb.Phase.MEMBER)
+    assert slot_phase(v, 0.3)[:2] == (mine.slot, Phase.MEMBER)
 
 
 def refused(record: MemberRecord, *, repaired: bool = True) -> Refused:
@@ -596,7 +597,7 @@ def test_a_claim_whose_echo_was_lost_is_published_again_and_settles_on_the_new_e
     assert plan.publish, "the claim is published again"
     assert not v.in_flight, "the lost publication's echo no longer counts"
     publish(v, plan, 5.1)  # published again; its echo comes back
-    assert slot_phase(v, 5.2)[:2] == (mine.slot, mb.Phase.MEMBER)
+    assert slot_phase(v, 5.2)[:2] == (mine.slot, Phase.MEMBER)
 
 
 def test_a_claim_the_broker_kept_without_its_echo_is_published_again() -> None:
@@ -612,7 +613,7 @@ def test_a_claim_the_broker_kept_without_its_echo_is_published_again() -> None:
     plan = derive(v, 5.0)
     assert plan.publish, "the claim is published again"
     publish(v, plan, 5.1)
-    assert slot_phase(v, 5.2)[:2] == (mine.slot, mb.Phase.MEMBER)
+    assert slot_phase(v, 5.2)[:2] == (mine.slot, Phase.MEMBER)
 
 
 def test_a_late_echo_on_a_link_that_loses_nothing_is_waited_for() -> None:
@@ -626,7 +627,7 @@ def test_a_late_echo_on_a_link_that_loses_nothing_is_waited_for() -> None:
     assert v.in_flight
     v.apply(received(mine, retained=False), 7.0)  # the late echo
     v.apply(BrokerChecked(broker="b", ok=True), 7.0)
-    assert slot_phase(v, 7.1)[:2] == (mine.slot, mb.Phase.MEMBER)
+    assert slot_phase(v, 7.1)[:2] == (mine.slot, Phase.MEMBER)
 
 
 def test_a_claim_is_published_again_on_a_lost_echo_only_a_few_times() -> None:
@@ -970,7 +971,7 @@ def test_a_replay_of_our_ended_record_given_live_is_not_resumed() -> None:
     assert ME not in v.records
     plan = derive(v, 0.2)
     assert plan.decision is not None
-    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
 
 
 def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
@@ -1103,7 +1104,7 @@ def test_a_claim_settles_only_once_the_broker_passed_the_retained_check() -> Non
     v.apply(received(record, retained=False), 0.1)
     v.commit(plan)
     assert derive(v, SETTLE_S + 0.2) == Plan()  # held: nothing settles, nothing changes
-    assert v.claim.phase is mb.Phase.CLAIMING
+    assert v.claim.phase is Phase.CLAIMING
     v.apply(BrokerChecked(broker="b", ok=True), SETTLE_S + 0.3)
     settled = derive(v, SETTLE_S + 0.4)
     assert settled.decision is not None
@@ -1238,7 +1239,7 @@ def test_our_past_run_is_resumed_over_a_record_of_our_name_written_after_it() ->
     v.apply(received(rec(ME, 3, inc=99, address="10.6.6.6"), retained=False), 0.0)
     plan = derive(v, 0.1)
     assert plan.decision is not None
-    assert plan.decision.reason is mb.Reason.RESUMED
+    assert plan.decision.reason is Reason.RESUMED
     assert plan.publish
     assert plan.desired is not None
     assert (plan.desired.slot, plan.desired.run) == (2, True)
@@ -1259,7 +1260,7 @@ def test_a_foreign_record_of_our_name_is_never_resumed() -> None:
     )
     assert plan.outbid
     assert plan.decision is not None
-    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
 
 
 def test_a_record_of_our_name_that_we_outbid_stays_foreign() -> None:
@@ -1275,8 +1276,8 @@ def test_a_record_of_our_name_that_we_outbid_stays_foreign() -> None:
     assert plan.outbid
     assert v.incarnation == 6
     assert plan.decision is not None
-    assert plan.decision.reason is not mb.Reason.RESUMED
-    assert plan.decision.claim.phase is mb.Phase.CLAIMING
+    assert plan.decision.reason is not Reason.RESUMED
+    assert plan.decision.claim.phase is Phase.CLAIMING
     assert members(derive(v, 0.1)) == {}
 
 
@@ -1336,7 +1337,7 @@ def test_a_reconnect_claims_again_when_another_node_took_our_slot() -> None:
     plan = derive(v, 5.1)
     assert plan.publish
     assert plan.decision is not None
-    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
     assert plan.desired is not None
     assert not plan.desired.run
     assert members(plan) == {0: "n2"}
@@ -1359,7 +1360,7 @@ def test_a_replayed_record_whose_echo_meets_a_rival_claims_again() -> None:
     assert not v.continuous
     plan = derive(v, 5.4)
     assert plan.decision is not None
-    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (mb.Phase.CLAIMING, 1)
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
 
 
 def test_a_kept_record_whose_echo_was_lost_stands_as_if_it_came_back() -> None:

@@ -19,7 +19,7 @@ from typing import Final
 import structlog
 
 from imexd.bus.events import EchoLost, Refused, WillSpec
-from imexd.membership import slots as mb
+from imexd.membership.claim import ClaimState, Decision, Echo, Phase
 from imexd.membership.namesake import Identity, Namesakes
 from imexd.membership.peers import Peers
 from imexd.membership.plan import FirstStart
@@ -93,8 +93,8 @@ class OwnRecord:
         run of ours is below it, whatever ours is raised to since (`_foreign`)."""
         self.current: tuple[str, str] | None = None
         self.spec: DomainSpec | None = None
-        self.claim = mb.ClaimState(node=node, incarnation=0)
-        self.decision: mb.Decision | None = None
+        self.claim = ClaimState(node=node, incarnation=0)
+        self.decision: Decision | None = None
         self.wake_at: float | None = None
         self.synced = False
         self.trusted = False
@@ -151,7 +151,7 @@ class OwnRecord:
         self.seq = 0
         """The place (`MemberRecord.seq`) of the last record of this run we published, or
         of a record of this run written over ours: the next new record gets the next."""
-        self.echo: mb.Echo | None = None
+        self.echo: Echo | None = None
         """The barrier of our claim: taken at the live echo of `last_sent`."""
         self.continuous = False
         """Our member record has stood on the broker without a break, as far as this
@@ -175,7 +175,7 @@ class OwnRecord:
     @property
     def member(self) -> bool:
         """Our claim settled: we hold a slot (no step of ours claims one now)."""
-        return self.claim.phase is mb.Phase.MEMBER
+        return self.claim.phase is Phase.MEMBER
 
     @property
     def incumbent(self) -> bool:
@@ -429,7 +429,7 @@ class OwnRecord:
         self.past = None
         self.replay_rival = None
         self.replaying = False
-        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.claim = ClaimState(node=self.node, incarnation=self.incarnation)
         self.decision = None
 
     def stale_own(self, ref: TopicRef, record: MemberRecord | HealthReport) -> bool:
@@ -460,12 +460,12 @@ class OwnRecord:
 
     def _on_taken_over(self) -> Identity | None:
         """The broker handed our session to another client (`Namesakes.taken_over`)."""
-        member = self.claim.phase is mb.Phase.MEMBER
+        member = self.claim.phase is Phase.MEMBER
         return self._aside(self.names.taken_over(in_shard=self.current is not None, member=member))
 
     def _on_link_ended(self) -> Identity | None:
         """The broker ended our link without a reason code (`Namesakes.link_ended`)."""
-        member = self.claim.phase is mb.Phase.MEMBER
+        member = self.claim.phase is Phase.MEMBER
         return self._aside(self.names.link_ended(published=self.published, member=member))
 
     def _aside(self, identity: Identity | None) -> Identity | None:

@@ -15,6 +15,7 @@ from typing import Final
 import structlog
 
 from imexd.membership import slots as mb
+from imexd.membership.claim import Echo
 from imexd.messages import LINK_END, DomainSpec, MemberRecord, MemberState, Version, version
 
 CONFIRM_MARGIN_S: Final = 2.0
@@ -195,7 +196,7 @@ class Peers:
             me=self.node,
         )
 
-    def barrier(self, slot: int, spec: DomainSpec | None, now: float) -> mb.Echo:
+    def barrier(self, slot: int, spec: DomainSpec | None, now: float) -> Echo:
         """What stands on `slot` against our claim now (`mb.barrier`)."""
         return mb.barrier(
             self.node,

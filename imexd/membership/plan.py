@@ -15,6 +15,7 @@ from typing import Final
 import structlog
 
 from imexd.membership import slots as mb
+from imexd.membership.claim import Decision, Reason
 from imexd.membership.desired import Desired
 from imexd.messages import DomainSpec, MemberRecord, MemberState
 
@@ -28,7 +29,7 @@ and joins later by SIGUSR1 like any newcomer."""
 
 DOMAIN_DELETED: Final = "DomainDeleted"
 """The cause of a plan that leaves a domain the control plane deletes (`own_change`)."""
-OWN_CAUSES: Final = frozenset({DOMAIN_DELETED, mb.Reason.NOT_IN_SPEC, mb.Reason.RELEASED})
+OWN_CAUSES: Final = frozenset({DOMAIN_DELETED, Reason.NOT_IN_SPEC, Reason.RELEASED})
 """The causes of a plan that are the node's own reasons to stop or restart its daemon,
 among those `ShardView.derive` sees (`own_change`)."""
 
@@ -77,7 +78,7 @@ class Plan:
     """What should run now; None: keep what runs (no shard, or no synced snapshot)."""
     leave: bool = False
     """The domain is being deleted while we are in it: clear our records, then `left()`."""
-    decision: mb.Decision | None = None
+    decision: Decision | None = None
     """The claim step: publish its record when `publish`, then `commit` the plan."""
     publish: bool = False
     wake_at: float | None = None
@@ -118,7 +119,7 @@ class FirstStart:
     def hold(
         self,
         now: float,
-        decision: mb.Decision,
+        decision: Decision,
         stale: frozenset[str],
         *,
         records: Mapping[str, MemberRecord],

@@ -43,6 +43,7 @@ from imexd.bus.events import (
 )
 from imexd.facts import Contest, Member, MembershipFacts, MembershipState
 from imexd.membership import slots as mb
+from imexd.membership.claim import ClaimState, Phase, Reason
 from imexd.membership.desired import Desired
 from imexd.membership.intake import RecordEvents
 from imexd.membership.namesake import TAKEN_LINKS, TAKEOVER_WATCH_DELAYS, Identity
@@ -118,7 +119,7 @@ class ShardView(RecordEvents):
     def start(self, incarnation: int) -> None:
         """This agent run's incarnation (loaded from the state dir)."""
         self.incarnation = self.started_as = incarnation
-        self.claim = mb.ClaimState(node=self.node, incarnation=incarnation)
+        self.claim = ClaimState(node=self.node, incarnation=incarnation)
         self.seq = 0
 
     # -- shards ---------------------------------------------------------------------
@@ -145,7 +146,7 @@ class ShardView(RecordEvents):
         self.spec = None
         # No shard: no snapshot to wait for (a leave keeps the link, so no Synced follows).
         self.synced = target is None
-        self.claim = mb.ClaimState(node=self.node, incarnation=self.incarnation)
+        self.claim = ClaimState(node=self.node, incarnation=self.incarnation)
         self.decision = None
         self.wake_at = None
         self.in_flight.clear()
@@ -292,7 +293,7 @@ class ShardView(RecordEvents):
         if self.spec is not None and self.spec.state == "deleting":
             return Plan(
                 desired=Desired(domain=domain, clique=clique, cleanup=True),
-                leave=self.claim.phase is not mb.Phase.OUT,
+                leave=self.claim.phase is not Phase.OUT,
             )
         own = self.peers.records.get(self.node)
         if own is not None and self._foreign(own) and self.past is not None and not self.published:
@@ -304,7 +305,7 @@ class ShardView(RecordEvents):
             self.decision = None
             return Plan(hold=True)
         rival, why = self.replay_rival, "it settled our slot while our record was gone"
-        if self.republish and self.claim.phase is mb.Phase.MEMBER:
+        if self.republish and self.claim.phase is Phase.MEMBER:
             rival, why = self._rejoin(own, now), "it took our slot while our link was down"
         if rival is not None:
             self._claim_again(rival, why)
@@ -314,7 +315,7 @@ class ShardView(RecordEvents):
             # Our claim is back and would settle: it does once the broker passed the
             # retained check of this link (BrokerChecked). Keep what runs meanwhile.
             return Plan()
-        if self.claim.phase is mb.Phase.NONE and own is not None and self._foreign(own):
+        if self.claim.phase is Phase.NONE and own is not None and self._foreign(own):
             # A record of our name that we did not write (a run of ours whose incarnation
             # we never saved, or anyone's): ours replaces it, newer than it, once no live
             # agent of our name took our session back within its reconnect delay.
@@ -327,7 +328,7 @@ class ShardView(RecordEvents):
         previous = saved.slot if (saved.domain, saved.clique) == self.current else None
         stale = self.peers.stale(now)
         records = {**self.peers.records}
-        if self.claim.phase is mb.Phase.NONE:
+        if self.claim.phase is Phase.NONE:
             # Resume only a record of ours: never a slot that another author wrote.
             records.pop(self.node, None)
             if own is not None and not self._foreign(own):
@@ -403,7 +404,7 @@ class ShardView(RecordEvents):
         )
 
     def record(
-        self, claim: mb.ClaimState, *, driver: str, channel_count: int | None = None
+        self, claim: ClaimState, *, driver: str, channel_count: int | None = None
     ) -> MemberRecord | None:
         """The record `claim` publishes in the current shard (None: clear ours);
         `channel_count` is the driver's ImexChannelCount (None: unknown)."""
@@ -446,7 +447,7 @@ class ShardView(RecordEvents):
             self.decision.settled,
         ):
             # Every claim waits for its echo: only the claim and what its echo said are news.
-            waiting = decision.reason is mb.Reason.WAITING_FOR_ECHO
+            waiting = decision.reason is Reason.WAITING_FOR_ECHO
             (self.log.debug if waiting else self.log.info)(
                 "membership.step",
                 phase=decision.claim.phase.value,
@@ -454,13 +455,13 @@ class ShardView(RecordEvents):
                 reason=decision.reason.value,
                 detail=decision.message,
             )
-        if decision.claim.phase is not mb.Phase.MEMBER:
+        if decision.claim.phase is not Phase.MEMBER:
             # A replay is of the slot we held: a step that leaves it (a claim elsewhere)
             # ends it, so the echo of the member record that claim settles is no replay.
             self.replaying = False
         if not decision.settled:
             self.continuous = False
-        elif (self.claim.phase, self.claim.slot) != (mb.Phase.MEMBER, decision.claim.slot):
+        elif (self.claim.phase, self.claim.slot) != (Phase.MEMBER, decision.claim.slot):
             # Settled at our claim's echo (no rival stood on the slot), or our retained
             # record resumed: it stands on the broker from here on.
             self.continuous = True
@@ -472,7 +473,7 @@ class ShardView(RecordEvents):
 
     def left(self) -> None:
         """Our records of the deleted domain are cleared: we are out of it."""
-        self.claim = replace(self.claim, phase=mb.Phase.OUT, slot=None)
+        self.claim = replace(self.claim, phase=Phase.OUT, slot=None)
         self.decision = None
 
     # -- facts ----------------------------------------------------------------------
@@ -493,7 +494,7 @@ class ShardView(RecordEvents):
         )
         if self.names.duplicate:
             return replace(base, state="out", reason="DuplicateNode", detail=self.names.duplicate)
-        recent = self.overwrite_open and self.claim.phase is mb.Phase.MEMBER
+        recent = self.overwrite_open and self.claim.phase is Phase.MEMBER
         if recent and self.names.contested:
             detail = self.names.contested
             return replace(base, state="member", reason="DuplicateNode", detail=detail)
@@ -506,7 +507,7 @@ class ShardView(RecordEvents):
                 detail="a record of this node name that this agent did not write is on the "
                 "bus; checking that no other agent runs as this node before replacing it",
             )
-        if self.claim.phase is mb.Phase.RELEASED:
+        if self.claim.phase is Phase.RELEASED:
             detail = decision.message if decision else "the daemon stayed FATAL"
             return replace(base, state="standby", reason="Released", detail=detail)
         if self.mismatch or self.mismatch_detail:
@@ -521,11 +522,11 @@ class ShardView(RecordEvents):
                 offending=self.mismatch,
             )
         phase = self.claim.phase
-        if phase is mb.Phase.OUT:
+        if phase is Phase.OUT:
             if desired.cleanup:
                 return replace(base, state="leaving", detail="the domain is being deleted")
             return replace(base, state="out", reason="NotInSpec", detail="not in the spec's list")
-        if phase is mb.Phase.STANDBY:
+        if phase is Phase.STANDBY:
             return replace(
                 base,
                 state="standby",
@@ -536,7 +537,7 @@ class ShardView(RecordEvents):
             "member"
             if decision is not None and decision.settled
             else "claiming"
-            if phase is mb.Phase.CLAIMING
+            if phase is Phase.CLAIMING
             else "none"
         )
         detail = self.first.held or (decision.message if decision else "")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
+from imexd.membership.claim import ClaimState, Decision, Echo, Phase, Reason, SlotMap
 from imexd.messages import DomainSpec, MemberRecord, MemberState, Mode, encode
 
 _COMPETING = frozenset({MemberState.CLAIMING, MemberState.MEMBER})
@@ -31,188 +31,9 @@ FUTURE_STAMP_S: Final = 30.0
 not believed: that member ranks as if it carried no stamp."""
 
 
-class Phase(StrEnum):
-    """Where this node's own claim stands (what it last published)."""
-
-    NONE = "none"
-    """Nothing published yet: just started, or not yet synced."""
-    CLAIMING = "claiming"
-    MEMBER = "member"
-    STANDBY = "standby"
-    RELEASED = "released"
-    """Standby after giving our slot up (`step(release=True)`): no claim while it lasts."""
-    OUT = "out"
-    """Not in the spec's allow-list: the record is cleared and no daemon runs."""
-
-
-class Reason(StrEnum):
-    """Machine-readable reason of the SlotSettled condition."""
-
-    SETTLED = "Settled"
-    RESUMED = "Resumed"
-    """Our own member record was still retained (agent restart): kept as is."""
-    CLAIMED = "Claimed"
-    WAITING_FOR_ECHO = "WaitingForEcho"
-    """Our claim has not come back live from the broker yet (its echo settles it)."""
-    LOST_CONFLICT = "LostConflict"
-    PARTITION_HEALED = "PartitionHealed"
-    SLOT_CONTESTED = "SlotContested"
-    """Another node's member record stands on our settled slot; we keep it (incumbent,
-    or ranking first)."""
-    DOMAIN_FULL = "DomainFull"
-    NOT_IN_SPEC = "NotInSpec"
-    RELEASED = "Released"
-    """We gave our slot up (`step(release=True)`) to a node waiting as standby."""
-
-
-_RECORD_STATE: Mapping[Phase, MemberState | None] = {
-    Phase.NONE: None,
-    Phase.CLAIMING: MemberState.CLAIMING,
-    Phase.MEMBER: MemberState.MEMBER,
-    Phase.STANDBY: MemberState.STANDBY,
-    Phase.RELEASED: MemberState.STANDBY,
-    Phase.OUT: None,
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClaimState:
-    """What this node has published about itself, kept by the agent between steps."""
-
-    node: str
-    incarnation: int
-    """This agent run's incarnation: only our record of this incarnation is our echo."""
-    phase: Phase = Phase.NONE
-    slot: int | None = None
-    since: float = 0.0
-    """`now` when the current phase and slot were published (the claim's start)."""
-    settled: float | None = None
-    """Wall-clock seconds when our claim settled into member (MemberRecord.settled);
-    None unless we are a member. Publish it in our record."""
-
-    @property
-    def record_state(self) -> MemberState | None:
-        """The `state` of the record to publish; None: clear the record (empty payload)."""
-        return _RECORD_STATE[self.phase]
-
-    @property
-    def record_released(self) -> bool:
-        """The `released` flag of the record to publish."""
-        return self.phase is Phase.RELEASED
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Echo:
-    """The barrier of one claim: what stood on its slot when the claim came back live.
-
-    Taken (`barrier`) by whoever reads the bus in order, at the moment the live echo of
-    the last record this node published arrives, from the records as they stand then;
-    the records that arrive later were accepted after our claim and cannot beat it.
-    """
-
-    slot: int
-    rival: MemberRecord | None
-    """The competing record on the slot at that moment (None: the slot was ours)."""
-    view: SlotMap | None = None
-    """The other nodes' records at that moment, resolved: the broker accepted every one
-    of them before our claim. A claim that lost deals its next slot from it (None: not
-    taken by `barrier`; the next slot comes from the records as they stand)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    """The outcome of one `step`: the state to keep, and whether to publish it."""
-
-    claim: ClaimState
-    """Keep this as our state; when `publish`, publish its record (or clear it)."""
-    publish: bool
-    """The record changed: publish `claim.record_state` and `claim.slot` (None: clear)."""
-    settled: bool
-    """We are a member: the agent may write our slot and start the daemon."""
-    reason: Reason
-    message: str
-    view: SlotMap
-    """The other nodes' records as this step resolved them (our own left out): with our
-    own slot when `settled`, the members the files list (`members`)."""
-
-    def members(self, address: str) -> dict[int, tuple[str, str]]:
-        """slot -> (node, address) of the settled members, ours (at `address`) included.
-
-        Our settled slot is ours in the full resolution too (`step` settles only when no
-        member that beats ours stands on the slot, and a member beats every claim), so
-        the others' view needs no second `resolve`.
-        """
-        out = {slot: (r.node, r.address) for slot, r in self.view.members.items()}
-        if self.settled and self.claim.slot is not None:
-            out[self.claim.slot] = (self.claim.node, address)
-        return dict(sorted(out.items()))
-
-    def contests(self) -> dict[int, frozenset[str]]:
-        """slot -> the nodes whose member record stands on a slot that `members` gives
-        to another node: ours included, where another member record stands on it."""
-        out = dict(self.view.contenders)
-        slot = self.claim.slot
-        if self.settled and slot is not None:
-            rival = self.view.winners.get(slot)
-            if rival is not None and rival.state is MemberState.MEMBER:
-                out[slot] = out.get(slot, frozenset()) | {rival.node}
-        return dict(sorted(out.items()))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlotMap:
-    """The resolved shard: who wins each slot, and who is left waiting."""
-
-    max_nodes: int
-    winners: Mapping[int, MemberRecord]
-    """slot -> the winning record (member or claim), in slot order."""
-    losers: frozenset[str]
-    """Nodes whose claim or member record lost its slot: they must claim again."""
-    standby: frozenset[str]
-    """Allowed nodes waiting in state standby for a slot (released ones are not)."""
-    ignored: frozenset[str]
-    """Nodes outside the spec's allow-list, whose records take no part."""
-    stale: frozenset[str] = frozenset()
-    """Nodes whose stale claim took no part (`stale_claims`)."""
-    contenders: Mapping[int, frozenset[str]] = field(default_factory=dict)
-    """slot -> the other nodes whose member record stands on a slot that a member won:
-    a contested slot (a forged record, or two sides of a split)."""
-
-    @property
-    def nodes(self) -> dict[int, str]:
-        """slot -> node of every winner."""
-        return {slot: r.node for slot, r in self.winners.items()}
-
-    @property
-    def slots(self) -> dict[str, int]:
-        """node -> slot of every winner."""
-        return {r.node: slot for slot, r in self.winners.items()}
-
-    @property
-    def members(self) -> dict[int, MemberRecord]:
-        """slot -> record of the winners in state member: what the files list."""
-        return {s: r for s, r in self.winners.items() if r.state is MemberState.MEMBER}
-
-
 def allowed(node: str, spec: DomainSpec | None) -> bool:
     """Whether the spec lets `node` in (no spec, or a spec without a list, lets all in)."""
     return spec is None or spec.nodes is None or node in spec.nodes
-
-
-def newer(a: MemberRecord, b: MemberRecord) -> MemberRecord:
-    """Of two records of one node, the one to keep: the higher incarnation wins.
-
-    On a tie `b` wins: pass the later arrival as `b`, since within one incarnation the
-    agent's latest publish is its current word.
-    """
-    if a.node != b.node:
-        raise ValueError(f"records of different nodes: {a.node!r} and {b.node!r}")
-    return a if a.incarnation > b.incarnation else b
-
-
-def compatible(record: MemberRecord, *, max_nodes: int, mode: Mode) -> bool:
-    """Whether `record`'s node would write the same node list as ours."""
-    return record.max_nodes == max_nodes and record.mode == mode
 
 
 def mismatches(
@@ -237,7 +58,7 @@ def mismatches(
         and not (r.state is MemberState.CLAIMING and r.node in stale)
         and allowed(r.node, spec)
         and (spec is None or r.max_nodes == spec.max_nodes)
-        and not compatible(r, max_nodes=max_nodes if spec is None else spec.max_nodes, mode=mode)
+        and (r.max_nodes, r.mode) != (max_nodes if spec is None else spec.max_nodes, mode)
     )
 
 
