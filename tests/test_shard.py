@@ -974,6 +974,27 @@ def test_a_replay_of_our_ended_record_given_live_is_not_resumed() -> None:
     assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
 
 
+def test_our_record_seen_before_our_will_is_not_resumed_past_a_foreign_one() -> None:
+    """Found by the simulator (seed 213750): a restarted agent's snapshot gave its past
+    run's record first, kept as the record to resume from (`past`), then its presence,
+    the will that ended that record. A record of our name that we did not write came
+    next, and the agent resumed from `past`, old settle stamp and all, on a slot another
+    node had settled since. A past record that our will ended is not resumed, whichever
+    of the two came first."""
+    v = view(incarnation=4)
+    v.apply(received(rec("n2", 0, settled=WALL + 10)), 0.1)
+    old = msgspec.structs.replace(rec(ME, 0, inc=3, address=MY_ADDRESS), seq=2, link=5)
+    v.apply(received(old), 0.1)
+    mine = presence_will(ME, inc=3, link=5)
+    v.apply(Received(mine.topic, mine.ref, mine.payload, retained=True), 0.1)
+    v.apply(Synced(at=0.1), 0.1)
+    forged = rec(ME, 3, inc=4, state=MemberState.CLAIMING, address="10.66.0.1")
+    v.apply(received(msgspec.structs.replace(forged, seq=3, link=2), retained=False), 0.2)
+    plan = derive(v, 0.2)
+    assert plan.decision is not None
+    assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
+
+
 def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
     """Found by the simulator: a run that stopped cleanly before it published left the
     previous run's record standing, and a node joining later listed it for good. A

@@ -108,6 +108,9 @@ REGRESSIONS: dict[int, str] = {
     208967: "an agent stood aside for a placed record of its name; the broker restarted "
     "empty and nobody published that record again, but only a clear brought the agent "
     "back: it stood aside for good",
+    213750: "a restarted agent's snapshot gave its past record before the will that "
+    "ended it; a forged record of its name came next, and the agent resumed the ended "
+    "record on a slot another node had settled since",
     227938: "a broker restarted from its disk without our member record (our claim "
     "stood there still) and gave back a later claim that had lost to ours: we yielded "
     "our slot to a claim that never settled",

@@ -296,10 +296,13 @@ class ShardView(RecordEvents):
                 leave=self.claim.phase is not Phase.OUT,
             )
         own = self.peers.records.get(self.node)
-        if own is not None and self._foreign(own) and self.past is not None and not self.published:
+        past = self.past
+        if past is not None and self.peers.ended_by_will(past, self.own_end):
+            past = self.past = None  # our will ended it, whichever of the two came first
+        if own is not None and self._foreign(own) and past is not None and not self.published:
             # A record of our name came after our past run's: resume from ours and put it
             # back (the owner's record wins; only a live session shows another agent).
-            own = self.past
+            own = past
         if self.names.duplicate:
             # Another agent runs as this node: publish nothing, and keep what runs.
             self.decision = None

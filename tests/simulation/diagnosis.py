@@ -77,6 +77,13 @@ CAUSES: Final[dict[str, str]] = {
         "as it last published it); a node that claimed the slot while the forgery stood "
         "there settled, and the holder yields to it: its daemon restarts"
     ),
+    "forged-hides-will": (
+        "the hostile writer writes an older presence of a node (a replay) over the will "
+        "that ended the node's member record: the node's next run finds its past record "
+        "and a presence that does not end it, resumes the record with its old settle "
+        "stamp on a slot that another node settled on since the will, and each keeps its "
+        "daemon; no reader can tell the replay from the node's own presence"
+    ),
     "past-resumed": (
         "an older record of a node, replayed on its topic after its agent restarted and "
         "before it published, is resumed as its past run's record (any record of a lower "
@@ -102,11 +109,10 @@ CAUSES: Final[dict[str, str]] = {
     ),
     "ended-resumed": (
         "a restarted agent resumes its past run's member record, which stays on the broker "
-        "after its will fired, although that will (on its presence) ended it: the new "
-        "link's snapshot gave the presence before the record (no order across filters; "
-        "the agent subscribes its presence first), so `_on_presence` found no record to "
-        "end and kept nothing, and the record, coming next, is resumed with its old settle "
-        "stamp, on a slot that a node settled on since the will: two members on one slot"
+        "after its will fired, although that will (on its presence, in the same snapshot "
+        "or later) ended it (`ShardView.past` must not outlive `own_end`), with its old "
+        "settle stamp, on a slot that a node settled on since the will: two members on one "
+        "slot"
     ),
     "empty-restart-newcomer": (
         "a broker restarts without its retained records; before a member whose link is "
@@ -121,7 +127,7 @@ CAUSES: Final[dict[str, str]] = {
 }
 
 LIMITS: Final[frozenset[str]] = frozenset(
-    {"forged-version", "forged-vacates-slot", "forged-relink"}
+    {"forged-version", "forged-vacates-slot", "forged-relink", "forged-hides-will"}
 )
 """Causes that the design accepts rather than defects: the hostile writer holds the node's
 own broker credentials, and on a bus whose member records and presences are not signed
@@ -178,8 +184,9 @@ def cause(world: World, violation: Violation) -> str:
         if node.alive and node.daemon.running and node.daemon.slot is not None:
             by_slot.setdefault(node.daemon.slot, set()).add(node.name)
     shared = [pair for pair in by_slot.values() if len(pair) > 1]
-    if any(world.nodes[name].resumed_ended for pair in shared for name in pair):
-        return "ended-resumed"
+    resumed = {name for pair in shared for name in pair if world.nodes[name].resumed_ended}
+    if resumed:
+        return "forged-hides-will" if resumed <= oracle.will_hidden else "ended-resumed"
     if any(pair & oracle.hostile_on for pair in shared):
         return "forged-vacates-slot"
     emptied = oracle.emptied

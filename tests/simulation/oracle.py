@@ -111,6 +111,9 @@ class Oracle:
         self.forged: set[MemberRecord] = set()
         """Every member record the hostile writer wrote: a peer that holds one holds a
         forgery, whatever came after it on the broker."""
+        self.will_hidden: set[str] = set()
+        """Nodes whose will, ending the member record that stands, the hostile writer wrote
+        over with a presence that does not end it (a replay of an older presence)."""
         self.written_first: set[str] = set()
         """Nodes on whose topics the hostile writer wrote before their agent, in its current
         (or next) run, published anything."""
@@ -162,6 +165,14 @@ class Oracle:
             self.written_first.add(name)
         if isinstance(record, MemberRecord):
             self.forged.add(record)
+        standing = self.broker.member_record(name)
+        if (
+            isinstance(record, Presence)
+            and standing is not None
+            and self.broker.ended.get(name) == standing
+            and not ended(standing, record)
+        ):
+            self.will_hidden.add(name)
         new = None if record is None else _version(record)
         held = self.taint.get(name)
         if new is not None and (held is None or new > held):
