@@ -273,8 +273,9 @@ class Peers:
         """Forget the records a new link did not confirm in time, or whose slot moved on;
         the nodes whose records went.
 
-        A confirmed record on the slot of an unconfirmed one supersedes it at once: the
-        slot was freed and taken while this node was away.
+        Another node's confirmed member record on the slot of an unconfirmed one
+        supersedes it at once: the slot was freed and settled while this node was away. A
+        claim settled nothing yet, and our own record says nothing of the others.
         """
         if not self.unconfirmed:
             self.confirm_by = None
@@ -283,7 +284,10 @@ class Peers:
         taken = {
             r.slot
             for node, r in self.records.items()
-            if node not in self.unconfirmed and r.slot is not None
+            if node not in self.unconfirmed
+            and node != self.node
+            and r.state is MemberState.MEMBER
+            and r.slot is not None
         }
         gone = sorted(
             node for node in self.unconfirmed if expired or self.records[node].slot in taken
