@@ -340,6 +340,38 @@ def test_an_unassignment_leaves_the_shard_and_clears_our_records() -> None:
     assert order.cause == "LeftShard"
 
 
+def test_a_leave_before_publishing_clears_the_record_a_past_run_left() -> None:
+    """Found by the simulator (seed 406124): a run that left before it published cleared
+    nothing, so its past run's record, ended by a will, stood on the broker; the next
+    run's presence wrote over that will, and the run after it resumed the ended record
+    on a slot another node had settled since. A leaving agent clears a past run's record
+    of ours that stands, published in this run or not; one that a clear removed, or one
+    that another agent may have written, it leaves alone."""
+    past = MemberRecord(
+        node=ME,
+        domain=DOMAIN,
+        clique=CLIQUE,
+        address="10.0.0.1",
+        slot=1,
+        incarnation=2,
+        state=MemberState.MEMBER,
+        max_nodes=4,
+        mode="names",
+        settled=WALL - 100,
+    )
+    clear = Clear((TOPICS.member(DOMAIN, CLIQUE, ME), TOPICS.health(DOMAIN, ME)))
+    d = Driver()
+    d.join()
+    d.bus(received(past))
+    assert clear in d.core.leave(WALL + 1)
+    d.bus(cleared(ME))
+    assert clear not in d.core.leave(WALL + 2)
+    foreign = Driver()
+    foreign.join()
+    foreign.bus(received(msgspec.structs.replace(past, address="10.9.9.9")))
+    assert clear not in foreign.core.leave(WALL + 1)
+
+
 def test_standing_aside_surveys_once_per_probe_interval() -> None:
     """While a record of our name that we did not write is watched (hold), a daemon of our
     config that nobody supervises is looked for once per `[daemon] probe_interval_s`,

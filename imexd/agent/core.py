@@ -563,8 +563,12 @@ class NodeCore:
             # refuses the node at once (AgentDown) instead of counting it seen.
             presence = shard.presence(None, at=wall, stopped=wall)
             actions.append(Publish(self.topics.presence(self.node), presence))
-        if shard.current is not None and shard.published:
-            # Only records this agent wrote: a duplicate never clears the other's.
+        if shard.current is not None and (
+            shard.published or (shard.past_stands and not shard.duplicate)
+        ):
+            # Only records this agent or a past run of it wrote (a past run's, ended by its
+            # will or not, would stand for ever: a later run overwrites the presence that
+            # ends it); a duplicate never clears the other's.
             actions.append(self.clear(*shard.current))
         return actions
 

@@ -40,6 +40,8 @@ class RecordEvents(OwnRecord):
         if ref.kind == "member" and isinstance(payload, MemberRecord):
             ours = ref.node == self.node  # judged whatever its version: ours goes back over it
             here = (ref.domain, ref.clique) == self.current
+            if here and ours and payload.state is not MemberState.LOST:
+                self.past_stands = self.past_stands or not self._foreign(payload)
             if here and ours and self.peers.ended_by_will(payload, self.own_end):
                 # Ours, which our will ended: we claim again, not resume it. Given live (a
                 # replay: our own echoes come after any end we know of), it is written
@@ -83,6 +85,7 @@ class RecordEvents(OwnRecord):
         if ref.kind == "member" and (ref.domain, ref.clique) == self.current:
             if not will:
                 self.peers.versions.pop(ref.node, None)
+                self.past_stands = self.past_stands and ref.node != self.node
             record = self.peers.drop(ref.node)
             if record is not None and ref.node != self.node:
                 self.peers.unprove(record)

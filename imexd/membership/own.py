@@ -110,6 +110,10 @@ class OwnRecord:
         self.mismatch_detail = ""
         self.published = False
         """We published a record of this incarnation in the current shard (ours to clear)."""
+        self.past_stands = False
+        """A record of ours that a past run wrote stands on the broker in this shard (no
+        clear removed it since; a will ends it, but it stays): ours to clear when we leave,
+        whether we published or not."""
         self.past: MemberRecord | None = None
         """The last record of our name in this shard that a past run of ours wrote (lower
         incarnation, our address): what we resume from, even if another record of our

@@ -136,7 +136,7 @@ class ShardView(RecordEvents):
         was_duplicate = bool(self.names.duplicate)
         self.current = target
         self.needs = needs
-        self.published = False
+        self.published = self.past_stands = False
         self.past = self.outbidding = None
         self.continuous = self.replaying = False
         self.replay_rival = None

@@ -12,9 +12,11 @@ from tests.simulation.world import World
 
 CAUSES: Final[dict[str, str]] = {
     "leave-before-publish": (
-        "an agent that leaves (SIGTERM) before it published anything in its run clears "
-        "nothing (`NodeCore.leave` clears only when `ShardView.published`), its presence "
-        "says only that it stopped, and its clean DISCONNECT drops its will: its past "
+        "an agent that leaves (SIGTERM) before it published anything in its run, and "
+        "before its snapshot showed it its past run's record, clears nothing "
+        "(`NodeCore.leave` clears what it published or saw: `ShardView.past_stands`), its "
+        "presence says only that it stopped, and its clean DISCONNECT drops its will: its "
+        "past "
         "run's record, which no will ended (a restart within the Will Delay resumed the "
         "session), stands for ever, a dead member in every hosts file"
     ),
@@ -31,8 +33,9 @@ CAUSES: Final[dict[str, str]] = {
     "will-overwritten": (
         "a node's will (its presence marked lost) ends its member record, which stays on "
         "the broker; its next run publishes its presence (replayed on every link), which "
-        "replaces the will, and leaves (SIGTERM) before it publishes a record of its own, "
-        "so it clears nothing and its presence says only that it stopped: a node that "
+        "replaces the will, and leaves (SIGTERM) before it publishes a record of its own "
+        "or sees the dead one, so it clears nothing and its presence says only that it "
+        "stopped: a node that "
         "joins later (or a peer that missed the will) finds the dead record and a "
         "presence that is no will, and lists the dead node for ever"
     ),
@@ -97,7 +100,10 @@ CAUSES: Final[dict[str, str]] = {
         "records until the node outbids it, its claims too (a rival settles on the "
         "claimed slot at its echo: two members on one slot of one broker), and for good "
         "where the node never saw the forgery (its next record or presence replaced it "
-        "on the broker first, a broker restart lost it, or it died)"
+        "on the broker first, a broker restart lost it, or it died); a forged member "
+        "record at the node's address that the node raised its incarnation over and died "
+        "before replacing is, to its next run, its past run's record: resumed, old slot "
+        "and stamp"
     ),
     "timer-spin": (
         "a timer of the view (`ShardView.due_at`: a first start held, a record to put "
@@ -154,6 +160,10 @@ def cause(world: World, violation: Violation) -> str:
         )
         if unended:
             return "leave-before-publish" if name in oracle.left_unpublished else "will-gap"
+        if broker.stands(name) and broker.authors.get(("member", name)) == "hostile":
+            # The forgery stands: the node raised its incarnation over it and died before
+            # its own record replaced it (in the reconnect for its new will, with no will).
+            return "forged-version"
         ended_here = standing is not None and broker.ended.get(name) == standing
         if ended_here and standing is not None and not ended(standing, said):
             return "will-overwritten"
@@ -174,16 +184,20 @@ def cause(world: World, violation: Violation) -> str:
                 came_back = shard.records[name]
                 return "forged-version" if came_back in oracle.forged else "unproven-applied"
         if violation.rule == DAEMON_TOUCHED:
+            if peer.name in oracle.overwritten:
+                return "forged-relink"
             restored = oracle.restored.get(peer.name)
             if restored is not None and restored.incarnation < shard.incarnation:
                 return "shutdown-will-outbid"
-            if peer.name in oracle.overwritten:
-                return "forged-relink"
     by_slot: dict[int, set[str]] = {}
     for node in world.nodes.values():
         if node.alive and node.daemon.running and node.daemon.slot is not None:
             by_slot.setdefault(node.daemon.slot, set()).add(node.name)
     shared = [pair for pair in by_slot.values() if len(pair) > 1]
+    if any(world.nodes[name].resumed_from in oracle.forged for pair in shared for name in pair):
+        # A forgery at the node's address, below the incarnation of the node's next run
+        # but above its own when written: that run resumed it as its past run's record.
+        return "forged-version"
     resumed = {name for pair in shared for name in pair if world.nodes[name].resumed_ended}
     if resumed:
         return "forged-hides-will" if resumed <= oracle.will_hidden else "ended-resumed"

@@ -257,6 +257,9 @@ class SimNode:
         self.resumed_ended = False
         """This run resumed (its first record a member's) a past record of ours that a will
         on our presence had ended (what a diagnosis reads)."""
+        self.resumed_from: MemberRecord | None = None
+        """The past record this run's first record resumed, if it did (a diagnosis
+        reads it)."""
         self.proven_seq = 0
         """How far into the broker's order the last proof (a round trip) reached."""
 
@@ -585,6 +588,7 @@ class SimNode:
                 self.first_state = payload.state
                 resumed = payload.state is MemberState.MEMBER
                 self.resumed_ended = resumed and self._past_ended()
+                self.resumed_from = self.shard.past if resumed else None
             self.broker.publish(link, member(self.name), payload)
         elif ref.kind == "presence" and (payload is None or isinstance(payload, Presence)):
             self.broker.publish(link, presence(self.name), payload)
