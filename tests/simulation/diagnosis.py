@@ -201,7 +201,7 @@ def cause(world: World, violation: Violation) -> str:
     resumed = {name for pair in shared for name in pair if world.nodes[name].resumed_ended}
     if resumed:
         return "forged-hides-will" if resumed <= oracle.will_hidden else "ended-resumed"
-    if any(pair & oracle.hostile_on for pair in shared):
+    if any(pair & (oracle.hostile_on | oracle.vacated) for pair in shared):
         return "forged-vacates-slot"
     emptied = oracle.emptied
     forged = oracle.hostile_on | oracle.written_first | oracle.masked | set(oracle.taint)

@@ -111,6 +111,9 @@ class Oracle:
         self.forged: set[MemberRecord] = set()
         """Every member record the hostile writer wrote: a peer that holds one holds a
         forgery, whatever came after it on the broker."""
+        self.vacated: set[str] = set()
+        """Nodes whose slot a hostile record left while their member record stood (a claim
+        or standby elsewhere, a will): kept across their restarts, which may resume it."""
         self.will_hidden: set[str] = set()
         """Nodes whose will, ending the member record that stands, the hostile writer wrote
         over with a presence that does not end it (a replay of an older presence)."""
@@ -165,6 +168,8 @@ class Oracle:
             self.written_first.add(name)
         if isinstance(record, MemberRecord):
             self.forged.add(record)
+        if self._leaves_slot(name, record):
+            self.vacated.add(name)
         standing = self.broker.member_record(name)
         if (
             isinstance(record, Presence)
@@ -177,6 +182,20 @@ class Oracle:
         held = self.taint.get(name)
         if new is not None and (held is None or new > held):
             self.taint[name] = new
+
+    def _leaves_slot(self, name: str, record: Payload | None) -> bool:
+        """Whether the hostile `record` on a topic of `name` leaves the slot of the member
+        record it found standing there (the broker keeps `record` already)."""
+        before = self.broker.member_record(name)
+        if isinstance(record, MemberRecord):  # the member record it replaced
+            kept = [r for (kind, _), r in self.broker.history.get(name, []) if kind == "member"]
+            found = kept[-2] if len(kept) > 1 else None
+            before = found if isinstance(found, MemberRecord) else None
+        if before is None or before.state is not MemberState.MEMBER:
+            return False
+        if isinstance(record, MemberRecord):
+            return record.slot != before.slot
+        return isinstance(record, Presence) and record.lost
 
     def _versioned(self, name: str, new: Version | None, record: Payload | None) -> None:
         """A record or will of `name` that its agent or its link wrote: past a hostile
