@@ -273,9 +273,9 @@ class Peers:
         """Forget the records a new link did not confirm in time, or whose slot moved on;
         the nodes whose records went.
 
-        Another node's confirmed member record on the slot of an unconfirmed one
-        supersedes it at once: the slot was freed and settled while this node was away. A
-        claim settled nothing yet, and our own record says nothing of the others.
+        Another node's confirmed record on the slot of an unconfirmed one supersedes it at
+        once: the slot was freed and taken while this node was away. Our own says nothing
+        of the others (a broker restored from its disk gives back our claim as it stood).
         """
         if not self.unconfirmed:
             self.confirm_by = None
@@ -284,10 +284,7 @@ class Peers:
         taken = {
             r.slot
             for node, r in self.records.items()
-            if node not in self.unconfirmed
-            and node != self.node
-            and r.state is MemberState.MEMBER
-            and r.slot is not None
+            if node not in self.unconfirmed and node != self.node and r.slot is not None
         }
         gone = sorted(
             node for node in self.unconfirmed if expired or self.records[node].slot in taken
