@@ -16,6 +16,7 @@ import random
 import signal
 import time
 from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +329,11 @@ async def test_no_shared_slot_and_one_start_per_round_with_deliveries_delayed(
     0. At least RACED_AT_LEAST rounds must show the delayed agent's claim beside a rival's
     record on one slot, so the test cannot silently stop exercising the barrier.
     """
+    # Each agent runs its file writes, process scans and channel work in the event loop's
+    # default thread pool: as processes, each has a pool of its own (min(32, cores + 4)
+    # threads); here all of them share one, which the test sizes as their pools together.
+    pool = ThreadPoolExecutor(max_workers=LANES * 8 * 6, thread_name_prefix="agents")
+    asyncio.get_running_loop().set_default_executor(pool)
     with (
         FaultProxy(broker.host, broker.port) as proxy,
         BusClient(broker) as bus,
