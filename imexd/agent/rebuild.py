@@ -350,7 +350,10 @@ class Rebuilder:
             if due:
                 check_at = time.monotonic() + bus.echo_timeout_s
                 await guard.beating(TASK, self._publish(bus, due), limit=PUBLISH_LIMIT_S)
-            await guard.beating(TASK, self._follow_deleted(bus), limit=PUBLISH_LIMIT_S)
+            follow, leave = self._deleted_moves()
+            if follow or leave:  # mostly neither: no task, no wait
+                work = self._follow_deleted(bus, follow, leave)
+                await guard.beating(TASK, work, limit=PUBLISH_LIMIT_S)
             if self.dirty:
                 self.save()
 
@@ -384,15 +387,20 @@ class Rebuilder:
             # The link went: the next one's pass judges its own snapshot again.
             self.log.warning("rebuild.publish_failed", error=str(exc))
 
-    async def _follow_deleted(self, bus: Publisher) -> None:
-        """Subscribe the domains left deleted (or being deleted); drop the expired ones."""
+    def _deleted_moves(self) -> tuple[list[str], list[str]]:
+        """The filters of the domains left deleted (or being deleted) to subscribe, and
+        those to unsubscribe (expired, or active again)."""
         wanted = {
             self.topics.domain_filter(d) for d in self.remembered(self.clock()) if d != self.domain
         }
-        for topic_filter in sorted(wanted - self.following):
+        return sorted(wanted - self.following), sorted(self.following - wanted)
+
+    async def _follow_deleted(self, bus: Publisher, follow: list[str], leave: list[str]) -> None:
+        """Subscribe the domains left deleted (or being deleted); drop the expired ones."""
+        for topic_filter in follow:
             await bus.subscribe(topic_filter, ordered=False)
             self.following.add(topic_filter)
-        for topic_filter in sorted(self.following - wanted):
+        for topic_filter in leave:
             await bus.unsubscribe(topic_filter)
             self.following.discard(topic_filter)
 
