@@ -38,7 +38,7 @@ from imexd.agent.reconcile import Reconciler
 from imexd.agent.report import Reporter
 from imexd.agent.snapshot import bus_facts, gather
 from imexd.agent.statefile import StateStore
-from imexd.bus.events import Event, Synced
+from imexd.bus.events import Connected, Event, Synced
 from imexd.bus.link import Bus
 from imexd.channels.keeper import ChannelKeeper
 from imexd.daemon.ctl import Prober
@@ -351,8 +351,11 @@ class Agent:
             for action in self._feed(BusInput(found)):
                 self._do_now(action)
             self.channels.on_event(found)
+            if isinstance(found, Connected):
+                # The facts name this link's broker, even when it ended before they were
+                # judged; everything else in them is read afresh when they are (`facts`).
+                self.bus_facts = bus_facts(bus, synced=self.shard.synced, previous=self.bus_facts)
             # Refused: logged by the bus, a lost claim echo re-sent by the shard, in the facts.
-            self.bus_facts = bus_facts(bus, synced=self.shard.synced, previous=self.bus_facts)
             self.changed.set()
         self.rebuild.count_drops(bus)
         return True
