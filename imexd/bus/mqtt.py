@@ -211,10 +211,13 @@ def _lighten_properties() -> bool:
         fields["packetType"] = packetType
         fields.update(tables)
 
+    unset = 1 + len(tables)  # the attributes of an instance without properties
+
     def clear(self: Properties) -> None:
         fields = self.__dict__
-        for name in compressed:
-            fields.pop(name, None)
+        if len(fields) > unset:  # a new one (every unpack clears it first) holds none
+            for name in compressed:
+                fields.pop(name, None)
 
     cls._imexd_paho_init = original  # type: ignore[attr-defined] # paho's own, for tests
     cls._imexd_paho_clear = cls.clear  # type: ignore[attr-defined]
