@@ -121,6 +121,69 @@ async def test_a_rest_ends_at_its_event_or_its_deadline_and_owes_no_beat() -> No
         assert not await guarded.rest("probe", None, time.monotonic() - 1.0)  # past: at once
 
 
+async def test_work_beats_its_heartbeat_until_its_bound_and_ends_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Guard.beating`: work's result or error comes back; it beats every BEAT_S while
+    it runs, not after `limit` + the margin, and not after the work ended."""
+    monkeypatch.setattr(guard, "BEAT_S", 0.02)
+    monkeypatch.setattr(guard, "WORK_MARGIN_S", 0.0)
+    hb = Heartbeats()
+    guarded = guard.Guard(hb, Metrics(), get_logger("test"))
+    hb.register("probe", 1.0)
+    beats: list[float] = []
+    beat = hb.beat
+
+    def counted(name: str) -> None:
+        beats.append(time.monotonic())
+        beat(name)
+
+    hb.beat = counted  # type: ignore[method-assign]
+
+    async def answer() -> int:
+        return 42
+
+    async def fails() -> None:
+        raise ValueError("broken")
+
+    async with asyncio.timeout(10):
+        assert await guarded.beating("probe", answer(), limit=1.0) == 42
+        with pytest.raises(ValueError, match="broken"):
+            await guarded.beating("probe", fails(), limit=1.0)
+        await asyncio.sleep(0.1)
+        assert beats == []  # work done at once: no beat, no timer left behind
+        start = time.monotonic()
+        await guarded.beating("probe", asyncio.sleep(0.4), limit=0.2)
+        assert 3 <= len(beats) <= 12
+        assert all(t - start < 0.2 + 0.05 for t in beats), "beats past the bound"
+        beats.clear()
+        await asyncio.sleep(0.1)
+        assert beats == []
+
+
+async def test_cancelling_a_beating_task_cancels_its_work() -> None:
+    """A task cancelled while `Guard.beating` awaits its work: the work is cancelled and
+    the task ends cancelled."""
+    guarded = guard.Guard(Heartbeats(), Metrics(), get_logger("test"))
+    guarded.heartbeats.register("probe", 1.0)
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    async with asyncio.timeout(10):
+        task = asyncio.create_task(guarded.beating("probe", work(), limit=1.0))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set()
+
+
 async def test_an_idle_agents_tasks_are_not_woken_to_beat(tmp_path: Path) -> None:
     """A ready agent with nothing to do: its tasks wait for their input or their own
     deadlines; no timer wakes them every second to beat."""

@@ -142,19 +142,22 @@ class Guard:
 
         A task waiting on bounded outside work (a ctl probe, a daemon stop) is not wedged:
         /healthz must not fail because IMEX is slow. Past the bound the beats stop, so
-        work that never ends still shows as a wedged task.
+        work that never ends still shows as a wedged task. The beats come from a timer of
+        the loop, so that work done at once (most of it) costs no task and no wait.
         """
-        job = asyncio.ensure_future(work)
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit + WORK_MARGIN_S
+        beats = self.heartbeats
+        timer: asyncio.TimerHandle
+
+        def beat() -> None:
+            nonlocal timer
+            if time.monotonic() < deadline:
+                beats.beat(name)
+                timer = loop.call_later(BEAT_S, beat)
+
+        timer = loop.call_later(BEAT_S, beat)
         try:
-            while True:
-                done, _ = await asyncio.wait({job}, timeout=BEAT_S)
-                if done:
-                    return job.result()
-                if time.monotonic() < deadline:
-                    self.heartbeats.beat(name)
+            return await work
         finally:
-            if not job.done():
-                job.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await job
+            timer.cancel()
