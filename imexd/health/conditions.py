@@ -14,10 +14,9 @@ peers.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
 import msgspec
@@ -575,6 +574,22 @@ class ReportSchedule:
 # Liveness
 
 
+class _Resting:
+    """`Heartbeats.resting`: a class, not a generator, as every loop enters it each turn."""
+
+    __slots__ = ("_beats", "_name")
+
+    def __init__(self, beats: Heartbeats, name: str) -> None:
+        self._beats, self._name = beats, name
+
+    def __enter__(self) -> None:
+        self._beats._resting.add(self._name)
+
+    def __exit__(self, *_exc: object) -> None:
+        self._beats._resting.discard(self._name)
+        self._beats.beat(self._name)
+
+
 class Heartbeats:
     """Stamps of the agent's long-running tasks: the concrete meaning of "alive".
 
@@ -603,16 +618,10 @@ class Heartbeats:
         interval, _ = self._tasks[name]
         self._tasks[name] = (interval, self._clock())
 
-    @contextlib.contextmanager
-    def resting(self, name: str) -> Iterator[None]:
+    def resting(self, name: str) -> _Resting:
         """While inside, `name` waits for its next input: at rest, not wedged however long
         it waits. Leaving beats it: from then on it is at work."""
-        self._resting.add(name)
-        try:
-            yield
-        finally:
-            self._resting.discard(name)
-            self.beat(name)
+        return _Resting(self, name)
 
     def names(self) -> list[str]:
         return sorted(self._tasks)

@@ -129,12 +129,12 @@ class Guard:
         event = wake if wake is not None else asyncio.Event()
         with self.heartbeats.resting(name):
             if not event.is_set():
-                delay = None
-                if until is not None and until != math.inf:
-                    delay = max(0.0, until - time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await event.wait()
+                if until is None or until == math.inf:
+                    await event.wait()  # no deadline: no timeout to arm
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                            await event.wait()
         return event.is_set()
 
     async def beating(self, name: str, work: Coroutine[Any, Any, _T], *, limit: float) -> _T:
