@@ -227,3 +227,28 @@ def test_the_shipped_and_the_demo_mosquitto_send_each_packet_at_once(tmp_path: P
     shipped = (ROOT / "config" / "mosquitto.conf").read_text().splitlines()
     assert "set_tcp_nodelay true" in shipped
     assert "set_tcp_nodelay true" in Mosquitto(tmp_path).config_text().splitlines()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+async def test_a_link_reads_its_messages_as_they_came(broker: Mosquitto, protocol: str) -> None:
+    """`messages()` gives each message's topic, payload, whether it came from the retained
+    store and (MQTT 5) the expiry left, in the order the broker sent them."""
+    settings = BusSettings(url=(broker.url,), protocol=protocol)  # type: ignore[arg-type]
+    url = parse_broker_url(broker.url)
+    writer = await mqtt.connect(settings, url, client_id=f"w{protocol}", timeout_s=5.0)
+    reader = await mqtt.connect(settings, url, client_id=f"r{protocol}", timeout_s=5.0)
+    try:
+        await writer.publish("t/kept", b"kept", retain=True, expiry_s=600.0)
+        assert await reader.subscribe(["t/#"]) == [None]
+        await writer.publish("t/live", b"")
+        messages = reader.messages()
+        async with asyncio.timeout(10):
+            kept, live = await anext(messages), await anext(messages)
+        v5 = protocol == "5"
+        assert (kept.topic, kept.payload, kept.retained) == ("t/kept", b"kept", True)
+        assert kept.expiry_s is None if not v5 else 0 < (kept.expiry_s or 0) <= 600
+        assert live == mqtt.Message(topic="t/live", payload=b"", retained=False, expiry_s=None)
+    finally:
+        await writer.publish("t/kept", b"", retain=True)
+        await reader.close(2.0)
+        await writer.close(2.0)

@@ -36,6 +36,7 @@ from typing import Final, Self
 import aiomqtt
 import paho.mqtt.client as paho
 from aiomqtt.exceptions import MqttConnectError
+from aiomqtt.topic import MAX_TOPIC_LENGTH
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
@@ -309,6 +310,36 @@ def _watch(client: aiomqtt.Client) -> _Watch:
     return watch
 
 
+def _translate(client: aiomqtt.Client) -> None:
+    """Queue each incoming message as our `Message`, in place of aiomqtt's own.
+
+    aiomqtt's paho callback wraps every message in its `Message` and `Topic`, which
+    `MessageStream` only took apart again. The same callback, the same queue and the same
+    checks (a topic aiomqtt would refuse raises, which ends the link as it did), one
+    object fewer per message.
+    """
+    queue = client._queue
+
+    def on_message(_client: paho.Client, _userdata: object, message: paho.MQTTMessage) -> None:
+        topic = message.topic
+        if not topic or len(topic) > MAX_TOPIC_LENGTH or "+" in topic or "#" in topic:
+            raise ValueError(f"Invalid topic: {topic}")
+        raw = message.payload
+        expiry = getattr(getattr(message, "properties", None), "MessageExpiryInterval", None)
+        translated = Message(
+            topic=topic,
+            payload=bytes(raw) if isinstance(raw, bytes | bytearray) else b"",
+            retained=bool(message.retain),
+            expiry_s=expiry if isinstance(expiry, int) else None,
+        )
+        try:
+            queue.put_nowait(translated)  # type: ignore[arg-type] # read by MessageStream only
+        except asyncio.QueueFull:
+            MQTT_LOG.warning("Message queue is full. Discarding message.")
+
+    client._client.on_message = on_message
+
+
 def _guard_writer(client: aiomqtt.Client) -> None:
     """Register paho's write interest only while its socket is still the open one.
 
@@ -349,6 +380,7 @@ class Client:
     def __init__(self, inner: aiomqtt.Client, *, v5: bool) -> None:
         self._inner = inner
         self._watch = _watch(inner)
+        _translate(inner)
         _guard_writer(inner)
         self.v5 = v5
         """Whether the link speaks MQTT 5 (else 3.1.1: no will delay, no properties)."""
@@ -439,7 +471,7 @@ class Client:
 
 
 class MessageStream:
-    """The incoming messages of one link, translated to `Message`.
+    """The incoming messages of one link, each a `Message` (`_translate` queues them).
 
     Read from aiomqtt's message queue itself: aiomqtt's own iterator makes a task and an
     `asyncio.wait` for every message, about a third of what a delivered message cost the
@@ -462,14 +494,7 @@ class MessageStream:
             error = aiomqtt.MqttError("Disconnected during message iteration")
             error.__cause__ = cause
             raise _failure(error)
-        raw = message.payload
-        expiry = getattr(message.properties, "MessageExpiryInterval", None)
-        return Message(
-            topic=message.topic.value,
-            payload=bytes(raw) if isinstance(raw, bytes | bytearray) else b"",
-            retained=bool(message.retain),
-            expiry_s=expiry if isinstance(expiry, int) else None,
-        )
+        return message  # type: ignore[return-value] # queued as ours (`_translate`)
 
 
 _NO_DELAY: Final = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
