@@ -133,6 +133,30 @@ def test_light_properties_pack_and_unpack_like_pahos(
     assert light.__dict__.keys() == heavy.__dict__.keys()
 
 
+@pytest.mark.parametrize(("packet_type", "values"), CASES)
+def test_light_properties_pack_like_pahos_own_pack(
+    packet_type: int, values: dict[str, object]
+) -> None:
+    """The lightened `pack` (set properties only, looked up) writes paho's bytes."""
+    props = Properties(packet_type)
+    for name, value in values.items():
+        setattr(props, name, value)
+    assert props.pack() == Properties._imexd_paho_pack(props)  # type: ignore[attr-defined]
+
+
+def test_light_lookups_answer_as_pahos_scans() -> None:
+    """A name's identifier, an identifier's name and whether a property repeats: the
+    lookups give what paho's scans over the names give, for every name and identifier."""
+    props = Properties(PacketTypes.PUBLISH)
+    ident, name, multiple = Properties._imexd_paho_lookups  # type: ignore[attr-defined]
+    names = [n.replace(" ", "") for n in props.names] + ["NoSuchProperty", ""]
+    for compressed in names:
+        assert props.getIdentFromName(compressed) == ident(props, compressed)
+        assert props.allowsMultiple(compressed) == multiple(props, compressed)
+    for identifier in [*props.names.values(), 0, 99]:
+        assert props.getNameFromIdent(identifier) == name(props, identifier)
+
+
 def test_light_properties_still_refuse_what_paho_refuses() -> None:
     """Validation is paho's own: an unknown name, or one that does not fit the packet."""
     props = Properties(PacketTypes.PUBLISH)

@@ -38,7 +38,7 @@ import paho.mqtt.client as paho
 from aiomqtt.exceptions import MqttConnectError
 from aiomqtt.topic import MAX_TOPIC_LENGTH
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
 from imexd.errors import BusError
@@ -180,7 +180,8 @@ def _properties(packet_type: int) -> Properties:
 
 
 def _lighten_properties() -> bool:
-    """Make paho's MQTT 5 `Properties` cheap to create and to clear; whether it was done.
+    """Make paho's MQTT 5 `Properties` cheap to create, clear, set and pack; whether it
+    was done.
 
     paho 2.x builds two tables of 27 property names and types in every `Properties()`,
     which it creates for every PUBLISH and PUBACK it decodes, and `unpack` first clears
@@ -188,7 +189,9 @@ def _lighten_properties() -> bool:
     a 3.1.1 link (docs/performance.md). The tables are the same
     for every instance and paho never changes them, so every instance now shares one
     copy, and `clear` drops the set properties from the instance's own attributes (where
-    paho's `__setattr__` puts them). Everything else, validation included, is paho's own.
+    paho's `__setattr__` puts them). Its scans of the names for a name's identifier and
+    back, made on every property set, packed and read, are lookups in tables built once.
+    Everything else, validation included, is paho's own.
     Done only where `Properties` looks as expected (paho 2: `types`, `names` and
     `properties` set in `__init__`, properties held as instance attributes); otherwise
     paho is left as it is, which is only slower.
@@ -220,13 +223,57 @@ def _lighten_properties() -> bool:
             for name in compressed:
                 fields.pop(name, None)
 
+    # paho finds a name's identifier, an identifier's name and whether a property may
+    # repeat by scanning the 27 names (compressing each) on every property set, packed
+    # and read: the same answers, looked up. A name's first identifier and an
+    # identifier's last name, as paho's scans find them.
+    idents: dict[str, int] = {}
+    for name, ident in tables["names"].items():
+        idents.setdefault(name.replace(" ", ""), ident)
+    names = {ident: name for name, ident in tables["names"].items()}
+
+    def getIdentFromName(_self: Properties, compressedName: str) -> int:  # noqa: N802, N803
+        return idents.get(compressedName, -1)
+
+    def getNameFromIdent(_self: Properties, identifier: int) -> str | None:  # noqa: N802
+        return names.get(identifier)
+
+    def allowsMultiple(_self: Properties, compressedName: str) -> bool:  # noqa: N802, N803
+        return idents.get(compressedName, -1) in _REPEATABLE
+
+    def pack(self: Properties) -> bytes:
+        buffer = b""
+        fields = self.__dict__
+        for name in compressed:  # paho's order
+            if name in fields:
+                identifier = idents[name]
+                attr_type = tables["properties"][identifier][0]
+                values = fields[name] if identifier in _REPEATABLE else (fields[name],)
+                for value in values:
+                    buffer += self.writeProperty(identifier, attr_type, value)  # type: ignore[no-untyped-call]
+        return VariableByteIntegers.encode(len(buffer)) + buffer  # type: ignore[no-untyped-call,no-any-return]
+
     cls._imexd_paho_init = original  # type: ignore[attr-defined] # paho's own, for tests
     cls._imexd_paho_clear = cls.clear  # type: ignore[attr-defined]
+    cls._imexd_paho_pack = cls.pack  # type: ignore[attr-defined]
+    cls._imexd_paho_lookups = (  # type: ignore[attr-defined]
+        cls.getIdentFromName,
+        cls.getNameFromIdent,
+        cls.allowsMultiple,
+    )
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.clear = clear  # type: ignore[method-assign]
+    cls.getIdentFromName = getIdentFromName  # type: ignore[method-assign]
+    cls.getNameFromIdent = getNameFromIdent  # type: ignore[method-assign]
+    cls.allowsMultiple = allowsMultiple  # type: ignore[method-assign]
+    cls.pack = pack  # type: ignore[method-assign]
     cls._imexd_light = True  # type: ignore[attr-defined]
     return True
 
+
+_REPEATABLE: Final = (11, 38)
+"""The identifiers paho lets a property hold several values of (Subscription Identifier,
+User Property)."""
 
 LIGHT_PROPERTIES: Final = _lighten_properties()
 """Whether paho's `Properties` were made cheap (`_lighten_properties`)."""
