@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import aiomqtt
 import pytest
@@ -276,3 +277,31 @@ async def test_a_link_reads_its_messages_as_they_came(broker: Mosquitto, protoco
         await writer.publish("t/kept", b"", retain=True)
         await reader.close(2.0)
         await writer.close(2.0)
+
+
+async def test_a_publish_from_the_loop_wakes_no_self_pipe(
+    broker: Mosquitto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """paho asks for write interest from the connect's executor thread (through the
+    loop's self-pipe) and from the loop itself for every publish (queued directly)."""
+    settings = BusSettings(url=(broker.url,), protocol="3.1.1")
+    loop = asyncio.get_running_loop()
+    threadsafe: list[object] = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counted(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+        threadsafe.append(callback)
+        return call_soon_threadsafe(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    client = await mqtt.connect(
+        settings, parse_broker_url(broker.url), client_id="selfpipe", timeout_s=5.0
+    )
+    try:
+        assert threadsafe, "the CONNECT, written from the executor thread"
+        threadsafe.clear()
+        for _ in range(3):
+            await client.publish("t/x", b"1")
+        assert [c for c in threadsafe if getattr(c, "__name__", "") == "when_still_open"] == []
+    finally:
+        await client.close(2.0)

@@ -393,7 +393,9 @@ def _guard_writer(client: aiomqtt.Client) -> None:
     aiomqtt defers `add_writer(fd)` to the loop (paho may ask from the connect's executor
     thread); when the link breaks in between, paho has closed the socket by the time it
     runs: asyncio then logs EBADF as an error, or, were the number reused, would watch
-    someone else's descriptor. The same deferral, with the check made when it runs.
+    someone else's descriptor. The same deferral, with the check made when it runs;
+    asked from the loop itself (every publish but the CONNECT), it is queued without
+    waking the loop through its self-pipe (two system calls a packet).
     """
     loop = client._loop
 
@@ -410,7 +412,14 @@ def _guard_writer(client: aiomqtt.Client) -> None:
             if current is not None and current is sock and current.fileno() >= 0:
                 loop.add_writer(current.fileno(), write)
 
-        loop.call_soon_threadsafe(when_still_open)
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:  # the connect's executor thread
+            on_loop = False
+        if on_loop:
+            loop.call_soon(when_still_open)  # no wake-up byte through the loop's self-pipe
+        else:
+            loop.call_soon_threadsafe(when_still_open)
 
     client._client.on_socket_register_write = register_write
 
