@@ -53,6 +53,13 @@ def test_topic_matching_is_aiomqtts_rule(pattern: str, topic: str) -> None:
     assert topic_matches(pattern, topic) == aiomqtt.Topic(topic).matches(pattern)
 
 
+@given(st.sampled_from(["a/b", "a", "a/b/c", "$share/g/a/b", "$sharex/a/b"]), TOPIC)
+def test_a_filter_without_wildcards_matches_as_aiomqtt_says(pattern: str, topic: str) -> None:
+    """A filter without `+` and `#` (a presence topic), shared or not, against any topic."""
+    assert topic_matches(pattern, topic) == aiomqtt.Topic(topic).matches(pattern)
+    assert topic_matches(pattern, pattern.removeprefix("$share/g/"))
+
+
 def test_topic_matching_edge_cases() -> None:
     """`a/#` covers `a`, `+` needs a level, and a shared filter is matched without its
     `$share/<group>/` head (also when it equals the topic's text)."""

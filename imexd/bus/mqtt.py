@@ -69,6 +69,8 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
     """
     if topic_filter == topic and not topic.startswith("$share/"):
         return True
+    if "+" not in topic_filter and "#" not in topic_filter and topic_filter[:6] != "$share":
+        return False  # a topic name (a peer's presence) matches itself only
     pattern = topic_filter.split("/")
     if pattern[0] == "$share":
         pattern = pattern[2:]
