@@ -41,7 +41,7 @@ from imexd.bus.events import (
     SubscribeRefused,
     Synced,
 )
-from imexd.facts import Contest, Member, MembershipFacts, MembershipState
+from imexd.facts import Contest, Member, MembershipFacts, MembershipReason, MembershipState
 from imexd.membership import slots as mb
 from imexd.membership.claim import ClaimState, Phase, Reason
 from imexd.membership.desired import Desired
@@ -78,6 +78,10 @@ __all__ = [
     "ShardView",
     "own_change",
 ]
+
+
+_Standing = tuple[MembershipState, MembershipReason, str, tuple[str, ...]]
+"""The membership facts' (state, reason, detail, offending) (`ShardView.facts`)."""
 
 
 class ShardView(RecordEvents):
@@ -485,7 +489,12 @@ class ShardView(RecordEvents):
         """The membership facts of health, with `desired` as the agent applies it."""
         decision = self.decision
         contests = decision.contests() if decision is not None else {}
-        base = MembershipFacts(
+        state, reason, detail, offending = self._standing(desired)
+        return MembershipFacts(
+            state=state,
+            reason=reason,
+            detail=detail,
+            offending=offending,
             max_nodes=self.max_nodes,
             members=desired.members,
             contested=tuple(
@@ -495,48 +504,42 @@ class ShardView(RecordEvents):
             ),
             overwritten=self.overwritten_total,
         )
+
+    def _standing(self, desired: Desired) -> _Standing:
+        """(state, reason, detail, offending) of the membership facts."""
+        decision = self.decision
         if self.names.duplicate:
-            return replace(base, state="out", reason="DuplicateNode", detail=self.names.duplicate)
+            return "out", "DuplicateNode", self.names.duplicate, ()
         recent = self.overwrite_open and self.claim.phase is Phase.MEMBER
         if recent and self.names.contested:
             detail = self.names.contested
-            return replace(base, state="member", reason="DuplicateNode", detail=detail)
+            return "member", "DuplicateNode", detail, ()
         if recent:
             detail = f"someone {self.overwritten} on this node's member topic; put back"
-            return replace(base, state="member", reason="RecordOverwritten", detail=detail)
+            return "member", "RecordOverwritten", detail, ()
         if self.names.watch_until is not None and not self.published:
-            return replace(
-                base,
-                detail="a record of this node name that this agent did not write is on the "
-                "bus; checking that no other agent runs as this node before replacing it",
+            detail = (
+                "a record of this node name that this agent did not write is on the "
+                "bus; checking that no other agent runs as this node before replacing it"
             )
+            return "none", "", detail, ()
         if self.claim.phase is Phase.RELEASED:
             detail = decision.message if decision else "the daemon stayed FATAL"
-            return replace(base, state="standby", reason="Released", detail=detail)
+            return "standby", "Released", detail, ()
         if self.mismatch or self.mismatch_detail:
             detail = self.mismatch_detail or (
                 f"max_nodes or mode differ from this node's ({self.max_nodes}, {self.mode})"
             )
-            return replace(
-                base,
-                state="member" if decision and decision.settled else "claiming",
-                reason="NodeMapMismatch",
-                detail=detail,
-                offending=self.mismatch,
-            )
+            state: MembershipState = "member" if decision and decision.settled else "claiming"
+            return state, "NodeMapMismatch", detail, self.mismatch
         phase = self.claim.phase
         if phase is Phase.OUT:
             if desired.cleanup:
-                return replace(base, state="leaving", detail="the domain is being deleted")
-            return replace(base, state="out", reason="NotInSpec", detail="not in the spec's list")
+                return "leaving", "", "the domain is being deleted", ()
+            return "out", "NotInSpec", "not in the spec's list", ()
         if phase is Phase.STANDBY:
-            return replace(
-                base,
-                state="standby",
-                reason="DomainFull",
-                detail=f"all {self.max_nodes} slots are held",
-            )
-        state: MembershipState = (
+            return "standby", "DomainFull", f"all {self.max_nodes} slots are held", ()
+        state = (
             "member"
             if decision is not None and decision.settled
             else "claiming"
@@ -544,4 +547,4 @@ class ShardView(RecordEvents):
             else "none"
         )
         detail = self.first.held or (decision.message if decision else "")
-        return replace(base, state=state, detail=detail)
+        return state, "", detail, ()
