@@ -677,7 +677,9 @@ async def connect(
     """
     versions = protocol_versions(settings)
     for attempt, v5 in enumerate(versions, start=1):
-        password = await asyncio.to_thread(read_password, settings)
+        password = None
+        if settings.username and settings.password_file:  # else no file to read off the loop
+            password = await asyncio.to_thread(read_password, settings)
         inner = _client(
             settings,
             broker,
