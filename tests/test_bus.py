@@ -1273,3 +1273,33 @@ async def test_a_subscription_refused_for_good_is_reported_and_does_not_spin(
         assert max(waits) >= 0.2
         lost = [e["reason"] for e in logs if e["event"] == "bus_disconnected"]
         assert all(MEMBERS in reason for reason in lost if reason != "closed")
+
+
+async def test_a_ping_echo_is_ours_only_with_the_stamp_we_sent() -> None:
+    """Found by the simulator (seeds 600117, 604814): a new agent run that resumes its
+    past run's MQTT 5 session is handed that run's queued ping echo; its sequence number
+    matched the new run's first ping, which then proved a snapshot that was not in yet,
+    and the agent resumed a record whose end the rest of the snapshot would have shown.
+    An echo is ours only with the seq and the `sent` stamp of a ping we sent."""
+    from imexd.bus.pings import Pings
+    from imexd.logs import get_logger
+    from imexd.messages import Ping
+
+    sent: list[Ping] = []
+    published = asyncio.Event()
+
+    class Sender:
+        async def publish(self, topic: str, payload: bytes, *, qos: int) -> None:
+            sent.append(msgspec.json.decode(payload, type=Ping))
+            published.set()
+
+    pings = Pings("n1", "imex/v2/nodes/n1/ping", timeout_s=5.0)
+    log = get_logger("test")
+    trip = asyncio.ensure_future(pings.round_trip(Sender(), log))  # type: ignore[arg-type]
+    await asyncio.wait_for(published.wait(), 1.0)
+    ours = sent[0]
+    pings.echoed(Ping(node="n1", seq=ours.seq, sent=ours.sent - 7.5))  # a past run's
+    await asyncio.sleep(0.05)
+    assert not trip.done()
+    pings.echoed(ours)
+    assert await asyncio.wait_for(trip, 1.0) >= 0.0

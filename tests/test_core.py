@@ -43,7 +43,15 @@ from imexd.daemon.state import DaemonState
 from imexd.logs import get_logger
 from imexd.membership.claim import Reason
 from imexd.membership.shard import ShardView
-from imexd.messages import Assignment, Deleted, MemberRecord, MemberState, Received, Retry
+from imexd.messages import (
+    Assignment,
+    Deleted,
+    MemberRecord,
+    MemberState,
+    Presence,
+    Received,
+    Retry,
+)
 from imexd.nodestate import NodeState
 from imexd.settings import Settings, settings_from_mapping
 from imexd.topics import TopicRef, Topics
@@ -370,6 +378,21 @@ def test_a_leave_before_publishing_clears_the_record_a_past_run_left() -> None:
     foreign.join()
     foreign.bus(received(msgspec.structs.replace(past, address="10.9.9.9")))
     assert clear not in foreign.core.leave(WALL + 1)
+
+
+def test_our_own_presence_in_a_snapshot_reaches_the_view() -> None:
+    """A peer's presence is news only as an end; our own, found in a snapshot, also says
+    which past run spoke last (`ShardView.last_run`), so it goes to the view."""
+    d = Driver()
+
+    def presence(node: str, *, retained: bool) -> Received:
+        said = Presence(node=node, incarnation=2, at=WALL, domain=DOMAIN, address="10.0.0.1")
+        ref = TopicRef(kind="presence", node=node)
+        return Received(topic=TOPICS.presence(node), ref=ref, payload=said, retained=retained)
+
+    assert d.core.sort(presence(ME, retained=True)) is None
+    assert d.core.sort(presence(ME, retained=False)) is False
+    assert d.core.sort(presence("n2", retained=True)) is False
 
 
 def test_standing_aside_surveys_once_per_probe_interval() -> None:

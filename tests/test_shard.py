@@ -1014,6 +1014,25 @@ def test_our_record_seen_before_our_will_is_not_resumed_past_a_foreign_one() -> 
     assert (plan.decision.claim.phase, plan.decision.claim.slot) == (Phase.CLAIMING, 1)
 
 
+def test_a_record_older_than_the_last_run_that_spoke_is_not_resumed() -> None:
+    """Found by the simulator (seeds 600117, 604814): run 2 of a node crashed right after
+    it published its presence, which wrote over the will that ended run 1's record; run
+    3 found run 1's record and a presence that ended nothing, and resumed the record on a
+    slot another node had settled since. Run 2 resumed nothing (it would have published
+    the record again as its own): a record of a run before the last one whose presence
+    we find is not resumed, as that presence may have replaced the word of its end."""
+    v = view(incarnation=3)
+    old = msgspec.structs.replace(rec(ME, 0, inc=1, address=MY_ADDRESS), seq=2, link=1)
+    v.apply(received(old), 0.1)
+    later = Presence(node=ME, incarnation=2, at=WALL, domain=DOMAIN, address=MY_ADDRESS)
+    v.apply(Received("p", TopicRef(kind="presence", node=ME), later, retained=True), 0.1)
+    v.apply(Synced(at=0.1), 0.1)
+    plan = derive(v, 0.2)
+    assert plan.decision is not None
+    assert plan.decision.claim.phase is Phase.CLAIMING
+    assert plan.decision.reason is not Reason.RESUMED
+
+
 def test_a_clean_stops_presence_ends_the_records_of_its_run() -> None:
     """Found by the simulator: a run that stopped cleanly before it published left the
     previous run's record standing, and a node joining later listed it for good. A

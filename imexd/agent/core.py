@@ -198,7 +198,8 @@ class NodeCore:
 
         A health report is followed only so that the bus puts back a copy of ours someone
         else wrote, and to clear our own in a domain we left; a peer's presence is news
-        only as an end (it is refreshed with every report)."""
+        only as an end (it is refreshed with every report); our own, in a snapshot, also
+        says which past run spoke last (`ShardView.last_run`)."""
         if isinstance(event, Synced):
             self.presences.synced_filters = event.filters
         ref = getattr(event, "ref", None)
@@ -209,6 +210,7 @@ class NodeCore:
             and isinstance(event.payload, Presence)
             and not event.payload.lost
             and event.payload.stopped is None
+            and not (event.retained and event.payload.node == self.node)
         ):
             return False
         return None

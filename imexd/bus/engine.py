@@ -793,7 +793,7 @@ class LinkEngine:
             return False
         if isinstance(result, Received) and isinstance(result.payload, Ping):
             if topic == self._ping_topic:  # only ours reach us; others are ignored
-                self._pings.echoed(result.payload.seq)
+                self._pings.echoed(result.payload)
             return True
         if self._repairing:
             self._repairs.delivered(topic, payload)

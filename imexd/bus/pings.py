@@ -39,7 +39,9 @@ class Pings:
         self._node = node
         self._timeout_s = timeout_s
         self._seq = itertools.count()
-        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._waiting: dict[int, tuple[float, asyncio.Future[None]]] = {}
+        """seq -> (the `sent` stamp of that ping, its echo): an echo is ours only if it
+        carries both, as a resumed session can hand us a past run's echo of the same seq."""
 
     async def round_trip(self, client: Client, log: FilteringBoundLogger) -> float:
         """Publish a Ping to our own topic and wait for it; the seconds it took.
@@ -47,11 +49,11 @@ class Pings:
         was free: `within_loop_time`)."""
         seq = next(self._seq)
         echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[seq] = echo
+        ping = Ping(node=self._node, seq=seq, sent=now())
+        self._waiting[seq] = (ping.sent, echo)
         started = time.monotonic()
 
         async def exchange() -> None:
-            ping = Ping(node=self._node, seq=seq, sent=now())
             await client.publish(self.topic, encode(ping), qos=QOS)
             await echo
 
@@ -68,14 +70,17 @@ class Pings:
             log.info("bus_ping_loop_late", late_s=round(late, 3))
         return time.monotonic() - started
 
-    def echoed(self, seq: int) -> None:
-        """Our ping `seq` came back."""
-        echo = self._waiting.get(seq)
-        if echo is not None and not echo.done():
+    def echoed(self, ping: Ping) -> None:
+        """A ping came back on our topic: the echo of ours if it is the one we sent."""
+        waiting = self._waiting.get(ping.seq)
+        if waiting is None or waiting[0] != ping.sent:
+            return  # a past run's (a resumed session), or one we no longer wait for
+        echo = waiting[1]
+        if not echo.done():
             echo.set_result(None)
 
     def cancel(self) -> None:
         """The link is down: no ping in flight will come back."""
-        for echo in self._waiting.values():
+        for _, echo in self._waiting.values():
             echo.cancel()
         self._waiting.clear()

@@ -147,6 +147,8 @@ class RecordEvents(OwnRecord):
             # link ends next), or a copy of it; the next link's snapshot tells which. It
             # is nothing we must outbid.
             return None
+        if ours and presence.incarnation < self.started_as:
+            self.last_run = max(self.last_run, presence.incarnation)
         if ours and (end := presence_end(presence)) is not None:
             # Kept across shards: our record may come after it in a snapshot, or in the
             # shard we join next (`Peers.ended_by_will`).

@@ -127,6 +127,10 @@ class OwnRecord:
         """The latest end of a run or link of ours that our presence showed in a snapshot
         (a will that fired while we were away, a past run's stop): a record of ours it ends
         is not resumed. Node-wide, so not reset by `join`."""
+        self.last_run = 0
+        """The latest past run (incarnation) whose presence a snapshot showed on our
+        presence topic: a record of an earlier run is not resumed, as that run's presence
+        may have said how it ended (a will) before the later one wrote over it. Node-wide."""
         self.overwrite_open = False
         """A record written over ours stands on the broker: ours is not back yet (its
         echo has not come). RecordOverwritten, or DuplicateNode while `contested`."""

@@ -301,8 +301,12 @@ class ShardView(RecordEvents):
             )
         own = self.peers.records.get(self.node)
         past = self.past
-        if past is not None and self.peers.ended_by_will(past, self.own_end):
-            past = self.past = None  # our will ended it, whichever of the two came first
+        if past is not None and (
+            self.peers.ended_by_will(past, self.own_end) or past.incarnation < self.last_run
+        ):
+            # Our will ended it, whichever of the two came first; or a later run of ours,
+            # which did not resume it, wrote over the presence that may have said so.
+            past = self.past = None
         if own is not None and self._foreign(own) and past is not None and not self.published:
             # A record of our name came after our past run's: resume from ours and put it
             # back (the owner's record wins; only a live session shows another agent).
@@ -338,7 +342,7 @@ class ShardView(RecordEvents):
         if self.claim.phase is Phase.NONE:
             # Resume only a record of ours: never a slot that another author wrote.
             records.pop(self.node, None)
-            if own is not None and not self._foreign(own):
+            if own is not None and not self._foreign(own) and own.incarnation >= self.last_run:
                 records[self.node] = own
         decision = mb.step(
             self.claim,

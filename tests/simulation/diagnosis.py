@@ -184,7 +184,7 @@ def cause(world: World, violation: Violation) -> str:
                 came_back = shard.records[name]
                 return "forged-version" if came_back in oracle.forged else "unproven-applied"
         if violation.rule == DAEMON_TOUCHED:
-            if peer.name in oracle.overwritten:
+            if peer.name in oracle.overwritten | oracle.vacated:
                 return "forged-relink"
             restored = oracle.restored.get(peer.name)
             if restored is not None and restored.incarnation < shard.incarnation:

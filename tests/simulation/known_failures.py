@@ -37,6 +37,7 @@ KNOWN_FAILURES: dict[int, str] = {
     1758: "forged-relink",  # a limit
     1837: "forged-version",  # a limit
     2031: "forged-version",  # a limit
+    2173: "forged-version",  # a limit
     2355: "forged-vacates-slot",  # a limit
     2525: "forged-version",  # a limit
     2526: "forged-vacates-slot",  # a limit

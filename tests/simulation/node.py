@@ -129,6 +129,9 @@ class SyncPing:
     """The subscriptions (MEMBERS, presence nodes) granted when it was sent."""
     new_link: bool
     """The first of its link: the link's whole snapshot, not one more subscription's."""
+    life: int
+    """The agent run that sent it (`Pings`: an echo is ours only if it carries what we
+    sent; a resumed session can hand a new run its past run's echoes)."""
 
 
 def _silent_log(clock: Clock) -> structlog.typing.FilteringBoundLogger:
@@ -414,7 +417,7 @@ class SimNode:
         self.broker.subscribe(link, filters)
         if self.presence is not None:
             self.broker.publish(link, presence(self.name), self.presence)
-        self._ping(link, SyncPing(filters, new_link=True))
+        self._ping(link, SyncPing(filters, new_link=True, life=self.life))
 
     def _notice_dead(self, life: int, link: Link) -> None:
         if life == self.life:
@@ -501,7 +504,7 @@ class SimNode:
 
     def _on_ping(self, item: Item) -> None:
         token = item.token
-        if isinstance(token, SyncPing):
+        if isinstance(token, SyncPing) and token.life == self.life:
             filters = frozenset(map(_filter, token.filters)) | self.granted
             self._apply(Synced(at=self.clock.now, filters=filters))
             if token.new_link:
@@ -611,7 +614,7 @@ class SimNode:
         if link is not None and link.client_open:
             self.broker.subscribe(link, frozenset(nodes))
             if synced:
-                self._ping(link, SyncPing(frozenset(self.filters), new_link=False))
+                self._ping(link, SyncPing(frozenset(self.filters), new_link=False, life=self.life))
 
     def _unsubscribe(self, nodes: Set[str]) -> None:
         self.filters -= nodes

@@ -112,8 +112,9 @@ class Oracle:
         """Every member record the hostile writer wrote: a peer that holds one holds a
         forgery, whatever came after it on the broker."""
         self.vacated: set[str] = set()
-        """Nodes whose slot a hostile record left while their member record stood (a claim
-        or standby elsewhere, a will): kept across their restarts, which may resume it."""
+        """Nodes whose slot a hostile record left while their member record or claim stood
+        (a claim or standby elsewhere, a will): kept across their restarts, which may
+        resume it."""
         self.will_hidden: set[str] = set()
         """Nodes whose will, ending the member record that stands, the hostile writer wrote
         over with a presence that does not end it (a replay of an older presence)."""
@@ -191,7 +192,7 @@ class Oracle:
             kept = [r for (kind, _), r in self.broker.history.get(name, []) if kind == "member"]
             found = kept[-2] if len(kept) > 1 else None
             before = found if isinstance(found, MemberRecord) else None
-        if before is None or before.state is not MemberState.MEMBER:
+        if before is None or before.state not in _CONTENDING:
             return False
         if isinstance(record, MemberRecord):
             return record.slot != before.slot
