@@ -120,6 +120,10 @@ REGRESSIONS: dict[int, str] = {
     406124: "a run that left before it published cleared nothing; the next run's presence "
     "wrote over the will that ended its past record, and the run after it resumed that "
     "record on a slot another node had settled since",
+    600117: "a run that resumed its past run's session took that run's queued ping echo "
+    "for its own: the snapshot counted as in early, and the agent resumed a record whose "
+    "end a crashed run's presence had written over",
+    604814: "as 600117, with a record placed on a node's topic beside it",
 }
 """Seeds outside the CI range that once broke a rule (found by a longer soak), each with
 what broke; they pass now."""
