@@ -504,12 +504,22 @@ def classify_processes(
 
 
 def find_imex_processes(*, exclude: Collection[int] = ()) -> list[ImexProcess]:
-    """Every live IMEX daemon (or simulator) on this host, with its absolute config path."""
+    """Every live IMEX daemon (or simulator) on this host, with its absolute config path.
+
+    One `psutil.Process` per pid, dropped after its look: `psutil.process_iter` would keep
+    one for every process on the host (kernel threads too) in its cache for the agent's
+    whole life."""
     found: list[ImexProcess] = []
     attrs = ["pid", "name", "cmdline", "create_time", "status"]
-    for proc in psutil.process_iter(attrs, ad_value=None):
-        info = proc.info
-        if info["pid"] in exclude or info["status"] == psutil.STATUS_ZOMBIE:
+    for pid in psutil.pids():
+        if pid in exclude:
+            continue
+        try:
+            proc = psutil.Process(pid)
+            info = proc.as_dict(attrs, ad_value=None)
+        except psutil.NoSuchProcess:
+            continue
+        if info["status"] == psutil.STATUS_ZOMBIE:
             continue
         cmdline = tuple(info["cmdline"] or ())
         if not is_imex_daemon(cmdline, info["name"] or ""):
