@@ -12,7 +12,6 @@ text forms of the same table (example file, reference) are in `imexd.settings_te
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -795,12 +794,20 @@ def env_setting(name: str) -> tuple[str, str] | None:
     return None if section is None else (section, rest[len(section) + 1 :])
 
 
+def _closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice nearest to a mistyped `word`, if one is near."""
+    import difflib  # noqa: PLC0415 - lazy: only a mistake pays for it, not every agent
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return close[0] if close else None
+
+
 def _did_you_mean(section: str, key: str, known: Iterable[str], *, env: bool) -> str:
     """`; did you mean IMEXD_DOMAIN_MAX_NODES?` (or `domain.max_nodes`) for a near miss."""
-    close = difflib.get_close_matches(key, list(known), n=1)
-    if not close:
+    close = _closest(key, known)
+    if close is None:
         return ""
-    name = f"{ENV_PREFIX}{section}_{close[0]}".upper() if env else f"{section}.{close[0]}"
+    name = f"{ENV_PREFIX}{section}_{close}".upper() if env else f"{section}.{close}"
     return f"; did you mean {name}?"
 
 
@@ -837,11 +844,11 @@ def settings_from_mapping(
     merged: dict[str, dict[str, tuple[Any, str, bool]]] = {}
     for section, table in raw.items():
         if section not in SECTIONS:
-            close = difflib.get_close_matches(section, list(SECTIONS), n=1)
+            close = _closest(section, SECTIONS)
             problems.append(
                 f"[{section}]: unknown section in {source}; expected one of "
                 + ", ".join(SECTIONS)
-                + (f"; did you mean [{close[0]}]?" if close else "")
+                + (f"; did you mean [{close}]?" if close else "")
             )
             continue
         if not isinstance(table, dict):

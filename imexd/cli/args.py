@@ -8,7 +8,6 @@ Apart from imexd.cli.main (the agent's commands and the entry point) and imexd.c
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import re
 import sys
@@ -45,6 +44,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         found = _INVALID_CHOICE.search(message)
         if found:
+            import difflib  # noqa: PLC0415 - lazy: only a mistyped command pays for it
+
             choices = re.findall(r"'([^']*)'", found.group(2))
             close = difflib.get_close_matches(found.group(1), choices, n=1)
             if close:
