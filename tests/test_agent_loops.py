@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from imexd.agent import discovery
+from imexd import fabric
 from imexd.agent.run import Agent
 from imexd.errors import DiscoveryError
 from imexd.fabric import Discovery
@@ -98,7 +98,7 @@ async def failing_discovery(
         tries.append(time.monotonic())
         raise DiscoveryError("no GPU here")
 
-    monkeypatch.setattr(discovery, "discover", failing)
+    monkeypatch.setattr(fabric, "discover", failing)
     folder = Node(tmp_path, "n1", [NO_BROKER], domain="d1", clique="auto")
     folder.sections["node"].update(node)
     agent = Agent(settings_from_mapping(folder.sections, environ={}))

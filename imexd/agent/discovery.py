@@ -17,7 +17,6 @@ import structlog
 from imexd.agent.inputs import Discovered
 from imexd.agent.rounds import LOCAL_RETRY_S
 from imexd.errors import DiscoveryError
-from imexd.fabric import discover
 from imexd.facts import FabricFacts
 from imexd.health.guard import Guard
 from imexd.retry import backoff_delay
@@ -35,6 +34,10 @@ async def run(
     log: structlog.typing.FilteringBoundLogger,
 ) -> None:
     """Discover, and hand each outcome to `found`."""
+    # Lazy: an agent with a clique in its settings never runs this task, nor needs NVML's
+    # ctypes records and the child's code.
+    from imexd import fabric  # noqa: PLC0415
+
     next_at, failures = 0.0, 0
     while True:
         guard.heartbeats.beat("discover")
@@ -42,7 +45,7 @@ async def run(
             await guard.rest("discover", None, next_at)
             continue
         try:
-            outcome = await discover(DISCOVERY_TIMEOUT_S)
+            outcome = await fabric.discover(DISCOVERY_TIMEOUT_S)
         except DiscoveryError as exc:
             delay = min(backoff_delay(failures, *LOCAL_RETRY_S), interval_s)
             failures += 1
