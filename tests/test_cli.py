@@ -115,6 +115,43 @@ def test_config_warns_of_a_node_address_not_on_this_host(
     assert capsys.readouterr().err == ""
 
 
+def test_the_agents_command_lines_are_read_without_argparse(tmp_path: Path) -> None:
+    """`imexd run` with no option, `--config FILE`, `-c FILE` or `--config=FILE` reads
+    that file as argparse would, without loading argparse (the agent would hold it for
+    its whole life); any other form, such as an abbreviated option, goes to argparse."""
+    config = tmp_path / "imexd.toml"
+    config.write_text("[nod]\n")
+    script = (
+        "import sys\n"
+        "from imexd.cli.main import main\n"
+        "for argv in sys.argv[1:]:\n"
+        "    code = main(argv.split())\n"
+        "    print(code, 'argparse' in sys.modules, flush=True)\n"
+    )
+    forms = [f"run --config {config}", f"run -c {config}", f"run --config={config}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *forms, f"run --conf {config}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.stdout.splitlines() == ["2 False"] * len(forms) + ["2 True"], proc.stderr
+    assert proc.stderr.count(f"[nod]: unknown section in {config}") == len(forms) + 1
+    env = os.environ | {"IMEXD_NODE_NAME": "Not A Name"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.stdout.splitlines() == ["2 False"], proc.stderr
+    assert "IMEXD_NODE_NAME = 'Not A Name'" in proc.stderr
+
+
 def test_usage_errors_exit_2() -> None:
     """An unknown subcommand is a usage error (argparse's exit 2)."""
     proc = _imexd("no-such-command")
@@ -383,7 +420,7 @@ def test_a_module_imported_lazily_loads_at_its_first_use(monkeypatch: pytest.Mon
     the real module, and every attribute is the real one's."""
     import importlib
 
-    from imexd.cli.args import import_lazily
+    from imexd.cli.deferred import import_lazily
 
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
     import_lazily("colorsys")

@@ -5,6 +5,8 @@
   that `--version`, `--help` and a usage error start at once;
 - `args`: what the subcommands' arguments share (types, common options, exit codes in
   each help, one-line usage errors);
+- `deferred`: modules a command loads at their first use (no argparse: the agent's
+  `imexd run` builds no parser);
 - `control`: the control plane's subcommands (`imexd domain`, `node`, `workload`, `gc`),
   whose work is in `imexd.control`;
 - `query`: asks a running agent over HTTP (`imexd check`, `imexd status`).

@@ -21,13 +21,13 @@ from imexd.cli.args import (
     SubParsers,
     command,
     config_arg,
-    defer_unused_imports,
     integer,
     owner_args,
     owner_problems,
     run_async,
     usage,
 )
+from imexd.cli.deferred import defer_unused_imports
 from imexd.names import (
     domain_problem,
     max_nodes_problem,

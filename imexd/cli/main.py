@@ -5,34 +5,28 @@ concern, imported only when that subcommand runs (the simulator and the control 
 do not pay for the agent's imports). Exit codes: 0 success, 1 failure or not ready,
 2 usage or configuration error; each command's --help lists its own. The control plane's
 commands (domain, node, workload) are in imexd.cli.control, what all share in
-imexd.cli.args.
+imexd.cli.args. The agent's own command line (`imexd run --config FILE`) is read without
+argparse, which the agent would otherwise hold, with every command's parser, while it runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Protocol, cast
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, cast
 
 from imexd import __version__
-from imexd.cli.args import (
-    Parser,
-    SubParsers,
-    command,
-    config_arg,
-    defer_unused_imports,
-    run_async,
-    seconds,
-)
-from imexd.cli.control import add_control_commands
 from imexd.errors import ConfigError, ImexdError
 
 if TYPE_CHECKING:
+    import argparse
+
+    from imexd.cli.args import SubParsers
     from imexd.settings import Settings
 
 
@@ -56,6 +50,10 @@ CONFIG_EXITS: Final = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Here, not at the top: the agent's own command line is read without a parser (main).
+    from imexd.cli.args import Parser, command, config_arg, seconds  # noqa: PLC0415
+    from imexd.cli.control import add_control_commands  # noqa: PLC0415
+
     parser = Parser(
         prog="imexd",
         description="Node-local supervisor for the NVIDIA IMEX daemon.",
@@ -210,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _agent_url_args(parser: argparse.ArgumentParser) -> None:
+    from imexd.cli.args import seconds  # noqa: PLC0415 - with the parser
+
     parser.add_argument(
         "--url",
         default=None,
@@ -277,6 +277,12 @@ def _load_with_env_file(config: str | None, env_file: str) -> Settings:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """`imexd run` as argparse read it (a form `_plain_run` leaves to the parser)."""
+    config: str | None = args.config
+    return _run_agent(config)
+
+
+def _run_agent(config: str | None) -> int:
     """`imexd run`: validate the settings (exit 2 when wrong), then run the agent.
 
     Signals only set events: SIGTERM/SIGINT `stop` (leave: clear the record, stop the
@@ -289,13 +295,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # at a cost in every agent's memory (docs/performance.md). None in sys.modules makes
     # that import fail here, in the agent's process only, as if rich were absent.
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
+    from imexd.cli.deferred import defer_unused_imports  # noqa: PLC0415
+
     defer_unused_imports()
     from imexd import preflight  # noqa: PLC0415 - lazy: only this command pays for it
     from imexd.agent.run import run as run_agent  # noqa: PLC0415 - lazy, as above
     from imexd.logs import configure_logging, get_logger, install_loop_handler  # noqa: PLC0415
     from imexd.settings import load_settings  # noqa: PLC0415 - with the agent
 
-    settings = load_settings(args.config)
+    settings = load_settings(config)
     # A missing program or file is fatal for the agent: say which now, not after retries.
     preflight.check(settings, programs=True, agent=True)
     configure_logging(settings.log.level, settings.log.format)
@@ -324,7 +332,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
                 loop.remove_signal_handler(sig)
 
-    return run_async(main())
+    return asyncio.run(main())
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -446,6 +454,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     """`imexd demo`: check the arguments (exit 2 when wrong), then run the demo."""
     import asyncio  # noqa: PLC0415 - lazy: --version and --help do not pay for it
 
+    from imexd.cli.args import run_async  # noqa: PLC0415 - with the parser
     from imexd.demo import scenario  # noqa: PLC0415 - lazy: only this command pays for it
     from imexd.settings import parse_broker_url  # noqa: PLC0415 - with the demo
 
@@ -486,11 +495,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_async(demo())
 
 
+class _PlainRun(NamedTuple):
+    config: str | None
+
+
+def _plain_run(words: Sequence[str]) -> _PlainRun | None:
+    """`imexd run`, `imexd run --config FILE` (or `-c FILE`, `--config=FILE`): the command
+    lines of the service and the container, read without argparse, so that the agent
+    holds neither argparse nor the parser of every command for its whole life. None for
+    any other command line (`run --help`, an abbreviated option...): argparse reads it.
+    """
+    if not words or words[0] != "run":
+        return None
+    match words[1:]:
+        case []:
+            return _PlainRun(None)
+        case ["-c" | "--config", path] if not path.startswith("-"):
+            return _PlainRun(path)
+        case [option] if option.startswith("--config=") and len(option) > len("--config="):
+            return _PlainRun(option.removeprefix("--config="))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    words = sys.argv[1:] if argv is None else argv
+    plain = _plain_run(words)
+    if plain is None:
+        args = build_parser().parse_args(words)
         handler: _Command = args.handler
-        return handler(args)
+        command = functools.partial(handler, args)
+    else:
+        command = functools.partial(_run_agent, plain.config)
+    try:
+        return command()
     except ConfigError as exc:
         print(f"imexd: {exc}", file=sys.stderr)
         return 2
