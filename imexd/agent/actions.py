@@ -9,7 +9,7 @@ restart or retry of the daemon is no action here: it is an order of the daemon's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from imexd.agent.gate import DaemonOrder
 from imexd.bus.events import WillSpec
@@ -18,8 +18,7 @@ from imexd.messages import Payload
 from imexd.nodestate import NodeState
 
 
-@dataclass(frozen=True, slots=True)
-class Publish:
+class Publish(msgspec.Struct, frozen=True):
     """Retain `payload` on `topic` (None: clear it); `replay=False`: not again on a new
     link by the bus (the core publishes a member record there itself)."""
 
@@ -28,71 +27,59 @@ class Publish:
     replay: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Clear:
+class Clear(msgspec.Struct, frozen=True):
     """Clear our records on `topics`, under the report lock: no report follows a clear."""
 
     topics: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Subscribe:
+class Subscribe(msgspec.Struct, frozen=True):
     filters: tuple[str, ...]
     ordered: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Unsubscribe:
+class Unsubscribe(msgspec.Struct, frozen=True):
     filters: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class SetWill:
+class SetWill(msgspec.Struct, frozen=True):
     will: WillSpec | None
 
 
-@dataclass(frozen=True, slots=True)
-class SetClientId:
+class SetClientId(msgspec.Struct, frozen=True):
     client_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Disown:
+class Disown(msgspec.Struct, frozen=True):
     """A topic of ours that another agent of our name writes: neither replayed nor put back."""
 
     topic: str
 
 
-@dataclass(frozen=True, slots=True)
-class SaveState:
+class SaveState(msgspec.Struct, frozen=True):
     state: NodeState
 
 
-@dataclass(frozen=True, slots=True)
-class Follow:
+class Follow(msgspec.Struct, frozen=True):
     """The channels and the control plane's records follow this domain (and clique)."""
 
     domain: str | None
     clique: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Survey:
+class Survey(msgspec.Struct, frozen=True):
     """Look for a daemon of our config that runs without us; feed back `Surveyed`."""
 
 
-@dataclass(frozen=True, slots=True)
-class Reconcile:
+class Reconcile(msgspec.Struct, frozen=True):
     """What should run changed, or an operator asked for a retry: reconcile."""
 
 
-@dataclass(frozen=True, slots=True)
-class StepSoon:
+class StepSoon(msgspec.Struct, frozen=True):
     """Step membership again without waiting for an event."""
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeNow:
+class ProbeNow(msgspec.Struct, frozen=True):
     """Ask the daemon's ctl now (nothing was given to a running daemon)."""
 
 
@@ -113,27 +100,23 @@ Action = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Pause:
+class Pause(msgspec.Struct, frozen=True):
     """Wait until `until`, then ask again."""
 
     until: float
 
 
-@dataclass(frozen=True, slots=True)
-class ProveLink:
+class ProveLink(msgspec.Struct, frozen=True):
     """Make one round trip through the broker; feed back `Proven(mark, ok)`."""
 
     mark: int
 
 
-@dataclass(frozen=True, slots=True)
-class AwaitView:
+class AwaitView(msgspec.Struct, frozen=True):
     """The link dropped: wait (bounded) for membership to step on the resynced snapshot."""
 
 
-@dataclass(frozen=True, slots=True)
-class Apply:
+class Apply(msgspec.Struct, frozen=True):
     """Write the files `desired` implies and bring the daemon in line (the `Reconciler`),
     after carrying out `retry` when an operator asked for one."""
 

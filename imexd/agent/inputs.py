@@ -7,29 +7,26 @@ the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from imexd.bus.events import Event
 from imexd.daemon.state import DaemonState
 
 
-@dataclass(frozen=True, slots=True)
-class BusInput:
+class BusInput(msgspec.Struct, frozen=True):
     """A bus event that passed the control plane's order (`Rebuilder.on_event`)."""
 
     event: Event
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonInput:
+class DaemonInput(msgspec.Struct, frozen=True):
     """The supervisor's state moved."""
 
     state: DaemonState
     fatal_since: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Discovered:
+class Discovered(msgspec.Struct, frozen=True):
     """NVML fabric discovery found this node's clique (and the driver's version)."""
 
     clique: str
@@ -38,23 +35,20 @@ class Discovered:
     """Why discovery says this clique (logged when it changes)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Surveyed:
+class Surveyed(msgspec.Struct, frozen=True):
     """The pid of a daemon of our config that runs without us (None: none)."""
 
     pid: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Proven:
+class Proven(msgspec.Struct, frozen=True):
     """The round trip of a `ProveLink` came back (`ok`) or not."""
 
     mark: int
     ok: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Reconciled:
+class Reconciled(msgspec.Struct, frozen=True):
     """A reconcile round ended: applied (`probe_now`: nothing was given to a running
     daemon) or failed (to be tried again on the local backoff)."""
 
@@ -62,13 +56,11 @@ class Reconciled:
     probe_now: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Retarget:
+class Retarget(msgspec.Struct, frozen=True):
     """Follow the target: leave the current shard and join the target one if they differ."""
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     """Step membership: an event batch came, or a timer (`next_due`) ran out."""
 
     channel_count: int | None = None

@@ -6,7 +6,6 @@ these events (the shard, the rebuilder, the channel keeper) import them without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final, Literal
 
 import msgspec
@@ -21,8 +20,7 @@ send no reason code (MQTT 3.1.1, Mosquitto before 2.0.12) close the old link sil
 Protocol = Literal["5", "3.1.1"]
 
 
-@dataclass(frozen=True, slots=True)
-class Connected:
+class Connected(msgspec.Struct, frozen=True):
     """The link is up (CONNACK received); subscriptions and records are being replayed
     (those of `retain(replay=False)` are left to the caller, after `Synced`)."""
 
@@ -43,8 +41,7 @@ DELIBERATE_REASONS: Final = frozenset({"closed", "will changed", "client id chan
 """`Disconnected.reason` of links the bus ended itself."""
 
 
-@dataclass(frozen=True, slots=True)
-class Disconnected:
+class Disconnected(msgspec.Struct, frozen=True):
     """The link is down; the bus reconnects by itself."""
 
     broker: str
@@ -66,8 +63,7 @@ class Disconnected:
         return self.reason in DELIBERATE_REASONS
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectFailed:
+class ConnectFailed(msgspec.Struct, frozen=True):
     """An attempt to connect failed (also `last_error`); the bus tries again by itself.
 
     Lets the agent say why BusConnected is False without polling.
@@ -77,8 +73,7 @@ class ConnectFailed:
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class Synced:
+class Synced(msgspec.Struct, frozen=True):
     """Every retained message of the current subscriptions was delivered before this.
 
     Emitted after each connect, and after each `subscribe()` while connected.
@@ -91,8 +86,7 @@ class Synced:
     trip began (None: not said). A filter subscribed meanwhile has its own Synced."""
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
+class Refused(msgspec.Struct, frozen=True):
     """Our retained publication did not come back in time: the broker refused it (ACL),
     or a clustered broker lost its echo (the shard publishes a claim again then)."""
 
@@ -107,8 +101,7 @@ class Refused:
     and publishing again would only add load."""
 
 
-@dataclass(frozen=True, slots=True)
-class EchoLost:
+class EchoLost(msgspec.Struct, frozen=True):
     """Our retained publication was kept by the broker (a snapshot held it) but its live
     echo did not come in time: a clustered broker lost the echo. Not a refusal; the shard
     publishes a claim again on a link that may lose updates (as for `Refused`)."""
@@ -118,8 +111,7 @@ class EchoLost:
     repaired: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class SubscribeRefused:
+class SubscribeRefused(msgspec.Struct, frozen=True):
     """The broker refused a subscription we need (SUBACK failure): the bus subscribes it
     again with backoff, then drops the link for the next broker; no `Synced` meanwhile."""
 
@@ -141,8 +133,7 @@ RETAINED_NOT_SERVED: Final = "BrokerRetainedNotServed"
 """The check's failure where the broker does not serve our record at all."""
 
 
-@dataclass(frozen=True, slots=True)
-class BrokerChecked:
+class BrokerChecked(msgspec.Struct, frozen=True):
     """Whether the broker delivered our own record, flagged retained, to a new wildcard
     subscription (checked once per link, after the record first came back live)."""
 
@@ -166,8 +157,7 @@ Event = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class WillSpec:
+class WillSpec(msgspec.Struct, frozen=True):
     """The Last Will, retained (QoS 1) on `topic`: the agent's presence marked lost
     (`messages.Presence`), with the link it ends and its `hold_s` set per link; a member
     record's tombstone (state lost) likewise; or an empty payload without one.
