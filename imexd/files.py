@@ -29,9 +29,10 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
+
+import msgspec
 
 from imexd.errors import FileWriteError
 
@@ -48,8 +49,7 @@ _RENAME_IMPOSSIBLE: Final = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class WriteResult:
+class WriteResult(msgspec.Struct, frozen=True):
     """What `write_file` did."""
 
     changed: bool

@@ -571,8 +571,7 @@ class DropReason(StrEnum):
     holds (`imexd.order`): not applied, and answered with the held version."""
 
 
-@dataclass(frozen=True, slots=True)
-class Dropped:
+class Dropped(msgspec.Struct, frozen=True):
     """A message that failed decoding, with why."""
 
     reason: DropReason
@@ -739,8 +738,7 @@ class Received:
     and the signature included."""
 
 
-@dataclass(frozen=True, slots=True)
-class Deleted:
+class Deleted(msgspec.Struct, frozen=True):
     """An empty payload on the topic of a record (any but a ping): the record is gone."""
 
     topic: str

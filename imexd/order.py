@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
+import msgspec
+
 from imexd.messages import Assignment, DomainSpec, Payload, Retry, WorkloadRecord, tombstone
 
 ORDERED: Final = (DomainSpec, WorkloadRecord, Assignment, Retry)
@@ -47,8 +49,7 @@ def next_generation(previous: int | None, now: float | None = None) -> int:
     return previous + 1 if previous is not None else first_generation(now)
 
 
-@dataclass(frozen=True, slots=True)
-class Version:
+class Version(msgspec.Struct, frozen=True):
     """One record of a topic as a reader holds it: its place in the order and its bytes."""
 
     generation: int

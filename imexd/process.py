@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import psutil
 
 from imexd.imex import DEFAULT_PORTS, PACKAGE_CONFIG
@@ -46,8 +47,7 @@ WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
 # Bounded runs of short-lived children
 
 
-@dataclass(frozen=True, slots=True)
-class RunResult:
+class RunResult(msgspec.Struct, frozen=True):
     """What one bounded run printed. `rc` < 0 means killed by signal -rc; `truncated` that
     output beyond OUTPUT_LIMIT was dropped."""
 
@@ -309,8 +309,7 @@ class ImexProcess:
         return text if len(text) <= 200 else text[:197] + "..."
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
+class Endpoint(msgspec.Struct, frozen=True):
     """A TCP endpoint an IMEX daemon listens on, per its config.cfg."""
 
     host: str
@@ -324,8 +323,7 @@ class Endpoint:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
 
-@dataclass(frozen=True, slots=True)
-class Survey:
+class Survey(msgspec.Struct, frozen=True):
     """The IMEX daemons that matter to a start: ours to adopt or end, and conflicts."""
 
     ours: tuple[ImexProcess, ...]

@@ -20,7 +20,6 @@ import hashlib
 import ipaddress
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -153,8 +152,7 @@ def render_nodes_config(
 # hosts
 
 
-@dataclass(frozen=True, slots=True)
-class _Block:
+class _Block(msgspec.Struct, frozen=True):
     """One imexd block found in a hosts text: lines [start, end) and its domain."""
 
     start: int
@@ -366,8 +364,7 @@ def parse_hosts_block(text: str) -> tuple[str, dict[int, str | None]] | None:
 # The operator's dry run
 
 
-@dataclass(frozen=True, slots=True)
-class RenderedFiles:
+class RenderedFiles(msgspec.Struct, frozen=True):
     """The three files the agent would write for one (domain, clique)."""
 
     config: str

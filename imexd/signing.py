@@ -25,9 +25,10 @@ import base64
 import hashlib
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
+
+import msgspec
 
 from imexd.errors import ConfigError, ImexdError
 
@@ -101,8 +102,7 @@ def fingerprint(public_raw: bytes) -> str:
     return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:16]
 
 
-@dataclass(frozen=True, slots=True)
-class Signer:
+class Signer(msgspec.Struct, frozen=True):
     """The control plane's private key: seals the records it writes."""
 
     key: Ed25519PrivateKey
@@ -116,8 +116,7 @@ class Signer:
         return Verifier(self.key.public_key())
 
 
-@dataclass(frozen=True, slots=True)
-class Verifier:
+class Verifier(msgspec.Struct, frozen=True):
     """The control plane's public key: tells a record it signed from any other."""
 
     key: Ed25519PublicKey

@@ -10,8 +10,9 @@ import functools
 import re
 import string
 import urllib.parse
-from dataclasses import dataclass
 from typing import Final, Literal
+
+import msgspec
 
 from imexd.names import is_clique_id, is_dns1123_label, is_dns1123_subdomain
 
@@ -65,8 +66,7 @@ def _level(name: str) -> str:
     return name if name == WILDCARD else encode_level(name)
 
 
-@dataclass(frozen=True, slots=True)
-class Topics:
+class Topics(msgspec.Struct, frozen=True):
     """Builds and parses every topic under one prefix, with names encoded per level
     (`encode_level`) and decoded back by `parse`."""
 
@@ -189,8 +189,7 @@ def _clique(clique: str) -> str:
     return clique if clique == WILDCARD else clique_level(clique)
 
 
-@dataclass(frozen=True, slots=True)
-class TopicRef:
+class TopicRef(msgspec.Struct, frozen=True):
     """The parts of a parsed topic."""
 
     kind: Literal["member", "health", "spec", "workload", "assignment", "ping", "presence", "retry"]

@@ -16,11 +16,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+import msgspec
 import structlog
 
 from imexd.agent.actions import Action, Apply, AwaitView, Pause, ProveLink, StepSoon
@@ -48,8 +48,7 @@ Gate = Callable[[Kind, str, "tuple[str, str, int] | None", Desired], DaemonOrder
 (None: none of ours runs) while `desired` should run; None: keep it."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Applied:
+class Applied(msgspec.Struct, frozen=True, kw_only=True):
     """What the running daemon was started (or last reloaded) with."""
 
     config: str

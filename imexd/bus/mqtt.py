@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Final, Self
 
 import aiomqtt
+import msgspec
 import paho.mqtt.client as paho
 from aiomqtt.exceptions import MqttConnectError
 from aiomqtt.topic import MAX_TOPIC_LENGTH
@@ -284,8 +285,7 @@ LIGHT_PROPERTIES: Final = _lighten_properties()
 # What a client reports.
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(msgspec.Struct, frozen=True):
     """One incoming message, as plain data."""
 
     topic: str
@@ -296,8 +296,7 @@ class Message:
     """The Message Expiry Interval left (MQTT 5), None when it has none."""
 
 
-@dataclass(frozen=True, slots=True)
-class Will:
+class Will(msgspec.Struct, frozen=True):
     """The Last Will: a retained payload (QoS 1) on `topic`, delayed by `delay_s` (MQTT 5
     Will Delay; the session must outlive it, so it is also the session expiry).
 

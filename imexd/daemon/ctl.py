@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from imexd.errors import ImexdError, ParseError, ProbeError
 from imexd.imex import JSON_ALIASES, TEXT_CELLS, ConnectionState, ImexDomainState, ImexState
 from imexd.process import OUTPUT_LIMIT, RunResult, run_bounded
@@ -35,8 +37,7 @@ if TYPE_CHECKING:
 _STATE_WORDS = frozenset(s.value for s in ImexState)
 
 
-@dataclass(frozen=True, slots=True)
-class LocalState:
+class LocalState(msgspec.Struct, frozen=True):
     """The parsed `-q` output.
 
     `exact` is true only when the output was precisely the word and one newline: the
@@ -47,8 +48,7 @@ class LocalState:
     exact: bool
 
 
-@dataclass(frozen=True, slots=True)
-class NodeStatus:
+class NodeStatus(msgspec.Struct, frozen=True):
     """One node of the domain as the ctl reports it.
 
     `state` is an ImexState, or the raw word when the daemon printed one this version
@@ -68,8 +68,7 @@ class NodeStatus:
         return self.state == ImexState.READY
 
 
-@dataclass(frozen=True, slots=True)
-class DomainTable:
+class DomainTable(msgspec.Struct, frozen=True):
     """The whole `-N` / `-N -j` report: IMEX's verdict, its timestamp, every node."""
 
     state: ImexDomainState | str
@@ -351,8 +350,7 @@ def parse_domain_json(text: str | bytes) -> DomainTable:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class LocalProbe:
+class LocalProbe(msgspec.Struct, frozen=True):
     """One local probe: the state seen (None when none could be read), whether it counts
     as ready, and why not (empty when ready)."""
 
@@ -363,8 +361,7 @@ class LocalProbe:
     error: ImexdError | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DomainResult:
+class DomainResult(msgspec.Struct, frozen=True):
     """One domain probe: the parsed report, or None and the reason."""
 
     status: DomainTable | None

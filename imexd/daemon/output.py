@@ -23,8 +23,9 @@ import os
 import re
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from imexd.logs import get_logger
 
@@ -62,8 +63,7 @@ MAX_LINE_BYTES = 16 * 1024
 """A longer line is cut there: one runaway line must not grow the agent's memory."""
 
 
-@dataclass(frozen=True, slots=True)
-class ImexLine:
+class ImexLine(msgspec.Struct, frozen=True):
     """One line of daemon output, split into structlog level and message."""
 
     level: str

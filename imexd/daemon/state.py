@@ -10,8 +10,9 @@ between them are the supervisor's and are documented there.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 
 class DaemonState(enum.Enum):
@@ -55,8 +56,7 @@ PROBLEMS: Final = frozenset(
 supervisor's detail as its message); health names the ordinary states itself."""
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonStatus:
+class DaemonStatus(msgspec.Struct, frozen=True):
     """A snapshot of the supervisor, for health reports and readiness.
 
     `reason` is None only while RUNNING; otherwise it is a machine-readable code

@@ -86,8 +86,7 @@ UNKNOWN_REASONS: Final = ("NoSpec", "NoMembers", "Partial", BUS_DOWN)
 """Domain-level reasons that say what the bus does not tell (never a failure)."""
 
 
-@dataclass(frozen=True, slots=True)
-class SeenReport:
+class SeenReport(msgspec.Struct, frozen=True):
     """A HealthReport and when the broker drops it (MQTT 5 message expiry)."""
 
     report: HealthReport

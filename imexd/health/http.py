@@ -47,8 +47,7 @@ PATHS: Final = ("/healthz", "/readyz", "/status", "/metrics")
 _log = get_logger("http")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerLimits:
+class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
     """How much any one client may cost the endpoint."""
 
     max_connections: int = 64
@@ -77,16 +76,14 @@ class _Conn:
     closing: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class _Request:
+class _Request(msgspec.Struct, frozen=True):
     method: str
     path: str
     keep_alive: bool
     has_body: bool
 
 
-@dataclass(frozen=True, slots=True)
-class _Response:
+class _Response(msgspec.Struct, frozen=True):
     status: int
     body: bytes
     content_type: str = "application/json"

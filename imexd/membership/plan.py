@@ -9,9 +9,9 @@ whole node list instead of once per newcomer.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
 
+import msgspec
 import structlog
 
 from imexd.membership import slots as mb
@@ -70,8 +70,7 @@ def own_change(running: Desired, desired: Desired, cause: str, *, incumbent: boo
     return cause in OWN_CAUSES or not incumbent
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """What the agent must do after one `derive`: publish, then `commit`, then run."""
 
     desired: Desired | None = None

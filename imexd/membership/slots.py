@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
+
+import msgspec
 
 from imexd.membership.claim import ClaimState, Decision, Echo, Phase, Reason, SlotMap
 from imexd.messages import DomainSpec, MemberRecord, MemberState, Mode, encode
@@ -505,8 +506,7 @@ def _deal(node: str, view: SlotMap, spec: DomainSpec | None, turn: int) -> int |
     return free[rank] if rank < len(free) else None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Step:
+class _Step(msgspec.Struct, frozen=True, kw_only=True):
     """The inputs of one `step`, shared by the ways it can end."""
 
     me: ClaimState
