@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
@@ -88,12 +87,11 @@ class Verdict(StrEnum):
     """Older than what it holds: not applied; answer with the held version."""
 
 
-@dataclass(slots=True)
-class Order:
+class Order(msgspec.Struct):
     """Per topic, the newest version a reader saw, and what the broker serves now."""
 
-    held: dict[str, Version] = field(default_factory=dict)
-    served: dict[str, Version | None] = field(default_factory=dict)
+    held: dict[str, Version] = msgspec.field(default_factory=dict)
+    served: dict[str, Version | None] = msgspec.field(default_factory=dict)
     """What the current link showed on each topic (None: nothing, a clear); a topic
     missing has shown nothing since the link came up."""
 

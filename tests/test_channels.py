@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -138,7 +139,7 @@ def _want(workload: str = "w1", channel: int = 3, **changes: Any) -> Want:
         mode=0o660,
         generation=1,
     )
-    return replace(want, **changes)
+    return msgspec.structs.replace(want, **changes)
 
 
 def _plan(
@@ -288,14 +289,14 @@ def test_no_channel_device_says_why_in_whole_words(tmp_path: Path) -> None:
 
 def test_a_channel_at_or_above_the_count_is_out_of_range() -> None:
     """Channels 0..count-1 exist; an unknown count checks nothing."""
-    driver = replace(DRIVER, count=4)
+    driver = msgspec.structs.replace(DRIVER, count=4)
     wants, refusals = _plan([_record("a", 3), _record("b", 4, generation=7)], driver=driver)
     assert list(wants) == [3]
     assert [(r.workload, r.channel, r.generation, r.reason) for r in refusals] == [
         ("b", 4, 7, "ChannelOutOfRange")
     ]
     assert "ImexChannelCount is 4" in refusals[0].message
-    wants, refusals = _plan([_record("b", 4)], driver=replace(DRIVER, count=None))
+    wants, refusals = _plan([_record("b", 4)], driver=msgspec.structs.replace(DRIVER, count=None))
     assert list(wants) == [4]
     assert refusals == []
 
@@ -408,7 +409,7 @@ def test_no_two_workloads_of_a_domain_ever_hold_one_channel(
 @given(st.permutations([("a", 5), ("b", 5), ("c", 6), ("d", 9999), ("e", 1)]))
 def test_the_plan_does_not_depend_on_record_order(order: list[tuple[str, int]]) -> None:
     """Same records in any order: same wants in the same order, refusals by name."""
-    driver = replace(DRIVER, count=100)
+    driver = msgspec.structs.replace(DRIVER, count=100)
     wants, refusals = _plan([_record(name, channel) for name, channel in order], driver=driver)
     assert [(channel, want.workload) for channel, want in wants.items()] == [(6, "c"), (1, "e")]
     assert [r.workload for r in refusals] == ["a", "b", "d"]
@@ -1069,12 +1070,12 @@ def _apply_without_mknod(
 
 
 def _fields(want: Want) -> dict[str, Any]:
-    return {name: getattr(want, name) for name in Want.__slots__}
+    return {name: getattr(want, name) for name in Want.__struct_fields__}
 
 
 def _mine(want: Want) -> Want:
     """`want` owned by a uid and gid this test may give away (its own, without root)."""
-    return want if IS_ROOT else replace(want, uid=os.getuid(), gid=os.getgid())
+    return want if IS_ROOT else msgspec.structs.replace(want, uid=os.getuid(), gid=os.getgid())
 
 
 @pytest.fixture
@@ -1100,7 +1101,7 @@ def test_simulate_makes_a_marked_stand_in_where_mknod_is_not_permitted(
     assert node.read_text().startswith("imexd stand-in for an IMEX channel device: NOT a device")
     assert (Path(simulated.env_dir) / "w1.env").read_text() == env_text(want)
     assert (Path(simulated.cdi_dir) / "imexd-w1.json").exists()
-    again = _apply_without_mknod(simulated, [replace(want, mode=0o640)])
+    again = _apply_without_mknod(simulated, [msgspec.structs.replace(want, mode=0o640)])
     assert again["ops"] == [["cdi", "ok", 1], ["fix", "ok", 1]]  # the spec has the mode
     assert os.lstat(node).st_ino == info.st_ino, "fixed in place, as a device node is"
     assert stat.S_IMODE(os.lstat(node).st_mode) == 0o640

@@ -9,10 +9,10 @@ driven through the node's core, and how the gate judges it.
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import pytest
 from structlog.testing import capture_logs
 
@@ -218,7 +218,7 @@ def test_a_plan_against_the_rule_is_held_by_the_core(
     runs = d.core.desired
     decision = d.core.shard.decision
     assert decision is not None
-    gone = replace(decision, reason=cause, publish=True, settled=False)
+    gone = msgspec.structs.replace(decision, reason=cause, publish=True, settled=False)
     stop = Plan(desired=Desired(domain=DOMAIN, clique=CLIQUE), decision=gone, publish=True)
 
     def derive(now: float, **_: Any) -> Plan:

@@ -29,7 +29,6 @@ import math
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Self
 
@@ -310,8 +309,7 @@ class Will(msgspec.Struct, frozen=True):
     payload_311: bytes | None = None
 
 
-@dataclass(slots=True)
-class _Watch:
+class _Watch(msgspec.Struct):
     """What paho says about one connection that aiomqtt 2.x does not pass on."""
 
     server_reason: ReasonCode | None = None

@@ -8,11 +8,10 @@ new link's snapshot first and then publishes it there (docs/bus.md, *Connection*
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(slots=True)
-class Record:
+class Record(msgspec.Struct):
     """One retained record of ours."""
 
     payload: bytes

@@ -40,8 +40,9 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
+
+import msgspec
 
 from imexd.bus.mqtt import QOS, topic_matches
 from imexd.messages import (
@@ -162,15 +163,14 @@ class StaleCopies:
         return False
 
 
-@dataclass(slots=True)
-class Verdict:
+class Verdict(msgspec.Struct):
     """What a re-read's snapshot says differently from what the link delivered."""
 
-    deliver: list[tuple[str, bytes]] = field(default_factory=list)
+    deliver: list[tuple[str, bytes]] = msgspec.field(default_factory=list)
     """(topic, payload) to deliver flagged retained (b"": the record is gone)."""
-    republish: list[str] = field(default_factory=list)
+    republish: list[str] = msgspec.field(default_factory=list)
     """Our own records the broker's copy differs from: publish them again."""
-    refresh: list[str] = field(default_factory=list)
+    refresh: list[str] = msgspec.field(default_factory=list)
     """Our own records the broker's copy matches, published again by a periodic re-read
     (`Repairs.refreshing`): another server of the cluster may have lost them."""
     blind: bool = False

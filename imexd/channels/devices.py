@@ -40,8 +40,9 @@ import re
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Final
+
+import msgspec
 
 from imexd.errors import FileWriteError
 from imexd.files import TEMP_SUFFIX, write_atomic
@@ -89,8 +90,7 @@ _PARAM: Final = re.compile(r"\s*([A-Za-z0-9_]+)\s*:\s*(\S*)\s*")
 # --- what the driver offers -----------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Driver:
+class Driver(msgspec.Struct, frozen=True):
     """What the kernel and the NVIDIA driver offer for IMEX channels."""
 
     major: int | None
@@ -197,8 +197,7 @@ def read_driver(settings: ChannelsSettings) -> Driver:
 # --- what the node should have ---------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Want:
+class Want(msgspec.Struct, frozen=True):
     """One channel device this node should have, and who it is for."""
 
     workload: str
@@ -212,8 +211,7 @@ class Want:
     generation: int
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
+class Refusal(msgspec.Struct, frozen=True):
     """A listed workload that gets no device on this node, and why."""
 
     workload: str
@@ -461,8 +459,7 @@ def _make_standin(path: str, text: str) -> None:
 # --- the filesystem side ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Applied:
+class Applied(msgspec.Struct, frozen=True):
     """What `Devices.apply` left on disk."""
 
     made: dict[str, Want]
@@ -475,7 +472,7 @@ class Applied:
     """<dev_dir>/channel0 exists after apply with any of the o+rw bits: anyone can open it."""
     held: dict[int, str]
     """Channel -> workload whose device node now exists (the next plan's `held`)."""
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = msgspec.field(default_factory=list)
     """Stale entries that could not be removed (a security matter: say so in the logs)."""
     standins: frozenset[str] = frozenset()
     """Workloads of `made` whose node is a stand-in file (`[channels] simulate`)."""

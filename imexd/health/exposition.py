@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Final, Literal
+
+import msgspec
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 """The Content-Type of the text format."""
@@ -21,15 +22,16 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 Kind = Literal["counter", "gauge", "histogram"]
 
 
-@dataclass(slots=True)
-class Family:
+class Family(msgspec.Struct):
     """One metric family: its samples as (name suffix, (label, value) pairs, value)."""
 
     name: str
     help: str
     kind: Kind
     labels: tuple[str, ...] = ()
-    samples: list[tuple[str, tuple[tuple[str, str], ...], float]] = field(default_factory=list)
+    samples: list[tuple[str, tuple[tuple[str, str], ...], float]] = msgspec.field(
+        default_factory=list
+    )
 
     def add(self, values: Sequence[str], value: float) -> None:
         """One sample with `values` for `labels` (a counter's is named `<name>_total`)."""

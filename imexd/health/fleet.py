@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
@@ -155,8 +154,7 @@ class DomainStatus(msgspec.Struct, frozen=True, kw_only=True):
         return self.spec is not None or bool(self.nodes)
 
 
-@dataclass(slots=True)
-class _Node:
+class _Node(msgspec.Struct):
     """What the bus says about one node of the domain, while judging it."""
 
     name: str
@@ -169,7 +167,7 @@ class _Node:
     """The report when it is neither too old, expired, nor from the future."""
     future: bool = False
     """The report is stamped more than FUTURE_SKEW_S ahead of our clock (clock skew)."""
-    notes: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[tuple[str, str]] = msgspec.field(default_factory=list)
     """(reason, text) found by looking at the other members (links, driver skew)."""
     failed_by_peers: bool = False
     down: str | None = None

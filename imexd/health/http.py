@@ -28,7 +28,6 @@ import asyncio
 import errno
 import json
 import os
-from dataclasses import dataclass
 from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Final, Self
@@ -67,8 +66,7 @@ class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds a request in flight may take to finish when the server stops."""
 
 
-@dataclass(slots=True, eq=False)
-class _Conn:
+class _Conn(msgspec.Struct, eq=False):
     writer: asyncio.StreamWriter
     task: asyncio.Task[None] | None
     active: float

@@ -8,8 +8,9 @@ Values only: `imexd.membership.slots` holds the rules that make them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from enum import StrEnum
+
+import msgspec
 
 from imexd.messages import MemberRecord, MemberState
 
@@ -58,8 +59,7 @@ _RECORD_STATE: Mapping[Phase, MemberState | None] = {
 }
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClaimState:
+class ClaimState(msgspec.Struct, frozen=True, kw_only=True):
     """What this node has published about itself, kept by the agent between steps."""
 
     node: str
@@ -84,8 +84,7 @@ class ClaimState:
         return self.phase is Phase.RELEASED
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Echo:
+class Echo(msgspec.Struct, frozen=True, kw_only=True):
     """The barrier of one claim: what stood on its slot when the claim came back live.
 
     Taken (`barrier`) by whoever reads the bus in order, at the moment the live echo of
@@ -102,8 +101,7 @@ class Echo:
     taken by `barrier`; the next slot comes from the records as they stand)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of one `step`: the state to keep, and whether to publish it."""
 
     claim: ClaimState
@@ -142,8 +140,7 @@ class Decision:
         return dict(sorted(out.items()))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlotMap:
+class SlotMap(msgspec.Struct, frozen=True, kw_only=True):
     """The resolved shard: who wins each slot, and who is left waiting."""
 
     max_nodes: int
@@ -157,7 +154,7 @@ class SlotMap:
     """Nodes outside the spec's allow-list, whose records take no part."""
     stale: frozenset[str] = frozenset()
     """Nodes whose stale claim took no part (`stale_claims`)."""
-    contenders: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    contenders: Mapping[int, frozenset[str]] = msgspec.field(default_factory=dict)
     """slot -> the other nodes whose member record stands on a slot that a member won:
     a contested slot (a forged record, or two sides of a split)."""
 

@@ -13,9 +13,9 @@ base class rather than a part.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Final
 
+import msgspec
 import structlog
 
 from imexd.bus.events import EchoLost, Refused, WillSpec
@@ -336,7 +336,7 @@ class OwnRecord:
             return False
         self.outbid = False
         self.incarnation = max(self.incarnation, self.outbid_over + 1)
-        self.claim = replace(self.claim, incarnation=self.incarnation)
+        self.claim = msgspec.structs.replace(self.claim, incarnation=self.incarnation)
         return True
 
     def _overwritten(self, record: MemberRecord | None, now: float) -> Identity | None:

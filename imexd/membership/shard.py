@@ -484,7 +484,7 @@ class ShardView(RecordEvents):
 
     def left(self) -> None:
         """Our records of the deleted domain are cleared: we are out of it."""
-        self.claim = replace(self.claim, phase=Phase.OUT, slot=None)
+        self.claim = msgspec.structs.replace(self.claim, phase=Phase.OUT, slot=None)
         self.decision = None
 
     # -- facts ----------------------------------------------------------------------
