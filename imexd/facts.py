@@ -10,9 +10,10 @@ and only the leaf `imexd.daemon.state` from imexd.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
+
+import msgspec
 
 from imexd.daemon.state import DaemonState
 
@@ -68,8 +69,7 @@ class SlotLink(NamedTuple):
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BusFacts:
+class BusFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What the bus client knows about its broker link."""
 
     connected: bool = False
@@ -103,7 +103,7 @@ class BusFacts:
     records_put_back: int = 0
     """Our records (the health report) someone wrote over, published again by the bus
     (cumulative, for metrics)."""
-    dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    dropped: Mapping[str, int] = msgspec.field(default_factory=lambda: _EMPTY)
     """Messages dropped since the agent started, by `messages.DropReason` value
     (cumulative, for metrics)."""
     control_key: str = ""
@@ -114,8 +114,7 @@ class BusFacts:
     not verify, or lacks one that was cleared without a signed deletion; by topic."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MembershipFacts:
+class MembershipFacts(msgspec.Struct, frozen=True, kw_only=True):
     """Where the node stands in its (domain, clique)."""
 
     state: MembershipState = "none"
@@ -133,7 +132,7 @@ class MembershipFacts:
     """NodeMapMismatch: the members whose max_nodes or mode differ from ours."""
     max_nodes: int = 18
     """Slots of the (domain, clique)."""
-    members: Mapping[int, Member] = field(default_factory=lambda: MappingProxyType({}))
+    members: Mapping[int, Member] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     """Settled members by slot, this node included when it is one."""
     contested: tuple[Contest, ...] = ()
     """Slots of the shard on which another node's member record stands beside the
@@ -143,8 +142,7 @@ class MembershipFacts:
     agent (cumulative, for metrics)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DaemonFacts:
+class DaemonFacts(msgspec.Struct, frozen=True, kw_only=True):
     """The supervised IMEX daemon, its files and its local probe."""
 
     state: str = "STOPPED"
@@ -185,13 +183,12 @@ class DaemonFacts:
     None when unknown. Health compares it with the node's expected id."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LinkFacts:
+class LinkFacts(msgspec.Struct, frozen=True, kw_only=True):
     """The last domain probe (`ctl -N -j`) turned into per-member facts (`fleet.links`)."""
 
     error: str = ""
     """Why the probe failed or timed out; "" when it succeeded."""
-    slots: Mapping[int, SlotLink] = field(default_factory=lambda: MappingProxyType({}))
+    slots: Mapping[int, SlotLink] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     """Per member slot (empty slots excluded: they are unreachable by design)."""
     unreachable: tuple[str, ...] = ()
     """Member nodes this node cannot reach."""
@@ -199,8 +196,7 @@ class LinkFacts:
     """Member nodes whose cell reads `!V!` (driver version skew)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FabricFacts:
+class FabricFacts(msgspec.Struct, frozen=True, kw_only=True):
     """Where the clique came from and whether NVML discovery worked."""
 
     source: FabricSource = "config"
@@ -210,8 +206,7 @@ class FabricFacts:
     """Why NVML discovery failed and what to set instead; "" when it did not."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelState:
+class ChannelState(msgspec.Struct, frozen=True, kw_only=True):
     """One workload's channel on this node: made as its record asks, or why not."""
 
     workload: str
@@ -229,8 +224,7 @@ class ChannelState:
 _NO_OPS: Final[Mapping[tuple[str, str], int]] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelFacts:
+class ChannelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """The node's IMEX channel devices (imexd.channels.keeper keeps them)."""
 
     managed: bool = True
@@ -250,16 +244,15 @@ class ChannelFacts:
     """channel0 exists with o+rw bits: any local process can open it."""
     mismatch: tuple[tuple[str, int], ...] = ()
     """(node, ImexChannelCount) of the shard's members whose count differs from ours."""
-    operations: Mapping[tuple[str, str], int] = field(default_factory=lambda: _NO_OPS)
+    operations: Mapping[tuple[str, str], int] = msgspec.field(default_factory=lambda: _NO_OPS)
     """Operations on the device nodes and files since the agent started, by (op, result)
     (op: mknod, fix, remove, cdi, env; result: ok, error), cumulative for metrics."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Facts:
+class Facts(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the agent knows that health depends on: one immutable snapshot.
 
-    The agent rebuilds it (`dataclasses.replace`) whenever a component reports a change
+    The agent rebuilds it (`msgspec.structs.replace`) whenever a component reports a change
     and hands it to `Health.update`; nothing here is read from the system.
     """
 

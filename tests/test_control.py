@@ -20,7 +20,6 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -900,7 +899,9 @@ async def test_status_wait_returns_on_the_message_that_made_the_domain_up(
         await c.publish(T.health("d1", "n2"), state[T.health("d1", "n2")], qos=1, retain=True)
         daemon = fx.DaemonFacts(state="RUNNING", pid=102, imex_status="READY")
         first = report("n3", 2, THREE, daemon=daemon, at=time.time())
-        later = report("n3", 2, THREE, daemon=replace(daemon, restarts=1), at=time.time())
+        later = report(
+            "n3", 2, THREE, daemon=msgspec.structs.replace(daemon, restarts=1), at=time.time()
+        )
         await asyncio.gather(
             c.publish(T.health("d1", "n3"), encode(first), qos=1, retain=True),
             c.publish(T.health("d1", "n3"), encode(later), qos=1, retain=True),

@@ -3,7 +3,6 @@ real health model (`imexd.health.fleet.judge`, `render_status`, `status_json`)."
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -151,7 +150,7 @@ def test_a_daemon_not_answering_yet_after_its_start_is_forming_for_a_while() -> 
         report(n, s, THREE, daemon=quiet, probed=False, since=long_ago) for s, n in THREE.items()
     ]
     assert judged(old).state == "DOWN"
-    again = dataclasses.replace(quiet, restarts=1)
+    again = msgspec.structs.replace(quiet, restarts=1)
     restarted = [report(n, s, THREE, daemon=again, probed=False) for s, n in THREE.items()]
     assert judged(restarted).state == "DOWN"
 

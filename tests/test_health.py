@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 import msgspec
 import pytest
+from msgspec.structs import replace
 
 from imexd import messages
 from imexd.facts import (

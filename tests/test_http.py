@@ -10,11 +10,12 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import pytest
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from imexd import messages

@@ -7,11 +7,11 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 import pytest
+from msgspec.structs import replace
 
 from imexd.cli.query import print_report
 from imexd.demo.brokers import free_port

@@ -24,11 +24,11 @@ of the first daemon start).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from types import MappingProxyType
 
 import msgspec
 import structlog
+from msgspec.structs import replace
 
 from imexd.bus.events import (
     BrokerChecked,
