@@ -628,3 +628,12 @@ async def test_a_client_that_never_reads_its_answers_is_cut_off() -> None:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def test_the_reason_phrases_are_the_standard_ones() -> None:
+    """The server's own table of reason phrases says what http.HTTPStatus says."""
+    from http import HTTPStatus
+
+    from imexd.health.http import REASONS
+
+    assert {code: HTTPStatus(code).phrase for code in REASONS} == REASONS

@@ -28,7 +28,6 @@ import asyncio
 import errno
 import json
 import os
-from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -44,6 +43,20 @@ from imexd.settings import parse_listen
 PATHS: Final = ("/healthz", "/readyz", "/status", "/metrics")
 
 _log = get_logger("http")
+
+
+REASONS: Final = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Request Entity Too Large",
+    414: "Request-URI Too Long",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+"""The reason phrase of each status the server answers with, as http.HTTPStatus words
+it: the agent need not hold that module's table of every status for these eight."""
 
 
 class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -290,9 +303,8 @@ class HealthServer:
     ) -> None:
         """Write the answer, waiting at most the request timeout for the client to take
         it: one that never reads its answers holds no connection for long."""
-        status = HTTPStatus(response.status)
         head = [
-            f"HTTP/1.1 {status.value} {status.phrase}",
+            f"HTTP/1.1 {response.status} {REASONS[response.status]}",
             f"Content-Type: {response.content_type}",
             f"Content-Length: {len(response.body)}",
             "Cache-Control: no-store",
