@@ -28,7 +28,6 @@ from types import MappingProxyType
 
 import msgspec
 import structlog
-from msgspec.structs import replace
 
 from imexd.bus.events import (
     BrokerChecked,
