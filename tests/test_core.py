@@ -355,18 +355,7 @@ def test_a_leave_before_publishing_clears_the_record_a_past_run_left() -> None:
     on a slot another node had settled since. A leaving agent clears a past run's record
     of ours that stands, published in this run or not; one that a clear removed, or one
     that another agent may have written, it leaves alone."""
-    past = MemberRecord(
-        node=ME,
-        domain=DOMAIN,
-        clique=CLIQUE,
-        address="10.0.0.1",
-        slot=1,
-        incarnation=2,
-        state=MemberState.MEMBER,
-        max_nodes=4,
-        mode="names",
-        settled=WALL - 100,
-    )
+    past = msgspec.structs.replace(member(ME, 1, incarnation=2), address="10.0.0.1")
     clear = Clear((TOPICS.member(DOMAIN, CLIQUE, ME), TOPICS.health(DOMAIN, ME)))
     d = Driver()
     d.join()
