@@ -36,7 +36,7 @@ async def run(
     """Discover, and hand each outcome to `found`."""
     # Lazy: an agent with a clique in its settings never runs this task, nor needs NVML's
     # ctypes records and the child's code.
-    from imexd import fabric  # noqa: PLC0415
+    import imexd.fabric  # noqa: PLC0415
 
     next_at, failures = 0.0, 0
     while True:
@@ -45,7 +45,7 @@ async def run(
             await guard.rest("discover", None, next_at)
             continue
         try:
-            outcome = await fabric.discover(DISCOVERY_TIMEOUT_S)
+            outcome = await imexd.fabric.discover(DISCOVERY_TIMEOUT_S)
         except DiscoveryError as exc:
             delay = min(backoff_delay(failures, *LOCAL_RETRY_S), interval_s)
             failures += 1
