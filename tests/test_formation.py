@@ -61,6 +61,8 @@ MEMBERS = "imex/v2/domains/+/members/+/+"
 ROUNDS = 20
 DELAYED_PING_S = 6.0
 """The delayed agent's ping interval (and so its ping timeout): above its lagging round trip."""
+SHARED_LOOP_STOP_S = 15.0
+"""`[daemon] stop_timeout_s` of the in-process agents: their leave's budget is 20 s."""
 LANES = 3
 """Rounds run in lanes at once, each lane a group of eight agents (its own node names, its
 own delayed agent) on its own domains: a round waits mostly on the delayed link, 10 to
@@ -361,6 +363,12 @@ async def test_no_shared_slot_and_one_start_per_round_with_deliveries_delayed(
             # and the slot it held is taken meanwhile: a partition, which the settled
             # stamps resolve (membership/slots.py), not the barrier this test is about.
             nodes[0].sections["bus"]["ping_interval_s"] = DELAYED_PING_S
+            # A leave is bounded by stop_timeout_s + 5 s, a budget for an agent alone in its
+            # process. Here 24 agents share one event loop, and the eight of a lane leave at
+            # once: 4 to 6 s each on a quiet machine (their publishes 2 s, the daemons' stop
+            # 1 to 2 s), more beside the rest of the suite. A leave that hangs still fails.
+            for node in nodes:
+                node.sections.setdefault("daemon", {})["stop_timeout_s"] = SHARED_LOOP_STOP_S
             lanes.append(_Lane(name, nodes, bus, logs, random.Random(11 + index)))
         async with asyncio.TaskGroup() as group:
             for index, lane in enumerate(lanes):
