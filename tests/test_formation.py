@@ -199,9 +199,12 @@ def _not_formed(runs: list[_Run], domain: str) -> str:
             or mapped != len(runs)
         ):
             reason = shard.decision.message if shard.decision is not None else "no decision"
+            core = r.agent.core
             waiting.append(
                 f"{r.node.name} {shard.claim.phase.value} {shard.claim.slot} ({reason}), "
-                f"daemon {state}, {mapped} mapped"
+                f"daemon {state}, {mapped} mapped (run {core.desired.run}, view ready "
+                f"{core.view_ready}, {len(shard.unproven)} unproven, proved "
+                f"{core.rounds.proved}, retry at {core.rounds.retry_at})"
             )
     return "; ".join(waiting)
 
