@@ -257,12 +257,7 @@ class OwnRecord:
             self.names.foreign_live = True  # another writer is live now (TAKEN_LINKS)
         if live:
             self._on_own_echo(data, now)
-        if (
-            record is not None
-            and record.state is not MemberState.LOST
-            and not self._foreign(record)
-            and not self.peers.ended_by_will(record, self.own_end)
-        ):
+        if record is not None and record.state is not MemberState.LOST and self._resumable(record):
             self.past = record
         if record is not None:
             self._outbid(record)
@@ -463,6 +458,17 @@ class OwnRecord:
         past run's is below the incarnation this run started with, at our address (one
         that we outbid since stays foreign)."""
         return own.incarnation >= self.started_as or own.address != self.address
+
+    def _resumable(self, own: MemberRecord) -> bool:
+        """Whether a record of our name is a past run's that we may resume: ours (not
+        `_foreign`), not ended by a will or stop that our presence showed (`own_end`), and
+        of the last run whose presence we found or later (`last_run`: a later run that
+        resumed nothing wrote over the presence that may have said it ended)."""
+        return (
+            not self._foreign(own)
+            and not self.peers.ended_by_will(own, self.own_end)
+            and own.incarnation >= self.last_run
+        )
 
     # -- another agent with our name ------------------------------------------------
 

@@ -300,11 +300,8 @@ class ShardView(RecordEvents):
             )
         own = self.peers.records.get(self.node)
         past = self.past
-        if past is not None and (
-            self.peers.ended_by_will(past, self.own_end) or past.incarnation < self.last_run
-        ):
-            # Our will ended it, whichever of the two came first; or a later run of ours,
-            # which did not resume it, wrote over the presence that may have said so.
+        if past is not None and not self._resumable(past):
+            # What ends it (our will, a later run's presence) may come after it.
             past = self.past = None
         if own is not None and self._foreign(own) and past is not None and not self.published:
             # A record of our name came after our past run's: resume from ours and put it
@@ -341,7 +338,7 @@ class ShardView(RecordEvents):
         if self.claim.phase is Phase.NONE:
             # Resume only a record of ours: never a slot that another author wrote.
             records.pop(self.node, None)
-            if own is not None and not self._foreign(own) and own.incarnation >= self.last_run:
+            if own is not None and self._resumable(own):
                 records[self.node] = own
         decision = mb.step(
             self.claim,
