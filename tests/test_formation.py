@@ -190,7 +190,8 @@ def _not_formed(runs: list[_Run], domain: str) -> str:
         assert not r.task.done(), f"{r.node.name} ended: {r.task.result()}"
         shard, supervisor = r.agent.shard, r.agent.supervisor
         state = supervisor.status.state if supervisor is not None else None
-        mapped = len(members(r.node))
+        hosts = members(r.node)
+        mapped = len(hosts)
         if (
             shard.current is None
             or shard.current[0] != domain
@@ -200,10 +201,19 @@ def _not_formed(runs: list[_Run], domain: str) -> str:
         ):
             reason = shard.decision.message if shard.decision is not None else "no decision"
             core = r.agent.core
+            # Whom its view holds, for the slots its hosts file lacks: is the record
+            # missing from the view, there in another state, or kept from the files?
+            lacking = sorted(set(range(len(runs))) - set(hosts))
+            held = {
+                name: f"{rec.state.value} {rec.slot} inc {rec.incarnation}"
+                for name, rec in sorted(shard.peers.records.items())
+                if rec.slot in lacking
+            }
             waiting.append(
                 f"{r.node.name} {shard.claim.phase.value} {shard.claim.slot} ({reason}), "
-                f"daemon {state}, {mapped} mapped (run {core.desired.run}, view ready "
-                f"{core.view_ready}, {len(shard.unproven)} unproven, proved "
+                f"daemon {state}, {mapped} mapped, lacks slots {lacking} (view holds there "
+                f"{held}, desired {sorted(core.desired.members)}; run {core.desired.run}, "
+                f"view ready {core.view_ready}, {len(shard.unproven)} unproven, proved "
                 f"{core.rounds.proved}, retry at {core.rounds.retry_at})"
             )
     return "; ".join(waiting)
@@ -257,8 +267,16 @@ class _Lane:
         await asyncio.sleep(offset)
         self.runs += [_start(n) for n in self.nodes[1:]]
         not_formed = functools.partial(_not_formed, self.runs, domain)
+
+        def waiting() -> str:
+            """What keeps the round from forming, and the broker's order of its records."""
+            history = _history(self.bus.seen()[seen_before:], domain)
+            text = f"{not_formed()}; the broker's member records of {domain}: {history}"
+            print(text, flush=True)  # whole, in the captured output: the assertion cuts it
+            return text
+
         await until(
-            lambda: not not_formed(), within=ROUND_WAIT_S, what=f"{domain} formed", seen=not_formed
+            lambda: not not_formed(), within=ROUND_WAIT_S, what=f"{domain} formed", seen=waiting
         )
         formed = time.monotonic() - began
         self.latency_s = await claimed

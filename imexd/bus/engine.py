@@ -633,10 +633,12 @@ class LinkEngine:
                 record = self._records.get(topic)
                 if record is None or not record.payload or not record.replay:
                     continue
-                await self._put_retained(client, topic, record)
+                # Logged before the publish: a reader that sees our record back on the
+                # broker finds the line that says why it is there.
                 level = self._log.info if self.put_back else self._log.warning
                 self.put_back += 1
                 level("bus_record_put_back", topic=topic[:300], times=self.put_back)
+                await self._put_retained(client, topic, record)
         self._counted()
 
     async def _resync(self, client: Client) -> None:
