@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from imexd.demo.brokers import PORTS_ENV, ephemeral_ports
 from tests.brokers import Mosquitto
 from tests.cluster import Cluster, checked
 
@@ -17,6 +19,21 @@ def _declared_length(items: list[pytest.Item], default_s: float) -> tuple[float,
     timeouts = [float(m.args[0]) for i in items if (m := i.get_closest_marker("timeout"))]
     longer = max((t for t in timeouts if t > default_s), default=0.0)
     return longer, any(i.get_closest_marker("slow") for i in items)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each xdist worker its own share of the listen ports (PORTS_ENV, inherited by
+    the agents, demos and benches it starts): a broker that restarts on its port leaves
+    it free for a moment, and a broker of another worker could take it meanwhile."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2:
+        return
+    low, high = ephemeral_ports()
+    ports = [p for p in range(10000, 65536) if not low <= p <= high]
+    share = len(ports) // count
+    index = int(worker[2:])
+    os.environ[PORTS_ENV] = f"{ports[index * share]}-{ports[(index + 1) * share - 1]}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -584,6 +584,23 @@ def test_free_ports_lie_outside_the_kernels_ephemeral_range() -> None:
     assert len(set(ports)) == len(ports)
 
 
+def test_free_ports_keep_to_the_range_the_environment_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen in a full run: a test's broker failed to start ("Address already in use") on
+    a port another xdist worker's broker held. Each worker now picks from its own range
+    (tests/conftest.py sets PORTS_ENV), children included; a wrong value names itself."""
+    low, high = brokers.ephemeral_ports()
+    first = 12000 if low > 12100 else high + 1
+    monkeypatch.setenv(brokers.PORTS_ENV, f"{first}-{first + 99}")
+    ports = [brokers.free_port() for _ in range(20)]
+    assert all(first <= p <= first + 99 for p in ports), ports
+    for wrong in ("12000", "x-y", "20000-10000", "80-90", "60000-70000"):
+        monkeypatch.setenv(brokers.PORTS_ENV, wrong)
+        with pytest.raises(DemoError, match=f"{brokers.PORTS_ENV}={wrong}: expected LOW-HIGH"):
+            brokers.free_port()
+
+
 def test_child_pythons_ignore_the_current_folder(tmp_path: Path) -> None:
     """Run from the folder that holds a clone, a child `python -m imexd` still imports
     the installed package: the clone's `imexd/` must not shadow it."""

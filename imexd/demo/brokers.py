@@ -43,7 +43,12 @@ LOG_TAIL_LINES: Final = 6
 
 EPHEMERAL_FILE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LISTEN_PORTS: Final = (10000, 65535)
-"""Where free_port() looks, less the kernel's ephemeral range."""
+"""Where free_port() looks, less the kernel's ephemeral range (PORTS_ENV narrows it)."""
+PORTS_ENV: Final = "IMEXD_DEMO_PORTS"
+"""`LOW-HIGH`: the ports free_port() may hand out, less the kernel's ephemeral range
+(default 10000-65535). Processes that start brokers side by side (test workers) give
+each other disjoint ranges, so that no two pick the port one of them left free a moment
+(a broker restarting on its port)."""
 _handed_out: set[int] = set()
 _pick = secrets.SystemRandom()
 
@@ -67,8 +72,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     connection took such a port between the pick and the bind.)
     """
     low, high = ephemeral_ports()
+    first, last = listen_ports()
     candidates = [
-        r for r in (range(_LISTEN_PORTS[0], low), range(high + 1, _LISTEN_PORTS[1] + 1)) if r
+        r for r in (range(first, min(low, last + 1)), range(max(high + 1, first), last + 1)) if r
     ]
     for _ in range(200):
         span = _pick.choice(candidates) if candidates else None
@@ -83,6 +89,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         chosen: int = sock.getsockname()[1]
     _handed_out.add(chosen)
     return chosen
+
+
+def listen_ports() -> tuple[int, int]:
+    """The range free_port() picks from (PORTS_ENV, else _LISTEN_PORTS); DemoError naming
+    the variable when it is set wrong."""
+    text = os.environ.get(PORTS_ENV, "").strip()
+    if not text:
+        return _LISTEN_PORTS
+    low, _, high = text.partition("-")
+    try:
+        first, last = int(low), int(high)
+    except ValueError:
+        first, last = 0, -1
+    if not 1024 <= first <= last <= 65535:
+        raise DemoError(f"{PORTS_ENV}={text}: expected LOW-HIGH, ports 1024 to 65535, LOW <= HIGH")
+    return first, last
 
 
 def _bindable(address: str, port: int, *, reuse: bool = True) -> bool:
