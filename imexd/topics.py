@@ -81,6 +81,10 @@ class Topics(msgspec.Struct, frozen=True):
     def all_members_filter(self, domain: str) -> str:
         return f"{self._domain(domain)}/members/+/+"
 
+    def node_members_filter(self, domain: str, node: str) -> str:
+        """`node`'s member records in `domain`, in whichever clique."""
+        return f"{self._domain(domain)}/members/+/{_level(node)}"
+
     def health(self, domain: str, node: str) -> str:
         return f"{self._domain(domain)}/health/{_level(node)}"
 

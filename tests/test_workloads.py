@@ -26,7 +26,7 @@ from imexd.channels.fleet import judge_workload, render_workload_status
 from imexd.cli.main import main
 from imexd.control import workloads
 from imexd.control.commands import load_control_settings
-from imexd.control.link import Logged
+from imexd.control.link import Link, Logged
 from imexd.health.fleet import SeenReport
 from imexd.messages import (
     CHANNELS_READY,
@@ -35,6 +35,7 @@ from imexd.messages import (
     Condition,
     DomainSpec,
     HealthReport,
+    Presence,
     WorkloadRecord,
     encode,
 )
@@ -978,3 +979,34 @@ async def test_reads_that_do_not_race_see_records_beyond_the_brokers_queue(
     assert len(json.loads(capsys.readouterr().out)) == QUEUED
     assert await cli("workload", "delete", names[-1], "--wait", "0") == 0
     assert f"workload {names[-1]} in {names[-1]}: deleted" in capsys.readouterr().out
+
+
+async def test_a_listed_workload_is_read_in_one_snapshot_and_written_in_one_claim(
+    broker: Mosquitto, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 43: `workload create --nodes` reads the listed nodes' member records and
+    presences with the rest in one snapshot (a read of the domain's members made a second
+    round trip for their presences, the other members' too); then the claim and the
+    record. An update is one write."""
+    now = time.time()
+    standing: dict[str, bytes | None] = dict(members("d1", ["n1", "n2", "n3"]))
+    for n in ("n1", "n2", "n3"):
+        presence = Presence(node=n, incarnation=1, at=now, domain="d1", address="10.0.0.1")
+        standing[T.presence(n)] = encode(presence)
+    await put(broker, standing)
+    calls: list[str] = []
+    for name in ("sync", "put"):
+        real = getattr(Link, name)
+
+        async def counted(self: Link, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(_name)
+            return await _real(self, *args)
+
+        monkeypatch.setattr(Link, name, counted)
+    code, text = await create(settings, "w1", nodes=["n1", "n2"])
+    assert code == 0, text
+    assert calls == ["sync", "put", "put", "sync"]  # snapshot, claim, record, its check
+    calls.clear()
+    code, text = await create(settings, "w1", nodes=["n1", "n2"], uid=1000)
+    assert code == 0, text
+    assert calls == ["sync", "put", "sync"]

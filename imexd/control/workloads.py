@@ -198,12 +198,15 @@ async def create(
     async with open_link(settings, race=True) as link:
         t = link.topics
         topic = t.workload(domain, name)
-        store = await link.read(
-            t.workloads_filter(domain),
-            t.spec(domain),
-            t.all_members_filter(domain),
-            t.health_filter(domain),
-        )
+        filters = [t.workloads_filter(domain), t.spec(domain), t.health_filter(domain)]
+        if nodes is None:
+            filters.append(t.all_members_filter(domain))
+        else:
+            # The listed nodes' member records and presences (whether their agents live)
+            # in the same snapshot: no second round trip for the presences (`Link.read`).
+            filters += [t.node_members_filter(domain, n) for n in nodes]
+            filters += [t.presence(n) for n in nodes]
+        store = await link.read(*filters)
         spec = store.specs.get(domain)
         if spec is not None and spec.state == "deleting":
             print(f"{command}: domain {domain} is being deleted", file=err)
