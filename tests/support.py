@@ -18,8 +18,9 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Final
 
 import aiomqtt
 
@@ -126,6 +127,20 @@ class Waiting:
         return f"not within {self.timeout:g} s: {self.what}; last seen: {last}"
 
 
+POLL_MAX_S: Final = 0.25
+"""The longest pause between two looks of a wait: a wait that lasts polls less often
+(each look at an agent is an HTTP request or a file read that it pays for too)."""
+
+
+def _pauses(first: float) -> Iterator[float]:
+    """Pauses between the looks of a wait: `first`, then half as long again each time,
+    up to POLL_MAX_S (or `first` when longer). Endless: the wait's deadline ends it."""
+    pause, longest = first, max(first, POLL_MAX_S)
+    while True:
+        yield pause
+        pause = min(pause * 1.5, longest)
+
+
 def wait_for(
     predicate: Callable[[], object],
     *,
@@ -138,8 +153,10 @@ def wait_for(
     names what was awaited (`what`, else the predicate's own source) and what was seen
     last (`seen()`, else the predicate's last value)."""
     waiting = Waiting(predicate, timeout=timeout, what=what, seen=seen)
-    while not waiting.done():
-        time.sleep(interval)
+    for pause in _pauses(interval):
+        if waiting.done():
+            return
+        time.sleep(pause)
 
 
 async def until(
@@ -152,8 +169,10 @@ async def until(
 ) -> None:
     """`wait_for` for a test that runs an event loop: sleeps without blocking it."""
     waiting = Waiting(predicate, timeout=within, what=what, seen=seen)
-    while not waiting.done():  # noqa: ASYNC110 - polls what other processes do, no event
-        await asyncio.sleep(interval)
+    for pause in _pauses(interval):
+        if waiting.done():
+            return
+        await asyncio.sleep(pause)
 
 
 def during(seconds: float, check: Callable[[], str | None], interval: float = 0.25) -> list[str]:
