@@ -272,6 +272,18 @@ class _Lane:
             """What keeps the round from forming, and the broker's order of its records."""
             history = _history(self.bus.seen()[seen_before:], domain)
             text = f"{not_formed()}; the broker's member records of {domain}: {history}"
+            # What each agent's membership and bus said meanwhile: which path dropped a
+            # record the broker still holds, and when its links came and went.
+            kinds = ("membership.", "bus_connected", "bus_disconnected", "bus_link")
+            for r in self.runs:
+                said = [
+                    {k: v for k, v in e.items() if k not in ("log_level",)}
+                    for e in self.logs[logged:]
+                    if r.node.name in (e.get("node"), str(e.get("client_id", ""))[6:])
+                    and str(e.get("event", "")).startswith(kinds)
+                    and e.get("event") != "membership.step"
+                ]
+                text += f"\n{r.node.name} said: {said[-25:]}"
             print(text, flush=True)  # whole, in the captured output: the assertion cuts it
             return text
 
