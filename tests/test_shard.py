@@ -261,6 +261,26 @@ def test_a_confirmed_record_supersedes_an_unconfirmed_one_on_its_slot() -> None:
     assert set(v.records) == {"n3"}
 
 
+def test_a_record_dropped_unconfirmed_is_taken_again_when_it_comes_unchanged() -> None:
+    """Seen in the delayed-deliveries formation test under load: views that were ready
+    lacked settled members the broker held, for good. A record that a new link did not
+    confirm within the grace (or that another record's slot superseded) was dropped, but
+    its version stayed, so the same record given again later was taken for a copy of
+    what we hold and never came back. It stands on the broker, so it stands here."""
+    for superseded in (False, True):
+        v = view()
+        v.apply(received(msgspec.structs.replace(rec("n2", 1), seq=1, link=1)), 0.0)
+        v.apply(Connected(broker="b", protocol="5", will_delay=True), 1.0)
+        if superseded:
+            v.apply(received(msgspec.structs.replace(rec("n3", 1), seq=1, link=1)), 1.0)
+        v.apply(Synced(at=1.0), 1.0)
+        derive(v, 1.0 + GRACE_S)
+        assert "n2" not in v.records
+        v.apply(received(msgspec.structs.replace(rec("n2", 1), seq=1, link=1)), 1.5 + GRACE_S)
+        derive(v, 1.6 + GRACE_S)
+        assert "n2" in v.records, superseded
+
+
 def test_our_own_record_does_not_supersede_an_unconfirmed_one() -> None:
     """Found by the simulator (seed 400665): a broker restarted from its disk gave back our
     claim that had lost to n2's member on its slot, beside n2's record, which a will of
