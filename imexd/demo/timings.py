@@ -38,10 +38,11 @@ FAST: Final[Mapping[str, Mapping[str, float | int]]] = {
 }
 """Settings overrides by section. `reload_min_interval_s` 1.2 s fits the simulator's
 SIGUSR1 window of SIM_RELOAD_WINDOW_S. The timed probes run every 3 s: each is a Python
-process, and at one a second of each kind 18 nodes kept two cores busy with them alone.
-What the agent waits for does not wait on them: a start, a SIGUSR1 and every line the
-daemon writes while it is not READY or a member is missing from its links probe at
-once, and a quick series follows each change (`imexd.agent.probes`)."""
+process of the simulator, and many nodes on one small machine probing faster starve it
+(docs/performance.md). What the agent waits for does not wait on them: a start, a
+SIGUSR1 and every line the daemon writes while it is not READY or a member is missing
+from its links probe at once, and a quick series follows each change
+(`imexd.agent.probes`)."""
 
 SIM_RELOAD_WINDOW_S: Final = "1"
 """IMEXD_SIM_RELOAD_WINDOW_S for the simulated daemons: one SIGUSR1 honoured per second
