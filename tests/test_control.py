@@ -191,6 +191,42 @@ async def test_create_publishes_exactly_the_spec_and_the_assignments(
     )
 
 
+async def test_create_reads_the_listed_nodes_in_one_snapshot(
+    broker: Mosquitto, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 43: the checks of `domain create --nodes` (another live domain, a live agent)
+    ask only about the listed nodes: their member records, reports and presences come
+    in one snapshot. Reading every member of the fleet made a second round trip for
+    every member's presence, and grew with the fleet."""
+    await seen(broker, "n1", "n2", "x1", "x2")
+    await put(
+        broker,
+        {
+            T.member("s0", "c1", n): encode(member_record(n, i, domain="s0"))
+            for i, n in enumerate(("x1", "x2"))
+        },
+    )
+    calls: list[str] = []
+    real = Link.sync
+
+    async def counted(self: Link) -> None:
+        calls.append("sync")
+        await real(self)
+
+    monkeypatch.setattr(Link, "sync", counted)
+    read: list[str] = []
+    real_read = Link.read
+
+    async def reading(self: Link, *filters: str) -> Store:
+        read.extend(filters)
+        return await real_read(self, *filters)
+
+    monkeypatch.setattr(Link, "read", reading)
+    assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 0
+    assert calls == ["sync", "sync"], calls  # the snapshot, then the check of the writes
+    assert not [f for f in read if "x1" in f or "x2" in f or f.endswith("/+/+")], read
+
+
 async def test_create_again_bumps_the_generation_and_keeps_max_nodes(
     broker: Mosquitto, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -44,7 +44,7 @@ from imexd.messages import (
 from imexd.messages import now as wire_now
 from imexd.order import next_generation
 from imexd.settings import Settings, load_settings
-from imexd.topics import Topics
+from imexd.topics import WILDCARD, Topics
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -214,11 +214,16 @@ async def create(
     form."""
     async with open_link(settings) as link:
         t = link.topics
+        # Only what the checks ask of the listed nodes, in one snapshot: their member
+        # records and reports in every domain and their presences (a read of every
+        # member of the fleet took a second round trip for every presence too).
         filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
         if nodes and not (steal and force):
-            filters += [t.specs_filter(), t.all_members_filter("+")]
+            filters += [t.specs_filter(), *(t.node_members_filter(WILDCARD, n) for n in nodes)]
         if nodes and not force:
-            filters += [t.health_filter("+"), *(t.presence(n) for n in nodes)]
+            filters += [t.health(WILDCARD, n) for n in nodes]
+        if nodes:
+            filters += [t.presence(n) for n in nodes]
         store = await link.read(*filters)
         if not steal and _taken(store, nodes or (), name, "domain create", err):
             return EXIT_USAGE
