@@ -194,10 +194,10 @@ async def test_create_publishes_exactly_the_spec_and_the_assignments(
 async def test_create_reads_the_listed_nodes_in_one_snapshot(
     broker: Mosquitto, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """issue 43: the checks of `domain create --nodes` (another live domain, a live agent)
-    ask only about the listed nodes: their member records, reports and presences come
-    in one snapshot. Reading every member of the fleet made a second round trip for
-    every member's presence, and grew with the fleet."""
+    """issue 43: the checks of `domain create --nodes` and `node assign` (another live
+    domain, a live agent) ask only about the listed nodes: their member records, reports
+    and presences come in one snapshot. Reading every member of the fleet made a second
+    round trip for every member's presence, and grew with the fleet."""
     await seen(broker, "n1", "n2", "x1", "x2")
     await put(
         broker,
@@ -224,6 +224,11 @@ async def test_create_reads_the_listed_nodes_in_one_snapshot(
     monkeypatch.setattr(Link, "read", reading)
     assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 0
     assert calls == ["sync", "sync"], calls  # the snapshot, then the check of the writes
+    assert not [f for f in read if "x1" in f or "x2" in f or f.endswith("/+/+")], read
+    calls.clear()
+    read.clear()
+    assert await control_async("node", "assign", "n2", "d1") == 0  # the same checks
+    assert calls == ["sync", "sync"], calls
     assert not [f for f in read if "x1" in f or "x2" in f or f.endswith("/+/+")], read
 
 

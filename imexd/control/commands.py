@@ -178,6 +178,20 @@ def _unseen(
     return EXIT_USAGE if unseen else EXIT_OK
 
 
+def _checked(t: Topics, nodes: Iterable[str]) -> list[str]:
+    """What `_taken` and `_unseen` read of `nodes`, and only that, in one snapshot: the
+    specs, the nodes' member records and reports in every domain, and their presences
+    (`Link.read` would fetch the presences of the members it finds in a second round
+    trip). A command for a few nodes pays nothing for the size of the fleet."""
+    listed = list(nodes)
+    return [
+        t.specs_filter(),
+        *(t.node_members_filter(WILDCARD, n) for n in listed),
+        *(t.health(WILDCARD, n) for n in listed),
+        *(t.presence(n) for n in listed),
+    ]
+
+
 def _taken(store: Store, nodes: Iterable[str], domain: str, command: str, err: TextIO) -> int:
     """EXIT_USAGE after naming each node of `nodes` that another live domain holds, else
     EXIT_OK. Moving such a node stops the IMEX daemon a running job there may use."""
@@ -214,16 +228,9 @@ async def create(
     form."""
     async with open_link(settings) as link:
         t = link.topics
-        # Only what the checks ask of the listed nodes, in one snapshot: their member
-        # records and reports in every domain and their presences (a read of every
-        # member of the fleet took a second round trip for every presence too).
         filters = [t.spec(name), *(t.assignment(n) for n in nodes or ())]
-        if nodes and not (steal and force):
-            filters += [t.specs_filter(), *(t.node_members_filter(WILDCARD, n) for n in nodes)]
-        if nodes and not force:
-            filters += [t.health(WILDCARD, n) for n in nodes]
         if nodes:
-            filters += [t.presence(n) for n in nodes]
+            filters += _checked(t, nodes)
         store = await link.read(*filters)
         if not steal and _taken(store, nodes or (), name, "domain create", err):
             return EXIT_USAGE
@@ -488,8 +495,7 @@ async def assign(
         topic = t.assignment(node)
         filters = [topic, *([t.spec(domain)] if domain else [])]
         if domain is not None:
-            filters += [t.specs_filter(), t.all_members_filter("+")]
-            filters += [t.health_filter("+"), t.presence(node)]
+            filters += _checked(t, [node])
         store = await link.read(*filters)
         if domain is not None and not steal and _taken(store, [node], domain, "node assign", err):
             return EXIT_USAGE
