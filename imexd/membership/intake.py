@@ -55,11 +55,6 @@ class RecordEvents(OwnRecord):
                         # The will we hold, given again: it still ends the record (one
                         # restored unproven when a link ended before a round trip).
                         return self._on_lost(event, payload, now)
-                    if ref.node not in self.peers.records and payload.state is not MemberState.LOST:
-                        # The record a new link did not confirm in time, given again: it
-                        # stands on the broker after all, unchanged, so it stands here.
-                        self.peers.put(ref.node, payload, retained=event.retained, now=now)
-                        return None
                     self.peers.unconfirmed.discard(ref.node)  # what we hold, given again
                 return None
             if (ref.domain, ref.clique) == self.current and payload.state is MemberState.LOST:

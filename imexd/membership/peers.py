@@ -120,12 +120,17 @@ class Peers:
         """Whether `record` (of the current shard) is newer than what we took in for its
         node, and if so keep its version: a record or will not newer is a copy, a replay
         or an earlier link's will, and changes nothing. A record without a place (an agent
-        that predates it) is taken in its order of arrival, as is what follows it."""
+        that predates it) is taken in its order of arrival, as is what follows it.
+
+        The record we took in last, given again while we no longer hold it, counts as
+        new: a new link dropped it unconfirmed (`drop_unconfirmed`, which keeps its
+        version), and it stands on the broker after all. Every other way a record goes
+        either forgets its version (a clear) or holds a later one (a will)."""
         new, held = version(record), self.versions.get(record.node)
         if new is None:
             self.versions.pop(record.node, None)
             return True
-        if held is not None and new <= held:
+        if held is not None and (new < held or (new == held and record.node in self.records)):
             return False
         self.versions[record.node] = new
         return True
