@@ -20,11 +20,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiomqtt
 
 from tests.brokers import Mosquitto
+
+if TYPE_CHECKING:
+    import pytest
 
 IMEXD = str(Path(sys.executable).with_name("imexd"))
 """The `imexd` console script of the test's environment."""
@@ -125,6 +128,24 @@ class Waiting:
             except Exception as exc:
                 last = f"(could not observe: {exc!r})"
         return f"not within {self.timeout:g} s: {self.what}; last seen: {last}"
+
+
+def spy_calls(
+    monkeypatch: pytest.MonkeyPatch, cls: type, *names: str
+) -> list[tuple[str, tuple[Any, ...]]]:
+    """Record every call of the async methods `names` of `cls`, in order, as (name, its
+    positional arguments), and still make it: what a command did, round trip by round
+    trip, without changing what it does."""
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    for name in names:
+        real = getattr(cls, name)
+
+        async def spied(self: object, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append((_name, args))
+            return await _real(self, *args)
+
+        monkeypatch.setattr(cls, name, spied)
+    return calls
 
 
 POLL_MAX_S: Final = 0.25

@@ -57,7 +57,7 @@ from imexd.topics import TopicRef, Topics
 from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy, RefusedSubscriptions
 from tests.reports import CRASH, INTERVAL, NOW, SPEC, THREE, member_record, report
-from tests.support import IMEXD, imexd, raw_client
+from tests.support import IMEXD, imexd, raw_client, spy_calls
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
@@ -206,30 +206,21 @@ async def test_create_reads_the_listed_nodes_in_one_snapshot(
             for i, n in enumerate(("x1", "x2"))
         },
     )
-    calls: list[str] = []
-    real = Link.sync
+    calls = spy_calls(monkeypatch, Link, "sync", "read")
 
-    async def counted(self: Link) -> None:
-        calls.append("sync")
-        await real(self)
+    def syncs() -> list[str]:
+        return [name for name, _ in calls if name == "sync"]
 
-    monkeypatch.setattr(Link, "sync", counted)
-    read: list[str] = []
-    real_read = Link.read
+    def read() -> list[str]:
+        return [f for name, filters in calls if name == "read" for f in filters]
 
-    async def reading(self: Link, *filters: str) -> Store:
-        read.extend(filters)
-        return await real_read(self, *filters)
-
-    monkeypatch.setattr(Link, "read", reading)
     assert await control_async("domain", "create", "d1", "--nodes", "n1,n2") == 0
-    assert calls == ["sync", "sync"], calls  # the snapshot, then the check of the writes
-    assert not [f for f in read if "x1" in f or "x2" in f or f.endswith("/+/+")], read
+    assert syncs() == ["sync", "sync"], calls  # the snapshot, then the check of the writes
+    assert not [f for f in read() if "x1" in f or "x2" in f or f.endswith("/+/+")], read()
     calls.clear()
-    read.clear()
     assert await control_async("node", "assign", "n2", "d1") == 0  # the same checks
-    assert calls == ["sync", "sync"], calls
-    assert not [f for f in read if "x1" in f or "x2" in f or f.endswith("/+/+")], read
+    assert syncs() == ["sync", "sync"], calls
+    assert not [f for f in read() if "x1" in f or "x2" in f or f.endswith("/+/+")], read()
 
 
 async def test_create_again_bumps_the_generation_and_keeps_max_nodes(

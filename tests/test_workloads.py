@@ -43,7 +43,7 @@ from imexd.settings import Settings
 from imexd.topics import Topics
 from tests.brokers import Mosquitto
 from tests.reports import member_record, report
-from tests.support import cancel_and_wait, raw_client
+from tests.support import cancel_and_wait, raw_client, spy_calls
 from tests.test_control import retained, valid
 
 T = Topics("imex/v2")
@@ -994,19 +994,12 @@ async def test_a_listed_workload_is_read_in_one_snapshot_and_written_in_one_clai
         presence = Presence(node=n, incarnation=1, at=now, domain="d1", address="10.0.0.1")
         standing[T.presence(n)] = encode(presence)
     await put(broker, standing)
-    calls: list[str] = []
-    for name in ("sync", "put"):
-        real = getattr(Link, name)
-
-        async def counted(self: Link, *args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls.append(_name)
-            return await _real(self, *args)
-
-        monkeypatch.setattr(Link, name, counted)
+    calls = spy_calls(monkeypatch, Link, "sync", "put")
     code, text = await create(settings, "w1", nodes=["n1", "n2"])
     assert code == 0, text
-    assert calls == ["sync", "put", "put", "sync"]  # snapshot, claim, record, its check
+    made = [name for name, _ in calls]
+    assert made == ["sync", "put", "put", "sync"]  # snapshot, claim, record, its check
     calls.clear()
     code, text = await create(settings, "w1", nodes=["n1", "n2"], uid=1000)
     assert code == 0, text
-    assert calls == ["sync", "put", "sync"]
+    assert [n for n, _ in calls] == ["sync", "put", "sync"]
