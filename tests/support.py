@@ -196,16 +196,28 @@ async def until(
         await asyncio.sleep(pause)
 
 
-def during(seconds: float, check: Callable[[], str | None], interval: float = 0.25) -> list[str]:
-    """Run `check` for `seconds`; every distinct complaint it returned, in order."""
+def during(
+    seconds: float,
+    check: Callable[[], str | None],
+    interval: float = 0.25,
+    *,
+    until: Callable[[], bool] | None = None,
+) -> list[str]:
+    """Run `check` for `seconds`, or with `until` until it holds (then the run ends, but
+    `until` not holding within `seconds` fails); every distinct complaint `check`
+    returned, in order."""
     seen: list[str] = []
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:
         problem = check()
         if problem is not None and problem not in seen:
             seen.append(problem)
+        if until is not None and until():
+            return seen
+        if time.monotonic() >= deadline:
+            assert until is None, f"not within {seconds} s: {until}"
+            return seen
         time.sleep(interval)
-    return seen
 
 
 @contextlib.asynccontextmanager

@@ -69,6 +69,7 @@ def test_a_dead_node_never_returns_after_a_broker_restart(restartable: Cluster) 
         timeout=30,
         what=f"the peers dropped {victim.name} (its will)",
     )
+    links = {n.name: len(n.log_events("bus_connected")) for n in stay}
     c.broker.stop()
     c.broker.start()
 
@@ -78,12 +79,17 @@ def test_a_dead_node_never_returns_after_a_broker_restart(restartable: Cluster) 
                 return f"{n.name} maps {victim.name}'s slot {slot} to {n.hosts_slots()[slot]}"
         return None
 
-    seen = during(8.0, back)
-    c.wait(
-        lambda: all(n.condition("BusConnected").get("status") == "True" for n in stay),
-        timeout=30,
-        what="the peers back on the broker",
-    )
+    def reconnected() -> bool:
+        """Every peer on a new link to the restarted broker, its snapshot read."""
+        return all(
+            len(n.log_events("bus_connected")) > links[n.name]
+            and n.condition("BusConnected").get("status") == "True"
+            for n in stay
+        )
+
+    # Watched from the restart until the peers are back, then for as long again as a
+    # resync and the drop of what it gave back take.
+    seen = during(30.0, back, until=reconnected)
     seen += [p for p in during(2.0, back) if p not in seen]
     assert seen == []
     assert untouched(stay, before) == []
