@@ -27,7 +27,7 @@ CI_JOBS = 2
 """Processes for the CI batch: this machine's cores."""
 
 
-@pytest.mark.timeout(600)  # ~60 s on a quiet 2-core machine; 300 s and more under -n 3 load
+@pytest.mark.timeout(600)  # ~60 s on a quiet 2-core machine; several times that beside the suite
 def test_the_ci_batch_breaks_no_invariant_beyond_the_known_failures() -> None:
     """Every seed of the CI range passes, but the known failures, each for its cause."""
     started = time.monotonic()
