@@ -21,17 +21,8 @@ from imexd.messages import ChannelsView, encode
 from imexd.topics import Topics
 from tests.brokers import Mosquitto
 from tests.reports import report as health_report
+from tests.support import imexd
 from tests.test_control import put
-
-
-def _imexd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "imexd", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def test_a_fatal_start_error_is_one_line_and_exit_1(tmp_path: Path) -> None:
@@ -49,7 +40,7 @@ def test_a_fatal_start_error_is_one_line_and_exit_1(tmp_path: Path) -> None:
             f'[imex]\nrun_dir = "{tmp_path / "run"}"\nhosts_file = "{tmp_path / "hosts"}"\n'
             f'[health]\nlisten = "127.0.0.1:{port}"\n'
         )
-        proc = _imexd("run", "--config", str(config))
+        proc = imexd("run", "--config", str(config))
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
@@ -88,7 +79,7 @@ def test_a_run_dir_that_cannot_be_created_is_a_configuration_error(tmp_path: Pat
         f"{tmp_path / 'file'} is not a directory"
     )
     for command in ("config", "run"):
-        proc = _imexd(command, "--config", str(config))
+        proc = imexd(command, "--config", str(config))
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.splitlines() == ["imexd: invalid configuration:", f"  {expected}"]
 
@@ -154,7 +145,7 @@ def test_the_agents_command_lines_are_read_without_argparse(tmp_path: Path) -> N
 
 def test_usage_errors_exit_2() -> None:
     """An unknown subcommand is a usage error (argparse's exit 2)."""
-    proc = _imexd("no-such-command")
+    proc = imexd("no-such-command")
     assert proc.returncode == 2
 
 
@@ -217,7 +208,7 @@ def test_a_closed_pipe_is_not_a_traceback() -> None:
 
 def test_workload_help_states_the_defaults_and_the_exit_codes() -> None:
     """Each workload action's help gives every option's default and its exit codes."""
-    proc = _imexd("workload", "create", "--help")
+    proc = imexd("workload", "create", "--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     for phrase in (
@@ -332,7 +323,7 @@ def test_every_option_has_help_with_its_default_and_every_command_its_exit_codes
 def test_domain_status_help_describes_wait_and_json() -> None:
     """`domain status --help` says --wait waits for UP and returns at once when it is, or
     when the domain cannot be UP, and --json has help; the defaults are shown."""
-    proc = _imexd("domain", "status", "--help")
+    proc = imexd("domain", "status", "--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "wait up to this long for the domain to be UP, returning the moment it is" in text

@@ -24,6 +24,7 @@ from imexd.settings import (
     settings_from_mapping,
 )
 from imexd.settings_text import example_toml, reference_markdown, render_toml
+from tests.support import imexd
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"node": {"name": "n1", "address": "127.0.0.1"}}
@@ -353,17 +354,6 @@ def test_a_stop_timeout_the_unit_would_cut_is_refused() -> None:
     assert settings_from_mapping({**BASE, "daemon": {"stop_timeout_s": 24}}, environ={})
 
 
-def _imexd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "imexd", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", **(env or {})},
-    )
-
-
 def _node_file(tmp_path: Path, extra: str = "") -> Path:
     path = tmp_path / "imexd.toml"
     path.write_text(
@@ -388,7 +378,7 @@ def test_missing_bus_files_are_named_by_config_run_and_the_control_plane(tmp_pat
         f'cert_file = "{tmp_path}"\nkey_file = "{key}"\n',
     )
     for args in (["config"], ["run"], ["domain", "list"]):
-        proc = _imexd(*args, "--config", str(path))
+        proc = imexd(*args, "--config", str(path))
         assert proc.returncode == 2, (args, proc.stderr)
         assert f"bus.ca_file = '{missing}': cannot read it: No such file or directory" in (
             proc.stderr
@@ -406,13 +396,13 @@ def test_a_missing_imex_binary_fails_run_at_once(tmp_path: Path) -> None:
     path.write_text(text.replace(f'ctl = "{sys.executable}"', f'ctl = "{tmp_path}/ctl"'))
     for command in ("run", "config"):
         started = time.monotonic()
-        proc = _imexd(command, "--config", str(path))
+        proc = imexd(command, "--config", str(path), env={"PATH": "/usr/bin:/bin"})
         assert proc.returncode == 2, proc.stderr
         assert time.monotonic() - started < 30
         assert "imex.binary = 'nvidia-imex-x': not found on PATH (/usr/bin:/bin)" in proc.stderr
         assert f"imex.ctl = '{tmp_path}/ctl': no such file" in proc.stderr
     path.write_text(path.read_text().replace('clique = "c.0"', 'clique = ""'))
-    assert _imexd("config", "--config", str(path)).returncode == 0
+    assert imexd("config", "--config", str(path)).returncode == 0
 
 
 def test_config_reads_an_env_file_as_systemd_does(tmp_path: Path) -> None:
@@ -421,7 +411,7 @@ def test_config_reads_an_env_file_as_systemd_does(tmp_path: Path) -> None:
     path = _node_file(tmp_path)
     env_file = tmp_path / "imexd.env"
     env_file.write_text("# per node\nIMEXD_DOMAIN_NAME=job-7\n\nIMEXD_NODE_NAME = 'gpu-9'\n")
-    proc = _imexd(
+    proc = imexd(
         "config", "--config", str(path), "--env-file", str(env_file),
         env={"IMEXD_DOMAIN_MAX_NODES": "0"},
     )  # fmt: skip
@@ -432,12 +422,12 @@ def test_config_reads_an_env_file_as_systemd_does(tmp_path: Path) -> None:
         "# the node's address on the network IMEX should use\n"
         "IMEXD_NODE_ADDRESS=10.40.7.11    # the old install.md example\n"
     )
-    proc = _imexd("config", "--config", str(path), "--env-file", str(env_file))
+    proc = imexd("config", "--config", str(path), "--env-file", str(env_file))
     assert proc.returncode == 2
     assert f"{env_file}:2: IMEXD_NODE_ADDRESS = '10.40.7.11    # the old install.md" in proc.stderr
     assert f"warning: {env_file}:2: the value of IMEXD_NODE_ADDRESS" in proc.stderr
     env_file.write_text("export IMEXD_NODE_NAME=x\n")
-    proc = _imexd("config", "--config", str(path), "--env-file", str(env_file))
+    proc = imexd("config", "--config", str(path), "--env-file", str(env_file))
     assert proc.returncode == 2
     assert f"{env_file}:1: 'export IMEXD_NODE_NAME': not a variable name" in proc.stderr
 
@@ -450,7 +440,7 @@ def test_the_install_docs_env_example_validates(tmp_path: Path) -> None:
     block = doc[doc.index(marker) :].split("```sh\n", 1)[1].split("```", 1)[0]
     env_file = tmp_path / "imexd.env"
     env_file.write_text(block)
-    proc = _imexd("config", "--config", str(_node_file(tmp_path)), "--env-file", str(env_file))
+    proc = imexd("config", "--config", str(_node_file(tmp_path)), "--env-file", str(env_file))
     assert proc.returncode == 0, proc.stderr
     assert "node.address = '10.40.7.11'" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
