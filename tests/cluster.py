@@ -39,6 +39,7 @@ from imexd.demo.nodes import node_folder
 from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S
 from imexd.render import parse_hosts_block
 from imexd.settings_text import render_toml
+from tests import forkserver
 from tests.brokers import Mosquitto
 from tests.faultproxy import FaultProxy
 from tests.nats_servers import Nats, NatsCluster
@@ -78,20 +79,32 @@ def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any
                 target[key] = value
 
 
+FORK_AGENTS = False
+"""Fork the agents from tests/forkserver.py's server instead of starting `python -m imexd`
+(tests/conftest.py turns it on for the test run; the benchmarks, which time the whole
+start, leave it off)."""
+
+
 def spawn_agent(
     config: Path,
     log: Path,
     *,
     prefix: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
-    """`imexd run --config CONFIG` as shipped, in a session of its own (a Ctrl-C or a
-    test's signal reaches it only when sent to it), stdout and stderr appended to `log`.
+) -> subprocess.Popen[bytes] | forkserver.ForkedAgent:
+    """`imexd run --config CONFIG`, in a session of its own (a Ctrl-C or a test's signal
+    reaches it only when sent to it), stdout and stderr appended to `log`: as shipped
+    (`python -m imexd`), or with FORK_AGENTS forked from a process that has imported the
+    agent already (tests/forkserver.py).
 
     The environment is this process's without any `IMEXD_*` variable (those would
     override the settings file), plus `env`; `prefix` runs it through another command
-    (`ip netns exec NS`)."""
+    (`ip netns exec NS`), always as its own process."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("IMEXD_")}
+    if FORK_AGENTS and not prefix:
+        return forkserver.server().spawn(
+            ["run", "--config", str(config)], clean | dict(env or {}), log
+        )
     with log.open("ab") as out:
         return subprocess.Popen(
             [*prefix, sys.executable, "-m", "imexd", "run", "--config", str(config)],
@@ -128,7 +141,7 @@ class Node:
         self.health_port = free_port()
         self.config_path = self.dir / "imexd.toml"
         self.log_path = self.dir / "agent.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | forkserver.ForkedAgent | None = None
         self.proxy: FaultProxy | None = None
         """The fault proxy on this node's bus link, when `Cluster.add(via_proxy=True)`."""
         self.sections: dict[str, dict[str, Any]] = node_folder(

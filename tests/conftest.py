@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from imexd.demo.brokers import PORTS_ENV, ephemeral_ports
+from tests import cluster, forkserver
 from tests.brokers import Mosquitto
 from tests.cluster import Cluster, checked
 
@@ -22,9 +23,12 @@ def _declared_length(items: list[pytest.Item], default_s: float) -> tuple[float,
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give each xdist worker its own share of the listen ports (PORTS_ENV, inherited by
-    the agents, demos and benches it starts): a broker that restarts on its port leaves
-    it free for a moment, and a broker of another worker could take it meanwhile."""
+    """Fork the scenario agents from tests/forkserver.py's server (the imports of an agent
+    are most of its start), and give each xdist worker its own share of the listen ports
+    (PORTS_ENV, inherited by the demos and benches it starts): a broker that restarts on
+    its port leaves it free for a moment, and a broker of another worker could take it
+    meanwhile."""
+    cluster.FORK_AGENTS = True
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if not worker.startswith("gw") or count < 2:
@@ -34,6 +38,10 @@ def pytest_configure(config: pytest.Config) -> None:
     share = len(ports) // count
     index = int(worker[2:])
     os.environ[PORTS_ENV] = f"{ports[index * share]}-{ports[(index + 1) * share - 1]}"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    forkserver.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
