@@ -117,7 +117,6 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,7 +152,7 @@ from imexd.demo.timings import FAST, SIM_RELOAD_WINDOW_S, with_fast
 from imexd.render import parse_hosts_block
 from imexd.settings import Settings, settings_from_mapping
 from imexd.settings_text import render_toml
-from tests.cluster import spawn_agent
+from tests.cluster import AgentProcess, spawn_agent
 
 VENV_BIN: Final = Path(sys.executable).parent
 SIM_DAEMON: Final = VENV_BIN / "imexd-sim-daemon"
@@ -593,7 +592,7 @@ class ProcNode(Node):
         sections["log"] = {"level": "info", "format": "json"}
         self.config.write_text(render_toml(sections))
         self.log_path = self.dir / "agent.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: AgentProcess | None = None
         self.killed_at: float | None = None
         self._hosts_mtime = 0
         self._log_offset = 0

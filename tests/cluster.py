@@ -79,6 +79,8 @@ def _merge(base: dict[str, dict[str, Any]], extra: Mapping[str, Mapping[str, Any
                 target[key] = value
 
 
+AgentProcess = subprocess.Popen[bytes] | forkserver.ForkedAgent
+"""An agent's process, as `spawn_agent` started it."""
 FORK_AGENTS = False
 """Fork the agents from tests/forkserver.py's server instead of starting `python -m imexd`
 (tests/conftest.py turns it on for the test run; the benchmarks, which time the whole
@@ -91,7 +93,7 @@ def spawn_agent(
     *,
     prefix: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-) -> subprocess.Popen[bytes] | forkserver.ForkedAgent:
+) -> AgentProcess:
     """`imexd run --config CONFIG`, in a session of its own (a Ctrl-C or a test's signal
     reaches it only when sent to it), stdout and stderr appended to `log`: as shipped
     (`python -m imexd`), or with FORK_AGENTS forked from a process that has imported the
@@ -141,7 +143,7 @@ class Node:
         self.health_port = free_port()
         self.config_path = self.dir / "imexd.toml"
         self.log_path = self.dir / "agent.log"
-        self.proc: subprocess.Popen[bytes] | forkserver.ForkedAgent | None = None
+        self.proc: AgentProcess | None = None
         self.proxy: FaultProxy | None = None
         """The fault proxy on this node's bus link, when `Cluster.add(via_proxy=True)`."""
         self.sections: dict[str, dict[str, Any]] = node_folder(
