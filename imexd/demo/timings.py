@@ -30,14 +30,14 @@ FAST: Final[Mapping[str, Mapping[str, float | int]]] = {
         "crash_loop_window_s": 30.0,
         "fatal_cooldown_s": 60.0,
         "stop_timeout_s": 3.0,
-        "probe_interval_s": 3.0,
-        "domain_probe_interval_s": 3.0,
+        "probe_interval_s": 5.0,
+        "domain_probe_interval_s": 5.0,
         "probe_timeout_s": 3.0,
     },
     "health": {"report_interval_s": 2.0},
 }
 """Settings overrides by section. `reload_min_interval_s` 1.2 s fits the simulator's
-SIGUSR1 window of SIM_RELOAD_WINDOW_S. The timed probes run every 3 s: each is a Python
+SIGUSR1 window of SIM_RELOAD_WINDOW_S. The timed probes run every 5 s: each is a Python
 process of the simulator, and many nodes on one small machine probing faster starve it
 (docs/performance.md). What the agent waits for does not wait on them: a start, a
 SIGUSR1 and every line the daemon writes while it is not READY or a member is missing
