@@ -602,3 +602,50 @@ def test_the_daemon_program_runs_without_openssl() -> None:
     script = BIN / "imexd-sim-daemon"
     if script.exists():
         assert "from imexd.sim import daemon_main" in script.read_text()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-c", "/run/a/config.cfg"],
+        ["--config", "/run/a/config.cfg"],
+        ["-c", "/run/a/config.cfg", "--nogpu"],
+        ["-p", "50010", "-c", "/run/a/config.cfg"],
+        ["--version"],
+        [],
+    ],
+)
+def test_the_daemons_command_line_reads_the_same_with_and_without_argparse(
+    argv: list[str],
+) -> None:
+    """The agent's form (`-c CONFIG`) skips argparse; every form means what the parser
+    makes of it."""
+    import argparse
+
+    from imexd.sim import daemon
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-c", "--config", default=daemon.DEFAULT_CONFIG)
+    parser.add_argument("-p", "--port", type=int, default=None)
+    parser.add_argument("--nogpu", action="store_true")
+    parser.add_argument("--version", action="store_true")
+    expected = parser.parse_args(argv)
+    got = daemon._parse(argv)
+    assert (got.config, got.port, got.nogpu, got.version) == (
+        expected.config,
+        expected.port,
+        expected.nogpu,
+        expected.version,
+    )
+
+
+def test_a_daemon_started_as_the_agent_starts_it_imports_no_argparse() -> None:
+    """`imexd-sim-daemon -c CONFIG` reads its command line without argparse."""
+    code = (
+        "import sys; from imexd.sim import daemon; "
+        "daemon._parse(['-c', '/run/a/config.cfg']); print('argparse' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False"

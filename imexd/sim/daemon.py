@@ -19,7 +19,6 @@ as fast as its slowest node starts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -28,7 +27,6 @@ import random
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -130,7 +128,7 @@ class SimDaemon:
         self.log = log
         self.stop = stop
         self.state = NodeState.INITIALIZING
-        self.instance = uuid.uuid4().hex
+        self.instance = os.urandom(16).hex()
         self.digest = node_list_digest(plan.entries)
         self.exit_code = 0
         self.links = {
@@ -669,15 +667,34 @@ def install_early_handlers(env: SimEnv) -> None:
 # Start-up and the command line
 
 
-def _parser() -> argparse.ArgumentParser:
+DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
+
+
+@dataclass(frozen=True)
+class _Args:
+    config: str = DEFAULT_CONFIG
+    port: int | None = None
+    nogpu: bool = False
+    version: bool = False
+
+
+def _parse(argv: Sequence[str]) -> _Args:
+    """The command line. The form the agent starts every daemon with (`-c CONFIG`, as the
+    real daemon's unit does) is read without importing argparse, which every start would
+    otherwise pay for; any other goes through the parser, help and errors included."""
+    if len(argv) == 2 and argv[0] in ("-c", "--config") and not argv[1].startswith("-"):
+        return _Args(config=argv[1])
+    import argparse  # noqa: PLC0415 - only for the forms the agent does not use
+
     parser = argparse.ArgumentParser(
         prog="imexd-sim-daemon", description="Simulated nvidia-imex daemon (imexd)."
     )
-    parser.add_argument("-c", "--config", default="/etc/nvidia-imex/config.cfg")
+    parser.add_argument("-c", "--config", default=DEFAULT_CONFIG)
     parser.add_argument("-p", "--port", type=int, default=None, help="overrides SERVER_PORT")
     parser.add_argument("--nogpu", action="store_true", help="run without a GPU (NO_GPU)")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    return parser
+    parsed = parser.parse_args(argv)
+    return _Args(parsed.config, parsed.port, parsed.nogpu, parsed.version)
 
 
 def plan_node(cfg: ImexConfig, env: SimEnv, log: ImexLog, *, nogpu: bool) -> NodePlan:
@@ -733,7 +750,7 @@ async def serve(plan: NodePlan, log: ImexLog) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`imexd-sim-daemon -c CONFIG [-p PORT] [--nogpu] [--version]`."""
-    args = _parser().parse_args(argv)
+    args = _parse(sys.argv[1:] if argv is None else argv)
     try:
         env = SimEnv.from_environ()
     except ImexConfigError as exc:
