@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -218,10 +219,10 @@ class ForkedAgent:
                 os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 _server: ForkServer | None = None

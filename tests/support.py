@@ -201,10 +201,10 @@ def during(
     check: Callable[[], str | None],
     interval: float = 0.25,
     *,
-    until: Callable[[], bool] | None = None,
+    ends_when: Callable[[], bool] | None = None,
 ) -> list[str]:
-    """Run `check` for `seconds`, or with `until` until it holds (then the run ends, but
-    `until` not holding within `seconds` fails); every distinct complaint `check`
+    """Run `check` for `seconds`, or with `ends_when` until that holds (then the run ends,
+    and `ends_when` not holding within `seconds` fails); every distinct complaint `check`
     returned, in order."""
     seen: list[str] = []
     deadline = time.monotonic() + seconds
@@ -212,10 +212,10 @@ def during(
         problem = check()
         if problem is not None and problem not in seen:
             seen.append(problem)
-        if until is not None and until():
+        if ends_when is not None and ends_when():
             return seen
         if time.monotonic() >= deadline:
-            assert until is None, f"not within {seconds} s: {until}"
+            assert ends_when is None, f"not within {seconds} s: {describe(ends_when)}"
             return seen
         time.sleep(interval)
 

@@ -89,7 +89,7 @@ def test_a_dead_node_never_returns_after_a_broker_restart(restartable: Cluster) 
 
     # Watched from the restart until the peers are back, then for as long again as a
     # resync and the drop of what it gave back take.
-    seen = during(30.0, back, until=reconnected)
+    seen = during(30.0, back, ends_when=reconnected)
     seen += [p for p in during(2.0, back) if p not in seen]
     assert seen == []
     assert untouched(stay, before) == []

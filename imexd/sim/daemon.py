@@ -682,8 +682,18 @@ def _parse(argv: Sequence[str]) -> _Args:
     """The command line. The form the agent starts every daemon with (`-c CONFIG`, as the
     real daemon's unit does) is read without importing argparse, which every start would
     otherwise pay for; any other goes through the parser, help and errors included."""
+    return _agents_form(argv) or _parsed(argv)
+
+
+def _agents_form(argv: Sequence[str]) -> _Args | None:
+    """`-c CONFIG` (or `--config CONFIG`) read by hand; None for any other form."""
     if len(argv) == 2 and argv[0] in ("-c", "--config") and not argv[1].startswith("-"):
         return _Args(config=argv[1])
+    return None
+
+
+def _parsed(argv: Sequence[str]) -> _Args:
+    """Any form, through argparse."""
     import argparse  # noqa: PLC0415 - only for the forms the agent does not use
 
     parser = argparse.ArgumentParser(
